@@ -1,0 +1,95 @@
+"""The standard passes as `fn(gm, ctx)` adapters for the declared pipeline (compiler.py).
+
+Each reads its inputs from the CompileContext and writes its facts back; the heavy lifting
+lives in the pass modules (mobius_fx.passes.*), tracing.py, plans.py and runtime.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .compiler import CompileContext
+
+__all__ = ["trace_pass", "annotate_pass", "partition_pass", "cross_map_pass", "plan_pass",
+           "insert_transfers_pass", "emit_pass"]
+
+log = logging.getLogger("mobius_fx")
+
+
+def trace_pass(gm, ctx: CompileContext):
+    from .tracing import trace
+
+    return trace(ctx.model, example_inputs=ctx.example_inputs, example_kwargs=ctx.example_kwargs or None)
+
+
+def annotate_pass(gm, ctx: CompileContext):
+    from .passes.annotate import annotate
+
+    s = ctx.settings
+    spec = s.get("device_spec") or ctx.topology.gpus[0].spec
+    ctx.layers = tuple(annotate(gm, example_inputs=ctx.example_inputs, example_kwargs=ctx.example_kwargs or None,
+                                costs=s.get("costs", "auto"), device_spec=spec, dtype=s.get("dtype")))
+    return None
+
+
+def _problem(ctx: CompileContext, order=None):
+    from .passes.partition import PartitionProblem
+
+    s = ctx.settings
+    return PartitionProblem.from_topology(ctx.layers, ctx.topology, microbatches=s.get("microbatches", 1), order=order,
+                                          memory_fraction=s.get("memory_fraction", 0.9), dtype=s.get("dtype"))
+
+
+def partition_pass(gm, ctx: CompileContext):
+    from .passes.partition import solve
+
+    s = ctx.settings
+    ctx.partition = solve(_problem(ctx), solver=s.get("solver", "auto"), time_limit=s.get("time_limit", 20.0),
+                          cache_dir=s.get("cache_dir"))
+    return None
+
+
+def cross_map_pass(gm, ctx: CompileContext):
+    from .passes.cross_map import cross_map
+
+    ctx.order = tuple(cross_map(ctx.topology, num_stages=len(ctx.partition.boundaries),
+                                method=ctx.settings.get("cross_map", "contention")))
+    return None
+
+
+def plan_pass(gm, ctx: CompileContext):
+    from .passes.partition import evaluate
+    from .plans import build_plan
+
+    s = ctx.settings
+    part = ctx.partition
+    # The partitioner timed the stages on the identity order; re-time them on the mapped order
+    # (routes, and so bandwidths, can differ per GPU) so the plan's prediction is for its order.
+    ev = evaluate(_problem(ctx, order=ctx.order), part.boundaries)
+    step_time = ev.makespan if ev is not None else part.makespan
+    prefetch = ev.prefetch_fwd if ev is not None else part.prefetch_fwd
+    sizes = {}
+    if ctx.model is not None:
+        for name, p in ctx.model.named_parameters(remove_duplicate=False):
+            sizes[name] = p.numel() * p.element_size()
+    ctx.plan = build_plan(ctx.layers, part.boundaries, order=ctx.order, topology=ctx.topology,
+                          microbatches=s.get("microbatches", 1), step_time=step_time, dtype=s.get("dtype"),
+                          memory_fraction=s.get("memory_fraction", 0.9), prefetch_fwd=prefetch,
+                          solver=part.solver, param_sizes=sizes, input_bytes=_input_bytes(ctx))
+    return None
+
+
+def _input_bytes(ctx: CompileContext) -> int:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    leaves = tree_leaves((ctx.example_inputs, ctx.example_kwargs))
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def insert_transfers_pass(gm, ctx: CompileContext):
+    raise NotImplementedError("wired when the runtime lands")
+
+
+def emit_pass(gm, ctx: CompileContext):
+    raise NotImplementedError("wired when the runtime lands")

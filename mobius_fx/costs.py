@@ -1,0 +1,143 @@
+"""Cost types: what one node / one layer costs, and what a device can do.
+
+`NodeCost` lives in `node.meta["mobius"]` (written by the annotate pass). `LayerCost` is the
+partition unit: consecutive nodes grouped along module boundaries. `DeviceSpec` is the roofline
+used by modelled costs (FLOP/s per dtype, memory bandwidth, memory size).
+
+The functions that compute costs (FLOP counting, measurement, grouping) live in
+`mobius_fx.passes.annotate`; this module only holds the shared types and presets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import MobiusError
+
+__all__ = ["DeviceSpec", "NodeCost", "LayerCost", "DEVICE_SPECS", "dtype_name", "dtype_bytes"]
+
+
+def dtype_name(dtype: torch.dtype | str | None) -> str:
+    """`torch.bfloat16` -> "bfloat16"; None -> "float32"."""
+    if dtype is None:
+        return "float32"
+    if isinstance(dtype, str):
+        name = dtype.replace("torch.", "")
+        aliases = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16", "float": "float32"}
+        return aliases.get(name, name)
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_bytes(dtype: torch.dtype | str | None) -> int:
+    """Bytes per element of a floating dtype (by name)."""
+    return getattr(torch, dtype_name(dtype)).itemsize
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Peak capabilities of one accelerator, for the roofline cost model.
+
+    `flops` maps dtype names ("float32", "float16", "bfloat16") to dense peak FLOP/s (tensor
+    cores where the dtype uses them, fp32 accumulate). `efficiency` is the share of peak a
+    well-shaped matmul reaches in practice; modelled time is
+    max(flops / (peak * efficiency), bytes / memory_bandwidth).
+    """
+
+    name: str
+    flops: dict[str, float]
+    memory_bandwidth: float  # bytes/s
+    memory: int  # bytes
+    efficiency: float = 0.6
+
+    def peak_flops(self, dtype: torch.dtype | str | None = None) -> float:
+        key = dtype_name(dtype)
+        return self.flops.get(key, self.flops["float32"])
+
+    @staticmethod
+    def preset(name: str) -> "DeviceSpec":
+        try:
+            return DEVICE_SPECS[name]
+        except KeyError:
+            raise MobiusError(
+                f"unknown device spec {name!r}; known: {', '.join(sorted(DEVICE_SPECS))}"
+            ) from None
+
+    def __hash__(self) -> int:  # dict field: hash by the immutable view
+        return hash((self.name, tuple(sorted(self.flops.items())), self.memory_bandwidth, self.memory))
+
+
+_T = 1e12
+_G = 1e9
+DEVICE_SPECS: dict[str, DeviceSpec] = {
+    # NVIDIA Ampere GA102 whitepaper (v2.1), Table "GeForce RTX 3090": 35.6 TFLOPS FP32,
+    # 71 TFLOPS FP16/BF16 tensor (FP32 accumulate, dense), 936 GB/s GDDR6X, 24 GB.
+    "rtx3090": DeviceSpec("rtx3090", {"float32": 35.6 * _T, "float16": 71 * _T, "bfloat16": 71 * _T}, 936 * _G, 24 * 2**30),
+    # NVIDIA GeForce RTX 3090 Ti product specifications (2022): 40 TFLOPS FP32, 80 TFLOPS
+    # FP16 tensor (FP32 accumulate, dense), 1008 GB/s, 24 GB.
+    "rtx3090ti": DeviceSpec("rtx3090ti", {"float32": 40 * _T, "float16": 80 * _T, "bfloat16": 80 * _T}, 1008 * _G, 24 * 2**30),
+    # NVIDIA Ada Lovelace architecture whitepaper (v1.0), Appendix Table "GeForce RTX 4090":
+    # 82.6 TFLOPS FP32, 165.2 TFLOPS FP16/BF16 tensor (FP32 accumulate, dense), 1008 GB/s, 24 GB.
+    "rtx4090": DeviceSpec("rtx4090", {"float32": 82.6 * _T, "float16": 165.2 * _T, "bfloat16": 165.2 * _T}, 1008 * _G, 24 * 2**30),
+    # NVIDIA Tesla V100 datasheet (SXM2, 16 GB): 15.7 TFLOPS FP32, 125 TFLOPS FP16 tensor,
+    # 900 GB/s HBM2. No bf16 units: bf16 falls back to the fp32 rate.
+    "v100-16gb": DeviceSpec("v100-16gb", {"float32": 15.7 * _T, "float16": 125 * _T}, 900 * _G, 16 * 2**30),
+    # NVIDIA A100 datasheet (PCIe 40 GB): 19.5 TFLOPS FP32, 312 TFLOPS FP16/BF16 tensor
+    # (dense), 1555 GB/s HBM2.
+    "a100-40gb-pcie": DeviceSpec("a100-40gb-pcie", {"float32": 19.5 * _T, "float16": 312 * _T, "bfloat16": 312 * _T}, 1555 * _G, 40 * 2**30),
+    # NVIDIA H200 datasheet (SXM): 67 TFLOPS FP32, 989 TFLOPS FP16/BF16 tensor (dense, half
+    # the quoted sparse 1979), 4.8 TB/s HBM3e, 141 GB.
+    "h200": DeviceSpec("h200", {"float32": 67 * _T, "float16": 989 * _T, "bfloat16": 989 * _T}, 4800 * _G, 141 * 10**9),
+    # Virtual GPUs run on the host CPU (tests, CI). A two-core desktop CPU: ~100 GFLOP/s fp32
+    # with AVX2 FMA, ~20 GB/s DRAM. Only used when costs are modelled for a virtual topology.
+    "cpu": DeviceSpec("cpu", {"float32": 100 * _G}, 20 * _G, 16 * 2**30, efficiency=0.5),
+}
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Cost facts of one fx node, stored in `node.meta["mobius"]`.
+
+    Times are seconds for the whole example batch; bytes are of the tensors as traced (the
+    planner rescales weight bytes to the streamed dtype). `params` holds the qualified names of
+    the parameters this node is the first user of, so a tied parameter is counted once.
+    """
+
+    fwd_flops: float
+    bwd_flops: float
+    fwd_time: float
+    bwd_time: float  # backward including the recompute of the forward
+    param_bytes: int
+    output_bytes: int
+    peak_bytes: int  # working memory while the node runs (inputs + outputs + temporaries)
+    measured: bool
+    layer: str = ""  # name of the layer (partition unit) this node belongs to
+    params: tuple[str, ...] = ()
+    grad_bytes: int = 0  # bytes of this node's params that require grad
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One partition unit: consecutive nodes of one module (e.g. `transformer.h.17`).
+
+    `output_bytes` is the activation that crosses the boundary after this layer (what would be
+    sent to the next stage if the cut fell here), for the whole example batch. `signature`
+    is equal for layers with identical costs and structure, so the partitioner can
+    run-length-encode repeated blocks.
+    """
+
+    name: str
+    nodes: tuple[str, ...]
+    fwd_flops: float
+    bwd_flops: float
+    fwd_time: float
+    bwd_time: float
+    param_bytes: int
+    grad_bytes: int
+    output_bytes: int
+    peak_bytes: int
+    params: tuple[str, ...] = ()  # parameters this layer owns (first user; tied counted once)
+    uses: tuple[str, ...] = ()  # every parameter the layer reads (a tied one appears in two layers)
+    measured: bool = False
+    signature: str = field(default="", compare=False)

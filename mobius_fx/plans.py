@@ -1,0 +1,377 @@
+"""Plan types: the per-graph decisions every pass after `partition` reads.
+
+A `Plan` is frozen and self-contained: stages (which layers, which GPU, sizes and times),
+transfers (prefetch / evict / activation / gradient, with routes and modelled times), the
+cross-mapped GPU order, the solver report and the layer costs it was made from, so that
+`simulate` and `lower_bound` need nothing else. `str(plan)` renders the tables users read.
+
+The memory model shared by the partitioner, the plan tables and the runtime checks lives here
+too (`stage_memory`), so there is exactly one definition of "a stage fits".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from tabulate import tabulate
+
+from .costs import LayerCost, dtype_bytes, dtype_name
+from .errors import MobiusError
+from .units import fmt_bytes, fmt_time
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .topology import Topology
+
+__all__ = [
+    "Plan", "Stage", "Transfer", "SolverInfo", "MemoryModel", "stage_memory", "build_plan", "TRANSFER_KINDS",
+]
+
+TRANSFER_KINDS = ("prefetch", "evict", "activation", "gradient")
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    """What the partitioner did: solver, status, objective (s), gap, wall time, problem size."""
+
+    name: str = "none"
+    status: str = "not solved"
+    objective: float = float("nan")
+    gap: float = float("nan")  # relative gap between incumbent and bound (0 = proven optimal)
+    wall_time: float = 0.0
+    variables: int = 0
+    constraints: int = 0
+    stage_counts: tuple[int, ...] = ()  # candidate stage counts S tried
+    cached: bool = False
+
+    def __str__(self) -> str:
+        gap = "n/a" if self.gap != self.gap else f"{self.gap:.1%}"
+        return (f"{self.name} {self.status} (gap {gap}, {self.wall_time:.2f} s, "
+                f"{self.variables} vars, {self.constraints} constraints{', cached' if self.cached else ''})")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: consecutive layers run on one GPU, all micro-batches at a time.
+
+    Times are per micro-batch; bytes are as streamed (the plan's dtype). `peak_bytes` is the
+    modelled footprint while the stage runs backward (the larger phase), `capacity` the
+    GPU's usable memory, `hidden_fraction` the share of its weight upload that the planner
+    overlaps with the previous stage's compute on the same GPU.
+    """
+
+    index: int
+    gpu: str
+    root_complex: str
+    layers: tuple[str, ...]
+    nodes: tuple[str, ...]
+    param_bytes: int
+    grad_bytes: int
+    fwd_time: float
+    bwd_time: float
+    input_bytes: int
+    output_bytes: int
+    peak_bytes: int
+    capacity: int
+    hidden_fraction: float = 0.0
+    params: tuple[str, ...] = ()  # every parameter the stage's GPU copy holds
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One kind of data movement of one stage. It happens `count` times per step, each time
+    moving `bytes` along `route` (node names of the topology, src first)."""
+
+    kind: str  # prefetch | evict | activation | gradient
+    phase: str  # forward | backward
+    stage: int
+    src: str
+    dst: str
+    bytes: int
+    route: tuple[str, ...]
+    time: float  # modelled seconds of one occurrence at the route's bottleneck bandwidth
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes scale factors and the constant working-memory term of a plan.
+
+    Layer costs are traced in the model's own dtype (fp32 masters); weights and activations
+    on the GPU are `weight_scale`/`act_scale` times that when streaming in half precision.
+    """
+
+    microbatches: int
+    weight_scale: float = 1.0
+    act_scale: float = 1.0
+    working_bytes: float = 0.0  # largest layer's working memory for one micro-batch
+
+    @staticmethod
+    def for_layers(layers: Sequence[LayerCost], microbatches: int, dtype: Any = None,
+                   master_dtype: Any = "float32") -> "MemoryModel":
+        scale = dtype_bytes(dtype) / dtype_bytes(master_dtype) if dtype is not None else 1.0
+        work = max((l.peak_bytes for l in layers), default=0) * scale / microbatches
+        return MemoryModel(microbatches, scale, scale, work)
+
+
+def stage_memory(layers: Sequence[LayerCost], before: LayerCost | None, mm: MemoryModel) -> tuple[float, float]:
+    """(forward, backward) GPU footprint of a stage made of `layers`, in bytes.
+
+    forward  = weights + working + M x (boundary input + output) activations
+    backward = weights + weight grads + 2 x working (recompute, then backward)
+               + M x (saved input + output grad)
+    `before` is the layer just before the stage (its output is the stage input), None for
+    stage 0. Linear in the layers, so the MIP can use the same formula.
+    """
+    m = mm.microbatches
+    w = sum(l.param_bytes for l in layers) * mm.weight_scale
+    g = sum(l.grad_bytes for l in layers) * mm.weight_scale
+    act_in = (before.output_bytes if before is not None else 0) * mm.act_scale / m
+    act_out = layers[-1].output_bytes * mm.act_scale / m if layers else 0.0
+    boundary = m * (act_in + act_out)
+    return w + mm.working_bytes + boundary, w + g + 2 * mm.working_bytes + boundary
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The pipeline: stages on GPUs, the transfers between them, and how it was decided.
+
+    >>> plan = mobius_fx.plan(model, Topology.virtual(gpus=2), example_inputs=(x,))
+    >>> print(plan)            # summary line, stage table, transfer table
+    >>> plan.lower_bound()     # no schedule can beat this (seconds per step)
+    """
+
+    stages: tuple[Stage, ...]
+    transfers: tuple[Transfer, ...]
+    order: tuple[str, ...]  # GPU names; stage k runs on order[k % len(order)]
+    microbatches: int
+    step_time: float  # the partitioner's predicted makespan (s)
+    solver: SolverInfo = field(default_factory=SolverInfo)
+    layers: tuple[LayerCost, ...] = ()
+    dtype: str = "float32"  # the dtype weights are streamed and computed in
+    topology: "Topology | None" = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.order)
+
+    def link_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes per step over each directed link (u, v) of the topology."""
+        out: dict[tuple[str, str], int] = {}
+        for t in self.transfers:
+            for u, v in zip(t.route, t.route[1:]):
+                out[(u, v)] = out.get((u, v), 0) + t.bytes * t.count
+        return out
+
+    def lower_bound(self) -> float:
+        """max(total compute / GPUs, busiest link's bytes / its bandwidth), in seconds.
+
+        No schedule of this plan's work on this topology can take less: the GPUs cannot do
+        more than their share of compute at once, and no link carries more than its bandwidth.
+        """
+        m = self.microbatches
+        compute = sum(m * (s.fwd_time + s.bwd_time) for s in self.stages) / max(1, self.num_gpus)
+        link = 0.0
+        if self.topology is not None:
+            for (u, v), b in self.link_bytes().items():
+                link = max(link, b / self.topology.link_bandwidth(u, v))
+        return max(compute, link)
+
+    # ---------------------------------------------------------------- tables
+    def summary(self) -> str:
+        hidden = (sum(s.hidden_fraction * s.param_bytes for s in self.stages)
+                  / max(1, sum(s.param_bytes for s in self.stages)))
+        return (f"Mobius plan: {self.num_stages} stages on {self.num_gpus} GPUs, "
+                f"{self.microbatches} micro-batches, {self.dtype} on the GPUs; predicted step "
+                f"{fmt_time(self.step_time)} (lower bound {fmt_time(self.lower_bound())}); "
+                f"{fmt_bytes(sum(s.param_bytes for s in self.stages))} of weights, "
+                f"{hidden:.0%} of the weight upload hidden; solver: {self.solver}")
+
+    def stage_table(self) -> str:
+        rows = []
+        for s in self.stages:
+            span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
+            rows.append([
+                s.index, s.gpu, s.root_complex, f"{span} ({len(s.layers)})", fmt_bytes(s.param_bytes),
+                fmt_time(s.fwd_time), fmt_time(s.bwd_time),
+                f"{fmt_bytes(s.peak_bytes)} / {fmt_bytes(s.capacity)}", f"{s.hidden_fraction:.0%}",
+            ])
+        return tabulate(rows, headers=["stage", "gpu", "root", "layers", "weights", "fwd/mb",
+                                       "bwd/mb", "peak / capacity", "upload hidden"])
+
+    def transfer_table(self) -> str:
+        rows = []
+        for t in self.transfers:
+            rows.append([t.kind, t.phase, t.stage, f"{t.src} -> {t.dst}",
+                         fmt_bytes(t.bytes) + (f" x{t.count}" if t.count > 1 else ""),
+                         " > ".join(t.route), fmt_time(t.time)])
+        return tabulate(rows, headers=["kind", "phase", "stage", "from -> to", "size", "route", "time"])
+
+    def __str__(self) -> str:
+        return "\n\n".join([self.summary(), self.stage_table(), self.transfer_table()])
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "topology"}
+        d = json.loads(json.dumps(_plain(d)))
+        d["topology"] = json.loads(self.topology.to_json()) if self.topology is not None else None
+        return d
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @staticmethod
+    def from_json(text_or_path: str) -> "Plan":
+        text = text_or_path
+        if not text.lstrip().startswith("{"):
+            with open(text_or_path) as f:
+                text = f.read()
+        try:
+            d = json.loads(text)
+            topo = None
+            if d.get("topology") is not None:
+                from .topology import Topology
+                topo = Topology.from_json(json.dumps(d["topology"]))
+            return Plan(
+                stages=tuple(Stage(**_tuples(s)) for s in d["stages"]),
+                transfers=tuple(Transfer(**_tuples(t)) for t in d["transfers"]),
+                order=tuple(d["order"]), microbatches=d["microbatches"], step_time=d["step_time"],
+                solver=SolverInfo(**_tuples(d["solver"])),
+                layers=tuple(LayerCost(**_tuples(l)) for l in d["layers"]),
+                dtype=d["dtype"], topology=topo,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise MobiusError(f"not a mobius_fx plan JSON ({type(e).__name__}: {e}); write it with plan.to_json()") from e
+
+
+def _plain(x: Any) -> Any:
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, float) and x != x:
+        return "nan"
+    return x
+
+
+def _tuples(d: dict) -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, list):
+            v = tuple(tuple(i) if isinstance(i, list) else i for i in v)
+        if v == "nan":
+            v = float("nan")
+        out[k] = v
+    return out
+
+
+def build_plan(
+    layers: Sequence[LayerCost],
+    boundaries: Sequence[int],
+    *,
+    order: Sequence[str],
+    topology: "Topology",
+    microbatches: int,
+    step_time: float,
+    dtype: Any = None,
+    memory_fraction: float = 0.9,
+    prefetch_fwd: Sequence[float] | None = None,
+    solver: SolverInfo | None = None,
+    param_sizes: dict[str, int] | None = None,
+    input_bytes: int = 0,
+) -> Plan:
+    """Stages and transfers (docs/schedule.md) for layers cut at `boundaries` on `order`.
+
+    `boundaries[k]` is the index of stage k's first layer. `param_sizes` (qualified name ->
+    bytes in the master dtype) lets a stage count the exact bytes its GPU copy holds,
+    including a tied parameter that another stage owns; without it a stage holds what its
+    layers own. `input_bytes` is the size of the model's example inputs (the whole batch).
+    """
+    layers = tuple(layers)
+    m = microbatches
+    n = len(order)
+    mm = MemoryModel.for_layers(layers, m, dtype)
+    cuts = list(boundaries) + [len(layers)]
+    if cuts[0] != 0 or any(b >= e for b, e in zip(cuts, cuts[1:])):
+        raise MobiusError(f"stage boundaries {tuple(boundaries)} must start at 0 and strictly increase below {len(layers)}")
+    nstages = len(boundaries)
+    gpu_of = {g.name: g for g in topology.gpus}
+    stages: list[Stage] = []
+    for k in range(nstages):
+        ls = layers[cuts[k]:cuts[k + 1]]
+        before = layers[cuts[k] - 1] if k > 0 else None
+        fwd_mem, bwd_mem = stage_memory(ls, before, mm)
+        uses = tuple(dict.fromkeys(p for l in ls for p in (l.uses or l.params)))
+        w = sum(l.param_bytes for l in ls) * mm.weight_scale
+        if param_sizes is not None:
+            extra = sum(param_sizes.get(p, 0) for p in uses) - sum(param_sizes.get(p, 0) for l in ls for p in l.params)
+            w += max(0, extra) * mm.weight_scale
+            fwd_mem += max(0, extra) * mm.weight_scale
+            bwd_mem += max(0, extra) * mm.weight_scale
+        g = gpu_of[order[k % n]]
+        hidden = 0.0
+        if prefetch_fwd is not None and w > 0:
+            hidden = min(1.0, max(0.0, prefetch_fwd[k] / w))
+        stages.append(Stage(
+            index=k, gpu=g.name, root_complex=g.root_complex,
+            layers=tuple(l.name for l in ls), nodes=tuple(nd for l in ls for nd in l.nodes),
+            param_bytes=int(w), grad_bytes=int(sum(l.grad_bytes for l in ls) * mm.weight_scale),
+            fwd_time=sum(l.fwd_time for l in ls) / m, bwd_time=sum(l.bwd_time for l in ls) / m,
+            input_bytes=int((before.output_bytes * mm.act_scale if before else input_bytes) / m),
+            output_bytes=int(ls[-1].output_bytes * mm.act_scale / m),
+            peak_bytes=int(max(fwd_mem, bwd_mem)),
+            capacity=int(g.memory * memory_fraction), hidden_fraction=hidden, params=uses,
+        ))
+    transfers = _transfers(stages, topology, m, n)
+    return Plan(stages=tuple(stages), transfers=tuple(transfers), order=tuple(order), microbatches=m,
+                step_time=step_time, solver=solver or SolverInfo(), layers=layers,
+                dtype=dtype_name(dtype), topology=topology)
+
+
+def _transfers(stages: Sequence[Stage], topo: "Topology", m: int, n: int) -> list[Transfer]:
+    s_count = len(stages)
+    out: list[Transfer] = []
+
+    def add(kind: str, phase: str, k: int, src: str, dst: str, nbytes: int, count: int = 1) -> None:
+        if kind != "evict" and nbytes <= 0:
+            return
+        route = (src,) if src == dst else topo.route(src, dst)
+        bw = topo.bandwidth(src, dst) if src != dst else float("inf")
+        out.append(Transfer(kind, phase, k, src, dst, int(nbytes), tuple(route), nbytes / bw if bw else 0.0, count))
+
+    for s in stages:  # forward, in stage order
+        k, g = s.index, s.gpu
+        add("prefetch", "forward", k, "dram", g, s.param_bytes)
+        src = "dram" if k == 0 else stages[k - 1].gpu
+        if src != g:
+            add("activation", "forward", k, src, g, s.input_bytes, m)
+        if k > 0:
+            add("activation", "forward", k, g, "dram", s.input_bytes, m)
+        if k == s_count - 1:
+            add("activation", "forward", k, g, "dram", s.output_bytes, m)
+        if k < s_count - n:
+            add("evict", "forward", k, g, g, 0)
+    for s in reversed(stages):  # backward, in reverse stage order
+        k, g = s.index, s.gpu
+        if k < s_count - n:
+            add("prefetch", "backward", k, "dram", g, s.param_bytes)
+        if k > 0:
+            add("activation", "backward", k, "dram", g, s.input_bytes, m)
+        src = "dram" if k == s_count - 1 else stages[k + 1].gpu
+        if src != g:
+            add("activation", "backward", k, src, g, s.output_bytes, m)
+        add("gradient", "backward", k, g, "dram", s.grad_bytes)
+        add("evict", "backward", k, g, g, 0)
+    return out
