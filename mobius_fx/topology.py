@@ -1,0 +1,989 @@
+"""The server a pipeline runs on: CPU sockets, PCIe switches, GPUs and the links between them.
+
+Mobius's speed-up comes from the PCIe tree: GPUs under one switch or root complex share its
+uplink, so where each transfer goes decides how fast it runs. A `Topology` is that tree as a
+networkx `DiGraph`. Nodes have `kind` "root_complex" (one CPU socket: its DRAM and its PCIe
+root complex), "switch" or "gpu". Each physical link is two directed edges (one per
+direction, PCIe is full duplex) with `bandwidth` (bytes/s, effective), `kind` ("pcie", "upi"
+or "nvlink") and `name`. Switches and root complexes form a tree over PCIe; the inter-socket
+"upi" links and GPU-to-GPU "nvlink" links sit outside it.
+
+Describe your own server in JSON (`Topology.from_json("server.json")`). Bandwidths are GB/s
+(10**9 bytes/s) per direction: one number for both directions, or `[a_to_b, b_to_a]` when they
+differ. Memory is bytes or a string with a unit; `spec` is a `DeviceSpec` preset name (or the
+full spec as an object); `memory` defaults to the spec's. A link's `kind` defaults to "upi"
+between root complexes, "nvlink" between GPUs and "pcie" otherwise; `name` to "a-b"; a GPU's
+`index` (its CUDA device number) to its position among the GPU nodes::
+
+    {"name": "my-server", "p2p": false,
+     "nodes": [{"name": "cpu0", "kind": "root_complex"},
+               {"name": "sw0", "kind": "switch"},
+               {"name": "gpu0", "kind": "gpu", "memory": "24GiB", "spec": "rtx3090"},
+               {"name": "gpu1", "kind": "gpu", "memory": "24GiB", "spec": "rtx3090"}],
+     "links": [{"a": "cpu0", "b": "sw0", "bandwidth_gbps": 13.0},
+               {"a": "sw0", "b": "gpu0", "bandwidth_gbps": 6.5},
+               {"a": "sw0", "b": "gpu1", "bandwidth_gbps": [6.5, 6.2]}]}
+
+`p2p` says whether GPUs may copy to each other directly over PCIe (consumer cards such as
+the RTX 3090/4090 cannot; then GPU-to-GPU traffic is staged through host memory).
+Bandwidths are stored as whole bytes/s, so a topology survives `to_json`/`from_json` exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import networkx as nx
+
+from .costs import DEVICE_SPECS, DeviceSpec
+from .errors import MobiusError, TopologyError
+from .units import fmt_bytes, parse_bytes
+
+__all__ = ["GPU", "Topology", "PRESETS", "NODE_KINDS", "LINK_KINDS"]
+
+NODE_KINDS = ("root_complex", "switch", "gpu")
+LINK_KINDS = ("pcie", "upi", "nvlink")
+_GB = 1e9
+
+# Effective (achievable) bandwidths, bytes/s per direction. PCIe raw per lane per direction:
+# 3.0 = 8 GT/s x 128b/130b = 0.985 GB/s, 4.0 = 1.969 GB/s. Pinned host<->device copies
+# (CUDA bandwidthTest) reach ~82% of raw once TLP headers and flow control are paid:
+# PCIe 3.0 x8 = 7.88 GB/s raw -> ~6.5 GB/s; 3.0 x16 = 15.75 -> ~13 GB/s; 4.0 x16 = 31.5 -> ~25.
+_PCIE_EFFICIENCY = 0.82
+_PCIE_LANE_RAW = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
+_PCIE3_X8 = 6.5e9
+_PCIE3_X16 = 13e9
+_PCIE4_X16 = 25e9
+# Xeon Gold 6130: 2 UPI links at 10.4 GT/s = 2 x 20.8 GB/s raw per direction; DMA to the
+# remote socket's DRAM measures about half of that, so ~20 GB/s per direction.
+_UPI_GOLD6130 = 20e9
+# NVLink 2.0 (V100): 25 GB/s raw per link per direction; p2pBandwidthLatencyTest measures
+# ~24 GB/s over one link (NV1) and ~48 GB/s over a bonded pair (NV2).
+_NVLINK2 = 24e9
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU of a topology: `memory` bytes usable, under root complex `root_complex`."""
+
+    name: str
+    index: int  # CUDA device number
+    memory: int  # bytes
+    root_complex: str
+    spec: DeviceSpec
+
+
+class Topology:
+    """A multi-GPU server as a graph of sockets, switches, GPUs and directed links.
+
+    Build one from a preset, a JSON file, `nvidia-smi topo -m`, NVML, or as virtual GPUs:
+
+    >>> topo = Topology.preset("mobius-testbed")
+    >>> topo.route("dram", "gpu3")
+    ('cpu0', 'sw0', 'gpu3')
+    >>> topo.bandwidth("dram", "gpu3") / 1e9      # the x8 GPU link is the bottleneck
+    6.5
+
+    Treat it as immutable: routes are cached and equal topologies hash equal.
+    """
+
+    PRESETS: tuple[str, ...]  # the preset names, assigned below the preset builders
+
+    def __init__(self, graph: nx.DiGraph, *, name: str = "custom", p2p: bool = False,
+                 virtual: bool = False):
+        self.name = str(name)
+        self.p2p = bool(p2p)
+        # An instance attribute: `topo.virtual` is this flag, `Topology.virtual(...)` the factory.
+        self.virtual = bool(virtual)
+        self.graph, self._parent, self._rc = _normalise(graph)
+        kinds = nx.get_node_attributes(self.graph, "kind")
+        self.root_complexes = tuple(n for n in self.graph if kinds[n] == "root_complex")
+        by_index = sorted((d["index"], n) for n, d in self.graph.nodes(data=True) if d["kind"] == "gpu")
+        self.gpus = tuple(GPU(n, i, self.graph.nodes[n]["memory"], self._rc[n], self.graph.nodes[n]["spec"])
+                          for i, n in by_index)
+        upi = nx.Graph()
+        upi.add_nodes_from(self.root_complexes)
+        upi.add_edges_from((u, v) for u, v, k in self.graph.edges(data="kind") if k == "upi")
+        self._upi = upi
+        self._routes: dict[tuple[str, str], tuple[str, ...]] = {}
+
+    # ----------------------------------------------------------------- lookups
+    def gpu(self, name: str | int) -> GPU:
+        """The GPU called `name` ("gpu3"), or with CUDA index `name` (3)."""
+        for g in self.gpus:
+            if g.name == name or (isinstance(name, int) and g.index == name):
+                return g
+        raise TopologyError(f"no GPU {name!r} in topology {self.name!r}; its GPUs are "
+                            f"{', '.join(g.name for g in self.gpus)}")
+
+    def gpus_under(self, node: str) -> tuple[str, ...]:
+        """Names of the GPUs in the PCIe subtree of `node` (a switch or root complex), by index."""
+        self._need(node)
+        out = []
+        for g in self.gpus:
+            n: str | None = g.name
+            while n is not None and n != node:
+                n = self._parent[n]
+            if n == node:
+                out.append(g.name)
+        return tuple(out)
+
+    def links(self) -> list[tuple[str, str, float]]:
+        """Every directed link as (u, v, bytes/s)."""
+        return [(u, v, bw) for u, v, bw in self.graph.edges(data="bandwidth")]
+
+    def link_bandwidth(self, u: str, v: str) -> float:
+        """Bytes/s of the directed link u -> v."""
+        if not self.graph.has_edge(u, v):
+            self._need(u)
+            self._need(v)
+            raise TopologyError(f"no link {u} -> {v} in topology {self.name!r}; {u} links to "
+                                f"{', '.join(self.graph.successors(u)) or 'nothing'}")
+        return self.graph.edges[u, v]["bandwidth"]
+
+    # ------------------------------------------------------------------ routes
+    def route(self, a: str, b: str) -> tuple[str, ...]:
+        """The nodes a transfer from `a` to `b` passes, both ends included.
+
+        "dram" stands for the host memory of the other end's own root complex. GPU to GPU:
+        a direct NVLink if one joins them; else, with P2P, the shortest PCIe path (across the
+        inter-socket link if needed); else staged through host memory: up to a's root complex,
+        across UPI when b sits on another socket, and down to b.
+
+        >>> Topology.preset("mobius-testbed").route("gpu0", "gpu1")
+        ('gpu0', 'sw0', 'cpu0', 'sw0', 'gpu1')
+        """
+        key = (a, b)
+        if key not in self._routes:
+            self._routes[key] = self._route(a, b)
+        return self._routes[key]
+
+    def bandwidth(self, a: str, b: str) -> float:
+        """Bottleneck bytes/s along `route(a, b)` (inf when a and b are the same node)."""
+        r = self.route(a, b)
+        return min((self.graph.edges[u, v]["bandwidth"] for u, v in zip(r, r[1:])), default=math.inf)
+
+    def _route(self, a: str, b: str) -> tuple[str, ...]:
+        if a == "dram" and b == "dram":
+            raise TopologyError("route('dram', 'dram') has no GPU end; 'dram' means the host memory "
+                                "of the other end's root complex, so give a GPU, switch or root complex")
+        if a == "dram":
+            a = self._rc[self._need(b)]
+        elif b == "dram":
+            b = self._rc[self._need(a)]
+        self._need(a)
+        self._need(b)
+        if a == b:
+            return (a,)
+        kinds = self.graph.nodes
+        if kinds[a]["kind"] == "gpu" and kinds[b]["kind"] == "gpu":
+            if self.graph.has_edge(a, b) and self.graph.edges[a, b]["kind"] == "nvlink":
+                return (a, b)
+            if not self.p2p:  # staged through host memory
+                return tuple(self._up(a) + self._upi_path(self._rc[a], self._rc[b])[1:] + self._up(b)[::-1][1:])
+        up_a, up_b = self._up(a), self._up(b)
+        if self._rc[a] != self._rc[b]:
+            return tuple(up_a + self._upi_path(self._rc[a], self._rc[b])[1:] + up_b[::-1][1:])
+        common = set(up_b)
+        i = next(i for i, n in enumerate(up_a) if n in common)
+        return tuple(up_a[: i + 1] + up_b[: up_b.index(up_a[i])][::-1])
+
+    def _up(self, node: str) -> list[str]:
+        path = [node]
+        while (p := self._parent[path[-1]]) is not None:
+            path.append(p)
+        return path
+
+    def _upi_path(self, a: str, b: str) -> list[str]:
+        return nx.shortest_path(self._upi, a, b)
+
+    def _need(self, node: str) -> str:
+        if node not in self.graph:
+            raise TopologyError(f"unknown node {node!r} in topology {self.name!r}; its nodes are "
+                                f"{', '.join(self.graph)} (and 'dram' for a GPU's host memory)")
+        return node
+
+    # ----------------------------------------------------------- equality, text
+    def _key(self) -> tuple:
+        nodes = tuple(sorted((n, d["kind"], d.get("memory"), d.get("index"), d.get("spec"))
+                             for n, d in self.graph.nodes(data=True)))
+        edges = tuple(sorted((u, v, d["bandwidth"], d["kind"], d["name"]) for u, v, d in self.graph.edges(data=True)))
+        return (self.name, self.p2p, self.virtual, nodes, edges)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Topology) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (f"Topology({self.name!r}, {len(self.gpus)} GPUs, root complexes "
+                f"{list(self.root_complexes)}, p2p={self.p2p}{', virtual' if self.virtual else ''})")
+
+    def tree(self) -> str:
+        """The server as a tree a person reads: root complexes > switches > GPUs.
+
+        Each line shows the link to the parent (GB/s per direction) and, for GPUs, memory
+        and device spec; links outside the PCIe tree (UPI, NVLink) follow.
+        """
+        children: dict[str, list[str]] = {n: [] for n in self.graph}
+        for n, p in self._parent.items():
+            if p is not None:
+                children[p].append(n)
+        for kids in children.values():
+            kids.sort(key=_natural)
+        lines = [f"{self.name}: {len(self.gpus)} GPU(s) under {len(self.root_complexes)} root complex(es), "
+                 f"P2P {'on' if self.p2p else 'off'}{', virtual GPUs' if self.virtual else ''}"]
+
+        def label(n: str) -> str:
+            d = self.graph.nodes[n]
+            bw = self._pair_gbps(self._parent[n], n)
+            if d["kind"] == "gpu":
+                return f"{n}  {bw}  {fmt_bytes(d['memory'])}  {d['spec'].name}"
+            return f"{n} (switch)  {bw}"
+
+        def walk(n: str, prefix: str) -> None:
+            kids = children[n]
+            for i, c in enumerate(kids):
+                last = i == len(kids) - 1
+                lines.append(f"{prefix}{'└── ' if last else '├── '}{label(c)}")
+                walk(c, prefix + ("    " if last else "│   "))
+
+        for rc in self.root_complexes:
+            lines.append(f"{rc} (root complex)")
+            walk(rc, "")
+        extra = [(u, v, k) for u, v, k in self.graph.edges(data="kind") if k != "pcie" and _natural(u) < _natural(v)]
+        if extra:
+            lines.append("links outside the PCIe tree:")
+            lines += [f"  {u} <-> {v}  {k}  {self._pair_gbps(u, v)}" for u, v, k in extra]
+        return "\n".join(lines)
+
+    def _pair_gbps(self, u: str, v: str) -> str:
+        down, up = self.graph.edges[u, v]["bandwidth"] / _GB, self.graph.edges[v, u]["bandwidth"] / _GB
+        return f"{down:.1f} GB/s" if down == up else f"{down:.1f} GB/s down / {up:.1f} GB/s up"
+
+    # -------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON schema of the module docstring, as a dict (memory in bytes)."""
+        nodes: list[dict[str, Any]] = []
+        for n, d in self.graph.nodes(data=True):
+            if d["kind"] != "gpu":
+                nodes.append({"name": n, "kind": d["kind"]})
+        for g in self.gpus:
+            spec: Any = g.spec.name if DEVICE_SPECS.get(g.spec.name) == g.spec else {
+                "name": g.spec.name, "flops": dict(g.spec.flops), "memory_bandwidth": g.spec.memory_bandwidth,
+                "memory": g.spec.memory, "efficiency": g.spec.efficiency}
+            nodes.append({"name": g.name, "kind": "gpu", "index": g.index, "memory": g.memory, "spec": spec})
+        links = []
+        for u, v, d in self.graph.edges(data=True):
+            a, b = (v, u) if self._parent.get(u) == v else (u, v)  # parent first
+            if (a, b) != (u, v) or (d["kind"] != "pcie" and _natural(u) > _natural(v)):
+                continue  # write each physical link once
+            ab, ba = d["bandwidth"] / _GB, self.graph.edges[b, a]["bandwidth"] / _GB
+            link: dict[str, Any] = {"a": a, "b": b, "kind": d["kind"], "bandwidth_gbps": ab if ab == ba else [ab, ba]}
+            if d["name"] != f"{a}-{b}":
+                link["name"] = d["name"]
+            links.append(link)
+        return {"name": self.name, "p2p": self.p2p, "virtual": self.virtual, "nodes": nodes, "links": links}
+
+    def to_json(self) -> str:
+        """JSON text that `Topology.from_json` reads back into an equal topology."""
+        d = self.to_dict()
+        head = ", ".join(f"{json.dumps(k)}: {json.dumps(d[k])}" for k in ("name", "p2p", "virtual"))
+        lists = [f'"{k}": [\n  ' + ",\n  ".join(json.dumps(x) for x in d[k]) + "]" for k in ("nodes", "links")]
+        return "{" + head + ",\n " + ",\n ".join(lists) + "}\n"  # one node / link a line
+
+    @staticmethod
+    def from_json(path_or_text: str | os.PathLike | Mapping[str, Any]) -> "Topology":
+        """Read a topology from a JSON file path or from JSON text (schema: module docstring).
+
+        >>> topo = Topology.from_json("server.json")
+        """
+        if isinstance(path_or_text, Mapping):
+            return Topology.from_dict(path_or_text)
+        if isinstance(path_or_text, os.PathLike) or not str(path_or_text).lstrip().startswith(("{", "[")):
+            source = str(path_or_text)
+            try:
+                text = Path(path_or_text).read_text()
+            except OSError as e:
+                raise TopologyError(f"cannot read topology file {source!r} ({e.strerror or e}); give the path "
+                                    f"of a JSON file, or the JSON text itself") from None
+        else:
+            source, text = "topology JSON", str(path_or_text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TopologyError(f"{source}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}; "
+                                f"fix the file (schema: see mobius_fx.topology)") from None
+        return Topology.from_dict(data, source=source)
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any], *, source: str = "topology") -> "Topology":
+        """Build a topology from the JSON schema of the module docstring, already parsed."""
+        return _from_dict(data, source)
+
+    # ----------------------------------------------------------------- presets
+    @staticmethod
+    def preset(name: str) -> "Topology":
+        """A known server by name: one of `PRESETS`.
+
+        >>> Topology.preset("rtx4090x8").gpus[5].root_complex
+        'cpu1'
+        """
+        if name not in _PRESETS:
+            raise TopologyError(f"unknown topology preset {name!r}; valid presets: {', '.join(PRESETS)}. "
+                                f"Describe another server with Topology.from_json or Topology.virtual")
+        return _PRESETS[name]()
+
+    @staticmethod
+    def virtual(*, gpus: int = 4, memory: int | str = "256MiB", root_complexes: int = 1,
+                bandwidth: float = 16e9, uplink: float | None = None, upi: float = 20e9,
+                p2p: bool = False) -> "Topology":
+        """CPU-backed "GPUs" with a byte budget each, for tests and CI.
+
+        GPUs are spread over `root_complexes` in contiguous blocks (gpu0.. on cpu0), each
+        block under one switch; `bandwidth` is each GPU's link (bytes/s per direction),
+        `uplink` the switch's (default 2x, like x8 GPUs under an x16 uplink).
+
+        >>> Topology.virtual(gpus=4, memory="256MiB", root_complexes=2).gpu("gpu2").root_complex
+        'cpu1'
+        """
+        if not isinstance(gpus, int) or gpus < 1:
+            raise TopologyError(f"virtual topology with gpus={gpus!r}; give at least 1 GPU")
+        if not isinstance(root_complexes, int) or not 1 <= root_complexes <= gpus:
+            raise TopologyError(f"virtual topology with root_complexes={root_complexes!r} for {gpus} GPU(s); "
+                                f"give between 1 and {gpus} so every root complex holds a GPU")
+        mem = _parse_memory(memory, "virtual GPU memory")
+        base, extra = divmod(gpus, root_complexes)
+        blocks, start = [], 0
+        for r in range(root_complexes):
+            size = base + (r < extra)
+            blocks.append([list(range(start, start + size))])
+            start += size
+        return _from_dict(_layout("virtual", blocks, spec="cpu", memory=mem, gpu_link=bandwidth,
+                                  uplink=2 * bandwidth if uplink is None else uplink, upi=upi, p2p=p2p,
+                                  virtual=True), "Topology.virtual")
+
+    # ------------------------------------------------------------ discovery
+    @staticmethod
+    def from_nvidia_smi(text: str, *, spec: str | DeviceSpec | Sequence[str | DeviceSpec],
+                        memory: int | str | Sequence[int | str] | None = None, p2p: bool = False,
+                        pcie: float = _PCIE3_X16, uplink: float | None = None, upi: float = _UPI_GOLD6130,
+                        nvlink: float = _NVLINK2, name: str = "nvidia-smi") -> "Topology":
+        """Build a topology from the matrix `nvidia-smi topo -m` prints.
+
+        GPUs joined by PIX/PXB share a switch (PXB groups hold a switch per PIX group);
+        NODE/PHB means the same socket, SYS different sockets; NV# adds an NVLink of # links
+        (`nvlink` bytes/s each). The matrix hides the PCIe relation of NVLinked GPUs, so their
+        socket comes from the CPU/NUMA affinity columns. `memory` defaults to the spec's;
+        `pcie` is each GPU's link, `uplink` each switch's (default `pcie`).
+
+        >>> text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
+        >>> Topology.from_nvidia_smi(text, spec="rtx3090", memory="24GiB")
+        """
+        gpus, rel, nvl, affinity = _parse_topo_matrix(text)
+        n = len(gpus)
+        specs = _per_gpu(spec, n, "spec")
+        mems = _per_gpu(memory, n, "memory")
+        return _from_relations(name, n, rel, nvl, affinity, specs=specs, memory=mems, gpu_link=[pcie] * n,
+                               uplink=uplink, upi=upi, nvlink=nvlink, p2p=p2p)
+
+    @staticmethod
+    def detect(*, spec: str | DeviceSpec | None = None, p2p: bool | None = None, upi: float = _UPI_GOLD6130,
+               nvlink: float = _NVLINK2) -> "Topology":
+        """The topology of this machine, from NVML (pynvml) or else `nvidia-smi`.
+
+        The device spec is guessed from the GPU product name unless `spec` is given; P2P is
+        read from the driver unless `p2p` is given; GPU link bandwidths from the PCIe
+        generation and width (x 0.82 effective).
+        """
+        tried = []
+        for probe in (_detect_nvml, _detect_smi):
+            try:
+                return probe(spec=spec, p2p=p2p, upi=upi, nvlink=nvlink)
+            except _NotHere as e:
+                tried.append(str(e))
+        raise TopologyError("found no GPUs to build a topology from: " + "; ".join(tried) + ". Describe the server "
+                            f"instead: Topology.preset(name) with one of {', '.join(PRESETS)}, "
+                            "Topology.from_json('server.json') (schema in mobius_fx.topology), or "
+                            "Topology.virtual(gpus=4, memory='256MiB') for CPU-backed GPUs")
+
+
+# ------------------------------------------------------------------ validation
+def _normalise(graph: Any) -> tuple[nx.DiGraph, dict[str, str | None], dict[str, str]]:
+    """Check a topology graph; return a canonical copy, PCIe parents and each node's root complex."""
+    if not isinstance(graph, nx.DiGraph):
+        raise TopologyError(f"a Topology is built on a networkx.DiGraph, got {type(graph).__name__}; "
+                            "or use Topology.from_json / preset / virtual")
+    for n, d in graph.nodes(data=True):
+        if not isinstance(n, str) or not n or n == "dram":
+            raise TopologyError(f"node name {n!r} is not allowed; give a non-empty string other than 'dram' "
+                                "(the name routes use for a GPU's host memory)")
+        if d.get("kind") not in NODE_KINDS:
+            raise TopologyError(f"node {n!r} has kind {d.get('kind')!r}; give one of {', '.join(NODE_KINDS)}")
+        if d["kind"] == "gpu":
+            mem = d.get("memory")
+            if isinstance(mem, bool) or not isinstance(mem, int) or mem <= 0:
+                raise TopologyError(f"GPU {n!r} has memory {mem!r}; a GPU needs a positive number of bytes, "
+                                    "e.g. 24 * 2**30 or '24GiB' in JSON")
+            if not isinstance(d.get("spec"), DeviceSpec):
+                raise TopologyError(f"GPU {n!r} has spec {d.get('spec')!r}; give a DeviceSpec, e.g. "
+                                    "DeviceSpec.preset('rtx3090')")
+    gpus = [n for n, k in graph.nodes(data="kind") if k == "gpu"]
+    if not gpus:
+        raise TopologyError(f"topology has no GPUs (nodes: {', '.join(graph) or 'none'}); add nodes of kind 'gpu'")
+    index = _check_indices(graph, gpus)
+    for u, v, d in graph.edges(data=True):
+        _check_edge(graph, u, v, d)
+    # The PCIe tree: switches and GPUs hang below exactly one root complex, without cycles.
+    pcie = nx.Graph()
+    pcie.add_nodes_from(sorted(graph))
+    pcie.add_edges_from((u, v) for u, v, k in graph.edges(data="kind") if k == "pcie")
+    try:
+        cycle = nx.find_cycle(pcie)
+    except nx.NetworkXNoCycle:
+        pass
+    else:
+        raise TopologyError(f"the PCIe links form a cycle through {', '.join(u for u, _ in cycle)}; switches and "
+                            "root complexes must form a tree (join sockets with 'upi' links, GPUs with 'nvlink')")
+    parent: dict[str, str | None] = {}
+    rc_of: dict[str, str] = {}
+    for comp in nx.connected_components(pcie):
+        rcs = sorted(n for n in comp if graph.nodes[n]["kind"] == "root_complex")
+        if len(rcs) > 1:
+            path = nx.shortest_path(pcie, rcs[0], rcs[1])
+            raise TopologyError(f"root complexes {rcs[0]} and {rcs[1]} are joined over PCIe ({' - '.join(path)}); "
+                                "each switch and GPU belongs to one root complex, sockets join by a 'upi' link")
+        if not rcs:
+            orphans = sorted(comp, key=lambda n: (graph.nodes[n]["kind"] != "gpu", n))
+            what = "GPU" if graph.nodes[orphans[0]]["kind"] == "gpu" else "switch"
+            raise TopologyError(f"{what} {orphans[0]} has no path to DRAM: no PCIe links lead from it to a root "
+                                f"complex; link it (or its switch) to one, e.g. "
+                                f'{{"a": "cpu0", "b": "{orphans[0]}", "bandwidth_gbps": 13}}')
+        parent[rcs[0]] = None
+        for child, par in nx.bfs_predecessors(pcie, rcs[0]):
+            parent[child] = par
+        for n in comp:
+            rc_of[n] = rcs[0]
+    for g in gpus:
+        if pcie.degree(g) != 1:
+            raise TopologyError(f"GPU {g} has {pcie.degree(g)} PCIe links ({', '.join(sorted(pcie[g]))}); a GPU "
+                                "hangs off exactly one switch or root complex")
+    rcs = sorted(n for n in graph if graph.nodes[n]["kind"] == "root_complex")
+    upi = nx.Graph()
+    upi.add_nodes_from(rcs)
+    upi.add_edges_from((u, v) for u, v, k in graph.edges(data="kind") if k == "upi")
+    if not nx.is_connected(upi):
+        reach = nx.node_connected_component(upi, rcs[0])
+        raise TopologyError(f"root complexes {', '.join(n for n in rcs if n not in reach)} have no 'upi' path to "
+                            f"{rcs[0]}; add an inter-socket link between them")
+    return _canonical(graph, parent, index), parent, rc_of
+
+
+def _check_indices(graph: nx.DiGraph, gpus: list[str]) -> dict[str, int]:
+    """Each GPU's CUDA index: as given, or (none given) by natural name order."""
+    have = [n for n in gpus if "index" in graph.nodes[n]]
+    if have and len(have) != len(gpus):
+        missing = sorted(set(gpus) - set(have))
+        raise TopologyError(f"GPU {missing[0]} has no index but other GPUs do; give every GPU an index or none")
+    if not have:
+        return {n: i for i, n in enumerate(sorted(gpus, key=_natural))}
+    seen: dict[int, str] = {}
+    for n in sorted(gpus, key=_natural):
+        i = graph.nodes[n]["index"]
+        ok = not isinstance(i, bool) and isinstance(i, int) and 0 <= i < len(gpus)
+        if not ok or i in seen:
+            clash = f" (also {seen[i]}'s)" if ok else ""
+            raise TopologyError(f"GPU {n} has index {i!r}{clash}; GPU indices must be 0..{len(gpus) - 1}, "
+                                "each used once (the CUDA device numbers)")
+        seen[i] = n
+    return {n: i for i, n in seen.items()}
+
+
+def _check_edge(graph: nx.DiGraph, u: str, v: str, d: Mapping[str, Any]) -> None:
+    link = d.get("name") or f"{u}-{v}"
+    bw = d.get("bandwidth")
+    if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
+        raise TopologyError(f"link {link} ({u} -> {v}) has bandwidth {bw!r}; bandwidth must be a positive, "
+                            "finite number of bytes/s (GB/s in JSON)")
+    kind = d.get("kind")
+    if kind not in LINK_KINDS:
+        raise TopologyError(f"link {link} ({u} -> {v}) has kind {kind!r}; give one of {', '.join(LINK_KINDS)}")
+    if u == v:
+        raise TopologyError(f"link {link} joins {u} to itself; a link joins two different nodes")
+    if not graph.has_edge(v, u) or graph.edges[v, u].get("kind") != kind:
+        raise TopologyError(f"link {link} ({u} -> {v}, {kind}) has no reverse {v} -> {u} of the same kind; "
+                            "each physical link is two directed edges")
+    ku, kv = graph.nodes[u]["kind"], graph.nodes[v]["kind"]
+    rule = {"nvlink": ku == kv == "gpu", "upi": ku == kv == "root_complex",
+            "pcie": {ku, kv} not in ({"gpu"}, {"root_complex"})}[kind]
+    if not rule:
+        raise TopologyError(f"link {link} joins {ku} {u} and {kv} {v} by {kind}; nvlink joins two GPUs, upi two "
+                            "root complexes, pcie a root complex or switch to a switch or GPU")
+
+
+def _canonical(graph: nx.DiGraph, parent: dict[str, str | None], index: dict[str, int]) -> nx.DiGraph:
+    """A copy in a fixed order (so equal topologies route alike), bandwidths in whole bytes/s."""
+    out = nx.DiGraph()
+    order = {"root_complex": 0, "switch": 1, "gpu": 2}
+    for n in sorted(graph, key=lambda n: (order[graph.nodes[n]["kind"]], _natural(n))):
+        d = graph.nodes[n]
+        attrs = {"kind": d["kind"]}
+        if d["kind"] == "gpu":
+            attrs.update(memory=d["memory"], spec=d["spec"], index=index[n])
+        out.add_node(n, **attrs)
+    rank = {n: i for i, n in enumerate(out)}
+    for u, v in sorted(graph.edges, key=lambda e: (rank[e[0]], rank[e[1]])):
+        d = graph.edges[u, v]
+        a, b = (v, u) if parent.get(u) == v or (d["kind"] != "pcie" and rank[v] < rank[u]) else (u, v)
+        out.add_edge(u, v, bandwidth=float(max(1, round(d["bandwidth"]))), kind=d["kind"],
+                     name=str(d.get("name") or f"{a}-{b}"))
+    return out
+
+
+def _natural(name: str) -> tuple:
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+# ------------------------------------------------------------------------ JSON
+_TOP_KEYS = {"name", "p2p", "virtual", "nodes", "links", "comment"}
+_NODE_KEYS = {"name", "kind", "memory", "spec", "index"}
+_LINK_KEYS = {"a", "b", "kind", "bandwidth_gbps", "name"}
+
+
+def _from_dict(data: Any, source: str) -> Topology:
+    def fail(where: str, msg: str) -> TopologyError:
+        return TopologyError(f"{source}: {where}: {msg}")
+
+    if not isinstance(data, Mapping):
+        raise fail("top level", f"expected an object with 'nodes' and 'links', got {type(data).__name__}")
+    _no_unknown_keys(data, _TOP_KEYS, "top level", fail)
+    for key in ("nodes", "links"):
+        if not isinstance(data.get(key), list):
+            raise fail(key, f"expected a list, got {type(data.get(key)).__name__}")
+    graph = nx.DiGraph()
+    where_of: dict[str, str] = {}
+    for i, nd in enumerate(data["nodes"]):
+        where = f"nodes[{i}]"
+        if not isinstance(nd, Mapping):
+            raise fail(where, f"expected an object, got {nd!r}")
+        _no_unknown_keys(nd, _NODE_KEYS, where, fail)
+        name, kind = nd.get("name"), nd.get("kind")
+        if not isinstance(name, str) or not name:
+            raise fail(where, f"'name' must be a non-empty string, got {name!r}")
+        where = f"nodes[{i}] ({name})"
+        if name in where_of:
+            raise fail(where, f"duplicate node name {name!r} (first at {where_of[name]}); names must be unique")
+        where_of[name] = f"nodes[{i}]"
+        if kind not in NODE_KINDS:
+            raise fail(where, f"'kind' is {kind!r}; give one of {', '.join(NODE_KINDS)}")
+        if kind != "gpu":
+            extra = sorted(set(nd) & {"memory", "spec", "index"})
+            if extra:
+                raise fail(where, f"{', '.join(extra)} belong on GPU nodes only")
+            graph.add_node(name, kind=kind)
+            continue
+        spec = _parse_spec(nd.get("spec"), f"{source}: {where}")
+        mem = _parse_memory(nd["memory"], f"{source}: {where}") if "memory" in nd else spec.memory
+        attrs = {"kind": "gpu", "memory": mem, "spec": spec}
+        attrs["index"] = nd["index"] if "index" in nd else sum(1 for _, k in graph.nodes(data="kind") if k == "gpu")
+        graph.add_node(name, **attrs)
+    seen: dict[frozenset, str] = {}
+    for i, ln in enumerate(data["links"]):
+        where = f"links[{i}]"
+        if not isinstance(ln, Mapping):
+            raise fail(where, f"expected an object, got {ln!r}")
+        _no_unknown_keys(ln, _LINK_KEYS, where, fail)
+        a, b = ln.get("a"), ln.get("b")
+        unknown = [repr(x) for x in (a, b) if x not in graph]
+        if unknown:
+            raise fail(where, f"unknown node {' and '.join(unknown)} in link {a}-{b}; nodes are {', '.join(graph)}")
+        name = ln.get("name", f"{a}-{b}")
+        where = f"links[{i}] ({name})"
+        if a == b:
+            raise fail(where, f"links {a} to itself; a link joins two different nodes")
+        pair = frozenset((a, b))
+        if pair in seen:
+            raise fail(where, f"{a} and {b} are already linked by {seen[pair]}; give one link per pair")
+        seen[pair] = where
+        ka, kb = graph.nodes[a]["kind"], graph.nodes[b]["kind"]
+        kind = ln.get("kind", "upi" if ka == kb == "root_complex" else "nvlink" if ka == kb == "gpu" else "pcie")
+        gbps = ln.get("bandwidth_gbps")
+        ab, ba = (gbps if isinstance(gbps, list) and len(gbps) == 2 else (gbps, gbps))
+        for x in (ab, ba):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+                raise fail(where, f"bandwidth_gbps is {gbps!r}; give a positive number of GB/s, or [a_to_b, b_to_a]")
+        graph.add_edge(a, b, bandwidth=float(round(ab * _GB)), kind=kind, name=name)
+        graph.add_edge(b, a, bandwidth=float(round(ba * _GB)), kind=kind, name=name)
+    for key in ("p2p", "virtual"):
+        if not isinstance(data.get(key, False), bool):
+            raise fail(key, f"expected true or false, got {data[key]!r}")
+    try:
+        return Topology(graph, name=str(data.get("name", "custom")), p2p=data.get("p2p", False),
+                        virtual=data.get("virtual", False))
+    except TopologyError as e:
+        raise TopologyError(f"{source}: {e}") from None
+
+
+def _no_unknown_keys(d: Mapping, allowed: set[str], where: str, fail: Callable[[str, str], Exception]) -> None:
+    extra = sorted(set(d) - allowed)
+    if extra:
+        raise fail(where, f"unknown key(s) {', '.join(map(repr, extra))}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _parse_spec(spec: Any, where: str) -> DeviceSpec:
+    if isinstance(spec, DeviceSpec):
+        return spec
+    if isinstance(spec, str):
+        try:
+            return DeviceSpec.preset(spec)
+        except MobiusError as e:
+            raise TopologyError(f"{where}: {e}") from None
+    if isinstance(spec, Mapping):
+        try:
+            return DeviceSpec(**{**spec, "flops": dict(spec["flops"])})
+        except (KeyError, TypeError) as e:
+            raise TopologyError(f"{where}: spec object {spec!r} is not a DeviceSpec ({e}); give name, flops, "
+                                "memory_bandwidth, memory and optionally efficiency") from None
+    raise TopologyError(f"{where}: GPU spec is {spec!r}; give a DeviceSpec preset name "
+                        f"({', '.join(sorted(DEVICE_SPECS))}) or a spec object")
+
+
+def _parse_memory(value: Any, where: str) -> int:
+    try:
+        return parse_bytes(value)
+    except (MobiusError, TypeError) as e:
+        raise TopologyError(f"{where}: {e}") from None
+
+
+def _per_gpu(value: Any, n: int, what: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise TopologyError(f"{what} lists {len(value)} values for {n} GPUs; give one value or one per GPU")
+        return list(value)
+    return [value] * n
+
+
+# --------------------------------------------------------------------- layouts
+def _layout(name: str, sockets: list[list[list[int]]], *, spec: Any, memory: Any, gpu_link: float,
+            uplink: float | None, upi: float, p2p: bool, virtual: bool = False,
+            nvlinks: Mapping[tuple[int, int], float] | None = None) -> dict[str, Any]:
+    """A JSON-schema dict: socket r holds groups of GPU indices; each group sits under one
+    switch with `uplink`, or with `uplink=None` every GPU links straight to the socket."""
+    nodes: list[dict] = [{"name": f"cpu{r}", "kind": "root_complex"} for r in range(len(sockets))]
+    links: list[dict] = [{"a": f"cpu{r}", "b": f"cpu{s}", "kind": "upi", "bandwidth_gbps": upi / _GB}
+                         for r in range(len(sockets)) for s in range(r + 1, len(sockets))]
+    gpus: list[dict] = []
+    sw = 0
+    for r, groups in enumerate(sockets):
+        for group in groups:
+            top = f"cpu{r}"
+            if uplink is not None:
+                top, sw = f"sw{sw}", sw + 1
+                nodes.append({"name": top, "kind": "switch"})
+                links.append({"a": f"cpu{r}", "b": top, "bandwidth_gbps": uplink / _GB})
+            for g in group:
+                gpus.append({"name": f"gpu{g}", "kind": "gpu", "index": g, "memory": memory, "spec": spec})
+                links.append({"a": top, "b": f"gpu{g}", "bandwidth_gbps": gpu_link / _GB})
+    links += [{"a": f"gpu{i}", "b": f"gpu{j}", "kind": "nvlink", "bandwidth_gbps": bw / _GB}
+              for (i, j), bw in (nvlinks or {}).items()]
+    return {"name": name, "p2p": p2p, "virtual": virtual, "nodes": nodes + sorted(gpus, key=lambda g: g["index"]),
+            "links": links}
+
+
+def _mobius_testbed() -> Topology:
+    # Feng et al., "Mobius", ASPLOS 2023, evaluation setup: 2x Xeon Gold 6130, 8 GPUs
+    # ("8x3090-Ti", 24 GB); "every 4 GPUs are connected to a CPU root complex via PCIe 3.0x8
+    # and a PCIe switch". The switch uplink is PCIe 3.0 x16 (~13 GB/s); GPU links x8
+    # (~6.5 GB/s); UPI ~20 GB/s per direction. GeForce cards have no PCIe P2P.
+    return _from_dict(_layout("mobius-testbed", [[[0, 1, 2, 3]], [[4, 5, 6, 7]]], spec="rtx3090ti",
+                              memory="24GiB", gpu_link=_PCIE3_X8, uplink=_PCIE3_X16, upi=_UPI_GOLD6130,
+                              p2p=False), "preset mobius-testbed")
+
+
+def _rtx4090x8() -> Topology:
+    # RoundPipe (2026) evaluation server: 8x RTX 4090 24 GB, PCIe 4.0, 800 GB DDR4, two sockets
+    # of four GPUs. Its switch layout is not published; we assume each GPU has its own x16
+    # CPU link (~25 GB/s effective of 31.5 raw). The CPU is not named either; we assume three
+    # UPI links at 11.2 GT/s (67 GB/s raw per direction) and ~60% of it, 40 GB/s, for DMA.
+    return _from_dict(_layout("rtx4090x8", [[[0], [1], [2], [3]], [[4], [5], [6], [7]]], spec="rtx4090",
+                              memory="24GiB", gpu_link=_PCIE4_X16, uplink=None, upi=40e9, p2p=False),
+                      "preset rtx4090x8")
+
+
+def _v100x4_nvlink() -> Topology:
+    # AWS EC2 p3.8xlarge (the Mobius paper's second setup): 4x V100-SXM2 16 GB, one socket,
+    # each GPU on PCIe 3.0 x16 (~13 GB/s) to the host, NVLink 2.0 hybrid cube mesh, as
+    # `nvidia-smi topo -m` shows on p3 instances: 0-1 NV1, 0-2 NV1, 0-3 NV2, 1-2 NV2,
+    # 1-3 NV1, 2-3 NV2 (six links per GPU, ~24 GB/s each per direction). P2P is on.
+    nv = {(0, 1): 1, (0, 2): 1, (0, 3): 2, (1, 2): 2, (1, 3): 1, (2, 3): 2}
+    return _from_dict(_layout("v100x4-nvlink", [[[0], [1], [2], [3]]], spec="v100-16gb", memory="16GiB",
+                              gpu_link=_PCIE3_X16, uplink=None, upi=_UPI_GOLD6130, p2p=True,
+                              nvlinks={k: c * _NVLINK2 for k, c in nv.items()}), "preset v100x4-nvlink")
+
+
+def _single_3090() -> Topology:
+    # One RTX 3090 24 GB in a desktop, on its native PCIe 4.0 x16 link (~25 GB/s effective).
+    return _from_dict(_layout("single-3090", [[[0]]], spec="rtx3090", memory="24GiB", gpu_link=_PCIE4_X16,
+                              uplink=None, upi=_UPI_GOLD6130, p2p=False), "preset single-3090")
+
+
+_PRESETS: dict[str, Callable[[], Topology]] = {
+    "mobius-testbed": _mobius_testbed, "rtx4090x8": _rtx4090x8,
+    "v100x4-nvlink": _v100x4_nvlink, "single-3090": _single_3090,
+}
+PRESETS = tuple(_PRESETS)
+Topology.PRESETS = PRESETS  # also reachable from the class: Topology.PRESETS
+
+
+# ------------------------------------------------------------ nvidia-smi topo -m
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_RELATION = re.compile(r"X|PIX|PXB|PHB|NODE|SYS|SOC|NV(\d+)")
+_TRAILING = re.compile(r"CPU Affinity|NUMA Affinity|GPU NUMA ID")
+_SAME_SOCKET = {"PIX", "PXB", "PHB", "NODE"}
+
+
+def _parse_topo_matrix(text: str) -> tuple[list[str], dict, dict, list[str | None]]:
+    """GPU names, PCIe relation per GPU pair (None where NV# hides it), NVLink counts, affinity."""
+    lines = [_ANSI.sub("", ln).rstrip() for ln in text.splitlines()]
+    head = next((i for i, ln in enumerate(lines) if ln.split()[:1] and re.fullmatch(r"GPU\d+", ln.split()[0])
+                 and (len(ln.split()) == 1 or not _RELATION.fullmatch(ln.split()[1]))), None)
+    if head is None:
+        raise TopologyError("no GPU columns found in the nvidia-smi text; give the output of `nvidia-smi topo -m` "
+                            "(a header line 'GPU0 GPU1 ... CPU Affinity' and one row per GPU)")
+    columns: list[str] = []
+    for tok in lines[head].split():
+        if tok in ("CPU", "NUMA", "GPU"):
+            break
+        columns.append(tok)
+    trailing = _TRAILING.findall(lines[head])
+    rows: dict[str, list[str]] = {}
+    extras: dict[str, dict[str, str]] = {}
+    for ln in lines[head + 1:]:
+        toks = ln.split()
+        if not toks:
+            continue
+        if toks[0].startswith("Legend"):
+            break
+        if toks[0] not in columns:
+            raise TopologyError(f"nvidia-smi row {toks[0]!r} matches no column ({', '.join(columns)}); give the "
+                                "matrix exactly as `nvidia-smi topo -m` prints it")
+        if len(toks) < 1 + len(columns):
+            raise TopologyError(f"nvidia-smi row {toks[0]} has {len(toks) - 1} entries for {len(columns)} columns")
+        rows[toks[0]] = toks[1:1 + len(columns)]
+        extras[toks[0]] = dict(zip(trailing, toks[1 + len(columns):]))
+    gpus = [c for c in columns if re.fullmatch(r"GPU\d+", c)]
+    for g in gpus:
+        if g not in rows:
+            raise TopologyError(f"nvidia-smi matrix has a column {g} but no row for it")
+    col = {c: k for k, c in enumerate(columns)}
+    rel: dict[tuple[int, int], str | None] = {}
+    nvl: dict[tuple[int, int], int] = {}
+    for i, gi in enumerate(gpus):
+        for j, gj in enumerate(gpus):
+            cell, back = rows[gi][col[gj]], rows[gj][col[gi]]
+            m = _RELATION.fullmatch(cell)
+            if m is None:
+                raise TopologyError(f"nvidia-smi entry {cell!r} at row {gi}, column {gj} is not in the legend "
+                                    "(X, PIX, PXB, PHB, NODE, SYS, NV#)")
+            if (cell == "X") != (i == j) or cell != back:
+                raise TopologyError(f"nvidia-smi entries for {gi}/{gj} disagree: {cell!r} at row {gi} but {back!r} "
+                                    f"at row {gj} (and only the diagonal is X); give the unedited matrix")
+            if i < j:
+                rel[i, j] = None if m.group(1) else ("SYS" if cell == "SOC" else cell)
+                if m.group(1):
+                    nvl[i, j] = int(m.group(1))
+    affinity = []
+    for g in gpus:
+        ex = extras[g]
+        key = ex.get("NUMA Affinity", "N/A")
+        affinity.append(key if key != "N/A" else (ex.get("CPU Affinity") if ex.get("CPU Affinity") != "N/A" else None))
+    return gpus, rel, nvl, affinity
+
+
+def _from_relations(name: str, n: int, rel: Mapping, nvl: Mapping, affinity: Sequence[str | None], *,
+                    specs: Sequence[Any], memory: Sequence[Any], gpu_link: Sequence[float], uplink: float | None,
+                    upi: float, nvlink: float, p2p: bool) -> Topology:
+    """Sockets from SYS/NODE (affinity where NVLink hides the PCIe relation), switches from PIX/PXB."""
+    def groups(pairs: Callable[[int, int], bool], members: Sequence[int]) -> list[list[int]]:
+        g = nx.Graph()
+        g.add_nodes_from(members)
+        g.add_edges_from((i, j) for i in members for j in members if i < j and pairs(i, j))
+        return sorted((sorted(c) for c in nx.connected_components(g)), key=lambda c: c[0])
+
+    sockets: list[list[int]] = []
+    for block in groups(lambda i, j: rel[i, j] in _SAME_SOCKET, range(n)):
+        for i in block:
+            for j in block:
+                if i < j and rel[i, j] == "SYS":
+                    raise TopologyError(f"GPU{i} and GPU{j} are SYS (different sockets) but linked to one socket "
+                                        "through other GPUs; give the unedited `nvidia-smi topo -m` matrix")
+        keys = {affinity[i] for i in block} - {None}
+        for s in sockets:
+            s_keys = {affinity[i] for i in s} - {None}
+            apart = any(rel[min(i, j), max(i, j)] == "SYS" for i in block for j in s)
+            if not apart and not (keys and s_keys and keys != s_keys):
+                s.extend(block)
+                break
+        else:
+            sockets.append(list(block))
+    d: dict[str, Any] = {"name": name, "p2p": p2p, "nodes": [], "links": []}
+    gbps = lambda bw: bw / _GB  # noqa: E731
+    up = max(gpu_link) if uplink is None else uplink
+    sw = 0
+    for r, members in enumerate(sockets):
+        d["nodes"].append({"name": f"cpu{r}", "kind": "root_complex"})
+        d["links"] += [{"a": f"cpu{s}", "b": f"cpu{r}", "kind": "upi", "bandwidth_gbps": gbps(upi)} for s in range(r)]
+        for top in groups(lambda i, j: rel[i, j] in ("PIX", "PXB"), sorted(members)):
+            parent = f"cpu{r}"
+            if len(top) > 1:
+                parent, sw = f"sw{sw}", sw + 1
+                d["nodes"].append({"name": parent, "kind": "switch"})
+                d["links"].append({"a": f"cpu{r}", "b": parent, "bandwidth_gbps": gbps(up)})
+            subs = groups(lambda i, j: rel[i, j] == "PIX", top)
+            for sub in subs:
+                below = parent
+                if len(sub) > 1 and len(subs) > 1:  # a PIX pair inside a PXB group: a switch below a switch
+                    below, sw = f"sw{sw}", sw + 1
+                    d["nodes"].append({"name": below, "kind": "switch"})
+                    d["links"].append({"a": parent, "b": below, "bandwidth_gbps": gbps(up)})
+                for g in sub:
+                    d["links"].append({"a": below, "b": f"gpu{g}", "bandwidth_gbps": gbps(gpu_link[g])})
+    for g in range(n):
+        spec = _parse_spec(specs[g], f"GPU{g}")
+        mem = spec.memory if memory[g] is None else _parse_memory(memory[g], f"GPU{g} memory")
+        d["nodes"].append({"name": f"gpu{g}", "kind": "gpu", "index": g, "memory": mem, "spec": spec})
+    d["links"] += [{"a": f"gpu{i}", "b": f"gpu{j}", "kind": "nvlink", "bandwidth_gbps": gbps(c * nvlink)}
+                   for (i, j), c in sorted(nvl.items())]
+    return _from_dict(d, name)
+
+
+# ----------------------------------------------------------------- detection
+class _NotHere(Exception):
+    """A detection route that does not apply on this machine (says why)."""
+
+
+_SPEC_BY_PRODUCT = (("3090 ti", "rtx3090ti"), ("3090", "rtx3090"), ("4090", "rtx4090"), ("v100", "v100-16gb"),
+                    ("a100", "a100-40gb-pcie"), ("h200", "h200"))
+
+
+def _guess_spec(product: str, spec: Any) -> Any:
+    if spec is not None:
+        return spec
+    for key, preset in _SPEC_BY_PRODUCT:
+        if key in product.lower():
+            return preset
+    raise TopologyError(f"no DeviceSpec preset for GPU {product!r}; call Topology.detect(spec=...) with one of "
+                        f"{', '.join(sorted(DEVICE_SPECS))} or a DeviceSpec of your own")
+
+
+def _pcie_bandwidth(gen: int, width: int) -> float:
+    return _PCIE_LANE_RAW.get(int(gen), _PCIE_LANE_RAW[3]) * int(width) * _PCIE_EFFICIENCY
+
+
+def _nvidia_smi(*args: str) -> str:
+    """stdout of `nvidia-smi args`; _NotHere when it is missing or fails."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        raise _NotHere("`nvidia-smi` is not on PATH")
+    try:
+        out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise _NotHere(f"`nvidia-smi {' '.join(args)}` failed ({e})") from None
+    if out.returncode != 0:
+        raise _NotHere(f"`nvidia-smi {' '.join(args)}` exited {out.returncode}: {out.stderr.strip()[:200]}")
+    return out.stdout
+
+
+def _detect_smi(*, spec: Any, p2p: bool | None, upi: float, nvlink: float) -> Topology:
+    query = _nvidia_smi("--query-gpu=index,name,memory.total,pcie.link.gen.max,pcie.link.width.max",
+                        "--format=csv,noheader,nounits")
+    rows = [[c.strip() for c in ln.split(",")] for ln in query.splitlines() if ln.strip()]
+    if not rows:
+        raise _NotHere("`nvidia-smi` lists no GPUs")
+    rows.sort(key=lambda r: int(r[0]))
+    gpus, rel, nvl, affinity = _parse_topo_matrix(_nvidia_smi("topo", "-m"))
+    if len(gpus) != len(rows):
+        raise TopologyError(f"`nvidia-smi topo -m` shows {len(gpus)} GPUs but the query lists {len(rows)}")
+    if p2p is None:
+        p2p = len(rows) > 1 and _p2p_ok(_nvidia_smi("topo", "-p2p", "r"))
+    links = [_pcie_bandwidth(int(r[3]), int(r[4])) if r[3].isdigit() and r[4].isdigit() else _PCIE3_X16
+             for r in rows]
+    return _from_relations("detected", len(rows), rel, nvl, affinity, specs=[_guess_spec(r[1], spec) for r in rows],
+                           memory=[int(float(r[2])) * 2**20 for r in rows], gpu_link=links, uplink=max(links),
+                           upi=upi, nvlink=nvlink, p2p=p2p)
+
+
+def _p2p_ok(text: str) -> bool:
+    """True when every GPU pair of `nvidia-smi topo -p2p r` reads OK."""
+    cells = [c for ln in text.splitlines() if re.match(r"\s*GPU\d+\s", _ANSI.sub("", ln))
+             for c in _ANSI.sub("", ln).split()[1:] if c in ("OK", "NS", "CNS", "GNS", "TNS", "NA", "U")]
+    return bool(cells) and all(c == "OK" for c in cells)
+
+
+def _detect_nvml(*, spec: Any, p2p: bool | None, upi: float, nvlink: float) -> Topology:  # pragma: no cover
+    try:
+        import pynvml as nv
+    except ImportError:
+        raise _NotHere("pynvml is not installed (pip install nvidia-ml-py)") from None
+    try:
+        nv.nvmlInit()
+    except Exception as e:  # NVMLError: no driver, no device
+        raise _NotHere(f"NVML did not start ({e})") from None
+    try:
+        n = nv.nvmlDeviceGetCount()
+        if n == 0:
+            raise _NotHere("NVML sees no GPUs")
+        hs = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+        level = {nv.NVML_TOPOLOGY_INTERNAL: "X", nv.NVML_TOPOLOGY_SINGLE: "PIX", nv.NVML_TOPOLOGY_MULTIPLE: "PXB",
+                 nv.NVML_TOPOLOGY_HOSTBRIDGE: "PHB", nv.NVML_TOPOLOGY_NODE: "NODE", nv.NVML_TOPOLOGY_SYSTEM: "SYS"}
+        rel = {(i, j): level.get(nv.nvmlDeviceGetTopologyCommonAncestor(hs[i], hs[j]), "SYS")
+               for i in range(n) for j in range(i + 1, n)}
+        bus = {_text(nv.nvmlDeviceGetPciInfo(h).busId).lower(): i for i, h in enumerate(hs)}
+        nvl: dict[tuple[int, int], int] = {}
+        to_switch = [0] * n
+        for i, h in enumerate(hs):
+            for link in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)):
+                try:
+                    if nv.nvmlDeviceGetNvLinkState(h, link) != nv.NVML_FEATURE_ENABLED:
+                        continue
+                    j = bus.get(_text(nv.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId).lower())
+                except nv.NVMLError:
+                    continue
+                if j is None:
+                    to_switch[i] += 1  # NVSwitch: every GPU with switch links reaches every other
+                elif i < j:
+                    nvl[i, j] = nvl.get((i, j), 0) + 1
+        for i in range(n):
+            for j in range(i + 1, n):
+                if to_switch[i] and to_switch[j]:
+                    nvl[i, j] = nvl.get((i, j), 0) + min(to_switch[i], to_switch[j])
+        affinity = []
+        for h in hs:
+            try:
+                affinity.append(str(nv.nvmlDeviceGetNumaNodeId(h)))
+            except (AttributeError, nv.NVMLError):
+                affinity.append(str(tuple(nv.nvmlDeviceGetCpuAffinity(h, 16))))
+        links = [_pcie_bandwidth(nv.nvmlDeviceGetMaxPcieLinkGeneration(h), nv.nvmlDeviceGetMaxPcieLinkWidth(h))
+                 for h in hs]
+        if p2p is None:
+            p2p = n > 1 and all(nv.nvmlDeviceGetP2PStatus(hs[i], hs[j], nv.NVML_P2P_CAPS_INDEX_READ)
+                                == nv.NVML_P2P_STATUS_OK for i in range(n) for j in range(n) if i != j)
+        specs = [_guess_spec(_text(nv.nvmlDeviceGetName(h)), spec) for h in hs]
+        memory = [int(nv.nvmlDeviceGetMemoryInfo(h).total) for h in hs]
+    finally:
+        nv.nvmlShutdown()
+    return _from_relations("detected", n, rel, nvl, affinity, specs=specs, memory=memory, gpu_link=links,
+                           uplink=max(links), upi=upi, nvlink=nvlink, p2p=p2p)
+
+
+def _text(x: str | bytes) -> str:
+    return x.decode() if isinstance(x, bytes) else x
