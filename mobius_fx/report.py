@@ -1,0 +1,61 @@
+"""The schedule comparison table printed by the CLI, the examples and benchmarks/paper.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tabulate import tabulate
+
+from .errors import PlanError
+from .plans import Plan
+from .units import fmt_bytes, fmt_time
+
+__all__ = ["SCHEDULES", "Comparison", "compare"]
+
+SCHEDULES = ("mobius", "mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload", "roundpipe")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Simulated step times of every schedule on one plan's costs and topology."""
+
+    plan: Plan
+    results: dict  # schedule -> SimResult, or the PlanError text when it cannot run
+
+    def step_time(self, schedule: str) -> float | None:
+        r = self.results.get(schedule)
+        return None if r is None or isinstance(r, str) else r.step_time
+
+    def speedup(self, over: str, schedule: str = "mobius") -> float | None:
+        a, b = self.step_time(schedule), self.step_time(over)
+        return None if a is None or b is None else b / a
+
+    def table(self) -> str:
+        lb = self.plan.lower_bound()
+        base = self.step_time("mobius")
+        rows = []
+        for name in SCHEDULES:
+            r = self.results.get(name)
+            if r is None:
+                continue
+            if isinstance(r, str):
+                rows.append([name, "does not fit", "", "", "", r[:70]])
+                continue
+            pcie = sum(r.link_bytes.values())
+            rows.append([name, fmt_time(r.step_time), f"{r.step_time / base:.2f}x" if base else "",
+                         f"{r.pipeline_time / lb:.2f}" if lb else "", fmt_bytes(pcie), ""])
+        return tabulate(rows, headers=["schedule", "step time", "vs mobius", "pipeline / lower bound",
+                                       "bytes on links", "note"])
+
+
+def compare(plan: Plan, schedules=SCHEDULES) -> Comparison:
+    """Simulate `plan` under every schedule (same costs, same topology, same simulator)."""
+    from .simulator import simulate
+
+    results: dict = {}
+    for name in schedules:
+        try:
+            results[name] = simulate(plan, schedule=name)
+        except PlanError as e:
+            results[name] = str(e)
+    return Comparison(plan, results)

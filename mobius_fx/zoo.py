@@ -1,0 +1,190 @@
+"""Named models to plan and try, built from configs (never downloaded).
+
+`build(name, *, batch, seq, device="meta")` returns `(model, example_inputs)`. Names cover
+GPT-2 (small..xl, Hugging Face configs), GPT-3-like 3B/8B/15B (the Mobius paper's sizes,
+our nanoGPT-style `GPT`), Llama-like 7B/8B/13B and OPT-like 1.3B/6.7B (Hugging Face configs).
+Users plan their own model with a `module:factory` spec: `factory(batch=, seq=, device=)`
+returning `(model, example_inputs)` or just a model (then the inputs are token ids).
+
+    model, inputs = zoo.build("gpt3-8b", batch=8, seq=1024)   # on the meta device
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import MobiusError
+
+__all__ = ["GPT", "GPTConfig", "MODELS", "build", "model_names"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 50257
+    seq: int = 1024
+    hidden: int = 768
+    blocks: int = 12
+    heads: int = 12
+    dropout: float = 0.0
+    tied: bool = True
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.heads = c.heads
+        self.qkv = nn.Linear(c.hidden, 3 * c.hidden)
+        self.proj = nn.Linear(c.hidden, c.hidden)
+        self.dropout = c.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)  # 3 x (b, t, c)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))  # (b, h, t, d)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)  # (b, h, t, d)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))  # (b, t, c)
+
+
+class _Block(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(c.hidden)
+        self.attn = _Attention(c)
+        self.ln_2 = nn.LayerNorm(c.hidden)
+        self.mlp = nn.Sequential(nn.Linear(c.hidden, 4 * c.hidden), nn.GELU(), nn.Linear(4 * c.hidden, c.hidden),
+                                 nn.Dropout(c.dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A nanoGPT-style decoder (GPT-2/GPT-3 architecture) with tied embedding and head.
+
+    `forward(idx)` takes token ids (batch, seq) and returns logits (batch, seq, vocab).
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab, config.hidden)
+        self.wpe = nn.Embedding(config.seq, config.hidden)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList(_Block(config) for _ in range(config.blocks))
+        self.ln_f = nn.LayerNorm(config.hidden)
+        self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
+        if config.tied:
+            self.lm_head.weight = self.wte.weight
+        if not any(p.is_meta for p in self.parameters()):
+            self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)  # (t,)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (b, t, c)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (b, t, vocab)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def _gpt(hidden: int, blocks: int, heads: int) -> Callable[..., nn.Module]:
+    def make(*, seq: int) -> nn.Module:
+        return GPT(GPTConfig(hidden=hidden, blocks=blocks, heads=heads, seq=max(seq, 1024)))
+    return make
+
+
+def _hf(kind: str, **cfg) -> Callable[..., nn.Module]:
+    def make(*, seq: int) -> nn.Module:
+        import transformers as tf
+
+        if kind == "gpt2":
+            config = tf.GPT2Config(n_positions=max(seq, 1024), use_cache=False, **cfg)
+            return tf.GPT2LMHeadModel(config)
+        if kind == "llama":
+            config = tf.LlamaConfig(max_position_embeddings=max(seq, 2048), use_cache=False, **cfg)
+            return tf.LlamaForCausalLM(config)
+        if kind == "opt":
+            config = tf.OPTConfig(max_position_embeddings=max(seq, 2048), use_cache=False, **cfg)
+            return tf.OPTForCausalLM(config)
+        raise AssertionError(kind)
+    return make
+
+
+MODELS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
+    "gpt2": ("GPT-2 small, 124M (HF GPT2Config)", _hf("gpt2", n_embd=768, n_layer=12, n_head=12)),
+    "gpt2-medium": ("GPT-2 medium, 355M", _hf("gpt2", n_embd=1024, n_layer=24, n_head=16)),
+    "gpt2-large": ("GPT-2 large, 774M", _hf("gpt2", n_embd=1280, n_layer=36, n_head=20)),
+    "gpt2-xl": ("GPT-2 XL, 1.5B", _hf("gpt2", n_embd=1600, n_layer=48, n_head=25)),
+    "gpt3-3b": ("GPT-3-like 2.7B: hidden 2560, 32 blocks (Mobius paper sizes)", _gpt(2560, 32, 32)),
+    "gpt3-8b": ("GPT-3-like 8.3B: hidden 3072, 72 blocks", _gpt(3072, 72, 24)),
+    "gpt3-15b": ("GPT-3-like 15.8B: hidden 4096, 78 blocks", _gpt(4096, 78, 32)),
+    "llama-7b": ("Llama-like 7B: hidden 4096, 32 layers, MLP 11008, vocab 32000", _hf(
+        "llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32,
+        vocab_size=32000)),
+    "llama-8b": ("Llama-3.1-8B-like: hidden 4096, 32 layers, MLP 14336, vocab 128256, 8 KV heads", _hf(
+        "llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256)),
+    "llama-13b": ("Llama-like 13B: hidden 5120, 40 layers, MLP 13824", _hf(
+        "llama", hidden_size=5120, num_hidden_layers=40, intermediate_size=13824, num_attention_heads=40,
+        vocab_size=32000)),
+    "opt-1.3b": ("OPT-like 1.3B: hidden 2048, 24 layers", _hf(
+        "opt", hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32, vocab_size=50272,
+        word_embed_proj_dim=2048)),
+    "opt-6.7b": ("OPT-like 6.7B: hidden 4096, 32 layers", _hf(
+        "opt", hidden_size=4096, num_hidden_layers=32, ffn_dim=16384, num_attention_heads=32, vocab_size=50272,
+        word_embed_proj_dim=4096)),
+}
+
+
+def model_names() -> list[str]:
+    return list(MODELS)
+
+
+def build(name: str, *, batch: int = 8, seq: int = 1024, device: str | torch.device = "meta"):
+    """(model, example_inputs) for a zoo name or a `module:factory` spec, on `device`."""
+    with torch.device(device):
+        if ":" in name:
+            mod_name, _, fn_name = name.partition(":")
+            try:
+                factory = getattr(importlib.import_module(mod_name), fn_name)
+            except (ImportError, AttributeError) as e:
+                raise MobiusError(f"cannot load the model factory {name!r} ({e}); give `module:function` "
+                                  f"where `module` is importable from the current directory") from e
+            out = factory(batch=batch, seq=seq, device=device)
+        else:
+            if name not in MODELS:
+                raise MobiusError(f"unknown model {name!r}; known models: {', '.join(MODELS)}; "
+                                  f"or give your own as module:factory")
+            out = MODELS[name][1](seq=seq)
+        if isinstance(out, tuple):
+            return out
+        vocab = _vocab(out)
+        idx = torch.randint(0, vocab, (batch, seq)) if str(device) != "meta" else torch.zeros(batch, seq, dtype=torch.long)
+        return out, (idx,)
+
+
+def _vocab(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    for attr in ("vocab", "vocab_size"):
+        if cfg is not None and hasattr(cfg, attr):
+            return int(getattr(cfg, attr))
+    return 2
+
