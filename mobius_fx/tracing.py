@@ -281,7 +281,7 @@ def _check_runs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> str:
     meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, _meta_like, (args, kwargs))
     try:
         with torch.no_grad():
-            torch.func.functional_call(gm, meta_state, meta_args, meta_kwargs, strict=False)
+            torch.func.functional_call(gm, meta_state, meta_args, meta_kwargs, strict=False, tie_weights=False)
         return ""
     except Exception as e:
         meta_error = _first_line(e)
@@ -291,7 +291,7 @@ def _check_runs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> str:
     state = {k: (v.detach().clone() if not isinstance(v, nn.Parameter) else v) for k, v in _state(gm).items()}
     try:
         with torch.no_grad():
-            torch.func.functional_call(gm, state, args, kwargs, strict=False)
+            torch.func.functional_call(gm, state, args, kwargs, strict=False, tie_weights=False)
         return ""
     except Exception as e:
         return _first_line(e)

@@ -1,0 +1,277 @@
+"""The partitioner: exact evaluation of fixed cuts, brute force, the MIP, errors and the cache."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from mobius_fx import PlanError
+from mobius_fx.costs import LayerCost
+from mobius_fx.plans import MemoryModel, stage_memory
+from mobius_fx.passes import partition as P
+from mobius_fx.passes.partition import (
+    PartitionProblem, brute_force, evaluate, heuristic, plan_stage_count_candidates, solve,
+)
+
+GiB = 2**30
+
+
+def layer(name: str, fwd: float = 1.0, bwd: float = 2.0, params: int = 10, out: int = 0, peak: int = 0,
+          grad: int | None = None, sig: str = "") -> LayerCost:
+    return LayerCost(name, (name,), 0.0, 0.0, fwd, bwd, params, params if grad is None else grad, out, peak,
+                     signature=sig)
+
+
+def problem(layers, *, gpus: int = 1, m: int = 1, cap: float = 1e9, up: float = 10.0, down: float = 10.0,
+            hop: float = 10.0, frac: float = 1.0, dtype=None) -> PartitionProblem:
+    layers = tuple(layers)
+    return PartitionProblem(layers, m, tuple(f"gpu{i}" for i in range(gpus)), (int(cap),) * gpus, (up,) * gpus,
+                            (down,) * gpus, (hop,) * gpus, MemoryModel.for_layers(layers, m, dtype), frac)
+
+
+def gpt_8b_problem(*, gpus: int = 8, microbatches: int = 8) -> PartitionProblem:
+    """The ~8.3B GPT of the paper's testbed, as numbers: 72 blocks of 113M params (fp16 226 MB),
+    embedding, ln_f and a tied lm_head; batch 8 x 1024 tokens; a 3090 Ti at 60% of 80 TFLOP/s
+    (a block's forward ~40 ms), 24 GiB GPUs at 0.9, 6.5 GB/s up and down, 5 GB/s GPU->GPU."""
+    h, vocab, seq, batch, rate = 3072, 50257, 1024, 8, 80e12 * 0.6
+    tok = seq * batch
+
+    def lc(name, params, flops, out, peak):
+        return LayerCost(name, (name,), flops, 2 * flops, flops / rate, 3 * flops / rate, params * 4, params * 4,
+                         out, peak)
+
+    blk = 12 * h * h + 13 * h
+    layers = [lc("transformer.wte", (vocab + seq) * h, 2 * tok * h, tok * h * 4, tok * h * 8)]
+    layers += [lc(f"transformer.h.{i}", blk, 2 * blk * tok + 4 * seq * seq * h * batch, tok * h * 4,
+                  batch * 24 * seq * seq * 4 + tok * 4 * h * 8) for i in range(72)]
+    layers += [lc("transformer.ln_f", 2 * h, 10 * tok * h, tok * h * 4, tok * h * 8),
+               lc("lm_head", 0, 2 * tok * h * vocab, tok * vocab * 4, tok * vocab * 8)]
+    cap = int(24 * GiB * 0.9)
+    return PartitionProblem(tuple(layers), microbatches, tuple(f"gpu{i}" for i in range(gpus)), (cap,) * gpus,
+                            (6.5e9,) * gpus, (6.5e9,) * gpus, (5e9,) * gpus,
+                            MemoryModel.for_layers(layers, microbatches, "float16"), 0.9)
+
+
+# ------------------------------------------------------------------------------ evaluate
+def test_evaluate_hides_the_whole_upload_when_the_previous_span_is_long_enough():
+    # One GPU, two stages of W=10 B at 10 B/s: stage 1's upload fits in stage 0's 1 s span.
+    ev = evaluate(problem([layer("a"), layer("b")]), (0, 1))
+    assert ev.fwd_start == ((1.0,), (2.0,))
+    assert ev.prefetch_fwd == (0.0, 10.0)
+    assert ev.bwd_start == ((5.0,), (3.0,))
+    assert ev.makespan == pytest.approx(7.0 + 10 / 10)  # + stage 0's gradient download
+
+
+def test_evaluate_prefetch_is_limited_by_bandwidth_times_the_previous_span():
+    # At 5 B/s only 5 of stage 1's 10 B move during stage 0's 1 s forward; the rest waits 1 s.
+    ev = evaluate(problem([layer("a"), layer("b")], up=5.0, down=5.0), (0, 1))
+    assert ev.fwd_start == ((2.0,), (4.0,))
+    assert ev.prefetch_fwd == (0.0, 5.0)
+    assert ev.prefetch_bwd == (10.0, 0.0)  # stage 1's 2 s backward hides all of stage 0
+    assert ev.makespan == pytest.approx(9.0 + 10 / 5)
+
+
+def test_evaluate_prefetch_is_limited_by_free_memory():
+    # Capacity 35 B: stage 0 (10 B weights, 20 B in backward with its gradients) leaves only
+    # 35 - 10 = 25 B in forward for the 10 B prefetch, but the double buffer (20 + 20 > 35) fails.
+    p = problem([layer("a"), layer("b")], cap=35)
+    assert evaluate(p, (0, 1)) is None
+    assert evaluate(problem([layer("a"), layer("b")], cap=40), (0, 1)) is not None
+
+
+def test_evaluate_waits_for_the_activation_hop():
+    ls = [layer("a", out=20), layer("b")]
+    ev = evaluate(problem(ls, gpus=2, hop=10.0), (0, 1))
+    # stage 1 starts after stage 0 (1 s upload + 1 s compute) plus 20 B / 10 B/s
+    assert ev.fwd_start[1][0] == pytest.approx(1.0 + 1.0 + 2.0)
+
+
+def test_evaluate_memory_equals_plans_stage_memory():
+    ls = [layer("a", params=7, out=3, peak=5), layer("b", params=4, out=9, peak=8), layer("c", params=6, out=2)]
+    p = problem(ls, gpus=2, m=2)
+    ev = evaluate(p, (0, 1))
+    assert (ev.fwd_mem[0], ev.bwd_mem[0]) == pytest.approx(stage_memory(ls[:1], None, p.memory))
+    assert (ev.fwd_mem[1], ev.bwd_mem[1]) == pytest.approx(stage_memory(ls[1:], ls[0], p.memory))
+
+
+def test_evaluate_rejects_malformed_boundaries():
+    with pytest.raises(PlanError, match="must start at 0"):
+        evaluate(problem([layer("a"), layer("b")]), (1,))
+    with pytest.raises(PlanError, match="increase strictly"):
+        evaluate(problem([layer("a"), layer("b")]), (0, 0))
+
+
+def test_micro_batches_pipeline_across_gpus():
+    # Two GPUs, two micro-batches, resident stages: the second GPU starts micro-batch 0 while
+    # the first runs micro-batch 1 (the classic GPipe fill), not after both.
+    p = problem([layer("a"), layer("b")], gpus=2, m=2, up=1e12, down=1e12, hop=math.inf)
+    ev = evaluate(p, (0, 1))
+    assert ev.fwd_start[1] == pytest.approx((0.5, 1.0))
+
+
+# ---------------------------------------------------------------------------- candidates
+def test_small_models_search_every_stage_count():
+    assert plan_stage_count_candidates(5, 8) == (1, 2, 3, 4, 5)
+    assert plan_stage_count_candidates(8, 2) == tuple(range(1, 9))
+
+
+def test_large_models_search_multiples_of_the_gpu_count():
+    assert plan_stage_count_candidates(75, 8) == (8, 16, 24, 32, 40, 48, 56, 64, 72)
+
+
+def test_identical_layers_form_one_run():
+    ls = [layer("emb", params=50)] + [layer(f"h{i}") for i in range(6)] + [layer("head", fwd=3.0)]
+    assert P._runs(problem(ls)) == [(0, 1), (1, 6), (7, 1)]
+
+
+def test_model_size_does_not_grow_with_the_number_of_identical_blocks():
+    def ints(blocks):
+        ls = [layer("emb", params=50)] + [layer(f"h{i}") for i in range(blocks)] + [layer("head", fwd=3.0)]
+        p = problem(ls, gpus=2, m=2)
+        mip = P._build_mip(p, P._Fast(p), P._runs(p), 4)
+        return sum(1 for v in mip.lp.variables() if v.cat == "Integer")
+    assert ints(10) == ints(40)
+
+
+# ---------------------------------------------------------------------------------- solve
+def test_solve_matches_brute_force(tmp_path):
+    ls = [layer("a", 1, 2, 30, 4), layer("b", 2, 3, 10, 2), layer("c", 1, 2, 30, 4), layer("d", 3, 1, 20, 1),
+          layer("e", 1, 1, 40, 3)]
+    p = problem(ls, gpus=2, m=3, cap=150, up=20, hop=8)
+    best = brute_force(p)
+    got = solve(p, cache_dir=tmp_path, time_limit=10)
+    assert got.makespan == pytest.approx(best.makespan, rel=1e-6)
+    assert got.solver.status == "optimal" and got.solver.gap <= 1e-4
+
+
+def test_solve_reports_the_chosen_model_and_candidates(tmp_path):
+    p = problem([layer(n) for n in "abcd"], gpus=2, m=2)
+    r = solve(p, cache_dir=tmp_path)
+    assert r.solver.name in ("highs", "cbc")
+    assert r.solver.variables > 0 and r.solver.constraints > 0
+    assert r.solver.stage_counts == (1, 2, 3, 4)
+    assert r.solver.objective == pytest.approx(r.makespan)
+    assert r.boundaries[0] == 0 and len(r.prefetch_fwd) == len(r.boundaries) == len(r.prefetch_bwd)
+
+
+def test_cbc_and_highs_agree(tmp_path):
+    ls = [layer("a", 1, 2, 30, 4), layer("b", 2, 3, 10, 2), layer("c", 1, 2, 30, 4), layer("d", 3, 1, 20, 1)]
+    p = problem(ls, gpus=2, m=2, cap=120, up=15)
+    a = solve(p, solver="cbc", cache_dir=tmp_path / "a")
+    b = solve(p, solver="highs", cache_dir=tmp_path / "b")
+    assert a.solver.name == "cbc" and b.solver.name == "highs"
+    assert a.makespan == pytest.approx(b.makespan, rel=1e-6)
+
+
+def test_heuristic_is_feasible_and_never_beats_the_optimum():
+    ls = [layer("a", 1, 2, 30, 4), layer("b", 2, 3, 10, 2), layer("c", 1, 2, 30, 4), layer("d", 3, 1, 20, 1)]
+    p = problem(ls, gpus=2, m=2, cap=120, up=15)
+    h, best = heuristic(p), brute_force(p)
+    assert evaluate(p, h.boundaries).makespan == pytest.approx(h.makespan)
+    assert h.makespan >= best.makespan * (1 - 1e-12)
+
+
+def test_explicit_stage_counts_are_respected(tmp_path):
+    p = problem([layer(n) for n in "abcdef"], gpus=2, m=2)
+    assert len(solve(p, stage_counts=[4], cache_dir=tmp_path).boundaries) == 4
+    with pytest.raises(PlanError, match="within 1..6"):
+        solve(p, stage_counts=[7], cache_dir=tmp_path)
+
+
+def test_unknown_solver_is_rejected(tmp_path):
+    with pytest.raises(PlanError, match="'highs' or 'cbc'"):
+        solve(problem([layer("a")]), solver="gurobi", cache_dir=tmp_path)
+
+
+# --------------------------------------------------------------------------------- errors
+def test_a_layer_too_big_for_any_gpu_is_named_with_its_numbers(tmp_path):
+    ls = [layer("transformer.h.0", params=GiB // 4), layer("transformer.h.3", params=GiB, peak=GiB // 2),
+          layer("transformer.h.4", params=GiB // 4)]
+    p = problem(ls, gpus=2, cap=2.2 * GiB * 0.9, frac=0.9)
+    with pytest.raises(PlanError) as e:
+        solve(p, cache_dir=tmp_path)
+    msg = str(e.value)
+    assert "transformer.h.3" in msg and "gpu0" in msg
+    assert "1.98 GiB usable" in msg and "memory_fraction 0.9 of 2.20 GiB" in msg
+    assert "weights 1.00 GiB" in msg and "half precision" in msg
+
+
+def test_no_fitting_partition_names_the_closest_plans_overfull_rule(tmp_path):
+    # Each layer fits alone (6 B of 10) but no two of them fit together or on one GPU.
+    p = problem([layer("a", params=3), layer("b", params=3), layer("c", params=3)], gpus=2, cap=10)
+    with pytest.raises(PlanError) as e:
+        solve(p, cache_dir=tmp_path)
+    msg = str(e.value)
+    assert "no partition into S in (1, 2, 3) stages fits" in msg
+    assert "need" in msg and "12 B" in msg and "which has 10 B usable" in msg and "boundaries (0," in msg
+
+
+def test_an_overfull_double_buffer_is_described_with_both_stages():
+    p = problem([layer("a", params=3), layer("b", params=3)], gpus=1, cap=10)
+    ratio, text = P._worst_row(p, (0, 1))
+    assert ratio == pytest.approx(1.2)
+    assert text == "stages 0 and 1 (a and b) need 12 B together in backward (the double buffer) on gpu0, which has 10 B usable"
+
+
+def test_problem_validation_names_the_bad_value():
+    with pytest.raises(PlanError, match="up bandwidth of gpu0 is 0"):
+        problem([layer("a")], up=0.0)
+    with pytest.raises(PlanError, match="microbatches=0"):
+        PartitionProblem((layer("a"),), 0, ("gpu0",), (1,), (1.0,), (1.0,), (1.0,), MemoryModel(1))
+
+
+# ---------------------------------------------------------------------------------- cache
+def test_a_second_solve_is_served_from_the_cache(tmp_path):
+    p = problem([layer(n) for n in "abcd"], gpus=2, m=2)
+    first = solve(p, cache_dir=tmp_path)
+    again = solve(p, cache_dir=tmp_path)
+    assert not first.solver.cached and again.solver.cached
+    assert again.boundaries == first.boundaries and again.makespan == first.makespan
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_changed_numbers_miss_the_cache(tmp_path):
+    solve(problem([layer(n) for n in "abcd"], gpus=2, m=2), cache_dir=tmp_path)
+    other = solve(problem([layer(n) for n in "abcd"], gpus=2, m=2, up=11.0), cache_dir=tmp_path)
+    assert not other.solver.cached
+
+
+def test_the_cache_dir_defaults_to_the_environment_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOBIUS_FX_CACHE", str(tmp_path))
+    solve(problem([layer("a"), layer("b")]))
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+# ---------------------------------------------------------------------------- topology
+def test_from_topology_reads_capacity_and_routes():
+    from mobius_fx.topology import Topology
+    topo = Topology.preset("mobius-testbed")
+    order = ("gpu0", "gpu4", "gpu1", "gpu5")
+    p = PartitionProblem.from_topology([layer("a"), layer("b")], topo, microbatches=2, order=order,
+                                       memory_fraction=0.5, dtype="float16")
+    assert p.gpus == order and p.capacity == (12 * GiB,) * 4
+    assert p.up == (topo.bandwidth("dram", "gpu0"),) + (6.5e9,) * 3
+    assert p.hop[0] == topo.bandwidth("gpu0", "gpu4") and p.hop[3] == topo.bandwidth("gpu5", "gpu0")
+    assert p.memory.weight_scale == 0.5
+
+
+def test_from_topology_rejects_an_unknown_gpu():
+    from mobius_fx.topology import Topology
+    with pytest.raises(PlanError, match="distinct GPUs"):
+        PartitionProblem.from_topology([layer("a")], Topology.virtual(gpus=2), microbatches=1, order=("gpu9",))
+
+
+# ------------------------------------------------------------------------ the 8.3B GPT
+@pytest.mark.slow
+def test_gpt_8b_on_the_testbed_uses_more_stages_than_gpus_within_budget(tmp_path):
+    p = gpt_8b_problem()
+    t0 = time.perf_counter()
+    r = solve(p, time_limit=8.0, cache_dir=tmp_path)
+    wall = time.perf_counter() - t0
+    assert len(r.boundaries) > 8
+    assert wall < 12.0
+    assert r.makespan <= heuristic(p, time_limit=1.0).makespan * (1 + 1e-9)
+    assert 0.0 <= r.solver.gap < 1.0  # ~2% on an idle machine; honest (larger) when time runs short
+    assert evaluate(p, r.boundaries).makespan == pytest.approx(r.makespan)
