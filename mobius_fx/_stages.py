@@ -51,9 +51,18 @@ def partition_pass(gm, ctx: CompileContext):
 
 def cross_map_pass(gm, ctx: CompileContext):
     from .passes.cross_map import cross_map
+    from .plans import MemoryModel
 
-    ctx.order = tuple(cross_map(ctx.topology, num_stages=len(ctx.partition.boundaries),
-                                method=ctx.settings.get("cross_map", "contention")))
+    s = ctx.settings
+    cuts = list(ctx.partition.boundaries) + [len(ctx.layers)]
+    mm = MemoryModel.for_layers(ctx.layers, s.get("microbatches", 1), s.get("dtype"))
+    stages = [ctx.layers[a:b] for a, b in zip(cuts, cuts[1:])]
+    # What each stage uploads: the bytes the cost model weighs against shared links. Activation
+    # hops are left out: weighed in, they pulled neighbours under one root complex, which the
+    # simulator measured as slower on mobius-testbed (uploads dominate the shared uplinks).
+    stage_bytes = [sum(l.param_bytes for l in st) * mm.weight_scale for st in stages]
+    ctx.order = tuple(cross_map(ctx.topology, num_stages=len(stages), stage_bytes=stage_bytes,
+                                method=s.get("cross_map", "contention")))
     return None
 
 

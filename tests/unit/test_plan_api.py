@@ -1,0 +1,67 @@
+"""mobius_fx.plan end to end: trace -> annotate -> partition -> cross_map -> Plan."""
+
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mobius_fx
+from mobius_fx import PlanError, Topology
+from mobius_fx.zoo import GPT, GPTConfig
+
+
+def _mlp(width=64, depth=6):
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)])
+
+
+def test_plan_of_a_small_mlp_prints_stage_and_transfer_tables(tmp_path):
+    topo = Topology.virtual(gpus=2, memory="256KiB")
+    plan = mobius_fx.plan(_mlp(), topo, example_inputs=(torch.randn(8, 64),), microbatches=2,
+                          cache_dir=str(tmp_path), verbose=False)
+    assert plan.num_stages >= 2 and plan.microbatches == 2
+    assert {s.gpu for s in plan.stages} == {"gpu0", "gpu1"}
+    text = str(plan)
+    for column in ("stage", "gpu", "root", "layers", "weights", "peak / capacity", "upload hidden",
+                   "kind", "from -> to", "route"):
+        assert column in text
+    assert "predicted step" in text and plan.solver.status in text
+
+
+def test_every_layer_lands_in_exactly_one_stage_in_order(tmp_path):
+    plan = mobius_fx.plan(_mlp(depth=5), Topology.virtual(gpus=2, memory="256KiB"), example_inputs=(torch.randn(4, 64),),
+                          cache_dir=str(tmp_path), verbose=False)
+    assert [n for s in plan.stages for n in s.layers] == [l.name for l in plan.layers]
+
+
+def test_a_layer_too_big_for_any_gpu_is_a_plan_error_naming_it(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4096), nn.Linear(4096, 8))
+    with pytest.raises(PlanError, match=r"GiB|MiB|KiB") as e:
+        mobius_fx.plan(model, Topology.virtual(gpus=2, memory="16KiB"), example_inputs=(torch.randn(2, 8),),
+                       cache_dir=str(tmp_path), verbose=False)
+    assert "gpu" in str(e.value) and "memory" in str(e.value)
+
+
+def test_planning_leaves_the_model_untouched(tmp_path):
+    model = _mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mobius_fx.plan(model, Topology.virtual(gpus=2, memory="256KiB"), example_inputs=(torch.randn(8, 64),),
+                   cache_dir=str(tmp_path), verbose=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_gpt3_8b_on_the_paper_server_plans_in_under_a_minute(tmp_path):
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(GPTConfig(hidden=3072, blocks=72, heads=24))
+        ids = torch.zeros(8, 1024, dtype=torch.long)
+    plan = mobius_fx.plan(model, "mobius-testbed", example_inputs=(ids,), microbatches=8, dtype=torch.float16,
+                          cache_dir=str(tmp_path), verbose=False)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 60
+    assert plan.num_stages > 8
+    roots = [s.root_complex for s in plan.stages]
+    assert all(a != b for a, b in zip(roots, roots[1:])), roots
+    assert all(s.peak_bytes <= s.capacity for s in plan.stages)
