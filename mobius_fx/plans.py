@@ -47,7 +47,7 @@ class SolverInfo:
     cached: bool = False
 
     def __str__(self) -> str:
-        gap = "n/a" if self.gap != self.gap else f"{self.gap:.1%}"
+        gap = "n/a" if self.gap != self.gap or self.gap == float("inf") else f"{self.gap:.1%}"  # NaN or inf
         return (f"{self.name} {self.status} (gap {gap}, {self.wall_time:.2f} s, "
                 f"{self.variables} vars, {self.constraints} constraints{', cached' if self.cached else ''})")
 

@@ -6,7 +6,8 @@ The schedule model is docs/schedule.md, encoded three ways that must agree:
   over stages; see "Why a forward pass is exact" below). The reference for everything else.
 * `brute_force(problem)` — every cut set through `evaluate`; small instances only.
 * `solve(problem)` — a mixed-integer program in PuLP (HiGHS or CBC), warm-started by
-  `heuristic(problem)` (balanced cuts + local search through the same model).
+  `heuristic(problem)` (balanced cuts + local search through the same model). The program
+  and the solver driving live in passes/_partition_mip.py.
 
 The MIP decides only stage boundaries. A model is a few runs of identical layers (a GPT is
 embedding + 72 equal blocks + head), so a cut k picks one run r (binary `z[k,r]`) and how many
@@ -22,6 +23,8 @@ p_k = min(W_k, up·span, free) is optimal, which gives
 `F[k][0] >= max(E, F[k-N][0] + W_k/up, E + (W_k - free)/up)`: a max of non-decreasing
 functions of earlier starts. Hence the least start times (a longest path, computed stage
 by stage) are optimal, and delaying an earlier stage to lengthen its span never helps.
+The end of the step is the last gradient download: downloads queue per GPU,
+`D_k = max(B[k][M-1] + b_k, D_{k+N}) + G_k/down_k`, again a max of earlier times.
 The MIP uses the same elimination of p, and drops two implied rows: `p_k <= free` and
 `q_k <= free` follow from the double buffer (W_k <= mem_k), and the forward double buffer
 follows from the backward one (bwd_mem >= fwd_mem for the same pair of stages).
@@ -37,10 +40,7 @@ import itertools
 import json
 import math
 import os
-import re
-import tempfile
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -51,6 +51,8 @@ from mobius_fx.costs import LayerCost
 from mobius_fx.errors import PlanError
 from mobius_fx.plans import MemoryModel, SolverInfo, stage_memory
 from mobius_fx.units import fmt_bytes, fmt_time
+
+from ._partition_mip import _build_mip, _cuts_of, _Mip, _run_solver, _warm
 
 __all__ = [
     "PartitionProblem", "PartitionResult", "Evaluation", "evaluate", "brute_force", "heuristic",
@@ -67,8 +69,10 @@ class PartitionProblem:
     """Pure numbers the partitioner needs; no Topology, so the solver is testable alone.
 
     `layers` hold whole-example-batch costs; stage k runs on GPU slot k % N. `up`/`down` are
-    DRAM<->GPU bytes/s per slot, `hop[i]` bytes/s from slot i to slot (i+1) % N (inf when it is
-    the same GPU). `capacity` is usable bytes per slot; `memory_fraction` only feeds messages.
+    DRAM<->GPU bytes/s per slot, `hop[i]` bytes/s from slot i to slot (i+1) % N (forward
+    activations; inf when it is the same GPU), `hop_back[i]` bytes/s from slot (i+1) % N back
+    to slot i (backward gradients; None: the same as `hop`, for symmetric links). `capacity`
+    is usable bytes per slot; `memory_fraction` only feeds messages.
     """
 
     layers: tuple[LayerCost, ...]
@@ -80,6 +84,16 @@ class PartitionProblem:
     hop: tuple[float, ...]
     memory: MemoryModel
     memory_fraction: float = 1.0
+    hop_back: tuple[float, ...] | None = None
+
+    @property
+    def backward_hop(self) -> tuple[float, ...]:
+        """Bytes/s of the gradient hop from slot (i+1) % N to slot i: `hop_back`, else `hop`.
+
+        (None is kept as None rather than filled in, so `dataclasses.replace(p, hop=...)`
+        changes both directions of a symmetric problem.)
+        """
+        return self.hop if self.hop_back is None else self.hop_back
 
     def __post_init__(self) -> None:
         n = len(self.gpus)
@@ -102,6 +116,14 @@ class PartitionProblem:
         for g, x in zip(self.gpus, self.hop):
             if not x > 0:
                 raise PlanError(f"hop bandwidth from {g} is {x}; give a positive bytes/s (inf for the same GPU)")
+        if self.hop_back is not None:
+            if len(self.hop_back) != n:
+                raise PlanError(f"{n} GPU slots but hop_back has length {len(self.hop_back)}; give one value "
+                                "per GPU slot (or None for the same as hop)")
+            for i, x in enumerate(self.hop_back):
+                if not x > 0:
+                    raise PlanError(f"hop_back bandwidth from {self.gpus[(i + 1) % n]} to {self.gpus[i]} is {x}; "
+                                    "give a positive bytes/s (inf for the same GPU)")
 
     @staticmethod
     def from_topology(layers: Sequence[LayerCost], topology: Any, *, microbatches: int,
@@ -119,15 +141,19 @@ class PartitionProblem:
         if unknown or len(set(names)) != len(names):
             raise PlanError(f"order {names} must list distinct GPUs of the topology ({', '.join(by_name)})")
         n = len(names)
-        hop = tuple(math.inf if names[i] == names[(i + 1) % n]
-                    else float(topology.bandwidth(names[i], names[(i + 1) % n])) for i in range(n))
+
+        def bw(a: str, b: str) -> float:
+            return math.inf if a == b else float(topology.bandwidth(a, b))
+
+        hop = tuple(bw(names[i], names[(i + 1) % n]) for i in range(n))
+        hop_back = tuple(bw(names[(i + 1) % n], names[i]) for i in range(n))
         return PartitionProblem(
             layers=tuple(layers), microbatches=microbatches, gpus=names,
             capacity=tuple(int(by_name[g].memory * memory_fraction) for g in names),
             up=tuple(float(topology.bandwidth("dram", g)) for g in names),
             down=tuple(float(topology.bandwidth(g, "dram")) for g in names),
             hop=hop, memory=MemoryModel.for_layers(layers, microbatches, dtype),
-            memory_fraction=memory_fraction,
+            memory_fraction=memory_fraction, hop_back=hop_back,
         )
 
 
@@ -146,7 +172,8 @@ class PartitionResult:
 
 @dataclass(frozen=True)
 class Evaluation:
-    """The schedule of fixed cuts: start times F[k][i] / B[k][i], prefetches and memory."""
+    """The schedule of fixed cuts: start times F[k][i] / B[k][i], prefetches, memory, and
+    `grad_done[k]` = D_k, when stage k's gradients are in DRAM (makespan = max of them)."""
 
     boundaries: tuple[int, ...]
     makespan: float
@@ -156,6 +183,7 @@ class Evaluation:
     bwd_start: tuple[tuple[float, ...], ...]
     fwd_mem: tuple[float, ...]
     bwd_mem: tuple[float, ...]
+    grad_done: tuple[float, ...]
 
 
 # ------------------------------------------------------------------------ exact evaluation
@@ -208,7 +236,9 @@ def _timeline(problem: PartitionProblem, st: _Stages, full: bool = False):
     """Least start times of docs/schedule.md for fixed stages; returns makespan (and detail)."""
     n, m, s = len(problem.gpus), problem.microbatches, len(st.f)
     up, cap = problem.up, problem.capacity
-    hop_t = [st.out[k] / problem.hop[k % n] if problem.hop[k % n] != math.inf else 0.0 for k in range(s)]
+    # out_k over the link stage k -> k+1 (forward) and k+1 -> k (backward); 0 on the same GPU
+    hop_t = [st.out[k] / problem.hop[k % n] for k in range(s)]
+    hop_back_t = [st.out[k] / problem.backward_hop[k % n] for k in range(s)]
     f, b, w = st.f, st.b, st.w
     F: list[list[float]] = []
     p = [0.0] * s
@@ -245,15 +275,21 @@ def _timeline(problem: PartitionProblem, st: _Stages, full: bool = False):
             q[k] = max(0.0, min(w[k], up[sl] * (end - nxt[0]), cap[sl] - st.bmem[k + n]))
             t0 = end + (w[k] - q[k]) / up[sl]
         after = B[k + 1] if k < s - 1 else None
-        gap = b[k + 1] + hop_t[k] if k < s - 1 else 0.0
+        gap = b[k + 1] + hop_back_t[k] if k < s - 1 else 0.0
         row, t = B[k], t0
         for i in range(m):
             if after is not None and after[i] + gap > t:
                 t = after[i] + gap
             row[i] = t
             t += b[k]
-    makespan = B[0][m - 1] + b[0] + st.g[0] / problem.down[0]
-    return (makespan, p, q, F, B) if full else makespan
+    D = [0.0] * s  # gradient downloads queue per GPU: stage k's after stage k+N's
+    for k in range(s - 1, -1, -1):
+        ready = B[k][m - 1] + b[k]
+        if k + n < s and D[k + n] > ready:
+            ready = D[k + n]
+        D[k] = ready + st.g[k] / problem.down[k % n]
+    makespan = max(D)
+    return (makespan, p, q, F, B, D) if full else makespan
 
 
 def evaluate(problem: PartitionProblem, boundaries: Sequence[int]) -> Evaluation | None:
@@ -268,9 +304,9 @@ def evaluate(problem: PartitionProblem, boundaries: Sequence[int]) -> Evaluation
     st = _stages_reference(problem, cuts)
     if _memory_violation(problem, st) > 0:
         return None
-    makespan, p, q, F, B = _timeline(problem, st, full=True)
+    makespan, p, q, F, B, D = _timeline(problem, st, full=True)
     return Evaluation(cuts, makespan, tuple(p), tuple(q), tuple(map(tuple, F)), tuple(map(tuple, B)),
-                      tuple(st.fmem), tuple(st.bmem))
+                      tuple(st.fmem), tuple(st.bmem), tuple(D))
 
 
 def _result(ev: Evaluation, info: SolverInfo) -> PartitionResult:
@@ -454,211 +490,6 @@ def _runs(problem: PartitionProblem) -> list[tuple[int, int]]:
     return runs
 
 
-@dataclass
-class _Mip:
-    lp: pulp.LpProblem
-    s: int
-    scale: float  # seconds per objective unit
-    z: dict  # (k, r) -> var; cut k falls after a layer of run r
-    t: dict  # (k, r) -> var or int multiplier (layers of run r before cut k)
-    F: list
-    B: list
-    T: pulp.LpVariable
-    infeasible: bool = False  # a constant memory row already fails (e.g. S = 1 too big)
-
-
-def _var(lp: pulp.LpProblem, name: str, lo: float | None = None, hi: float | None = None,
-         cat: str = pulp.LpContinuous) -> pulp.LpVariable:
-    if hasattr(lp, "add_variable"):  # PuLP >= 3.3 (the 4.0 API)
-        return lp.add_variable(name, lo, hi, cat=cat)
-    return pulp.LpVariable(name, lo, hi, cat=cat)  # pragma: no cover - older PuLP
-
-
-def _build_mip(problem: PartitionProblem, fast: _Fast, runs: list[tuple[int, int]], s: int) -> _Mip:
-    n, m, L = len(problem.gpus), problem.microbatches, len(problem.layers)
-    # Normalise: times in units of `scale` seconds, memory rows in units of capacity.
-    scale = max(fast.f[L] + fast.b[L] + fast.w[L] / min(problem.up) + fast.g[L] / min(problem.down), 1e-30)
-    lp = pulp.LpProblem(f"mobius_partition_S{s}", pulp.LpMinimize)
-    z, t = {}, {}
-    # A linear form of the prefix sums at each cut: {"f": expr, "b":..., "w":..., "g":..., "a":...}
-    at: list[dict[str, Any]] = [{q: 0.0 for q in "fbwga"}]
-    for k in range(1, s):
-        lo_layer, hi_layer = k - 1, L - s + k - 1  # the layer just before cut k
-        forms = {q: pulp.LpAffineExpression() for q in "fbwga"}
-        pos = pulp.LpAffineExpression()
-        for r, (start, length) in enumerate(runs):
-            t_lo, t_hi = max(1, lo_layer - start + 1), min(length, hi_layer - start + 1)
-            if t_lo > t_hi:
-                continue
-            zv = _var(lp, f"z_{k}_{r}", 0, 1, pulp.LpBinary)
-            z[k, r] = zv
-            if t_lo == t_hi:
-                tv: Any = t_lo * zv
-                t[k, r] = t_lo
-            else:
-                tv = _var(lp, f"t_{k}_{r}", 0, t_hi, pulp.LpInteger)
-                t[k, r] = tv
-                lp += tv >= t_lo * zv
-                lp += tv <= t_hi * zv
-            pos += start * zv + tv
-            per = {"f": fast.f[start + 1] - fast.f[start], "b": fast.b[start + 1] - fast.b[start],
-                   "w": fast.w[start + 1] - fast.w[start], "g": fast.g[start + 1] - fast.g[start]}
-            for q in "fbwg":
-                base = {"f": fast.f, "b": fast.b, "w": fast.w, "g": fast.g}[q][start]
-                forms[q] += base * zv + per[q] * tv
-            forms["a"] += fast.out[start] * zv
-        lp += pulp.lpSum(zv for (kk, _), zv in z.items() if kk == k) == 1, f"one_run_{k}"
-        forms["pos"] = pos
-        at.append(forms)
-    at.append({"f": fast.f[L], "b": fast.b[L], "w": fast.w[L], "g": fast.g[L], "a": fast.out[L - 1], "pos": L})
-    at[0]["pos"] = 0
-    for k in range(1, s):  # cuts in order, runs in order
-        lp += at[k + 1]["pos"] - at[k]["pos"] >= 1, f"order_{k}"
-        if k + 1 < s:
-            for r in range(len(runs)):
-                a = [z[k, rr] for rr in range(r + 1) if (k, rr) in z]
-                b = [z[k + 1, rr] for rr in range(r + 1) if (k + 1, rr) in z]
-                if b:
-                    lp += pulp.lpSum(a) >= pulp.lpSum(b), f"run_order_{k}_{r}"
-    part = lambda q, k: at[k + 1][q] - at[k][q]
-    f = [part("f", k) * (1 / scale) for k in range(s)]
-    b = [part("b", k) * (1 / scale) for k in range(s)]
-    w = [part("w", k) for k in range(s)]
-    bmem = [part("w", k) + part("g", k) + 2 * fast.work + m * (at[k]["a"] + at[k + 1]["a"]) for k in range(s)]
-    infeasible = False
-    for k in range(s):
-        cap = problem.capacity[k % n] * (1 + _MEM_TOL)
-        row = (bmem[k] + bmem[k + n] if k + n < s else bmem[k]) * (1 / cap)
-        if not isinstance(row, pulp.LpAffineExpression) or not row.keys():
-            infeasible |= float(row if not isinstance(row, pulp.LpAffineExpression) else row.constant) > 1
-        elif k + n < s or k < n:  # a stage k >= n is in the pair (k - n, k) already
-            lp += row <= 1, f"memory_{k}"
-    hop = [0.0 if problem.hop[k % n] == math.inf else 1 / (problem.hop[k % n] * scale) for k in range(s)]
-    F = [[_var(lp, f"F_{k}_{i}", 0) for i in range(m)] for k in range(s)]
-    B = [[_var(lp, f"B_{k}_{i}", 0) for i in range(m)] for k in range(s)]
-    for k in range(s):
-        upk = 1 / (problem.up[k % n] * scale)
-        if k < n:
-            lp += F[k][0] >= w[k] * upk, f"upload_{k}"
-        else:
-            lp += F[k][0] >= F[k - n][m - 1] + f[k - n], f"gpu_free_f{k}"
-            lp += F[k][0] >= F[k - n][0] + w[k] * upk, f"prefetch_f{k}"
-        for i in range(m):
-            if i:
-                lp += F[k][i] >= F[k][i - 1] + f[k], f"mb_f{k}_{i}"
-            if k:
-                lp += F[k][i] >= F[k - 1][i] + f[k - 1] + at[k]["a"] * hop[k - 1], f"act_f{k}_{i}"
-    for k in range(s - 1, -1, -1):
-        upk = 1 / (problem.up[k % n] * scale)
-        if k == s - 1:
-            lp += B[k][0] >= F[k][m - 1] + f[k], "turn"
-        elif k < s - n:
-            lp += B[k][0] >= B[k + n][m - 1] + b[k + n], f"gpu_free_b{k}"
-            lp += B[k][0] >= B[k + n][0] + w[k] * upk, f"prefetch_b{k}"
-        for i in range(m):
-            if i:
-                lp += B[k][i] >= B[k][i - 1] + b[k], f"mb_b{k}_{i}"
-            if k < s - 1:
-                lp += B[k][i] >= B[k + 1][i] + b[k + 1] + at[k + 1]["a"] * hop[k], f"grad_b{k}_{i}"
-    T = _var(lp, "makespan", 0)
-    lp += T >= B[0][m - 1] + b[0] + part("g", 0) * (1 / (problem.down[0] * scale)), "end"
-    lp += T
-    return _Mip(lp, s, scale, z, t, F, B, T, infeasible)
-
-
-def _warm(mip: _Mip, problem: PartitionProblem, runs: list[tuple[int, int]], cuts: Sequence[int]) -> None:
-    """Set initial values of every variable from a feasible cut set."""
-    for v in mip.lp.variables():
-        v.setInitialValue(0)
-    for k in range(1, mip.s):
-        layer = cuts[k] - 1
-        r = next(i for i, (a, n) in enumerate(runs) if a <= layer < a + n)
-        mip.z[k, r].setInitialValue(1)
-        if isinstance(mip.t[k, r], pulp.LpVariable):
-            mip.t[k, r].setInitialValue(layer - runs[r][0] + 1)
-    ev = evaluate(problem, cuts)
-    for k in range(mip.s):
-        for i in range(problem.microbatches):
-            mip.F[k][i].setInitialValue(ev.fwd_start[k][i] / mip.scale)
-            mip.B[k][i].setInitialValue(ev.bwd_start[k][i] / mip.scale)
-    mip.T.setInitialValue(ev.makespan / mip.scale)
-
-
-def _cuts_of(mip: _Mip, runs: list[tuple[int, int]]) -> tuple[int, ...]:
-    cuts = [0]
-    for k in range(1, mip.s):
-        r = max((key[1] for key in mip.z if key[0] == k), key=lambda r: mip.z[k, r].value() or 0)
-        tv = mip.t[k, r]
-        cuts.append(runs[r][0] + (round(tv.value()) if isinstance(tv, pulp.LpVariable) else tv))
-    return tuple(cuts)
-
-
-class _WarmHiGHS(pulp.HiGHS):
-    """PuLP's highspy interface plus a MIP start (PuLP 3.3 does not pass one to highspy)."""
-
-    def __init__(self, *args, warm: bool = False, **kw):
-        super().__init__(*args, **kw)
-        self.warm = warm
-
-    def callSolver(self, lp):
-        h = lp.solverModel
-        if self.warm:
-            import numpy as np
-            cols = lp.variables()
-            vals = np.array([v.varValue if v.varValue is not None else 0.0 for v in cols], dtype=np.float64)
-            h.setSolution(len(cols), np.arange(len(cols), dtype=np.int32), vals)
-        h.run()
-
-
-def _run_solver(mip: _Mip, solver: str, time_limit: float, gap_rel: float, warm: bool,
-                cutoff: float | None) -> tuple[str, float, float]:
-    """Solve; return (status, objective, best bound), both in objective units (inf if none)."""
-    lp = mip.lp
-    if solver == "highs":
-        import highspy
-        opts = {"mip_feasibility_tolerance": 1e-7}
-        if cutoff is not None:
-            opts["objective_bound"] = cutoff
-        cmd = _WarmHiGHS(msg=False, timeLimit=max(time_limit, 0.05), gapRel=gap_rel, warm=warm, **opts)
-        lp.solve(cmd)
-        h = lp.solverModel
-        st, info = h.getModelStatus(), h.getInfo()
-        K = highspy.HighsModelStatus
-        has_sol = info.primal_solution_status == 2 and mip.T.value() is not None
-        obj = mip.T.value() if has_sol else math.inf
-        bound = info.mip_dual_bound if info.mip_dual_bound == info.mip_dual_bound else -math.inf
-        if has_sol:  # HiGHS 1.16 can report both values shifted by a presolve offset after a
-            bound += obj - info.objective_function_value  # restart; the columns are right
-        # With a cutoff the search only covers objectives below it: whatever it proves is
-        # "optimum >= min(bound, cutoff)", and finishing without beating it settles S.
-        cut = cutoff if cutoff is not None else math.inf
-        if st == K.kOptimal:
-            if obj > cut * (1 + 1e-9):
-                return "cut off", obj, cut
-            return "optimal", obj, min(bound, obj)
-        if st in (K.kInfeasible, K.kUnboundedOrInfeasible, K.kObjectiveBound):
-            return ("cut off", obj, cut) if cutoff is not None else ("infeasible", math.inf, math.inf)
-        return ("time limit" if obj < math.inf else "no solution"), obj, min(bound, cut)
-    with tempfile.TemporaryDirectory() as tmp:  # CBC: no cutoff; its bound is read from the log
-        log = os.path.join(tmp, "cbc.log")
-        with warnings.catch_warnings():  # PuLP 3.3 deprecates its bundled CBC; it is still the
-            warnings.simplefilter("ignore", DeprecationWarning)  # one CBC that is always there
-            cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=round(max(time_limit, 0.2), 2), gapRel=gap_rel,
-                                    warmStart=warm, logPath=log)
-        lp.solve(cmd)
-        text = Path(log).read_text() if os.path.exists(log) else ""
-    result = re.search(r"^Result - (.*)$", text, re.M)
-    result = result.group(1).lower() if result else ""
-    if "infeasible" in result or pulp.LpStatus[lp.status] == "Infeasible":
-        return "infeasible", math.inf, math.inf
-    obj = pulp.value(lp.objective) if lp.sol_status in (1, 2) else math.inf
-    if "optimal" in result:
-        return "optimal", obj, obj * (1 - gap_rel)
-    found = re.findall(r"best possible ([-+0-9.eE]+)", text)
-    bound = float(found[-1]) if found else -math.inf
-    return ("time limit" if obj < math.inf else "no solution"), obj, min(bound, obj)
-
-
 def _span(problem: PartitionProblem, cuts: Sequence[int], k: int) -> str:
     edges, ls = list(cuts) + [len(problem.layers)], problem.layers
     a, z = edges[k], edges[k + 1] - 1
@@ -762,7 +593,7 @@ def solve(problem: PartitionProblem, *, solver: str = "auto", time_limit: float 
     name = _pick_solver(solver)
     cands = _candidates(problem, stage_counts)
     say = progress or (lambda msg: None)
-    settings = {"solver": name, "time_limit": time_limit, "stage_counts": cands, "gap_rel": gap_rel, "v": 1}
+    settings = {"solver": name, "time_limit": time_limit, "stage_counts": cands, "gap_rel": gap_rel, "v": 2}
     path = _cache_dir(cache_dir) / f"{_cache_key(problem, settings)}.json"
     if path.exists():
         try:
@@ -813,8 +644,9 @@ def solve(problem: PartitionProblem, *, solver: str = "auto", time_limit: float 
         raise PlanError(_explain_infeasible(problem, cands, unknown))
     lower = min(c.bound for c in states.values())
     gap = max(0.0, (best.makespan - lower) / best.makespan) if best.makespan > 0 else 0.0
-    status = "optimal" if gap <= gap_rel else ("time limit" if any(c.status == "time limit" for c in states.values())
-                                               else "feasible")
+    # (1 + 1e-9): CBC proves only the bound obj * (1 - gap_rel), which rounds to just above gap_rel
+    timed_out = any(c.status == "time limit" for c in states.values())
+    status = "optimal" if gap <= gap_rel * (1 + 1e-9) else ("time limit" if timed_out else "feasible")
     ev = evaluate(problem, best.cuts)
     lp = best.mip.lp if best.mip is not None else None
     info = SolverInfo(name, status, ev.makespan, gap, time.perf_counter() - t_start,
@@ -846,10 +678,10 @@ def _attempt(states: dict[int, _Candidate], s: int, problem: PartitionProblem, f
     best makespan of any candidate; updates states[s]."""
     c, t0 = states[s], time.perf_counter()
     if c.mip is None:
-        c.mip = _build_mip(problem, fast, runs, s)
+        c.mip = _build_mip(problem, fast, runs, s, mem_tol=_MEM_TOL)
     mip = c.mip
     if c.cuts is not None:
-        _warm(mip, problem, runs, c.cuts)
+        _warm(mip, runs, evaluate(problem, c.cuts))
     incumbent = min(x.makespan for x in states.values())
     cutoff = incumbent / mip.scale if incumbent < math.inf else None
     if mip.infeasible:

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from mobius_fx import PlanError
 from mobius_fx.costs import LayerCost
 from mobius_fx.plans import MemoryModel, stage_memory
+from mobius_fx.passes import _partition_mip as M
+from mobius_fx.passes import partition as P
 from mobius_fx.passes.partition import PartitionProblem, brute_force, evaluate, heuristic, solve
 
 TIMES = st.floats(0.05, 2.0, allow_nan=False)
@@ -25,7 +27,7 @@ BANDWIDTH = st.floats(5.0, 100.0, allow_nan=False)
 def problems(draw) -> PartitionProblem:
     """2-8 layers drawn from <= 3 kinds (so runs of identical layers occur), <= 3 GPUs,
     <= 3 micro-batches; capacities from "the largest layer alone does not fit" to "the whole
-    model fits on one GPU"."""
+    model fits on one GPU"; backward hops the same as forward ones or drawn apart."""
     kinds = [dict(fwd_time=draw(TIMES), bwd_time=draw(TIMES), param_bytes=draw(st.integers(1, 60)),
                   grad_bytes=draw(BYTES), output_bytes=draw(BYTES), peak_bytes=draw(BYTES))
              for _ in range(draw(st.integers(1, 3)))]
@@ -39,9 +41,10 @@ def problems(draw) -> PartitionProblem:
     lo = max(1, int(alone * draw(st.sampled_from([0.9, 1.0, 1.0, 1.0]))))
     caps = tuple(draw(st.integers(lo, int(max(1.3 * total, alone)) + 1)) for _ in range(n))
     hops = tuple(math.inf if n == 1 else draw(BANDWIDTH) for _ in range(n))
+    back = None if n == 1 or draw(st.booleans()) else tuple(draw(BANDWIDTH) for _ in range(n))
     return PartitionProblem(layers, m, tuple(f"gpu{i}" for i in range(n)), caps,
                             tuple(draw(BANDWIDTH) for _ in range(n)), tuple(draw(BANDWIDTH) for _ in range(n)),
-                            hops, mm)
+                            hops, mm, hop_back=back)
 
 
 def _solve(p: PartitionProblem):
@@ -70,6 +73,26 @@ def test_mip_objective_equals_brute_force(p):
     got = _solve(p)
     assert got.makespan >= best.makespan * (1 - 1e-9)
     assert got.makespan <= best.makespan * (1 + _tolerance(got))
+
+
+@given(problems(), st.data())
+def test_the_mip_with_its_cuts_fixed_equals_evaluate(p, data):
+    # The encoding itself, row for row: solve() re-evaluates the cuts it gets back, so a wrong
+    # row would only show as a worse choice, which small instances (where the warm start is
+    # already optimal) rarely reveal.
+    L = len(p.layers)
+    inner = data.draw(st.lists(st.integers(1, L - 1), unique=True, max_size=L - 1).map(sorted))
+    ev = evaluate(p, (0, *inner))
+    if ev is None:
+        return
+    runs = P._runs(p)
+    mip = M._build_mip(p, P._Fast(p), runs, len(ev.boundaries), mem_tol=P._MEM_TOL)
+    M._warm(mip, runs, ev)
+    for v in list(mip.z.values()) + [v for v in mip.t.values() if not isinstance(v, int)]:
+        v.lowBound = v.upBound = v.varValue
+    status, obj, _ = M._run_solver(mip, "highs", 10.0, 1e-9, False, None)
+    assert status == "optimal"
+    assert obj * mip.scale == pytest.approx(ev.makespan, rel=1e-6)
 
 
 @given(problems())
@@ -105,11 +128,30 @@ def test_scaling_every_time_scales_the_makespan(p, k):
         p,
         layers=tuple(replace(l, fwd_time=l.fwd_time * k, bwd_time=l.bwd_time * k) for l in p.layers),
         up=tuple(b / k for b in p.up), down=tuple(b / k for b in p.down), hop=tuple(b / k for b in p.hop),
+        hop_back=None if p.hop_back is None else tuple(b / k for b in p.hop_back),
     )
     a, b = _solve_or_none(p), _solve_or_none(slow)
     assert (a is None) == (b is None)
     if a is not None:
         assert b.makespan == pytest.approx(k * a.makespan, rel=_tolerance(a) + _tolerance(b) + 1e-9)
+
+
+@given(problems())
+def test_the_makespan_is_the_last_gradient_download(p):
+    best = brute_force(p)
+    if best is None:
+        return
+    ev = evaluate(p, best.boundaries)
+    n, m, s = len(p.gpus), p.microbatches, len(ev.boundaries)
+    edges = list(ev.boundaries) + [len(p.layers)]
+    for k in range(s):  # a download starts when the stage's backward and the GPU's previous download end
+        part = p.layers[edges[k]:edges[k + 1]]
+        ready = ev.bwd_start[k][m - 1] + sum(l.bwd_time for l in part) / m
+        if k + n < s:
+            ready = max(ready, ev.grad_done[k + n])
+        took = sum(l.grad_bytes for l in part) * p.memory.weight_scale / p.down[k % n]
+        assert ev.grad_done[k] == pytest.approx(ready + took, rel=1e-9, abs=1e-12)
+    assert ev.makespan == max(ev.grad_done)
 
 
 @given(problems())

@@ -1,0 +1,287 @@
+"""The partition MIP of passes/partition.py: building it, warm-starting it, running the solver.
+
+partition.py owns the schedule model (docs/schedule.md) and the search over stage counts;
+this module turns one stage count S into a PuLP program over run-length-encoded layers and
+drives HiGHS (through highspy) or CBC on it. The formulation is explained in partition.py's
+docstring; every row here is a row of `partition.evaluate`, so a solver point is re-checked
+there exactly.
+
+>>> mip = _build_mip(problem, _Fast(problem), _runs(problem), 16, mem_tol=1e-6)
+>>> _run_solver(mip, "highs", 5.0, 1e-4, False, None)    # (status, objective, bound)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import warnings
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pulp
+
+if TYPE_CHECKING:
+    from .partition import Evaluation, PartitionProblem, _Fast
+
+__all__: list[str] = []  # private to the partitioner
+
+
+@dataclass
+class _Mip:
+    """One stage count's program and the variables the driver reads back (times in `scale` s)."""
+
+    lp: pulp.LpProblem
+    s: int
+    scale: float  # seconds per objective unit
+    z: dict  # (k, r) -> var; cut k falls after a layer of run r
+    t: dict  # (k, r) -> var or int multiplier (layers of run r before cut k)
+    F: list  # [k][i] forward start of micro-batch i of stage k
+    B: list  # [k][i] backward start
+    D: list  # [k] end of stage k's gradient download (the per-GPU download queue)
+    T: pulp.LpVariable  # the makespan: max_k D[k]
+    infeasible: bool = False  # a constant memory row already fails (e.g. S = 1 too big)
+
+
+def _var(lp: pulp.LpProblem, name: str, lo: float | None = None, hi: float | None = None,
+         cat: str = pulp.LpContinuous) -> pulp.LpVariable:
+    if hasattr(lp, "add_variable"):  # PuLP >= 3.3 (the 4.0 API)
+        return lp.add_variable(name, lo, hi, cat=cat)
+    return pulp.LpVariable(name, lo, hi, cat=cat)  # pragma: no cover - older PuLP
+
+
+def _build_mip(problem: PartitionProblem, fast: _Fast, runs: list[tuple[int, int]], s: int, *,
+               mem_tol: float) -> _Mip:
+    """The program for S = s stages: cut k picks a run (binary) and a count in it (integer).
+
+    `mem_tol` is the relative slack on capacity the exact check also allows.
+    """
+    n, m, L = len(problem.gpus), problem.microbatches, len(problem.layers)
+    # Normalise: times in units of `scale` seconds, memory rows in units of capacity.
+    scale = max(fast.f[L] + fast.b[L] + fast.w[L] / min(problem.up) + fast.g[L] / min(problem.down), 1e-30)
+    lp = pulp.LpProblem(f"mobius_partition_S{s}", pulp.LpMinimize)
+    z, t = {}, {}
+    # A linear form of the prefix sums at each cut: {"f": expr, "b":..., "w":..., "g":..., "a":...}
+    at: list[dict[str, Any]] = [{q: 0.0 for q in "fbwga"}]
+    for k in range(1, s):
+        lo_layer, hi_layer = k - 1, L - s + k - 1  # the layer just before cut k
+        forms = {q: pulp.LpAffineExpression() for q in "fbwga"}
+        pos = pulp.LpAffineExpression()
+        for r, (start, length) in enumerate(runs):
+            t_lo, t_hi = max(1, lo_layer - start + 1), min(length, hi_layer - start + 1)
+            if t_lo > t_hi:
+                continue
+            zv = _var(lp, f"z_{k}_{r}", 0, 1, pulp.LpBinary)
+            z[k, r] = zv
+            if t_lo == t_hi:
+                tv: Any = t_lo * zv
+                t[k, r] = t_lo
+            else:
+                tv = _var(lp, f"t_{k}_{r}", 0, t_hi, pulp.LpInteger)
+                t[k, r] = tv
+                lp += tv >= t_lo * zv
+                lp += tv <= t_hi * zv
+            pos += start * zv + tv
+            per = {"f": fast.f[start + 1] - fast.f[start], "b": fast.b[start + 1] - fast.b[start],
+                   "w": fast.w[start + 1] - fast.w[start], "g": fast.g[start + 1] - fast.g[start]}
+            for q in "fbwg":
+                base = {"f": fast.f, "b": fast.b, "w": fast.w, "g": fast.g}[q][start]
+                forms[q] += base * zv + per[q] * tv
+            forms["a"] += fast.out[start] * zv
+        lp += pulp.lpSum(zv for (kk, _), zv in z.items() if kk == k) == 1, f"one_run_{k}"
+        forms["pos"] = pos
+        at.append(forms)
+    at.append({"f": fast.f[L], "b": fast.b[L], "w": fast.w[L], "g": fast.g[L], "a": fast.out[L - 1], "pos": L})
+    at[0]["pos"] = 0
+    for k in range(1, s):  # cuts in order, runs in order
+        lp += at[k + 1]["pos"] - at[k]["pos"] >= 1, f"order_{k}"
+        if k + 1 < s:
+            for r in range(len(runs)):
+                a = [z[k, rr] for rr in range(r + 1) if (k, rr) in z]
+                b = [z[k + 1, rr] for rr in range(r + 1) if (k + 1, rr) in z]
+                if b:
+                    lp += pulp.lpSum(a) >= pulp.lpSum(b), f"run_order_{k}_{r}"
+    part = lambda q, k: at[k + 1][q] - at[k][q]
+    f = [part("f", k) * (1 / scale) for k in range(s)]
+    b = [part("b", k) * (1 / scale) for k in range(s)]
+    w = [part("w", k) for k in range(s)]
+    bmem = [part("w", k) + part("g", k) + 2 * fast.work + m * (at[k]["a"] + at[k + 1]["a"]) for k in range(s)]
+    infeasible = False
+    for k in range(s):
+        cap = problem.capacity[k % n] * (1 + mem_tol)
+        row = (bmem[k] + bmem[k + n] if k + n < s else bmem[k]) * (1 / cap)
+        if not isinstance(row, pulp.LpAffineExpression) or not row.keys():
+            infeasible |= float(row if not isinstance(row, pulp.LpAffineExpression) else row.constant) > 1
+        elif k + n < s or k < n:  # a stage k >= n is in the pair (k - n, k) already
+            lp += row <= 1, f"memory_{k}"
+    inv = lambda bw: 0.0 if bw == math.inf else 1 / (bw * scale)  # seconds per byte, in units
+    hop = [inv(problem.hop[k % n]) for k in range(s)]  # activation k -> k+1
+    hop_back = [inv(problem.backward_hop[k % n]) for k in range(s)]  # gradient k+1 -> k
+    F = [[_var(lp, f"F_{k}_{i}", 0) for i in range(m)] for k in range(s)]
+    B = [[_var(lp, f"B_{k}_{i}", 0) for i in range(m)] for k in range(s)]
+    for k in range(s):
+        upk = 1 / (problem.up[k % n] * scale)
+        if k < n:
+            lp += F[k][0] >= w[k] * upk, f"upload_{k}"
+        else:
+            lp += F[k][0] >= F[k - n][m - 1] + f[k - n], f"gpu_free_f{k}"
+            lp += F[k][0] >= F[k - n][0] + w[k] * upk, f"prefetch_f{k}"
+        for i in range(m):
+            if i:
+                lp += F[k][i] >= F[k][i - 1] + f[k], f"mb_f{k}_{i}"
+            if k:
+                lp += F[k][i] >= F[k - 1][i] + f[k - 1] + at[k]["a"] * hop[k - 1], f"act_f{k}_{i}"
+    for k in range(s - 1, -1, -1):
+        upk = 1 / (problem.up[k % n] * scale)
+        if k == s - 1:
+            lp += B[k][0] >= F[k][m - 1] + f[k], "turn"
+        elif k < s - n:
+            lp += B[k][0] >= B[k + n][m - 1] + b[k + n], f"gpu_free_b{k}"
+            lp += B[k][0] >= B[k + n][0] + w[k] * upk, f"prefetch_b{k}"
+        for i in range(m):
+            if i:
+                lp += B[k][i] >= B[k][i - 1] + b[k], f"mb_b{k}_{i}"
+            if k < s - 1:
+                lp += B[k][i] >= B[k + 1][i] + b[k + 1] + at[k + 1]["a"] * hop_back[k], f"grad_b{k}_{i}"
+    # Gradient downloads queue per GPU: D_k = max(end of B[k], D_{k+N}) + G_k/down_k. The
+    # makespan is max_k D_k; D_k >= D_{k+N} (G >= 0), so T >= D_k for the first N stages covers it.
+    D = [_var(lp, f"D_{k}", 0) for k in range(s)]
+    T = _var(lp, "makespan", 0)
+    for k in range(s - 1, -1, -1):
+        down = part("g", k) * (1 / (problem.down[k % n] * scale))
+        lp += D[k] >= B[k][m - 1] + b[k] + down, f"download_{k}"
+        if k + n < s:
+            lp += D[k] >= D[k + n] + down, f"download_queue_{k}"
+        if k < n:
+            lp += T >= D[k], f"end_{k}"
+    lp += T
+    return _Mip(lp, s, scale, z, t, F, B, D, T, infeasible)
+
+
+def _warm(mip: _Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
+    """Set initial values of every variable from a feasible cut set and its exact schedule."""
+    cuts = ev.boundaries
+    for v in mip.lp.variables():
+        v.setInitialValue(0)
+    for k in range(1, mip.s):
+        layer = cuts[k] - 1
+        r = next(i for i, (a, n) in enumerate(runs) if a <= layer < a + n)
+        mip.z[k, r].setInitialValue(1)
+        if isinstance(mip.t[k, r], pulp.LpVariable):
+            mip.t[k, r].setInitialValue(layer - runs[r][0] + 1)
+    for k in range(mip.s):
+        for i in range(len(mip.F[k])):
+            mip.F[k][i].setInitialValue(ev.fwd_start[k][i] / mip.scale)
+            mip.B[k][i].setInitialValue(ev.bwd_start[k][i] / mip.scale)
+        mip.D[k].setInitialValue(ev.grad_done[k] / mip.scale)
+    mip.T.setInitialValue(ev.makespan / mip.scale)
+
+
+def _cuts_of(mip: _Mip, runs: list[tuple[int, int]]) -> tuple[int, ...]:
+    """The boundaries a solved program's (z, t) encode."""
+    cuts = [0]
+    for k in range(1, mip.s):
+        r = max((key[1] for key in mip.z if key[0] == k), key=lambda r: mip.z[k, r].value() or 0)
+        tv = mip.t[k, r]
+        cuts.append(runs[r][0] + (round(tv.value()) if isinstance(tv, pulp.LpVariable) else tv))
+    return tuple(cuts)
+
+
+@cache
+def _quiet_highs() -> type:
+    """A highspy.Highs that never prints, not even the once-per-process banner.
+
+    HiGHS writes "Running HiGHS ... Copyright" on the first logging call of an instance whose
+    `output_flag` is still on, and highspy's constructor makes such a call (it registers its
+    callbacks) before PuLP can set `output_flag=False`. So turn the flag off first, inside
+    that registration. (Defined lazily: highspy is an optional dependency.)
+    """
+    import highspy
+
+    class QuietHighs(highspy.Highs):
+        def enableCallbacks(self):
+            self.setOptionValue("output_flag", False)
+            super().enableCallbacks()
+
+    return QuietHighs
+
+
+class _WarmHiGHS(pulp.HiGHS):
+    """PuLP's highspy interface, silent, plus a MIP start (PuLP 3.3 does not pass one to highspy)."""
+
+    def __init__(self, *args, warm: bool = False, **kw):
+        super().__init__(*args, msg=False, **kw)
+        self.warm = warm
+
+    def createAndConfigureSolver(self, lp):
+        # PuLP's version builds a plain highspy.Highs (which prints the banner); we set the
+        # same options, which are all that `_run_solver` passes.
+        lp.solverModel = _quiet_highs()()
+        opts = {"output_flag": False, "mip_rel_gap": self.gapRel,
+                "time_limit": None if self.timeLimit is None else float(self.timeLimit), **self.optionsDict}
+        for key, value in opts.items():
+            if value is not None:
+                lp.solverModel.setOptionValue(key, value)
+
+    def callSolver(self, lp):
+        h = lp.solverModel
+        if self.warm:
+            import numpy as np
+            cols = lp.variables()
+            vals = np.array([v.varValue if v.varValue is not None else 0.0 for v in cols], dtype=np.float64)
+            h.setSolution(len(cols), np.arange(len(cols), dtype=np.int32), vals)
+        h.run()
+
+
+def _run_solver(mip: _Mip, solver: str, time_limit: float, gap_rel: float, warm: bool,
+                cutoff: float | None) -> tuple[str, float, float]:
+    """Solve; return (status, objective, best bound), both in objective units (inf if none)."""
+    lp = mip.lp
+    if solver == "highs":
+        import highspy
+        opts = {"mip_feasibility_tolerance": 1e-7}
+        if cutoff is not None:
+            opts["objective_bound"] = cutoff
+        cmd = _WarmHiGHS(timeLimit=max(time_limit, 0.05), gapRel=gap_rel, warm=warm, **opts)
+        lp.solve(cmd)
+        h = lp.solverModel
+        st, info = h.getModelStatus(), h.getInfo()
+        K = highspy.HighsModelStatus
+        has_sol = info.primal_solution_status == 2 and mip.T.value() is not None
+        obj = mip.T.value() if has_sol else math.inf
+        bound = info.mip_dual_bound if info.mip_dual_bound == info.mip_dual_bound else -math.inf
+        if has_sol:  # HiGHS 1.16 can report both values shifted by a presolve offset after a
+            bound += obj - info.objective_function_value  # restart; the columns are right
+        # With a cutoff the search only covers objectives below it: whatever it proves is
+        # "optimum >= min(bound, cutoff)", and finishing without beating it settles S.
+        cut = cutoff if cutoff is not None else math.inf
+        if st == K.kOptimal:
+            if obj > cut * (1 + 1e-9):
+                return "cut off", obj, cut
+            return "optimal", obj, min(bound, obj)
+        if st in (K.kInfeasible, K.kUnboundedOrInfeasible, K.kObjectiveBound):
+            return ("cut off", obj, cut) if cutoff is not None else ("infeasible", math.inf, math.inf)
+        return ("time limit" if obj < math.inf else "no solution"), obj, min(bound, cut)
+    with tempfile.TemporaryDirectory() as tmp:  # CBC: no cutoff; its bound is read from the log
+        log = os.path.join(tmp, "cbc.log")
+        with warnings.catch_warnings():  # PuLP 3.3 deprecates its bundled CBC; it is still the
+            warnings.simplefilter("ignore", DeprecationWarning)  # one CBC that is always there
+            cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=round(max(time_limit, 0.2), 2), gapRel=gap_rel,
+                                    warmStart=warm, logPath=log)
+        lp.solve(cmd)
+        text = Path(log).read_text() if os.path.exists(log) else ""
+    result = re.search(r"^Result - (.*)$", text, re.M)
+    result = result.group(1).lower() if result else ""
+    if "infeasible" in result or pulp.LpStatus[lp.status] == "Infeasible":
+        return "infeasible", math.inf, math.inf
+    obj = pulp.value(lp.objective) if lp.sol_status in (1, 2) else math.inf
+    if "optimal" in result:
+        return "optimal", obj, obj * (1 - gap_rel)
+    if not result and re.search(r"^Optimal - objective value", text, re.M):
+        return "optimal", obj, obj  # no integer columns (S = 1): CBC solved an LP, no "Result" line
+    found = re.findall(r"best possible ([-+0-9.eE]+)", text)
+    bound = float(found[-1]) if found else -math.inf
+    return ("time limit" if obj < math.inf else "no solution"), obj, min(bound, obj)
