@@ -97,8 +97,19 @@ def _input_bytes(ctx: CompileContext) -> int:
 
 
 def insert_transfers_pass(gm, ctx: CompileContext):
-    raise NotImplementedError("wired when the runtime lands")
+    from .passes.insert_transfers import insert_transfers
+
+    p = ctx.plan
+    ctx.stages = insert_transfers(gm, stage_nodes=[s.nodes for s in p.stages], stage_gpus=[s.gpu for s in p.stages],
+                                  microbatches=p.microbatches)
+    return None
 
 
 def emit_pass(gm, ctx: CompileContext):
-    raise NotImplementedError("wired when the runtime lands")
+    from .runtime import build_pipeline
+
+    s = ctx.settings
+    ctx.pipeline = build_pipeline(ctx.model, gm, schedule=ctx.stages, plan=ctx.plan, example_inputs=ctx.example_inputs,
+                                  example_kwargs=ctx.example_kwargs or None, device=s.get("device", "auto"),
+                                  dtype=s.get("dtype"))
+    return None

@@ -1,0 +1,521 @@
+"""The device layer: where a pipeline's weights, gradients and activations live, and how they move.
+
+Everything above this module (runtime.py) is one code path; only the copies differ:
+
+- `VirtualDevice` — a GPU of the topology played by the CPU with a byte budget (tests, CI, laptops).
+  Uploads make real copies into slots whose storage is freed again on eviction
+  (`untyped_storage().resize_(0)`), so a schedule that touches an evicted weight fails loudly.
+- `CudaDevice` — a real GPU: per pipeline GPU a compute stream (highest priority: it carries the
+  critical path, activation hops included), an upload stream for weights (next priority: the next
+  stage's weights are needed before anything that goes back) and a download stream for gradients and
+  offloaded inputs (lowest). Events order them; `record_stream` keeps freed memory from being reused
+  while another stream still reads it; weights upload from pinned staging copies of the masters (the
+  user's tensors are never moved, pinned or replaced).
+
+Both keep the same books: bytes held now and at peak (weights, weight gradients and the
+activations handed out), a budget that raises `MobiusError` when exceeded, and a log of the bytes
+moved per kind and direction.
+
+    dev = VirtualDevice("gpu0", budget=parse_bytes("64MiB"))
+    slot = dev.new_slot(master, dtype=None, parameter=True)   # no storage yet
+    dev.alloc(nbytes(slot), "stage 0 weights"); dev.ready(dev.upload([slot], [master]), [slot])
+    dev.release([slot]); dev.free(nbytes(slot), "stage 0 weights")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import MobiusError
+from .units import fmt_bytes
+
+__all__ = ["HOST", "Device", "VirtualDevice", "CudaDevice", "TransferLog", "make_devices", "nbytes"]
+
+HOST = "host"  # the name of DRAM in schedules and transfer logs
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of the tensor's elements (not of its storage, which a view may share)."""
+    return t.numel() * t.element_size()
+
+
+class TransferLog:
+    """Bytes and copies moved, per (kind, direction); kind is weight | gradient | activation |
+    buffer, direction h2d | d2h | d2d."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], list[int]] = {}
+        self._mark: dict[tuple[str, str], list[int]] = {}
+
+    def add(self, kind: str, direction: str, nbytes: int, count: int = 1) -> None:
+        c = self._counts.setdefault((kind, direction), [0, 0])
+        c[0] += count
+        c[1] += nbytes
+
+    def bytes(self, kind: str | None = None, direction: str | None = None) -> int:
+        return sum(b for (k, d), (_, b) in self._counts.items()
+                   if (kind is None or k == kind) and (direction is None or d == direction))
+
+    def count(self, kind: str | None = None, direction: str | None = None) -> int:
+        return sum(n for (k, d), (n, _) in self._counts.items()
+                   if (kind is None or k == kind) and (direction is None or d == direction))
+
+    def as_dict(self, *, since_mark: bool = False) -> dict[str, dict[str, int]]:
+        """{"kind direction": {"count", "bytes"}}, in total or since the last `mark()`."""
+        out = {}
+        for (k, d), (n, b) in sorted(self._counts.items()):
+            n0, b0 = self._mark.get((k, d), (0, 0)) if since_mark else (0, 0)
+            if n - n0 or b - b0:
+                out[f"{k} {d}"] = {"count": n - n0, "bytes": b - b0}
+        return out
+
+    def mark(self) -> None:
+        self._mark = {key: list(v) for key, v in self._counts.items()}
+
+    def clear(self) -> None:
+        self._counts.clear()
+        self._mark.clear()
+
+
+class Device:
+    """One pipeline GPU: its books (budget, bytes held, peak, transfers) and its copies.
+
+    Subclasses implement the copies; the books are shared. `budget=None` means unlimited.
+    """
+
+    kind = "abstract"
+
+    def __init__(self, name: str, budget: int | None, torch_device: torch.device) -> None:
+        self.name = name
+        self.budget = budget
+        self.torch_device = torch_device
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self.log = TransferLog()
+        self._lock = threading.Lock()
+        self._tracked: dict[int, tuple[weakref.finalize, int]] = {}
+
+    # ------------------------------------------------------------------ books
+    def alloc(self, n: int, what: str) -> None:
+        """Count `n` more bytes held; raises MobiusError (nothing counted) past the budget."""
+        with self._lock:
+            after = self.current_bytes + n
+            if self.budget is not None and after > self.budget:
+                raise MobiusError(
+                    f"{self.name} would hold {fmt_bytes(after)} ({after} bytes: {what} needs {fmt_bytes(n)} on top "
+                    f"of {fmt_bytes(self.current_bytes)} held) but its budget is {fmt_bytes(self.budget)} "
+                    f"({self.budget} bytes); give it more memory, cut the model into more (smaller) stages or "
+                    f"use fewer micro-batches"
+                )
+            self.current_bytes = after
+            if after > self.peak_bytes:
+                self.peak_bytes = after
+
+    def free(self, n: int, what: str = "") -> None:
+        with self._lock:
+            self.current_bytes -= n
+
+    def track(self, t: torch.Tensor, what: str = "activation") -> None:
+        """Count an activation this device holds until the tensor object dies (or `untrack_all`)."""
+        key = id(t)
+        if key in self._tracked:
+            return
+        n = nbytes(t)
+        self.alloc(n, what)
+        self._tracked[key] = (weakref.finalize(t, self._release_tracked, key, n), n)
+
+    def _release_tracked(self, key: int, n: int) -> None:
+        if self._tracked.pop(key, None) is not None:
+            self.free(n)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` is an activation this device handed out and still counts."""
+        return id(t) in self._tracked
+
+    def untrack_all(self) -> None:
+        """Forget every tracked activation (after an error: the pipeline no longer holds them)."""
+        for key, (fin, n) in list(self._tracked.items()):
+            if fin.detach() is not None:
+                self._tracked.pop(key, None)
+                self.free(n)
+
+    def stats(self) -> dict[str, int]:
+        return {"peak_bytes": self.peak_bytes, "current_bytes": self.current_bytes}
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_bytes = self.current_bytes
+
+    # ------------------------------------------------------------------ interface
+    def compute(self) -> contextlib.AbstractContextManager:
+        """Context in which this GPU's compute runs (its compute stream)."""
+        raise NotImplementedError
+
+    def new_slot(self, like: torch.Tensor, dtype: torch.dtype | None, parameter: bool) -> torch.Tensor:
+        """A tensor shaped like `like` on this device, with no storage until uploaded."""
+        raise NotImplementedError
+
+    def upload(self, slots: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> Any:
+        """Give each slot storage and copy its master in; returns a token for `ready`."""
+        raise NotImplementedError
+
+    def ready(self, token: Any, slots: Sequence[torch.Tensor]) -> None:
+        """Order compute after the upload `token` (no-op when already done)."""
+        raise NotImplementedError
+
+    def cancel(self, token: Any) -> None:
+        """Let an upload in flight finish (errors ignored) so its slots can be freed."""
+
+    def new_step(self) -> None:
+        """A new forward begins: masters may have changed since the last one (optimizer step)."""
+
+    def release(self, slots: Sequence[torch.Tensor]) -> None:
+        """Free the slots' storage (their shapes stay; any use now fails)."""
+        for s in slots:
+            s.untyped_storage().resize_(0)
+
+    def receive(self, value: torch.Tensor, src: "Device | None", dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A differentiable copy of an activation from `src` (None: the host) onto this device,
+        cast to `dtype` when given."""
+        raise NotImplementedError
+
+    def to_host(self, value: torch.Tensor) -> torch.Tensor:
+        """A differentiable copy of an activation into host memory."""
+        raise NotImplementedError
+
+    def offload(self, t: torch.Tensor) -> Any:
+        """Save a stage input in host memory until backward (not differentiable)."""
+        raise NotImplementedError
+
+    def restore(self, saved: Any) -> torch.Tensor:
+        """The saved input back on this device."""
+        raise NotImplementedError
+
+    def download(self, t: torch.Tensor, kind: str) -> Callable[[], torch.Tensor]:
+        """Start copying `t` to the host; the returned thunk waits and gives the host tensor."""
+        raise NotImplementedError
+
+    def rng_state(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def rng(self, state: torch.Tensor) -> Iterator[None]:
+        """Run with the generator this device's random ops use set to `state`, then restore it."""
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    def synchronize(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        budget = "unlimited" if self.budget is None else fmt_bytes(self.budget)
+        return f"{type(self).__name__}({self.name!r}, budget={budget}, held={fmt_bytes(self.current_bytes)})"
+
+
+def _empty_slot(like: torch.Tensor, dtype: torch.dtype | None, parameter: bool, device: torch.device) -> torch.Tensor:
+    dt = dtype if (dtype is not None and like.is_floating_point()) else like.dtype
+    t = torch.empty(like.shape, dtype=dt, device=device)
+    t.untyped_storage().resize_(0)
+    if parameter:
+        return nn.Parameter(t, requires_grad=False)
+    return t
+
+
+class _Saved:
+    """A stage input kept for backward: its host copy and what orders reading it (a CUDA event;
+    on virtual devices the version the input had)."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, host: torch.Tensor, event: Any) -> None:
+        self.host = host
+        self.event = event
+
+
+class VirtualDevice(Device):
+    """A GPU played by the CPU: real copies, a byte budget, freed storage after eviction.
+
+    `asynchronous=True` uploads on a worker thread and hands out futures, as `CudaDevice`
+    does, so the runtime's handling of uploads in flight is exercised without a GPU.
+    """
+
+    kind = "virtual"
+    _NULL = contextlib.nullcontext()
+
+    def __init__(self, name: str, budget: int | None, *, asynchronous: bool = False) -> None:
+        super().__init__(name, budget, torch.device("cpu"))
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mobius-upload-{name}") \
+            if asynchronous else None
+
+    def compute(self) -> contextlib.AbstractContextManager:
+        return self._NULL
+
+    def new_slot(self, like, dtype, parameter):
+        return _empty_slot(like, dtype, parameter, self.torch_device)
+
+    def upload(self, slots, masters):
+        slots, masters = list(slots), list(masters)
+
+        def work() -> None:
+            with torch.no_grad():
+                for s, m in zip(slots, masters):
+                    s.untyped_storage().resize_(nbytes(s))
+                    s.copy_(m)
+
+        self.log.add("weight", "h2d", sum(nbytes(s) for s in slots), len(slots))
+        if self._worker is not None:
+            return self._worker.submit(work)
+        work()
+        return None
+
+    def ready(self, token, slots):
+        if token is not None:
+            token.result()
+
+    def cancel(self, token):
+        if token is not None:
+            try:
+                token.result()
+            except BaseException:
+                pass
+
+    def receive(self, value, src, dtype=None):
+        out = value.to(dtype) if dtype is not None and dtype != value.dtype else value.clone()
+        self.log.add("activation", "h2d" if src is None else "d2d", nbytes(out))
+        return out
+
+    def to_host(self, value):
+        out = value.clone()
+        self.log.add("activation", "d2h", nbytes(out))
+        return out
+
+    def offload(self, t):
+        # Host and device memory are one here: keep an alias, and the version it had, as eager
+        # checkpointing keeps its inputs; an in-place change before backward is an error there too.
+        self.log.add("activation", "d2h", nbytes(t))
+        return _Saved(t.detach(), t._version)
+
+    def restore(self, saved):
+        if saved.host._version != saved.event:
+            raise MobiusError(
+                f"an input saved for backward on {self.name} was modified in place after the forward used it "
+                f"(version {saved.event} -> {saved.host._version}); a stage must not change its inputs in place "
+                f"(use the out-of-place op, e.g. relu instead of relu_)")
+        self.log.add("activation", "h2d", nbytes(saved.host))
+        return saved.host.detach()
+
+    def download(self, t, kind):
+        self.log.add(kind, "d2h", nbytes(t))
+        host = t.detach().clone() if kind == "buffer" else t.detach()
+        return lambda: host
+
+    def rng_state(self):
+        return torch.get_rng_state()
+
+    @contextlib.contextmanager
+    def rng(self, state):
+        now = torch.get_rng_state()
+        torch.set_rng_state(state)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(now)
+
+
+class CudaDevice(Device):
+    """A real GPU (one pipeline GPU; several may share one CUDA device, each with its streams).
+
+    Weights upload from pinned host copies of the masters in the streamed dtype. A copy is
+    refreshed once per step (masters change in the optimizer step, and writes through `.data`
+    do not bump version counters), by a worker thread that also issues the upload, so the
+    host-side refresh overlaps the stage the GPU is running.
+    """
+
+    kind = "cuda"
+
+    def __init__(self, name: str, budget: int | None, index: int) -> None:
+        super().__init__(name, budget, torch.device("cuda", index))
+        least, greatest = torch.cuda.Stream.priority_range()
+        with torch.cuda.device(index):
+            self.compute_stream = torch.cuda.Stream(priority=greatest)
+            self.upload_stream = torch.cuda.Stream(priority=(least + greatest) // 2)
+            self.download_stream = torch.cuda.Stream(priority=least)
+        # id(master) -> [master, step of the last refresh, pinned copy, event of its last upload]
+        self._pinned: dict[int, list[Any]] = {}
+        self._epoch = 0
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mobius-upload-{name}")
+
+    def compute(self):
+        return torch.cuda.stream(self.compute_stream)
+
+    def new_slot(self, like, dtype, parameter):
+        return _empty_slot(like, dtype, parameter, self.torch_device)
+
+    def new_step(self):
+        self._epoch += 1
+
+    def _staged(self, master: torch.Tensor, dtype: torch.dtype) -> list[Any]:
+        """The pinned copy of `master` in `dtype`, refreshed once per step (worker thread only)."""
+        entry = self._pinned.get(id(master))
+        if entry is None or entry[0] is not master or entry[2].dtype != dtype:
+            entry = [master, None, torch.empty(master.shape, dtype=dtype, pin_memory=True), None]
+            self._pinned[id(master)] = entry
+        if entry[1] != self._epoch:
+            if entry[3] is not None:
+                entry[3].synchronize()  # an earlier upload may still read the old copy
+            entry[2].copy_(master.detach())
+            entry[1] = self._epoch
+        return entry
+
+    def upload(self, slots, masters):
+        slots, masters = list(slots), list(masters)
+
+        def work() -> torch.cuda.Event:
+            with torch.cuda.stream(self.upload_stream), torch.no_grad():
+                entries = [self._staged(m, s.dtype) for s, m in zip(slots, masters)]
+                for s, e in zip(slots, entries):
+                    s.untyped_storage().resize_(nbytes(s))  # allocated on the upload stream
+                    s.copy_(e[2], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.upload_stream)
+            for e in entries:
+                e[3] = event
+            return event
+
+        self.log.add("weight", "h2d", sum(nbytes(s) for s in slots), len(slots))
+        return self._worker.submit(work)
+
+    def ready(self, token, slots):
+        if token is None:
+            return
+        self.compute_stream.wait_event(token.result())
+        for s in slots:
+            s.record_stream(self.compute_stream)  # its memory is reused only after compute is done with it
+
+    def cancel(self, token):
+        if token is not None:
+            try:
+                token.result()
+            except BaseException:  # the upload's own error was reported where it was awaited
+                pass
+
+    def release(self, slots):
+        with torch.cuda.device(self.torch_device):
+            super().release(slots)
+
+    def receive(self, value, src, dtype=None):
+        if src is None:
+            with self.compute():
+                out = value.to(self.torch_device, dtype=dtype or value.dtype, non_blocking=True)
+            self.log.add("activation", "h2d", nbytes(out))
+            return out
+        assert isinstance(src, CudaDevice)
+        if src.torch_device == self.torch_device:
+            self.compute_stream.wait_stream(src.compute_stream)
+            with self.compute():
+                out = value.to(dtype) if dtype is not None and dtype != value.dtype else value.clone()
+            value.record_stream(self.compute_stream)
+        else:
+            # Current streams: the source's compute on its device, ours on ours; the copy runs on
+            # the source stream and is fenced both ways (ATen copy_device_to_device).
+            with torch.cuda.stream(src.compute_stream), torch.cuda.stream(self.compute_stream):
+                out = value.to(self.torch_device, dtype=dtype or value.dtype, non_blocking=True)
+        self.log.add("activation", "d2d", nbytes(out))
+        return out
+
+    def to_host(self, value):
+        with self.compute():
+            out = value.to("cpu")  # blocking: the host reads it next
+        self.log.add("activation", "d2h", nbytes(out))
+        return out
+
+    def offload(self, t):
+        self.download_stream.wait_stream(self.compute_stream)
+        with torch.cuda.stream(self.download_stream):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.download_stream)
+        t.record_stream(self.download_stream)
+        self.log.add("activation", "d2h", nbytes(t))
+        return _Saved(host, event)
+
+    def restore(self, saved):
+        self.compute_stream.wait_event(saved.event)
+        with self.compute():
+            out = saved.host.to(self.torch_device, non_blocking=True)
+        self.log.add("activation", "h2d", nbytes(out))
+        return out
+
+    def download(self, t, kind):
+        self.download_stream.wait_stream(self.compute_stream)
+        with torch.cuda.stream(self.download_stream):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.download_stream)
+        t.record_stream(self.download_stream)
+        self.log.add(kind, "d2h", nbytes(t))
+
+        def wait() -> torch.Tensor:
+            event.synchronize()
+            return host
+
+        return wait
+
+    def rng_state(self):
+        return torch.cuda.get_rng_state(self.torch_device)
+
+    @contextlib.contextmanager
+    def rng(self, state):
+        now = torch.cuda.get_rng_state(self.torch_device)
+        torch.cuda.set_rng_state(state, self.torch_device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_rng_state(now, self.torch_device)
+
+    def synchronize(self):
+        for s in (self.compute_stream, self.upload_stream, self.download_stream):
+            s.synchronize()
+
+
+def make_devices(budgets: Mapping[str, int | None], *, device: "str | Mapping[str, Device]" = "auto",
+                 indices: Mapping[str, int] | None = None) -> dict[str, Device]:
+    """One `Device` per GPU name. device: "virtual", "cuda", "auto" (CUDA when available), or
+    your own `{gpu name: Device}` (it must name every GPU of `budgets`).
+
+    `indices` maps a GPU name to its CUDA index (default: the order of `budgets`, modulo the
+    number of CUDA devices, so a 4-GPU topology also runs on one real GPU).
+    """
+    if isinstance(device, Mapping):
+        missing = sorted(set(budgets) - set(device))
+        if missing:
+            raise MobiusError(f"no Device given for GPU(s) {missing}; pass one Device per GPU name the stages use")
+        return {name: device[name] for name in budgets}
+    if device not in ("auto", "virtual", "cuda"):
+        raise MobiusError(f"device={device!r}; use 'auto', 'virtual' (GPUs played by the CPU) or 'cuda'")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "virtual"
+    if device == "virtual":
+        return {name: VirtualDevice(name, b) for name, b in budgets.items()}
+    if not torch.cuda.is_available():
+        raise MobiusError("device='cuda' but torch.cuda.is_available() is False; use device='virtual' to run the "
+                          "pipeline on the CPU with virtual GPUs")
+    count = torch.cuda.device_count()
+    out: dict[str, Device] = {}
+    for i, (name, b) in enumerate(budgets.items()):
+        index = (indices or {}).get(name, i % count)
+        if not 0 <= index < count:
+            raise MobiusError(f"GPU {name!r} maps to cuda:{index} but this machine has {count} CUDA device(s); "
+                              f"fix the topology's GPU indices")
+        out[name] = CudaDevice(name, b, index)
+    return out

@@ -1,0 +1,755 @@
+"""The runtime: runs a compiled Mobius schedule, forward by its program and backward by autograd.
+
+`build_pipeline` cuts the traced graph into stages (`passes.insert_transfers`), emits the
+program (`passes.emit`) and returns a `Pipeline`, an `nn.Module` you call like the model:
+
+    pipe = build_pipeline(model, gm, stage_nodes=[...], stage_gpus=["gpu0", "gpu1", "gpu0", "gpu1"],
+                          gpu_budgets={"gpu0": 2**28, "gpu1": 2**28}, microbatches=4,
+                          example_inputs=(x,), device="virtual")
+    loss = loss_fn(pipe(x), y); loss.backward(); opt.step()    # opt over model.parameters()
+    print(pipe.code); pipe.memory_stats()
+
+How a step runs:
+
+- Master weights stay in the user's model on the CPU; the model is never moved or modified
+  (gradients land in `param.grad`, buffer updates such as BatchNorm statistics are copied
+  back once per forward). Each stage owns GPU *slots* for its weights; `prefetch` gives them
+  storage and copies the masters in, `evict` frees the storage again.
+- Each `run_stage` call with autograd on is one `torch.autograd.Function`. Its forward runs the
+  stage without building a graph, offloads its boundary inputs to host memory and saves the RNG
+  state. Its backward re-fetches the stage if it was evicted (the stage the same GPU runs next
+  in backward is prefetched as the first micro-batch starts), recomputes the stage with grad
+  under the saved RNG state (dropout masks match), returns the input gradients and accumulates
+  weight gradients on the GPU; after the stage's last micro-batch they go to the host and the
+  stage is evicted. The forward creates stage calls stage-major, so autograd (which runs ready
+  nodes newest first) finishes each stage before the next: at most two stages per GPU.
+- When the backward pass ends (an autograd engine callback), host gradients are added into
+  `param.grad` — all at once, so a step that fails leaves `.grad`, the weights and the
+  buffers as they were, frees every GPU copy, and the pipeline stays usable.
+
+Micro-batches: tensor inputs whose dim 0 is the batch size (dim 0 of the first batched input)
+are split into M equal micro-batches; other inputs go to every micro-batch. Output tensors whose
+dim 0 is the micro-batch size are concatenated back; other tensors (a 0-dim loss) are averaged
+over micro-batches, which equals the full-batch value for a mean over equal-sized micro-batches
+(HF losses with `labels`; with `ignore_index` tokens spread unevenly it is the mean of
+micro-batch means); non-tensor outputs come from the first micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+from .devices import HOST, Device, make_devices, nbytes
+from .errors import MobiusError
+
+__all__ = [
+    "Pipeline", "build_pipeline",
+    "prefetch", "wait", "run_stage", "send", "evict", "hold_for_backward", "split_microbatches", "merge_microbatches",
+]
+
+log = logging.getLogger("mobius_fx")
+
+_ACTIVE: contextvars.ContextVar["_Runtime | None"] = contextvars.ContextVar("mobius_fx_runtime", default=None)
+
+
+def _runtime() -> "_Runtime":
+    rt = _ACTIVE.get()
+    if rt is None:
+        raise MobiusError("a schedule op ran outside a Pipeline call; call the Pipeline (pipe(x)), not its program")
+    return rt
+
+
+# ----------------------------------------------------------------------------- schedule ops
+# The call_function targets of the program graph. Each acts on the runtime of the Pipeline
+# being called.
+
+def prefetch(stage: int) -> None:
+    """Start copying stage `stage`'s weights to its GPU (no-op when already there)."""
+    _runtime().prefetch(stage)
+
+
+def wait(stage: int) -> None:
+    """Order the stage's compute after its weight upload."""
+    _runtime().wait(stage)
+
+
+def run_stage(stage: int, microbatch: int, *inputs: Any) -> tuple:
+    """Run one micro-batch through one stage; returns the stage's outputs (a tuple)."""
+    return _runtime().run(stage, microbatch, inputs)
+
+
+def send(value: Any, gpu: str) -> Any:
+    """Copy the tensors in `value` to GPU `gpu` (or to host memory for "host")."""
+    return _runtime().send(value, gpu)
+
+
+def evict(stage: int) -> None:
+    """Free the stage's GPU copy of its weights."""
+    _runtime().evict(stage)
+
+
+def hold_for_backward(stage: int) -> None:
+    """Keep the stage (the last its GPU runs) resident for backward; evict it if none will come."""
+    _runtime().hold(stage)
+
+
+def split_microbatches(inputs: tuple, microbatches: int) -> tuple:
+    """Split each input into micro-batches: (in0_mb0, in0_mb1, ..., in1_mb0, ...)."""
+    return _runtime().split(inputs, microbatches)
+
+
+def merge_microbatches(outputs: list) -> Any:
+    """Concatenate (or average) the micro-batches' outputs back into one output."""
+    return _runtime().merge(outputs)
+
+
+for _fn in (prefetch, wait, run_stage, send, evict, hold_for_backward):
+    fx.node._side_effectful_functions.add(_fn)
+
+
+# ----------------------------------------------------------------------------- runtime state
+
+class _Stage:
+    """A stage at run time: its module, its weight slots on its device and their masters."""
+
+    def __init__(self, spec: Any, device: Device, masters: list[torch.Tensor], dtype: torch.dtype | None) -> None:
+        if getattr(spec.module, "_mobius_bound", False):
+            raise MobiusError(f"stage {spec.index}'s module already runs in another Pipeline; a schedule backs one "
+                              f"pipeline: run insert_transfers again (or build_pipeline without schedule=)")
+        spec.module._mobius_bound = True
+        self.index = spec.index
+        self.spec = spec
+        self.device = device
+        self.module = spec.module
+        self.masters = masters
+        self.is_param = [isinstance(m, nn.Parameter) for m in masters]
+        self.slots = [device.new_slot(m, dtype, p) for m, p in zip(masters, self.is_param)]
+        for w, slot in zip(spec.weights, self.slots):
+            for path, attr in w.slots:
+                _bind(self.module, path, attr, slot)
+        self.buffer_idx = [j for j, p in enumerate(self.is_param) if not p]
+        # Buffers grouped by the module holding them: native batch_norm updates running stats
+        # without bumping their version counter, but num_batches_tracked beside them is bumped.
+        groups: dict[str, list[int]] = {}
+        for j in self.buffer_idx:
+            groups.setdefault(spec.weights[j].slots[0][0], []).append(j)
+        self.buffer_groups = list(groups.values())
+        self.weight_bytes = sum(nbytes(s) for s in self.slots)
+        self.shells = spec.shells
+        self.resident = False
+        self.token: Any = None
+        self.versions: list[int] = []
+        self.train: list[int] = []  # slots that take gradients (set at each prefetch)
+
+
+def _bind(module: nn.Module, path: str, attr: str, value: torch.Tensor) -> None:
+    owner = module.get_submodule(path) if path else module
+    if attr in owner._parameters:
+        owner._parameters[attr] = value
+    elif attr in owner._buffers:
+        owner._buffers[attr] = value
+    else:
+        object.__setattr__(owner, attr, value)
+
+
+class _Step:
+    """Book-keeping of one forward (and its backward): calls per stage, gradients in flight."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.fwd_calls = [0] * num_stages
+        self.bwd_calls = [0] * num_stages
+        self.acc: dict[int, dict[int, torch.Tensor]] = {}  # stage -> slot -> gradient on its GPU
+        self.pending: list[tuple[torch.Tensor, Any]] = []  # (master, thunk giving the host gradient)
+        self.buffers: list[tuple[torch.Tensor, Any]] = []  # (master buffer, thunk giving its new value)
+        self.state = "forward"  # forward | backward | done | aborted
+        self.mb_rows = 0
+
+
+class _Call:
+    """One stage call of one micro-batch, as the autograd Function sees it."""
+
+    __slots__ = ("rt", "step", "stage", "mb", "in_leaves", "in_spec", "in_pos", "out_leaves", "out_spec",
+                 "out_pos", "saved", "rng")
+
+    def __init__(self, rt: "_Runtime", step: _Step, stage: int, mb: int, leaves: list, spec: Any, pos: list[int]):
+        self.rt, self.step, self.stage, self.mb = rt, step, stage, mb
+        self.in_leaves = [None if j in pos else x for j, x in enumerate(leaves)]
+        self.in_spec, self.in_pos = spec, pos
+        self.out_leaves: list = []
+        self.out_spec: Any = None
+        self.out_pos: list[int] = []
+        self.saved: list = []
+        self.rng: Any = None
+
+
+def _rebuild(leaves: list, pos: list[int], tensors: Sequence[torch.Tensor], spec: Any) -> Any:
+    out = list(leaves)
+    for j, t in zip(pos, tensors):
+        out[j] = t
+    return pytree.tree_unflatten(out, spec)
+
+
+class _StageFunction(torch.autograd.Function):
+    """One stage call: forward without a graph, backward by recomputation (see module docstring)."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, anchor: torch.Tensor, *tensors: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        ctx.call = call
+        outs, nondiff = call.rt._forward(call, tensors)
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        call = ctx.call
+        return (None, None, *call.rt._backward(call, grads, ctx.needs_input_grad[2:]))
+
+
+class _Runtime:
+    """Executes the schedule ops on the devices, for one Pipeline."""
+
+    def __init__(self, schedule: Any, devices: dict[str, Device], masters: list[list[torch.Tensor]],
+                 dtype: torch.dtype | None) -> None:
+        self.schedule = schedule
+        self.m = schedule.microbatches
+        self.devices = devices
+        self.dtype = dtype
+        self.stages = [_Stage(spec, devices[spec.gpu], ms, dtype) for spec, ms in zip(schedule.stages, masters)]
+        self.step: _Step | None = None
+        self._lock = threading.RLock()
+        self._anchor = torch.zeros((), requires_grad=True)
+
+    # ------------------------------------------------------------------ weights
+    def prefetch(self, k: int) -> None:
+        st = self.stages[k]
+        if st.resident:
+            return
+        st.device.alloc(st.weight_bytes, f"stage {k}'s weights")
+        try:
+            for j, master in enumerate(st.masters):
+                if st.is_param[j]:
+                    st.slots[j].requires_grad_(master.requires_grad)
+            st.token = st.device.upload(st.slots, st.masters)
+        except BaseException:
+            st.device.release(st.slots)
+            st.device.free(st.weight_bytes)
+            raise
+        st.resident = True
+        if st.token is None:
+            st.versions = [s._version for s in st.slots]
+        st.train = [j for j, s in enumerate(st.slots) if st.is_param[j] and s.requires_grad]
+
+    def wait(self, k: int, strict: bool = True) -> None:
+        st = self.stages[k]
+        if not st.resident:
+            if strict:
+                raise MobiusError(f"wait({k}): stage {k}'s weights were never prefetched to {st.device.name}; the "
+                                  f"schedule must prefetch a stage before waiting for it")
+            self.prefetch(k)
+        if st.token is not None:
+            st.device.ready(st.token, st.slots)
+            st.token = None
+            st.versions = [s._version for s in st.slots]  # the upload's copies are done
+
+    def evict(self, k: int) -> None:
+        st = self.stages[k]
+        if not st.resident:
+            return
+        if st.token is not None:
+            st.device.ready(st.token, st.slots)
+            st.token = None
+        st.device.release(st.slots)
+        st.device.free(st.weight_bytes)
+        st.resident = False
+
+    def hold(self, k: int) -> None:
+        if self.step is None or self.step.fwd_calls[k] == 0:
+            self.evict(k)  # no backward will come for this stage
+
+    # ------------------------------------------------------------------ activations
+    def _where(self, t: torch.Tensor) -> Device | None:
+        for dev in self.devices.values():
+            if dev.holds(t):
+                return dev
+        return None
+
+    def send(self, value: Any, gpu: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._send(value, gpu)
+        if isinstance(value, (int, float, bool, str, type(None))):
+            return value
+        return pytree.tree_map_only(torch.Tensor, lambda t: self._send(t, gpu), value)
+
+    def _send(self, t: torch.Tensor, gpu: str) -> torch.Tensor:
+        src = self._where(t)
+        if gpu == HOST:
+            return t if src is None else src.to_host(t)
+        dst = self.devices[gpu]
+        if src is dst:
+            return t
+        cast = self.dtype if (src is None and self.dtype is not None and t.is_floating_point()) else None
+        out = dst.receive(t, src, cast)
+        dst.track(out)
+        return out
+
+    def split(self, inputs: tuple, m: int) -> tuple:
+        leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
+        if not leaves:
+            raise MobiusError(f"microbatches={m} but no input is a tensor with a batch dimension to split; pass "
+                              f"batched tensors or use microbatches=1")
+        rows = leaves[0].size(0)
+        if rows % m:
+            raise MobiusError(f"the batch has {rows} rows (dim 0 of the first batched input) and does not split into "
+                              f"{m} equal micro-batches; micro-batches must divide the batch: use a batch size that "
+                              f"is a multiple of {m}, or microbatches that divide {rows}")
+        mb = rows // m
+        if self.step is not None:
+            self.step.mb_rows = mb
+
+        def parts(x: Any) -> list:
+            if isinstance(x, torch.Tensor) and x.dim() > 0 and x.size(0) == rows:
+                return list(x.split(mb))
+            return [x] * m
+
+        out: list = []
+        for x in inputs:
+            if isinstance(x, torch.Tensor):
+                out.extend(parts(x))
+                continue
+            flat, spec = pytree.tree_flatten(x)
+            chunks = [parts(leaf) for leaf in flat]
+            out.extend(pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(m))
+        return tuple(out)
+
+    def merge(self, outputs: list) -> Any:
+        outputs = [_thaw(o) for o in outputs]
+        if len(outputs) == 1:
+            return outputs[0]
+        flats = [pytree.tree_flatten(o) for o in outputs]
+        spec = flats[0][1]
+        rows = self.step.mb_rows if self.step is not None else -1
+        merged = []
+        for leaves in zip(*(f[0] for f in flats)):
+            x = leaves[0]
+            if not isinstance(x, torch.Tensor):
+                merged.append(x)
+            elif x.dim() > 0 and x.size(0) == rows:
+                merged.append(torch.cat(leaves))
+            elif x.is_floating_point() or x.is_complex():
+                merged.append(torch.stack(leaves).mean(0))
+            else:
+                merged.append(x)
+        return pytree.tree_unflatten(merged, spec)
+
+    # ------------------------------------------------------------------ stage calls
+    def run(self, k: int, i: int, args: tuple) -> Any:
+        st = self.stages[k]
+        if not st.resident or st.token is not None:
+            raise MobiusError(f"stage {k} ran on {st.device.name} before its weights were there; the schedule must "
+                              f"prefetch and wait for a stage before running it")
+        dev = st.device
+        step = self.step
+        leaves, spec = pytree.tree_flatten(args)
+        pos = [j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        tensors = [leaves[j] for j in pos]
+        try:
+            if torch.is_grad_enabled() and (st.train or any(t.requires_grad for t in tensors)):
+                call = _Call(self, step, k, i, leaves, spec, pos)
+                with dev.compute():
+                    outs = _StageFunction.apply(call, self._anchor, *tensors)
+                result = _rebuild(call.out_leaves, call.out_pos, outs, call.out_spec)
+                step.fwd_calls[k] += 1
+            else:
+                with torch.no_grad(), dev.compute():
+                    result = st.module(*args)
+        except Exception as e:
+            if hasattr(e, "add_note"):
+                hint = ""
+                if self.m > 1 and any(w in str(e) for w in ("shape", "size", "view")):
+                    hint = ("; a graph traced with a fixed batch size cannot run micro-batches: trace it with a "
+                            "dynamic batch dimension (mobius_fx.trace does) or use microbatches=1")
+                e.add_note(f"[mobius_fx] raised by stage {k} ({st.spec.nodes[0]} .. {st.spec.nodes[-1]}) on "
+                           f"{dev.name}, micro-batch {i} of {self.m}{hint}")
+            raise
+        for t in pytree.tree_leaves(result):
+            if isinstance(t, torch.Tensor):
+                dev.track(t)
+        if i == self.m - 1:
+            self._collect_buffers(k)
+        return result
+
+    def _collect_buffers(self, k: int) -> None:
+        st = self.stages[k]
+        for group in st.buffer_groups:
+            if any(st.slots[j]._version != st.versions[j] for j in group):  # updated in place by the forward
+                for j in group:
+                    self.step.buffers.append((st.masters[j], st.device.download(st.slots[j], "buffer")))
+
+    def _forward(self, call: _Call, tensors: tuple) -> tuple[tuple, list]:
+        st = self.stages[call.stage]
+        dev = st.device
+        call.rng = dev.rng_state()
+        call.saved = [dev.offload(t) for t in tensors]
+        out = st.module(*_rebuild(call.in_leaves, call.in_pos, tensors, call.in_spec))
+        leaves, spec = pytree.tree_flatten(out)
+        pos = [j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        ids = {id(t) for t in tensors}
+        outs = tuple(leaves[j].detach() if id(leaves[j]) in ids else leaves[j] for j in pos)
+        call.out_spec, call.out_pos = spec, pos
+        call.out_leaves = [None if j in pos else x for j, x in enumerate(leaves)]
+        return outs, [o for o in outs if not (o.is_floating_point() or o.is_complex())]
+
+    def _backward(self, call: _Call, grads: tuple, needs: Sequence[bool]) -> list:
+        with self._lock:
+            step = call.step
+            if step.state == "aborted":
+                raise MobiusError("backward through a pipeline step that failed or was abandoned; run the forward "
+                                  "again")
+            try:
+                return self._backward_call(call, step, grads, needs)
+            except BaseException:
+                self.abort(step)
+                raise
+
+    def _backward_call(self, call: _Call, step: _Step, grads: tuple, needs: Sequence[bool]) -> list:
+        if step.state != "backward":  # first stage call of this backward pass
+            step.state = "backward"
+            step.bwd_calls = [0] * len(self.stages)
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._finish, step))
+        k = call.stage
+        st = self.stages[k]
+        dev = st.device
+        if step.bwd_calls[k] == 0 or not st.resident:
+            self.wait(k, strict=False)
+            prev = self.schedule.prev_on_gpu[k]
+            if prev is not None and step.fwd_calls[prev] > 0 and step.bwd_calls[prev] == 0:
+                self.prefetch(prev)  # the stage this GPU runs next in backward
+        elif st.token is not None:
+            self.wait(k, strict=False)
+        with dev.compute():
+            inputs = [dev.restore(s) for s in call.saved]
+            held = sum(nbytes(t) for t in inputs)
+            dev.alloc(held, f"stage {k}'s saved inputs")
+            try:
+                for t, need in zip(inputs, needs):
+                    if need:
+                        t.requires_grad_(True)
+                args = _rebuild(call.in_leaves, call.in_pos, inputs, call.in_spec)
+                with torch.enable_grad(), dev.rng(call.rng):
+                    out = st.module(*args)
+                leaves = pytree.tree_leaves(out)
+                outs = [leaves[j] for j in call.out_pos]
+                pairs = [(o, g) for o, g in zip(outs, grads)
+                         if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+                want = [t for t, need in zip(inputs, needs) if need]
+                train = [st.slots[j] for j in st.train]
+                wrt = want + train
+                if pairs and wrt:
+                    res = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                else:
+                    res = (None,) * len(wrt)
+            finally:
+                dev.free(held)
+            acc = step.acc.setdefault(k, {})
+            for j, g in zip(st.train, res[len(want):]):
+                if g is None:
+                    continue
+                if j in acc:
+                    acc[j].add_(g)
+                else:
+                    g = g.contiguous() if g._base is None else g.clone()
+                    dev.alloc(nbytes(g), f"stage {k}'s weight gradients")
+                    acc[j] = g
+        it = iter(res[:len(want)])
+        in_grads = [next(it) if need else None for need in needs]
+        step.bwd_calls[k] += 1
+        if step.bwd_calls[k] >= step.fwd_calls[k]:
+            self._flush(k, step)
+        return in_grads
+
+    def _flush(self, k: int, step: _Step) -> None:
+        """Send stage k's weight gradients to the host and evict the stage."""
+        st = self.stages[k]
+        for j, g in step.acc.pop(k, {}).items():
+            step.pending.append((st.masters[j], st.device.download(g, "gradient")))
+            st.device.free(nbytes(g))
+        self.evict(k)
+
+    def _finish(self, step: _Step) -> None:
+        """End of a backward pass: flush what is left, then add the gradients into `param.grad`."""
+        with self._lock:
+            if step.state != "backward":
+                return
+            try:
+                for k in list(step.acc):
+                    self._flush(k, step)
+                for k, st in enumerate(self.stages):
+                    if st.resident:
+                        self.evict(k)
+                staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+                for master, thunk in step.pending:
+                    g = thunk()
+                    if id(master) in staged:
+                        staged[id(master)][1].add_(g.to(master.dtype))
+                    else:
+                        staged[id(master)] = (master, g.to(device=master.device, dtype=master.dtype))
+                step.pending.clear()
+                with torch.no_grad():
+                    for master, g in staged.values():
+                        if master.grad is None:
+                            master.grad = g
+                        else:
+                            master.grad.add_(g)
+                step.state = "done"
+            except BaseException:
+                self.abort(step)
+                raise
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self) -> None:
+        with self._lock:
+            old = self.step
+            if old is not None and old.state == "backward":  # a backward that never finished
+                self._drop(old)
+            for k, st in enumerate(self.stages):
+                if st.resident:
+                    self.evict(k)
+            for dev in self.devices.values():
+                dev.new_step()
+                dev.log.mark()
+            for st in self.stages:
+                for user, shell in st.shells:
+                    shell.training = user.training
+            self.step = _Step(len(self.stages))
+
+    def end_forward(self) -> None:
+        step = self.step
+        with torch.no_grad():
+            for master, thunk in step.buffers:
+                master.copy_(thunk())
+        step.buffers.clear()
+        if not any(step.fwd_calls):
+            step.state = "done"
+
+    def _drop(self, step: _Step) -> None:
+        for k, acc in step.acc.items():
+            for g in acc.values():
+                self.stages[k].device.free(nbytes(g))
+        step.acc.clear()
+        step.pending.clear()
+        step.buffers.clear()
+        step.state = "aborted"
+
+    def abort(self, step: _Step | None = None) -> None:
+        """After an error: drop the step (default: the current one) and free every GPU copy;
+        masters and `.grad` stay untouched."""
+        with self._lock:
+            step = step if step is not None else self.step
+            if step is not None:
+                self._drop(step)
+            for k, st in enumerate(self.stages):
+                if st.resident:
+                    st.device.cancel(st.token)
+                    st.token = None
+                    st.device.release(st.slots)
+                    st.device.free(st.weight_bytes)
+                    st.resident = False
+            for dev in self.devices.values():
+                dev.untrack_all()
+
+
+def _thaw(x: Any) -> Any:
+    """fx hands structured args over as immutable_list/immutable_dict; give users plain ones."""
+    if isinstance(x, immutable_list):
+        return [_thaw(v) for v in x]
+    if isinstance(x, immutable_dict):
+        return {k: _thaw(v) for k, v in x.items()}
+    if type(x) is tuple:
+        return tuple(_thaw(v) for v in x)
+    return x
+
+
+# ----------------------------------------------------------------------------- Pipeline
+
+class Pipeline(nn.Module):
+    """A model compiled into a Mobius pipeline; call it like the model.
+
+    Attributes: `plan` (the Plan it was built from, or None), `code` (the schedule as Python),
+    `program` (the schedule GraphModule), `schedule` (stages and their modules), `model` (the
+    user's model: `pipe.parameters()` are its master weights; `pipe.train()`/`eval()` reach it
+    and, at the next call, the stages' leaf modules; a graph from torch.export has the mode it
+    was traced in baked in). Outputs come back on the host, in the streamed dtype when one was
+    given. The pipeline cannot be moved or cast (`.to`, `.cuda`, `.half`): it copies the CPU
+    masters to the GPUs itself.
+
+    >>> pipe = build_pipeline(model, gm, stage_nodes=..., stage_gpus=..., gpu_budgets=..., microbatches=2,
+    ...                       example_inputs=(x,), device="virtual")
+    >>> pipe(x).sum().backward()     # gradients in model.parameters()' .grad
+    >>> pipe.memory_stats()["gpu0"]  # {'peak_bytes': ..., 'current_bytes': 0}
+    """
+
+    def __init__(self, model: nn.Module, gm: fx.GraphModule, schedule: Any, program: fx.GraphModule,
+                 runtime: _Runtime, plan: Any, code: str) -> None:
+        super().__init__()
+        self.model = model
+        self.plan = plan
+        self.code = code
+        object.__setattr__(self, "program", program)
+        object.__setattr__(self, "schedule", schedule)
+        object.__setattr__(self, "_rt", runtime)
+        object.__setattr__(self, "_gm", gm)
+        try:
+            self.__signature__ = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            pass
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from .tracing import flatten_inputs
+
+        flat = flatten_inputs(self._gm, args, kwargs)
+        rt = self._rt
+        rt.begin_step()
+        token = _ACTIVE.set(rt)
+        try:
+            out = self.program(*flat)
+            rt.end_forward()
+        except BaseException:
+            rt.abort()
+            raise
+        finally:
+            _ACTIVE.reset(token)
+        if self.schedule.out_spec is not None:
+            out = pytree.tree_unflatten(list(out), self.schedule.out_spec)
+        return out
+
+    def memory_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes each GPU holds now and held at peak (weights, weight gradients, activations)."""
+        return {name: dev.stats() for name, dev in self._rt.devices.items()}
+
+    def reset_peak_memory_stats(self) -> None:
+        for dev in self._rt.devices.values():
+            dev.reset_peak()
+
+    def transfer_stats(self, *, last_step: bool = False) -> dict[str, dict[str, dict[str, int]]]:
+        """Per GPU: copies and bytes moved per "kind direction" ("weight h2d", "gradient d2h",
+        "activation d2d", ...), since the pipeline was built or, with `last_step`, since the
+        last forward began (that forward and its backward)."""
+        return {name: dev.log.as_dict(since_mark=last_step) for name, dev in self._rt.devices.items()}
+
+    @property
+    def devices(self) -> dict[str, Device]:
+        return dict(self._rt.devices)
+
+    def _apply(self, fn, recurse=True):  # .to / .cuda / .half / .float ...
+        raise MobiusError("a Pipeline keeps the master weights on the CPU and copies them to its GPUs itself; move or "
+                          "cast the model before compiling it, not the pipeline")
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return None if dtype in (None, torch.float32) else dtype
+    from .costs import dtype_name
+
+    value = getattr(torch, dtype_name(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise MobiusError(f"dtype={dtype!r} is not a torch dtype; use torch.bfloat16, torch.float16 or None")
+    return None if value == torch.float32 else value
+
+
+def _masters(model: nn.Module, gm: fx.GraphModule, spec: Any) -> list[torch.Tensor]:
+    """The user's tensor behind each weight a stage reads (by identity, else by name)."""
+    from .tracing import trace_info
+
+    own = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    info = trace_info(gm)
+    out = []
+    for w in spec.weights:
+        if id(w.tensor) in own:
+            out.append(w.tensor)
+            continue
+        name = info.model_name(w.name)
+        found = None
+        for getter in (model.get_parameter, model.get_buffer):
+            try:
+                found = getter(name)
+                break
+            except (AttributeError, TypeError):
+                continue
+        out.append(found if found is not None and found.shape == w.tensor.shape else w.tensor)
+    return out
+
+
+def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]] | None = None,
+                   stage_gpus: Sequence[str] | None = None, gpu_budgets: Mapping[str, int | None] | None = None,
+                   microbatches: int | None = None, example_inputs: tuple = (), example_kwargs: dict | None = None,
+                   plan: Any = None, device: str | Mapping[str, Device] = "auto", dtype: Any = None,
+                   gpu_indices: Mapping[str, int] | None = None, schedule: Any = None) -> Pipeline:
+    """Build the runnable Mobius pipeline of `model` from its traced graph `gm`.
+
+    Give the stages explicitly (`stage_nodes[k]`: gm's compute nodes of stage k, in graph order;
+    `stage_gpus[k]`: the GPU name running it; `gpu_budgets`: bytes per GPU name, None or absent =
+    unlimited), or a `plan` (its stages' `nodes` and `gpu`, its `microbatches` and `dtype`, and
+    its topology's GPU memory and CUDA indices fill whatever is not given), or a `schedule`
+    already made by `passes.insert_transfers`. `dtype` (e.g. torch.bfloat16) is what weights
+    and activations are copied to the GPUs in; fp32 masters and gradients stay on the host.
+    `device`: "virtual" (GPUs played by the CPU), "cuda", "auto" (virtual for a virtual
+    topology or without CUDA, else CUDA) or a `{gpu name: Device}` of your own; `gpu_indices`
+    maps GPU names to CUDA indices. The model is left as it was.
+
+    >>> gm = torch.fx.symbolic_trace(model)
+    >>> pipe = build_pipeline(model, gm, stage_nodes=[["fc1", "relu"], ["fc2"]], stage_gpus=["gpu0", "gpu1"],
+    ...                       gpu_budgets={"gpu0": 2**20, "gpu1": 2**20}, microbatches=2,
+    ...                       example_inputs=(x,), device="virtual")
+    """
+    from .passes.emit import backward_summary, emit
+    from .passes.insert_transfers import insert_transfers
+
+    topology = getattr(plan, "topology", None)
+    if plan is not None:
+        stage_nodes = stage_nodes if stage_nodes is not None else [list(s.nodes) for s in plan.stages]
+        stage_gpus = stage_gpus if stage_gpus is not None else [s.gpu for s in plan.stages]
+        microbatches = microbatches if microbatches is not None else plan.microbatches
+        dtype = dtype if dtype is not None else plan.dtype
+        if gpu_budgets is None:  # the whole GPU: the plan's capacity is the planner's target, not a limit
+            gpus = {g.name: g for g in topology.gpus} if topology is not None else {}
+            gpu_budgets = {s.gpu: (gpus[s.gpu].memory if s.gpu in gpus else int(s.capacity)) for s in plan.stages}
+        if gpu_indices is None and topology is not None:
+            gpu_indices = {g.name: g.index for g in topology.gpus}
+        if device == "auto" and getattr(topology, "virtual", False):
+            device = "virtual"
+    if schedule is None:
+        if stage_nodes is None or stage_gpus is None:
+            raise MobiusError("build_pipeline needs the stages: pass stage_nodes and stage_gpus, a plan or a schedule")
+        schedule = insert_transfers(gm, stage_nodes=stage_nodes, stage_gpus=list(stage_gpus),
+                                    microbatches=1 if microbatches is None else microbatches)
+    if schedule.moved:
+        log.debug("compute nodes not listed in any stage, placed with the node before them: %s", schedule.moved)
+    program = emit(schedule)
+    budgets = dict(gpu_budgets or {})
+    devices = make_devices({g: budgets.get(g) for g in schedule.gpus}, device=device, indices=gpu_indices)
+    masters = [_masters(model, gm, spec) for spec in schedule.stages]
+    runtime = _Runtime(schedule, devices, masters, _torch_dtype(dtype))
+    if example_inputs or example_kwargs:
+        from .tracing import flatten_inputs
+
+        flat = flatten_inputs(gm, tuple(example_inputs), dict(example_kwargs or {}))
+        if schedule.microbatches > 1 and flat:
+            runtime.split(tuple(flat), schedule.microbatches)  # raises early when the batch does not split
+    code = program.code.strip("\n") + "\n\n" + backward_summary(schedule) + "\n"
+    return Pipeline(model, gm, schedule, program, runtime, plan, code)

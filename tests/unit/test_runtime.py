@@ -1,0 +1,531 @@
+"""The pipeline trains like the eager model: same outputs, losses and gradients, on virtual GPUs.
+
+Every test builds a small model, traces it with torch.fx, cuts it into stages by hand and runs
+the pipeline on virtual GPUs (the CPU with byte budgets), then compares with eager PyTorch.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from mobius_fx import MobiusError
+from mobius_fx.runtime import build_pipeline
+
+try:
+    from tests.models import ResidualMLP, SkipNet
+except ImportError:  # pragma: no cover - tests/ on sys.path instead of the repo root
+    from models import ResidualMLP, SkipNet
+
+_COMPUTE = ("call_function", "call_method", "call_module")
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread avoids stalls when other work shares the CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+
+def cut(gm: fx.GraphModule, stages: int | None = None, at: list[int] | None = None) -> list[list[str]]:
+    """Contiguous stages of gm's compute nodes: `stages` even parts, or cut before indices `at`."""
+    names = [n.name for n in gm.graph.nodes if n.op in _COMPUTE]
+    if at is None:
+        at = [round(i * len(names) / stages) for i in range(1, stages)]
+    bounds = [0, *at, len(names)]
+    return [names[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def pipeline(model, *inputs, stages=4, gpus=2, microbatches=1, budget=None, at=None, gm=None, **kw):
+    gm = gm if gm is not None else fx.symbolic_trace(model)
+    nodes = cut(gm, stages, at)
+    names = [f"gpu{i}" for i in range(gpus)]
+    return build_pipeline(model, gm, stage_nodes=nodes, stage_gpus=[names[k % gpus] for k in range(len(nodes))],
+                          gpu_budgets={g: budget for g in names}, microbatches=microbatches,
+                          example_inputs=inputs, device="virtual", **kw)
+
+
+def step(fn, model, *inputs, loss=lambda out: out.pow(2).mean()):
+    """Run forward + backward from zeroed grads; (output, loss, {name: grad})."""
+    model.zero_grad(set_to_none=True)
+    out = fn(*inputs)
+    value = loss(out)
+    value.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, value.detach(), grads
+
+
+def assert_same_step(a, b):
+    out_a, loss_a, grads_a = a
+    out_b, loss_b, grads_b = b
+    torch.testing.assert_close(out_a, out_b)
+    torch.testing.assert_close(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], msg=lambda m: f"{name}: {m}")
+
+
+def all_freed(pipe):
+    return all(s["current_bytes"] == 0 for s in pipe.memory_stats().values())
+
+
+# ----------------------------------------------------------------------------- equality
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_outputs_loss_and_gradients_equal_eager(microbatches):
+    torch.manual_seed(0)
+    model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
+    x = torch.randn(8, 8)
+    pipe = pipeline(model, x, stages=4, gpus=2, microbatches=microbatches)
+    assert_same_step(step(model, model, x), step(pipe, model, x))
+    assert all_freed(pipe)
+
+
+def test_more_stages_than_twice_the_gpus_and_gpu_order_other_than_identity():
+    torch.manual_seed(0)
+    model = ResidualMLP(d_in=8, width=16, depth=6, d_out=4)
+    x = torch.randn(6, 8)
+    gm = fx.symbolic_trace(model)
+    nodes = cut(gm, 6)
+    pipe = build_pipeline(model, gm, stage_nodes=nodes, stage_gpus=["gpu2", "gpu0", "gpu1"] * 2,
+                          gpu_budgets={}, microbatches=3, example_inputs=(x,), device="virtual")
+    assert_same_step(step(model, model, x), step(pipe, model, x))
+
+
+def test_dropout_with_one_microbatch_matches_eager_under_the_same_seed():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            h = self.drop(F.relu(self.a(x)))
+            h = F.dropout(F.relu(self.b(h)), 0.3, training=self.training)
+            return self.c(self.drop(h))
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(16, 8)
+    pipe = pipeline(model, x, stages=3, gpus=2)
+    torch.manual_seed(123)
+    eager = step(model, model, x)
+    torch.manual_seed(123)
+    piped = step(pipe, model, x)
+    assert_same_step(eager, piped)
+    assert (piped[0] != 0).any()
+
+
+def test_dropout_masks_of_the_recompute_match_the_forward_with_several_microbatches():
+    # Gradients can only equal eager's if the backward recomputes the very masks the forward drew.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 64), nn.Linear(64, 4)
+
+        def forward(self, x):
+            return self.b(F.dropout(self.a(x), 0.5, training=True))
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(8, 8)
+    pipe = pipeline(model, x, stages=2, gpus=2, microbatches=2, at=[2])  # dropout in stage 0
+    torch.manual_seed(7)  # the pipeline draws stage 0's masks micro-batch by micro-batch
+    eager = step(lambda x: torch.cat([model(x[:4]), model(x[4:])]), model, x)
+    torch.manual_seed(7)
+    assert_same_step(eager, step(pipe, model, x))
+
+
+def test_weight_used_in_two_stages_is_fetched_by_both_and_gets_the_summed_gradient():
+    class Tied(nn.Module):  # one Linear applied at both ends, as tied embedding / lm_head are
+        def __init__(self):
+            super().__init__()
+            self.shared, self.mid1, self.mid2 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.shared(torch.tanh(self.mid2(torch.tanh(self.mid1(self.shared(x))))))
+
+    torch.manual_seed(0)
+    model = Tied()
+    x = torch.randn(4, 8)
+    gm = fx.symbolic_trace(model)
+    pipe = pipeline(model, x, stages=3, gpus=3, gm=gm, at=[1, 4])
+    first, last = pipe.schedule.stages[0], pipe.schedule.stages[2]
+    assert {w.name for w in first.weights} >= {"shared.weight"} and {w.name for w in last.weights} >= {"shared.weight"}
+    assert_same_step(step(model, model, x), step(pipe, model, x))
+    uploads = {g: s.get("weight h2d", {}).get("bytes", 0) for g, s in pipe.transfer_stats().items()}
+    shared = sum(p.numel() * 4 for p in model.shared.parameters())
+    assert uploads["gpu0"] >= shared and uploads["gpu2"] >= shared  # both stages fetched it
+
+
+def test_frozen_parameters_get_no_grad_and_their_gradients_are_never_sent_back():
+    torch.manual_seed(0)
+    model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
+    for p in model.blocks[:2].parameters():
+        p.requires_grad_(False)
+    x = torch.randn(8, 8)
+    pipe = pipeline(model, x, stages=4, gpus=2, microbatches=2)
+    eager = step(model, model, x)
+    piped = step(pipe, model, x)
+    assert_same_step(eager, piped)
+    assert all(p.grad is None for p in model.blocks[:2].parameters())
+    sent = sum(s.get("gradient d2h", {}).get("bytes", 0) for s in pipe.transfer_stats().values())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert sent == trainable
+
+
+def test_batchnorm_statistics_update_once_per_forward_and_not_in_recompute():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16),
+                          nn.ReLU(), nn.Linear(16, 4))
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    pipe = pipeline(model, x, stages=3, gpus=2)
+    assert_same_step(step(eager, eager, x), step(pipe, model, x))
+    for (name, b), (_, ref) in zip(model.named_buffers(), eager.named_buffers()):
+        torch.testing.assert_close(b, ref, msg=lambda m: f"{name}: {m}")
+    assert int(model[1].num_batches_tracked) == 1
+
+
+def test_batchnorm_statistics_update_once_per_microbatch_in_order():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    pipe = pipeline(model, x, stages=2, gpus=2, microbatches=2)
+    pipe(x).sum().backward()
+    with torch.no_grad():
+        eager(x[:4]), eager(x[4:])
+    torch.testing.assert_close(model[1].running_mean, eager[1].running_mean)
+    torch.testing.assert_close(model[1].running_var, eager[1].running_var)
+    assert int(model[1].num_batches_tracked) == 2
+
+
+def test_skip_connection_across_several_stages_goes_through_host_memory():
+    torch.manual_seed(0)
+    model = SkipNet(d_in=8, width=16, depth=4, d_out=4)
+    x = torch.randn(8, 8)
+    pipe = pipeline(model, x, stages=4, gpus=2, microbatches=2, at=[1, 4, 7])
+    assert "stem_0_host = send(stem_0, 'host')" in pipe.code
+    assert_same_step(step(model, model, x), step(pipe, model, x))
+    assert all_freed(pipe)
+
+
+def test_several_inputs_kwargs_and_structured_outputs():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x, y, mask=None, scale: float = 1.0):
+            h = torch.relu(self.a(x) + y)
+            g = self.b(h) * scale
+            if mask is not None:
+                g = g * mask
+            return {"logits": self.c(g), "hidden": (h, g), "mean": g.mean()}
+
+    torch.manual_seed(0)
+    model = Net()
+    x, y, mask = torch.randn(8, 8), torch.randn(8, 8), (torch.rand(8, 8) > 0.3).float()
+    gm = fx.symbolic_trace(model)
+    pipe = pipeline(model, x, y, mask, stages=3, gpus=2, microbatches=2, gm=gm)
+
+    def loss(out):
+        return out["logits"].pow(2).sum() + out["hidden"][0].mean() + out["mean"]
+
+    eager = step(lambda *a: model(*a), model, x, y, mask, loss=loss)
+    piped = step(lambda *a: pipe(x, y=y, mask=mask), model, x, y, mask, loss=loss)
+    assert type(piped[0]) is dict and type(piped[0]["hidden"]) is tuple
+    torch.testing.assert_close(piped[0], eager[0])
+    torch.testing.assert_close(piped[1], eager[1])
+    for name in eager[2]:
+        torch.testing.assert_close(piped[2][name], eager[2][name])
+
+
+def test_python_values_and_tuples_cross_stage_boundaries():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(8, 4)
+
+        def forward(self, x):
+            n = x.size(0)  # an int used two stages later
+            left, right = self.a(x).chunk(2, dim=-1)  # a tuple crossing a cut
+            return self.b(torch.tanh(left) * right).reshape(n, -1)
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(6, 8)
+    gm = fx.symbolic_trace(model)
+    names = [n.name for n in gm.graph.nodes if n.op in _COMPUTE]
+    pipe = pipeline(model, x, stages=3, gpus=2, microbatches=3, gm=gm, at=[names.index("chunk") + 1,
+                                                                           names.index("b")])
+    assert_same_step(step(model, model, x), step(pipe, model, x))
+
+
+def test_integer_inputs_and_frozen_first_stage_need_no_backward_there():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    model[0].weight.requires_grad_(False)
+    ids = torch.randint(0, 16, (4, 5))
+    pipe = pipeline(model, ids, stages=2, gpus=2, microbatches=2, at=[1])
+    assert_same_step(step(model, model, ids), step(pipe, model, ids))
+    assert all_freed(pipe)
+
+
+# ----------------------------------------------------------------------------- the user's model
+
+def test_build_pipeline_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    params = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    buffers = {n: (b, b.clone()) for n, b in model.named_buffers()}
+    pipeline(model, torch.randn(4, 8), stages=2, gpus=2, microbatches=2)
+    for n, (p, value) in params.items():
+        assert model.get_parameter(n) is p and torch.equal(p, value)
+    for n, (b, value) in buffers.items():
+        assert model.get_buffer(n) is b and torch.equal(b, value)
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight)) and model[3].weight.grad is None
+
+
+def test_gradients_accumulate_into_existing_grad_like_eager():
+    torch.manual_seed(0)
+    model = ResidualMLP(d_in=8, width=16, depth=2, d_out=4)
+    x = torch.randn(4, 8)
+    pipe = pipeline(model, x, stages=2, gpus=2, microbatches=2)
+    pipe(x).sum().backward()
+    once = {n: p.grad.clone() for n, p in model.named_parameters()}
+    pipe(x).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * once[n])
+
+
+def test_pipeline_parameters_are_the_model_masters_and_it_cannot_be_moved():
+    model = ResidualMLP(d_in=8, width=16, depth=2, d_out=4)
+    pipe = pipeline(model, torch.randn(4, 8), stages=2, gpus=2)
+    assert [id(p) for p in pipe.parameters()] == [id(p) for p in model.parameters()]
+    with pytest.raises(MobiusError, match="master weights on the CPU"):
+        pipe.to(torch.float64)
+
+
+def test_eval_mode_of_the_model_reaches_the_stages():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    pipe = pipeline(model, x, stages=2, gpus=2)
+    pipe.eval()
+    assert not model.training
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+# ----------------------------------------------------------------------------- memory
+
+def test_last_stage_of_each_gpu_stays_resident_for_backward_then_everything_is_freed():
+    torch.manual_seed(0)
+    model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
+    x = torch.randn(4, 8)
+    pipe = pipeline(model, x, stages=4, gpus=2, microbatches=2)
+    out = pipe(x)
+    resident = [k for k, st in enumerate(pipe._rt.stages) if st.resident]
+    assert resident == [2, 3]
+    out.sum().backward()
+    assert not any(st.resident for st in pipe._rt.stages) and all_freed(pipe)
+
+
+def test_forward_without_grad_evicts_every_stage():
+    model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
+    x = torch.randn(4, 8)
+    pipe = pipeline(model, x, stages=4, gpus=2, microbatches=2)
+    with torch.no_grad():
+        out = pipe(x)
+    assert not out.requires_grad and all_freed(pipe)
+
+
+def test_at_most_two_stages_are_resident_per_gpu():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])  # weights dominate activations
+    x = torch.randn(2, 64)
+    pipe = pipeline(model, x, stages=8, gpus=2, microbatches=2)
+    pipe(x).sum().backward()
+    stage_bytes = 64 * 65 * 4
+    for stats in pipe.memory_stats().values():
+        # two stages' weights + one stage's gradients + a few small activations
+        assert 2 * stage_bytes < stats["peak_bytes"] < 3 * stage_bytes + 4096
+
+
+def test_an_evicted_weight_cannot_be_used():
+    model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
+    x = torch.randn(4, 8)
+    pipe = pipeline(model, x, stages=4, gpus=2)
+    pipe(x)
+    stage0 = pipe._rt.stages[0]
+    assert all(s.untyped_storage().nbytes() == 0 for s in stage0.slots if s.numel())
+    with pytest.raises(RuntimeError):
+        stage0.module(x)
+
+
+def test_exceeding_a_budget_raises_naming_gpu_bytes_and_budget():
+    model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
+    x = torch.randn(4, 8)
+    pipe = pipeline(model, x, stages=4, gpus=2, budget=1000)
+    with pytest.raises(MobiusError, match=r"gpu0 would hold .*\(\d+ bytes: stage 0's weights.* budget .*\(1000 bytes\)"):
+        pipe(x)
+    assert all_freed(pipe)
+
+
+def test_a_batch_that_microbatches_do_not_divide_is_rejected():
+    model = ResidualMLP(d_in=8, width=16, depth=2, d_out=4)
+    with pytest.raises(MobiusError, match=r"batch has 6 rows .* 4 equal micro-batches.*multiple of 4"):
+        pipeline(model, torch.randn(6, 8), stages=2, gpus=2, microbatches=4)
+    pipe = pipeline(model, torch.randn(8, 8), stages=2, gpus=2, microbatches=4)
+    with pytest.raises(MobiusError, match="does not split into 4"):
+        pipe(torch.randn(6, 8))
+
+
+# ----------------------------------------------------------------------------- failures
+
+_ARMED = {"forward": False, "backward": False}
+
+
+class _Tripwire(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        if _ARMED["forward"]:
+            raise RuntimeError("tripwire in forward")
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        if _ARMED["backward"]:
+            raise RuntimeError("tripwire in backward")
+        return g
+
+
+@fx.wrap
+def tripwire(x):
+    return _Tripwire.apply(x)
+
+
+class _Fragile(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.b, self.c, self.d = (nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 16),
+                                                   nn.Linear(16, 16), nn.Linear(16, 4))
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.a(x)))
+        h = tripwire(torch.tanh(self.b(h)))
+        return self.d(torch.tanh(self.c(h)))
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_an_error_in_a_stage_leaves_masters_untouched_frees_gpus_and_the_pipeline_stays_usable(where):
+    torch.manual_seed(0)
+    model = _Fragile()
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    gm = fx.symbolic_trace(model)
+    names = [n.name for n in gm.graph.nodes if n.op in _COMPUTE]
+    pipe = pipeline(model, x, stages=4, gpus=2, microbatches=2, gm=gm,
+                    at=[names.index("b"), names.index("tripwire"), names.index("c")])
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    _ARMED[where] = True
+    try:
+        with pytest.raises(RuntimeError, match=f"tripwire in {where}"):
+            pipe(x).sum().backward()
+    finally:
+        _ARMED[where] = False
+    assert all(torch.equal(v, params[k]) for k, v in model.named_parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert all_freed(pipe)
+    if where == "forward":  # a forward that failed updated no buffer either
+        assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
+    else:  # the forward had succeeded: its BatchNorm updates stand, as in eager
+        with torch.no_grad():
+            eager(x[:4]), eager(x[4:])
+    # Usable again, and as if the failed step never happened (BatchNorm sees micro-batches of 4).
+    assert_same_step(step(lambda x: torch.cat([eager(x[:4]), eager(x[4:])]), eager, x), step(pipe, model, x))
+
+
+def test_bfloat16_streaming_is_close_to_fp32_eager_and_keeps_fp32_gradients():
+    torch.manual_seed(0)
+    model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
+    x = torch.randn(8, 8)
+    pipe = pipeline(model, x, stages=4, gpus=2, microbatches=2, dtype=torch.bfloat16)
+    eager = step(model, model, x)
+    out, loss, grads = step(pipe, model, x, loss=lambda o: o.float().pow(2).mean())
+    assert out.dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in grads.values())
+    torch.testing.assert_close(out.float(), eager[0], rtol=0.05, atol=0.05)
+    for name in eager[2]:
+        torch.testing.assert_close(grads[name], eager[2][name], rtol=0.1, atol=0.02)
+
+
+def test_uploads_in_flight_are_awaited_before_use_and_before_freeing():
+    # Asynchronous virtual GPUs hand out futures for uploads, as CUDA devices do.
+    from mobius_fx.devices import VirtualDevice
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    devices = {g: VirtualDevice(g, None, asynchronous=True) for g in ("gpu0", "gpu1")}
+    gm = fx.symbolic_trace(model)
+    pipe = build_pipeline(model, gm, stage_nodes=cut(gm, 4), stage_gpus=["gpu0", "gpu1"] * 2, microbatches=1,
+                          example_inputs=(x,), device=devices)
+    assert pipe.devices == devices
+    for _ in range(2):
+        assert_same_step(step(eager, eager, x), step(pipe, model, x))
+    for (name, b), ref in zip(model.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(b, ref, msg=lambda m: f"{name}: {m}")
+    assert all_freed(pipe)
+
+
+def test_a_stage_that_changes_its_input_in_place_is_reported_in_backward():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(h.mul_(2))  # in place on the next stage's input
+
+    model = Net()
+    x = torch.randn(4, 8)
+    pipe = pipeline(model, x, stages=2, gpus=2, at=[1])
+    with pytest.raises(MobiusError, match="modified in place after the forward used it"):
+        pipe(x).sum().backward()
+    assert all_freed(pipe)
+
+
+def test_inputs_that_require_grad_get_the_eager_gradient():
+    torch.manual_seed(0)
+    model = ResidualMLP(d_in=8, width=16, depth=3, d_out=4)
+    x = torch.randn(6, 8, requires_grad=True)
+    pipe = pipeline(model, x.detach(), stages=3, gpus=2, microbatches=3)
+    model(x).pow(2).sum().backward()
+    eager, x.grad = x.grad.clone(), None
+    pipe(x).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, eager)
+
+
+def test_transfer_stats_of_the_last_step_count_one_forward_and_backward():
+    model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
+    x = torch.randn(4, 8)
+    pipe = pipeline(model, x, stages=4, gpus=2, microbatches=2)
+    for _ in range(3):
+        pipe(x).sum().backward()
+    total = sum(s["weight h2d"]["bytes"] for s in pipe.transfer_stats().values())
+    last = pipe.transfer_stats(last_step=True)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # each step: every stage up in forward, the ones evicted in forward up again in backward
+    assert sum(s["weight h2d"]["bytes"] for s in last.values()) * 3 == total
+    assert sum(s["gradient d2h"]["bytes"] for s in last.values()) == weights
