@@ -50,8 +50,7 @@ def main() -> None:
 
     x = torch.randint(0, 256, (8, 32))  # (batch, seq)
     y = torch.roll(x, -1, dims=1)
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory=model_bytes), example_inputs=(x,),
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory="8MiB"), example_inputs=(x,),
                              microbatches=2, verbose=False)
     opt = torch.optim.AdamW(adapters, lr=1e-2)
     for step in range(1, 31):
@@ -65,9 +64,14 @@ def main() -> None:
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     assert all(model.get_parameter(n).grad is None for n in frozen), "a frozen weight got a gradient"
     assert all(torch.equal(model.get_parameter(n), base[n]) for n in frozen), "a frozen weight changed"
-    stats = pipe.transfer_stats()
-    print("transfers of the last step:", stats)
-    print(f"{len(frozen)} frozen tensors: no .grad, unchanged; only the adapters' gradients came back to DRAM")
+    stats = pipe.transfer_stats(last_step=True)
+    sent_back = sum(v["bytes"] for gpu in stats.values() for k, v in gpu.items() if k.startswith("gradient"))
+    uploaded = sum(v["bytes"] for gpu in stats.values() for k, v in gpu.items() if k.startswith("weight"))
+    adapter_bytes = sum(p.numel() * p.element_size() for p in adapters)
+    assert sent_back == adapter_bytes, (sent_back, adapter_bytes)
+    print(f"last step: {uploaded / 1e3:.0f} KB of weights fetched to the GPUs, {sent_back / 1e3:.1f} KB of gradients "
+          f"sent back (= the adapters' {adapter_bytes / 1e3:.1f} KB)")
+    print(f"{len(frozen)} frozen tensors: no .grad, unchanged, never sent back")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""The examples a new user starts from run as documented."""
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _run(name, argv, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [name, *argv])
+    runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+
+
+def test_hf_models_match_eager_gradients(monkeypatch, capsys):
+    _run("hf_models.py", [], monkeypatch)
+    out = capsys.readouterr().out
+    for name in ("gpt2", "llama", "opt", "bert"):
+        assert f"{name} " in out
+    assert out.count("match eager") == 4
+
+
+def test_lora_sends_back_only_adapter_gradients(monkeypatch, capsys):
+    _run("lora.py", [], monkeypatch)
+    assert "never sent back" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_finetune_example_lowers_the_loss_in_a_short_run(monkeypatch, capsys):
+    _run("finetune_gpt.py", ["--steps", "60", "--log-every", "30"], monkeypatch)
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("validation loss"))
+    first, last = (float(v) for v in line.split()[2:5:2])
+    assert last < 0.8 * first
+    assert "sample:" in out and "stage" in out
