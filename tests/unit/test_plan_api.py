@@ -1,5 +1,6 @@
 """mobius_fx.plan end to end: trace -> annotate -> partition -> cross_map -> Plan."""
 
+import json
 import time
 
 import pytest
@@ -65,3 +66,17 @@ def test_gpt3_8b_on_the_paper_server_plans_in_under_a_minute(tmp_path):
     roots = [s.root_complex for s in plan.stages]
     assert all(a != b for a, b in zip(roots, roots[1:])), roots
     assert all(s.peak_bytes <= s.capacity for s in plan.stages)
+
+    # The plan's simulated step exports as a valid Chrome trace: a process per GPU and a
+    # thread per directed link that carried bytes.
+    from mobius_fx import simulate
+
+    result = simulate(plan)
+    path = tmp_path / "trace.json"
+    result.save_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    processes = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    threads = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert {f"gpu{i}" for i in range(8)} <= processes and "links" in processes
+    link_threads = [t for t in threads if "->" in t or ">" in t]
+    assert len(link_threads) >= len([k for k, b in result.link_bytes.items() if b > 0])
