@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="dtype streamed to and computed on the GPUs; masters stay fp32 (default fp16, as the paper)")
     pl.add_argument("--memory-fraction", type=float, default=0.9, help="share of GPU memory a plan may use")
     pl.add_argument("--time-limit", type=float, default=20.0, help="MIP seconds per candidate stage count")
+    pl.add_argument("--adam-gbps", type=float, default=None,
+                    help="sustained bandwidth of the CPU optimizer in GB/s (default: a plain torch.optim.Adam, 20)")
     pl.add_argument("--json", metavar="OUT", help="write the plan as JSON")
     pl.add_argument("--trace", metavar="OUT", help="write a Chrome/Perfetto trace of the simulated step")
     pl.add_argument("--quiet", action="store_true", help="no progress messages")
@@ -77,7 +79,7 @@ def _cmd_plan(args) -> int:
                  dtype=getattr(torch, dtype) if dtype else None, memory_fraction=args.memory_fraction,
                  time_limit=args.time_limit, verbose=not args.quiet)
     print(p)
-    cmp = compare(p)
+    cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps else None)
     print()
     print(f"Simulated on {topo.name} ({args.model}, batch {args.batch} x {args.seq} tokens, {micro} micro-batches):")
     print(cmp.table())

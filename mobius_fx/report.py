@@ -39,23 +39,28 @@ class Comparison:
             if r is None:
                 continue
             if isinstance(r, str):
-                rows.append([name, "does not fit", "", "", "", r[:70]])
+                rows.append([name, "does not fit", "", "", "", "", r[:70]])
                 continue
             pcie = sum(r.link_bytes.values())
-            rows.append([name, fmt_time(r.step_time), f"{r.step_time / base:.2f}x" if base else "",
+            rows.append([name, fmt_time(r.pipeline_time), fmt_time(r.step_time),
+                         f"{r.step_time / base:.2f}x" if base else "",
                          f"{r.pipeline_time / lb:.2f}" if lb else "", fmt_bytes(pcie), ""])
-        return tabulate(rows, headers=["schedule", "step time", "vs mobius", "pipeline / lower bound",
-                                       "bytes on links", "note"])
+        return tabulate(rows, headers=["schedule", "fwd+bwd", "step (+CPU Adam)", "step vs mobius",
+                                       "fwd+bwd / lower bound", "bytes on links", "note"])
 
 
-def compare(plan: Plan, schedules=SCHEDULES) -> Comparison:
-    """Simulate `plan` under every schedule (same costs, same topology, same simulator)."""
+def compare(plan: Plan, schedules=SCHEDULES, *, cpu_adam_bandwidth: float | None = None) -> Comparison:
+    """Simulate `plan` under every schedule (same costs, same topology, same simulator).
+
+    `cpu_adam_bandwidth` (bytes/s) sets the CPU optimizer's speed; None takes the simulator's
+    default for a plain torch.optim.Adam (see mobius_fx.simulator.CPU_ADAM_BANDWIDTH).
+    """
     from .simulator import simulate
 
     results: dict = {}
     for name in schedules:
         try:
-            results[name] = simulate(plan, schedule=name)
+            results[name] = simulate(plan, schedule=name, cpu_adam_bandwidth=cpu_adam_bandwidth)
         except PlanError as e:
             results[name] = str(e)
     return Comparison(plan, results)
