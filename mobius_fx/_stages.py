@@ -44,8 +44,11 @@ def partition_pass(gm, ctx: CompileContext):
     from .passes.partition import solve
 
     s = ctx.settings
-    ctx.partition = solve(_problem(ctx), solver=s.get("solver", "auto"), time_limit=s.get("time_limit", 20.0),
-                          cache_dir=s.get("cache_dir"))
+    problem = _problem(ctx)
+    log.info("partition: %d layers on %d GPUs, %d micro-batches; MIP time limit %.0f s", len(ctx.layers),
+             len(problem.gpus), problem.microbatches, s.get("time_limit", 20.0))
+    ctx.partition = solve(problem, solver=s.get("solver", "auto"), time_limit=s.get("time_limit", 20.0),
+                          cache_dir=s.get("cache_dir"), progress=lambda msg: log.info("partition: %s", msg))
     return None
 
 

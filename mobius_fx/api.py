@@ -34,20 +34,26 @@ def _topology(topology: Any):
 
 @contextlib.contextmanager
 def _verbosity(verbose: bool):
-    """Show INFO progress on stderr while a compile runs, unless the user configured logging."""
-    if not verbose or log.handlers or logging.getLogger().handlers:
+    """With verbose=True, show INFO progress on stderr while a compile runs.
+
+    To route mobius_fx's progress through your own logging setup instead, pass verbose=False
+    and configure the "mobius_fx" logger (or attach a handler to it: then it is used as is).
+    """
+    if not verbose or log.handlers:
         yield
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[mobius_fx] %(message)s"))
-    old = log.level
+    old_level, old_propagate = log.level, log.propagate
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    log.propagate = False
     try:
         yield
     finally:
         log.removeHandler(handler)
-        log.setLevel(old)
+        log.setLevel(old_level)
+        log.propagate = old_propagate
 
 
 def _settings(microbatches: int, **kw) -> dict:

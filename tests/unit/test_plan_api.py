@@ -80,3 +80,13 @@ def test_gpt3_8b_on_the_paper_server_plans_in_under_a_minute(tmp_path):
     assert {f"gpu{i}" for i in range(8)} <= processes and "links" in processes
     link_threads = [t for t in threads if "->" in t or ">" in t]
     assert len(link_threads) >= len([k for k, b in result.link_bytes.items() if b > 0])
+
+
+def test_progress_is_reported_unless_silenced(tmp_path, capfd):
+    kw = dict(example_inputs=(torch.randn(8, 64),), cache_dir=str(tmp_path))
+    mobius_fx.plan(_mlp(), Topology.virtual(gpus=2, memory="256KiB"), verbose=True, **kw)
+    err = capfd.readouterr().err
+    assert "[mobius_fx] traced" in err and "partition:" in err and "pass plan done" in err
+    mobius_fx.plan(_mlp(), Topology.virtual(gpus=2, memory="256KiB"), verbose=False, **kw)
+    captured = capfd.readouterr()
+    assert captured.err == "" and captured.out == ""
