@@ -27,6 +27,19 @@ How a step runs:
   `param.grad` — all at once, so a step that fails leaves `.grad`, the weights and the
   buffers as they were, frees every GPU copy, and the pipeline stays usable.
 
+Mixed precision (`dtype=torch.bfloat16 | torch.float16`): every floating weight's GPU copy
+is the master cast to `dtype` (CUDA: the cast happens on the host into a pinned staging copy,
+so the upload moves half the bytes), floating inputs are cast as they go up, and each stage
+runs — and is recomputed in backward — under `torch.autocast(<its device type>, dtype)`, so
+ops on autocast's fp32 list (losses, softmax-with-loss, norms where the backend lists them)
+run in fp32 and outputs come back in the dtype autocast gives them (logits bf16, a loss
+computed inside the model fp32). Weight gradients are summed over the micro-batches on the
+GPU in `dtype` (what the plan budgets, G_k), downloaded in `dtype` and added into the fp32
+`param.grad`. With fp16 use `torch.amp.GradScaler("cpu")` on the masters: it unscales the
+CPU fp32 gradients and skips the step on inf/NaN. With `dtype=None` weights stay fp32 and a
+stage runs under whatever autocast the caller has on; that state is saved per call and
+replayed by the backward recomputation (as torch.utils.checkpoint does).
+
 Micro-batches: tensor inputs whose dim 0 is the batch size (dim 0 of the first batched input)
 are split into M equal micro-batches; other inputs go to every micro-batch. Output tensors whose
 dim 0 is the micro-batch size are concatenated back; other tensors (a 0-dim loss) are averaged
@@ -182,7 +195,7 @@ class _Call:
     """One stage call of one micro-batch, as the autograd Function sees it."""
 
     __slots__ = ("rt", "step", "stage", "mb", "in_leaves", "in_spec", "in_pos", "out_leaves", "out_spec",
-                 "out_pos", "saved", "rng")
+                 "out_pos", "saved", "rng", "amp")
 
     def __init__(self, rt: "_Runtime", step: _Step, stage: int, mb: int, leaves: list, spec: Any, pos: list[int]):
         self.rt, self.step, self.stage, self.mb = rt, step, stage, mb
@@ -193,6 +206,7 @@ class _Call:
         self.out_pos: list[int] = []
         self.saved: list = []
         self.rng: Any = None
+        self.amp: tuple[str, bool, torch.dtype] = rt.amp_state(rt.stages[stage].device)
 
 
 def _rebuild(leaves: list, pos: list[int], tensors: Sequence[torch.Tensor], spec: Any) -> Any:
@@ -200,6 +214,13 @@ def _rebuild(leaves: list, pos: list[int], tensors: Sequence[torch.Tensor], spec
     for j, t in zip(pos, tensors):
         out[j] = t
     return pytree.tree_unflatten(out, spec)
+
+
+def _autocast(amp: tuple[str, bool, torch.dtype]) -> torch.autocast:
+    """The autocast a stage call runs (and is recomputed) under. The cast cache stays off: a
+    cached cast of a weight slot would outlive the slot's eviction."""
+    device_type, enabled, dtype = amp
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False)
 
 
 class _StageFunction(torch.autograd.Function):
@@ -358,6 +379,15 @@ class _Runtime:
         return pytree.tree_unflatten(merged, spec)
 
     # ------------------------------------------------------------------ stage calls
+    def amp_state(self, dev: Device) -> tuple[str, bool, torch.dtype]:
+        """(device type, enabled, dtype) of the autocast a stage on `dev` runs under: the
+        pipeline's dtype when it has one, else whatever autocast the caller has on for that
+        device type (saved per call, so the backward recomputation replays it)."""
+        kind = dev.torch_device.type
+        if self.dtype is not None:
+            return kind, True, self.dtype
+        return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+
     def run(self, k: int, i: int, args: tuple) -> Any:
         st = self.stages[k]
         if not st.resident or st.token is not None:
@@ -376,7 +406,7 @@ class _Runtime:
                 result = _rebuild(call.out_leaves, call.out_pos, outs, call.out_spec)
                 step.fwd_calls[k] += 1
             else:
-                with torch.no_grad(), dev.compute():
+                with torch.no_grad(), dev.compute(), _autocast(self.amp_state(dev)):
                     result = st.module(*args)
         except Exception as e:
             if hasattr(e, "add_note"):
@@ -406,7 +436,8 @@ class _Runtime:
         dev = st.device
         call.rng = dev.rng_state()
         call.saved = [dev.offload(t) for t in tensors]
-        out = st.module(*_rebuild(call.in_leaves, call.in_pos, tensors, call.in_spec))
+        with _autocast(call.amp):
+            out = st.module(*_rebuild(call.in_leaves, call.in_pos, tensors, call.in_spec))
         leaves, spec = pytree.tree_flatten(out)
         pos = [j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         ids = {id(t) for t in tensors}
@@ -451,7 +482,7 @@ class _Runtime:
                     if need:
                         t.requires_grad_(True)
                 args = _rebuild(call.in_leaves, call.in_pos, inputs, call.in_spec)
-                with torch.enable_grad(), dev.rng(call.rng):
+                with torch.enable_grad(), dev.rng(call.rng), _autocast(call.amp):
                     out = st.module(*args)
                 leaves = pytree.tree_leaves(out)
                 outs = [leaves[j] for j in call.out_pos]
@@ -594,8 +625,9 @@ class Pipeline(nn.Module):
     `program` (the schedule GraphModule), `schedule` (stages and their modules), `model` (the
     user's model: `pipe.parameters()` are its master weights; `pipe.train()`/`eval()` reach it
     and, at the next call, the stages' leaf modules; a graph from torch.export has the mode it
-    was traced in baked in). Outputs come back on the host, in the streamed dtype when one was
-    given. The pipeline cannot be moved or cast (`.to`, `.cuda`, `.half`): it copies the CPU
+    was traced in baked in). Outputs come back on the host, in the dtype autocast gives them
+    when a `dtype` was given (matmul outputs in that dtype, fp32-list ops such as a loss in
+    fp32). The pipeline cannot be moved or cast (`.to`, `.cuda`, `.half`): it copies the CPU
     masters to the GPUs itself.
 
     >>> pipe = build_pipeline(model, gm, stage_nodes=..., stage_gpus=..., gpu_budgets=..., microbatches=2,
@@ -707,7 +739,9 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     unlimited), or a `plan` (its stages' `nodes` and `gpu`, its `microbatches` and `dtype`, and
     its topology's GPU memory and CUDA indices fill whatever is not given), or a `schedule`
     already made by `passes.insert_transfers`. `dtype` (e.g. torch.bfloat16) is what weights
-    and activations are copied to the GPUs in; fp32 masters and gradients stay on the host.
+    and activations are copied to the GPUs in, and the stages run under autocast to it; fp32
+    masters and gradients stay on the host (for fp16, scale the loss with
+    `torch.amp.GradScaler("cpu")`).
     `device`: "virtual" (GPUs played by the CPU), "cuda", "auto" (virtual for a virtual
     topology or without CUDA, else CUDA) or a `{gpu name: Device}` of your own; `gpu_indices`
     maps GPU names to CUDA indices. The model is left as it was.
