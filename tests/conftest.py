@@ -1,5 +1,8 @@
 import os
 
+import pytest
+import torch
+
 from hypothesis import HealthCheck, settings
 
 # CI runs derandomized with bounded examples so results are stable run to run.
@@ -9,3 +12,12 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread avoids stalls when other work shares the CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -15,20 +15,11 @@ from torch import nn
 from mobius_fx import MobiusError
 from mobius_fx.runtime import build_pipeline
 
-try:
-    from tests.models import ResidualMLP, SkipNet
-except ImportError:  # pragma: no cover - tests/ on sys.path instead of the repo root
-    from models import ResidualMLP, SkipNet
+from tests.models import ResidualMLP, SkipNet
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids stalls when other work shares the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 

@@ -9,20 +9,11 @@ import torch.fx as fx
 from mobius_fx import trace
 from mobius_fx.runtime import build_pipeline
 
-try:
-    from tests.models import gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama
-except ImportError:  # pragma: no cover - tests/ on sys.path instead of the repo root
-    from models import gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama
+from tests.models import gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids stalls when other work shares the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 
