@@ -437,7 +437,9 @@ class CudaDevice(Device):
         self.log.add("activation", "d2h", nbytes(out))
         return out
 
-    def offload(self, t):
+    def _to_pinned(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Copy `t` into a new pinned host tensor on the download stream, after the compute
+        that produced it; returns the host tensor and the event that marks the copy done."""
         self.download_stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(self.download_stream):
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -445,6 +447,10 @@ class CudaDevice(Device):
             event = torch.cuda.Event()
             event.record(self.download_stream)
         t.record_stream(self.download_stream)
+        return host, event
+
+    def offload(self, t):
+        host, event = self._to_pinned(t)
         self.log.add("activation", "d2h", nbytes(t))
         return _Saved(host, event)
 
@@ -456,13 +462,7 @@ class CudaDevice(Device):
         return out
 
     def download(self, t, kind):
-        self.download_stream.wait_stream(self.compute_stream)
-        with torch.cuda.stream(self.download_stream):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.download_stream)
-        t.record_stream(self.download_stream)
+        host, event = self._to_pinned(t)
         self.log.add(kind, "d2h", nbytes(t))
 
         def wait() -> torch.Tensor:
