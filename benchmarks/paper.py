@@ -24,8 +24,8 @@ import torch
 from tabulate import tabulate
 
 import mobius_fx
-from mobius_fx import PlanError, Topology, zoo
-from mobius_fx.simulator import simulate
+from mobius_fx import Topology, zoo
+from mobius_fx.report import compare
 from mobius_fx.units import fmt_bytes
 
 SCHEDULES = ("mobius", "mobius-noprefetch", "mobius-identity-map", "roundpipe", "gpipe", "zero3-offload")
@@ -37,12 +37,7 @@ def run(model_name: str, topo: Topology, args, cache: str) -> tuple[list, dict]:
     plan = mobius_fx.plan(model, topo, example_inputs=inputs, microbatches=len(topo.gpus), dtype=torch.float16,
                           time_limit=args.time_limit, cache_dir=cache, verbose=False)
     params = sum(p.numel() for p in model.parameters()) / 1e9
-    res = {}
-    for s in SCHEDULES:
-        try:
-            res[s] = simulate(plan, schedule=s, cpu_adam_bandwidth=args.adam_gbps * 1e9)
-        except PlanError as e:
-            res[s] = str(e)
+    res = compare(plan, SCHEDULES, cpu_adam_bandwidth=args.adam_gbps * 1e9).results
     lb = plan.lower_bound()
     mob = res["mobius"]
     rows = []
@@ -53,7 +48,7 @@ def run(model_name: str, topo: Topology, args, cache: str) -> tuple[list, dict]:
             continue
         rows.append([f"{model_name} ({params:.1f}B)", s, f"{r.pipeline_time:.2f}", f"{r.step_time:.2f}",
                      f"{r.pipeline_time / mob.pipeline_time:.2f}x", f"{r.step_time / mob.step_time:.2f}x",
-                     fmt_bytes(sum(r.link_bytes.get((u, v), 0) for (u, v) in r.link_bytes)),
+                     fmt_bytes(sum(r.link_bytes.values())),
                      f"{r.pipeline_time / lb:.2f}"])
     summary = {"model": model_name, "params": params, "stages": plan.num_stages, "plan s": time.perf_counter() - t0,
                "solver": str(plan.solver), "predicted": plan.step_time, "results": res}
@@ -75,7 +70,7 @@ def speedups(summary: dict) -> list:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--adam-gbps", type=float, default=100.0, help="sustained CPU optimizer bandwidth, GB/s")
-    ap.add_argument("--time-limit", type=float, default=10.0, help="MIP seconds per candidate stage count")
+    ap.add_argument("--time-limit", type=float, default=10.0, help="the MIP's time budget in seconds (default 10)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--models", nargs="+", default=["gpt3-3b", "gpt3-8b", "gpt3-15b"])
