@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", default="fp16", choices=sorted(_DTYPES),
                     help="dtype streamed to and computed on the GPUs; masters stay fp32 (default fp16, as the paper)")
     pl.add_argument("--memory-fraction", type=float, default=0.9, help="share of GPU memory a plan may use")
-    pl.add_argument("--time-limit", type=float, default=20.0, help="MIP seconds per candidate stage count")
+    pl.add_argument("--time-limit", type=float, default=20.0, help="the MIP's time budget in seconds (default 20)")
     pl.add_argument("--adam-gbps", type=float, default=None,
                     help="sustained bandwidth of the CPU optimizer in GB/s (default: a plain torch.optim.Adam, 20)")
     pl.add_argument("--json", metavar="OUT", help="write the plan as JSON")

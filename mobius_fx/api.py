@@ -56,16 +56,19 @@ def _verbosity(verbose: bool):
         log.propagate = old_propagate
 
 
-def _settings(microbatches: int, **kw) -> dict:
+def _run(passes: PassPipeline, *, model, topology, example_inputs, example_kwargs, microbatches: int,
+         verbose: bool, **settings) -> CompileContext:
+    """Normalise the user's arguments into a CompileContext and run `passes` on it."""
     if not isinstance(microbatches, int) or microbatches < 1:
         raise MobiusError(f"microbatches={microbatches!r}; it must be a positive int (Mobius uses one per GPU)")
-    return {"microbatches": microbatches, **kw}
-
-
-def _normalize_inputs(example_inputs, example_kwargs) -> tuple[tuple, dict]:
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
-    return tuple(example_inputs), dict(example_kwargs or {})
+    ctx = CompileContext(model=model, topology=_topology(topology), example_inputs=tuple(example_inputs),
+                         example_kwargs=dict(example_kwargs or {}),
+                         settings={"microbatches": microbatches, **settings})
+    with _verbosity(verbose):
+        passes.run(ctx)
+    return ctx
 
 
 def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,
@@ -84,18 +87,13 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
 
     `dtype` is the dtype weights are streamed and computed in on the GPUs (fp32 masters stay
     in DRAM); `memory_fraction` the share of each GPU's memory the plan may use; `solver`
-    "auto" | "highs" | "cbc"; `time_limit` seconds per candidate stage count.
+    "auto" | "highs" | "cbc"; `time_limit` the MIP's whole budget in seconds (shared by the
+    candidate stage counts; the gap reached is reported in `plan.solver`).
     """
-    example_inputs, example_kwargs = _normalize_inputs(example_inputs, example_kwargs)
-    topo = _topology(topology)
-    ctx = CompileContext(model=model, topology=topo, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                         settings=_settings(microbatches, costs=costs, dtype=dtype, memory_fraction=memory_fraction,
-                                            solver=solver, time_limit=time_limit, cross_map=cross_map,
-                                            cache_dir=cache_dir))
-    passes = (pipeline or default_pipeline()).until("plan")
-    with _verbosity(verbose):
-        passes.run(ctx)
-    return ctx.plan
+    return _run((pipeline or default_pipeline()).until("plan"), model=model, topology=topology,
+                example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
+                verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
+                time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir).plan
 
 
 def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,
@@ -113,12 +111,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     `device`: "auto" (CUDA when the topology is real and CUDA is present, else virtual GPUs on
     the CPU), "virtual" or "cuda".
     """
-    example_inputs, example_kwargs = _normalize_inputs(example_inputs, example_kwargs)
-    topo = _topology(topology)
-    ctx = CompileContext(model=model, topology=topo, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                         settings=_settings(microbatches, costs=costs, dtype=dtype, memory_fraction=memory_fraction,
-                                            solver=solver, time_limit=time_limit, cross_map=cross_map,
-                                            cache_dir=cache_dir, device=device))
-    with _verbosity(verbose):
-        (pipeline or default_pipeline()).run(ctx)
-    return ctx.pipeline
+    return _run(pipeline or default_pipeline(), model=model, topology=topology, example_inputs=example_inputs,
+                example_kwargs=example_kwargs, microbatches=microbatches, verbose=verbose, costs=costs, dtype=dtype,
+                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
+                cache_dir=cache_dir, device=device).pipeline
