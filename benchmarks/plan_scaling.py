@@ -18,6 +18,7 @@ from tabulate import tabulate
 
 from mobius_fx import Topology
 from mobius_fx.compiler import CompileContext, default_pipeline
+from mobius_fx.options import CompileOptions
 from mobius_fx.zoo import GPT, GPTConfig
 
 
@@ -27,8 +28,8 @@ def plan_one(blocks: int, topo: Topology, microbatches: int, cache_dir: str) -> 
         model = GPT(GPTConfig(hidden=3072, blocks=blocks, heads=24))
         ids = torch.zeros(8, 1024, dtype=torch.long)
     build = time.perf_counter() - t0
-    ctx = CompileContext(model=model, topology=topo, example_inputs=(ids,), settings={
-        "microbatches": microbatches, "dtype": torch.float16, "cache_dir": cache_dir, "costs": "model"})
+    ctx = CompileContext(model=model, topology=topo, example_inputs=(ids,), settings=CompileOptions(
+        microbatches=microbatches, dtype=torch.float16, cache_dir=cache_dir, costs="model"))
     default_pipeline().until("plan").run(ctx)
     plan, t = ctx.plan, ctx.timings
     return {

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-from .errors import MobiusError, PlanError, TopologyError, TraceError
+from .errors import BudgetError, MobiusError, PlanError, TopologyError, TraceError
 
 __version__ = "0.1.0"
 
@@ -28,9 +28,10 @@ _LAZY = {
     "plan": "api", "compile": "api",
     "simulate": "simulator", "SimResult": "simulator",
     "Pipeline": "runtime",
+    "CompileOptions": "options",
 }
 
-__all__ = ["MobiusError", "TraceError", "PlanError", "TopologyError", *_LAZY]
+__all__ = ["MobiusError", "TraceError", "PlanError", "TopologyError", "BudgetError", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -12,6 +12,7 @@ import torch
 
 from .compiler import CompileContext, PassPipeline, default_pipeline
 from .errors import MobiusError
+from .options import CompileOptions
 from .plans import Plan
 
 __all__ = ["plan", "compile"]
@@ -56,25 +57,64 @@ def _verbosity(verbose: bool):
         log.propagate = old_propagate
 
 
-def _run(passes: PassPipeline, *, model, topology, example_inputs, example_kwargs, microbatches: int,
-         verbose: bool, **settings) -> CompileContext:
-    """Normalise the user's arguments into a CompileContext and run `passes` on it."""
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise MobiusError(f"microbatches={microbatches!r}; it must be a positive int (Mobius uses one per GPU)")
+def _run(passes: PassPipeline, *, model, topology, example_inputs, example_kwargs,
+         **settings) -> CompileContext:
+    """Validate the user's arguments (`CompileOptions`) and run `passes` on a CompileContext of them.
+
+    Everything that can be refused without running the model is refused here, before tracing:
+    bad settings, a model or inputs on the meta device given to `compile`, and example inputs
+    that micro-batches cannot split.
+    """
+    options = CompileOptions(**settings)
+    if not isinstance(model, torch.nn.Module):
+        raise MobiusError(f"model is a {type(model).__name__}, not a torch.nn.Module; pass the module to plan or "
+                          f"compile")
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise MobiusError(f"example_inputs is a {type(example_inputs).__name__}; pass a tensor or a tuple of the "
+                          f"model's positional inputs, e.g. example_inputs=(x,)")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise MobiusError(f"example_kwargs is a {type(example_kwargs).__name__}; pass a dict of keyword inputs")
     ctx = CompileContext(model=model, topology=_topology(topology), example_inputs=tuple(example_inputs),
-                         example_kwargs=dict(example_kwargs or {}),
-                         settings={"microbatches": microbatches, **settings})
-    with _verbosity(verbose):
+                         example_kwargs=dict(example_kwargs or {}), settings=options)
+    _check_batch(ctx)
+    with _verbosity(options.verbose):
         passes.run(ctx)
     return ctx
 
 
+def _check_batch(ctx: CompileContext) -> None:
+    """Refuse example inputs that micro-batches cannot split along a batch dimension."""
+    from .runtime import batch_rows
+
+    m = ctx.settings.microbatches
+    rows = batch_rows((ctx.example_inputs, ctx.example_kwargs), m)
+    if rows is not None and rows % m:
+        raise MobiusError(f"the example batch has {rows} rows (dim 0 of the first batched input) and does not split "
+                          f"into microbatches={m} equal micro-batches; use a batch size that is a multiple of {m}, "
+                          f"or microbatches that divide {rows}")
+
+
+def _on_meta(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict) -> str | None:
+    from torch.utils._pytree import tree_leaves
+
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_meta:
+            return f"parameter or buffer {name!r}"
+    for t in tree_leaves((example_inputs, example_kwargs)):
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            return "an example input"
+    return None
+
+
+_D = CompileOptions()  # the one set of defaults, shown in the signatures below
+
+
 def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,
-         microbatches: int = 1, costs: str = "auto", dtype: torch.dtype | None = None,
-         memory_fraction: float = 0.9, solver: str = "auto", time_limit: float = 20.0,
-         cross_map: str = "contention", cache_dir: str | None = None, verbose: bool = True,
+         microbatches: int = _D.microbatches, costs: str = _D.costs, dtype: torch.dtype | None = _D.dtype,
+         memory_fraction: float = _D.memory_fraction, solver: str = _D.solver, time_limit: float = _D.time_limit,
+         cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, verbose: bool = _D.verbose,
          pipeline: PassPipeline | None = None) -> Plan:
     """Plan a Mobius pipeline for `model` on `topology`; nothing is run on a GPU.
 
@@ -88,7 +128,9 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     `dtype` is the dtype weights are streamed and computed in on the GPUs (fp32 masters stay
     in DRAM); `memory_fraction` the share of each GPU's memory the plan may use; `solver`
     "auto" | "highs" | "cbc"; `time_limit` the MIP's whole budget in seconds (shared by the
-    candidate stage counts; the gap reached is reported in `plan.solver`).
+    candidate stage counts; the gap reached is reported in `plan.solver`). Every setting is
+    checked by `CompileOptions` (one set of defaults) before any work: a bad value raises
+    `MobiusError` saying the value, the rule and the remedy.
     """
     return _run((pipeline or default_pipeline()).until("plan"), model=model, topology=topology,
                 example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
@@ -97,10 +139,10 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
 
 
 def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,
-            microbatches: int = 1, dtype: torch.dtype | None = None, costs: str = "auto",
-            memory_fraction: float = 0.9, solver: str = "auto", time_limit: float = 20.0,
-            cross_map: str = "contention", cache_dir: str | None = None, device: str = "auto",
-            verbose: bool = True, pipeline: PassPipeline | None = None):
+            microbatches: int = _D.microbatches, dtype: torch.dtype | None = _D.dtype, costs: str = _D.costs,
+            memory_fraction: float = _D.memory_fraction, solver: str = _D.solver, time_limit: float = _D.time_limit,
+            cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, device: str = _D.device,
+            verbose: bool = _D.verbose, pipeline: PassPipeline | None = None):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -109,8 +151,16 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
 
     The master weights stay in `model` on the CPU; gradients land in `param.grad`.
     `device`: "auto" (CUDA when the topology is real and CUDA is present, else virtual GPUs on
-    the CPU), "virtual" or "cuda".
+    the CPU), "virtual" or "cuda". A model or inputs on the meta device are refused: `plan` them.
+    A Pipeline cannot be copied or pickled; copy or save the model and compile again.
     """
+    if isinstance(model, torch.nn.Module) and not isinstance(example_inputs, (str, bytes)):
+        inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+        where = _on_meta(model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (), example_kwargs or {})
+        if where is not None:
+            raise MobiusError(f"compile needs real weights and inputs, but {where} is on the meta device (the pipeline "
+                              f"copies the weights to the GPUs and runs them); use mobius_fx.plan(...) to plan a meta "
+                              f"model, or build it on the CPU to compile it")
     return _run(pipeline or default_pipeline(), model=model, topology=topology, example_inputs=example_inputs,
                 example_kwargs=example_kwargs, microbatches=microbatches, verbose=verbose, costs=costs, dtype=dtype,
                 memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,

@@ -26,6 +26,7 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from .errors import MobiusError
+from .options import CompileOptions
 
 __all__ = ["CompileContext", "MobiusPass", "FunctionPass", "PassPipeline", "default_pipeline", "PASS_ORDER"]
 
@@ -45,7 +46,7 @@ class CompileContext:
     topology: Any
     example_inputs: tuple = ()
     example_kwargs: dict = field(default_factory=dict)
-    settings: dict = field(default_factory=dict)
+    settings: CompileOptions = field(default_factory=CompileOptions)
     gm: torch.fx.GraphModule | None = None
     layers: tuple = ()
     partition: Any = None

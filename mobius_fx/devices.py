@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import MobiusError
+from .errors import BudgetError, MobiusError
 from .units import fmt_bytes
 
 __all__ = ["HOST", "Device", "VirtualDevice", "CudaDevice", "TransferLog", "make_devices", "nbytes"]
@@ -85,6 +85,15 @@ class TransferLog:
         self._mark.clear()
 
 
+def _remedy(what: str) -> str:
+    """What helps, by what did not fit: weights shrink with smaller stages; activations and
+    saved inputs with fewer rows per stage call."""
+    if "weight" in what:
+        return "give it more memory (memory_fraction, a larger budget) or cut the model into more, smaller stages"
+    return ("the activations of the batch do not fit: call with a smaller batch, or compile with more micro-batches "
+            "(fewer rows per stage call), or give the GPU more memory")
+
+
 class Device:
     """One pipeline GPU: its books (budget, bytes held, peak, transfers) and its copies.
 
@@ -109,11 +118,10 @@ class Device:
         with self._lock:
             after = self.current_bytes + n
             if self.budget is not None and after > self.budget:
-                raise MobiusError(
+                raise BudgetError(
                     f"{self.name} would hold {fmt_bytes(after)} ({after} bytes: {what} needs {fmt_bytes(n)} on top "
                     f"of {fmt_bytes(self.current_bytes)} held) but its budget is {fmt_bytes(self.budget)} "
-                    f"({self.budget} bytes); give it more memory, cut the model into more (smaller) stages or "
-                    f"use fewer micro-batches"
+                    f"({self.budget} bytes); {_remedy(what)}"
                 )
             self.current_bytes = after
             if after > self.peak_bytes:

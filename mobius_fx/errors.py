@@ -7,7 +7,7 @@ Every message says the value, the rule it broke, and what to do about it, e.g.
 
 from __future__ import annotations
 
-__all__ = ["MobiusError", "TraceError", "PlanError", "TopologyError"]
+__all__ = ["MobiusError", "TraceError", "PlanError", "TopologyError", "BudgetError"]
 
 
 class MobiusError(Exception):
@@ -24,3 +24,7 @@ class PlanError(MobiusError):
 
 class TopologyError(MobiusError):
     """A topology description is malformed or cannot be used."""
+
+
+class BudgetError(MobiusError):
+    """At run time a GPU would hold more bytes than its budget (nothing was counted or copied)."""

@@ -46,6 +46,13 @@ dim 0 is the micro-batch size are concatenated back; other tensors (a 0-dim loss
 over micro-batches, which equals the full-batch value for a mean over equal-sized micro-batches
 (HF losses with `labels`; with `ignore_index` tokens spread unevenly it is the mean of
 micro-batch means); non-tensor outputs come from the first micro-batch.
+
+Batch statistics are per micro-batch: in training mode a BatchNorm (or any layer that
+normalises over the batch) sees one micro-batch at a time, so with M > 1 micro-batches it
+normalises each by that micro-batch's mean and variance and updates its running statistics M
+times, in micro-batch order — exactly eager PyTorch run micro-batch by micro-batch (gradient
+accumulation), not eager on the whole batch. With one micro-batch it equals eager. A compile
+with M > 1 says so once in the log (a warning) when the model has a BatchNorm layer.
 """
 
 from __future__ import annotations
@@ -66,10 +73,10 @@ from torch.autograd.function import once_differentiable
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from .devices import HOST, Device, make_devices, nbytes
-from .errors import MobiusError
+from .errors import BudgetError, MobiusError
 
 __all__ = [
-    "Pipeline", "build_pipeline",
+    "Pipeline", "build_pipeline", "batch_rows",
     "prefetch", "wait", "run_stage", "send", "evict", "hold_for_backward", "split_microbatches", "merge_microbatches",
 ]
 
@@ -131,6 +138,29 @@ def merge_microbatches(outputs: list) -> Any:
 
 for _fn in (prefetch, wait, run_stage, send, evict, hold_for_backward):
     fx.node._side_effectful_functions.add(_fn)
+
+
+def batch_rows(inputs: Any, microbatches: int) -> int | None:
+    """The rows of the batch that micro-batches split: dim 0 of the first tensor input that has
+    a dimension (None when no input has one).
+
+    Refused with a MobiusError: an empty batch (dim 0 of size 0), and, with several
+    micro-batches, inputs that are all 1-D — an unbatched example whose dim 0 is its features,
+    which splitting would cut apart.
+    """
+    leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not leaves:
+        return None
+    rows = leaves[0].size(0)
+    if rows == 0:
+        raise MobiusError(f"the batch is empty (an input of shape {tuple(leaves[0].shape)}: dim 0, the batch, is 0); "
+                          f"call the pipeline with at least one row per micro-batch")
+    if microbatches > 1 and all(x.dim() == 1 for x in leaves):
+        raise MobiusError(f"microbatches={microbatches} splits dim 0 of the inputs, but every tensor input is 1-D "
+                          f"(shape {tuple(leaves[0].shape)}), so dim 0 is not a batch: add a batch dimension "
+                          f"(x.unsqueeze(0)) and use a batch of at least {microbatches} rows, or use microbatches=1; "
+                          f"if dim 0 is a batch of scalars, give them a feature dimension (x.unsqueeze(-1))")
+    return rows
 
 
 # ----------------------------------------------------------------------------- runtime state
@@ -253,6 +283,7 @@ class _Runtime:
         self.dtype = dtype
         self.stages = [_Stage(spec, devices[spec.gpu], ms, dtype) for spec, ms in zip(schedule.stages, masters)]
         self.step: _Step | None = None
+        self.planned_rows = 0  # rows of the example batch the plan was made for (0: unknown)
         self._lock = threading.RLock()
         self._anchor = torch.zeros((), requires_grad=True)
 
@@ -330,11 +361,10 @@ class _Runtime:
         return out
 
     def split(self, inputs: tuple, m: int) -> tuple:
-        leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
-        if not leaves:
+        rows = batch_rows(inputs, m)
+        if rows is None:
             raise MobiusError(f"microbatches={m} but no input is a tensor with a batch dimension to split; pass "
                               f"batched tensors or use microbatches=1")
-        rows = leaves[0].size(0)
         if rows % m:
             raise MobiusError(f"the batch has {rows} rows (dim 0 of the first batched input) and does not split into "
                               f"{m} equal micro-batches; micro-batches must divide the batch: use a batch size that "
@@ -454,8 +484,9 @@ class _Runtime:
                                   "again")
             try:
                 return self._backward_call(call, step, grads, needs)
-            except BaseException:
+            except BaseException as e:
                 self.abort(step)
+                self.explain(e)
                 raise
 
     def _backward_call(self, call: _Call, step: _Step, grads: tuple, needs: Sequence[bool]) -> list:
@@ -587,6 +618,14 @@ class _Runtime:
         step.buffers.clear()
         step.state = "aborted"
 
+    def explain(self, e: BaseException) -> None:
+        """Say so on a budget error when this call's batch is larger than the one planned for."""
+        rows = self.step.mb_rows * self.m if self.step is not None else 0
+        if isinstance(e, BudgetError) and self.planned_rows and rows > self.planned_rows:
+            e.add_note(f"[mobius_fx] this call's batch has {rows} rows; the plan and its budgets were made for "
+                       f"{self.planned_rows}: call with at most {self.planned_rows} rows, or compile with the batch "
+                       f"you train with")
+
     def abort(self, step: _Step | None = None) -> None:
         """After an error: drop the step (default: the current one) and free every GPU copy;
         masters and `.grad` stay untouched."""
@@ -617,6 +656,12 @@ def _thaw(x: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- Pipeline
+
+_NO_COPY = ("a Pipeline cannot be {op}: it holds GPU weight slots (storage freed between stages), streams and "
+            "worker threads that belong to this process; copy or save the model instead (copy.deepcopy(model), "
+            "torch.save(model.state_dict(), path) — the pipeline's weights are the model's) and compile the copy "
+            "again with mobius_fx.compile")
+
 
 class Pipeline(nn.Module):
     """A model compiled into a Mobius pipeline; call it like the model.
@@ -655,20 +700,29 @@ class Pipeline(nn.Module):
         from .tracing import flatten_inputs
 
         flat = flatten_inputs(self._gm, args, kwargs)
+        rows = batch_rows(flat, self.schedule.microbatches)  # refuses an empty batch before anything runs
         rt = self._rt
         rt.begin_step()
+        rt.step.mb_rows = (rows or 0) // self.schedule.microbatches
         token = _ACTIVE.set(rt)
         try:
             out = self.program(*flat)
             rt.end_forward()
-        except BaseException:
+        except BaseException as e:
             rt.abort()
+            rt.explain(e)
             raise
         finally:
             _ACTIVE.reset(token)
         if self.schedule.out_spec is not None:
             out = pytree.tree_unflatten(list(out), self.schedule.out_spec)
         return out
+
+    def __deepcopy__(self, memo: dict) -> "Pipeline":
+        raise MobiusError(_NO_COPY.format(op="copied (copy.deepcopy)"))
+
+    def __reduce_ex__(self, protocol: int):
+        raise MobiusError(_NO_COPY.format(op="pickled or saved (pickle, torch.save, copy.copy)"))
 
     def memory_stats(self) -> dict[str, dict[str, int]]:
         """Bytes each GPU holds now and held at peak (weights, weight gradients, activations)."""
@@ -783,7 +837,15 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
         from .tracing import flatten_inputs
 
         flat = flatten_inputs(gm, tuple(example_inputs), dict(example_kwargs or {}))
+        runtime.planned_rows = batch_rows(flat, schedule.microbatches) or 0
         if schedule.microbatches > 1 and flat:
             runtime.split(tuple(flat), schedule.microbatches)  # raises early when the batch does not split
+    if schedule.microbatches > 1:
+        norms = [n for n, mod in model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
+        if norms:
+            log.warning("%s normalise%s over the batch: with %d micro-batches each micro-batch is normalised by its "
+                        "own statistics (as eager run micro-batch by micro-batch), not by the whole batch's",
+                        ", ".join(norms[:3]) + (" ..." if len(norms) > 3 else ""), "" if len(norms) > 1 else "s",
+                        schedule.microbatches)
     code = program.code.strip("\n") + "\n\n" + backward_summary(schedule) + "\n"
     return Pipeline(model, gm, schedule, program, runtime, plan, code)
