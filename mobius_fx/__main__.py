@@ -8,8 +8,11 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
+from pathlib import Path
 
 from .errors import MobiusError
 
@@ -19,8 +22,39 @@ _DTYPES = {"fp32": None, "float32": None, "fp16": "float16", "float16": "float16
            "bfloat16": "bfloat16"}
 
 
+def _checked(kind: type, ok, rule: str):
+    """An argparse `type=` that refuses, before any planning, a value that is not a finite `kind` with `ok(value)`."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or not ok(value):
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: it must be {rule}")
+        return value
+    return parse
+
+
+def _out_path(text: str) -> str:
+    """An argparse `type=` for an output file: refused before planning if it could not be written."""
+    path, parent = Path(text), Path(text).parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path, e.g. {str(path / 'out.json')!r}")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the directory {str(parent)!r} does not exist; "
+                                         f"create it first or give another path")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {str(path if path.exists() else parent)!r} is not "
+                                         f"writable; give a path in a directory you can write to")
+    return text
+
+
+_POSITIVE_INT = _checked(int, lambda v: v > 0, "a positive integer")
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import zoo
+    from .options import CompileOptions
     from .topology import Topology
 
     presets = ", ".join(Topology.PRESETS)
@@ -34,17 +68,25 @@ def _parser() -> argparse.ArgumentParser:
                                     "and transfer tables, the simulated step time and the schedule comparison.")
     pl.add_argument("--model", required=True, help=f"one of: {', '.join(zoo.model_names())}; or module:factory")
     pl.add_argument("--topology", required=True, help=f"a preset ({presets}) or a topology JSON file")
-    pl.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: one per GPU)")
-    pl.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
-    pl.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
+    pl.add_argument("--microbatches", default=None,
+                    type=_checked(int, lambda v: v > 0, "a positive integer; omit it for one per GPU"),
+                    help="micro-batches per step, dividing --batch (default: one per GPU)")
+    pl.add_argument("--batch", type=_POSITIVE_INT, default=8, help="sequences per step (default 8)")
+    pl.add_argument("--seq", type=_POSITIVE_INT, default=1024, help="tokens per sequence (default 1024)")
     pl.add_argument("--dtype", default="fp16", choices=sorted(_DTYPES),
                     help="dtype streamed to and computed on the GPUs; masters stay fp32 (default fp16, as the paper)")
-    pl.add_argument("--memory-fraction", type=float, default=0.9, help="share of GPU memory a plan may use")
-    pl.add_argument("--time-limit", type=float, default=20.0, help="the MIP's time budget in seconds (default 20)")
-    pl.add_argument("--adam-gbps", type=float, default=None,
+    pl.add_argument("--memory-fraction", type=_checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                    default=CompileOptions.memory_fraction,
+                    help=f"share of GPU memory a plan may use, in (0, 1] (default {CompileOptions.memory_fraction})")
+    pl.add_argument("--time-limit", type=_checked(float, lambda v: v > 0, "a positive number of seconds"),
+                    default=CompileOptions.time_limit,
+                    help=f"the MIP's time budget in seconds (default {CompileOptions.time_limit:g})")
+    pl.add_argument("--adam-gbps", type=_checked(float, lambda v: v > 0, "a positive number of GB/s; omit it for 20"),
+                    default=None,
                     help="sustained bandwidth of the CPU optimizer in GB/s (default: a plain torch.optim.Adam, 20)")
-    pl.add_argument("--json", metavar="OUT", help="write the plan as JSON")
-    pl.add_argument("--trace", metavar="OUT", help="write a Chrome/Perfetto trace of the simulated step")
+    pl.add_argument("--json", metavar="OUT", type=_out_path, help="write the plan as JSON")
+    pl.add_argument("--trace", metavar="OUT", type=_out_path,
+                    help="write a Chrome/Perfetto trace of the simulated step")
     pl.add_argument("--quiet", action="store_true", help="no progress messages")
 
     tp = sub.add_parser("topology", help="print a server topology as a tree",
@@ -52,16 +94,19 @@ def _parser() -> argparse.ArgumentParser:
                                     "bandwidths and GPU memories.")
     tp.add_argument("source", nargs="?", help=f"a preset ({presets}) or a topology JSON file")
     tp.add_argument("--detect", action="store_true", help="detect this machine's GPUs (NVML or nvidia-smi)")
-    tp.add_argument("--json", metavar="OUT", help="write the topology as JSON")
+    tp.add_argument("--json", metavar="OUT", type=_out_path, help="write the topology as JSON")
     return p
 
 
 def _load_topology(source: str):
     from .topology import Topology
 
-    if source.endswith(".json"):
-        return Topology.from_json(source)
-    return Topology.preset(source)
+    if source in Topology.PRESETS:
+        return Topology.preset(source)
+    if source.endswith(".json") or os.path.exists(source):
+        return Topology.from_json(Path(source))
+    raise MobiusError(f"{source!r} is neither a topology preset nor an existing file; give a preset "
+                      f"({', '.join(Topology.PRESETS)}) or the path of a topology JSON file")
 
 
 def _cmd_plan(args) -> int:
@@ -71,7 +116,11 @@ def _cmd_plan(args) -> int:
     from .report import compare
 
     topo = _load_topology(args.topology)
-    micro = args.microbatches or len(topo.gpus)
+    micro = args.microbatches if args.microbatches is not None else len(topo.gpus)
+    if args.batch % micro:
+        raise MobiusError(f"--batch {args.batch} does not split into {micro} equal micro-batches"
+                          f"{'' if args.microbatches else f' (the default: one per GPU of {topo.name})'}; give a "
+                          f"--batch that is a multiple of {micro}, or --microbatches that divide {args.batch}")
     t0 = time.perf_counter()
     model, inputs = zoo.build(args.model, batch=args.batch, seq=args.seq, device="meta")
     dtype = _DTYPES[args.dtype]
@@ -79,7 +128,7 @@ def _cmd_plan(args) -> int:
                  dtype=getattr(torch, dtype) if dtype else None, memory_fraction=args.memory_fraction,
                  time_limit=args.time_limit, verbose=not args.quiet)
     print(p)
-    cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps else None)
+    cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None)
     print()
     print(f"Simulated on {topo.name} ({args.model}, batch {args.batch} x {args.seq} tokens, {micro} micro-batches):")
     print(cmp.table())
@@ -96,13 +145,15 @@ def _cmd_plan(args) -> int:
 def _cmd_topology(args) -> int:
     from .topology import Topology
 
+    if args.detect and args.source:
+        raise MobiusError(f"both a source ({args.source!r}) and --detect given; give one of them, not both")
     if args.detect:
         topo = Topology.detect()
     elif args.source:
         topo = _load_topology(args.source)
     else:
-        print("give a preset name, a JSON file or --detect; presets: " + ", ".join(Topology.PRESETS), file=sys.stderr)
-        return 2
+        raise MobiusError("no topology given; give a preset name, a JSON file or --detect; presets: "
+                          + ", ".join(Topology.PRESETS))
     print(topo.tree())
     if args.json:
         with open(args.json, "w") as f:

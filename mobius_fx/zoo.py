@@ -12,6 +12,7 @@ returning `(model, example_inputs)` or just a model (then the inputs are token i
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -162,13 +163,10 @@ def build(name: str, *, batch: int = 8, seq: int = 1024, device: str | torch.dev
     """(model, example_inputs) for a zoo name or a `module:factory` spec, on `device`."""
     with torch.device(device):
         if ":" in name:
-            mod_name, _, fn_name = name.partition(":")
-            try:
-                factory = getattr(importlib.import_module(mod_name), fn_name)
-            except (ImportError, AttributeError) as e:
-                raise MobiusError(f"cannot load the model factory {name!r} ({e}); give `module:function` "
-                                  f"where `module` is importable from the current directory") from e
-            out = factory(batch=batch, seq=seq, device=device)
+            out = _factory(name)(batch=batch, seq=seq, device=device)
+            if not (isinstance(out, nn.Module) or (isinstance(out, tuple) and len(out) == 2 and isinstance(
+                    out[0], nn.Module) and isinstance(out[1], (tuple, list, torch.Tensor)))):
+                raise MobiusError(f"the model factory {name!r} returned {_describe(out)}; {_FACTORY}")
         else:
             if name not in MODELS:
                 raise MobiusError(f"unknown model {name!r}; known models: {', '.join(MODELS)}; "
@@ -179,6 +177,37 @@ def build(name: str, *, batch: int = 8, seq: int = 1024, device: str | torch.dev
         vocab = _vocab(out)
         idx = torch.randint(0, vocab, (batch, seq)) if str(device) != "meta" else torch.zeros(batch, seq, dtype=torch.long)
         return out, (idx,)
+
+
+_FACTORY = ("a model factory is a function `factory(*, batch, seq, device)` returning `(model, example_inputs)` "
+            "or just an nn.Module (then the inputs are token ids)")
+
+
+def _factory(spec: str) -> Callable[..., object]:
+    """The callable a `module:factory` spec names, checked against the factory contract before it is called."""
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError, ValueError, SyntaxError) as e:
+        raise MobiusError(f"cannot load the model factory {spec!r} ({str(e) or type(e).__name__}); give "
+                          f"`module:factory` where `module` is importable from the current directory; "
+                          f"{_FACTORY}") from e
+    if not callable(factory):
+        raise MobiusError(f"{spec!r} is a {type(factory).__name__}, not callable; {_FACTORY}")
+    try:
+        inspect.signature(factory).bind(batch=1, seq=1, device="meta")
+    except TypeError as e:
+        raise MobiusError(f"the model factory {spec!r} cannot be called as factory(batch=, seq=, device=) ({e}); "
+                          f"{_FACTORY}") from None
+    except ValueError:  # no signature to check (some builtins): call it and see
+        pass
+    return factory
+
+
+def _describe(out: object) -> str:
+    if isinstance(out, tuple):
+        return f"a tuple of {len(out)} ({', '.join(type(x).__name__ for x in out)})"
+    return f"a {type(out).__name__}"
 
 
 def _vocab(model: nn.Module) -> int:
