@@ -11,10 +11,12 @@ The functions that compute costs (FLOP counting, measurement, grouping) live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 
-from .errors import MobiusError
+from .errors import MobiusError, TopologyError
+from .units import check_positive, parse_bytes
 
 __all__ = ["DeviceSpec", "NodeCost", "LayerCost", "DEVICE_SPECS", "dtype_name", "dtype_bytes"]
 
@@ -43,6 +45,11 @@ class DeviceSpec:
     cores where the dtype uses them, fp32 accumulate). `efficiency` is the share of peak a
     well-shaped matmul reaches in practice; modelled time is
     max(flops / (peak * efficiency), bytes / memory_bandwidth).
+
+    Checked when built (a `TopologyError` names the field): `flops` must hold "float32" (the
+    rate of dtypes it does not list), keys are dtype names or torch dtypes ("bf16" is read as
+    "bfloat16"); FLOP/s, `memory_bandwidth` and `memory` (bytes, or a string like "24GiB") are
+    positive and finite; `efficiency` is in (0, 1].
     """
 
     name: str
@@ -50,6 +57,37 @@ class DeviceSpec:
     memory_bandwidth: float  # bytes/s
     memory: int  # bytes
     efficiency: float = 0.6
+
+    def __post_init__(self) -> None:
+        # Refused here, where the spec is written, not later as a ZeroDivisionError or a 1 us plan.
+        if not isinstance(self.name, str) or not self.name:
+            raise TopologyError(f"DeviceSpec name is {self.name!r}; give a non-empty string such as 'rtx3090'")
+        me = f"DeviceSpec {self.name!r}"
+
+        def positive(value: object, what: str, remedy: str) -> float:
+            return check_positive(value, f"{me}: {what}", remedy, TopologyError)
+
+        given = self.flops if isinstance(self.flops, Mapping) else {}
+        keys = {k: dtype_name(k) for k in given if isinstance(k, (str, torch.dtype))}
+        if len(keys) != len(given) or "float32" not in keys.values() or not all(
+                isinstance(getattr(torch, n, None), torch.dtype) for n in keys.values()):
+            raise TopologyError(f"{me}: flops is {self.flops!r}; it must map dtype names (float32, bfloat16, ...) to "
+                                "peak FLOP/s and hold 'float32' (the rate of unlisted dtypes); give e.g. "
+                                "{'float32': 35.6e12, 'bfloat16': 71e12}")
+        flops = {keys[k]: positive(v, f"flops[{k!r}]", "give the peak FLOP/s, e.g. 35.6e12") for k, v in given.items()}
+        bandwidth = positive(self.memory_bandwidth, "memory_bandwidth", "give bytes/s, e.g. 936e9 for 936 GB/s")
+        try:
+            memory = parse_bytes(self.memory, f"{me}: memory")
+        except MobiusError as e:
+            raise TopologyError(str(e)) from None
+        positive(memory, "memory", "give bytes, e.g. 24 * 2**30 or '24GiB'")
+        efficiency = positive(self.efficiency, "efficiency", "give the share of peak a matmul reaches, e.g. 0.6")
+        if efficiency > 1:
+            raise TopologyError(f"{me}: efficiency is {self.efficiency!r}; it is a share of peak FLOP/s, at most 1; "
+                                "give e.g. 0.6")
+        for key, value in (("flops", flops), ("memory_bandwidth", bandwidth), ("memory", memory),
+                           ("efficiency", efficiency)):
+            object.__setattr__(self, key, value)
 
     def peak_flops(self, dtype: torch.dtype | str | None = None) -> float:
         key = dtype_name(dtype)

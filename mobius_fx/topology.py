@@ -11,9 +11,11 @@ or "nvlink") and `name`. Switches and root complexes form a tree over PCIe; the 
 Describe your own server in JSON (`Topology.from_json("server.json")`). Bandwidths are GB/s
 (10**9 bytes/s) per direction: one number for both directions, or `[a_to_b, b_to_a]` when they
 differ. Memory is bytes or a string with a unit; `spec` is a `DeviceSpec` preset name (or the
-full spec as an object); `memory` defaults to the spec's. A link's `kind` defaults to "upi"
-between root complexes, "nvlink" between GPUs and "pcie" otherwise; `name` to "a-b"; a GPU's
-`index` (its CUDA device number) to its position among the GPU nodes::
+full spec as an object); `memory` defaults to the spec's. Memory, FLOP/s and bandwidths must be
+positive and finite: 0, negatives, NaN, Infinity and quoted numbers are refused with their JSON
+location. A link's `kind` defaults to "upi" between root complexes, "nvlink" between GPUs and
+"pcie" otherwise; `name` to "a-b"; a GPU's `index` (its CUDA device number) to its position
+among the GPU nodes::
 
     {"name": "my-server", "p2p": false,
      "nodes": [{"name": "cpu0", "kind": "root_complex"},
@@ -46,7 +48,7 @@ import networkx as nx
 
 from .costs import DEVICE_SPECS, DeviceSpec
 from .errors import MobiusError, TopologyError
-from .units import fmt_bytes, parse_bytes
+from .units import check_positive, fmt_bytes, parse_bandwidth, parse_bytes
 
 __all__ = ["GPU", "Topology", "PRESETS", "NODE_KINDS", "LINK_KINDS"]
 
@@ -304,14 +306,20 @@ class Topology:
     def from_json(path_or_text: str | os.PathLike | Mapping[str, Any]) -> "Topology":
         """Read a topology from a JSON file path or from JSON text (schema: module docstring).
 
-        >>> topo = Topology.from_json("server.json")
+        Accepts a path (`str` or `os.PathLike`), JSON text (a `str` starting with `{`) or an
+        already parsed dict.
+
+        topo = Topology.from_json("server.json")
         """
         if isinstance(path_or_text, Mapping):
             return Topology.from_dict(path_or_text)
+        if not isinstance(path_or_text, (str, os.PathLike)) or not str(path_or_text).strip():
+            raise TopologyError(f"Topology.from_json got {path_or_text!r} (type {type(path_or_text).__name__}); give "
+                                "the path of a JSON file (str or pathlib.Path), JSON text (a str) or a dict")
         if isinstance(path_or_text, os.PathLike) or not str(path_or_text).lstrip().startswith(("{", "[")):
             source = str(path_or_text)
             try:
-                text = Path(path_or_text).read_text()
+                text: str | bytes = Path(path_or_text).read_bytes()
             except OSError as e:
                 raise TopologyError(f"cannot read topology file {source!r} ({e.strerror or e}); give the path "
                                     f"of a JSON file, or the JSON text itself") from None
@@ -319,9 +327,10 @@ class Topology:
             source, text = "topology JSON", str(path_or_text)
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise TopologyError(f"{source}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}; "
-                                f"fix the file (schema: see mobius_fx.topology)") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too deep or long
+            why = f"{e.msg} at line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else e
+            raise TopologyError(f"{source}: not JSON ({why}); give a topology in JSON (schema: see "
+                                "mobius_fx.topology)") from None
         return Topology.from_dict(data, source=source)
 
     @staticmethod
@@ -344,49 +353,55 @@ class Topology:
 
     @staticmethod
     def virtual(*, gpus: int = 4, memory: int | str = "256MiB", root_complexes: int = 1,
-                bandwidth: float = 16e9, uplink: float | None = None, upi: float = 20e9,
+                bandwidth: float | str = 16e9, uplink: float | str | None = None, upi: float | str = 20e9,
                 p2p: bool = False) -> "Topology":
         """CPU-backed "GPUs" with a byte budget each, for tests and CI.
 
         GPUs are spread over `root_complexes` in contiguous blocks (gpu0.. on cpu0), each
         block under one switch; `bandwidth` is each GPU's link (bytes/s per direction),
-        `uplink` the switch's (default 2x, like x8 GPUs under an x16 uplink).
+        `uplink` the switch's (default 2x, like x8 GPUs under an x16 uplink), `upi` the link
+        between root complexes. Memory is bytes or a string with a unit ("256MiB"); bandwidths
+        are bytes/s or a string in the same units, per second: "16GB/s" (or "16GB") is 16e9.
 
         >>> Topology.virtual(gpus=4, memory="256MiB", root_complexes=2).gpu("gpu2").root_complex
         'cpu1'
         """
-        if not isinstance(gpus, int) or gpus < 1:
-            raise TopologyError(f"virtual topology with gpus={gpus!r}; give at least 1 GPU")
-        if not isinstance(root_complexes, int) or not 1 <= root_complexes <= gpus:
-            raise TopologyError(f"virtual topology with root_complexes={root_complexes!r} for {gpus} GPU(s); "
-                                f"give between 1 and {gpus} so every root complex holds a GPU")
-        mem = _parse_memory(memory, "virtual GPU memory")
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise TopologyError(f"Topology.virtual got gpus={gpus!r}; gpus is a whole number (an int, not a bool), "
+                                "at least 1; give e.g. gpus=4")
+        if isinstance(root_complexes, bool) or not isinstance(root_complexes, int) or not 1 <= root_complexes <= gpus:
+            raise TopologyError(f"Topology.virtual got root_complexes={root_complexes!r} for {gpus} GPU(s); give an "
+                                f"int between 1 and {gpus}, so every root complex holds a GPU")
+        mem = _parse_memory(memory, f"Topology.virtual: gpu0..gpu{gpus - 1}")
+        bw = _bandwidths("Topology.virtual", bandwidth=bandwidth, uplink=uplink, upi=upi)
+        uplink = bw["uplink"] or 2 * bw["bandwidth"]
         base, extra = divmod(gpus, root_complexes)
         blocks, start = [], 0
         for r in range(root_complexes):
             size = base + (r < extra)
             blocks.append([list(range(start, start + size))])
             start += size
-        return _from_dict(_layout("virtual", blocks, spec="cpu", memory=mem, gpu_link=bandwidth,
-                                  uplink=2 * bandwidth if uplink is None else uplink, upi=upi, p2p=p2p,
-                                  virtual=True), "Topology.virtual")
+        return _from_dict(_layout("virtual", blocks, spec="cpu", memory=mem, gpu_link=bw["bandwidth"], uplink=uplink,
+                                  upi=bw["upi"], p2p=p2p, virtual=True), "Topology.virtual")
 
     # ------------------------------------------------------------ discovery
     @staticmethod
     def from_nvidia_smi(text: str, *, spec: str | DeviceSpec | Sequence[str | DeviceSpec],
                         memory: int | str | Sequence[int | str] | None = None, p2p: bool = False,
-                        pcie: float = _PCIE3_X16, uplink: float | None = None, upi: float = _UPI_GOLD6130,
-                        nvlink: float = _NVLINK2, name: str = "nvidia-smi") -> "Topology":
+                        pcie: float | str = _PCIE3_X16, uplink: float | str | None = None,
+                        upi: float | str = _UPI_GOLD6130, nvlink: float | str = _NVLINK2,
+                        name: str = "nvidia-smi") -> "Topology":
         """Build a topology from the matrix `nvidia-smi topo -m` prints.
 
         GPUs joined by PIX/PXB share a switch (PXB groups hold a switch per PIX group);
         NODE/PHB means the same socket, SYS different sockets; NV# adds an NVLink of # links
         (`nvlink` bytes/s each). The matrix hides the PCIe relation of NVLinked GPUs, so their
         socket comes from the CPU/NUMA affinity columns. `memory` defaults to the spec's;
-        `pcie` is each GPU's link, `uplink` each switch's (default `pcie`).
+        `pcie` is each GPU's link, `uplink` each switch's (default `pcie`); bandwidths are
+        bytes/s or strings such as "13GB/s", as in `Topology.virtual`.
 
-        >>> text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
-        >>> Topology.from_nvidia_smi(text, spec="rtx3090", memory="24GiB")
+        text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
+        Topology.from_nvidia_smi(text, spec="rtx3090", memory="24GiB")
         """
         from .topology_detect import from_nvidia_smi  # imports this module: import on use
 
@@ -394,8 +409,8 @@ class Topology:
                                nvlink=nvlink, name=name)
 
     @staticmethod
-    def detect(*, spec: str | DeviceSpec | None = None, p2p: bool | None = None, upi: float = _UPI_GOLD6130,
-               nvlink: float = _NVLINK2) -> "Topology":
+    def detect(*, spec: str | DeviceSpec | None = None, p2p: bool | None = None,
+               upi: float | str = _UPI_GOLD6130, nvlink: float | str = _NVLINK2) -> "Topology":
         """The topology of this machine, from NVML (pynvml) or else `nvidia-smi`.
 
         The device spec is guessed from the GPU product name unless `spec` is given; P2P is
@@ -500,10 +515,8 @@ def _check_indices(graph: nx.DiGraph, gpus: list[str]) -> dict[str, int]:
 
 def _check_edge(graph: nx.DiGraph, u: str, v: str, d: Mapping[str, Any]) -> None:
     link = d.get("name") or f"{u}-{v}"
-    bw = d.get("bandwidth")
-    if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
-        raise TopologyError(f"link {link} ({u} -> {v}) has bandwidth {bw!r}; bandwidth must be a positive, "
-                            "finite number of bytes/s (GB/s in JSON)")
+    check_positive(d.get("bandwidth"), f"link {link} ({u} -> {v}): bandwidth", "give bytes/s (GB/s in JSON)",
+                   TopologyError)
     kind = d.get("kind")
     if kind not in LINK_KINDS:
         raise TopologyError(f"link {link} ({u} -> {v}) has kind {kind!r}; give one of {', '.join(LINK_KINDS)}")
@@ -607,12 +620,12 @@ def _from_dict(data: Any, source: str) -> Topology:
         ka, kb = graph.nodes[a]["kind"], graph.nodes[b]["kind"]
         kind = ln.get("kind", "upi" if ka == kb == "root_complex" else "nvlink" if ka == kb == "gpu" else "pcie")
         gbps = ln.get("bandwidth_gbps")
-        ab, ba = (gbps if isinstance(gbps, list) and len(gbps) == 2 else (gbps, gbps))
-        for x in (ab, ba):
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-                raise fail(where, f"bandwidth_gbps is {gbps!r}; give a positive number of GB/s, or [a_to_b, b_to_a]")
-        graph.add_edge(a, b, bandwidth=float(round(ab * _GB)), kind=kind, name=name)
-        graph.add_edge(b, a, bandwidth=float(round(ba * _GB)), kind=kind, name=name)
+        both = isinstance(gbps, list) and len(gbps) == 2
+        ab, ba = (_GB * check_positive(x, f"{source}: {where}: bandwidth_gbps{f'[{k}]' if both else ''}",
+                                       "give GB/s per direction: one number, or [a_to_b, b_to_a]",
+                                       TopologyError) for k, x in enumerate(gbps if both else (gbps, gbps)))
+        graph.add_edge(a, b, bandwidth=ab, kind=kind, name=name)  # rounded to whole bytes/s by Topology
+        graph.add_edge(b, a, bandwidth=ba, kind=kind, name=name)
     for key in ("p2p", "virtual"):
         if not isinstance(data.get(key, False), bool):
             raise fail(key, f"expected true or false, got {data[key]!r}")
@@ -639,19 +652,35 @@ def _parse_spec(spec: Any, where: str) -> DeviceSpec:
             raise TopologyError(f"{where}: {e}") from None
     if isinstance(spec, Mapping):
         try:
-            return DeviceSpec(**{**spec, "flops": dict(spec["flops"])})
-        except (KeyError, TypeError) as e:
+            return DeviceSpec(**spec)
+        except TypeError as e:
             raise TopologyError(f"{where}: spec object {spec!r} is not a DeviceSpec ({e}); give name, flops, "
                                 "memory_bandwidth, memory and optionally efficiency") from None
+        except TopologyError as e:
+            raise TopologyError(f"{where}: spec: {e}") from None
     raise TopologyError(f"{where}: GPU spec is {spec!r}; give a DeviceSpec preset name "
                         f"({', '.join(sorted(DEVICE_SPECS))}) or a spec object")
 
 
 def _parse_memory(value: Any, where: str) -> int:
+    """A GPU's memory (bytes or a string with a unit) as positive int bytes; TopologyError at `where`."""
+    n = _parse(parse_bytes, value, f"{where}: memory")
+    if n <= 0:
+        raise TopologyError(f"{where}: memory is {value!r}{'' if n == value else f' = {n} bytes'}; a GPU needs a "
+                            "positive number of bytes, e.g. '24GiB'")
+    return n
+
+
+def _bandwidths(where: str, **values: Any) -> dict[str, Any]:
+    """Bandwidth arguments (bytes/s, or strings like '16GB/s') as bytes/s, None kept; TopologyError names the one."""
+    return {k: None if v is None else _parse(parse_bandwidth, v, f"{where}: {k}") for k, v in values.items()}
+
+
+def _parse(parse: Callable[[Any, str], Any], value: Any, what: str) -> Any:
     try:
-        return parse_bytes(value)
-    except (MobiusError, TypeError) as e:
-        raise TopologyError(f"{where}: {e}") from None
+        return parse(value, what)
+    except MobiusError as e:
+        raise TopologyError(str(e)) from None
 
 
 def _per_gpu(value: Any, n: int, what: str) -> list[Any]:

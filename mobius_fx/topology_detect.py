@@ -8,9 +8,9 @@ product names. Keeping it here keeps the model small and lets the parser be test
 The public entry points stay on the class, `Topology.from_nvidia_smi` and `Topology.detect`;
 they import this module when called (it imports `topology`, so the import runs one way)::
 
-    >>> text = open("topo.txt").read()          # saved `nvidia-smi topo -m` output
-    >>> from_nvidia_smi(text, spec="rtx3090", memory=None, p2p=False, pcie=13e9, uplink=None,
-    ...                 upi=20e9, nvlink=24e9, name="nvidia-smi")
+    text = open("topo.txt").read()          # saved `nvidia-smi topo -m` output
+    from_nvidia_smi(text, spec="rtx3090", memory=None, p2p=False, pcie=13e9, uplink=None,
+                    upi=20e9, nvlink=24e9, name="nvidia-smi")
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import networkx as nx
 
 from .costs import DEVICE_SPECS
 from .errors import TopologyError
-from .topology import _GB, _PCIE3_X16, PRESETS, Topology, _from_dict, _parse_memory, _parse_spec, _per_gpu
+from .topology import (_GB, _PCIE3_X16, PRESETS, Topology, _bandwidths, _from_dict, _parse_memory, _parse_spec,
+                       _per_gpu)
 
 __all__ = ["from_nvidia_smi", "detect"]
 
@@ -41,12 +42,13 @@ def from_nvidia_smi(text: str, *, spec: Any, memory: Any, p2p: bool, pcie: float
     Arguments as `Topology.from_nvidia_smi`, which gives the defaults and what the matrix
     entries mean; `spec` and `memory` are one value or one per GPU, `pcie` each GPU's link.
     """
+    bw = _bandwidths("Topology.from_nvidia_smi", pcie=pcie, uplink=uplink, upi=upi, nvlink=nvlink)
     gpus, rel, nvl, affinity = _parse_topo_matrix(text)
     n = len(gpus)
     specs = _per_gpu(spec, n, "spec")
     mems = _per_gpu(memory, n, "memory")
-    return _from_relations(name, n, rel, nvl, affinity, specs=specs, memory=mems, gpu_link=[pcie] * n,
-                           uplink=uplink, upi=upi, nvlink=nvlink, p2p=p2p)
+    return _from_relations(name, n, rel, nvl, affinity, specs=specs, memory=mems, gpu_link=[bw["pcie"]] * n,
+                           uplink=bw["uplink"], upi=bw["upi"], nvlink=bw["nvlink"], p2p=p2p)
 
 
 def detect(*, spec: Any, p2p: bool | None, upi: float, nvlink: float) -> Topology:
@@ -54,12 +56,13 @@ def detect(*, spec: Any, p2p: bool | None, upi: float, nvlink: float) -> Topolog
 
     Raises TopologyError naming every route tried and the ways to describe the server instead.
 
-    >>> detect(spec=None, p2p=None, upi=20e9, nvlink=24e9).gpus   # on a GPU machine
+    detect(spec=None, p2p=None, upi=20e9, nvlink=24e9).gpus   # on a GPU machine
     """
     tried = []
+    bw = _bandwidths("Topology.detect", upi=upi, nvlink=nvlink)
     for probe in (_detect_nvml, _detect_smi):
         try:
-            return probe(spec=spec, p2p=p2p, upi=upi, nvlink=nvlink)
+            return probe(spec=spec, p2p=p2p, **bw)
         except _NotHere as e:
             tried.append(str(e))
     raise TopologyError("found no GPUs to build a topology from: " + "; ".join(tried) + ". Describe the server "
@@ -183,7 +186,7 @@ def _from_relations(name: str, n: int, rel: Mapping, nvl: Mapping, affinity: Seq
                     d["links"].append({"a": below, "b": f"gpu{g}", "bandwidth_gbps": gbps(gpu_link[g])})
     for g in range(n):
         spec = _parse_spec(specs[g], f"GPU{g}")
-        mem = spec.memory if memory[g] is None else _parse_memory(memory[g], f"GPU{g} memory")
+        mem = spec.memory if memory[g] is None else _parse_memory(memory[g], f"GPU{g}")
         d["nodes"].append({"name": f"gpu{g}", "kind": "gpu", "index": g, "memory": mem, "spec": spec})
     d["links"] += [{"a": f"gpu{i}", "b": f"gpu{j}", "kind": "nvlink", "bandwidth_gbps": gbps(c * nvlink)}
                    for (i, j), c in sorted(nvl.items())]

@@ -1,12 +1,15 @@
-"""Parsing and printing of byte sizes and times, shared by tables, CLI and errors."""
+"""Parsing and printing of byte sizes, bandwidths and times, shared by tables, CLI and errors."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
+from typing import Any
 
 from .errors import MobiusError
 
-__all__ = ["parse_bytes", "fmt_bytes", "fmt_time"]
+__all__ = ["parse_bytes", "parse_bandwidth", "check_positive", "fmt_bytes", "fmt_time"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -14,25 +17,79 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
+_AMOUNT = re.compile(r"\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)(/s)?\s*")
 
 
-def parse_bytes(value: int | float | str) -> int:
-    """`256MiB`, `24GB`, `1.5 GiB` or a plain number of bytes -> int bytes.
+def parse_bytes(value: int | float | str, what: str = "size") -> int:
+    """`256MiB`, `24GB`, `1.5 GiB` or a plain number of bytes -> int bytes (finite, >= 0).
+
+    `what` names the value in the error message, e.g. "nodes[2] (gpu0): memory".
 
     >>> parse_bytes("256MiB")
     268435456
     """
-    if isinstance(value, bool):
-        raise MobiusError(f"memory size {value!r} is a bool; give bytes as an int or a string like '24GiB'")
-    if isinstance(value, (int, float)):
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise MobiusError(
-            f"cannot read the size {value!r}; write a number of bytes or a number with a unit "
-            f"such as '256MiB', '24GiB' or '16GB'"
-        )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    n = _amount(value, what, per_second=False)
+    if n < 0:
+        raise MobiusError(f"{what} {value!r} is negative; a size is a number of bytes, e.g. 2**30 or '24GiB'")
+    return int(value) if isinstance(value, numbers.Integral) else int(n)  # a big int stays exact
+
+
+def parse_bandwidth(value: int | float | str, what: str = "bandwidth") -> float:
+    """Bytes/s (positive, finite) from a number of bytes/s or a string with a unit of
+    `parse_bytes` and an optional "/s": `16e9`, `'16GB/s'` and `'16GB'` are all 16 * 10**9
+    bytes/s, `'12.5GiB/s'` is 12.5 * 2**30.
+
+    >>> parse_bandwidth("16GB/s")
+    16000000000.0
+    """
+    x = _amount(value, what, per_second=True)
+    if x <= 0:
+        raise MobiusError(f"{what} {value!r} is not positive; give bytes/s > 0, e.g. 16e9 or '16GB/s'")
+    return x
+
+
+def check_positive(value: Any, what: str, remedy: str, error: type[MobiusError] = MobiusError) -> float:
+    """`value` as a float when it is a positive, finite real number (a bool is not one); else
+    `error` saying `what` is `value`, the rule, and `remedy` (what to give instead)."""
+    x = _finite(value)
+    if x is None or x <= 0:
+        raise error(f"{what} is {value!r}{_type_note(value)}; it must be a positive, finite number; {remedy}")
+    return x
+
+
+def _amount(value: Any, what: str, *, per_second: bool) -> float:
+    """A real number, or a string of a number and a byte unit (and "/s" when `per_second`), as a finite float."""
+    unit = "bytes/s" if per_second else "bytes"
+    examples = "16e9, '16GB/s' or '12.5GiB/s'" if per_second else "2**30, '256MiB', '24GiB' or '16GB'"
+    m = _AMOUNT.fullmatch(value) if isinstance(value, str) else None
+    if m and m.group(2).lower() in _UNITS and (per_second or not m.group(3)):
+        x: float | None = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        x = _finite(value)
+    else:
+        note = "" if isinstance(value, str) else _type_note(value)
+        raise MobiusError(f"{what} {value!r}{note} is not a number of {unit}; give a number or a "
+                          f"number with a unit, e.g. {examples}")
+    if x is None or not math.isfinite(x):
+        raise MobiusError(f"{what} {value!r} is not finite (infinite, NaN or beyond the float range); "
+                          f"give a finite number of {unit}, e.g. {examples}")
+    return x
+
+
+def _finite(value: Any) -> float | None:
+    """`value` as a finite float when it is a real number and not a bool; else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        x = float(value)
+    except OverflowError:  # an int beyond the float range
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _type_note(value: Any) -> str:
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return "" if real else f" (type {type(value).__name__})"
 
 
 def fmt_bytes(n: float) -> str:
