@@ -138,9 +138,9 @@ def stage_memory(layers: Sequence[LayerCost], before: LayerCost | None, mm: Memo
 class Plan:
     """The pipeline: stages on GPUs, the transfers between them, and how it was decided.
 
-    >>> plan = mobius_fx.plan(model, Topology.virtual(gpus=2), example_inputs=(x,))
-    >>> print(plan)            # summary line, stage table, transfer table
-    >>> plan.lower_bound()     # no schedule can beat this (seconds per step)
+    plan = mobius_fx.plan(model, Topology.virtual(gpus=2), example_inputs=(x,))
+    print(plan)            # summary line, stage table, transfer table
+    plan.lower_bound()     # no schedule can beat this (seconds per step)
     """
 
     stages: tuple[Stage, ...]

@@ -675,10 +675,10 @@ class Pipeline(nn.Module):
     fp32). The pipeline cannot be moved or cast (`.to`, `.cuda`, `.half`): it copies the CPU
     masters to the GPUs itself.
 
-    >>> pipe = build_pipeline(model, gm, stage_nodes=..., stage_gpus=..., gpu_budgets=..., microbatches=2,
-    ...                       example_inputs=(x,), device="virtual")
-    >>> pipe(x).sum().backward()     # gradients in model.parameters()' .grad
-    >>> pipe.memory_stats()["gpu0"]  # {'peak_bytes': ..., 'current_bytes': 0}
+    pipe = build_pipeline(model, gm, stage_nodes=..., stage_gpus=..., gpu_budgets=..., microbatches=2,
+                          example_inputs=(x,), device="virtual")
+    pipe(x).sum().backward()     # gradients in model.parameters()' .grad
+    pipe.memory_stats()["gpu0"]  # {'peak_bytes': ..., 'current_bytes': 0}
     """
 
     def __init__(self, model: nn.Module, gm: fx.GraphModule, schedule: Any, program: fx.GraphModule,
@@ -800,10 +800,10 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     topology or without CUDA, else CUDA) or a `{gpu name: Device}` of your own; `gpu_indices`
     maps GPU names to CUDA indices. The model is left as it was.
 
-    >>> gm = torch.fx.symbolic_trace(model)
-    >>> pipe = build_pipeline(model, gm, stage_nodes=[["fc1", "relu"], ["fc2"]], stage_gpus=["gpu0", "gpu1"],
-    ...                       gpu_budgets={"gpu0": 2**20, "gpu1": 2**20}, microbatches=2,
-    ...                       example_inputs=(x,), device="virtual")
+    gm = torch.fx.symbolic_trace(model)
+    pipe = build_pipeline(model, gm, stage_nodes=[["fc1", "relu"], ["fc2"]], stage_gpus=["gpu0", "gpu1"],
+                          gpu_budgets={"gpu0": 2**20, "gpu1": 2**20}, microbatches=2,
+                          example_inputs=(x,), device="virtual")
     """
     from .passes.emit import backward_summary, emit
     from .passes.insert_transfers import insert_transfers

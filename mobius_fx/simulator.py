@@ -8,10 +8,10 @@ step time, per-GPU and per-link busy time, the critical path and a Chrome/Perfet
 Every schedule uses the plan's own costs (stage times, bytes) and the same engine, so the
 comparisons are like for like.
 
-    >>> result = mobius_fx.simulate(plan)                    # the plan as the runtime runs it
-    >>> result.step_time, result.pipeline_time >= plan.lower_bound()
-    >>> mobius_fx.simulate(plan, schedule="zero3-offload").step_time / result.step_time
-    >>> result.save_chrome_trace("step.json")                # open in ui.perfetto.dev
+    result = mobius_fx.simulate(plan)                    # the plan as the runtime runs it
+    result.step_time, result.pipeline_time >= plan.lower_bound()
+    mobius_fx.simulate(plan, schedule="zero3-offload").step_time / result.step_time
+    result.save_chrome_trace("step.json")                # open in ui.perfetto.dev
 
 Schedules (the docstring of each builder says where its model comes from): "mobius",
 "mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload", "roundpipe".
@@ -185,9 +185,9 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
              cpu_adam_bandwidth: float | None = None) -> SimResult:
     """Replay one training step of `plan` under `schedule` on `topology` (default: the plan's).
 
-    >>> r = simulate(plan)
-    >>> print(r.summary())
-    >>> simulate(plan, schedule="roundpipe").step_time
+    r = simulate(plan)
+    print(r.summary())
+    simulate(plan, schedule="roundpipe").step_time
     """
     topo = topology if topology is not None else plan.topology
     if topo is None:

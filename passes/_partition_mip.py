@@ -6,8 +6,8 @@ drives HiGHS (through highspy) or CBC on it. The formulation is explained in par
 docstring; every row here is a row of `partition.evaluate`, so a solver point is re-checked
 there exactly.
 
->>> mip = _build_mip(problem, _Fast(problem), _runs(problem), 16, mem_tol=1e-6)
->>> _run_solver(mip, "highs", 5.0, 1e-4, False, None)    # (status, objective, bound)
+    mip = _build_mip(problem, _Fast(problem), _runs(problem), 16, mem_tol=1e-6)
+    _run_solver(mip, "highs", 5.0, 1e-4, False, None)    # (status, objective, bound)
 """
 
 from __future__ import annotations

@@ -225,6 +225,7 @@ def contention_cost(order: Sequence[str], topology: Any, *, stage_bytes: Sequenc
     The value is in seconds when bytes are real bytes, times 1e9 (GB-scaled units).
 
     >>> contention_cost(["gpu0", "gpu4", "gpu1", "gpu5"], Topology.virtual(gpus=8, root_complexes=2))
+    0.09375
     """
     order = list(order)
     _check_order(order, topology)

@@ -60,9 +60,9 @@ def group_layers(gm: fx.GraphModule, *, node_costs: dict[fx.Node, NodeCost], out
     `annotate` calls this with the per-node costs it ran; `param_info` maps a node to the
     parameters it reads (canonical name -> (bytes, requires_grad)).
 
-    >>> layers = group_layers(gm, node_costs=costs, out_bytes=out, act_bytes=act, param_info=info)
-    >>> [layer.name for layer in layers]  # a 2-block GPT-2
-    ['transformer.wte+wpe+drop', 'transformer.h.0', 'transformer.h.1', 'transformer.ln_f+lm_head']
+    layers = group_layers(gm, node_costs=costs, out_bytes=out, act_bytes=act, param_info=info)
+    [layer.name for layer in layers]  # a 2-block GPT-2: ['transformer.wte+wpe+drop', 'transformer.h.0',
+                                      #                   'transformer.h.1', 'transformer.ln_f+lm_head']
     """
     nodes = list(gm.graph.nodes)
     spine = _spine(nodes)

@@ -29,8 +29,8 @@ The MIP uses the same elimination of p, and drops two implied rows: `p_k <= free
 `q_k <= free` follow from the double buffer (W_k <= mem_k), and the forward double buffer
 follows from the backward one (bwd_mem >= fwd_mem for the same pair of stages).
 
->>> prob = PartitionProblem.from_topology(layers, topo, microbatches=4)
->>> result = solve(prob)            # PartitionResult(boundaries=(0, 3, 7, ...), makespan=...)
+    prob = PartitionProblem.from_topology(layers, topo, microbatches=4)
+    result = solve(prob)            # PartitionResult(boundaries=(0, 3, 7, ...), makespan=...)
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class PartitionProblem:
                       dtype: Any = None) -> "PartitionProblem":
         """Read capacities and bandwidths of the GPUs in `order` (default: topology order).
 
-        >>> PartitionProblem.from_topology(layers, Topology.virtual(gpus=2), microbatches=2)
+        PartitionProblem.from_topology(layers, Topology.virtual(gpus=2), microbatches=2)
         """
         if not 0 < memory_fraction <= 1:
             raise PlanError(f"memory_fraction={memory_fraction}; use a fraction in (0, 1], e.g. 0.9")
@@ -295,7 +295,7 @@ def _timeline(problem: PartitionProblem, st: _Stages, full: bool = False):
 def evaluate(problem: PartitionProblem, boundaries: Sequence[int]) -> Evaluation | None:
     """The schedule model for fixed `boundaries`, solved exactly; None if memory does not fit.
 
-    >>> evaluate(prob, (0, 4, 8)).makespan      # seconds per step of a 3-stage plan
+    evaluate(prob, (0, 4, 8)).makespan      # seconds per step of a 3-stage plan
     """
     cuts = tuple(int(c) for c in boundaries)
     if not cuts or cuts[0] != 0 or any(b <= a for a, b in zip(cuts, cuts[1:])) or cuts[-1] >= len(problem.layers):
@@ -442,7 +442,7 @@ def heuristic(problem: PartitionProblem, *, stage_counts: Sequence[int] | None =
 
     Feasible but not proven optimal; None if no candidate stage count found a fitting plan.
 
-    >>> heuristic(prob).makespan        # seconds, an upper bound on solve(prob).makespan
+    heuristic(prob).makespan        # seconds, an upper bound on solve(prob).makespan
     """
     t0 = time.perf_counter()
     fast = _Fast(problem)
@@ -586,8 +586,7 @@ def solve(problem: PartitionProblem, *, solver: str = "auto", time_limit: float 
     bound over all candidates. Results are cached in `cache_dir` (default $MOBIUS_FX_CACHE or
     ~/.cache/mobius_fx/plans), keyed by the problem's numbers and these settings.
 
-    >>> solve(prob, time_limit=10).boundaries
-    (0, 3, 7, 11)
+    solve(prob, time_limit=10).boundaries   # e.g. (0, 3, 7, 11)
     """
     t_start = time.perf_counter()
     name = _pick_solver(solver)
