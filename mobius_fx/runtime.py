@@ -1,7 +1,9 @@
 """The runtime: runs a compiled Mobius schedule, forward by its program and backward by autograd.
 
-`build_pipeline` cuts the traced graph into stages (`passes.insert_transfers`), emits the
-program (`passes.emit`) and returns a `Pipeline`, an `nn.Module` you call like the model:
+`mobius_fx.pipeline.build_pipeline` cuts the traced graph into stages (`passes.insert_transfers`),
+emits the program (`passes.emit`, calling the ops of `mobius_fx.ops`) and returns a `Pipeline`,
+an `nn.Module` you call like the model; this module holds the state those ops act on and
+imports nothing from the passes:
 
     pipe = build_pipeline(model, gm, stage_nodes=[...], stage_gpus=["gpu0", "gpu1", "gpu0", "gpu1"],
                           gpu_budgets={"gpu0": 2**28, "gpu1": 2**28}, microbatches=4,
@@ -57,12 +59,11 @@ with M > 1 says so once in the log (a warning) when the model has a BatchNorm la
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -72,73 +73,13 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from .devices import HOST, Device, make_devices, nbytes
+from .devices import HOST, Device, nbytes
 from .errors import BudgetError, MobiusError
+from .ops import _ACTIVE
 
-__all__ = [
-    "Pipeline", "build_pipeline", "batch_rows",
-    "prefetch", "wait", "run_stage", "send", "evict", "hold_for_backward", "split_microbatches", "merge_microbatches",
-]
+__all__ = ["Pipeline", "batch_rows"]
 
 log = logging.getLogger("mobius_fx")
-
-_ACTIVE: contextvars.ContextVar["_Runtime | None"] = contextvars.ContextVar("mobius_fx_runtime", default=None)
-
-
-def _runtime() -> "_Runtime":
-    rt = _ACTIVE.get()
-    if rt is None:
-        raise MobiusError("a schedule op ran outside a Pipeline call; call the Pipeline (pipe(x)), not its program")
-    return rt
-
-
-# ----------------------------------------------------------------------------- schedule ops
-# The call_function targets of the program graph. Each acts on the runtime of the Pipeline
-# being called.
-
-def prefetch(stage: int) -> None:
-    """Start copying stage `stage`'s weights to its GPU (no-op when already there)."""
-    _runtime().prefetch(stage)
-
-
-def wait(stage: int) -> None:
-    """Order the stage's compute after its weight upload."""
-    _runtime().wait(stage)
-
-
-def run_stage(stage: int, microbatch: int, *inputs: Any) -> tuple:
-    """Run one micro-batch through one stage; returns the stage's outputs (a tuple)."""
-    return _runtime().run(stage, microbatch, inputs)
-
-
-def send(value: Any, gpu: str) -> Any:
-    """Copy the tensors in `value` to GPU `gpu` (or to host memory for "host")."""
-    return _runtime().send(value, gpu)
-
-
-def evict(stage: int) -> None:
-    """Free the stage's GPU copy of its weights."""
-    _runtime().evict(stage)
-
-
-def hold_for_backward(stage: int) -> None:
-    """Keep the stage (the last its GPU runs) resident for backward; evict it if none will come."""
-    _runtime().hold(stage)
-
-
-def split_microbatches(inputs: tuple, microbatches: int) -> tuple:
-    """Split each input into micro-batches: (in0_mb0, in0_mb1, ..., in1_mb0, ...)."""
-    return _runtime().split(inputs, microbatches)
-
-
-def merge_microbatches(outputs: list) -> Any:
-    """Concatenate (or average) the micro-batches' outputs back into one output."""
-    return _runtime().merge(outputs)
-
-
-for _fn in (prefetch, wait, run_stage, send, evict, hold_for_backward):
-    fx.node._side_effectful_functions.add(_fn)
-
 
 def batch_rows(inputs: Any, microbatches: int) -> int | None:
     """The rows of the batch that micro-batches split: dim 0 of the first tensor input that has
@@ -745,107 +686,3 @@ class Pipeline(nn.Module):
     def _apply(self, fn, recurse=True):  # .to / .cuda / .half / .float ...
         raise MobiusError("a Pipeline keeps the master weights on the CPU and copies them to its GPUs itself; move or "
                           "cast the model before compiling it, not the pipeline")
-
-
-def _torch_dtype(dtype: Any) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return None if dtype in (None, torch.float32) else dtype
-    from .costs import dtype_name
-
-    value = getattr(torch, dtype_name(dtype), None)
-    if not isinstance(value, torch.dtype):
-        raise MobiusError(f"dtype={dtype!r} is not a torch dtype; use torch.bfloat16, torch.float16 or None")
-    return None if value == torch.float32 else value
-
-
-def _masters(model: nn.Module, gm: fx.GraphModule, spec: Any) -> list[torch.Tensor]:
-    """The user's tensor behind each weight a stage reads (by identity, else by name)."""
-    from .tracing import trace_info
-
-    own = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
-    info = trace_info(gm)
-    out = []
-    for w in spec.weights:
-        if id(w.tensor) in own:
-            out.append(w.tensor)
-            continue
-        name = info.model_name(w.name)
-        found = None
-        for getter in (model.get_parameter, model.get_buffer):
-            try:
-                found = getter(name)
-                break
-            except (AttributeError, TypeError):
-                continue
-        out.append(found if found is not None and found.shape == w.tensor.shape else w.tensor)
-    return out
-
-
-def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]] | None = None,
-                   stage_gpus: Sequence[str] | None = None, gpu_budgets: Mapping[str, int | None] | None = None,
-                   microbatches: int | None = None, example_inputs: tuple = (), example_kwargs: dict | None = None,
-                   plan: Any = None, device: str | Mapping[str, Device] = "auto", dtype: Any = None,
-                   gpu_indices: Mapping[str, int] | None = None, schedule: Any = None) -> Pipeline:
-    """Build the runnable Mobius pipeline of `model` from its traced graph `gm`.
-
-    Give the stages explicitly (`stage_nodes[k]`: gm's compute nodes of stage k, in graph order;
-    `stage_gpus[k]`: the GPU name running it; `gpu_budgets`: bytes per GPU name, None or absent =
-    unlimited), or a `plan` (its stages' `nodes` and `gpu`, its `microbatches` and `dtype`, and
-    its topology's GPU memory and CUDA indices fill whatever is not given), or a `schedule`
-    already made by `passes.insert_transfers`. `dtype` (e.g. torch.bfloat16) is what weights
-    and activations are copied to the GPUs in, and the stages run under autocast to it; fp32
-    masters and gradients stay on the host (for fp16, scale the loss with
-    `torch.amp.GradScaler("cpu")`).
-    `device`: "virtual" (GPUs played by the CPU), "cuda", "auto" (virtual for a virtual
-    topology or without CUDA, else CUDA) or a `{gpu name: Device}` of your own; `gpu_indices`
-    maps GPU names to CUDA indices. The model is left as it was.
-
-    gm = torch.fx.symbolic_trace(model)
-    pipe = build_pipeline(model, gm, stage_nodes=[["fc1", "relu"], ["fc2"]], stage_gpus=["gpu0", "gpu1"],
-                          gpu_budgets={"gpu0": 2**20, "gpu1": 2**20}, microbatches=2,
-                          example_inputs=(x,), device="virtual")
-    """
-    from .passes.emit import backward_summary, emit
-    from .passes.insert_transfers import insert_transfers
-
-    topology = getattr(plan, "topology", None)
-    if plan is not None:
-        stage_nodes = stage_nodes if stage_nodes is not None else [list(s.nodes) for s in plan.stages]
-        stage_gpus = stage_gpus if stage_gpus is not None else [s.gpu for s in plan.stages]
-        microbatches = microbatches if microbatches is not None else plan.microbatches
-        dtype = dtype if dtype is not None else plan.dtype
-        if gpu_budgets is None:  # the whole GPU: the plan's capacity is the planner's target, not a limit
-            gpus = {g.name: g for g in topology.gpus} if topology is not None else {}
-            gpu_budgets = {s.gpu: (gpus[s.gpu].memory if s.gpu in gpus else int(s.capacity)) for s in plan.stages}
-        if gpu_indices is None and topology is not None:
-            gpu_indices = {g.name: g.index for g in topology.gpus}
-        if device == "auto" and getattr(topology, "virtual", False):
-            device = "virtual"
-    if schedule is None:
-        if stage_nodes is None or stage_gpus is None:
-            raise MobiusError("build_pipeline needs the stages: pass stage_nodes and stage_gpus, a plan or a schedule")
-        schedule = insert_transfers(gm, stage_nodes=stage_nodes, stage_gpus=list(stage_gpus),
-                                    microbatches=1 if microbatches is None else microbatches)
-    if schedule.moved:
-        log.debug("compute nodes not listed in any stage, placed with the node before them: %s", schedule.moved)
-    program = emit(schedule)
-    budgets = dict(gpu_budgets or {})
-    devices = make_devices({g: budgets.get(g) for g in schedule.gpus}, device=device, indices=gpu_indices)
-    masters = [_masters(model, gm, spec) for spec in schedule.stages]
-    runtime = _Runtime(schedule, devices, masters, _torch_dtype(dtype))
-    if example_inputs or example_kwargs:
-        from .tracing import flatten_inputs
-
-        flat = flatten_inputs(gm, tuple(example_inputs), dict(example_kwargs or {}))
-        runtime.planned_rows = batch_rows(flat, schedule.microbatches) or 0
-        if schedule.microbatches > 1 and flat:
-            runtime.split(tuple(flat), schedule.microbatches)  # raises early when the batch does not split
-    if schedule.microbatches > 1:
-        norms = [n for n, mod in model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
-        if norms:
-            log.warning("%s normalise%s over the batch: with %d micro-batches each micro-batch is normalised by its "
-                        "own statistics (as eager run micro-batch by micro-batch), not by the whole batch's",
-                        ", ".join(norms[:3]) + (" ..." if len(norms) > 3 else ""), "" if len(norms) > 1 else "s",
-                        schedule.microbatches)
-    code = program.code.strip("\n") + "\n\n" + backward_summary(schedule) + "\n"
-    return Pipeline(model, gm, schedule, program, runtime, plan, code)

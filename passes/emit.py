@@ -27,15 +27,13 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.graph import CodeGen
 
-from mobius_fx import runtime as _rt
+from mobius_fx.ops import OPS
 from mobius_fx.units import fmt_bytes
 
 from .insert_transfers import Schedule
 
 __all__ = ["emit", "backward_summary"]
 
-_OPS = {f.__name__: f for f in (_rt.prefetch, _rt.wait, _rt.run_stage, _rt.send, _rt.evict, _rt.hold_for_backward,
-                                _rt.split_microbatches, _rt.merge_microbatches)}
 _QUIET = re.compile(r"^(\s*)(\w+) = ((?:prefetch|wait|evict|hold_for_backward)\(.*\));  \2 = None$")
 _WAIT = re.compile(r"^\s*wait\((\d+)\)$")
 
@@ -50,7 +48,7 @@ class _ScheduleCodeGen(CodeGen):
         self._body_transformer = self._tidy
 
     def _gen_python_code(self, nodes: Any, root_module: str, namespace: Any, *args: Any, **kwargs: Any):
-        for name, fn in _OPS.items():  # claim the short names before any node takes them
+        for name, fn in OPS.items():  # claim the short names before any node takes them
             namespace.create_name(name, fn)
         return super()._gen_python_code(nodes, root_module, namespace, *args, **kwargs)
 

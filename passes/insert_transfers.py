@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
-from mobius_fx import runtime as _rt
+from mobius_fx import ops as _rt
 from mobius_fx.devices import HOST
 from mobius_fx.errors import MobiusError
 

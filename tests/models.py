@@ -276,3 +276,41 @@ class BranchOnValue(nn.Module):
         if x.sum().item() > 0:
             return self.a(x)
         return self.b(x)
+
+
+# ---------------------------------------------------------------------------- reduced-precision error
+
+BF16_UNIT_ROUNDOFF = torch.finfo(torch.bfloat16).eps / 2  # 2**-8: bf16 keeps 8 significant bits (7 stored)
+
+
+def bf16_roundings(model: nn.Module, microbatches: int = 1) -> int:
+    """Roundings to bf16 on the longest path from the input to a weight gradient, when the
+    weights, activations and gradients of `model` are bf16 (autocast and bf16 weight copies):
+
+    - a leaf module with weights (Linear, HF Conv1D, Embedding): its weight, its output, its
+      input-gradient and its weight-gradient (4); a LayerNorm: weight, output, input-gradient (3,
+      its reductions run in fp32);
+    - a leaf without weights (activation, dropout): its output and its input-gradient (2);
+    - an attention module's functional part (q k^T, softmax, times v): 6;
+    - summing the micro-batches' gradients in bf16: M - 1.
+
+    First order these relative errors (each at most `BF16_UNIT_ROUNDOFF`) add up, the layers'
+    Jacobians being O(1) at default init: ||g_bf16 - g_fp32|| <= roundings * u * ||g_fp32||.
+    Functional ops of a model's own forward (e.g. GELUs written as F.gelu) are not counted.
+    """
+    count = microbatches - 1
+    for m in model.modules():
+        if "Attention" in type(m).__name__:
+            count += 6
+        if list(m.children()):
+            continue
+        if isinstance(m, nn.LayerNorm):
+            count += 3
+        elif any(True for _ in m.parameters(recurse=False)):
+            count += 4
+        else:
+            count += 2
+    return count
+
+
+__all__ += ["BF16_UNIT_ROUNDOFF", "bf16_roundings"]

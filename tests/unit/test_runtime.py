@@ -5,17 +5,22 @@ the pipeline on virtual GPUs (the CPU with byte budgets), then compares with eag
 """
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mobius_fx import MobiusError
-from mobius_fx.runtime import build_pipeline
+from mobius_fx.devices import nbytes
+from mobius_fx.pipeline import build_pipeline
 
-from tests.models import ResidualMLP, SkipNet
+from tests.models import BF16_UNIT_ROUNDOFF, ResidualMLP, SkipNet, bf16_roundings
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -202,7 +207,13 @@ def test_skip_connection_across_several_stages_goes_through_host_memory():
     model = SkipNet(d_in=8, width=16, depth=4, d_out=4)
     x = torch.randn(8, 8)
     pipe = pipeline(model, x, stages=4, gpus=2, microbatches=2, at=[1, 4, 7])
-    assert "stem_0_host = send(stem_0, 'host')" in pipe.code
+    # Stage 0's output (the skip) goes to host memory once per micro-batch and from there to stage 3.
+    meta = lambda n: n.meta.get("mobius", {})  # noqa: E731
+    hosted = [n for n in pipe.program.graph.nodes if meta(n).get("op") == "send" and meta(n)["gpu"] == "host"]
+    assert sorted((meta(n)["stage"], meta(n)["microbatch"]) for n in hosted) == [(0, 0), (0, 1), (3, 0), (3, 1)]
+    for n in hosted:
+        if meta(n)["stage"] == 0:
+            assert [(meta(u)["op"], meta(u)["stage"], meta(u)["gpu"]) for u in n.users] == [("send", 3, "gpu1")]
     assert_same_step(step(model, model, x), step(pipe, model, x))
     assert all_freed(pipe)
 
@@ -338,16 +349,148 @@ def test_forward_without_grad_evicts_every_stage():
     assert not out.requires_grad and all_freed(pipe)
 
 
+def record_resident_stages(pipe) -> dict[tuple[str, str], int]:
+    """Watch the runtime: after every prefetch, wait and evict (the only ops that change which
+    stages are resident, whoever calls them: the program in forward, the stage calls in
+    backward), note per (phase, GPU) the most stages resident at once. Returns the live dict."""
+    rt = pipe._rt
+    most: dict[tuple[str, str], int] = {}
+
+    def note_resident() -> None:
+        phase = "backward" if rt.step is not None and rt.step.state == "backward" else "forward"
+        for gpu in rt.devices:
+            n = sum(1 for st in rt.stages if st.resident and st.device.name == gpu)
+            most[(phase, gpu)] = max(most.get((phase, gpu), 0), n)
+
+    def watched(op):
+        def run(*args, **kwargs):
+            try:
+                return op(*args, **kwargs)
+            finally:
+                note_resident()
+        return run
+
+    for name in ("prefetch", "wait", "evict"):
+        setattr(rt, name, watched(getattr(rt, name)))  # instance attributes win over the methods
+    return most
+
+
 def test_at_most_two_stages_are_resident_per_gpu():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])  # weights dominate activations
     x = torch.randn(2, 64)
     pipe = pipeline(model, x, stages=8, gpus=2, microbatches=2)
-    pipe(x).sum().backward()
+    most = record_resident_stages(pipe)
+    for _ in range(2):  # the second step starts from a pipeline that already ran one
+        pipe(x).sum().backward()
+    # Stage k+N is prefetched while stage k runs, in forward and (k-N) in backward: exactly two,
+    # never three, on each GPU in each phase.
+    assert most == {(phase, gpu): 2 for phase in ("forward", "backward") for gpu in ("gpu0", "gpu1")}
     stage_bytes = 64 * 65 * 4
     for stats in pipe.memory_stats().values():
         # two stages' weights + one stage's gradients + a few small activations
         assert 2 * stage_bytes < stats["peak_bytes"] < 3 * stage_bytes + 4096
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes really held on each virtual GPU of `pipe`, at every op: the weight slots' storage
+    plus every storage an op created while that GPU was at work -- its stage's forward, its
+    backward's recompute and gradients, an activation received onto it -- for as long as the
+    storage lives (views counted once). `peak[gpu]` is the most seen at once.
+
+    Host copies are what a CUDA device makes: on virtual GPUs `offload` and `download` hand out
+    aliases of GPU tensors, which would keep them "on the GPU" for ever; here they are made real
+    copies, outside any GPU's account (the in-place check on saved inputs is bypassed).
+    """
+
+    def __init__(self, pipe):
+        super().__init__()
+        rt = self.rt = pipe._rt
+        self.peak = {gpu: 0 for gpu in rt.devices}
+        self.owner: list[str | None] = []  # the GPU at work now (innermost last); None: the host
+        self.live: dict[int, tuple[StorageWeakRef, str, int]] = {}  # storage -> (ref, gpu, bytes)
+        self.slots = {StorageWeakRef(s.untyped_storage()).cdata for st in rt.stages for s in st.slots}
+
+        def working(fn, gpu_of):
+            def run(*args, **kwargs):
+                self.owner.append(gpu_of(*args))
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.owner.pop()
+            return run
+
+        stage_gpu = lambda call, *_: rt.stages[call.stage].device.name  # noqa: E731
+        rt._forward = working(rt._forward, stage_gpu)
+        rt._backward_call = working(rt._backward_call, stage_gpu)
+
+        def offload(t, _offload):
+            saved = _offload(t)
+            saved.host = saved.host.clone()
+            saved.event = saved.host._version
+            return saved
+
+        def download(t, kind, _download):
+            host = _download(t, kind)().clone()
+            return lambda: host
+
+        host = lambda *_: None  # noqa: E731
+        for dev in rt.devices.values():
+            dev.receive = working(dev.receive, lambda *_, name=dev.name: name)
+            dev.offload = working(functools.partial(offload, _offload=dev.offload), host)
+            dev.download = working(functools.partial(download, _download=dev.download), host)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        gpu = self.owner[-1] if self.owner else None
+        if gpu is not None:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    storage = t.untyped_storage()
+                    ref = StorageWeakRef(storage)
+                    if ref.cdata not in self.slots and ref.cdata not in self.live:
+                        self.live[ref.cdata] = (ref, gpu, storage.nbytes())
+        self.sample()
+        return out
+
+    def sample(self):
+        held = dict.fromkeys(self.peak, 0)
+        for st in self.rt.stages:
+            held[st.device.name] += sum(s.untyped_storage().nbytes() for s in st.slots)
+        for key, (ref, gpu, n) in list(self.live.items()):
+            if ref.expired():
+                del self.live[key]
+            else:
+                held[gpu] += n
+        for gpu, n in held.items():
+            self.peak[gpu] = max(self.peak[gpu], n)
+
+
+class BooksBelowRealPeak(AssertionError):
+    """The books' peak of a GPU is below the bytes really held on it (only this xfails below:
+    any other error, a failed sanity check included, fails the test)."""
+
+
+@pytest.mark.xfail(strict=True, raises=BooksBelowRealPeak,
+                   reason="issue 11: the books miss working memory -- a stage's intermediate activations in "
+                          "forward and in the backward recompute, fresh weight gradients before they are "
+                          "accumulated, activation gradients in flight -- so the real peak exceeds the books'")
+def test_the_books_peak_is_at_least_the_bytes_really_held_on_each_gpu():
+    torch.manual_seed(0)
+    # Wide hidden layers inside each stage: working memory the size of the weights.
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 16))])
+    x = torch.randn(32, 16)
+    pipe = pipeline(model, x, stages=4, gpus=2, microbatches=2)
+    eager = step(model, model, x)
+    live = LiveBytes(pipe)
+    with live:
+        piped = step(pipe, model, x)
+    assert_same_step(eager, piped)  # the tracker changed nothing the step computes
+    books = {gpu: s["peak_bytes"] for gpu, s in pipe.memory_stats().items()}
+    stage_weights = (16 * 128 + 128 + 128 * 16 + 16) * 4
+    assert all(live.peak[gpu] > 2 * stage_weights for gpu in books)  # it sees two stages resident, and more
+    if any(live.peak[gpu] > books[gpu] for gpu in books):
+        raise BooksBelowRealPeak(f"bytes really held at peak {live.peak} > the books' peak {books}")
 
 
 def test_an_evicted_weight_cannot_be_used():
@@ -445,17 +588,55 @@ def test_an_error_in_a_stage_leaves_masters_untouched_frees_gpus_and_the_pipelin
     assert_same_step(step(lambda x: torch.cat([eager(x[:4]), eager(x[4:])]), eager, x), step(pipe, model, x))
 
 
-def test_bfloat16_streaming_is_close_to_fp32_eager_and_keeps_fp32_gradients():
+def bf16_eager_by_microbatch(model, x, microbatches, loss_of):
+    """The pipeline's bf16 arithmetic done by eager PyTorch: a bf16 copy of the model (the GPU
+    copies are the masters cast to bf16), bf16 inputs (cast as they go up), each micro-batch
+    under CPU autocast to bf16 (as each stage runs), `loss_of(out_i)` the micro-batch's share of
+    the loss, backward for micro-batches M-1, ..., 0 (the order autograd returns them to a
+    stage) so the bf16 `.grad` sums them as the pipeline's GPU accumulator does. Returns the
+    output and {name: fp32 gradient}."""
+    ref = copy.deepcopy(model).to(torch.bfloat16)
+    ref.zero_grad(set_to_none=True)
+    chunks = [c.to(torch.bfloat16) for c in x.split(x.size(0) // microbatches)]
+    outs: list[torch.Tensor] = [torch.empty(0)] * microbatches
+    for i in reversed(range(microbatches)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            out = ref(chunks[i])
+        loss_of(out).backward()
+        outs[i] = out.detach()
+    return torch.cat(outs), {n: p.grad.float() for n, p in ref.named_parameters()}
+
+
+def test_bfloat16_streaming_equals_bf16_eager_is_close_to_fp32_eager_and_keeps_fp32_gradients():
     torch.manual_seed(0)
-    model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
+    model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)  # its GELUs are functional calls, not modules
     x = torch.randn(8, 8)
-    pipe = pipeline(model, x, stages=4, gpus=2, microbatches=2, dtype=torch.bfloat16)
+    microbatches = 2
+    pipe = pipeline(model, x, stages=4, gpus=2, microbatches=microbatches, dtype=torch.bfloat16)
     eager = step(model, model, x)
     out, loss, grads = step(pipe, model, x, loss=lambda o: o.float().pow(2).mean())
     assert out.dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in grads.values())
-    torch.testing.assert_close(out.float(), eager[0], rtol=0.05, atol=0.05)
-    for name in eager[2]:
-        torch.testing.assert_close(grads[name], eager[2][name], rtol=0.1, atol=0.02)
+    assert grads.keys() == eager[2].keys()
+
+    # Fair comparison: the same bf16 arithmetic in the same order, bit for bit. (The mean over
+    # 8 x 4 outputs splits exactly into per-micro-batch sums / 32: a power of two.)
+    ref_out, ref_grads = bf16_eager_by_microbatch(model, x, microbatches,
+                                                  lambda o: o.float().pow(2).sum() / out.numel())
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+    # Closeness to fp32: within the bf16 roundings on the way, in norm (an elementwise bound
+    # would be meaningless for gradient entries near zero). Here 53 roundings: 0.21 relative
+    # (measured: at most 0.013), short of an all-zero or half-missing gradient (1 and 0.5); the
+    # bit-exact comparison above is the strict one.
+    bound = bf16_roundings(model, microbatches) * BF16_UNIT_ROUNDOFF
+    assert torch.linalg.vector_norm(out.float() - eager[0]) <= bound * torch.linalg.vector_norm(eager[0])
+    for name, g in eager[2].items():
+        err = torch.linalg.vector_norm(grads[name] - g)
+        assert err <= bound * torch.linalg.vector_norm(g), f"{name}: |g - g_fp32| = {err:.3g} > {bound:.3g} |g_fp32|"
+        # Spelled out: a stage whose gradients were lost shows up as zeros, whatever the tolerance.
+        assert grads[name].count_nonzero() > 0 or g.count_nonzero() == 0, f"{name}: all-zero gradient"
 
 
 def test_uploads_in_flight_are_awaited_before_use_and_before_freeing():
@@ -508,15 +689,73 @@ def test_inputs_that_require_grad_get_the_eager_gradient():
     torch.testing.assert_close(x.grad, eager)
 
 
-def test_transfer_stats_of_the_last_step_count_one_forward_and_backward():
-    model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
+def expected_transfers(schedule, steps: int = 1) -> dict[str, dict[str, dict[str, int]]]:
+    """Per GPU, the copies and bytes of a training step that the schedule implies (all weights
+    trainable parameters, one tensor input per stage call, one output).
+
+    - weight h2d: forward uploads every stage of the GPU once; `hold_for_backward` keeps the
+      GPU's last stage resident, so backward uploads all the others again: S_g + (S_g - 1)
+      stages per GPU, S + (S - N) in all; one copy per weight tensor.
+    - gradient d2h: each stage's summed weight gradients go down once, one copy per tensor.
+    - activation h2d: the model input of each micro-batch onto the first stage's GPU, and in
+      backward every stage call's saved input back from host memory.
+    - activation d2h: every stage call's input offloaded to host memory, and each micro-batch's
+      output to the host from the last stage's GPU.
+    - activation d2d: each micro-batch's hop onto a stage whose predecessor is on another GPU.
+    """
+    m, stages = schedule.microbatches, schedule.stages
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for gpu in schedule.gpus:
+        mine = [st for st in stages if st.gpu == gpu]
+        fetched = mine + [st for st in mine if not schedule.last_on_gpu(st.index)]
+        inputs = sum(len(st.inputs) for st in mine)
+        kinds = {
+            "weight h2d": (sum(len(st.weights) for st in fetched),
+                           sum(nbytes(w.tensor) for st in fetched for w in st.weights)),
+            "gradient d2h": (sum(len(st.weights) for st in mine),
+                             sum(nbytes(w.tensor) for st in mine for w in st.weights)),
+            "activation h2d": (m * (inputs + (stages[0].gpu == gpu)), None),
+            "activation d2h": (m * (inputs + (stages[-1].gpu == gpu)), None),
+            "activation d2d": (m * sum(st.index > 0 and stages[st.index - 1].gpu != gpu for st in mine), None),
+        }
+        out[gpu] = {kind: {"count": steps * n, "bytes": None if b is None else steps * b}
+                    for kind, (n, b) in kinds.items() if n}
+    return out
+
+
+@pytest.mark.parametrize("stage_gpus", [["gpu0", "gpu1"] * 2, ["gpu1", "gpu0", "gpu2"] * 2 + ["gpu1"],
+                                        ["gpu0"] * 3])
+def test_transfer_stats_of_the_last_step_count_one_forward_and_backward(stage_gpus):
+    model = ResidualMLP(d_in=8, width=16, depth=6, d_out=4)
     x = torch.randn(4, 8)
-    pipe = pipeline(model, x, stages=4, gpus=2, microbatches=2)
+    gm = fx.symbolic_trace(model)
+    names = [n.name for n in gm.graph.nodes if n.op in _COMPUTE]
+    # Cut after each residual add: one activation crosses, 16 wide (the model input is 8 wide).
+    adds = [j + 1 for j, n in enumerate(names) if n.startswith("add")][:len(stage_gpus) - 1]
+    pipe = build_pipeline(model, gm, stage_nodes=cut(gm, at=adds), stage_gpus=stage_gpus, gpu_budgets={},
+                          microbatches=2, example_inputs=(x,), device="virtual")
+    assert all(len(st.inputs) == 1 for st in pipe.schedule.stages)
     for _ in range(3):
         pipe(x).sum().backward()
-    total = sum(s["weight h2d"]["bytes"] for s in pipe.transfer_stats().values())
-    last = pipe.transfer_stats(last_step=True)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    # each step: every stage up in forward, the ones evicted in forward up again in backward
-    assert sum(s["weight h2d"]["bytes"] for s in last.values()) * 3 == total
-    assert sum(s["gradient d2h"]["bytes"] for s in last.values()) == weights
+    expected = expected_transfers(pipe.schedule)
+    for stats in (pipe.transfer_stats(last_step=True), pipe.transfer_stats()):
+        assert stats.keys() == expected.keys()
+        for gpu, kinds in expected.items():
+            assert stats[gpu].keys() == kinds.keys(), gpu
+            for kind, want in kinds.items():
+                got = stats[gpu][kind]
+                assert got["count"] == want["count"], f"{gpu} {kind}: {got} != {want}"
+                if want["bytes"] is not None:
+                    assert got["bytes"] == want["bytes"], f"{gpu} {kind}: {got} != {want}"
+        expected = expected_transfers(pipe.schedule, steps=3)  # then the whole history: three steps
+    # Activation bytes: each of the M = 2 micro-batches has 2 rows of fp32; the model input is 8
+    # wide, every cut carries one 16-wide activation, the output is 4 wide.
+    m, col = 2, 2 * 4  # micro-batches; bytes per unit of width in one micro-batch (2 fp32 rows)
+    for gpu, kinds in pipe.transfer_stats(last_step=True).items():
+        first, last = pipe.schedule.stages[0].gpu == gpu, pipe.schedule.stages[-1].gpu == gpu
+        later = sum(st.gpu == gpu for st in pipe.schedule.stages[1:])
+        saved = m * col * (16 * later + 8 * first)  # offloaded in forward, restored in backward
+        assert kinds["activation h2d"]["bytes"] == saved + m * col * 8 * first
+        assert kinds["activation d2h"]["bytes"] == saved + m * col * 4 * last
+        if "activation d2d" in kinds:
+            assert kinds["activation d2d"]["bytes"] == kinds["activation d2d"]["count"] * col * 16

@@ -1,17 +1,15 @@
 """The emitted schedule: readable code in Mobius order, explicit side-effect nodes, checked cuts."""
 
-import re
-
 import pytest
 import torch
 import torch.fx as fx
 from torch import nn
 
 from mobius_fx import MobiusError
-from mobius_fx import runtime as rt
+from mobius_fx import ops as rt
 from mobius_fx.passes.emit import emit
 from mobius_fx.passes.insert_transfers import insert_transfers
-from mobius_fx.runtime import build_pipeline
+from mobius_fx.pipeline import build_pipeline
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -42,41 +40,67 @@ def schedule(stages=4, gpus=2, microbatches=2, model=None):
                             microbatches=microbatches)
 
 
-def lines_of(code: str) -> list[str]:
-    return [ln.strip() for ln in code.splitlines()]
+def events_of(graph: fx.Graph) -> list[tuple]:
+    """The schedule ops of a program graph in execution order, read from each node's
+    `meta["mobius"]`: (op, stage) for prefetch / wait / evict / hold_for_backward, (op, stage,
+    micro-batch) for run_stage and send, with the GPU the op acts on as the last element."""
+    out = []
+    for node in graph.nodes:
+        meta = node.meta.get("mobius")
+        if meta is None or meta["op"] in ("split_microbatches", "merge_microbatches"):
+            continue
+        assert node.op == "call_function" and node.target.__name__ == meta["op"], node.format_node()
+        if meta["op"] in ("run_stage", "send"):
+            out.append((meta["op"], meta["stage"], meta["microbatch"], meta["gpu"]))
+        else:
+            out.append((meta["op"], meta["stage"], meta["gpu"]))
+    return out
 
 
-def first(lines: list[str], pattern: str) -> int:
-    return next(i for i, ln in enumerate(lines) if re.search(pattern, ln))
+def at(events: list[tuple], *key) -> list[int]:
+    """Positions of the events that start with `key`."""
+    return [i for i, e in enumerate(events) if e[:len(key)] == key]
 
 
-def last(lines: list[str], pattern: str) -> int:
-    return max(i for i, ln in enumerate(lines) if re.search(pattern, ln))
-
-
-def test_code_prefetches_stage_k_plus_n_before_stage_k_runs_and_evicts_after_its_last_microbatch():
+def test_program_prefetches_stage_k_plus_n_before_stage_k_runs_and_evicts_after_its_last_microbatch():
     model = mlp()
     x = torch.randn(4, 8)
     gm = fx.symbolic_trace(model)
-    pipe = build_pipeline(model, gm, stage_nodes=cut(gm, 4), stage_gpus=["gpu0", "gpu1", "gpu0", "gpu1"],
-                          gpu_budgets={}, microbatches=2, example_inputs=(x,), device="virtual")
-    lines = lines_of(pipe.code)
-    assert first(lines, r"^prefetch\(0\)$") < first(lines, r"run_stage\(0, 0")
-    assert first(lines, r"^prefetch\(1\)$") < first(lines, r"run_stage\(0, 0")  # first stage of each GPU at start
-    for k in (0, 1):
-        runs = first(lines, rf"run_stage\({k}, 0")
-        assert first(lines, rf"^wait\({k}\)$") < first(lines, rf"^prefetch\({k + 2}\)$") < runs
-        evicted = first(lines, rf"^evict\({k}\)$")
-        assert last(lines, rf"run_stage\({k}, 1") < evicted < first(lines, rf"run_stage\({k + 1}, 0")
-    for k in (2, 3):  # the last stage of each GPU stays for backward
-        assert not any(re.search(rf"^evict\({k}\)$", ln) for ln in lines)
-        assert last(lines, rf"run_stage\({k}, 1") < first(lines, rf"^hold_for_backward\({k}\)$")
-    assert "# ---- stage 2 on gpu0" in pipe.code and "# backward" in pipe.code
+    s, n = 6, 2  # three stages per GPU, so a prefetch of k+2N would have a stage to fetch
+    gpu_of = {k: f"gpu{k % n}" for k in range(s)}
+    pipe = build_pipeline(model, gm, stage_nodes=cut(gm, s), stage_gpus=list(gpu_of.values()), gpu_budgets={},
+                          microbatches=2, example_inputs=(x,), device="virtual")
+    events = events_of(pipe.program.graph)
+    for e in events:  # every op names its stage's GPU (a send: the GPU it delivers to)
+        assert e[-1] == gpu_of[e[1]] or e[0] == "send", e
+    # Each stage is prefetched exactly once, waited for once, and then run once per micro-batch.
+    for k in range(s):
+        assert len(at(events, "prefetch", k)) == len(at(events, "wait", k)) == 1
+        assert at(events, "prefetch", k)[0] < at(events, "wait", k)[0] < min(at(events, "run_stage", k))
+        assert sorted(e[2] for e in events if e[:2] == ("run_stage", k)) == [0, 1]
+    # The first stage of each GPU is uploaded before anything runs.
+    assert max(i for k in range(n) for i in at(events, "prefetch", k)) < min(at(events, "run_stage"))
+    for k in range(s - n):
+        (wait,), (prefetch_next,) = at(events, "wait", k), at(events, "prefetch", k + n)
+        runs = at(events, "run_stage", k)
+        # stage k+N goes up after stage k's wait and before stage k's first micro-batch,
+        assert wait < prefetch_next < min(runs)
+        # and it is the only prefetch of this GPU while stage k runs (no k+2N: two stages resident).
+        assert [e for e in events[wait:max(runs) + 1] if e[0] == "prefetch"] == [("prefetch", k + n, gpu_of[k])]
+        # Stage k is evicted after its last micro-batch and before stage k+1 starts.
+        (evicted,) = at(events, "evict", k)
+        assert max(runs) < evicted < min(at(events, "run_stage", k + 1))
+        assert not at(events, "hold_for_backward", k)
+    for k in range(s - n, s):  # the last stage of each GPU stays for backward
+        assert not at(events, "evict", k)
+        (held,) = at(events, "hold_for_backward", k)
+        assert max(at(events, "run_stage", k)) < held
+    assert "# ---- stage 2 on gpu0" in pipe.code and "# backward" in pipe.code  # the readable code
 
 
 def test_schedule_runs_every_microbatch_of_a_stage_before_the_next_stage():
-    lines = lines_of(emit(schedule(stages=4, gpus=2, microbatches=3)).code)
-    calls = [tuple(map(int, m.groups())) for ln in lines if (m := re.search(r"run_stage\((\d+), (\d+)", ln))]
+    events = events_of(emit(schedule(stages=4, gpus=2, microbatches=3)).graph)
+    calls = [e[1:3] for e in events if e[0] == "run_stage"]
     assert calls == [(k, i) for k in range(4) for i in range(3)]
 
 
