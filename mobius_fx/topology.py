@@ -30,8 +30,11 @@ among the GPU nodes::
 the RTX 3090/4090 cannot; then GPU-to-GPU traffic is staged through host memory).
 Bandwidths are stored as whole bytes/s, so a topology survives `to_json`/`from_json` exactly.
 
-Reading the topology from the driver (`Topology.from_nvidia_smi`, `Topology.detect`) is done in
-`mobius_fx.topology_detect`; the methods here import it when called.
+The rules a description must meet, and the reading of this schema, live in
+`mobius_fx.topology_schema`; reading the server from the driver (`Topology.from_nvidia_smi`,
+`Topology.detect`) in `mobius_fx.topology_detect`, which hands back a dict in this schema; the
+link bandwidth figures the presets use in `mobius_fx.links`. Each imports none of the others'
+private names, and none imports this module.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -47,28 +49,15 @@ from typing import Any, Callable, Mapping, Sequence
 import networkx as nx
 
 from .costs import DEVICE_SPECS, DeviceSpec
-from .errors import MobiusError, TopologyError
-from .units import check_positive, fmt_bytes, parse_bandwidth, parse_bytes
+from .errors import TopologyError
+from .links import GB, NVLINK2, PCIE3_X8, PCIE3_X16, PCIE4_X16, UPI_GOLD6130
+from .topology_detect import NoGPUFound, detect_layout, nvidia_smi_layout
+from .topology_schema import (LINK_KINDS, NODE_KINDS, check_graph, graph_from_dict, natural_key, parse_bandwidths,
+                              parse_memory, parse_spec)
+from .units import fmt_bytes
 
 __all__ = ["GPU", "Topology", "PRESETS", "NODE_KINDS", "LINK_KINDS"]
 
-NODE_KINDS = ("root_complex", "switch", "gpu")
-LINK_KINDS = ("pcie", "upi", "nvlink")
-_GB = 1e9
-
-# Effective (achievable) bandwidths, bytes/s per direction. PCIe raw per lane per direction:
-# 3.0 = 8 GT/s x 128b/130b = 0.985 GB/s, 4.0 = 1.969 GB/s. Pinned host<->device copies
-# (CUDA bandwidthTest) reach ~82% of raw once TLP headers and flow control are paid:
-# PCIe 3.0 x8 = 7.88 GB/s raw -> ~6.5 GB/s; 3.0 x16 = 15.75 -> ~13 GB/s; 4.0 x16 = 31.5 -> ~25.
-_PCIE3_X8 = 6.5e9
-_PCIE3_X16 = 13e9
-_PCIE4_X16 = 25e9
-# Xeon Gold 6130: 2 UPI links at 10.4 GT/s = 2 x 20.8 GB/s raw per direction; DMA to the
-# remote socket's DRAM measures about half of that, so ~20 GB/s per direction.
-_UPI_GOLD6130 = 20e9
-# NVLink 2.0 (V100): 25 GB/s raw per link per direction; p2pBandwidthLatencyTest measures
-# ~24 GB/s over one link (NV1) and ~48 GB/s over a bonded pair (NV2).
-_NVLINK2 = 24e9
 
 
 @dataclass(frozen=True)
@@ -104,7 +93,7 @@ class Topology:
         self.p2p = bool(p2p)
         # An instance attribute: `topo.virtual` is this flag, `Topology.virtual(...)` the factory.
         self.virtual = bool(virtual)
-        self.graph, self._parent, self._rc = _normalise(graph)
+        self.graph, self._parent, self._rc = check_graph(graph)
         kinds = nx.get_node_attributes(self.graph, "kind")
         self.root_complexes = tuple(n for n in self.graph if kinds[n] == "root_complex")
         by_index = sorted((d["index"], n) for n, d in self.graph.nodes(data=True) if d["kind"] == "gpu")
@@ -240,7 +229,7 @@ class Topology:
             if p is not None:
                 children[p].append(n)
         for kids in children.values():
-            kids.sort(key=_natural)
+            kids.sort(key=natural_key)
         lines = [f"{self.name}: {len(self.gpus)} GPU(s) under {len(self.root_complexes)} root complex(es), "
                  f"P2P {'on' if self.p2p else 'off'}{', virtual GPUs' if self.virtual else ''}"]
 
@@ -261,14 +250,14 @@ class Topology:
         for rc in self.root_complexes:
             lines.append(f"{rc} (root complex)")
             walk(rc, "")
-        extra = [(u, v, k) for u, v, k in self.graph.edges(data="kind") if k != "pcie" and _natural(u) < _natural(v)]
+        extra = [(u, v, k) for u, v, k in self.graph.edges(data="kind") if k != "pcie" and natural_key(u) < natural_key(v)]
         if extra:
             lines.append("links outside the PCIe tree:")
             lines += [f"  {u} <-> {v}  {k}  {self._pair_gbps(u, v)}" for u, v, k in extra]
         return "\n".join(lines)
 
     def _pair_gbps(self, u: str, v: str) -> str:
-        down, up = self.graph.edges[u, v]["bandwidth"] / _GB, self.graph.edges[v, u]["bandwidth"] / _GB
+        down, up = self.graph.edges[u, v]["bandwidth"] / GB, self.graph.edges[v, u]["bandwidth"] / GB
         return f"{down:.1f} GB/s" if down == up else f"{down:.1f} GB/s down / {up:.1f} GB/s up"
 
     # -------------------------------------------------------------------- JSON
@@ -286,9 +275,9 @@ class Topology:
         links = []
         for u, v, d in self.graph.edges(data=True):
             a, b = (v, u) if self._parent.get(u) == v else (u, v)  # parent first
-            if (a, b) != (u, v) or (d["kind"] != "pcie" and _natural(u) > _natural(v)):
+            if (a, b) != (u, v) or (d["kind"] != "pcie" and natural_key(u) > natural_key(v)):
                 continue  # write each physical link once
-            ab, ba = d["bandwidth"] / _GB, self.graph.edges[b, a]["bandwidth"] / _GB
+            ab, ba = d["bandwidth"] / GB, self.graph.edges[b, a]["bandwidth"] / GB
             link: dict[str, Any] = {"a": a, "b": b, "kind": d["kind"], "bandwidth_gbps": ab if ab == ba else [ab, ba]}
             if d["name"] != f"{a}-{b}":
                 link["name"] = d["name"]
@@ -372,8 +361,8 @@ class Topology:
         if isinstance(root_complexes, bool) or not isinstance(root_complexes, int) or not 1 <= root_complexes <= gpus:
             raise TopologyError(f"Topology.virtual got root_complexes={root_complexes!r} for {gpus} GPU(s); give an "
                                 f"int between 1 and {gpus}, so every root complex holds a GPU")
-        mem = _parse_memory(memory, f"Topology.virtual: gpu0..gpu{gpus - 1}")
-        bw = _bandwidths("Topology.virtual", bandwidth=bandwidth, uplink=uplink, upi=upi)
+        mem = parse_memory(memory, f"Topology.virtual: gpu0..gpu{gpus - 1}")
+        bw = parse_bandwidths("Topology.virtual", bandwidth=bandwidth, uplink=uplink, upi=upi)
         uplink = bw["uplink"] or 2 * bw["bandwidth"]
         base, extra = divmod(gpus, root_complexes)
         blocks, start = [], 0
@@ -388,8 +377,8 @@ class Topology:
     @staticmethod
     def from_nvidia_smi(text: str, *, spec: str | DeviceSpec | Sequence[str | DeviceSpec],
                         memory: int | str | Sequence[int | str] | None = None, p2p: bool = False,
-                        pcie: float | str = _PCIE3_X16, uplink: float | str | None = None,
-                        upi: float | str = _UPI_GOLD6130, nvlink: float | str = _NVLINK2,
+                        pcie: float | str = PCIE3_X16, uplink: float | str | None = None,
+                        upi: float | str = UPI_GOLD6130, nvlink: float | str = NVLINK2,
                         name: str = "nvidia-smi") -> "Topology":
         """Build a topology from the matrix `nvidia-smi topo -m` prints.
 
@@ -403,292 +392,48 @@ class Topology:
         text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
         Topology.from_nvidia_smi(text, spec="rtx3090", memory="24GiB")
         """
-        from .topology_detect import from_nvidia_smi  # imports this module: import on use
-
-        return from_nvidia_smi(text, spec=spec, memory=memory, p2p=p2p, pcie=pcie, uplink=uplink, upi=upi,
-                               nvlink=nvlink, name=name)
+        where = "Topology.from_nvidia_smi"
+        bw = parse_bandwidths(where, pcie=pcie, uplink=uplink, upi=upi, nvlink=nvlink)
+        specs = _each(spec, lambda v, at: parse_spec(v, f"{at}: spec"), where)
+        mems = _each(memory, lambda v, at: None if v is None else parse_memory(v, at), where)
+        return _from_dict(nvidia_smi_layout(text, spec=specs, memory=mems, p2p=p2p, name=name, **bw), name)
 
     @staticmethod
     def detect(*, spec: str | DeviceSpec | None = None, p2p: bool | None = None,
-               upi: float | str = _UPI_GOLD6130, nvlink: float | str = _NVLINK2) -> "Topology":
+               upi: float | str = UPI_GOLD6130, nvlink: float | str = NVLINK2) -> "Topology":
         """The topology of this machine, from NVML (pynvml) or else `nvidia-smi`.
 
         The device spec is guessed from the GPU product name unless `spec` is given; P2P is
         read from the driver unless `p2p` is given; GPU link bandwidths from the PCIe
         generation and width (x 0.82 effective).
         """
-        from .topology_detect import detect  # imports this module: import on use
-
-        return detect(spec=spec, p2p=p2p, upi=upi, nvlink=nvlink)
-
-
-# ------------------------------------------------------------------ validation
-def _normalise(graph: Any) -> tuple[nx.DiGraph, dict[str, str | None], dict[str, str]]:
-    """Check a topology graph; return a canonical copy, PCIe parents and each node's root complex."""
-    if not isinstance(graph, nx.DiGraph):
-        raise TopologyError(f"a Topology is built on a networkx.DiGraph, got {type(graph).__name__}; "
-                            "or use Topology.from_json / preset / virtual")
-    for n, d in graph.nodes(data=True):
-        if not isinstance(n, str) or not n or n == "dram":
-            raise TopologyError(f"node name {n!r} is not allowed; give a non-empty string other than 'dram' "
-                                "(the name routes use for a GPU's host memory)")
-        if d.get("kind") not in NODE_KINDS:
-            raise TopologyError(f"node {n!r} has kind {d.get('kind')!r}; give one of {', '.join(NODE_KINDS)}")
-        if d["kind"] == "gpu":
-            mem = d.get("memory")
-            if isinstance(mem, bool) or not isinstance(mem, int) or mem <= 0:
-                raise TopologyError(f"GPU {n!r} has memory {mem!r}; a GPU needs a positive number of bytes, "
-                                    "e.g. 24 * 2**30 or '24GiB' in JSON")
-            if not isinstance(d.get("spec"), DeviceSpec):
-                raise TopologyError(f"GPU {n!r} has spec {d.get('spec')!r}; give a DeviceSpec, e.g. "
-                                    "DeviceSpec.preset('rtx3090')")
-    gpus = [n for n, k in graph.nodes(data="kind") if k == "gpu"]
-    if not gpus:
-        raise TopologyError(f"topology has no GPUs (nodes: {', '.join(graph) or 'none'}); add nodes of kind 'gpu'")
-    index = _check_indices(graph, gpus)
-    for u, v, d in graph.edges(data=True):
-        _check_edge(graph, u, v, d)
-    # The PCIe tree: switches and GPUs hang below exactly one root complex, without cycles.
-    pcie = nx.Graph()
-    pcie.add_nodes_from(sorted(graph))
-    pcie.add_edges_from((u, v) for u, v, k in graph.edges(data="kind") if k == "pcie")
-    try:
-        cycle = nx.find_cycle(pcie)
-    except nx.NetworkXNoCycle:
-        pass
-    else:
-        raise TopologyError(f"the PCIe links form a cycle through {', '.join(u for u, _ in cycle)}; switches and "
-                            "root complexes must form a tree (join sockets with 'upi' links, GPUs with 'nvlink')")
-    parent: dict[str, str | None] = {}
-    rc_of: dict[str, str] = {}
-    for comp in nx.connected_components(pcie):
-        rcs = sorted(n for n in comp if graph.nodes[n]["kind"] == "root_complex")
-        if len(rcs) > 1:
-            path = nx.shortest_path(pcie, rcs[0], rcs[1])
-            raise TopologyError(f"root complexes {rcs[0]} and {rcs[1]} are joined over PCIe ({' - '.join(path)}); "
-                                "each switch and GPU belongs to one root complex, sockets join by a 'upi' link")
-        if not rcs:
-            orphans = sorted(comp, key=lambda n: (graph.nodes[n]["kind"] != "gpu", n))
-            what = "GPU" if graph.nodes[orphans[0]]["kind"] == "gpu" else "switch"
-            raise TopologyError(f"{what} {orphans[0]} has no path to DRAM: no PCIe links lead from it to a root "
-                                f"complex; link it (or its switch) to one, e.g. "
-                                f'{{"a": "cpu0", "b": "{orphans[0]}", "bandwidth_gbps": 13}}')
-        parent[rcs[0]] = None
-        for child, par in nx.bfs_predecessors(pcie, rcs[0]):
-            parent[child] = par
-        for n in comp:
-            rc_of[n] = rcs[0]
-    for g in gpus:
-        if pcie.degree(g) != 1:
-            raise TopologyError(f"GPU {g} has {pcie.degree(g)} PCIe links ({', '.join(sorted(pcie[g]))}); a GPU "
-                                "hangs off exactly one switch or root complex")
-    rcs = sorted(n for n in graph if graph.nodes[n]["kind"] == "root_complex")
-    upi = nx.Graph()
-    upi.add_nodes_from(rcs)
-    upi.add_edges_from((u, v) for u, v, k in graph.edges(data="kind") if k == "upi")
-    if not nx.is_connected(upi):
-        reach = nx.node_connected_component(upi, rcs[0])
-        raise TopologyError(f"root complexes {', '.join(n for n in rcs if n not in reach)} have no 'upi' path to "
-                            f"{rcs[0]}; add an inter-socket link between them")
-    return _canonical(graph, parent, index), parent, rc_of
-
-
-def _check_indices(graph: nx.DiGraph, gpus: list[str]) -> dict[str, int]:
-    """Each GPU's CUDA index: as given, or (none given) by natural name order."""
-    have = [n for n in gpus if "index" in graph.nodes[n]]
-    if have and len(have) != len(gpus):
-        missing = sorted(set(gpus) - set(have))
-        raise TopologyError(f"GPU {missing[0]} has no index but other GPUs do; give every GPU an index or none")
-    if not have:
-        return {n: i for i, n in enumerate(sorted(gpus, key=_natural))}
-    seen: dict[int, str] = {}
-    for n in sorted(gpus, key=_natural):
-        i = graph.nodes[n]["index"]
-        ok = not isinstance(i, bool) and isinstance(i, int) and 0 <= i < len(gpus)
-        if not ok or i in seen:
-            clash = f" (also {seen[i]}'s)" if ok else ""
-            raise TopologyError(f"GPU {n} has index {i!r}{clash}; GPU indices must be 0..{len(gpus) - 1}, "
-                                "each used once (the CUDA device numbers)")
-        seen[i] = n
-    return {n: i for i, n in seen.items()}
-
-
-def _check_edge(graph: nx.DiGraph, u: str, v: str, d: Mapping[str, Any]) -> None:
-    link = d.get("name") or f"{u}-{v}"
-    check_positive(d.get("bandwidth"), f"link {link} ({u} -> {v}): bandwidth", "give bytes/s (GB/s in JSON)",
-                   TopologyError)
-    kind = d.get("kind")
-    if kind not in LINK_KINDS:
-        raise TopologyError(f"link {link} ({u} -> {v}) has kind {kind!r}; give one of {', '.join(LINK_KINDS)}")
-    if u == v:
-        raise TopologyError(f"link {link} joins {u} to itself; a link joins two different nodes")
-    if not graph.has_edge(v, u) or graph.edges[v, u].get("kind") != kind:
-        raise TopologyError(f"link {link} ({u} -> {v}, {kind}) has no reverse {v} -> {u} of the same kind; "
-                            "each physical link is two directed edges")
-    ku, kv = graph.nodes[u]["kind"], graph.nodes[v]["kind"]
-    rule = {"nvlink": ku == kv == "gpu", "upi": ku == kv == "root_complex",
-            "pcie": {ku, kv} not in ({"gpu"}, {"root_complex"})}[kind]
-    if not rule:
-        raise TopologyError(f"link {link} joins {ku} {u} and {kv} {v} by {kind}; nvlink joins two GPUs, upi two "
-                            "root complexes, pcie a root complex or switch to a switch or GPU")
-
-
-def _canonical(graph: nx.DiGraph, parent: dict[str, str | None], index: dict[str, int]) -> nx.DiGraph:
-    """A copy in a fixed order (so equal topologies route alike), bandwidths in whole bytes/s."""
-    out = nx.DiGraph()
-    order = {"root_complex": 0, "switch": 1, "gpu": 2}
-    for n in sorted(graph, key=lambda n: (order[graph.nodes[n]["kind"]], _natural(n))):
-        d = graph.nodes[n]
-        attrs = {"kind": d["kind"]}
-        if d["kind"] == "gpu":
-            attrs.update(memory=d["memory"], spec=d["spec"], index=index[n])
-        out.add_node(n, **attrs)
-    rank = {n: i for i, n in enumerate(out)}
-    for u, v in sorted(graph.edges, key=lambda e: (rank[e[0]], rank[e[1]])):
-        d = graph.edges[u, v]
-        a, b = (v, u) if parent.get(u) == v or (d["kind"] != "pcie" and rank[v] < rank[u]) else (u, v)
-        out.add_edge(u, v, bandwidth=float(max(1, round(d["bandwidth"]))), kind=d["kind"],
-                     name=str(d.get("name") or f"{a}-{b}"))
-    return out
-
-
-def _natural(name: str) -> tuple:
-    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
-
-
-# ------------------------------------------------------------------------ JSON
-_TOP_KEYS = {"name", "p2p", "virtual", "nodes", "links", "comment"}
-_NODE_KEYS = {"name", "kind", "memory", "spec", "index"}
-_LINK_KEYS = {"a", "b", "kind", "bandwidth_gbps", "name"}
+        bw = parse_bandwidths("Topology.detect", upi=upi, nvlink=nvlink)
+        spec = None if spec is None else parse_spec(spec, "Topology.detect: spec")
+        try:
+            layout = detect_layout(spec=spec, p2p=p2p, **bw)
+        except NoGPUFound as e:
+            raise TopologyError(f"{e}. Describe the server instead: Topology.preset(name) with one of "
+                                f"{', '.join(PRESETS)}, Topology.from_json('server.json') (schema in "
+                                "mobius_fx.topology), or Topology.virtual(gpus=4, memory='256MiB') for CPU-backed "
+                                "GPUs") from None
+        return _from_dict(layout, "detected")
 
 
 def _from_dict(data: Any, source: str) -> Topology:
-    def fail(where: str, msg: str) -> TopologyError:
-        return TopologyError(f"{source}: {where}: {msg}")
-
-    if not isinstance(data, Mapping):
-        raise fail("top level", f"expected an object with 'nodes' and 'links', got {type(data).__name__}")
-    _no_unknown_keys(data, _TOP_KEYS, "top level", fail)
-    for key in ("nodes", "links"):
-        if not isinstance(data.get(key), list):
-            raise fail(key, f"expected a list, got {type(data.get(key)).__name__}")
-    graph = nx.DiGraph()
-    where_of: dict[str, str] = {}
-    for i, nd in enumerate(data["nodes"]):
-        where = f"nodes[{i}]"
-        if not isinstance(nd, Mapping):
-            raise fail(where, f"expected an object, got {nd!r}")
-        _no_unknown_keys(nd, _NODE_KEYS, where, fail)
-        name, kind = nd.get("name"), nd.get("kind")
-        if not isinstance(name, str) or not name:
-            raise fail(where, f"'name' must be a non-empty string, got {name!r}")
-        where = f"nodes[{i}] ({name})"
-        if name in where_of:
-            raise fail(where, f"duplicate node name {name!r} (first at {where_of[name]}); names must be unique")
-        where_of[name] = f"nodes[{i}]"
-        if kind not in NODE_KINDS:
-            raise fail(where, f"'kind' is {kind!r}; give one of {', '.join(NODE_KINDS)}")
-        if kind != "gpu":
-            extra = sorted(set(nd) & {"memory", "spec", "index"})
-            if extra:
-                raise fail(where, f"{', '.join(extra)} belong on GPU nodes only")
-            graph.add_node(name, kind=kind)
-            continue
-        spec = _parse_spec(nd.get("spec"), f"{source}: {where}")
-        mem = _parse_memory(nd["memory"], f"{source}: {where}") if "memory" in nd else spec.memory
-        attrs = {"kind": "gpu", "memory": mem, "spec": spec}
-        attrs["index"] = nd["index"] if "index" in nd else sum(1 for _, k in graph.nodes(data="kind") if k == "gpu")
-        graph.add_node(name, **attrs)
-    seen: dict[frozenset, str] = {}
-    for i, ln in enumerate(data["links"]):
-        where = f"links[{i}]"
-        if not isinstance(ln, Mapping):
-            raise fail(where, f"expected an object, got {ln!r}")
-        _no_unknown_keys(ln, _LINK_KEYS, where, fail)
-        a, b = ln.get("a"), ln.get("b")
-        unknown = [repr(x) for x in (a, b) if x not in graph]
-        if unknown:
-            raise fail(where, f"unknown node {' and '.join(unknown)} in link {a}-{b}; nodes are {', '.join(graph)}")
-        name = ln.get("name", f"{a}-{b}")
-        where = f"links[{i}] ({name})"
-        if a == b:
-            raise fail(where, f"links {a} to itself; a link joins two different nodes")
-        pair = frozenset((a, b))
-        if pair in seen:
-            raise fail(where, f"{a} and {b} are already linked by {seen[pair]}; give one link per pair")
-        seen[pair] = where
-        ka, kb = graph.nodes[a]["kind"], graph.nodes[b]["kind"]
-        kind = ln.get("kind", "upi" if ka == kb == "root_complex" else "nvlink" if ka == kb == "gpu" else "pcie")
-        gbps = ln.get("bandwidth_gbps")
-        both = isinstance(gbps, list) and len(gbps) == 2
-        ab, ba = (_GB * check_positive(x, f"{source}: {where}: bandwidth_gbps{f'[{k}]' if both else ''}",
-                                       "give GB/s per direction: one number, or [a_to_b, b_to_a]",
-                                       TopologyError) for k, x in enumerate(gbps if both else (gbps, gbps)))
-        graph.add_edge(a, b, bandwidth=ab, kind=kind, name=name)  # rounded to whole bytes/s by Topology
-        graph.add_edge(b, a, bandwidth=ba, kind=kind, name=name)
-    for key in ("p2p", "virtual"):
-        if not isinstance(data.get(key, False), bool):
-            raise fail(key, f"expected true or false, got {data[key]!r}")
+    """The Topology a JSON-schema dict describes; errors located at `source`."""
+    graph, attrs = graph_from_dict(data, source)
     try:
-        return Topology(graph, name=str(data.get("name", "custom")), p2p=data.get("p2p", False),
-                        virtual=data.get("virtual", False))
+        return Topology(graph, **attrs)
     except TopologyError as e:
         raise TopologyError(f"{source}: {e}") from None
 
 
-def _no_unknown_keys(d: Mapping, allowed: set[str], where: str, fail: Callable[[str, str], Exception]) -> None:
-    extra = sorted(set(d) - allowed)
-    if extra:
-        raise fail(where, f"unknown key(s) {', '.join(map(repr, extra))}; allowed: {', '.join(sorted(allowed))}")
-
-
-def _parse_spec(spec: Any, where: str) -> DeviceSpec:
-    if isinstance(spec, DeviceSpec):
-        return spec
-    if isinstance(spec, str):
-        try:
-            return DeviceSpec.preset(spec)
-        except MobiusError as e:
-            raise TopologyError(f"{where}: {e}") from None
-    if isinstance(spec, Mapping):
-        try:
-            return DeviceSpec(**spec)
-        except TypeError as e:
-            raise TopologyError(f"{where}: spec object {spec!r} is not a DeviceSpec ({e}); give name, flops, "
-                                "memory_bandwidth, memory and optionally efficiency") from None
-        except TopologyError as e:
-            raise TopologyError(f"{where}: spec: {e}") from None
-    raise TopologyError(f"{where}: GPU spec is {spec!r}; give a DeviceSpec preset name "
-                        f"({', '.join(sorted(DEVICE_SPECS))}) or a spec object")
-
-
-def _parse_memory(value: Any, where: str) -> int:
-    """A GPU's memory (bytes or a string with a unit) as positive int bytes; TopologyError at `where`."""
-    n = _parse(parse_bytes, value, f"{where}: memory")
-    if n <= 0:
-        raise TopologyError(f"{where}: memory is {value!r}{'' if n == value else f' = {n} bytes'}; a GPU needs a "
-                            "positive number of bytes, e.g. '24GiB'")
-    return n
-
-
-def _bandwidths(where: str, **values: Any) -> dict[str, Any]:
-    """Bandwidth arguments (bytes/s, or strings like '16GB/s') as bytes/s, None kept; TopologyError names the one."""
-    return {k: None if v is None else _parse(parse_bandwidth, v, f"{where}: {k}") for k, v in values.items()}
-
-
-def _parse(parse: Callable[[Any, str], Any], value: Any, what: str) -> Any:
-    try:
-        return parse(value, what)
-    except MobiusError as e:
-        raise TopologyError(str(e)) from None
-
-
-def _per_gpu(value: Any, n: int, what: str) -> list[Any]:
+def _each(value: Any, parse: Callable[[Any, str], Any], where: str) -> Any:
+    """`parse(value, where)`: one value for every GPU, or a list or tuple of one per GPU, each
+    located at its GPU ("Topology.from_nvidia_smi: GPU1")."""
     if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise TopologyError(f"{what} lists {len(value)} values for {n} GPUs; give one value or one per GPU")
-        return list(value)
-    return [value] * n
+        return [parse(v, f"{where}: GPU{i}") for i, v in enumerate(value)]
+    return parse(value, where)
 
 
 # --------------------------------------------------------------------- layouts
@@ -698,7 +443,7 @@ def _layout(name: str, sockets: list[list[list[int]]], *, spec: Any, memory: Any
     """A JSON-schema dict: socket r holds groups of GPU indices; each group sits under one
     switch with `uplink`, or with `uplink=None` every GPU links straight to the socket."""
     nodes: list[dict] = [{"name": f"cpu{r}", "kind": "root_complex"} for r in range(len(sockets))]
-    links: list[dict] = [{"a": f"cpu{r}", "b": f"cpu{s}", "kind": "upi", "bandwidth_gbps": upi / _GB}
+    links: list[dict] = [{"a": f"cpu{r}", "b": f"cpu{s}", "kind": "upi", "bandwidth_gbps": upi / GB}
                          for r in range(len(sockets)) for s in range(r + 1, len(sockets))]
     gpus: list[dict] = []
     sw = 0
@@ -708,11 +453,11 @@ def _layout(name: str, sockets: list[list[list[int]]], *, spec: Any, memory: Any
             if uplink is not None:
                 top, sw = f"sw{sw}", sw + 1
                 nodes.append({"name": top, "kind": "switch"})
-                links.append({"a": f"cpu{r}", "b": top, "bandwidth_gbps": uplink / _GB})
+                links.append({"a": f"cpu{r}", "b": top, "bandwidth_gbps": uplink / GB})
             for g in group:
                 gpus.append({"name": f"gpu{g}", "kind": "gpu", "index": g, "memory": memory, "spec": spec})
-                links.append({"a": top, "b": f"gpu{g}", "bandwidth_gbps": gpu_link / _GB})
-    links += [{"a": f"gpu{i}", "b": f"gpu{j}", "kind": "nvlink", "bandwidth_gbps": bw / _GB}
+                links.append({"a": top, "b": f"gpu{g}", "bandwidth_gbps": gpu_link / GB})
+    links += [{"a": f"gpu{i}", "b": f"gpu{j}", "kind": "nvlink", "bandwidth_gbps": bw / GB}
               for (i, j), bw in (nvlinks or {}).items()]
     return {"name": name, "p2p": p2p, "virtual": virtual, "nodes": nodes + sorted(gpus, key=lambda g: g["index"]),
             "links": links}
@@ -724,7 +469,7 @@ def _mobius_testbed() -> Topology:
     # and a PCIe switch". The switch uplink is PCIe 3.0 x16 (~13 GB/s); GPU links x8
     # (~6.5 GB/s); UPI ~20 GB/s per direction. GeForce cards have no PCIe P2P.
     return _from_dict(_layout("mobius-testbed", [[[0, 1, 2, 3]], [[4, 5, 6, 7]]], spec="rtx3090ti",
-                              memory="24GiB", gpu_link=_PCIE3_X8, uplink=_PCIE3_X16, upi=_UPI_GOLD6130,
+                              memory="24GiB", gpu_link=PCIE3_X8, uplink=PCIE3_X16, upi=UPI_GOLD6130,
                               p2p=False), "preset mobius-testbed")
 
 
@@ -734,7 +479,7 @@ def _rtx4090x8() -> Topology:
     # CPU link (~25 GB/s effective of 31.5 raw). The CPU is not named either; we assume three
     # UPI links at 11.2 GT/s (67 GB/s raw per direction) and ~60% of it, 40 GB/s, for DMA.
     return _from_dict(_layout("rtx4090x8", [[[0], [1], [2], [3]], [[4], [5], [6], [7]]], spec="rtx4090",
-                              memory="24GiB", gpu_link=_PCIE4_X16, uplink=None, upi=40e9, p2p=False),
+                              memory="24GiB", gpu_link=PCIE4_X16, uplink=None, upi=40e9, p2p=False),
                       "preset rtx4090x8")
 
 
@@ -745,14 +490,14 @@ def _v100x4_nvlink() -> Topology:
     # 1-3 NV1, 2-3 NV2 (six links per GPU, ~24 GB/s each per direction). P2P is on.
     nv = {(0, 1): 1, (0, 2): 1, (0, 3): 2, (1, 2): 2, (1, 3): 1, (2, 3): 2}
     return _from_dict(_layout("v100x4-nvlink", [[[0], [1], [2], [3]]], spec="v100-16gb", memory="16GiB",
-                              gpu_link=_PCIE3_X16, uplink=None, upi=_UPI_GOLD6130, p2p=True,
-                              nvlinks={k: c * _NVLINK2 for k, c in nv.items()}), "preset v100x4-nvlink")
+                              gpu_link=PCIE3_X16, uplink=None, upi=UPI_GOLD6130, p2p=True,
+                              nvlinks={k: c * NVLINK2 for k, c in nv.items()}), "preset v100x4-nvlink")
 
 
 def _single_3090() -> Topology:
     # One RTX 3090 24 GB in a desktop, on its native PCIe 4.0 x16 link (~25 GB/s effective).
-    return _from_dict(_layout("single-3090", [[[0]]], spec="rtx3090", memory="24GiB", gpu_link=_PCIE4_X16,
-                              uplink=None, upi=_UPI_GOLD6130, p2p=False), "preset single-3090")
+    return _from_dict(_layout("single-3090", [[[0]]], spec="rtx3090", memory="24GiB", gpu_link=PCIE4_X16,
+                              uplink=None, upi=UPI_GOLD6130, p2p=False), "preset single-3090")
 
 
 _PRESETS: dict[str, Callable[[], Topology]] = {

@@ -1,16 +1,19 @@
-"""Building a `Topology` from what the driver reports: `nvidia-smi topo -m` text, NVML, or `nvidia-smi`.
+"""Describing a server from what the driver reports: `nvidia-smi topo -m` text, NVML, or `nvidia-smi`.
 
 Why a module of its own: `mobius_fx.topology` is the topology *model* (the PCIe tree, routes,
 bandwidths, JSON and presets) and needs no GPU. Discovery is a different idea: it parses a
 vendor text format, shells out to `nvidia-smi`, talks to NVML and guesses device specs from
 product names. Keeping it here keeps the model small and lets the parser be tested alone.
 
-The public entry points stay on the class, `Topology.from_nvidia_smi` and `Topology.detect`;
-they import this module when called (it imports `topology`, so the import runs one way)::
+This module knows nothing of `Topology`: it returns the server as a dict in the JSON schema of
+`mobius_fx.topology` (a GPU's spec may be a `DeviceSpec` object there), and the public entry points there, `Topology.from_nvidia_smi` and
+`Topology.detect`, check their arguments and build the `Topology` from it (so the import runs
+one way, topology -> topology_detect)::
 
     text = open("topo.txt").read()          # saved `nvidia-smi topo -m` output
-    from_nvidia_smi(text, spec="rtx3090", memory=None, p2p=False, pcie=13e9, uplink=None,
-                    upi=20e9, nvlink=24e9, name="nvidia-smi")
+    d = nvidia_smi_layout(text, spec=DeviceSpec.preset("rtx3090"), memory=None, p2p=False,
+                          pcie=13e9, uplink=None, upi=20e9, nvlink=24e9, name="nvidia-smi")
+    Topology.from_dict(d, source="nvidia-smi")
 """
 
 from __future__ import annotations
@@ -24,51 +27,53 @@ import networkx as nx
 
 from .costs import DEVICE_SPECS
 from .errors import TopologyError
-from .topology import (_GB, _PCIE3_X16, PRESETS, Topology, _bandwidths, _from_dict, _parse_memory, _parse_spec,
-                       _per_gpu)
+from .links import GB, PCIE3_X16, pcie_bandwidth
 
-__all__ = ["from_nvidia_smi", "detect"]
-
-# Pinned host<->device copies reach ~82% of the raw PCIe rate (see the bandwidth note in
-# mobius_fx/topology.py); raw rate per lane per direction by PCIe generation, bytes/s.
-_PCIE_EFFICIENCY = 0.82
-_PCIE_LANE_RAW = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
+__all__ = ["nvidia_smi_layout", "detect_layout", "NoGPUFound"]
 
 
-def from_nvidia_smi(text: str, *, spec: Any, memory: Any, p2p: bool, pcie: float, uplink: float | None,
-                    upi: float, nvlink: float, name: str) -> Topology:
-    """The topology an `nvidia-smi topo -m` matrix describes (the work behind `Topology.from_nvidia_smi`).
+class NoGPUFound(TopologyError):
+    """No detection route found a GPU on this machine; the message says what each route tried."""
 
-    Arguments as `Topology.from_nvidia_smi`, which gives the defaults and what the matrix
-    entries mean; `spec` and `memory` are one value or one per GPU, `pcie` each GPU's link.
+
+def nvidia_smi_layout(text: str, *, spec: Any, memory: Any, p2p: bool, pcie: float, uplink: float | None,
+                      upi: float, nvlink: float, name: str) -> dict[str, Any]:
+    """The server an `nvidia-smi topo -m` matrix describes, as a JSON-schema dict.
+
+    Arguments as `Topology.from_nvidia_smi` (which gives the defaults and what the matrix
+    entries mean), already checked: bandwidths in bytes/s; `spec` and `memory` one value or
+    one per GPU (a memory of None means the spec's).
     """
-    bw = _bandwidths("Topology.from_nvidia_smi", pcie=pcie, uplink=uplink, upi=upi, nvlink=nvlink)
     gpus, rel, nvl, affinity = _parse_topo_matrix(text)
     n = len(gpus)
-    specs = _per_gpu(spec, n, "spec")
-    mems = _per_gpu(memory, n, "memory")
-    return _from_relations(name, n, rel, nvl, affinity, specs=specs, memory=mems, gpu_link=[bw["pcie"]] * n,
-                           uplink=bw["uplink"], upi=bw["upi"], nvlink=bw["nvlink"], p2p=p2p)
+    return _from_relations(name, n, rel, nvl, affinity, specs=_per_gpu(spec, n, "spec"),
+                           memory=_per_gpu(memory, n, "memory"), gpu_link=[pcie] * n, uplink=uplink, upi=upi,
+                           nvlink=nvlink, p2p=p2p)
 
 
-def detect(*, spec: Any, p2p: bool | None, upi: float, nvlink: float) -> Topology:
-    """The topology of this machine, from NVML or else `nvidia-smi` (the work behind `Topology.detect`).
+def detect_layout(*, spec: Any, p2p: bool | None, upi: float, nvlink: float) -> dict[str, Any]:
+    """This machine's server, from NVML or else `nvidia-smi`, as a JSON-schema dict named "detected".
 
-    Raises TopologyError naming every route tried and the ways to describe the server instead.
+    Raises NoGPUFound naming every route tried (`Topology.detect` adds the ways to describe
+    the server instead).
 
-    detect(spec=None, p2p=None, upi=20e9, nvlink=24e9).gpus   # on a GPU machine
+    detect_layout(spec=None, p2p=None, upi=20e9, nvlink=24e9)["nodes"]   # on a GPU machine
     """
     tried = []
-    bw = _bandwidths("Topology.detect", upi=upi, nvlink=nvlink)
     for probe in (_detect_nvml, _detect_smi):
         try:
-            return probe(spec=spec, p2p=p2p, **bw)
+            return probe(spec=spec, p2p=p2p, upi=upi, nvlink=nvlink)
         except _NotHere as e:
             tried.append(str(e))
-    raise TopologyError("found no GPUs to build a topology from: " + "; ".join(tried) + ". Describe the server "
-                        f"instead: Topology.preset(name) with one of {', '.join(PRESETS)}, "
-                        "Topology.from_json('server.json') (schema in mobius_fx.topology), or "
-                        "Topology.virtual(gpus=4, memory='256MiB') for CPU-backed GPUs")
+    raise NoGPUFound("found no GPUs to build a topology from: " + "; ".join(tried))
+
+
+def _per_gpu(value: Any, n: int, what: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise TopologyError(f"{what} lists {len(value)} values for {n} GPUs; give one value or one per GPU")
+        return list(value)
+    return [value] * n
 
 
 # ------------------------------------------------------------ nvidia-smi topo -m
@@ -138,7 +143,7 @@ def _parse_topo_matrix(text: str) -> tuple[list[str], dict, dict, list[str | Non
 
 def _from_relations(name: str, n: int, rel: Mapping, nvl: Mapping, affinity: Sequence[str | None], *,
                     specs: Sequence[Any], memory: Sequence[Any], gpu_link: Sequence[float], uplink: float | None,
-                    upi: float, nvlink: float, p2p: bool) -> Topology:
+                    upi: float, nvlink: float, p2p: bool) -> dict[str, Any]:
     """Sockets from SYS/NODE (affinity where NVLink hides the PCIe relation), switches from PIX/PXB."""
     def groups(pairs: Callable[[int, int], bool], members: Sequence[int]) -> list[list[int]]:
         g = nx.Graph()
@@ -163,7 +168,7 @@ def _from_relations(name: str, n: int, rel: Mapping, nvl: Mapping, affinity: Seq
         else:
             sockets.append(list(block))
     d: dict[str, Any] = {"name": name, "p2p": p2p, "nodes": [], "links": []}
-    gbps = lambda bw: bw / _GB  # noqa: E731
+    gbps = lambda bw: bw / GB  # noqa: E731
     up = max(gpu_link) if uplink is None else uplink
     sw = 0
     for r, members in enumerate(sockets):
@@ -184,13 +189,12 @@ def _from_relations(name: str, n: int, rel: Mapping, nvl: Mapping, affinity: Seq
                     d["links"].append({"a": parent, "b": below, "bandwidth_gbps": gbps(up)})
                 for g in sub:
                     d["links"].append({"a": below, "b": f"gpu{g}", "bandwidth_gbps": gbps(gpu_link[g])})
-    for g in range(n):
-        spec = _parse_spec(specs[g], f"GPU{g}")
-        mem = spec.memory if memory[g] is None else _parse_memory(memory[g], f"GPU{g}")
-        d["nodes"].append({"name": f"gpu{g}", "kind": "gpu", "index": g, "memory": mem, "spec": spec})
+    for g in range(n):  # no memory: the spec's
+        gpu = {"name": f"gpu{g}", "kind": "gpu", "index": g, "spec": specs[g]}
+        d["nodes"].append(gpu if memory[g] is None else {**gpu, "memory": memory[g]})
     d["links"] += [{"a": f"gpu{i}", "b": f"gpu{j}", "kind": "nvlink", "bandwidth_gbps": gbps(c * nvlink)}
                    for (i, j), c in sorted(nvl.items())]
-    return _from_dict(d, name)
+    return d
 
 
 # ----------------------------------------------------------------- detection
@@ -212,10 +216,6 @@ def _guess_spec(product: str, spec: Any) -> Any:
                         f"{', '.join(sorted(DEVICE_SPECS))} or a DeviceSpec of your own")
 
 
-def _pcie_bandwidth(gen: int, width: int) -> float:
-    return _PCIE_LANE_RAW.get(int(gen), _PCIE_LANE_RAW[3]) * int(width) * _PCIE_EFFICIENCY
-
-
 def _nvidia_smi(*args: str) -> str:
     """stdout of `nvidia-smi args`; _NotHere when it is missing or fails."""
     exe = shutil.which("nvidia-smi")
@@ -230,7 +230,7 @@ def _nvidia_smi(*args: str) -> str:
     return out.stdout
 
 
-def _detect_smi(*, spec: Any, p2p: bool | None, upi: float, nvlink: float) -> Topology:
+def _detect_smi(*, spec: Any, p2p: bool | None, upi: float, nvlink: float) -> dict[str, Any]:
     query = _nvidia_smi("--query-gpu=index,name,memory.total,pcie.link.gen.max,pcie.link.width.max",
                         "--format=csv,noheader,nounits")
     rows = [[c.strip() for c in ln.split(",")] for ln in query.splitlines() if ln.strip()]
@@ -242,7 +242,7 @@ def _detect_smi(*, spec: Any, p2p: bool | None, upi: float, nvlink: float) -> To
         raise TopologyError(f"`nvidia-smi topo -m` shows {len(gpus)} GPUs but the query lists {len(rows)}")
     if p2p is None:
         p2p = len(rows) > 1 and _p2p_ok(_nvidia_smi("topo", "-p2p", "r"))
-    links = [_pcie_bandwidth(int(r[3]), int(r[4])) if r[3].isdigit() and r[4].isdigit() else _PCIE3_X16
+    links = [pcie_bandwidth(int(r[3]), int(r[4])) if r[3].isdigit() and r[4].isdigit() else PCIE3_X16
              for r in rows]
     return _from_relations("detected", len(rows), rel, nvl, affinity, specs=[_guess_spec(r[1], spec) for r in rows],
                            memory=[int(float(r[2])) * 2**20 for r in rows], gpu_link=links, uplink=max(links),
@@ -256,7 +256,7 @@ def _p2p_ok(text: str) -> bool:
     return bool(cells) and all(c == "OK" for c in cells)
 
 
-def _detect_nvml(*, spec: Any, p2p: bool | None, upi: float, nvlink: float) -> Topology:  # pragma: no cover
+def _detect_nvml(*, spec: Any, p2p: bool | None, upi: float, nvlink: float) -> dict[str, Any]:  # pragma: no cover
     try:
         import pynvml as nv
     except ImportError:
@@ -299,7 +299,7 @@ def _detect_nvml(*, spec: Any, p2p: bool | None, upi: float, nvlink: float) -> T
                 affinity.append(str(nv.nvmlDeviceGetNumaNodeId(h)))
             except (AttributeError, nv.NVMLError):
                 affinity.append(str(tuple(nv.nvmlDeviceGetCpuAffinity(h, 16))))
-        links = [_pcie_bandwidth(nv.nvmlDeviceGetMaxPcieLinkGeneration(h), nv.nvmlDeviceGetMaxPcieLinkWidth(h))
+        links = [pcie_bandwidth(nv.nvmlDeviceGetMaxPcieLinkGeneration(h), nv.nvmlDeviceGetMaxPcieLinkWidth(h))
                  for h in hs]
         if p2p is None:
             p2p = n > 1 and all(nv.nvmlDeviceGetP2PStatus(hs[i], hs[j], nv.NVML_P2P_CAPS_INDEX_READ)

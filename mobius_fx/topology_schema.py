@@ -1,0 +1,298 @@
+"""What a valid server description is: the rules of the topology graph and its JSON schema.
+
+Why a module of its own: `mobius_fx.topology` is the model a planner asks (routes,
+bandwidths, presets, printing); this is the gate every description passes first, whatever its
+source (JSON, a preset, `nvidia-smi`): the PCIe links form one tree per root complex, sockets
+join by UPI, GPUs by NVLink, every number is positive and finite, and an error names its JSON
+location. The schema itself is documented in `mobius_fx.topology`, where users look for it.
+
+>>> check_graph(graph_from_dict({"nodes": [{"name": "cpu0", "kind": "root_complex"}], "links": []}, "x")[0])
+Traceback (most recent call last):
+    ...
+mobius_fx.errors.TopologyError: topology has no GPUs (nodes: cpu0); add nodes of kind 'gpu'
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping
+
+import networkx as nx
+
+from .costs import DEVICE_SPECS, DeviceSpec
+from .errors import MobiusError, TopologyError
+from .links import GB
+from .units import check_positive, parse_bandwidth, parse_bytes
+
+__all__ = ["NODE_KINDS", "LINK_KINDS", "check_graph", "graph_from_dict", "parse_spec", "parse_memory",
+           "parse_bandwidths", "natural_key"]
+
+NODE_KINDS = ("root_complex", "switch", "gpu")
+LINK_KINDS = ("pcie", "upi", "nvlink")
+
+
+# ------------------------------------------------------------------ graph rules
+def check_graph(graph: Any) -> tuple[nx.DiGraph, dict[str, str | None], dict[str, str]]:
+    """Check a topology graph; return a canonical copy, PCIe parents and each node's root complex."""
+    if not isinstance(graph, nx.DiGraph):
+        raise TopologyError(f"a Topology is built on a networkx.DiGraph, got {type(graph).__name__}; "
+                            "or use Topology.from_json / preset / virtual")
+    for n, d in graph.nodes(data=True):
+        if not isinstance(n, str) or not n or n == "dram":
+            raise TopologyError(f"node name {n!r} is not allowed; give a non-empty string other than 'dram' "
+                                "(the name routes use for a GPU's host memory)")
+        if d.get("kind") not in NODE_KINDS:
+            raise TopologyError(f"node {n!r} has kind {d.get('kind')!r}; give one of {', '.join(NODE_KINDS)}")
+        if d["kind"] == "gpu":
+            mem = d.get("memory")
+            if isinstance(mem, bool) or not isinstance(mem, int) or mem <= 0:
+                raise TopologyError(f"GPU {n!r} has memory {mem!r}; a GPU needs a positive number of bytes, "
+                                    "e.g. 24 * 2**30 or '24GiB' in JSON")
+            if not isinstance(d.get("spec"), DeviceSpec):
+                raise TopologyError(f"GPU {n!r} has spec {d.get('spec')!r}; give a DeviceSpec, e.g. "
+                                    "DeviceSpec.preset('rtx3090')")
+    gpus = [n for n, k in graph.nodes(data="kind") if k == "gpu"]
+    if not gpus:
+        raise TopologyError(f"topology has no GPUs (nodes: {', '.join(graph) or 'none'}); add nodes of kind 'gpu'")
+    index = _check_indices(graph, gpus)
+    for u, v, d in graph.edges(data=True):
+        _check_edge(graph, u, v, d)
+    # The PCIe tree: switches and GPUs hang below exactly one root complex, without cycles.
+    pcie = nx.Graph()
+    pcie.add_nodes_from(sorted(graph))
+    pcie.add_edges_from((u, v) for u, v, k in graph.edges(data="kind") if k == "pcie")
+    try:
+        cycle = nx.find_cycle(pcie)
+    except nx.NetworkXNoCycle:
+        pass
+    else:
+        raise TopologyError(f"the PCIe links form a cycle through {', '.join(u for u, _ in cycle)}; switches and "
+                            "root complexes must form a tree (join sockets with 'upi' links, GPUs with 'nvlink')")
+    parent: dict[str, str | None] = {}
+    rc_of: dict[str, str] = {}
+    for comp in nx.connected_components(pcie):
+        rcs = sorted(n for n in comp if graph.nodes[n]["kind"] == "root_complex")
+        if len(rcs) > 1:
+            path = nx.shortest_path(pcie, rcs[0], rcs[1])
+            raise TopologyError(f"root complexes {rcs[0]} and {rcs[1]} are joined over PCIe ({' - '.join(path)}); "
+                                "each switch and GPU belongs to one root complex, sockets join by a 'upi' link")
+        if not rcs:
+            orphans = sorted(comp, key=lambda n: (graph.nodes[n]["kind"] != "gpu", n))
+            what = "GPU" if graph.nodes[orphans[0]]["kind"] == "gpu" else "switch"
+            raise TopologyError(f"{what} {orphans[0]} has no path to DRAM: no PCIe links lead from it to a root "
+                                f"complex; link it (or its switch) to one, e.g. "
+                                f'{{"a": "cpu0", "b": "{orphans[0]}", "bandwidth_gbps": 13}}')
+        parent[rcs[0]] = None
+        for child, par in nx.bfs_predecessors(pcie, rcs[0]):
+            parent[child] = par
+        for n in comp:
+            rc_of[n] = rcs[0]
+    for g in gpus:
+        if pcie.degree(g) != 1:
+            raise TopologyError(f"GPU {g} has {pcie.degree(g)} PCIe links ({', '.join(sorted(pcie[g]))}); a GPU "
+                                "hangs off exactly one switch or root complex")
+    rcs = sorted(n for n in graph if graph.nodes[n]["kind"] == "root_complex")
+    upi = nx.Graph()
+    upi.add_nodes_from(rcs)
+    upi.add_edges_from((u, v) for u, v, k in graph.edges(data="kind") if k == "upi")
+    if not nx.is_connected(upi):
+        reach = nx.node_connected_component(upi, rcs[0])
+        raise TopologyError(f"root complexes {', '.join(n for n in rcs if n not in reach)} have no 'upi' path to "
+                            f"{rcs[0]}; add an inter-socket link between them")
+    return _canonical(graph, parent, index), parent, rc_of
+
+
+def _check_indices(graph: nx.DiGraph, gpus: list[str]) -> dict[str, int]:
+    """Each GPU's CUDA index: as given, or (none given) by natural name order."""
+    have = [n for n in gpus if "index" in graph.nodes[n]]
+    if have and len(have) != len(gpus):
+        missing = sorted(set(gpus) - set(have))
+        raise TopologyError(f"GPU {missing[0]} has no index but other GPUs do; give every GPU an index or none")
+    if not have:
+        return {n: i for i, n in enumerate(sorted(gpus, key=natural_key))}
+    seen: dict[int, str] = {}
+    for n in sorted(gpus, key=natural_key):
+        i = graph.nodes[n]["index"]
+        ok = not isinstance(i, bool) and isinstance(i, int) and 0 <= i < len(gpus)
+        if not ok or i in seen:
+            clash = f" (also {seen[i]}'s)" if ok else ""
+            raise TopologyError(f"GPU {n} has index {i!r}{clash}; GPU indices must be 0..{len(gpus) - 1}, "
+                                "each used once (the CUDA device numbers)")
+        seen[i] = n
+    return {n: i for i, n in seen.items()}
+
+
+def _check_edge(graph: nx.DiGraph, u: str, v: str, d: Mapping[str, Any]) -> None:
+    link = d.get("name") or f"{u}-{v}"
+    check_positive(d.get("bandwidth"), f"link {link} ({u} -> {v}): bandwidth", "give bytes/s (GB/s in JSON)",
+                   TopologyError)
+    kind = d.get("kind")
+    if kind not in LINK_KINDS:
+        raise TopologyError(f"link {link} ({u} -> {v}) has kind {kind!r}; give one of {', '.join(LINK_KINDS)}")
+    if u == v:
+        raise TopologyError(f"link {link} joins {u} to itself; a link joins two different nodes")
+    if not graph.has_edge(v, u) or graph.edges[v, u].get("kind") != kind:
+        raise TopologyError(f"link {link} ({u} -> {v}, {kind}) has no reverse {v} -> {u} of the same kind; "
+                            "each physical link is two directed edges")
+    ku, kv = graph.nodes[u]["kind"], graph.nodes[v]["kind"]
+    rule = {"nvlink": ku == kv == "gpu", "upi": ku == kv == "root_complex",
+            "pcie": {ku, kv} not in ({"gpu"}, {"root_complex"})}[kind]
+    if not rule:
+        raise TopologyError(f"link {link} joins {ku} {u} and {kv} {v} by {kind}; nvlink joins two GPUs, upi two "
+                            "root complexes, pcie a root complex or switch to a switch or GPU")
+
+
+def _canonical(graph: nx.DiGraph, parent: dict[str, str | None], index: dict[str, int]) -> nx.DiGraph:
+    """A copy in a fixed order (so equal topologies route alike), bandwidths in whole bytes/s."""
+    out = nx.DiGraph()
+    order = {"root_complex": 0, "switch": 1, "gpu": 2}
+    for n in sorted(graph, key=lambda n: (order[graph.nodes[n]["kind"]], natural_key(n))):
+        d = graph.nodes[n]
+        attrs = {"kind": d["kind"]}
+        if d["kind"] == "gpu":
+            attrs.update(memory=d["memory"], spec=d["spec"], index=index[n])
+        out.add_node(n, **attrs)
+    rank = {n: i for i, n in enumerate(out)}
+    for u, v in sorted(graph.edges, key=lambda e: (rank[e[0]], rank[e[1]])):
+        d = graph.edges[u, v]
+        a, b = (v, u) if parent.get(u) == v or (d["kind"] != "pcie" and rank[v] < rank[u]) else (u, v)
+        out.add_edge(u, v, bandwidth=float(max(1, round(d["bandwidth"]))), kind=d["kind"],
+                     name=str(d.get("name") or f"{a}-{b}"))
+    return out
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key that orders "gpu2" before "gpu10"."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+# ------------------------------------------------------------------------ JSON
+_TOP_KEYS = {"name", "p2p", "virtual", "nodes", "links", "comment"}
+_NODE_KEYS = {"name", "kind", "memory", "spec", "index"}
+_LINK_KEYS = {"a", "b", "kind", "bandwidth_gbps", "name"}
+
+
+def graph_from_dict(data: Any, source: str) -> tuple[nx.DiGraph, dict[str, Any]]:
+    """The graph of a topology JSON dict (schema: `mobius_fx.topology`) and its `name`, `p2p` and
+    `virtual`, for `Topology(graph, **attrs)`; TopologyError located at `source` and the key.
+
+    >>> graph, attrs = graph_from_dict({"nodes": [{"name": "cpu0", "kind": "root_complex"}], "links": []}, "x")
+    >>> list(graph), attrs
+    (['cpu0'], {'name': 'custom', 'p2p': False, 'virtual': False})
+    """
+    def fail(where: str, msg: str) -> TopologyError:
+        return TopologyError(f"{source}: {where}: {msg}")
+
+    if not isinstance(data, Mapping):
+        raise fail("top level", f"expected an object with 'nodes' and 'links', got {type(data).__name__}")
+    _no_unknown_keys(data, _TOP_KEYS, "top level", fail)
+    for key in ("nodes", "links"):
+        if not isinstance(data.get(key), list):
+            raise fail(key, f"expected a list, got {type(data.get(key)).__name__}")
+    graph = nx.DiGraph()
+    where_of: dict[str, str] = {}
+    for i, nd in enumerate(data["nodes"]):
+        where = f"nodes[{i}]"
+        if not isinstance(nd, Mapping):
+            raise fail(where, f"expected an object, got {nd!r}")
+        _no_unknown_keys(nd, _NODE_KEYS, where, fail)
+        name, kind = nd.get("name"), nd.get("kind")
+        if not isinstance(name, str) or not name:
+            raise fail(where, f"'name' must be a non-empty string, got {name!r}")
+        where = f"nodes[{i}] ({name})"
+        if name in where_of:
+            raise fail(where, f"duplicate node name {name!r} (first at {where_of[name]}); names must be unique")
+        where_of[name] = f"nodes[{i}]"
+        if kind not in NODE_KINDS:
+            raise fail(where, f"'kind' is {kind!r}; give one of {', '.join(NODE_KINDS)}")
+        if kind != "gpu":
+            extra = sorted(set(nd) & {"memory", "spec", "index"})
+            if extra:
+                raise fail(where, f"{', '.join(extra)} belong on GPU nodes only")
+            graph.add_node(name, kind=kind)
+            continue
+        spec = parse_spec(nd.get("spec"), f"{source}: {where}")
+        mem = parse_memory(nd["memory"], f"{source}: {where}") if "memory" in nd else spec.memory
+        attrs = {"kind": "gpu", "memory": mem, "spec": spec}
+        attrs["index"] = nd["index"] if "index" in nd else sum(1 for _, k in graph.nodes(data="kind") if k == "gpu")
+        graph.add_node(name, **attrs)
+    seen: dict[frozenset, str] = {}
+    for i, ln in enumerate(data["links"]):
+        where = f"links[{i}]"
+        if not isinstance(ln, Mapping):
+            raise fail(where, f"expected an object, got {ln!r}")
+        _no_unknown_keys(ln, _LINK_KEYS, where, fail)
+        a, b = ln.get("a"), ln.get("b")
+        unknown = [repr(x) for x in (a, b) if x not in graph]
+        if unknown:
+            raise fail(where, f"unknown node {' and '.join(unknown)} in link {a}-{b}; nodes are {', '.join(graph)}")
+        name = ln.get("name", f"{a}-{b}")
+        where = f"links[{i}] ({name})"
+        if a == b:
+            raise fail(where, f"links {a} to itself; a link joins two different nodes")
+        pair = frozenset((a, b))
+        if pair in seen:
+            raise fail(where, f"{a} and {b} are already linked by {seen[pair]}; give one link per pair")
+        seen[pair] = where
+        ka, kb = graph.nodes[a]["kind"], graph.nodes[b]["kind"]
+        kind = ln.get("kind", "upi" if ka == kb == "root_complex" else "nvlink" if ka == kb == "gpu" else "pcie")
+        gbps = ln.get("bandwidth_gbps")
+        both = isinstance(gbps, list) and len(gbps) == 2
+        ab, ba = (GB * check_positive(x, f"{source}: {where}: bandwidth_gbps{f'[{k}]' if both else ''}",
+                                      "give GB/s per direction: one number, or [a_to_b, b_to_a]",
+                                      TopologyError) for k, x in enumerate(gbps if both else (gbps, gbps)))
+        graph.add_edge(a, b, bandwidth=ab, kind=kind, name=name)  # rounded to whole bytes/s by Topology
+        graph.add_edge(b, a, bandwidth=ba, kind=kind, name=name)
+    for key in ("p2p", "virtual"):
+        if not isinstance(data.get(key, False), bool):
+            raise fail(key, f"expected true or false, got {data[key]!r}")
+    return graph, {"name": str(data.get("name", "custom")), "p2p": data.get("p2p", False),
+                   "virtual": data.get("virtual", False)}
+
+
+def _no_unknown_keys(d: Mapping, allowed: set[str], where: str, fail: Callable[[str, str], Exception]) -> None:
+    extra = sorted(set(d) - allowed)
+    if extra:
+        raise fail(where, f"unknown key(s) {', '.join(map(repr, extra))}; allowed: {', '.join(sorted(allowed))}")
+
+
+def parse_spec(spec: Any, where: str) -> DeviceSpec:
+    """A GPU's DeviceSpec from a spec, a preset name or a spec object (dict); TopologyError at `where`."""
+    if isinstance(spec, DeviceSpec):
+        return spec
+    if isinstance(spec, str):
+        try:
+            return DeviceSpec.preset(spec)
+        except MobiusError as e:
+            raise TopologyError(f"{where}: {e}") from None
+    if isinstance(spec, Mapping):
+        try:
+            return DeviceSpec(**spec)
+        except TypeError as e:
+            raise TopologyError(f"{where}: spec object {spec!r} is not a DeviceSpec ({e}); give name, flops, "
+                                "memory_bandwidth, memory and optionally efficiency") from None
+        except TopologyError as e:
+            raise TopologyError(f"{where}: spec: {e}") from None
+    raise TopologyError(f"{where}: GPU spec is {spec!r}; give a DeviceSpec preset name "
+                        f"({', '.join(sorted(DEVICE_SPECS))}) or a spec object")
+
+
+def parse_memory(value: Any, where: str) -> int:
+    """A GPU's memory (bytes or a string with a unit) as positive int bytes; TopologyError at `where`."""
+    n = _parse(parse_bytes, value, f"{where}: memory")
+    if n <= 0:
+        raise TopologyError(f"{where}: memory is {value!r}{'' if n == value else f' = {n} bytes'}; a GPU needs a "
+                            "positive number of bytes, e.g. '24GiB'")
+    return n
+
+
+def parse_bandwidths(where: str, **values: Any) -> dict[str, Any]:
+    """Bandwidth arguments (bytes/s, or strings like '16GB/s') as bytes/s, None kept; TopologyError names the one."""
+    return {k: None if v is None else _parse(parse_bandwidth, v, f"{where}: {k}") for k, v in values.items()}
+
+
+def _parse(parse: Callable[[Any, str], Any], value: Any, what: str) -> Any:
+    try:
+        return parse(value, what)
+    except MobiusError as e:
+        raise TopologyError(str(e)) from None
