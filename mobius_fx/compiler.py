@@ -4,8 +4,11 @@
 Each pass declares the facts it reads and writes (names such as "graph", "node.meta.mobius",
 "layers", "partition", "order", "plan", "stages", "pipeline"). Before anything runs,
 `PassPipeline.check()` walks the list and raises naming the pass and the missing fact when a
-read is not written by an earlier pass (or given up front). Users replace or insert passes by
-name, e.g. their own partitioner:
+read is not written by an earlier pass (or given up front). While it runs, `PassPipeline.run`
+records what each pass really touches and raises naming the pass and the fact when it reads or
+writes one it did not declare, so the declarations cannot drift from the code (see `Touched`
+for what is recorded and what is not). Users replace or insert passes by name, e.g. their own
+partitioner:
 
     pipeline = default_pipeline()
     pipeline.replace("partition", FunctionPass("my_partition", my_fn,
@@ -28,7 +31,8 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from .errors import MobiusError
 from .options import CompileOptions
 
-__all__ = ["CompileContext", "MobiusPass", "FunctionPass", "PassPipeline", "default_pipeline", "PASS_ORDER"]
+__all__ = ["CompileContext", "MobiusPass", "FunctionPass", "PassPipeline", "Touched", "default_pipeline",
+           "PASS_ORDER"]
 
 log = logging.getLogger("mobius_fx")
 
@@ -39,7 +43,9 @@ PASS_ORDER = ("trace", "annotate", "partition", "cross_map", "plan", "insert_tra
 class CompileContext:
     """Everything a compile carries between passes: inputs, settings and the facts passes write.
 
-    `facts` names what is available so far; passes read inputs from attributes here.
+    `facts` names what is available so far; passes read inputs from attributes here. Each field
+    is the fact of its name, except `gm` ("graph") and `example_kwargs` ("example_inputs");
+    `facts`, `timings` and `touched` are the pipeline's bookkeeping, not facts.
     """
 
     model: torch.nn.Module
@@ -56,6 +62,25 @@ class CompileContext:
     pipeline: Any = None
     facts: set = field(default_factory=lambda: {"model", "topology", "example_inputs", "settings"})
     timings: dict = field(default_factory=dict)
+    touched: dict = field(default_factory=dict)  # pass name -> Touched, as run
+
+
+@dataclass(frozen=True)
+class Touched:
+    """The facts one pass really read and wrote in a run, as `PassPipeline.run` recorded them.
+
+    Recorded: every CompileContext field the pass gets or sets (its fact, see CompileContext),
+    the graph module it is handed (a pass that declares the read "graph" gets it and counts as
+    reading it; any other pass gets a stand-in that raises on use), the graph module it returns
+    ("graph" written), and `node.meta["mobius"]` entries it adds, replaces or removes on the
+    graph's nodes ("node.meta.mobius" written). Not recorded (they would need every object
+    wrapped, so declare them by hand): reads of `node.meta["mobius"]`, changes made inside a
+    fact's value (an item of `ctx.layers` edited in place), and a graph module changed in place
+    by a pass that then returns None.
+    """
+
+    reads: frozenset = frozenset()
+    writes: frozenset = frozenset()
 
 
 class MobiusPass(PassBase):
@@ -155,21 +180,137 @@ class PassPipeline:
             have.update(p.writes)
 
     def run(self, ctx: CompileContext) -> CompileContext:
+        """Check the declarations, then run each pass on `ctx`, recording what it touches in
+        `ctx.touched` and raising MobiusError when that is more than it declares."""
         self.check()
         ctx.facts.update(self.given)
         for p in self.passes:
-            p.ctx = ctx
             t0 = time.perf_counter()
-            try:
-                res = p(ctx.gm)
-            finally:
-                p.ctx = None
-            if res is not None and res.graph_module is not None:
-                ctx.gm = res.graph_module
+            ctx.touched[p.name] = _run_recorded(p, ctx)
             ctx.facts.update(p.writes)
             ctx.timings[p.name] = time.perf_counter() - t0
             log.info("pass %s done in %.2f s", p.name, ctx.timings[p.name])
         return ctx
+
+
+# ---------------------------------------------------------------- recording what a pass touches
+_BOOKKEEPING = frozenset({"facts", "timings", "touched"})
+_FACT_OF_FIELD = {"gm": "graph", "example_kwargs": "example_inputs"}
+
+
+def _fact(attr: str) -> str:
+    return _FACT_OF_FIELD.get(attr, attr)
+
+
+class _Recorder:
+    """The CompileContext as one pass sees it: each field it gets or sets is noted as a fact
+    read or written (a read of a fact the pass already wrote is its own, not an input)."""
+
+    __slots__ = ("_ctx", "_reads", "_writes")
+
+    def __init__(self, ctx: CompileContext) -> None:
+        object.__setattr__(self, "_ctx", ctx)
+        object.__setattr__(self, "_reads", {})  # fact -> how it was touched, for the error
+        object.__setattr__(self, "_writes", {})
+
+    @property  # type: ignore[misc]
+    def __class__(self):  # isinstance(ctx, CompileContext) holds inside a pass
+        return CompileContext
+
+    def _note(self, kind: str, fact: str, how: str) -> None:
+        book = self._writes if kind == "write" else self._reads
+        if kind == "write" or fact not in self._writes:
+            book.setdefault(fact, how)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._ctx, name)
+        if name not in _BOOKKEEPING and not name.startswith("__"):
+            self._note("read", _fact(name), f"ctx.{name}")
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, _Undeclared):
+            value.refuse()
+        if name not in _BOOKKEEPING:
+            self._note("write", _fact(name), f"ctx.{name} = ...")
+        setattr(self._ctx, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self._note("write", _fact(name), f"del ctx.{name}")
+        delattr(self._ctx, name)
+
+
+class _Undeclared:
+    """What a pass that does not declare the read "graph" is handed instead of the graph module."""
+
+    def __init__(self, name: str, reads: tuple[str, ...]) -> None:
+        self._name, self._reads = name, reads
+
+    def refuse(self, *_: Any, **__: Any) -> Any:
+        raise MobiusError(f"pass {self._name!r} uses the graph module it is handed, but 'graph' is not among its "
+                          f"declared reads {list(self._reads)}; a pass may touch only the facts it declares (so "
+                          f"PassPipeline.check can order the passes); add 'graph' to the pass's reads")
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        self.refuse()
+
+    __call__ = __getitem__ = __iter__ = __len__ = __contains__ = __bool__ = refuse
+
+    def __repr__(self) -> str:
+        return f"<graph module hidden from pass {self._name!r}: not among its reads>"
+
+
+def _mobius_meta(gm: Any) -> dict[Any, Any]:
+    """node -> node.meta["mobius"] on `gm`'s graph ({} when there is no graph module)."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        return {}
+    return {n: n.meta["mobius"] for n in gm.graph.nodes if "mobius" in n.meta}
+
+
+def _mobius_meta_changed(before: dict[Any, Any], gms: Iterable[Any]) -> bool:
+    """Whether a node of `gms` has a "mobius" entry that none had before, or lost its own."""
+    old = {id(v) for v in before.values()}
+    for gm in gms:
+        now = _mobius_meta(gm)
+        if any(id(v) not in old for v in now.values()):
+            return True
+        if isinstance(gm, torch.fx.GraphModule) and any(n in before and n not in now for n in gm.graph.nodes):
+            return True
+    return False
+
+
+def _run_recorded(p: MobiusPass, ctx: CompileContext) -> Touched:
+    """Run pass `p` on `ctx` through a _Recorder; raise MobiusError for undeclared facts."""
+    rec = _Recorder(ctx)
+    gm = ctx.gm
+    handed: Any = gm if "graph" in p.reads else _Undeclared(p.name, p.reads)
+    if handed is gm and gm is not None:
+        rec._note("read", "graph", "the graph module argument")
+    meta_before = _mobius_meta(gm)
+    p.ctx = rec  # type: ignore[assignment]
+    try:
+        res = p(handed)
+    finally:
+        p.ctx = None
+    new = res.graph_module if res is not None else None
+    if new is not None and not isinstance(new, _Undeclared):
+        if new is not gm:
+            ctx.gm = new
+            rec._note("write", "graph", "a returned graph module")
+        elif res.modified:
+            rec._note("write", "graph", "the graph module, changed and returned")
+    if _mobius_meta_changed(meta_before, (gm, ctx.gm)):
+        rec._note("write", "node.meta.mobius", 'node.meta["mobius"] on the graph\'s nodes')
+    for kind, book, declared in (("reads", rec._reads, p.reads), ("writes", rec._writes, p.writes)):
+        extra = [f for f in book if f not in declared]
+        if extra:
+            how = ", ".join(f"{f!r} ({book[f]})" for f in extra)
+            raise MobiusError(f"pass {p.name!r} {kind} {how} but declares {kind}={tuple(declared)}; a pass may touch "
+                              f"only the facts it declares, so PassPipeline.check can order the passes and a "
+                              f"replacement knows what to provide; add {extra} to the pass's {kind}")
+    return Touched(reads=frozenset(rec._reads), writes=frozenset(rec._writes))
 
 
 def default_pipeline() -> PassPipeline:
@@ -178,12 +319,14 @@ def default_pipeline() -> PassPipeline:
 
     return PassPipeline([
         FunctionPass("trace", _stages.trace_pass, reads=("model", "example_inputs"), writes=("graph",)),
-        FunctionPass("annotate", _stages.annotate_pass, reads=("graph", "example_inputs", "settings"),
+        FunctionPass("annotate", _stages.annotate_pass, reads=("graph", "example_inputs", "settings", "topology"),
                      writes=("node.meta.mobius", "layers")),
         FunctionPass("partition", _stages.partition_pass, reads=("layers", "topology", "settings"), writes=("partition",)),
-        FunctionPass("cross_map", _stages.cross_map_pass, reads=("partition", "topology", "settings"), writes=("order",)),
-        FunctionPass("plan", _stages.plan_pass, reads=("layers", "partition", "order", "topology"), writes=("plan",)),
-        FunctionPass("insert_transfers", _stages.insert_transfers_pass, reads=("graph", "plan", "node.meta.mobius"),
-                     writes=("stages",)),
-        FunctionPass("emit", _stages.emit_pass, reads=("stages", "plan"), writes=("pipeline",)),
+        FunctionPass("cross_map", _stages.cross_map_pass, reads=("partition", "layers", "topology", "settings"),
+                     writes=("order",)),
+        FunctionPass("plan", _stages.plan_pass, reads=("layers", "partition", "order", "topology", "settings", "model",
+                                                       "example_inputs"), writes=("plan",)),
+        FunctionPass("insert_transfers", _stages.insert_transfers_pass, reads=("graph", "plan"), writes=("stages",)),
+        FunctionPass("emit", _stages.emit_pass, reads=("graph", "stages", "plan", "settings", "model", "example_inputs"),
+                     writes=("pipeline",)),
     ])
