@@ -72,24 +72,40 @@ def cross_map_pass(gm, ctx: CompileContext):
 
 
 def plan_pass(gm, ctx: CompileContext):
-    from .passes.partition import evaluate
+    from .errors import PlanError
+    from .passes.partition import evaluate, solve
     from .plans import build_plan
 
     s = ctx.settings
     part = ctx.partition
-    # The partitioner timed the stages on the identity order; re-time them on the mapped order
-    # (routes, and so bandwidths, can differ per GPU) so the plan's prediction is for its order.
-    ev = evaluate(_problem(ctx, order=ctx.order), part.boundaries)
-    step_time = ev.makespan if ev is not None else part.makespan
-    prefetch = ev.prefetch_fwd if ev is not None else part.prefetch_fwd
-    sizes = {}
+    # The partitioner cut and timed the stages on the identity order; re-time them on the mapped
+    # order (routes, bandwidths and GPU memory can differ per GPU) so the plan is for its order.
+    problem = _problem(ctx, order=ctx.order)
+    ev = evaluate(problem, part.boundaries)
+    if ev is not None:
+        step_time, prefetch = ev.makespan, ev.prefetch_fwd
+    else:  # the cuts do not fit the mapped order's GPUs: cut again for that order, never the old cuts
+        log.info("plan: the partition's stages do not fit GPU order %s; partitioning again for it", ctx.order)
+        try:
+            part = solve(problem, solver=s.solver, time_limit=s.time_limit, cache_dir=s.cache_dir,
+                         progress=lambda msg: log.info("partition (order %s): %s", ctx.order, msg))
+        except PlanError as e:
+            raise PlanError(f"cross_map chose GPU order {ctx.order} (stage k runs on its GPU k % {len(ctx.order)}); "
+                            f"the partition cut for the topology's order, boundaries {part.boundaries}, does not "
+                            f"fit these GPUs in that order and no other partition does: {e}; or keep the "
+                            f"topology's order (cross_map='identity')") from None
+        step_time, prefetch = part.makespan, part.prefetch_fwd
+    sizes, trainable = {}, []
     if ctx.model is not None:
         for name, p in ctx.model.named_parameters(remove_duplicate=False):
             sizes[name] = p.numel() * p.element_size()
+            if p.requires_grad:
+                trainable.append(name)
     ctx.plan = build_plan(ctx.layers, part.boundaries, order=ctx.order, topology=ctx.topology,
                           microbatches=s.microbatches, step_time=step_time, dtype=s.dtype,
                           memory_fraction=s.memory_fraction, prefetch_fwd=prefetch,
-                          solver=part.solver, param_sizes=sizes, input_bytes=_input_bytes(ctx))
+                          solver=part.solver, param_sizes=sizes, trainable=trainable,
+                          input_bytes=_input_bytes(ctx))
     return None
 
 
@@ -111,7 +127,7 @@ def insert_transfers_pass(gm, ctx: CompileContext):
 
 
 def emit_pass(gm, ctx: CompileContext):
-    from .runtime import build_pipeline
+    from .pipeline import build_pipeline
 
     s = ctx.settings
     ctx.pipeline = build_pipeline(ctx.model, gm, schedule=ctx.stages, plan=ctx.plan, example_inputs=ctx.example_inputs,

@@ -20,13 +20,15 @@ from tabulate import tabulate
 
 from .costs import LayerCost, dtype_bytes, dtype_name
 from .errors import MobiusError
+from .schedule import HOST, ScheduleIR, StageInput, StageIO, build_schedule
 from .units import fmt_bytes, fmt_time
 
 if TYPE_CHECKING:  # pragma: no cover
     from .topology import Topology
 
 __all__ = [
-    "Plan", "Stage", "Transfer", "SolverInfo", "MemoryModel", "stage_memory", "build_plan", "TRANSFER_KINDS",
+    "Plan", "Stage", "Transfer", "SolverInfo", "MemoryModel", "stage_memory", "build_plan", "stage_ios",
+    "TRANSFER_KINDS",
 ]
 
 TRANSFER_KINDS = ("prefetch", "evict", "activation", "gradient")
@@ -156,6 +158,10 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def schedule(self) -> ScheduleIR:
+        """The step as the schedule IR (per-GPU op lists); `transfers` is a sum over it."""
+        return build_schedule(stage_ios(self.stages), self.microbatches)
 
     @property
     def num_gpus(self) -> int:
@@ -290,6 +296,7 @@ def build_plan(
     prefetch_fwd: Sequence[float] | None = None,
     solver: SolverInfo | None = None,
     param_sizes: dict[str, int] | None = None,
+    trainable: Sequence[str] | None = None,
     input_bytes: int = 0,
 ) -> Plan:
     """Stages and transfers (docs/schedule.md) for layers cut at `boundaries` on `order`.
@@ -297,8 +304,12 @@ def build_plan(
     `boundaries[k]` is the index of stage k's first layer. `param_sizes` (qualified name ->
     bytes in the master dtype) lets a stage count the exact bytes its GPU copy holds,
     including a tied parameter that another stage owns; without it a stage holds what its
-    layers own. `input_bytes` is the size of the model's example inputs (the whole batch).
+    layers own. `trainable` names the parameters that take gradients (default: all of
+    `param_sizes`): a tied one's copy in a second stage gets a gradient there too.
+    `input_bytes` is the size of the model's example inputs (the whole batch). The transfers
+    are a sum over the plan's schedule IR (`Plan.schedule()`, mobius_fx/schedule.py).
     """
+    trainable = set(param_sizes or {}) if trainable is None else set(trainable)
     layers = tuple(layers)
     m = microbatches
     n = len(order)
@@ -315,11 +326,16 @@ def build_plan(
         fwd_mem, bwd_mem = stage_memory(ls, before, mm)
         uses = tuple(dict.fromkeys(p for l in ls for p in (l.uses or l.params)))
         w = sum(l.param_bytes for l in ls) * mm.weight_scale
-        if param_sizes is not None:
-            extra = sum(param_sizes.get(p, 0) for p in uses) - sum(param_sizes.get(p, 0) for l in ls for p in l.params)
-            w += max(0, extra) * mm.weight_scale
-            fwd_mem += max(0, extra) * mm.weight_scale
-            bwd_mem += max(0, extra) * mm.weight_scale
+        grad = sum(l.grad_bytes for l in ls) * mm.weight_scale
+        if param_sizes is not None:  # tied weights this stage reads but an earlier layer owns
+            owned = {p for l in ls for p in l.params}
+            extra = sum(param_sizes.get(p, 0) for p in uses if p not in owned) * mm.weight_scale
+            extra_grad = sum(param_sizes.get(p, 0) for p in uses if p not in owned and p in trainable) \
+                * mm.weight_scale
+            w += extra
+            grad += extra_grad  # its GPU copy gets a gradient of its own, downloaded and summed on the host
+            fwd_mem += extra
+            bwd_mem += extra + extra_grad
         g = gpu_of[order[k % n]]
         hidden = 0.0
         if prefetch_fwd is not None and w > 0:
@@ -327,51 +343,55 @@ def build_plan(
         stages.append(Stage(
             index=k, gpu=g.name, root_complex=g.root_complex,
             layers=tuple(l.name for l in ls), nodes=tuple(nd for l in ls for nd in l.nodes),
-            param_bytes=int(w), grad_bytes=int(sum(l.grad_bytes for l in ls) * mm.weight_scale),
+            param_bytes=int(w), grad_bytes=int(grad),
             fwd_time=sum(l.fwd_time for l in ls) / m, bwd_time=sum(l.bwd_time for l in ls) / m,
             input_bytes=int((before.output_bytes * mm.act_scale if before else input_bytes) / m),
             output_bytes=int(ls[-1].output_bytes * mm.act_scale / m),
             peak_bytes=int(max(fwd_mem, bwd_mem)),
             capacity=int(g.memory * memory_fraction), hidden_fraction=hidden, params=uses,
         ))
-    transfers = _transfers(stages, topology, m, n)
+    transfers = _transfers(build_schedule(stage_ios(stages), m), topology)
     return Plan(stages=tuple(stages), transfers=tuple(transfers), order=tuple(order), microbatches=m,
                 step_time=step_time, solver=solver or SolverInfo(), layers=layers,
                 dtype=dtype_name(dtype), topology=topology)
 
 
-def _transfers(stages: Sequence[Stage], topo: "Topology", m: int, n: int) -> list[Transfer]:
-    s_count = len(stages)
-    out: list[Transfer] = []
+def _host(name: str) -> str:
+    """The IR calls host memory "host"; plans and topology routes call it "dram"."""
+    return "dram" if name == HOST else name
 
-    def add(kind: str, phase: str, k: int, src: str, dst: str, nbytes: int, count: int = 1) -> None:
-        if kind != "evict" and nbytes <= 0:
-            return
+
+_TRANSFER_KIND = {"prefetch": "prefetch", "evict": "evict", "send": "activation", "offload": "activation",
+                  "restore": "activation", "download": "gradient"}
+
+
+def _transfers(ir: ScheduleIR, topo: "Topology") -> list[Transfer]:
+    """The plan's transfer rows: the IR's copies and evictions, grouped per (kind, phase, stage,
+    route, bytes) with their count per step, in the IR's order."""
+    rows: dict[tuple, list] = {}
+    for o in ir.ops:
+        kind = _TRANSFER_KIND.get(o.kind)
+        if kind is None or (kind != "evict" and (o.bytes <= 0 or not o.direction)):
+            continue
+        src, dst = (o.place, o.place) if kind == "evict" else (_host(o.src), _host(o.dst))
+        key = (kind, o.phase, o.stage, src, dst, o.bytes)
+        if key in rows:
+            rows[key][1] += 1
+        else:
+            rows[key] = [key, 1]
+    out = []
+    for (kind, phase, k, src, dst, nbytes), count in rows.values():
         route = (src,) if src == dst else topo.route(src, dst)
         bw = topo.bandwidth(src, dst) if src != dst else float("inf")
         out.append(Transfer(kind, phase, k, src, dst, int(nbytes), tuple(route), nbytes / bw if bw else 0.0, count))
-
-    for s in stages:  # forward, in stage order
-        k, g = s.index, s.gpu
-        add("prefetch", "forward", k, "dram", g, s.param_bytes)
-        src = "dram" if k == 0 else stages[k - 1].gpu
-        if src != g:
-            add("activation", "forward", k, src, g, s.input_bytes, m)
-        if k > 0:
-            add("activation", "forward", k, g, "dram", s.input_bytes, m)
-        if k == s_count - 1:
-            add("activation", "forward", k, g, "dram", s.output_bytes, m)
-        if k < s_count - n:
-            add("evict", "forward", k, g, g, 0)
-    for s in reversed(stages):  # backward, in reverse stage order
-        k, g = s.index, s.gpu
-        if k < s_count - n:
-            add("prefetch", "backward", k, "dram", g, s.param_bytes)
-        if k > 0:
-            add("activation", "backward", k, "dram", g, s.input_bytes, m)
-        src = "dram" if k == s_count - 1 else stages[k + 1].gpu
-        if src != g:
-            add("activation", "backward", k, src, g, s.output_bytes, m)
-        add("gradient", "backward", k, g, "dram", s.grad_bytes)
-        add("evict", "backward", k, g, g, 0)
     return out
+
+
+def stage_ios(stages: Sequence[Stage]) -> list[StageIO]:
+    """The schedule's view of a plan's stages: a chain, each stage reading the one before it
+    (stage 0 reads the model input) and the last one's output going to the host."""
+    last = len(stages) - 1
+    return [StageIO(gpu=s.gpu, weight_bytes=s.param_bytes, grad_bytes=s.grad_bytes,
+                    inputs=(StageInput(s.index - 1, s.input_bytes, needs_grad=s.index > 0),) if s.input_bytes else (),
+                    host_outputs=(s.output_bytes,) if s.index == last else ())
+            for s in stages]

@@ -348,6 +348,10 @@ def _pipeline(ctx: _Context, c: _Costs, slots: list[_Slot], m: int, *, prefetch:
                     deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), "dram", gpu, c.inp[k], f"restore {tag} mb{i}",
                                          after=[save[(k, i)]] + trigger_end + memory, after_start=trigger_start,
                                          kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i))
+                elif offload_activations and k == 0 and c.inp[0] > 0:  # the model input, sent again from the host
+                    deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), "dram", gpu, c.inp[0], f"input {tag} mb{i}",
+                                         after=trigger_end + memory, after_start=trigger_start,
+                                         kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i))
                 if k == last_stage:
                     src, made = "dram", out.get(i) if out.get(i) is not None else comp[("forward", k)][i]
                 else:

@@ -90,3 +90,53 @@ def test_progress_is_reported_unless_silenced(tmp_path, capfd):
     mobius_fx.plan(_mlp(), Topology.virtual(gpus=2, memory="256KiB"), verbose=False, **kw)
     captured = capfd.readouterr()
     assert captured.err == "" and captured.out == ""
+
+
+# ------------------------------------------------ a GPU order the identity order's cuts do not fit
+def _big_gpu0_small_gpu1(small: int) -> Topology:
+    return Topology.from_dict({"name": "uneven", "nodes": [
+        {"name": "cpu0", "kind": "root_complex"},
+        {"name": "gpu0", "kind": "gpu", "memory": "256KiB", "spec": "cpu"},
+        {"name": "gpu1", "kind": "gpu", "memory": small, "spec": "cpu"}],
+        "links": [{"a": "cpu0", "b": "gpu0", "bandwidth_gbps": 16}, {"a": "cpu0", "b": "gpu1", "bandwidth_gbps": 16}]})
+
+
+def _reversed_order_pipeline():
+    """The standard passes with a cross_map that puts the small gpu1 first."""
+    from mobius_fx.compiler import FunctionPass, default_pipeline
+
+    def small_first(gm, ctx):
+        ctx.order = ("gpu1", "gpu0")
+
+    return default_pipeline().replace("cross_map", FunctionPass("cross_map", small_first, writes=("order",)))
+
+
+def test_a_gpu_order_the_partition_does_not_fit_is_partitioned_again_for_that_order(tmp_path):
+    from mobius_fx.compiler import CompileContext
+    from mobius_fx.options import CompileOptions
+    from mobius_fx.passes.partition import PartitionProblem, evaluate
+
+    # gpu1 holds 78 KiB: the partition for (gpu0, gpu1) gives gpu0 the two-layer first stage,
+    # which does not fit gpu1 once gpu1 runs stage 0.
+    topo = _big_gpu0_small_gpu1(80_000)
+    ctx = CompileContext(model=_mlp(), topology=topo, example_inputs=(torch.randn(8, 64),),
+                         settings=CompileOptions(microbatches=2, cache_dir=str(tmp_path), verbose=False))
+    _reversed_order_pipeline().until("plan").run(ctx)
+    mapped = PartitionProblem.from_topology(ctx.layers, topo, microbatches=2, order=ctx.order)
+    assert evaluate(mapped, ctx.partition.boundaries) is None  # the identity order's cuts no longer fit
+    plan = ctx.plan
+    assert [s.gpu for s in plan.stages][:2] == ["gpu1", "gpu0"]
+    assert all(s.peak_bytes <= s.capacity for s in plan.stages), [(s.peak_bytes, s.capacity) for s in plan.stages]
+    names = [layer.name for layer in plan.layers]
+    cuts = tuple(names.index(s.layers[0]) for s in plan.stages)
+    assert cuts != ctx.partition.boundaries
+    assert plan.step_time == pytest.approx(evaluate(mapped, cuts).makespan)
+
+
+def test_a_gpu_order_no_partition_fits_is_a_plan_error_naming_the_order_and_the_gpu(tmp_path):
+    # gpu1 (39 KiB) holds no stage that includes a layer, and under ("gpu1", "gpu0") stage 0 is
+    # always gpu1's; the topology's order fits (one stage on gpu0), but that is not this order.
+    with pytest.raises(PlanError, match=r"cross_map chose GPU order \('gpu1', 'gpu0'\).*on gpu1.*"
+                                        r"cross_map='identity'"):
+        mobius_fx.plan(_mlp(), _big_gpu0_small_gpu1(40_000), example_inputs=(torch.randn(8, 64),), microbatches=2,
+                       cache_dir=str(tmp_path), verbose=False, pipeline=_reversed_order_pipeline())

@@ -1,0 +1,314 @@
+"""The schedule IR: one step of a Mobius pipeline as plain data, per GPU and for the host.
+
+Everything that needs to know what a step does reads this, instead of deriving it again: the
+plan's transfer table is a sum over its ops, the runtime's backward takes its prefetches from
+it, `pipe.code` prints it, and the conformance tests compare what the runtime moved with it.
+
+A step is a list of `Op`s in issue order. Each op belongs to one place (a GPU name, or "host"
+for the CPU optimizer), moves `bytes` from `src` to `dst` when it is a copy, and names the ops
+it waits for (`deps`, indices into the list). The order per GPU is Mobius's (docs/schedule.md):
+
+- forward, GPipe order per GPU: all M micro-batches of stage k, then stage k+N; the first
+  stage of each GPU is uploaded at the start, stage k+N is prefetched when stage k starts, a
+  stage is evicted after its last micro-batch except the last one on its GPU, which stays
+  resident for backward;
+- backward in reverse stage order, micro-batches newest first (autograd's order), each stage
+  recomputed from its saved inputs; stage k−N is prefetched when stage k starts its backward;
+  after its last micro-batch a stage's weight gradients go to the host and it is evicted;
+- host: one optimizer op per stage that has gradients, after that stage's download.
+
+Values between stages, one copy per value: an input made by the stage just before is pushed
+GPU to GPU (no copy when both run on one GPU); model inputs, and values made two or more stages
+earlier, come from host memory (their producer copies them there). Every input is needed again
+by the backward recomputation: one that came from a GPU is offloaded to host memory after the
+forward and restored for backward; one that came from the host stays there and is sent again.
+Gradients flow back the way the values came.
+
+    ir = build_schedule([StageIO("gpu0", 1000, 1000, (StageInput(-1, 64, needs_grad=False),)),
+                         StageIO("gpu1", 1000, 1000, (StageInput(0, 64),), host_outputs=(12,))],
+                        microbatches=2)
+    print(ir)                      # per-GPU timeline
+    ir.bytes_moved()               # {(gpu, kind, direction, stage): (count, bytes)}
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .errors import MobiusError
+
+__all__ = ["Op", "StageIO", "StageInput", "ScheduleIR", "build_schedule", "HOST", "OP_KINDS"]
+
+HOST = "host"  # DRAM: where masters, saved inputs and long-lived values live
+OP_KINDS = ("prefetch", "wait", "run", "send", "offload", "restore", "download", "evict", "hold", "step")
+
+
+@dataclass(frozen=True)
+class StageInput:
+    """One tensor input of a stage: made by stage `source` (-1: a model input), `bytes` per
+    micro-batch as it travels (the streamed dtype for floating values)."""
+
+    source: int
+    bytes: int
+    needs_grad: bool = True  # whether a gradient flows back to its producer
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """What the schedule needs to know of one stage: where it runs and what it moves."""
+
+    gpu: str
+    weight_bytes: int  # its GPU copy of the weights (tied weights it reads included)
+    grad_bytes: int  # its trainable weights' gradients, downloaded once per step
+    inputs: tuple[StageInput, ...] = ()
+    host_outputs: tuple[int, ...] = ()  # bytes per micro-batch of each output copied to the host
+    #                                     (model outputs, values read two or more stages later)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a step. `kind` is one of OP_KINDS; `place` is the GPU whose list it is
+    in (or "host"); copies have `src`, `dst`, `what` (weight | activation | gradient | input)
+    and `bytes`."""
+
+    index: int
+    kind: str
+    place: str
+    stage: int
+    phase: str  # forward | backward | optimizer
+    microbatch: int | None = None
+    src: str = ""
+    dst: str = ""
+    what: str = ""
+    bytes: int = 0
+    deps: tuple[int, ...] = ()
+
+    @property
+    def direction(self) -> str:
+        """h2d | d2h | d2d for copies, "" otherwise."""
+        if not self.src or self.src == self.dst:
+            return ""
+        return {(True, False): "h2d", (False, True): "d2h"}.get((self.src == HOST, self.dst == HOST), "d2d")
+
+    def __str__(self) -> str:
+        mb = f" mb{self.microbatch}" if self.microbatch is not None else ""
+        move = f" {self.what} {self.src}->{self.dst} {self.bytes} B" if self.src else ""
+        return f"{self.kind}({self.stage}{mb}){move}"
+
+
+@dataclass(frozen=True)
+class ScheduleIR:
+    """A step as ops in issue order; `by_place` lists each GPU's (and the host's) op indices."""
+
+    ops: tuple[Op, ...]
+    stages: tuple[StageIO, ...]
+    microbatches: int
+    gpus: tuple[str, ...]  # in order of first use
+    next_on_gpu: tuple[int | None, ...]  # the stage its GPU runs after it in forward
+    prev_on_gpu: tuple[int | None, ...]  # the stage its GPU ran before it in forward
+    by_place: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
+
+    def place(self, name: str) -> list[Op]:
+        return [self.ops[i] for i in self.by_place.get(name, ())]
+
+    def select(self, *, kind: str | None = None, phase: str | None = None, stage: int | None = None) -> list[Op]:
+        return [o for o in self.ops if (kind is None or o.kind == kind) and (phase is None or o.phase == phase)
+                and (stage is None or o.stage == stage)]
+
+    def copies(self) -> list[Op]:
+        """The ops that move bytes (between a GPU and the host or two GPUs)."""
+        return [o for o in self.ops if o.direction and o.bytes > 0]
+
+    def bytes_moved(self) -> dict[tuple[str, str, str, int], tuple[int, int]]:
+        """(GPU, what, direction, stage) -> (copies, bytes) per step; the GPU is the one that
+        receives (h2d, d2d) or sends (d2h) — the runtime's books are kept the same way."""
+        out: dict[tuple[str, str, str, int], list[int]] = defaultdict(lambda: [0, 0])
+        for o in self.copies():
+            gpu = o.src if o.direction == "d2h" else o.dst
+            c = out[(gpu, o.what, o.direction, o.stage)]
+            c[0] += 1
+            c[1] += o.bytes
+        return {k: (n, b) for k, (n, b) in sorted(out.items())}
+
+    def resident_at_most(self) -> dict[str, int]:
+        """Per GPU, the most stages whose weights are on it at once, walking its ops in order."""
+        most: dict[str, int] = {}
+        for gpu in self.gpus:
+            on: set[int] = set()
+            peak = 0
+            for o in self.place(gpu):
+                if o.kind == "prefetch":
+                    on.add(o.stage)
+                elif o.kind == "evict":
+                    on.discard(o.stage)
+                peak = max(peak, len(on))
+            most[gpu] = peak
+        return most
+
+    def timeline(self) -> str:
+        """One line per op, grouped per GPU and phase: what a person reads to check a schedule."""
+        lines = []
+        for place in (*self.gpus, HOST):
+            ops = self.place(place)
+            if not ops:
+                continue
+            lines.append(f"{place}:")
+            phase = None
+            row: list[str] = []
+            for o in ops:
+                if o.phase != phase:
+                    if row:
+                        lines.append(f"  {phase:9s} " + "; ".join(row))
+                    phase, row = o.phase, []
+                row.append(_short(o))
+            if row:
+                lines.append(f"  {phase:9s} " + "; ".join(row))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.timeline()
+
+
+def _short(o: Op) -> str:
+    if o.kind == "run":
+        return f"{'F' if o.phase == 'forward' else 'B'}{o.stage}.{o.microbatch}"
+    if o.kind in ("send", "offload", "restore", "download"):
+        mb = f".{o.microbatch}" if o.microbatch is not None else ""
+        return f"{o.kind} {o.what} {o.stage}{mb} {o.src}->{o.dst}"
+    return f"{o.kind}({o.stage})"
+
+
+def _neighbours(gpus: Sequence[str]) -> tuple[list[int | None], list[int | None]]:
+    nxt: list[int | None] = [None] * len(gpus)
+    prev: list[int | None] = [None] * len(gpus)
+    last: dict[str, int] = {}
+    for k, g in enumerate(gpus):
+        if g in last:
+            nxt[last[g]] = k
+            prev[k] = last[g]
+        last[g] = k
+    return nxt, prev
+
+
+def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: bool = True) -> ScheduleIR:
+    """The ops of one step of `stages` with `microbatches` micro-batches (see the module docstring)."""
+    stages = tuple(stages)
+    m = microbatches
+    if m < 1 or not stages:
+        raise MobiusError(f"a schedule needs at least one stage and one micro-batch (got {len(stages)} stages, "
+                          f"{m} micro-batches)")
+    for k, st in enumerate(stages):
+        for inp in st.inputs:
+            if not -1 <= inp.source < k:
+                raise MobiusError(f"stage {k} reads an input of stage {inp.source}; a stage reads model inputs (-1) "
+                                  f"or values of earlier stages")
+    gpu = [s.gpu for s in stages]
+    nxt, prev = _neighbours(gpu)
+    ops: list[Op] = []
+    places: dict[str, list[int]] = defaultdict(list)
+
+    def op(kind: str, place: str, stage: int, phase: str, deps: Sequence[int | None] = (), **kw) -> int:
+        i = len(ops)
+        ops.append(Op(i, kind, place, stage, phase, deps=tuple(d for d in deps if d is not None), **kw))
+        places[place].append(i)
+        return i
+
+    def up(k: int, phase: str, deps: Sequence[int | None]) -> int:
+        return op("prefetch", gpu[k], k, phase, deps, src=HOST, dst=gpu[k], what="weight",
+                  bytes=stages[k].weight_bytes)
+
+    # ---- forward
+    fetched: dict[int, int] = {}
+    evicted: dict[int, int] = {}
+    run_f: dict[tuple[int, int], int] = {}
+    hosted: dict[tuple[int, int], int] = {}  # (stage, mb) -> its last copy to the host
+    pushed: dict[tuple[int, int, int], int] = {}  # (consumer, input j, mb) -> the push from the stage before
+    saved: dict[tuple[int, int, int], int] = {}  # (stage, input j, mb) -> offload op
+    direct = [[inp.source >= 0 and inp.source == k - 1 for inp in st.inputs] for k, st in enumerate(stages)]
+    for k in range(len(stages)):
+        if prev[k] is None:
+            fetched[k] = up(k, "forward", [])
+    for k, st in enumerate(stages):
+        g = gpu[k]
+        wait = op("wait", g, k, "forward", [fetched[k]])
+        if nxt[k] is not None:
+            fetched[nxt[k]] = up(nxt[k], "forward", [evicted.get(prev[k]) if prev[k] is not None else None, wait])
+        consumer = stages[k + 1] if k + 1 < len(stages) else None
+        for i in range(m):
+            deps: list[int | None] = [wait]
+            for j, inp in enumerate(st.inputs):
+                if direct[k][j]:
+                    deps.append(pushed.get((k, j, i), run_f[(k - 1, i)]))
+                else:
+                    src_op = hosted.get((inp.source, i)) if inp.source >= 0 else None
+                    deps.append(op("send", g, k, "forward", [src_op], microbatch=i, src=HOST, dst=g,
+                                   what="activation", bytes=inp.bytes))
+            r = op("run", g, k, "forward", deps, microbatch=i)
+            run_f[(k, i)] = r
+            for j, inp in enumerate(st.inputs):
+                if direct[k][j]:
+                    saved[(k, j, i)] = op("offload", g, k, "forward", [r], microbatch=i, src=g, dst=HOST,
+                                          what="input", bytes=inp.bytes)
+            if consumer is not None and gpu[k + 1] != g:
+                for j, inp in enumerate(consumer.inputs):
+                    if direct[k + 1][j]:
+                        pushed[(k + 1, j, i)] = op("send", g, k + 1, "forward", [r], microbatch=i, src=g,
+                                                   dst=gpu[k + 1], what="activation", bytes=inp.bytes)
+            for b in st.host_outputs:
+                hosted[(k, i)] = op("send", g, k, "forward", [r], microbatch=i, src=g, dst=HOST, what="activation",
+                                    bytes=b)
+        last = run_f[(k, m - 1)]
+        if nxt[k] is not None:
+            evicted[k] = op("evict", g, k, "forward", [last])
+        else:
+            op("hold", g, k, "forward", [last])
+
+    # ---- backward
+    run_b: dict[tuple[int, int], int] = {}
+    grads_back: dict[tuple[int, int], list[int]] = defaultdict(list)  # (stage, mb) -> gradient copies it waits for
+    downloads: dict[int, int] = {}
+    for k in reversed(range(len(stages))):
+        g = gpu[k]
+        st = stages[k]
+        wait = op("wait", g, k, "backward", [fetched.get(k)])
+        if prev[k] is not None:
+            fetched[prev[k]] = up(prev[k], "backward", [wait])
+        for i in reversed(range(m)):
+            deps = [wait, *grads_back.pop((k, i), [])]
+            for j, inp in enumerate(st.inputs):
+                if direct[k][j]:
+                    deps.append(op("restore", g, k, "backward", [saved[(k, j, i)], wait], microbatch=i, src=HOST,
+                                   dst=g, what="input", bytes=inp.bytes))
+                else:
+                    deps.append(op("send", g, k, "backward", [wait], microbatch=i, src=HOST, dst=g, what="input",
+                                   bytes=inp.bytes))
+            for b in st.host_outputs:  # the gradient of what went to the host (the loss, long skips)
+                deps.append(op("send", g, k, "backward", [], microbatch=i, src=HOST, dst=g, what="activation",
+                               bytes=b))
+            r = op("run", g, k, "backward", deps, microbatch=i)
+            run_b[(k, i)] = r
+            for j, inp in enumerate(st.inputs):  # input gradients go back the way the inputs came
+                if not inp.needs_grad:
+                    continue
+                if direct[k][j]:
+                    if gpu[k - 1] != g:
+                        grads_back[(k - 1, i)].append(op("send", g, k - 1, "backward", [r], microbatch=i, src=g,
+                                                         dst=gpu[k - 1], what="activation", bytes=inp.bytes))
+                    else:
+                        grads_back[(k - 1, i)].append(r)
+                else:
+                    op("send", g, k, "backward", [r], microbatch=i, src=g, dst=HOST, what="activation",
+                       bytes=inp.bytes)
+        last = run_b[(k, 0)]
+        if st.grad_bytes:
+            downloads[k] = op("download", g, k, "backward", [last], src=g, dst=HOST, what="gradient",
+                              bytes=st.grad_bytes)
+        op("evict", g, k, "backward", [downloads.get(k, last)])
+    if optimizer:
+        for k in sorted(downloads):
+            op("step", HOST, k, "optimizer", [downloads[k]])
+    return ScheduleIR(ops=tuple(ops), stages=stages, microbatches=m, gpus=tuple(dict.fromkeys(gpu)),
+                      next_on_gpu=tuple(nxt), prev_on_gpu=tuple(prev),
+                      by_place={p: tuple(v) for p, v in places.items()})
