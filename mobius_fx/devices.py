@@ -48,33 +48,54 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 class TransferLog:
-    """Bytes and copies moved, per (kind, direction); kind is weight | gradient | activation |
-    buffer, direction h2d | d2h | d2d."""
+    """Bytes and copies moved, per (kind, direction, stage); kind is weight | gradient |
+    activation | input (a stage input saved for backward) | buffer, direction h2d | d2h | d2d.
+
+    The runtime says which stage a copy belongs to (`with log.stage(k):`), so the log can be
+    compared with the schedule IR per GPU, kind and stage; copies made outside are stage None.
+    """
 
     def __init__(self) -> None:
-        self._counts: dict[tuple[str, str], list[int]] = {}
-        self._mark: dict[tuple[str, str], list[int]] = {}
+        self._counts: dict[tuple[str, str, int | None], list[int]] = {}
+        self._mark: dict[tuple[str, str, int | None], list[int]] = {}
+        self._stage = threading.local()
+
+    @contextlib.contextmanager
+    def stage(self, k: int | None) -> Iterator[None]:
+        old = getattr(self._stage, "k", None)
+        self._stage.k = k
+        try:
+            yield
+        finally:
+            self._stage.k = old
 
     def add(self, kind: str, direction: str, nbytes: int, count: int = 1) -> None:
-        c = self._counts.setdefault((kind, direction), [0, 0])
+        c = self._counts.setdefault((kind, direction, getattr(self._stage, "k", None)), [0, 0])
         c[0] += count
         c[1] += nbytes
 
     def bytes(self, kind: str | None = None, direction: str | None = None) -> int:
-        return sum(b for (k, d), (_, b) in self._counts.items()
+        return sum(b for (k, d, _), (_, b) in self._counts.items()
                    if (kind is None or k == kind) and (direction is None or d == direction))
 
     def count(self, kind: str | None = None, direction: str | None = None) -> int:
-        return sum(n for (k, d), (n, _) in self._counts.items()
+        return sum(n for (k, d, _), (n, _) in self._counts.items()
                    if (kind is None or k == kind) and (direction is None or d == direction))
 
-    def as_dict(self, *, since_mark: bool = False) -> dict[str, dict[str, int]]:
-        """{"kind direction": {"count", "bytes"}}, in total or since the last `mark()`."""
-        out = {}
-        for (k, d), (n, b) in sorted(self._counts.items()):
-            n0, b0 = self._mark.get((k, d), (0, 0)) if since_mark else (0, 0)
-            if n - n0 or b - b0:
-                out[f"{k} {d}"] = {"count": n - n0, "bytes": b - b0}
+    def as_dict(self, *, since_mark: bool = False, by_stage: bool = False) -> dict:
+        """{"kind direction": {"count", "bytes"}}, in total or since the last `mark()`; with
+        `by_stage`, {"kind direction": {stage: {"count", "bytes"}}}."""
+        out: dict = {}
+        for (k, d, st), (n, b) in sorted(self._counts.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or -1)):
+            n0, b0 = self._mark.get((k, d, st), (0, 0)) if since_mark else (0, 0)
+            if not (n - n0 or b - b0):
+                continue
+            if by_stage:
+                out.setdefault(f"{k} {d}", {})[st] = {"count": n - n0, "bytes": b - b0}
+            else:
+                c = out.setdefault(f"{k} {d}", {"count": 0, "bytes": 0})
+                c["count"] += n - n0
+                c["bytes"] += b - b0
         return out
 
     def mark(self) -> None:
@@ -190,9 +211,10 @@ class Device:
         for s in slots:
             s.untyped_storage().resize_(0)
 
-    def receive(self, value: torch.Tensor, src: "Device | None", dtype: torch.dtype | None = None) -> torch.Tensor:
+    def receive(self, value: torch.Tensor, src: "Device | None", dtype: torch.dtype | None = None,
+                kind: str = "activation") -> torch.Tensor:
         """A differentiable copy of an activation from `src` (None: the host) onto this device,
-        cast to `dtype` when given."""
+        cast to `dtype` when given; logged as `kind` (a saved input sent again: "input")."""
         raise NotImplementedError
 
     def to_host(self, value: torch.Tensor) -> torch.Tensor:
@@ -295,9 +317,9 @@ class VirtualDevice(Device):
             except BaseException:
                 pass
 
-    def receive(self, value, src, dtype=None):
+    def receive(self, value, src, dtype=None, kind="activation"):
         out = value.to(dtype) if dtype is not None and dtype != value.dtype else value.clone()
-        self.log.add("activation", "h2d" if src is None else "d2d", nbytes(out))
+        self.log.add(kind, "h2d" if src is None else "d2d", nbytes(out))
         return out
 
     def to_host(self, value):
@@ -308,7 +330,7 @@ class VirtualDevice(Device):
     def offload(self, t):
         # Host and device memory are one here: keep an alias, and the version it had, as eager
         # checkpointing keeps its inputs; an in-place change before backward is an error there too.
-        self.log.add("activation", "d2h", nbytes(t))
+        self.log.add("input", "d2h", nbytes(t))
         return _Saved(t.detach(), t._version)
 
     def restore(self, saved):
@@ -317,7 +339,7 @@ class VirtualDevice(Device):
                 f"an input saved for backward on {self.name} was modified in place after the forward used it "
                 f"(version {saved.event} -> {saved.host._version}); a stage must not change its inputs in place "
                 f"(use the out-of-place op, e.g. relu instead of relu_)")
-        self.log.add("activation", "h2d", nbytes(saved.host))
+        self.log.add("input", "h2d", nbytes(saved.host))
         return saved.host.detach()
 
     def download(self, t, kind):
@@ -419,11 +441,11 @@ class CudaDevice(Device):
         with torch.cuda.device(self.torch_device):
             super().release(slots)
 
-    def receive(self, value, src, dtype=None):
+    def receive(self, value, src, dtype=None, kind="activation"):
         if src is None:
             with self.compute():
                 out = value.to(self.torch_device, dtype=dtype or value.dtype, non_blocking=True)
-            self.log.add("activation", "h2d", nbytes(out))
+            self.log.add(kind, "h2d", nbytes(out))
             return out
         assert isinstance(src, CudaDevice)
         if src.torch_device == self.torch_device:
@@ -459,14 +481,14 @@ class CudaDevice(Device):
 
     def offload(self, t):
         host, event = self._to_pinned(t)
-        self.log.add("activation", "d2h", nbytes(t))
+        self.log.add("input", "d2h", nbytes(t))
         return _Saved(host, event)
 
     def restore(self, saved):
         self.compute_stream.wait_event(saved.event)
         with self.compute():
             out = saved.host.to(self.torch_device, non_blocking=True)
-        self.log.add("activation", "h2d", nbytes(out))
+        self.log.add("input", "h2d", nbytes(out))
         return out
 
     def download(self, t, kind):

@@ -47,9 +47,10 @@ def run_stage(stage: int, microbatch: int, *inputs: Any) -> tuple:
     return _runtime().run(stage, microbatch, inputs)
 
 
-def send(value: Any, gpu: str) -> Any:
-    """Copy the tensors in `value` to GPU `gpu` (or to host memory for "host")."""
-    return _runtime().send(value, gpu)
+def send(value: Any, gpu: str, stage: int | None = None) -> Any:
+    """Copy the tensors in `value` to GPU `gpu` (or to host memory for "host") for `stage`
+    (the stage the schedule IR books the copy under)."""
+    return _runtime().send(value, gpu, stage)
 
 
 def evict(stage: int) -> None:

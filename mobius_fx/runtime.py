@@ -63,7 +63,8 @@ import functools
 import inspect
 import logging
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -194,6 +195,36 @@ def _autocast(amp: tuple[str, bool, torch.dtype]) -> torch.autocast:
     return torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False)
 
 
+class _OnHost:
+    """A stage input that came from the host: kept there for backward (no offload copy)."""
+
+    __slots__ = ("host", "version")
+
+    def __init__(self, host: torch.Tensor, version: int) -> None:
+        self.host, self.version = host, version
+
+
+class _GradLog(torch.autograd.Function):
+    """Identity that logs the gradient's copy when it flows back through a send."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, dev: Device, direction: str, stage: int | None):
+        ctx.dev, ctx.direction, ctx.stage = dev, direction, stage
+        return t.view_as(t)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        if grad is not None:
+            with ctx.dev.log.stage(ctx.stage):
+                ctx.dev.log.add("activation", ctx.direction, nbytes(grad))
+        return grad, None, None, None
+
+
+def _logged_grad(t: torch.Tensor, dev: Device, direction: str, stage: int | None) -> torch.Tensor:
+    return _GradLog.apply(t, dev, direction, stage) if t.requires_grad else t
+
+
 class _StageFunction(torch.autograd.Function):
     """One stage call: forward without a graph, backward by recomputation (see module docstring)."""
 
@@ -224,7 +255,13 @@ class _Runtime:
         self.dtype = dtype
         self.stages = [_Stage(spec, devices[spec.gpu], ms, dtype) for spec, ms in zip(schedule.stages, masters)]
         self.step: _Step | None = None
+        ir = schedule.ir()
+        self._bwd_prefetch: dict[int, list[int]] = {}  # stage -> stages the IR prefetches as it starts backward
+        for o in ir.select(kind="prefetch", phase="backward"):
+            waits = [ir.ops[d].stage for d in o.deps if ir.ops[d].kind == "wait"]
+            self._bwd_prefetch.setdefault(waits[0], []).append(o.stage)
         self.planned_rows = 0  # rows of the example batch the plan was made for (0: unknown)
+        self._from_host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # GPU copy -> its host original
         self._lock = threading.RLock()
         self._anchor = torch.zeros((), requires_grad=True)
 
@@ -238,7 +275,8 @@ class _Runtime:
             for j, master in enumerate(st.masters):
                 if st.is_param[j]:
                     st.slots[j].requires_grad_(master.requires_grad)
-            st.token = st.device.upload(st.slots, st.masters)
+            with st.device.log.stage(k):
+                st.token = st.device.upload(st.slots, st.masters)
         except BaseException:
             st.device.release(st.slots)
             st.device.free(st.weight_bytes)
@@ -282,22 +320,35 @@ class _Runtime:
                 return dev
         return None
 
-    def send(self, value: Any, gpu: str) -> Any:
+    def send(self, value: Any, gpu: str, stage: int | None = None) -> Any:
         if isinstance(value, torch.Tensor):
-            return self._send(value, gpu)
+            return self._send(value, gpu, stage)
         if isinstance(value, (int, float, bool, str, type(None))):
             return value
-        return pytree.tree_map_only(torch.Tensor, lambda t: self._send(t, gpu), value)
+        return pytree.tree_map_only(torch.Tensor, lambda t: self._send(t, gpu, stage), value)
 
-    def _send(self, t: torch.Tensor, gpu: str) -> torch.Tensor:
+    def _send(self, t: torch.Tensor, gpu: str, stage: int | None) -> torch.Tensor:
+        """Copy `t` to `gpu` (or the host) for `stage`, as the schedule IR says: the copy and,
+        in backward, the gradient coming back are logged under that stage (a push to the next
+        stage's GPU sends its gradient back to the producer, stage - 1)."""
         src = self._where(t)
         if gpu == HOST:
-            return t if src is None else src.to_host(t)
+            if src is None:
+                return t
+            with src.log.stage(stage):
+                out = src.to_host(t)
+            return _logged_grad(out, src, "h2d", stage)
         dst = self.devices[gpu]
         if src is dst:
             return t
         cast = self.dtype if (src is None and self.dtype is not None and t.is_floating_point()) else None
-        out = dst.receive(t, src, cast)
+        with dst.log.stage(stage):
+            raw = dst.receive(t, src, cast)
+        if src is None:
+            out = _logged_grad(raw, dst, "d2h", stage)
+            self._from_host[id(out)] = (weakref.ref(out), t)
+        else:
+            out = _logged_grad(raw, src, "d2d", None if stage is None else stage - 1)
         dst.track(out)
         return out
 
@@ -400,13 +451,15 @@ class _Runtime:
         for group in st.buffer_groups:
             if any(st.slots[j]._version != st.versions[j] for j in group):  # updated in place by the forward
                 for j in group:
-                    self.step.buffers.append((st.masters[j], st.device.download(st.slots[j], "buffer")))
+                    with st.device.log.stage(k):
+                        self.step.buffers.append((st.masters[j], st.device.download(st.slots[j], "buffer")))
 
     def _forward(self, call: _Call, tensors: tuple) -> tuple[tuple, list]:
         st = self.stages[call.stage]
         dev = st.device
         call.rng = dev.rng_state()
-        call.saved = [dev.offload(t) for t in tensors]
+        with dev.log.stage(call.stage):
+            call.saved = [self._save(dev, t) for t in tensors]
         with _autocast(call.amp):
             out = st.module(*_rebuild(call.in_leaves, call.in_pos, tensors, call.in_spec))
         leaves, spec = pytree.tree_flatten(out)
@@ -416,6 +469,23 @@ class _Runtime:
         call.out_spec, call.out_pos = spec, pos
         call.out_leaves = [None if j in pos else x for j, x in enumerate(leaves)]
         return outs, [o for o in outs if not (o.is_floating_point() or o.is_complex())]
+
+    def _save(self, dev: Device, t: torch.Tensor) -> Any:
+        """Keep a stage input for backward: one that came from the host stays there (the host
+        copy is sent again); one made on a GPU is offloaded to host memory."""
+        ref = self._from_host.get(id(t))
+        if ref is not None and ref[0]() is t:
+            return _OnHost(ref[1], ref[1]._version)
+        return dev.offload(t)
+
+    def _restore(self, dev: Device, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _OnHost):
+            return dev.restore(saved)
+        if saved.host._version != saved.version:
+            raise MobiusError(f"an input of a stage on {dev.name} was modified in place on the host after the forward "
+                              f"used it (version {saved.version} -> {saved.host._version}); change inputs out of place")
+        cast = self.dtype if (self.dtype is not None and saved.host.is_floating_point()) else None
+        return dev.receive(saved.host.detach(), None, cast, kind="input")
 
     def _backward(self, call: _Call, grads: tuple, needs: Sequence[bool]) -> list:
         with self._lock:
@@ -440,13 +510,14 @@ class _Runtime:
         dev = st.device
         if step.bwd_calls[k] == 0 or not st.resident:
             self.wait(k, strict=False)
-            prev = self.schedule.prev_on_gpu[k]
-            if prev is not None and step.fwd_calls[prev] > 0 and step.bwd_calls[prev] == 0:
-                self.prefetch(prev)  # the stage this GPU runs next in backward
+            for p in self._bwd_prefetch.get(k, ()):  # what the IR prefetches when this stage starts backward
+                if step.fwd_calls[p] > 0 and step.bwd_calls[p] == 0:
+                    self.prefetch(p)
         elif st.token is not None:
             self.wait(k, strict=False)
         with dev.compute():
-            inputs = [dev.restore(s) for s in call.saved]
+            with dev.log.stage(k):
+                inputs = [self._restore(dev, s) for s in call.saved]
             held = sum(nbytes(t) for t in inputs)
             dev.alloc(held, f"stage {k}'s saved inputs")
             try:
@@ -490,7 +561,8 @@ class _Runtime:
         """Send stage k's weight gradients to the host and evict the stage."""
         st = self.stages[k]
         for j, g in step.acc.pop(k, {}).items():
-            step.pending.append((st.masters[j], st.device.download(g, "gradient")))
+            with st.device.log.stage(k):
+                step.pending.append((st.masters[j], st.device.download(g, "gradient")))
             st.device.free(nbytes(g))
         self.evict(k)
 
@@ -533,6 +605,7 @@ class _Runtime:
             for k, st in enumerate(self.stages):
                 if st.resident:
                     self.evict(k)
+            self._from_host.clear()
             for dev in self.devices.values():
                 dev.new_step()
                 dev.log.mark()
@@ -665,6 +738,43 @@ class Pipeline(nn.Module):
     def __reduce_ex__(self, protocol: int):
         raise MobiusError(_NO_COPY.format(op="pickled or saved (pickle, torch.save, copy.copy)"))
 
+    def schedule_ir(self, values: Mapping[str, torch.Tensor] | None = None, *, optimizer: bool = False):
+        """The step this pipeline runs, as the schedule IR (mobius_fx/schedule.py): weight and
+        gradient bytes from its GPU slots; activation bytes from `values`, one micro-batch's
+        tensor (real or meta) per value name of the traced graph (absent: 0 bytes). A value's
+        gradient flows back when it is floating and not a model input. `transfer_stats(
+        last_step=True, by_stage=True)` after a training step equals `ir.bytes_moved()`.
+        """
+        from .schedule import StageInput, StageIO, build_schedule
+
+        values = dict(values or {})
+
+        def size(name: str) -> int:
+            t = values.get(name)
+            if t is None:
+                return 0
+            cast = self._rt.dtype if self._rt.dtype is not None and t.is_floating_point() else t.dtype
+            return t.numel() * cast.itemsize
+
+        def floating(name: str) -> bool:
+            t = values.get(name)
+            return t is not None and t.is_floating_point()
+
+        specs = self.schedule.stages
+
+        def value(ref) -> str:  # the traced graph's name of a value crossing stages
+            return specs[ref.stage].outputs[ref.index] if ref.stage >= 0 else ref.name
+
+        ios = []
+        for spec, st in zip(specs, self._rt.stages):
+            grads = sum(nbytes(s) for j, s in enumerate(st.slots) if st.is_param[j] and st.masters[j].requires_grad)
+            ios.append(StageIO(
+                gpu=spec.gpu, weight_bytes=st.weight_bytes, grad_bytes=grads,
+                inputs=tuple(StageInput(ref.stage, size(value(ref)), needs_grad=ref.stage >= 0 and floating(value(ref)))
+                             for ref in spec.inputs),
+                host_outputs=tuple(size(spec.outputs[j]) for j in self.schedule.to_host[spec.index])))
+        return build_schedule(ios, self.schedule.microbatches, optimizer=optimizer)
+
     def memory_stats(self) -> dict[str, dict[str, int]]:
         """Bytes each GPU holds now and held at peak (weights, weight gradients, activations)."""
         return {name: dev.stats() for name, dev in self._rt.devices.items()}
@@ -673,11 +783,13 @@ class Pipeline(nn.Module):
         for dev in self._rt.devices.values():
             dev.reset_peak()
 
-    def transfer_stats(self, *, last_step: bool = False) -> dict[str, dict[str, dict[str, int]]]:
+    def transfer_stats(self, *, last_step: bool = False, by_stage: bool = False) -> dict[str, dict]:
         """Per GPU: copies and bytes moved per "kind direction" ("weight h2d", "gradient d2h",
-        "activation d2d", ...), since the pipeline was built or, with `last_step`, since the
-        last forward began (that forward and its backward)."""
-        return {name: dev.log.as_dict(since_mark=last_step) for name, dev in self._rt.devices.items()}
+        "activation d2d", "input d2h" — a stage input saved for backward —, ...), since the
+        pipeline was built or, with `last_step`, since the last forward began (that forward and
+        its backward); with `by_stage`, per "kind direction" and stage, as the schedule IR books
+        them (`schedule_ir().bytes_moved()`)."""
+        return {name: dev.log.as_dict(since_mark=last_step, by_stage=by_stage) for name, dev in self._rt.devices.items()}
 
     @property
     def devices(self) -> dict[str, Device]:

@@ -89,18 +89,21 @@ def emit(schedule: Schedule) -> fx.GraphModule:
 
 
 def backward_summary(schedule: Schedule) -> str:
-    """Comment lines: the backward order autograd follows and what each stage does in it."""
-    m = schedule.microbatches
-    lines = ["# backward (autograd runs it in reverse, stage by stage; each stage recomputes its forward from",
-             "# its saved inputs under the saved RNG state, then sends its weight gradients to the host):"]
-    for k in reversed(range(schedule.num_stages)):
-        st = schedule.stages[k]
-        steps = ["resident since forward" if schedule.last_on_gpu(k) else f"wait({k})"]
-        prev = schedule.prev_on_gpu[k]
-        if prev is not None:
-            steps.append(f"prefetch({prev})")
-        steps.append(f"micro-batches {', '.join(str(i) for i in reversed(range(m)))}")
-        steps.append("gradients -> host")
-        steps.append(f"evict({k})")
-        lines.append(f"#   stage {k} on {st.gpu}: " + "; ".join(steps))
+    """Comment lines: the backward part of the schedule IR, per GPU in the order it runs
+    (autograd runs the stage calls in reverse; each stage recomputes its forward from its saved
+    inputs under the saved RNG state, then sends its weight gradients to the host)."""
+    ir = schedule.ir()
+    lines = ["# backward, from the schedule IR (Bk.i: backward of stage k, micro-batch i, with recompute):"]
+    for gpu in ir.gpus:
+        ops = [o for o in ir.place(gpu) if o.phase == "backward" and o.kind in ("wait", "prefetch", "run", "download",
+                                                                               "evict")]
+        lines.append(f"#   {gpu}: " + "; ".join(_short(o) for o in ops))
     return "\n".join(lines)
+
+
+def _short(o) -> str:
+    if o.kind == "run":
+        return f"B{o.stage}.{o.microbatch}"
+    if o.kind == "download":
+        return f"gradients({o.stage}) -> host"
+    return f"{o.kind}({o.stage})"

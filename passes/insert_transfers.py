@@ -42,6 +42,7 @@ from torch.fx.passes.split_module import split_module
 from mobius_fx import ops as _rt
 from mobius_fx.devices import HOST
 from mobius_fx.errors import MobiusError
+from mobius_fx.schedule import ScheduleIR, StageInput, StageIO, build_schedule
 
 __all__ = ["insert_transfers", "Schedule", "StageSpec", "WeightRef", "ValueRef"]
 
@@ -100,6 +101,7 @@ class Schedule:
     inputs: tuple[str, ...]  # placeholder names of the traced graph, in order
     out_spec: Any = None  # torch.export's output TreeSpec (None: the graph returns the structure)
     moved: tuple[str, ...] = field(default=())  # compute nodes not listed, placed with their predecessor
+    to_host: tuple[tuple[int, ...], ...] = ()  # per stage: its outputs copied to the host (read later or returned)
 
     @property
     def num_stages(self) -> int:
@@ -107,6 +109,21 @@ class Schedule:
 
     def last_on_gpu(self, k: int) -> bool:
         return self.next_on_gpu[k] is None
+
+    def ir(self) -> ScheduleIR:
+        """The schedule IR of these stages: order and dependencies, weight and gradient bytes in
+        the masters' dtype, activations 0 bytes (the Pipeline's `schedule_ir(values)` gives the
+        exact one). The runtime takes its backward prefetches from it and `pipe.code` prints its
+        backward part."""
+        def size(ts) -> int:
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        return build_schedule([StageIO(st.gpu, size(w.tensor for w in st.weights),
+                                       size(w.tensor for w in st.weights if isinstance(w.tensor, nn.Parameter)
+                                            and w.tensor.requires_grad),
+                                       tuple(StageInput(r.stage, 0) for r in st.inputs),
+                                       tuple(0 for _ in self.to_host[st.index]) if self.to_host else ())
+                               for st in self.stages], self.microbatches, optimizer=False)
 
 
 def insert_transfers(gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]], stage_gpus: Sequence[str],
@@ -156,10 +173,11 @@ def insert_transfers(gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]]
     output = next(n for n in split.graph.nodes if n.op == "output")
     out_arg = _resolve_output(output.args[0])
     info = getattr(gm.graph._codegen, "pytree_info", None)
-    graph = _schedule_graph(stages, [p.name for p in placeholders], out_arg, microbatches, next_on)
+    graph, to_host = _schedule_graph(stages, [p.name for p in placeholders], out_arg, microbatches, next_on)
     return Schedule(stages=stages, graph=graph, microbatches=microbatches, gpus=gpus, next_on_gpu=tuple(next_on),
                     prev_on_gpu=tuple(prev_on), inputs=tuple(p.name for p in placeholders),
-                    out_spec=info.out_spec if info is not None else None, moved=tuple(moved))
+                    out_spec=info.out_spec if info is not None else None, moved=tuple(moved),
+                    to_host=tuple(tuple(sorted(j for (st, j) in to_host if st == k)) for k in range(len(stages))))
 
 
 # ----------------------------------------------------------------------------- stage assignment
@@ -339,7 +357,7 @@ def _resolve_output(arg: Any) -> Any:
 # ----------------------------------------------------------------------------- schedule graph
 
 def _schedule_graph(stages: tuple[StageSpec, ...], inputs: list[str], out_arg: Any, m: int,
-                    next_on: list[int | None]) -> fx.Graph:
+                    next_on: list[int | None]) -> tuple[fx.Graph, set[tuple[int, int]]]:
     g = fx.Graph()
     n_stages = len(stages)
 
@@ -385,14 +403,14 @@ def _schedule_graph(stages: tuple[StageSpec, ...], inputs: list[str], out_arg: A
             args = []
             for ref in st.inputs:
                 if ref.stage < 0:
-                    args.append(call(_rt.send, (per_mb[ref.name][i], gpu), f"{ref.name}_{i}_{gpu}",
+                    args.append(call(_rt.send, (per_mb[ref.name][i], gpu, k), f"{ref.name}_{i}_{gpu}",
                                      stage=k, microbatch=i, gpu=gpu))
                 elif ref.stage == k - 1:
                     args.append(pushed[(ref.stage, ref.index, i)])
                 else:
                     src = hosted[(ref.stage, ref.index, i)]
                     name = stages[ref.stage].outputs[ref.index]
-                    args.append(call(_rt.send, (src, gpu), f"{name}_{i}_{gpu}", stage=k, microbatch=i, gpu=gpu))
+                    args.append(call(_rt.send, (src, gpu, k), f"{name}_{i}_{gpu}", stage=k, microbatch=i, gpu=gpu))
             out = call(_rt.run_stage, (k, i, *args), f"stage{k}_{i}", stage=k, microbatch=i, gpu=gpu)
             for j, name in enumerate(st.outputs):
                 value = g.create_node("call_function", operator.getitem, (out, j), name=f"{name}_{i}")
@@ -400,9 +418,9 @@ def _schedule_graph(stages: tuple[StageSpec, ...], inputs: list[str], out_arg: A
                 if k + 1 in users:
                     nxt = stages[k + 1].gpu
                     pushed[(k, j, i)] = value if nxt == gpu else call(
-                        _rt.send, (value, nxt), f"{name}_{i}_{nxt}", stage=k + 1, microbatch=i, gpu=nxt)
+                        _rt.send, (value, nxt, k + 1), f"{name}_{i}_{nxt}", stage=k + 1, microbatch=i, gpu=nxt)
                 if any(u > k + 1 for u in users) or (k, j) in to_output:
-                    hosted[(k, j, i)] = call(_rt.send, (value, HOST), f"{name}_{i}_{HOST}",
+                    hosted[(k, j, i)] = call(_rt.send, (value, HOST, k), f"{name}_{i}_{HOST}",
                                              stage=k, microbatch=i, gpu=HOST)
         if next_on[k] is None:
             call(_rt.hold_for_backward, (k,), stage=k, gpu=gpu)
@@ -419,4 +437,5 @@ def _schedule_graph(stages: tuple[StageSpec, ...], inputs: list[str], out_arg: A
     outs = [fx.node.map_aggregate(out_arg, resolve(i)) for i in range(m)]
     merged = call(_rt.merge_microbatches, (outs,), "output_value", stages=n_stages)
     g.output(merged)
-    return g
+    to_host = {(k, j) for (k, j), users in consumers.items() if any(u > k + 1 for u in users)} | to_output
+    return g, to_host

@@ -690,36 +690,26 @@ def test_inputs_that_require_grad_get_the_eager_gradient():
 
 
 def expected_transfers(schedule, steps: int = 1) -> dict[str, dict[str, dict[str, int]]]:
-    """Per GPU, the copies and bytes of a training step that the schedule implies (all weights
-    trainable parameters, one tensor input per stage call, one output).
+    """Per GPU, the weight and gradient copies of a training step the schedule implies (all
+    weights trainable parameters). Activations and saved inputs are checked copy by copy
+    against the schedule IR in tests/unit/test_schedule_ir.py.
 
     - weight h2d: forward uploads every stage of the GPU once; `hold_for_backward` keeps the
       GPU's last stage resident, so backward uploads all the others again: S_g + (S_g - 1)
       stages per GPU, S + (S - N) in all; one copy per weight tensor.
     - gradient d2h: each stage's summed weight gradients go down once, one copy per tensor.
-    - activation h2d: the model input of each micro-batch onto the first stage's GPU, and in
-      backward every stage call's saved input back from host memory.
-    - activation d2h: every stage call's input offloaded to host memory, and each micro-batch's
-      output to the host from the last stage's GPU.
-    - activation d2d: each micro-batch's hop onto a stage whose predecessor is on another GPU.
     """
-    m, stages = schedule.microbatches, schedule.stages
     out: dict[str, dict[str, dict[str, int]]] = {}
     for gpu in schedule.gpus:
-        mine = [st for st in stages if st.gpu == gpu]
+        mine = [st for st in schedule.stages if st.gpu == gpu]
         fetched = mine + [st for st in mine if not schedule.last_on_gpu(st.index)]
-        inputs = sum(len(st.inputs) for st in mine)
         kinds = {
             "weight h2d": (sum(len(st.weights) for st in fetched),
                            sum(nbytes(w.tensor) for st in fetched for w in st.weights)),
             "gradient d2h": (sum(len(st.weights) for st in mine),
                              sum(nbytes(w.tensor) for st in mine for w in st.weights)),
-            "activation h2d": (m * (inputs + (stages[0].gpu == gpu)), None),
-            "activation d2h": (m * (inputs + (stages[-1].gpu == gpu)), None),
-            "activation d2d": (m * sum(st.index > 0 and stages[st.index - 1].gpu != gpu for st in mine), None),
         }
-        out[gpu] = {kind: {"count": steps * n, "bytes": None if b is None else steps * b}
-                    for kind, (n, b) in kinds.items() if n}
+        out[gpu] = {kind: {"count": steps * n, "bytes": steps * b} for kind, (n, b) in kinds.items() if n}
     return out
 
 
@@ -730,32 +720,15 @@ def test_transfer_stats_of_the_last_step_count_one_forward_and_backward(stage_gp
     x = torch.randn(4, 8)
     gm = fx.symbolic_trace(model)
     names = [n.name for n in gm.graph.nodes if n.op in _COMPUTE]
-    # Cut after each residual add: one activation crosses, 16 wide (the model input is 8 wide).
     adds = [j + 1 for j, n in enumerate(names) if n.startswith("add")][:len(stage_gpus) - 1]
     pipe = build_pipeline(model, gm, stage_nodes=cut(gm, at=adds), stage_gpus=stage_gpus, gpu_budgets={},
                           microbatches=2, example_inputs=(x,), device="virtual")
-    assert all(len(st.inputs) == 1 for st in pipe.schedule.stages)
     for _ in range(3):
         pipe(x).sum().backward()
     expected = expected_transfers(pipe.schedule)
     for stats in (pipe.transfer_stats(last_step=True), pipe.transfer_stats()):
         assert stats.keys() == expected.keys()
         for gpu, kinds in expected.items():
-            assert stats[gpu].keys() == kinds.keys(), gpu
             for kind, want in kinds.items():
-                got = stats[gpu][kind]
-                assert got["count"] == want["count"], f"{gpu} {kind}: {got} != {want}"
-                if want["bytes"] is not None:
-                    assert got["bytes"] == want["bytes"], f"{gpu} {kind}: {got} != {want}"
+                assert stats[gpu][kind] == want, f"{gpu} {kind}: {stats[gpu][kind]} != {want}"
         expected = expected_transfers(pipe.schedule, steps=3)  # then the whole history: three steps
-    # Activation bytes: each of the M = 2 micro-batches has 2 rows of fp32; the model input is 8
-    # wide, every cut carries one 16-wide activation, the output is 4 wide.
-    m, col = 2, 2 * 4  # micro-batches; bytes per unit of width in one micro-batch (2 fp32 rows)
-    for gpu, kinds in pipe.transfer_stats(last_step=True).items():
-        first, last = pipe.schedule.stages[0].gpu == gpu, pipe.schedule.stages[-1].gpu == gpu
-        later = sum(st.gpu == gpu for st in pipe.schedule.stages[1:])
-        saved = m * col * (16 * later + 8 * first)  # offloaded in forward, restored in backward
-        assert kinds["activation h2d"]["bytes"] == saved + m * col * 8 * first
-        assert kinds["activation d2h"]["bytes"] == saved + m * col * 4 * last
-        if "activation d2d" in kinds:
-            assert kinds["activation d2d"]["bytes"] == kinds["activation d2d"]["count"] * col * 16

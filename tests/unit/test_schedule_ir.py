@@ -124,3 +124,78 @@ def test_the_plan_counts_the_tied_heads_gradient_the_runtime_sends_back(tmp_path
         planned_weights = sum(t.bytes * t.count for t in pipe.plan.transfers if t.kind == "prefetch" and t.dst == gpu)
         assert stats[gpu]["gradient d2h"]["bytes"] == planned_grads, gpu
         assert stats[gpu]["weight h2d"]["bytes"] == planned_weights, gpu
+
+
+# ----------------------------------------------------------------------------- the runtime moves what it says
+
+from torch.fx.passes.shape_prop import ShapeProp  # noqa: E402
+
+from mobius_fx.pipeline import build_pipeline  # noqa: E402
+from tests.models import ResidualMLP, SkipNet  # noqa: E402
+
+_COMPUTE = ("call_function", "call_method", "call_module")
+
+
+def _values(gm, *mb_inputs):
+    """Each graph value's tensor for one micro-batch (shapes from ShapeProp on meta copies)."""
+    ShapeProp(gm).propagate(*mb_inputs)
+    out = {}
+    for n in gm.graph.nodes:
+        tm = n.meta.get("tensor_meta")
+        if tm is not None and hasattr(tm, "shape"):
+            out[n.name] = torch.empty(tm.shape, dtype=tm.dtype, device="meta")
+    return out
+
+
+def _cases():
+    torch.manual_seed(0)
+    res = ResidualMLP(d_in=8, width=16, depth=6, d_out=4)
+    gm = torch.fx.symbolic_trace(res)
+    names = [n.name for n in gm.graph.nodes if n.op in _COMPUTE]
+    adds = [j + 1 for j, n in enumerate(names) if n.startswith("add")]
+    for gpus in (["gpu0", "gpu1"] * 2, ["gpu1", "gpu0", "gpu2"] * 2 + ["gpu1"], ["gpu0"] * 3):
+        cuts = [0, *adds[:len(gpus) - 1], len(names)]
+        yield f"residual-{len(gpus)}on{len(set(gpus))}", res, gm, [names[a:b] for a, b in zip(cuts, cuts[1:])], \
+            gpus, (torch.randn(4, 8),)
+    skip = SkipNet(d_in=6, width=8, depth=4, d_out=3)
+    gm = torch.fx.symbolic_trace(skip)
+    names = [n.name for n in gm.graph.nodes if n.op in _COMPUTE]
+    q = len(names) // 4
+    yield "skip-4on2", skip, gm, [names[:q], names[q:2 * q], names[2 * q:3 * q], names[3 * q:]], \
+        ["gpu0", "gpu1"] * 2, (torch.randn(4, 6),)
+    tied = GPT(GPTConfig(vocab=64, seq=8, hidden=16, blocks=3, heads=2))  # lm_head tied to wte
+    ids = torch.randint(0, 64, (4, 8))
+    gm = mobius_fx.trace(tied, example_inputs=(ids,))
+    names = [n.name for n in gm.graph.nodes if n.op in _COMPUTE]
+    h = len(names) // 3
+    yield "tied-gpt-3on2", tied, gm, [names[:h], names[h:2 * h], names[2 * h:]], ["gpu0", "gpu1", "gpu0"], (ids,)
+
+
+@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
+def test_the_runtime_moves_exactly_what_its_schedule_ir_says(case):
+    _, model, gm, nodes, gpus, inputs = case
+    m = 2
+    pipe = build_pipeline(model, gm, stage_nodes=nodes, stage_gpus=gpus, gpu_budgets={}, microbatches=m,
+                          example_inputs=inputs, device="virtual")
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        pipe(*inputs).float().pow(2).sum().backward()
+    ir = pipe.schedule_ir(_values(gm, *[t[: t.shape[0] // m] for t in inputs]))
+    # Weights and gradients move one copy per tensor, the IR one op per stage: compare their
+    # bytes; activations and saved inputs move one copy per value and micro-batch: both.
+    def per_copy(kind, c):
+        return c["bytes"] if kind.split()[0] in ("weight", "gradient") else (c["count"], c["bytes"])
+
+    expected = {}
+    for (gpu, what, direction, stage), (count, nbytes) in ir.bytes_moved().items():
+        kind = f"{what} {direction}"
+        expected.setdefault(gpu, {}).setdefault(kind, {})[stage] = per_copy(kind, {"count": count, "bytes": nbytes})
+    got = {}
+    for gpu, kinds in pipe.transfer_stats(last_step=True, by_stage=True).items():
+        for kind, per in kinds.items():
+            if kind.startswith("buffer"):
+                continue
+            for stage, c in per.items():
+                got.setdefault(gpu, {}).setdefault(kind, {})[stage] = per_copy(kind, c)
+    assert got == expected
+    assert all(n <= 2 for n in ir.resident_at_most().values())
