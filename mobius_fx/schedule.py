@@ -84,6 +84,8 @@ class Op:
     what: str = ""
     bytes: int = 0
     deps: tuple[int, ...] = ()
+    value: int | None = None  # which input of `stage` a send/offload/restore carries, or which of
+    #                           its host outputs a copy to the host carries (their positions)
 
     @property
     def direction(self) -> str:
@@ -244,21 +246,21 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
                 else:
                     src_op = hosted.get((inp.source, i)) if inp.source >= 0 else None
                     deps.append(op("send", g, k, "forward", [src_op], microbatch=i, src=HOST, dst=g,
-                                   what="activation", bytes=inp.bytes))
+                                   what="activation", bytes=inp.bytes, value=j))
             r = op("run", g, k, "forward", deps, microbatch=i)
             run_f[(k, i)] = r
             for j, inp in enumerate(st.inputs):
                 if direct[k][j]:
                     saved[(k, j, i)] = op("offload", g, k, "forward", [r], microbatch=i, src=g, dst=HOST,
-                                          what="input", bytes=inp.bytes)
+                                          what="input", bytes=inp.bytes, value=j)
             if consumer is not None and gpu[k + 1] != g:
                 for j, inp in enumerate(consumer.inputs):
                     if direct[k + 1][j]:
                         pushed[(k + 1, j, i)] = op("send", g, k + 1, "forward", [r], microbatch=i, src=g,
-                                                   dst=gpu[k + 1], what="activation", bytes=inp.bytes)
-            for b in st.host_outputs:
+                                                   dst=gpu[k + 1], what="activation", bytes=inp.bytes, value=j)
+            for p, b in enumerate(st.host_outputs):
                 hosted[(k, i)] = op("send", g, k, "forward", [r], microbatch=i, src=g, dst=HOST, what="activation",
-                                    bytes=b)
+                                    bytes=b, value=p)
         last = run_f[(k, m - 1)]
         if nxt[k] is not None:
             evicted[k] = op("evict", g, k, "forward", [last])
@@ -280,10 +282,10 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
             for j, inp in enumerate(st.inputs):
                 if direct[k][j]:
                     deps.append(op("restore", g, k, "backward", [saved[(k, j, i)], wait], microbatch=i, src=HOST,
-                                   dst=g, what="input", bytes=inp.bytes))
+                                   dst=g, what="input", bytes=inp.bytes, value=j))
                 else:
                     deps.append(op("send", g, k, "backward", [wait], microbatch=i, src=HOST, dst=g, what="input",
-                                   bytes=inp.bytes))
+                                   bytes=inp.bytes, value=j))
             for b in st.host_outputs:  # the gradient of what went to the host (the loss, long skips)
                 deps.append(op("send", g, k, "backward", [], microbatch=i, src=HOST, dst=g, what="activation",
                                bytes=b))

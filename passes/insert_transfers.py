@@ -8,8 +8,10 @@ Output: a `Schedule` with
   stage that reads them). Leaf modules are replaced by *shells* — shallow copies that share
   code and configuration with the user's modules but own their parameter slots — so the runtime
   binds GPU copies of the weights into a stage without ever touching the user's model;
-- the top-level `torch.fx.Graph` of the schedule: explicit calls to the runtime ops `prefetch`,
-  `wait`, `run_stage`, `send`, `evict` and `hold_for_backward`, in Mobius order. Per GPU all M
+- the top-level `torch.fx.Graph` of the schedule: the forward ops of the schedule IR
+  (mobius_fx/schedule.py), lowered in their order to explicit calls of the runtime ops
+  (mobius_fx/ops.py) `prefetch`, `wait`, `run_stage`, `send`, `evict` and `hold_for_backward`,
+  in Mobius order. Per GPU all M
   micro-batches of stage k run before stage k+N (GPipe order); the first stage of every GPU is
   uploaded at the start, stage k+N is prefetched before stage k runs, stage k is evicted after
   its last micro-batch, and the last stage of each GPU stays resident for backward
@@ -173,7 +175,7 @@ def insert_transfers(gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]]
     output = next(n for n in split.graph.nodes if n.op == "output")
     out_arg = _resolve_output(output.args[0])
     info = getattr(gm.graph._codegen, "pytree_info", None)
-    graph, to_host = _schedule_graph(stages, [p.name for p in placeholders], out_arg, microbatches, next_on)
+    graph, to_host = _schedule_graph(stages, [p.name for p in placeholders], out_arg, microbatches)
     return Schedule(stages=stages, graph=graph, microbatches=microbatches, gpus=gpus, next_on_gpu=tuple(next_on),
                     prev_on_gpu=tuple(prev_on), inputs=tuple(p.name for p in placeholders),
                     out_spec=info.out_spec if info is not None else None, moved=tuple(moved),
@@ -356,8 +358,10 @@ def _resolve_output(arg: Any) -> Any:
 
 # ----------------------------------------------------------------------------- schedule graph
 
-def _schedule_graph(stages: tuple[StageSpec, ...], inputs: list[str], out_arg: Any, m: int,
-                    next_on: list[int | None]) -> tuple[fx.Graph, set[tuple[int, int]]]:
+def _schedule_graph(stages: tuple[StageSpec, ...], inputs: list[str], out_arg: Any,
+                    m: int) -> tuple[fx.Graph, set[tuple[int, int]]]:
+    """The forward program: the schedule IR's forward ops, lowered in their order to calls of
+    the runtime ops (mobius_fx.ops); also which stage outputs go to the host."""
     g = fx.Graph()
     n_stages = len(stages)
 
@@ -385,57 +389,67 @@ def _schedule_graph(stages: tuple[StageSpec, ...], inputs: list[str], out_arg: A
     fx.node.map_aggregate(out_arg, lambda a: to_output.add((a.stage, a.index))
                           if isinstance(a, ValueRef) and a.stage >= 0 else None)
 
-    pushed: dict[tuple[int, int, int], fx.Node] = {}  # (stage, index, mb) -> value on the next stage's GPU
-    hosted: dict[tuple[int, int, int], fx.Node] = {}  # (stage, index, mb) -> host copy
+    to_host = {(k, j) for (k, j), users in consumers.items() if any(u > k + 1 for u in users)} | to_output
+    host_ids = [tuple(sorted(j for (st, j) in to_host if st == k)) for k in range(n_stages)]
+    ir = build_schedule([StageIO(st.gpu, 0, 0, tuple(StageInput(r.stage, 0) for r in st.inputs),
+                                 tuple(0 for _ in host_ids[st.index])) for st in stages], m, optimizer=False)
 
-    firsts: dict[str, int] = {}
-    for st in stages:
-        firsts.setdefault(st.gpu, st.index)
-    for k in firsts.values():
-        call(_rt.prefetch, (k,), stage=k, gpu=stages[k].gpu)
+    # Lower the IR's forward ops, in its order, to calls of the runtime ops.
+    outputs: dict[tuple[int, int, int], fx.Node] = {}  # (stage, output index, mb) -> value on its stage's GPU
+    pushed: dict[tuple[int, int, int], fx.Node] = {}  # (stage, input j, mb) -> value pushed onto its GPU
+    fetched: dict[tuple[int, int, int], fx.Node] = {}  # (stage, input j, mb) -> value sent from the host
+    hosted: dict[tuple[int, int, int], fx.Node] = {}  # (stage, output index, mb) -> host copy
 
-    for st in stages:
-        k, gpu = st.index, st.gpu
-        call(_rt.wait, (k,), stage=k, gpu=gpu)
-        if next_on[k] is not None:
-            call(_rt.prefetch, (next_on[k],), stage=next_on[k], gpu=gpu)
-        for i in range(m):
+    def source(ref: ValueRef, i: int) -> fx.Node:
+        return per_mb[ref.name][i] if ref.stage < 0 else hosted[(ref.stage, ref.index, i)]
+
+    for o in ir.select(phase="forward"):
+        k, i, st = o.stage, o.microbatch, stages[o.stage]
+        if o.kind == "prefetch":
+            call(_rt.prefetch, (k,), stage=k, gpu=st.gpu)
+        elif o.kind == "wait":
+            call(_rt.wait, (k,), stage=k, gpu=st.gpu)
+        elif o.kind == "evict":
+            call(_rt.evict, (k,), stage=k, gpu=st.gpu)
+        elif o.kind == "hold":
+            call(_rt.hold_for_backward, (k,), stage=k, gpu=st.gpu)
+        elif o.kind == "send" and o.dst == HOST:  # a host copy of output `value` of stage k
+            j = host_ids[k][o.value]
+            name = st.outputs[j]
+            hosted[(k, j, i)] = call(_rt.send, (outputs[(k, j, i)], HOST, k), f"{name}_{i}_{HOST}",
+                                     stage=k, microbatch=i, gpu=HOST)
+        elif o.kind == "send" and o.src == HOST:  # input `value` of stage k from the host
+            ref = st.inputs[o.value]
+            name = ref.name if ref.stage < 0 else stages[ref.stage].outputs[ref.index]
+            fetched[(k, o.value, i)] = call(_rt.send, (source(ref, i), st.gpu, k), f"{name}_{i}_{st.gpu}",
+                                            stage=k, microbatch=i, gpu=st.gpu)
+        elif o.kind == "send":  # a push of input `value` of stage k from the stage before
+            ref = st.inputs[o.value]
+            name = stages[ref.stage].outputs[ref.index]
+            pushed[(k, o.value, i)] = call(_rt.send, (outputs[(ref.stage, ref.index, i)], st.gpu, k),
+                                           f"{name}_{i}_{st.gpu}", stage=k, microbatch=i, gpu=st.gpu)
+        elif o.kind == "run":
             args = []
-            for ref in st.inputs:
-                if ref.stage < 0:
-                    args.append(call(_rt.send, (per_mb[ref.name][i], gpu, k), f"{ref.name}_{i}_{gpu}",
-                                     stage=k, microbatch=i, gpu=gpu))
-                elif ref.stage == k - 1:
-                    args.append(pushed[(ref.stage, ref.index, i)])
-                else:
-                    src = hosted[(ref.stage, ref.index, i)]
-                    name = stages[ref.stage].outputs[ref.index]
-                    args.append(call(_rt.send, (src, gpu, k), f"{name}_{i}_{gpu}", stage=k, microbatch=i, gpu=gpu))
-            out = call(_rt.run_stage, (k, i, *args), f"stage{k}_{i}", stage=k, microbatch=i, gpu=gpu)
+            for j, ref in enumerate(st.inputs):
+                if (k, j, i) in fetched:
+                    args.append(fetched[(k, j, i)])
+                elif (k, j, i) in pushed:
+                    args.append(pushed[(k, j, i)])
+                else:  # made by the stage before on this GPU: no copy
+                    args.append(outputs[(ref.stage, ref.index, i)])
+            out = call(_rt.run_stage, (k, i, *args), f"stage{k}_{i}", stage=k, microbatch=i, gpu=st.gpu)
             for j, name in enumerate(st.outputs):
-                value = g.create_node("call_function", operator.getitem, (out, j), name=f"{name}_{i}")
-                users = consumers.get((k, j), set())
-                if k + 1 in users:
-                    nxt = stages[k + 1].gpu
-                    pushed[(k, j, i)] = value if nxt == gpu else call(
-                        _rt.send, (value, nxt, k + 1), f"{name}_{i}_{nxt}", stage=k + 1, microbatch=i, gpu=nxt)
-                if any(u > k + 1 for u in users) or (k, j) in to_output:
-                    hosted[(k, j, i)] = call(_rt.send, (value, HOST, k), f"{name}_{i}_{HOST}",
-                                             stage=k, microbatch=i, gpu=HOST)
-        if next_on[k] is None:
-            call(_rt.hold_for_backward, (k,), stage=k, gpu=gpu)
-        else:
-            call(_rt.evict, (k,), stage=k, gpu=gpu)
+                outputs[(k, j, i)] = g.create_node("call_function", operator.getitem, (out, j), name=f"{name}_{i}")
+        # offload: done by run_stage itself (it saves the inputs it needs again in backward)
 
     def resolve(i: int) -> Callable[[Any], Any]:
         def f(a: Any) -> Any:
             if not isinstance(a, ValueRef):
                 return a
-            return per_mb[a.name][i] if a.stage < 0 else hosted[(a.stage, a.index, i)]
+            return source(a, i)
         return f
 
     outs = [fx.node.map_aggregate(out_arg, resolve(i)) for i in range(m)]
     merged = call(_rt.merge_microbatches, (outs,), "output_value", stages=n_stages)
     g.output(merged)
-    to_host = {(k, j) for (k, j), users in consumers.items() if any(u > k + 1 for u in users)} | to_output
     return g, to_host
