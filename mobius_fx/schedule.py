@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from .errors import MobiusError
 
-__all__ = ["Op", "StageIO", "StageInput", "ScheduleIR", "build_schedule", "HOST", "OP_KINDS"]
+__all__ = ["Op", "StageIO", "StageInput", "ScheduleIR", "build_schedule", "neighbours", "HOST", "OP_KINDS"]
 
 HOST = "host"  # DRAM: where masters, saved inputs and long-lived values live
 OP_KINDS = ("prefetch", "wait", "run", "send", "offload", "restore", "download", "evict", "hold", "step")
@@ -182,7 +182,8 @@ def _short(o: Op) -> str:
     return f"{o.kind}({o.stage})"
 
 
-def _neighbours(gpus: Sequence[str]) -> tuple[list[int | None], list[int | None]]:
+def neighbours(gpus: Sequence[str]) -> tuple[list[int | None], list[int | None]]:
+    """For stages on `gpus` (stage k on gpus[k]): the stage its GPU runs next, and before."""
     nxt: list[int | None] = [None] * len(gpus)
     prev: list[int | None] = [None] * len(gpus)
     last: dict[str, int] = {}
@@ -207,7 +208,7 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
                 raise MobiusError(f"stage {k} reads an input of stage {inp.source}; a stage reads model inputs (-1) "
                                   f"or values of earlier stages")
     gpu = [s.gpu for s in stages]
-    nxt, prev = _neighbours(gpu)
+    nxt, prev = neighbours(gpu)
     ops: list[Op] = []
     places: dict[str, list[int]] = defaultdict(list)
 

@@ -44,7 +44,7 @@ from torch.fx.passes.split_module import split_module
 from mobius_fx import ops as _rt
 from mobius_fx.devices import HOST
 from mobius_fx.errors import MobiusError
-from mobius_fx.schedule import ScheduleIR, StageInput, StageIO, build_schedule
+from mobius_fx.schedule import ScheduleIR, StageInput, StageIO, build_schedule, neighbours
 
 __all__ = ["insert_transfers", "Schedule", "StageSpec", "WeightRef", "ValueRef"]
 
@@ -162,14 +162,7 @@ def insert_transfers(gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]]
                    for k in range(len(stage_nodes)))
 
     gpus = tuple(dict.fromkeys(stage_gpus))
-    next_on: list[int | None] = [None] * len(stages)
-    prev_on: list[int | None] = [None] * len(stages)
-    last_seen: dict[str, int] = {}
-    for k, g in enumerate(stage_gpus):
-        if g in last_seen:
-            next_on[last_seen[g]] = k
-            prev_on[k] = last_seen[g]
-        last_seen[g] = k
+    next_on, prev_on = neighbours(stage_gpus)
 
     placeholders = [n for n in split.graph.nodes if n.op == "placeholder"]
     output = next(n for n in split.graph.nodes if n.op == "output")
