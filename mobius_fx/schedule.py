@@ -227,6 +227,7 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
     evicted: dict[int, int] = {}
     run_f: dict[tuple[int, int], int] = {}
     hosted: dict[tuple[int, int], int] = {}  # (stage, mb) -> its last copy to the host
+    hosted_all: dict[tuple[int, int], list[int]] = defaultdict(list)  # (stage, mb) -> all its copies to the host
     pushed: dict[tuple[int, int, int], int] = {}  # (consumer, input j, mb) -> the push from the stage before
     saved: dict[tuple[int, int, int], int] = {}  # (stage, input j, mb) -> offload op
     direct = [[inp.source >= 0 and inp.source == k - 1 for inp in st.inputs] for k, st in enumerate(stages)]
@@ -262,6 +263,7 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
             for p, b in enumerate(st.host_outputs):
                 hosted[(k, i)] = op("send", g, k, "forward", [r], microbatch=i, src=g, dst=HOST, what="activation",
                                     bytes=b, value=p)
+                hosted_all[(k, i)].append(hosted[(k, i)])
         last = run_f[(k, m - 1)]
         if nxt[k] is not None:
             evicted[k] = op("evict", g, k, "forward", [last])
@@ -270,14 +272,15 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
 
     # ---- backward
     run_b: dict[tuple[int, int], int] = {}
+    evicted_b: dict[int, int] = {}
     grads_back: dict[tuple[int, int], list[int]] = defaultdict(list)  # (stage, mb) -> gradient copies it waits for
     downloads: dict[int, int] = {}
     for k in reversed(range(len(stages))):
         g = gpu[k]
         st = stages[k]
         wait = op("wait", g, k, "backward", [fetched.get(k)])
-        if prev[k] is not None:
-            fetched[prev[k]] = up(prev[k], "backward", [wait])
+        if prev[k] is not None:  # as in forward: only after the stage before on this GPU left it
+            fetched[prev[k]] = up(prev[k], "backward", [wait, evicted_b.get(nxt[k]) if nxt[k] is not None else None])
         for i in reversed(range(m)):
             deps = [wait, *grads_back.pop((k, i), [])]
             for j, inp in enumerate(st.inputs):
@@ -288,8 +291,8 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
                     deps.append(op("send", g, k, "backward", [wait], microbatch=i, src=HOST, dst=g, what="input",
                                    bytes=inp.bytes, value=j))
             for b in st.host_outputs:  # the gradient of what went to the host (the loss, long skips)
-                deps.append(op("send", g, k, "backward", [], microbatch=i, src=HOST, dst=g, what="activation",
-                               bytes=b))
+                deps.append(op("send", g, k, "backward", hosted_all[(k, i)], microbatch=i, src=HOST, dst=g,
+                               what="activation", bytes=b))
             r = op("run", g, k, "backward", deps, microbatch=i)
             run_b[(k, i)] = r
             for j, inp in enumerate(st.inputs):  # input gradients go back the way the inputs came
@@ -308,7 +311,7 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
         if st.grad_bytes:
             downloads[k] = op("download", g, k, "backward", [last], src=g, dst=HOST, what="gradient",
                               bytes=st.grad_bytes)
-        op("evict", g, k, "backward", [downloads.get(k, last)])
+        evicted_b[k] = op("evict", g, k, "backward", [last])  # the weights; the gradients are a copy of their own
     if optimizer:
         for k in sorted(downloads):
             op("step", HOST, k, "optimizer", [downloads[k]])

@@ -14,11 +14,14 @@ comparisons are like for like.
     result.save_chrome_trace("step.json")                # open in ui.perfetto.dev
 
 Schedules (the docstring of each builder says where its model comes from): "mobius",
-"mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload", "roundpipe".
+"mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload", "roundpipe". The three
+"mobius" ones are read from the schedule IR (`plan.schedule()`, mobius_fx/schedule.py): one task
+per op, so a change of the schedule is made there; the baselines have their own builders.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter, defaultdict
@@ -29,6 +32,7 @@ from .costs import dtype_bytes
 from .errors import MobiusError, PlanError
 from .network import Link, LinkSegment, Task, replay
 from .plans import Plan
+from .schedule import HOST, ScheduleIR, build_schedule
 from .units import fmt_bytes, fmt_time
 
 __all__ = ["simulate", "SimResult", "SimEvent", "SCHEDULES", "CPU_ADAM_BANDWIDTH", "optimizer_bytes_touched"]
@@ -282,18 +286,19 @@ class _Context:
         return self.add(Task(name, after=[d for d in after if d is not None], meta=meta))
 
 
-def _pipeline(ctx: _Context, c: _Costs, slots: list[_Slot], m: int, *, prefetch: bool = True,
-              resident: bool = False, offload_activations: bool = True, activations: bool = True,
-              loss_on_host: bool = True, grads_to_host: bool = True) -> None:
-    """Tasks of a looped pipeline: each slot runs all `m` micro-batches of one stage on a GPU.
+def _pipeline(ctx: _Context, c: _Costs, slots: list[_Slot], m: int, *, resident: bool = False,
+              offload_activations: bool = True, activations: bool = True, loss_on_host: bool = True,
+              grads_to_host: bool = True) -> None:
+    """Tasks of a looped pipeline (the baselines): each slot runs all `m` micro-batches of one
+    stage on a GPU.
 
     Per GPU the slots run in list order on its compute stream. A slot's weights upload on the
-    GPU's upload stream when the previous slot on that GPU starts (`prefetch`) or ends, and not
-    before the stage two back on that GPU is evicted (at most two resident); a slot that
-    follows the same stage on the same GPU reuses its weights. Activations arrive on the
-    receiving GPU's activation stream; saved boundary inputs go to DRAM after they arrive and
-    come back (upload stream, after the weights) for backward; gradients go to DRAM on the
-    download stream after the last micro-batch.
+    GPU's upload stream when the previous slot on that GPU starts, and not before the stage two
+    back on that GPU is evicted (at most two resident); a slot that follows the same stage on
+    the same GPU reuses its weights. Activations arrive on the receiving GPU's activation
+    stream; saved boundary inputs go to DRAM after they arrive and come back (upload stream,
+    after the weights) for backward; gradients go to DRAM on the download stream after the last
+    micro-batch.
     """
     seq: dict[str, list[int]] = defaultdict(list)
     for j, s in enumerate(slots):
@@ -315,14 +320,12 @@ def _pipeline(ctx: _Context, c: _Costs, slots: list[_Slot], m: int, *, prefetch:
         fwd = s.phase in ("forward", "fused")
         phase = "forward" if s.phase == "forward" else "backward"
         tag = f"{s.phase[0]}{c.names[k]}"
-        trigger_start, trigger_end = [], []
-        if prev is not None:
-            (trigger_start if prefetch else trigger_end).append(comp[(prev.phase, prev.stage)][0 if prefetch else -1])
+        trigger_start = [comp[(prev.phase, prev.stage)][0]] if prev is not None else []
         memory = [next((evict[q] for q in reversed(mine[:max(0, p - 1)]) if evict.get(q) is not None), None)]
         up = None
         if not reuse:
             up = ctx.move(f"{gpu}/upload", (p, 0, 0), "dram", gpu, c.w[k], f"prefetch {tag}",
-                          after=trigger_end + memory, after_start=trigger_start,
+                          after=memory, after_start=trigger_start,
                           kind="prefetch", phase=phase, gpu=gpu, stage=k)
         rows = []
         for i in range(m):
@@ -346,11 +349,11 @@ def _pipeline(ctx: _Context, c: _Costs, slots: list[_Slot], m: int, *, prefetch:
             if s.phase == "backward" and activations:
                 if offload_activations and k > 0 and (k, i) in save:
                     deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), "dram", gpu, c.inp[k], f"restore {tag} mb{i}",
-                                         after=[save[(k, i)]] + trigger_end + memory, after_start=trigger_start,
+                                         after=[save[(k, i)], *memory], after_start=trigger_start,
                                          kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i))
                 elif offload_activations and k == 0 and c.inp[0] > 0:  # the model input, sent again from the host
                     deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), "dram", gpu, c.inp[0], f"input {tag} mb{i}",
-                                         after=trigger_end + memory, after_start=trigger_start,
+                                         after=memory, after_start=trigger_start,
                                          kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i))
                 if k == last_stage:
                     src, made = "dram", out.get(i) if out.get(i) is not None else comp[("forward", k)][i]
@@ -383,35 +386,84 @@ def _cpu_optimizer(ctx: _Context, master_bytes: float) -> None:
                  meta={"kind": "optimizer", "phase": "step"}))
 
 
-def _looped(ctx: _Context, order: tuple[str, ...], *, prefetch: bool = True) -> None:
-    plan, n = ctx.plan, len(order)
-    s = plan.num_stages
-    slots = [_Slot("forward", k, order[k % n]) for k in range(s)]
-    slots += [_Slot("backward", k, order[k % n]) for k in reversed(range(s))]
-    _pipeline(ctx, ctx.stages, slots, plan.microbatches, prefetch=prefetch)
-    _cpu_optimizer(ctx, sum(ctx.stages.master))
+_KIND = {"prefetch": "prefetch", "send": "activation", "offload": "activation", "restore": "activation",
+         "download": "gradient"}  # an IR copy's kind in plan.transfers
+
+
+def _schedule(plan: Plan, gpus: tuple[str, ...] | None = None) -> ScheduleIR:
+    """plan.schedule(), with stage k on gpus[k % N] when `gpus` is given."""
+    ir = plan.schedule()
+    if gpus is None:
+        return ir
+    return build_schedule([dataclasses.replace(io, gpu=gpus[k % len(gpus)]) for k, io in enumerate(ir.stages)],
+                          ir.microbatches)
+
+
+def _from_ir(ctx: _Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
+    """One task per op of a schedule IR (mobius_fx/schedule.py). A `run` computes f or b on its
+    GPU; a copy with bytes is a flow on the route src -> dst, on the receiving GPU's upload stream
+    (prefetch, restore, an input sent again), its activation stream (other sends to a GPU) or the
+    sending GPU's download stream (offload, download, sends to the host), served by slot (a stage's
+    forward or backward on that GPU), then IR order; `evict`/`wait`/`hold` are markers; the host
+    `step`s are the one CPU optimizer task at the end. Deps are the IR's, through markers and
+    zero-byte copies: a `wait` stands for the stage's weights, but a prefetch it triggers starts
+    with the stage's first run (with `prefetch=False`: after its last)."""
+    ops, c = ir.ops, ctx.stages
+    slot = {(o.phase, o.stage): p for g in ir.gpus for p, o in enumerate(x for x in ir.place(g) if x.kind == "wait")}
+    runs: dict[int, list[int]] = defaultdict(list)  # wait -> the runs that wait for it
+    for o in ops:
+        for d in o.deps if o.kind == "run" else ():
+            if ops[d].kind == "wait":
+                runs[d].append(o.index)
+    task: dict[int, int] = {}
+    through: dict[int, list[int]] = {}
+    triggers: list[tuple[int, int]] = []
+
+    def ends(d: int) -> list[int]:  # the tasks whose ends op d stands for
+        if d not in task and d not in through:
+            through[d] = [t for e in ops[d].deps for t in ends(e)]
+        return [task[d]] if d in task else through[d]
+
+    for o in ops:
+        after = [t for d in o.deps if not (o.kind == "prefetch" and ops[d].kind == "wait") for t in ends(d)]
+        tag = f"{o.phase[0]}{c.names[o.stage]}" + ("" if o.microbatch is None else f" mb{o.microbatch}")
+        if o.kind == "run":
+            task[o.index] = ctx.compute(o.place, c.f[o.stage] if o.phase == "forward" else c.b[o.stage], tag, after,
+                                        phase=o.phase, stage=o.stage, microbatch=o.microbatch)
+        elif o.kind in _KIND and o.direction and o.bytes > 0:
+            gpu = o.src if o.dst == HOST else o.dst
+            stream = ("download" if o.dst == HOST else "upload" if o.kind == "prefetch" or o.what == "input"
+                      else "activation")
+            task[o.index] = ctx.move(f"{gpu}/{stream}", (slot[(o.phase, o.stage)], o.index),
+                                     "dram" if o.src == HOST else o.src, "dram" if o.dst == HOST else o.dst, o.bytes,
+                                     f"{o.kind} {tag}", after=after, kind=_KIND[o.kind], phase=o.phase, gpu=gpu,
+                                     stage=o.stage, microbatch=o.microbatch)
+            triggers += [(task[o.index], d) for d in o.deps if o.kind == "prefetch" and ops[d].kind == "wait"]
+        elif o.kind in ("evict", "wait", "hold"):
+            ctx.mark(f"{o.kind} {tag}", after, kind=o.kind, phase=o.phase, gpu=o.place, stage=o.stage)
+    for t, w in triggers:
+        (ctx.tasks[t].after_start if prefetch else ctx.tasks[t].after).append(task[runs[w][0 if prefetch else -1]])
+    _cpu_optimizer(ctx, sum(c.master[o.stage] for o in ops if o.kind == "step"))
 
 
 def _mobius(ctx: _Context) -> None:
-    """The plan as the runtime runs it (docs/schedule.md): stage k on order[k % N], GPipe order
-    per GPU, prefetch of the next stage on the GPU while the current one runs, the last stage
-    of each GPU resident across the forward/backward turn, CPU optimizer after the last
-    gradient. Moves exactly `plan.transfers` (checked), so `plan.lower_bound()` bounds it."""
-    _looped(ctx, ctx.plan.order)
+    """The plan as the runtime runs it: its schedule IR (docs/schedule.md), CPU optimizer after
+    the last gradient. Moves exactly `plan.transfers` (checked), so `plan.lower_bound()` bounds it."""
+    _from_ir(ctx, _schedule(ctx.plan))
     _check_transfers(ctx)
 
 
 def _noprefetch(ctx: _Context) -> None:
     """Mobius without prefetch: a stage's upload starts only once its GPU has finished the
     previous stage (the GPU idles while its weights arrive). Same transfers as "mobius"."""
-    _looped(ctx, ctx.plan.order, prefetch=False)
+    _from_ir(ctx, _schedule(ctx.plan), prefetch=False)
     _check_transfers(ctx)
 
 
 def _identity(ctx: _Context) -> None:
     """Mobius with the identity mapping (stage k on the k % N-th GPU by CUDA index, no cross
     mapping), as in the paper's cross-mapping ablation; transfers re-routed accordingly."""
-    _looped(ctx, ctx.gpus)
+    _from_ir(ctx, _schedule(ctx.plan, ctx.gpus))
 
 
 def _roundpipe(ctx: _Context) -> None:
@@ -610,7 +662,7 @@ def _run(ctx: _Context, schedule: str) -> SimResult:
     events = tuple(SimEvent(t.name, t.meta.get("kind", "marker"), t.meta.get("phase", ""), t.meta.get("gpu"),
                             t.stream, t.meta.get("stage"), t.meta.get("microbatch"), rep.start[i], rep.end[i],
                             t.meta.get("bytes", 0), t.meta.get("route", ()))
-                   for i, t in enumerate(tasks) if t.meta.get("kind") != "barrier")
+                   for i, t in enumerate(tasks) if t.meta.get("kind") not in ("barrier", "wait", "hold"))
     link_bytes = {l: int(round(b)) for l, b in rep.link_bytes.items()}
     for l in link_bytes:
         capacity(l)

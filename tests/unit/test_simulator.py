@@ -5,6 +5,7 @@ import json
 import math
 import random
 import time
+from collections import Counter
 
 import pytest
 
@@ -112,6 +113,46 @@ def events(result, kind, **where):
 def test_mobius_moves_exactly_the_plans_transfers(testbed_plan):
     r = simulate(testbed_plan)
     assert r.link_bytes == testbed_plan.link_bytes()
+
+
+def per_op(items):
+    """(kind, phase, stage) -> (count, bytes) of (kind, phase, stage, bytes) items."""
+    count, nbytes = Counter(), Counter()
+    for kind, phase, stage, b in items:
+        count[(kind, phase, stage)] += 1
+        nbytes[(kind, phase, stage)] += b
+    return count, nbytes
+
+
+@pytest.mark.parametrize("schedule", ["mobius", "mobius-noprefetch"])
+@pytest.mark.parametrize("gpus", [8, 1])
+def test_mobius_tasks_are_one_per_op_of_the_plans_schedule(testbed, schedule, gpus):
+    # The simulator builds its Mobius tasks from plan.schedule(): a compute task per `run`, a
+    # flow per copy that moves bytes (named after its op), nothing else that computes or moves.
+    plan = make_plan(testbed, make_layers(24, w=200e6, out=8e6), list(range(0, 24, 2)), 3, dtype="float16",
+                     order=[g.name for g in testbed.gpus][:gpus])
+    ir = plan.schedule()
+    r = simulate(plan, schedule=schedule)
+    want = per_op((o.kind, o.phase, o.stage, o.bytes) for o in ir.ops if o.kind == "run" or (o.direction and o.bytes))
+    got = per_op(("run" if e.kind == "compute" else e.name.split()[0], e.phase, e.stage, e.bytes)
+                 for e in r.events if e.kind in ("compute", "prefetch", "activation", "gradient"))
+    assert got == want
+    busy = Counter()
+    for e in events(r, "compute"):
+        busy[(e.phase, e.stage)] += e.end - e.start
+    for s in plan.stages:  # each run takes its stage's per-micro-batch time
+        assert busy[("forward", s.index)] == pytest.approx(plan.microbatches * s.fwd_time)
+        assert busy[("backward", s.index)] == pytest.approx(plan.microbatches * s.bwd_time)
+
+
+def test_mobius_tasks_are_checked_against_the_plans_transfers(testbed_plan):
+    # _check_transfers compares the tasks built from the IR with plan.transfers: a plan whose
+    # table lost a row (or was built for other stages) is refused.
+    rows = list(testbed_plan.transfers)
+    rows.remove(next(t for t in rows if t.kind == "gradient"))
+    short = dataclasses.replace(testbed_plan, transfers=tuple(rows))
+    with pytest.raises(MobiusError, match="plan.transfers differ"):
+        simulate(short)
 
 
 def test_mobius_is_never_faster_than_the_plans_lower_bound(testbed_plan):
