@@ -171,6 +171,16 @@ def _cases():
     yield "tied-gpt-3on2", tied, gm, [names[:h], names[h:2 * h], names[2 * h:]], ["gpu0", "gpu1", "gpu0"], (ids,)
 
 
+    from tests.models import hf_inputs, hf_llama
+
+    llama = hf_llama(layers=3)
+    ids = hf_inputs(llama, batch=4, seq=8)
+    gm = mobius_fx.trace(llama, example_inputs=ids)
+    names = [n.name for n in gm.graph.nodes if n.op in _COMPUTE]
+    h = len(names) // 3
+    yield "hf-llama-3on2", llama, gm, [names[:h], names[h:2 * h], names[2 * h:]], ["gpu0", "gpu1", "gpu0"], ids
+
+
 @pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
 def test_the_runtime_moves_exactly_what_its_schedule_ir_says(case):
     _, model, gm, nodes, gpus, inputs = case
@@ -179,7 +189,8 @@ def test_the_runtime_moves_exactly_what_its_schedule_ir_says(case):
                           example_inputs=inputs, device="virtual")
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        pipe(*inputs).float().pow(2).sum().backward()
+        out = pipe(*inputs)
+        getattr(out, "logits", out).float().pow(2).sum().backward()
     ir = pipe.schedule_ir(_values(gm, *[t[: t.shape[0] // m] for t in inputs]))
     # Weights and gradients move one copy per tensor, the IR one op per stage: compare their
     # bytes; activations and saved inputs move one copy per value and micro-batch: both.
