@@ -4,7 +4,7 @@ By default: a byte-level GPT with tied embeddings, 4 virtual GPUs on the CPU (ea
 byte budget the runtime enforces; every stage is uploaded, used and evicted), English prose from the
 Python standard library's docstrings (no download), AdamW on the CPU master weights.
 
-    python examples/finetune_gpt.py                       # about a minute on 2 cores
+    python examples/finetune_gpt.py                       # about two minutes on 2 cores
     python examples/finetune_gpt.py --data my.txt --steps 500 --topology virtual:8
     python examples/finetune_gpt.py --topology server.json   # a real server (CUDA)
 """

@@ -12,9 +12,13 @@ Everything above this module (runtime.py) is one code path; only the copies diff
   while another stream still reads it; weights upload from pinned staging copies of the masters (the
   user's tensors are never moved, pinned or replaced).
 
-Both keep the same books: bytes held now and at peak (weights, weight gradients and the
-activations handed out), a budget that raises `MobiusError` when exceeded, and a log of the bytes
-moved per kind and direction.
+Both keep the same books: bytes held now and at peak, a budget that raises `BudgetError` when
+exceeded, and a log of the bytes moved per kind and direction. The books see every byte: weight
+slots and gradient accumulators are booked by the runtime (`alloc`/`free`, `claim`); every other
+tensor the GPU holds -- activations handed out (`track`), and everything stage work creates inside
+`compute()`: intermediates of the forward and of the recompute, activation and weight gradients,
+temporaries -- is charged by a dispatch-mode tracker (`_Books`) per storage (views of one storage
+count once) from the op that creates it until the storage dies (a weakref callback).
 
     dev = VirtualDevice("gpu0", budget=parse_bytes("64MiB"))
     slot = dev.new_slot(master, dtype=None, parameter=True)   # no storage yet
@@ -25,6 +29,7 @@ moved per kind and direction.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import BudgetError, MobiusError
 from .units import fmt_bytes
@@ -106,6 +112,61 @@ class TransferLog:
         self._mark.clear()
 
 
+_FRESH: dict[Any, tuple[bool, ...]] = {}  # op -> per return: a new tensor (its schema says no alias)
+
+
+def _fresh_returns(func: Any) -> tuple[bool, ...]:
+    try:
+        return tuple(r.alias_info is None for r in func._schema.returns)
+    except AttributeError:  # not an aten op with a schema
+        return ()
+
+
+class _Books(TorchDispatchMode):
+    """The tracker `Device.books()` enters: every op's new output tensors on the device (not
+    views, not in-place results: the op's schema says which are aliases) have their storage
+    charged to the device's books until the storage dies. A budget error raised here is raised
+    by the op, before its result is used; the result, never charged, is freed with it."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no dynamo-disabling wrapper around __torch_dispatch__: a few us per op saved
+
+    def __init__(self, dev: "Device") -> None:
+        super().__init__()
+        self.dev = dev
+        self.paused = False
+        self.label = "a stage's"
+        self.where = None if dev.torch_device.type == "cpu" else dev.torch_device  # cpu: no host tensors here
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        fresh = _FRESH.get(func)
+        if fresh is None:
+            fresh = _FRESH[func] = _fresh_returns(func)
+        if self.paused or True not in fresh:
+            return out
+        for o, new in zip((out,) if len(fresh) == 1 else out, fresh):
+            if not new:
+                continue
+            if isinstance(o, torch.Tensor):
+                self._charge(o, func)
+            elif isinstance(o, (list, tuple)):
+                for t in o:
+                    if isinstance(t, torch.Tensor):
+                        self._charge(t, func)
+        return out
+
+    def _charge(self, t: torch.Tensor, func: Any) -> None:
+        if self.where is not None and t.device != self.where:
+            return  # a host copy made during the work (CUDA: pinned offloads)
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+            return
+        self.dev._charge(storage, (self.label, func))
+
+
 def _remedy(what: str) -> str:
     """What helps, by what did not fit: weights shrink with smaller stages; activations and
     saved inputs with fewer rows per stage call."""
@@ -122,6 +183,7 @@ class Device:
     """
 
     kind = "abstract"
+    granule = 1  # the allocator's rounding: a storage of n bytes holds n rounded up to this
 
     def __init__(self, name: str, budget: int | None, torch_device: torch.device) -> None:
         self.name = name
@@ -130,15 +192,21 @@ class Device:
         self.current_bytes = 0
         self.peak_bytes = 0
         self.log = TransferLog()
-        self._lock = threading.Lock()
-        self._tracked: dict[int, tuple[weakref.finalize, int]] = {}
+        self._lock = threading.RLock()  # re-entrant: a storage may die (and be freed) while it is held
+        self._tracked: dict[int, tuple[weakref.ref, int]] = {}  # id(storage) -> (its weakref, bytes charged)
+        self._tls = threading.local()  # per thread: the tracker now active (compute()), or None
+        self._window = 0  # the peak since the current `working` began
+        self.stage_peaks: dict[int, int] = {}  # stage -> its measured peak (see `working`)
 
     # ------------------------------------------------------------------ books
-    def alloc(self, n: int, what: str) -> None:
-        """Count `n` more bytes held; raises MobiusError (nothing counted) past the budget."""
+    def alloc(self, n: int, what: "str | tuple[str, Any]") -> None:
+        """Count `n` more bytes held; raises MobiusError (nothing counted) past the budget.
+        `what` is said in the error; (whose, op) for the tracker's charges (formatted only then)."""
         with self._lock:
             after = self.current_bytes + n
             if self.budget is not None and after > self.budget:
+                if not isinstance(what, str):
+                    what = f"{what[0]} working memory ({what[1]})"
                 raise BudgetError(
                     f"{self.name} would hold {fmt_bytes(after)} ({after} bytes: {what} needs {fmt_bytes(n)} on top "
                     f"of {fmt_bytes(self.current_bytes)} held) but its budget is {fmt_bytes(self.budget)} "
@@ -147,34 +215,70 @@ class Device:
             self.current_bytes = after
             if after > self.peak_bytes:
                 self.peak_bytes = after
+            if after > self._window:
+                self._window = after
 
     def free(self, n: int, what: str = "") -> None:
         with self._lock:
             self.current_bytes -= n
 
     def track(self, t: torch.Tensor, what: str = "activation") -> None:
-        """Count an activation this device holds until the tensor object dies (or `untrack_all`)."""
-        key = id(t)
+        """Charge the storage of `t`, a tensor this device holds, until the storage dies (every
+        tensor and view on it) or `untrack_all`; a storage already charged is not charged again."""
+        self._charge(t.untyped_storage(), what, empty=True)
+
+    def _charge(self, storage: torch.UntypedStorage, what: Any, empty: bool = False) -> None:
+        key = id(storage)
         if key in self._tracked:
             return
-        n = nbytes(t)
+        n = -(-storage.nbytes() // self.granule) * self.granule
+        if not n and not empty:
+            return
         self.alloc(n, what)
-        self._tracked[key] = (weakref.finalize(t, self._release_tracked, key, n), n)
+        self._tracked[key] = (weakref.ref(storage, functools.partial(self._died, key)), n)
 
-    def _release_tracked(self, key: int, n: int) -> None:
-        if self._tracked.pop(key, None) is not None:
-            self.free(n)
+    def _died(self, key: int, ref: weakref.ref) -> None:
+        entry = self._tracked.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._tracked[key]
+            self.free(entry[1])
 
     def holds(self, t: torch.Tensor) -> bool:
-        """Whether `t` is an activation this device handed out and still counts."""
-        return id(t) in self._tracked
+        """Whether `t`'s storage is charged to this device (an activation it holds)."""
+        try:
+            return id(t.untyped_storage()) in self._tracked
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+            return False
+
+    def claim(self, t: torch.Tensor, what: str) -> None:
+        """Book `nbytes(t)` for the caller, who frees them (a gradient accumulator): charged now,
+        or, when the tracker already charges its storage, taken over from the tracker."""
+        with self._lock:
+            entry = self._tracked.pop(id(t.untyped_storage()), None)
+        n = nbytes(t)
+        if entry is None:
+            self.alloc(n, what)
+        elif n > entry[1]:
+            self.alloc(n - entry[1], what)
+        else:
+            self.free(entry[1] - n)
+
+    def accept(self, t: Any) -> Any:
+        """A tensor arriving for stage work on this GPU (an output's gradient, from the stage
+        after it or from the host), on this GPU and charged to it (inside `compute()`)."""
+        if not isinstance(t, torch.Tensor) or self.holds(t):
+            return t
+        return self._arrive(t)
+
+    def _arrive(self, t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def untrack_all(self) -> None:
-        """Forget every tracked activation (after an error: the pipeline no longer holds them)."""
-        for key, (fin, n) in list(self._tracked.items()):
-            if fin.detach() is not None:
-                self._tracked.pop(key, None)
-                self.free(n)
+        """Forget every charged storage (after an error: the pipeline no longer holds them)."""
+        with self._lock:
+            held = sum(n for _, n in self._tracked.values())
+            self._tracked.clear()
+            self.current_bytes -= held
 
     def stats(self) -> dict[str, int]:
         return {"peak_bytes": self.peak_bytes, "current_bytes": self.current_bytes}
@@ -182,10 +286,65 @@ class Device:
     def reset_peak(self) -> None:
         with self._lock:
             self.peak_bytes = self.current_bytes
+            self.stage_peaks.clear()
+
+    # ------------------------------------------------------------------ the tracker
+    @contextlib.contextmanager
+    def books(self) -> Iterator[None]:
+        """Charge every tensor created on this device in this thread, until the context ends, to
+        the books (`compute()` enters it); nested: the outer one charges."""
+        tls = self._tls
+        if getattr(tls, "mode", None) is not None:
+            yield
+            return
+        tls.mode = mode = _Books(self)
+        try:
+            with mode:
+                yield
+        finally:
+            tls.mode = None
+
+    @contextlib.contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Copies made here are host memory, not this device's (a virtual GPU's offload)."""
+        mode = getattr(self._tls, "mode", None)
+        if mode is None or mode.paused:
+            yield
+            return
+        mode.paused = True
+        try:
+            yield
+        finally:
+            mode.paused = False
+
+    @contextlib.contextmanager
+    def working(self, stage: int, others: int = 0) -> Iterator[None]:
+        """Stage `stage` works on this GPU (forward, recompute, gradients, accumulation): inside
+        `compute()`, its tensors booked under its name. The GPU's peak during the work, less
+        `others` (bytes held for other stages: their weights, their gradient accumulators), is
+        the stage's measured peak, `stage_peaks[stage]` (the plan's `Stage.peak_bytes` bounds it)."""
+        with self.compute():
+            mode = getattr(self._tls, "mode", None)  # None: a Device of yours whose compute() does not track
+            label = mode.label if mode is not None else None
+            if mode is not None:
+                mode.label = f"stage {stage}'s"
+            with self._lock:
+                outer, self._window = self._window, self.current_bytes
+            try:
+                yield
+            finally:
+                with self._lock:
+                    peak = self._window - others
+                    if peak > self.stage_peaks.get(stage, -1):
+                        self.stage_peaks[stage] = peak
+                    self._window = max(outer, self._window)
+                if mode is not None:
+                    mode.label = label
 
     # ------------------------------------------------------------------ interface
     def compute(self) -> contextlib.AbstractContextManager:
-        """Context in which this GPU's compute runs (its compute stream)."""
+        """Context in which this GPU's compute runs (its compute stream), with `books()` on:
+        every tensor the work creates on the GPU is charged while it lives."""
         raise NotImplementedError
 
     def new_slot(self, like: torch.Tensor, dtype: torch.dtype | None, parameter: bool) -> torch.Tensor:
@@ -278,7 +437,6 @@ class VirtualDevice(Device):
     """
 
     kind = "virtual"
-    _NULL = contextlib.nullcontext()
 
     def __init__(self, name: str, budget: int | None, *, asynchronous: bool = False) -> None:
         super().__init__(name, budget, torch.device("cpu"))
@@ -286,7 +444,7 @@ class VirtualDevice(Device):
             if asynchronous else None
 
     def compute(self) -> contextlib.AbstractContextManager:
-        return self._NULL
+        return self.books()
 
     def new_slot(self, like, dtype, parameter):
         return _empty_slot(like, dtype, parameter, self.torch_device)
@@ -327,20 +485,29 @@ class VirtualDevice(Device):
         self.log.add("activation", "d2h", nbytes(out))
         return out
 
+    def _arrive(self, t):
+        # The copy a GPU receives: host memory and other GPUs' books keep theirs until it dies.
+        return t.clone()
+
     def offload(self, t):
-        # Host and device memory are one here: keep an alias, and the version it had, as eager
-        # checkpointing keeps its inputs; an in-place change before backward is an error there too.
+        # A real host copy, as a CUDA device makes (an alias would keep the GPU tensor's storage,
+        # and its charge, alive until backward). The input, while it lives, tells whether it was
+        # changed in place before backward: an error, as in eager checkpointing.
         self.log.add("input", "d2h", nbytes(t))
-        return _Saved(t.detach(), t._version)
+        with self.untracked():
+            host = t.detach().clone()
+        return _Saved(host, (weakref.ref(t), t._version))
 
     def restore(self, saved):
-        if saved.host._version != saved.event:
+        ref, version = saved.event
+        t = ref()
+        if t is not None and t._version != version:
             raise MobiusError(
                 f"an input saved for backward on {self.name} was modified in place after the forward used it "
-                f"(version {saved.event} -> {saved.host._version}); a stage must not change its inputs in place "
+                f"(version {version} -> {t._version}); a stage must not change its inputs in place "
                 f"(use the out-of-place op, e.g. relu instead of relu_)")
         self.log.add("input", "h2d", nbytes(saved.host))
-        return saved.host.detach()
+        return saved.host.clone()  # the copy on this GPU (charged to it inside compute())
 
     def download(self, t, kind):
         self.log.add(kind, "d2h", nbytes(t))
@@ -370,6 +537,7 @@ class CudaDevice(Device):
     """
 
     kind = "cuda"
+    granule = 512  # CUDACachingAllocator rounds every block up to 512 bytes (memory_allocated counts blocks)
 
     def __init__(self, name: str, budget: int | None, index: int) -> None:
         super().__init__(name, budget, torch.device("cuda", index))
@@ -383,8 +551,10 @@ class CudaDevice(Device):
         self._epoch = 0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mobius-upload-{name}")
 
+    @contextlib.contextmanager
     def compute(self):
-        return torch.cuda.stream(self.compute_stream)
+        with torch.cuda.stream(self.compute_stream), self.books():
+            yield
 
     def new_slot(self, like, dtype, parameter):
         return _empty_slot(like, dtype, parameter, self.torch_device)
@@ -466,6 +636,12 @@ class CudaDevice(Device):
             out = value.to("cpu")  # blocking: the host reads it next
         self.log.add("activation", "d2h", nbytes(out))
         return out
+
+    def _arrive(self, t):
+        if t.device == self.torch_device:  # autograd copied it here (the backward of a send)
+            self.track(t, "gradient")
+            return t
+        return t.to(self.torch_device, non_blocking=True)
 
     def _to_pinned(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Copy `t` into a new pinned host tensor on the download stream, after the compute

@@ -94,6 +94,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
         if gpu_budgets is None:  # the whole GPU: the plan's capacity is the planner's target, not a limit
             gpus = {g.name: g for g in topology.gpus} if topology is not None else {}
             gpu_budgets = {s.gpu: (gpus[s.gpu].memory if s.gpu in gpus else int(s.capacity)) for s in plan.stages}
+            gpu_budgets.update({name: g.memory for name, g in gpus.items() if name not in gpu_budgets})
         if gpu_indices is None and topology is not None:
             gpu_indices = {g.name: g.index for g in topology.gpus}
         if device == "auto" and getattr(topology, "virtual", False):
@@ -107,7 +108,13 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
         log.debug("compute nodes not listed in any stage, placed with the node before them: %s", schedule.moved)
     program = emit(schedule)
     budgets = dict(gpu_budgets or {})
-    devices = make_devices({g: budgets.get(g) for g in schedule.gpus}, device=device, indices=gpu_indices)
+    # Every GPU of the topology (and of gpu_budgets) gets a Device, used by a stage or not, so
+    # memory_stats() lists them all; the topology's order first.
+    names = [g.name for g in topology.gpus] if topology is not None else []
+    names += [g for g in (*schedule.gpus, *budgets) if g not in names]
+    if isinstance(device, Mapping):  # your own Devices: those you gave, and every GPU a stage uses
+        names = [g for g in names if g in device or g in schedule.gpus]
+    devices = make_devices({g: budgets.get(g) for g in names}, device=device, indices=gpu_indices)
     masters = [_masters(model, gm, spec) for spec in schedule.stages]
     runtime = _Runtime(schedule, devices, masters, _torch_dtype(dtype))
     if example_inputs or example_kwargs:

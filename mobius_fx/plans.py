@@ -99,7 +99,8 @@ class Transfer:
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Bytes scale factors and the constant working-memory term of a plan.
+    """Bytes scale factors and the constant working-memory term of a plan, and the stage
+    footprint formula (`footprint`) that `stage_memory`, the partitioner and its MIP share.
 
     Layer costs are traced in the model's own dtype (fp32 masters); weights and activations
     on the GPU are `weight_scale`/`act_scale` times that when streaming in half precision.
@@ -117,23 +118,49 @@ class MemoryModel:
         work = max((l.peak_bytes for l in layers), default=0) * scale / microbatches
         return MemoryModel(microbatches, scale, scale, work)
 
+    @property
+    def grad_copies(self) -> int:
+        """Copies of a stage's weight gradients on its GPU in backward: the sum so far and,
+        with several micro-batches, the fresh gradients of the micro-batch being added to it
+        (autograd hands a stage call's weight gradients back all at once)."""
+        return 2 if self.microbatches > 1 else 1
+
+    def recompute_bytes(self, layer: LayerCost) -> float:
+        """What recomputing `layer` with grad keeps until its backward, for one micro-batch: at
+        most its live-in activations and every tensor its nodes produce (`peak_bytes`)."""
+        return layer.peak_bytes * self.act_scale / self.microbatches
+
+    def footprint(self, weights: Any, grads: Any, recompute: Any, boundary: Any) -> tuple[Any, Any]:
+        """(forward, backward) bytes of a stage from its sums over its layers: weights, weight
+        gradients, `recompute_bytes`, and M x (boundary input + output) activations. Linear
+        in them, so the MIP can call it with PuLP expressions.
+
+        forward  = weights + working + boundary
+        backward = weights + grad_copies x gradients + recompute + working + boundary
+
+        working (the largest layer's, one micro-batch) bounds the forward's live intermediates
+        and backward's activation gradients in flight; recompute is everything the stage's
+        recompute keeps for backward, summed over its layers; boundary covers the stage's
+        inputs (forward) and the input and output gradients of its M calls (backward).
+        """
+        work = self.working_bytes
+        return weights + work + boundary, weights + self.grad_copies * grads + recompute + work + boundary
+
 
 def stage_memory(layers: Sequence[LayerCost], before: LayerCost | None, mm: MemoryModel) -> tuple[float, float]:
-    """(forward, backward) GPU footprint of a stage made of `layers`, in bytes.
+    """(forward, backward) GPU footprint of a stage made of `layers`, in bytes (`MemoryModel.footprint`).
 
-    forward  = weights + working + M x (boundary input + output) activations
-    backward = weights + weight grads + 2 x working (recompute, then backward)
-               + M x (saved input + output grad)
     `before` is the layer just before the stage (its output is the stage input), None for
-    stage 0. Linear in the layers, so the MIP can use the same formula.
+    stage 0. Linear in the layers, so the MIP can use the same formula. What the runtime's
+    books measure per stage (`Pipeline.stage_peaks()`) stays at or below the larger of the two.
     """
     m = mm.microbatches
     w = sum(l.param_bytes for l in layers) * mm.weight_scale
     g = sum(l.grad_bytes for l in layers) * mm.weight_scale
+    r = sum(mm.recompute_bytes(l) for l in layers)
     act_in = (before.output_bytes if before is not None else 0) * mm.act_scale / m
     act_out = layers[-1].output_bytes * mm.act_scale / m if layers else 0.0
-    boundary = m * (act_in + act_out)
-    return w + mm.working_bytes + boundary, w + g + 2 * mm.working_bytes + boundary
+    return mm.footprint(w, g, r, m * (act_in + act_out))
 
 
 @dataclass(frozen=True)
@@ -335,7 +362,7 @@ def build_plan(
             w += extra
             grad += extra_grad  # its GPU copy gets a gradient of its own, downloaded and summed on the host
             fwd_mem += extra
-            bwd_mem += extra + extra_grad
+            bwd_mem += extra + mm.grad_copies * extra_grad
         g = gpu_of[order[k % n]]
         hidden = 0.0
         if prefetch_fwd is not None and w > 0:

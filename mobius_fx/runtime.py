@@ -423,12 +423,12 @@ class _Runtime:
         try:
             if torch.is_grad_enabled() and (st.train or any(t.requires_grad for t in tensors)):
                 call = _Call(self, step, k, i, leaves, spec, pos)
-                with dev.compute():
+                with self._working(k):
                     outs = _StageFunction.apply(call, self._anchor, *tensors)
                 result = _rebuild(call.out_leaves, call.out_pos, outs, call.out_spec)
                 step.fwd_calls[k] += 1
             else:
-                with torch.no_grad(), dev.compute(), _autocast(self.amp_state(dev)):
+                with torch.no_grad(), self._working(k), _autocast(self.amp_state(dev)):
                     result = st.module(*args)
         except Exception as e:
             if hasattr(e, "add_note"):
@@ -446,6 +446,18 @@ class _Runtime:
             self._collect_buffers(k)
         return result
 
+    def _working(self, k: int) -> Any:
+        """The context of stage k's work on its GPU (`Device.working`): every tensor it creates
+        is charged to the GPU while it lives; what the GPU holds for other stages meanwhile
+        (their weights, their gradient accumulators) is left out of stage k's measured peak."""
+        st = self.stages[k]
+        dev = st.device
+        others = sum(o.weight_bytes for j, o in enumerate(self.stages) if j != k and o.device is dev and o.resident)
+        if self.step is not None:
+            others += sum(nbytes(g) for j, acc in self.step.acc.items() if j != k and self.stages[j].device is dev
+                          for g in acc.values())
+        return dev.working(k, others)
+
     def _collect_buffers(self, k: int) -> None:
         st = self.stages[k]
         for group in st.buffer_groups:
@@ -460,8 +472,16 @@ class _Runtime:
         call.rng = dev.rng_state()
         with dev.log.stage(call.stage):
             call.saved = [self._save(dev, t) for t in tensors]
+        versions = [t._version for t in tensors]
         with _autocast(call.amp):
             out = st.module(*_rebuild(call.in_leaves, call.in_pos, tensors, call.in_spec))
+        for t, v in zip(tensors, versions):
+            if t.requires_grad and t._version != v:  # the recompute would change a leaf in place
+                raise MobiusError(
+                    f"stage {call.stage} changed one of its inputs in place: an input saved for backward on "
+                    f"{dev.name} was modified in place after the forward used it (version {v} -> {t._version}); "
+                    f"a stage must not change its inputs in place (use the out-of-place op, e.g. relu instead "
+                    f"of relu_)")
         leaves, spec = pytree.tree_flatten(out)
         pos = [j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         ids = {id(t) for t in tensors}
@@ -507,7 +527,6 @@ class _Runtime:
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._finish, step))
         k = call.stage
         st = self.stages[k]
-        dev = st.device
         if step.bwd_calls[k] == 0 or not st.resident:
             self.wait(k, strict=False)
             for p in self._bwd_prefetch.get(k, ()):  # what the IR prefetches when this stage starts backward
@@ -515,47 +534,57 @@ class _Runtime:
                     self.prefetch(p)
         elif st.token is not None:
             self.wait(k, strict=False)
-        with dev.compute():
-            with dev.log.stage(k):
-                inputs = [self._restore(dev, s) for s in call.saved]
-            held = sum(nbytes(t) for t in inputs)
-            dev.alloc(held, f"stage {k}'s saved inputs")
-            try:
-                for t, need in zip(inputs, needs):
-                    if need:
-                        t.requires_grad_(True)
-                args = _rebuild(call.in_leaves, call.in_pos, inputs, call.in_spec)
-                with torch.enable_grad(), dev.rng(call.rng), _autocast(call.amp):
-                    out = st.module(*args)
-                leaves = pytree.tree_leaves(out)
-                outs = [leaves[j] for j in call.out_pos]
-                pairs = [(o, g) for o, g in zip(outs, grads)
-                         if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-                want = [t for t, need in zip(inputs, needs) if need]
-                train = [st.slots[j] for j in st.train]
-                wrt = want + train
-                if pairs and wrt:
-                    res = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                else:
-                    res = (None,) * len(wrt)
-            finally:
-                dev.free(held)
-            acc = step.acc.setdefault(k, {})
-            for j, g in zip(st.train, res[len(want):]):
-                if g is None:
-                    continue
-                if j in acc:
-                    acc[j].add_(g)
-                else:
-                    g = g.contiguous() if g._base is None else g.clone()
-                    dev.alloc(nbytes(g), f"stage {k}'s weight gradients")
-                    acc[j] = g
-        it = iter(res[:len(want)])
-        in_grads = [next(it) if need else None for need in needs]
+        # All of the stage's work -- the restored inputs, the recompute, autograd.grad, the
+        # accumulation -- is charged to its GPU while it lives (Device.working).
+        with self._working(k):
+            in_grads = self._recompute(call, st, step, grads, needs)
         step.bwd_calls[k] += 1
         if step.bwd_calls[k] >= step.fwd_calls[k]:
             self._flush(k, step)
         return in_grads
+
+    def _recompute(self, call: _Call, st: _Stage, step: _Step, grads: tuple, needs: Sequence[bool]) -> list:
+        """Stage `call.stage`'s backward inside its GPU's work context: the output gradients
+        received, recompute with grad, the input gradients (returned) and the weight gradients
+        (summed into `step.acc`). A function of its own so that every temporary dies when it
+        returns."""
+        k, dev = call.stage, st.device
+        grads = [dev.accept(g) for g in grads]  # the copies that arrive on this GPU
+        with dev.log.stage(k):
+            inputs = [self._restore(dev, s) for s in call.saved]
+        for t, need in zip(inputs, needs):
+            if need:
+                t.requires_grad_(True)
+        args = _rebuild(call.in_leaves, call.in_pos, inputs, call.in_spec)
+        with torch.enable_grad(), dev.rng(call.rng), _autocast(call.amp):
+            out = st.module(*args)
+        leaves = pytree.tree_leaves(out)
+        outs = [leaves[j] for j in call.out_pos]
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        want = [t for t, need in zip(inputs, needs) if need]
+        train = [st.slots[j] for j in st.train]
+        wrt = want + train
+        del out, leaves, outs, args, inputs
+        if pairs and wrt:
+            res = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
+        else:
+            res = [None] * len(wrt)
+        del pairs, grads
+        acc = step.acc.setdefault(k, {})
+        for n, j in enumerate(st.train):
+            g, res[len(want) + n] = res[len(want) + n], None  # each fresh gradient dies once summed
+            if g is None:
+                continue
+            if j in acc:
+                acc[j].add_(g)
+            else:
+                g = g.contiguous() if g._base is None else g.clone()
+                dev.claim(g, f"stage {k}'s weight gradients")  # booked until _flush frees it
+                acc[j] = g
+            del g
+        it = iter(res[:len(want)])
+        return [next(it) if need else None for need in needs]
 
     def _flush(self, k: int, step: _Step) -> None:
         """Send stage k's weight gradients to the host and evict the stage."""
@@ -776,8 +805,17 @@ class Pipeline(nn.Module):
         return build_schedule(ios, self.schedule.microbatches, optimizer=optimizer)
 
     def memory_stats(self) -> dict[str, dict[str, int]]:
-        """Bytes each GPU holds now and held at peak (weights, weight gradients, activations)."""
+        """Bytes each GPU of the topology holds now and held at peak, one entry per GPU, used by a
+        stage or not. The books see every byte: weight slots, gradient sums, and every tensor a
+        stage's work creates on the GPU (forward intermediates, recompute, activation and fresh
+        weight gradients, temporaries) while it lives, each storage counted once."""
         return {name: dev.stats() for name, dev in self._rt.devices.items()}
+
+    def stage_peaks(self) -> list[int]:
+        """Per stage, the most its GPU held while the stage worked (forward calls, backward
+        calls), less what the GPU held for other stages meanwhile (their weights and gradient
+        sums): what the plan's `Stage.peak_bytes` predicts (0 for a stage that has not run)."""
+        return [st.device.stage_peaks.get(k, 0) for k, st in enumerate(self._rt.stages)]
 
     def reset_peak_memory_stats(self) -> None:
         for dev in self._rt.devices.values():

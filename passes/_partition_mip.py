@@ -8,6 +8,9 @@ there exactly.
 
     mip = _build_mip(problem, _Fast(problem), _runs(problem), 16, mem_tol=1e-6)
     _run_solver(mip, "highs", 5.0, 1e-4, False, None)    # (status, objective, bound)
+
+HiGHS gets no MIP start (see `_QuietHiGHS`), only the incumbent's makespan as a cutoff; CBC
+gets the warm start.
 """
 
 from __future__ import annotations
@@ -64,11 +67,12 @@ def _build_mip(problem: PartitionProblem, fast: _Fast, runs: list[tuple[int, int
     scale = max(fast.f[L] + fast.b[L] + fast.w[L] / min(problem.up) + fast.g[L] / min(problem.down), 1e-30)
     lp = pulp.LpProblem(f"mobius_partition_S{s}", pulp.LpMinimize)
     z, t = {}, {}
-    # A linear form of the prefix sums at each cut: {"f": expr, "b":..., "w":..., "g":..., "a":...}
-    at: list[dict[str, Any]] = [{q: 0.0 for q in "fbwga"}]
+    # A linear form of the prefix sums at each cut: {"f": expr, "b":..., "w":..., "g":..., "r":..., "a":...}
+    sums = {"f": fast.f, "b": fast.b, "w": fast.w, "g": fast.g, "r": fast.r}  # "r": recompute bytes
+    at: list[dict[str, Any]] = [{q: 0.0 for q in "fbwgra"}]
     for k in range(1, s):
         lo_layer, hi_layer = k - 1, L - s + k - 1  # the layer just before cut k
-        forms = {q: pulp.LpAffineExpression() for q in "fbwga"}
+        forms = {q: pulp.LpAffineExpression() for q in "fbwgra"}
         pos = pulp.LpAffineExpression()
         for r, (start, length) in enumerate(runs):
             t_lo, t_hi = max(1, lo_layer - start + 1), min(length, hi_layer - start + 1)
@@ -85,16 +89,13 @@ def _build_mip(problem: PartitionProblem, fast: _Fast, runs: list[tuple[int, int
                 lp += tv >= t_lo * zv
                 lp += tv <= t_hi * zv
             pos += start * zv + tv
-            per = {"f": fast.f[start + 1] - fast.f[start], "b": fast.b[start + 1] - fast.b[start],
-                   "w": fast.w[start + 1] - fast.w[start], "g": fast.g[start + 1] - fast.g[start]}
-            for q in "fbwg":
-                base = {"f": fast.f, "b": fast.b, "w": fast.w, "g": fast.g}[q][start]
-                forms[q] += base * zv + per[q] * tv
+            for q, prefix in sums.items():  # prefix[start] + (layers of run r before the cut) x per layer
+                forms[q] += prefix[start] * zv + (prefix[start + 1] - prefix[start]) * tv
             forms["a"] += fast.out[start] * zv
         lp += pulp.lpSum(zv for (kk, _), zv in z.items() if kk == k) == 1, f"one_run_{k}"
         forms["pos"] = pos
         at.append(forms)
-    at.append({"f": fast.f[L], "b": fast.b[L], "w": fast.w[L], "g": fast.g[L], "a": fast.out[L - 1], "pos": L})
+    at.append({**{q: prefix[L] for q, prefix in sums.items()}, "a": fast.out[L - 1], "pos": L})
     at[0]["pos"] = 0
     for k in range(1, s):  # cuts in order, runs in order
         lp += at[k + 1]["pos"] - at[k]["pos"] >= 1, f"order_{k}"
@@ -108,15 +109,10 @@ def _build_mip(problem: PartitionProblem, fast: _Fast, runs: list[tuple[int, int
     f = [part("f", k) * (1 / scale) for k in range(s)]
     b = [part("b", k) * (1 / scale) for k in range(s)]
     w = [part("w", k) for k in range(s)]
-    bmem = [part("w", k) + part("g", k) + 2 * fast.work + m * (at[k]["a"] + at[k + 1]["a"]) for k in range(s)]
-    infeasible = False
-    for k in range(s):
-        cap = problem.capacity[k % n] * (1 + mem_tol)
-        row = (bmem[k] + bmem[k + n] if k + n < s else bmem[k]) * (1 / cap)
-        if not isinstance(row, pulp.LpAffineExpression) or not row.keys():
-            infeasible |= float(row if not isinstance(row, pulp.LpAffineExpression) else row.constant) > 1
-        elif k + n < s or k < n:  # a stage k >= n is in the pair (k - n, k) already
-            lp += row <= 1, f"memory_{k}"
+    # Memory: plans.stage_memory's formula (MemoryModel.footprint, linear) on the stage sums.
+    mem = [fast.mm.footprint(part("w", k), part("g", k), part("r", k), m * (at[k]["a"] + at[k + 1]["a"]))
+           for k in range(s)]
+    infeasible = _memory_rows(lp, problem, mem, mem_tol)
     inv = lambda bw: 0.0 if bw == math.inf else 1 / (bw * scale)  # seconds per byte, in units
     hop = [inv(problem.hop[k % n]) for k in range(s)]  # activation k -> k+1
     hop_back = [inv(problem.backward_hop[k % n]) for k in range(s)]  # gradient k+1 -> k
@@ -161,8 +157,46 @@ def _build_mip(problem: PartitionProblem, fast: _Fast, runs: list[tuple[int, int
     return _Mip(lp, s, scale, z, t, F, B, D, T, infeasible)
 
 
+def _memory_rows(lp: pulp.LpProblem, problem: PartitionProblem, mem: list, mem_tol: float) -> bool:
+    """Add the memory rules of `partition._memory_violation` (each stage in forward and in
+    backward; a stage and the next one on its GPU together, the double buffer) and return
+    whether a constant one already fails.
+
+    `mem[k]` is MemoryModel.footprint of stage k's sums, all >= 0 (bytes). The footprint is
+    linear, so its coefficients (read off at 0 and unit inputs) say which rules another one
+    implies for every cut set: forward <= backward drops the forward rules, a footprint >= 0
+    drops a single stage's rule once a pair holds it. The prefetch's free-memory term, which
+    the MIP leaves out (partition.py's docstring), needs W_k <= both footprints: checked here.
+    """
+    mm, n, s = problem.memory, len(problem.gpus), len(mem)
+    base = mm.footprint(0.0, 0.0, 0.0, 0.0)
+    units = [mm.footprint(*(1.0 if j == i else 0.0 for j in range(4))) for i in range(4)]
+    cf, cb = ([u[d] - base[d] for u in units] for d in (0, 1))  # per weights, grads, recompute, boundary
+    tol = 1e-9 * max(1.0, *map(abs, base))  # the differences above round: 1 + work - work < 1
+    nonneg = lambda const, coefs: const >= -tol and all(c >= -1e-9 for c in coefs)
+    fwd_implied = nonneg(base[1] - base[0], [b - f for b, f in zip(cb, cf)])
+    single_implied = nonneg(base[0], cf) and nonneg(base[1], cb)
+    assert nonneg(base[0], [cf[0] - 1, *cf[1:]]) and nonneg(base[1], [cb[0] - 1, *cb[1:]]), \
+        "the MIP assumes a stage's memory footprint holds at least its weights"
+    rules = []
+    for k in range(s - n):  # the double buffer: stage k, then k + n, on one GPU
+        rules += [((k, k + n), d, mem[k][d] + mem[k + n][d]) for d in ((1,) if fwd_implied else (1, 0))]
+    for k in range(s):
+        if not (single_implied and (k + n < s or k >= n)):
+            rules += [((k,), d, mem[k][d]) for d in ((1,) if fwd_implied else (1, 0))]
+    infeasible = False
+    for stages, d, row in rules:
+        row = row * (1 / (problem.capacity[stages[0] % n] * (1 + mem_tol)))
+        if not isinstance(row, pulp.LpAffineExpression) or not row.keys():  # no variable in it
+            infeasible |= float(row.constant if isinstance(row, pulp.LpAffineExpression) else row) > 1
+        else:
+            lp += row <= 1, f"memory_{'fb'[d]}_{'_'.join(map(str, stages))}"
+    return infeasible
+
+
 def _warm(mip: _Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
-    """Set initial values of every variable from a feasible cut set and its exact schedule."""
+    """Set initial values of every variable from a feasible cut set and its exact schedule
+    (CBC's warm start; HiGHS is not given one, see `_QuietHiGHS`)."""
     cuts = ev.boundaries
     for v in mip.lp.variables():
         v.setInitialValue(0)
@@ -209,12 +243,21 @@ def _quiet_highs() -> type:
     return QuietHighs
 
 
-class _WarmHiGHS(pulp.HiGHS):
-    """PuLP's highspy interface, silent, plus a MIP start (PuLP 3.3 does not pass one to highspy)."""
+class _QuietHiGHS(pulp.HiGHS):
+    """PuLP's highspy interface, silent, and deliberately without a MIP start.
 
-    def __init__(self, *args, warm: bool = False, **kw):
+    HiGHS (seen in 1.16) mis-values a user MIP start once presolve's aggregator has substituted
+    columns: the start is reported "feasible in the reduced space" with an objective below its
+    real value, becomes an incumbent no node can beat, and the solve ends "optimal" at once
+    with the start's columns and that wrong value as primal and dual bound. A warm start from
+    a worse cut set was then "proven" optimal (tests/unit/test_partition.py::
+    test_a_warm_start_is_never_proven_optimal_when_a_better_cut_exists). What the start gave
+    is kept without it: its makespan reaches HiGHS as `objective_bound` (the cutoff) and its
+    cut set stays the candidate's incumbent in `solve`.
+    """
+
+    def __init__(self, *args, **kw):
         super().__init__(*args, msg=False, **kw)
-        self.warm = warm
 
     def createAndConfigureSolver(self, lp):
         # PuLP's version builds a plain highspy.Highs (which prints the banner); we set the
@@ -226,26 +269,21 @@ class _WarmHiGHS(pulp.HiGHS):
             if value is not None:
                 lp.solverModel.setOptionValue(key, value)
 
-    def callSolver(self, lp):
-        h = lp.solverModel
-        if self.warm:
-            import numpy as np
-            cols = lp.variables()
-            vals = np.array([v.varValue if v.varValue is not None else 0.0 for v in cols], dtype=np.float64)
-            h.setSolution(len(cols), np.arange(len(cols), dtype=np.int32), vals)
-        h.run()
-
 
 def _run_solver(mip: _Mip, solver: str, time_limit: float, gap_rel: float, warm: bool,
                 cutoff: float | None) -> tuple[str, float, float]:
-    """Solve; return (status, objective, best bound), both in objective units (inf if none)."""
+    """Solve; return (status, objective, best bound), both in objective units (inf if none).
+
+    `warm`: start CBC from the variables' initial values (`_warm`); HiGHS never gets a start.
+    `cutoff`: only objectives below it are searched (HiGHS; CBC ignores it).
+    """
     lp = mip.lp
     if solver == "highs":
         import highspy
         opts = {"mip_feasibility_tolerance": 1e-7}
         if cutoff is not None:
             opts["objective_bound"] = cutoff
-        cmd = _WarmHiGHS(timeLimit=max(time_limit, 0.05), gapRel=gap_rel, warm=warm, **opts)
+        cmd = _QuietHiGHS(timeLimit=max(time_limit, 0.05), gapRel=gap_rel, **opts)  # no MIP start: see there
         lp.solve(cmd)
         h = lp.solverModel
         st, info = h.getModelStatus(), h.getInfo()
@@ -253,8 +291,10 @@ def _run_solver(mip: _Mip, solver: str, time_limit: float, gap_rel: float, warm:
         has_sol = info.primal_solution_status == 2 and mip.T.value() is not None
         obj = mip.T.value() if has_sol else math.inf
         bound = info.mip_dual_bound if info.mip_dual_bound == info.mip_dual_bound else -math.inf
-        if has_sol:  # HiGHS 1.16 can report both values shifted by a presolve offset after a
-            bound += obj - info.objective_function_value  # restart; the columns are right
+        if has_sol and abs(info.objective_function_value - obj) > 1e-7 * max(1.0, abs(obj)):
+            # Its status and bounds are about another objective than its columns' (what the
+            # mis-valued MIP start did): the columns are a plan, nothing is proven.
+            return "unproven", obj, -math.inf
         # With a cutoff the search only covers objectives below it: whatever it proves is
         # "optimum >= min(bound, cutoff)", and finishing without beating it settles S.
         cut = cutoff if cutoff is not None else math.inf
@@ -264,7 +304,10 @@ def _run_solver(mip: _Mip, solver: str, time_limit: float, gap_rel: float, warm:
             return "optimal", obj, min(bound, obj)
         if st in (K.kInfeasible, K.kUnboundedOrInfeasible, K.kObjectiveBound):
             return ("cut off", obj, cut) if cutoff is not None else ("infeasible", math.inf, math.inf)
-        return ("time limit" if obj < math.inf else "no solution"), obj, min(bound, cut)
+        # (Without a MIP start, running out of time before beating the cutoff leaves no
+        # solution; the candidate's own plan is still there, so it is the time limit too.)
+        timed_out = obj < math.inf or st == K.kTimeLimit
+        return ("time limit" if timed_out else "no solution"), obj, min(bound, cut)
     with tempfile.TemporaryDirectory() as tmp:  # CBC: no cutoff; its bound is read from the log
         log = os.path.join(tmp, "cbc.log")
         with warnings.catch_warnings():  # PuLP 3.3 deprecates its bundled CBC; it is still the

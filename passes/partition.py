@@ -5,16 +5,19 @@ The schedule model is docs/schedule.md, encoded three ways that must agree:
 * `evaluate(problem, boundaries)` — the model solved exactly for fixed cuts (a forward pass
   over stages; see "Why a forward pass is exact" below). The reference for everything else.
 * `brute_force(problem)` — every cut set through `evaluate`; small instances only.
-* `solve(problem)` — a mixed-integer program in PuLP (HiGHS or CBC), warm-started by
-  `heuristic(problem)` (balanced cuts + local search through the same model). The program
-  and the solver driving live in passes/_partition_mip.py.
+* `solve(problem)` — a mixed-integer program in PuLP (HiGHS or CBC), with the incumbent from
+  `heuristic(problem)` (balanced cuts + local search through the same model): a cutoff for
+  HiGHS (never a MIP start, which HiGHS 1.16 could "prove" optimal when it was not), a warm
+  start for CBC. The program and the solver driving live in passes/_partition_mip.py.
 
 The MIP decides only stage boundaries. A model is a few runs of identical layers (a GPT is
 embedding + 72 equal blocks + head), so a cut k picks one run r (binary `z[k,r]`) and how many
 layers of that run precede it (integer `t[k,r]`). Prefix sums of every per-layer quantity are
 then linear in (z, t), and so are stage times, weights, the boundary activation (the output
-of the run the cut falls after) and the memory of `plans.stage_memory`. One binary per
-(layer, stage) does not finish in CBC at 75 layers; this form has (S-1)·R binaries.
+of the run the cut falls after) and the memory of `plans.stage_memory`, which the MIP and
+`_Fast` compute with the same `MemoryModel.footprint` on the same sums (weights, gradients,
+recompute bytes, boundary activations). One binary per (layer, stage) does not finish in CBC
+at 75 layers; this form has (S-1)·R binaries.
 
 Why a forward pass is exact for fixed cuts: every constraint reads "start >= something" and
 the objective grows with every start time. The prefetch p_k only appears in
@@ -25,9 +28,10 @@ functions of earlier starts. Hence the least start times (a longest path, comput
 by stage) are optimal, and delaying an earlier stage to lengthen its span never helps.
 The end of the step is the last gradient download: downloads queue per GPU,
 `D_k = max(B[k][M-1] + b_k, D_{k+N}) + G_k/down_k`, again a max of earlier times.
-The MIP uses the same elimination of p, and drops two implied rows: `p_k <= free` and
-`q_k <= free` follow from the double buffer (W_k <= mem_k), and the forward double buffer
-follows from the backward one (bwd_mem >= fwd_mem for the same pair of stages).
+The MIP uses the same elimination of p, and drops rows that others imply for every cut set
+(`_partition_mip._memory_rows` checks each from the footprint's coefficients): `p_k <= free`
+and `q_k <= free` follow from the double buffer (W_k <= mem_k), the forward rules from the
+backward ones (bwd_mem >= fwd_mem), and a stage's own rule from its double-buffer pair.
 
     prob = PartitionProblem.from_topology(layers, topo, microbatches=4)
     result = solve(prob)            # PartitionResult(boundaries=(0, 3, 7, ...), makespan=...)
@@ -360,8 +364,9 @@ class _Fast:
         self.b = acc(l.bwd_time / m for l in ls)
         self.w = acc(l.param_bytes * mm.weight_scale for l in ls)
         self.g = acc(l.grad_bytes * mm.weight_scale for l in ls)
+        self.r = acc(mm.recompute_bytes(l) for l in ls)
         self.out = [l.output_bytes * mm.act_scale / m for l in ls]
-        self.work = mm.working_bytes
+        self.mm = mm
 
     def stages(self, cuts: Sequence[int]) -> _Stages:
         edges, m = list(cuts) + [len(self.out)], self.problem.microbatches
@@ -369,13 +374,14 @@ class _Fast:
         for a, z in zip(edges, edges[1:]):
             w, g = self.w[z] - self.w[a], self.g[z] - self.g[a]
             acts = m * ((self.out[a - 1] if a else 0.0) + self.out[z - 1])
+            fm, bm = self.mm.footprint(w, g, self.r[z] - self.r[a], acts)  # = plans.stage_memory
             st.f.append(self.f[z] - self.f[a])
             st.b.append(self.b[z] - self.b[a])
             st.w.append(w)
             st.g.append(g)
             st.out.append(self.out[z - 1])
-            st.fmem.append(w + self.work + acts)
-            st.bmem.append(w + g + 2 * self.work + acts)
+            st.fmem.append(fm)
+            st.bmem.append(bm)
         return st
 
     def score(self, cuts: Sequence[int]) -> tuple[float, float]:
@@ -479,8 +485,9 @@ def _candidates(problem: PartitionProblem, stage_counts: Sequence[int] | None, e
 
 # ------------------------------------------------------------------------------------ MIP
 def _runs(problem: PartitionProblem) -> list[tuple[int, int]]:
-    """(start, length) of maximal runs of layers with equal cost numbers (what the model reads)."""
-    key = lambda l: (l.fwd_time, l.bwd_time, l.param_bytes, l.grad_bytes, l.output_bytes)
+    """(start, length) of maximal runs of layers with equal cost numbers (what the model reads:
+    times, weights, gradients, output and, through the recompute memory, peak bytes)."""
+    key = lambda l: (l.fwd_time, l.bwd_time, l.param_bytes, l.grad_bytes, l.output_bytes, l.peak_bytes)
     runs: list[tuple[int, int]] = []
     for i, l in enumerate(problem.layers):
         if runs and key(problem.layers[runs[-1][0]]) == key(l):
@@ -532,12 +539,13 @@ def _explain_infeasible(problem: PartitionProblem, cands: Sequence[int], unknown
     worst = max(range(L), key=lambda i: need[i])
     if need[worst] > cap * (1 + _MEM_TOL):
         a, z = arg[worst]
-        st = fast.stages([a, z] if z < L else [a])
-        acts = st.bmem[0] - st.w[0] - st.g[0] - 2 * fast.work
+        st, mm = fast.stages([a, z] if z < L else [a]), fast.mm
+        copies = f"{mm.grad_copies}x" if mm.grad_copies != 1 else ""
+        acts = problem.microbatches * ((fast.out[a - 1] if a else 0.0) + fast.out[z - 1])
         return (f"layer {ls[worst].name} needs {fmt_bytes(need[worst])} in backward (weights {fmt_bytes(st.w[0])} "
-                f"+ gradients {fmt_bytes(st.g[0])} + working 2x{fmt_bytes(fast.work)} + boundary activations "
-                f"{fmt_bytes(acts)}) but the largest GPU, {gname}, has {fmt_bytes(cap)} usable (memory_fraction "
-                f"{frac:g} of {fmt_bytes(cap / frac)}); {remedy}")
+                f"+ gradients {copies}{fmt_bytes(st.g[0])} + recompute {fmt_bytes(fast.r[z] - fast.r[a])} + working "
+                f"{fmt_bytes(mm.working_bytes)} + boundary activations {fmt_bytes(acts)}) but the largest GPU, "
+                f"{gname}, has {fmt_bytes(cap)} usable (memory_fraction {frac:g} of {fmt_bytes(cap / frac)}); {remedy}")
     # Otherwise: the closest cut set we can find, and the rule it still breaks.
     near: tuple[float, list[int]] | None = None
     deadline = time.perf_counter() + 1.0
@@ -673,20 +681,21 @@ class _Candidate:
 def _attempt(states: dict[int, _Candidate], s: int, problem: PartitionProblem, fast: _Fast,
              runs: list[tuple[int, int]], name: str, limit: float, gap_rel: float,
              say: Callable[[str], None]) -> None:
-    """One solver run for stage count s, warm-started from its best cut set, cut off at the
-    best makespan of any candidate; updates states[s]."""
+    """One solver run for stage count s, cut off at the best makespan of any candidate (CBC:
+    warm-started from s's best cut set; HiGHS gets no start); updates states[s]."""
     c, t0 = states[s], time.perf_counter()
     if c.mip is None:
         c.mip = _build_mip(problem, fast, runs, s, mem_tol=_MEM_TOL)
     mip = c.mip
-    if c.cuts is not None:
+    warm = c.cuts is not None and name == "cbc"
+    if warm:
         _warm(mip, runs, evaluate(problem, c.cuts))
     incumbent = min(x.makespan for x in states.values())
     cutoff = incumbent / mip.scale if incumbent < math.inf else None
     if mip.infeasible:
         status, obj, bound = "infeasible", math.inf, math.inf
     else:
-        status, obj, bound = _run_solver(mip, name, limit, gap_rel, c.cuts is not None, cutoff)
+        status, obj, bound = _run_solver(mip, name, limit, gap_rel, warm, cutoff)
     c.bound = max(c.bound, bound * mip.scale)
     c.status = status
     if obj < math.inf and status != "cut off":

@@ -33,17 +33,17 @@ def _gpt():
     return GPT(GPTConfig(vocab=64, seq=16, hidden=32, blocks=4, heads=2))
 
 
-def _topo(model, gpus=2):
-    return Topology.virtual(gpus=gpus, memory=4 * sum(p.numel() * 4 for p in model.parameters()))
+def _topo(model, gpus=2, times=4):
+    return Topology.virtual(gpus=gpus, memory=times * sum(p.numel() * 4 for p in model.parameters()))
 
 
 def _loss(logits, x):
     return F.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
 
 
-def _compile(model, x, dtype, cache, microbatches=2):
-    return mobius_fx.compile(model, _topo(model), example_inputs=(x,), microbatches=microbatches, dtype=dtype,
-                             cache_dir=str(cache), verbose=False)
+def _compile(model, x, dtype, cache, microbatches=2, times=4):
+    return mobius_fx.compile(model, _topo(model, times=times), example_inputs=(x,), microbatches=microbatches,
+                             dtype=dtype, cache_dir=str(cache), verbose=False)
 
 
 def _max_rel_err(model, ref):
@@ -100,7 +100,7 @@ def test_the_callers_autocast_is_replayed_in_the_backward_recomputation(tmp_path
     model = _gpt()
     eager = copy.deepcopy(model)
     x = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(2))
-    pipe = _compile(model, x, None, tmp_path, microbatches=1)
+    pipe = _compile(model, x, None, tmp_path, microbatches=1, times=6)  # one micro-batch: the whole batch's activations
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = pipe(x)
         ref = eager(x)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -239,7 +241,7 @@ def test_model_size_does_not_grow_with_the_number_of_identical_blocks():
 def test_solve_matches_brute_force(tmp_path):
     ls = [layer("a", 1, 2, 30, 4), layer("b", 2, 3, 10, 2), layer("c", 1, 2, 30, 4), layer("d", 3, 1, 20, 1),
           layer("e", 1, 1, 40, 3)]
-    p = problem(ls, gpus=2, m=3, cap=150, up=20, hop=8)
+    p = problem(ls, gpus=2, m=3, cap=250, up=20, hop=8)  # memory binds: 7 of the 16 cut sets fit
     best = brute_force(p)
     got = solve(p, cache_dir=tmp_path, time_limit=10)
     assert got.makespan == pytest.approx(best.makespan, rel=1e-6)
@@ -254,6 +256,106 @@ def test_solve_matches_brute_force_when_a_later_download_ends_the_step(tmp_path)
     assert best.makespan > max(evaluate(p, best.boundaries).grad_done[:1])  # not stage 0's download
     got = solve(p, cache_dir=tmp_path, time_limit=10)
     assert got.makespan == pytest.approx(best.makespan, rel=1e-6)
+
+
+def _kinds(seq: str, **kinds: dict) -> tuple[LayerCost, ...]:
+    return tuple(LayerCost(f"layer{i}", (f"n{i}",), 0.0, 0.0, **kinds[k]) for i, k in enumerate(seq))
+
+
+def recompute_problem() -> PartitionProblem:
+    """A falsifying example of tests/property/test_partition_props.py::
+    test_mip_objective_equals_brute_force (its strategy and check, seed 2) once
+    plans.stage_memory counted each layer's recompute bytes: eight 1 s layers, peaks
+    3 3 3 3 0 0 3 3. The MIP still charged every stage 2 x the largest working memory and took
+    the eight layers for one run, so it excluded (0, 1, 4, 5, 6, 7), 16.2 s (on gpu0 layers
+    0, 4, 6 need 7 + 4 + 7 B: 11 B per double-buffered pair, all of its 11 B; the MIP said
+    7 + 7 + 7), and "proved" (0, 2) optimal at 16.4 s (gap 0)."""
+    ls = _kinds("AAAABBAA",
+                A=dict(fwd_time=1.0, bwd_time=1.0, param_bytes=1, grad_bytes=0, output_bytes=0, peak_bytes=3),
+                B=dict(fwd_time=1.0, bwd_time=1.0, param_bytes=1, grad_bytes=0, output_bytes=0, peak_bytes=0))
+    return PartitionProblem(ls, 1, ("gpu0", "gpu1"), (11, 21), (5.0,) * 2, (5.0,) * 2, (5.0,) * 2,
+                            MemoryModel.for_layers(ls, 1), hop_back=(5.0, 5.0))
+
+
+def test_solve_matches_brute_force_on_the_property_tests_falsifying_example(tmp_path):
+    p = recompute_problem()
+    best = brute_force(p)
+    assert (best.boundaries, best.makespan) == ((0, 1, 4, 5, 6, 7), pytest.approx(16.2))
+    got = solve(p, cache_dir=tmp_path, time_limit=10)
+    assert got.makespan == pytest.approx(best.makespan, rel=1e-9)
+    assert got.solver.status == "optimal"
+
+
+def test_layers_differing_only_in_recompute_bytes_are_different_runs():
+    assert P._runs(recompute_problem()) == [(0, 4), (4, 2), (6, 2)]
+
+
+def memory_free_problem() -> PartitionProblem:
+    """Seven 1 s layers, 5 B/s links, memory never binding: X layers carry gradients, Y weights."""
+    ls = _kinds("XXYXYXX",
+                X=dict(fwd_time=1.0, bwd_time=1.0, param_bytes=1, grad_bytes=32, output_bytes=0, peak_bytes=0),
+                Y=dict(fwd_time=1.0, bwd_time=1.0, param_bytes=11, grad_bytes=0, output_bytes=0, peak_bytes=0))
+    return PartitionProblem(ls, 1, ("gpu0", "gpu1"), (10**9,) * 2, (5.0,) * 2, (5.0,) * 2, (5.0,) * 2,
+                            MemoryModel.for_layers(ls, 1))
+
+
+def test_a_warm_start_is_never_proven_optimal_when_a_better_cut_exists():
+    # HiGHS 1.16 given (0, 1, 2, 4, 6) as a MIP start reported it optimal at 27.8 s (its
+    # presolve mis-valued the start) though (0, 2, 4, 5, 6) takes 27.6 s; the driver even
+    # shifted the bound to agree. The start's value now only enters as the cutoff.
+    p, start = memory_free_problem(), (0, 1, 2, 4, 6)
+    best = min((evaluate(p, (0, *c)) for c in itertools.combinations(range(1, 7), 4)),
+               key=lambda ev: ev.makespan)
+    assert (best.boundaries, best.makespan) == ((0, 2, 4, 5, 6), pytest.approx(27.6))
+    assert evaluate(p, start).makespan == pytest.approx(27.8)
+    runs = P._runs(p)
+    for cutoff in (None, evaluate(p, start).makespan):
+        mip = M._build_mip(p, P._Fast(p), runs, 5, mem_tol=P._MEM_TOL)
+        M._warm(mip, runs, evaluate(p, start))
+        status, obj, bound = M._run_solver(mip, "highs", 10.0, 1e-9, True, cutoff and cutoff / mip.scale)
+        assert status == "optimal"
+        assert obj * mip.scale == pytest.approx(best.makespan, rel=1e-7)
+        assert bound * mip.scale <= best.makespan * (1 + 1e-7)
+        assert evaluate(p, M._cuts_of(mip, runs)).makespan == pytest.approx(best.makespan, rel=1e-9)
+
+
+def test_solve_matches_brute_force_when_the_local_search_stops_short(tmp_path):
+    p = memory_free_problem()
+    assert heuristic(p).makespan > brute_force(p).makespan * (1 + 1e-3)  # the incumbent is not optimal
+    got = solve(p, cache_dir=tmp_path, time_limit=10)
+    assert got.makespan == pytest.approx(brute_force(p).makespan, rel=1e-9)
+    assert got.solver.status == "optimal"
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_the_mip_and_the_local_search_share_evaluates_memory_model(m):
+    # Per-layer recompute bytes (peaks differ), one or several micro-batches (gradient copies):
+    # for every cut set the local search's numbers equal stage_memory, and the MIP with the
+    # cuts fixed is feasible exactly when evaluate fits them.
+    ls = [layer("a", params=7, out=3, peak=5), layer("b", params=4, out=9, peak=8, grad=6),
+          layer("c", params=6, out=2, peak=1), layer("d", params=5, out=4, peak=8, grad=0)]
+    p = problem(ls, gpus=2, m=m, cap=60 if m == 2 else 70)  # the old "2 x working" rule erred both ways
+    fast, runs = P._Fast(p), P._runs(p)
+    fits = 0
+    for s in range(1, len(ls) + 1):
+        for inner in itertools.combinations(range(1, len(ls)), s - 1):
+            cuts = (0, *inner)
+            st, edges = fast.stages(cuts), list(cuts) + [len(ls)]
+            for k, (a, z) in enumerate(zip(edges, edges[1:])):
+                ref = stage_memory(ls[a:z], ls[a - 1] if a else None, p.memory)
+                assert (st.fmem[k], st.bmem[k]) == pytest.approx(ref)
+            ev = evaluate(p, cuts)
+            mip = M._build_mip(p, fast, runs, s, mem_tol=P._MEM_TOL)
+            if ev is None:
+                if not mip.infeasible:
+                    M._warm(mip, runs, evaluate(replace(p, capacity=(10**9,) * 2), cuts))
+                    for v in list(mip.z.values()) + [v for v in mip.t.values() if not isinstance(v, int)]:
+                        v.lowBound = v.upBound = v.varValue
+                    assert M._run_solver(mip, "highs", 10.0, 1e-9, False, None)[0] == "infeasible"
+            else:
+                fits += 1
+                assert mip_makespan(p, cuts) == pytest.approx(ev.makespan, rel=1e-7)
+    assert 0 < fits < 2 ** (len(ls) - 1)  # the capacity rules some cut sets out, not all
 
 
 @pytest.mark.parametrize("solver", ["highs", "cbc"])
@@ -285,7 +387,7 @@ def test_solve_reports_the_chosen_model_and_candidates(tmp_path):
 
 def test_cbc_and_highs_agree(tmp_path):
     ls = [layer("a", 1, 2, 30, 4), layer("b", 2, 3, 10, 2), layer("c", 1, 2, 30, 4), layer("d", 3, 1, 20, 1)]
-    p = problem(ls, gpus=2, m=2, cap=120, up=15)
+    p = problem(ls, gpus=2, m=2, cap=170, up=15)  # memory binds: 2 of the 8 cut sets fit
     a = solve(p, solver="cbc", cache_dir=tmp_path / "a")
     b = solve(p, solver="highs", cache_dir=tmp_path / "b")
     assert a.solver.name == "cbc" and b.solver.name == "highs"
@@ -302,7 +404,7 @@ def test_cbc_proves_a_single_stage_candidate_optimal_at_once(tmp_path):
 
 def test_heuristic_is_feasible_and_never_beats_the_optimum():
     ls = [layer("a", 1, 2, 30, 4), layer("b", 2, 3, 10, 2), layer("c", 1, 2, 30, 4), layer("d", 3, 1, 20, 1)]
-    p = problem(ls, gpus=2, m=2, cap=120, up=15)
+    p = problem(ls, gpus=2, m=2, cap=170, up=15)  # memory binds: 2 of the 8 cut sets fit
     h, best = heuristic(p), brute_force(p)
     assert evaluate(p, h.boundaries).makespan == pytest.approx(h.makespan)
     assert h.makespan >= best.makespan * (1 - 1e-12)

@@ -96,7 +96,7 @@ def test_progress_is_reported_unless_silenced(tmp_path, capfd):
 def _big_gpu0_small_gpu1(small: int) -> Topology:
     return Topology.from_dict({"name": "uneven", "nodes": [
         {"name": "cpu0", "kind": "root_complex"},
-        {"name": "gpu0", "kind": "gpu", "memory": "256KiB", "spec": "cpu"},
+        {"name": "gpu0", "kind": "gpu", "memory": "512KiB", "spec": "cpu"},
         {"name": "gpu1", "kind": "gpu", "memory": small, "spec": "cpu"}],
         "links": [{"a": "cpu0", "b": "gpu0", "bandwidth_gbps": 16}, {"a": "cpu0", "b": "gpu1", "bandwidth_gbps": 16}]})
 
@@ -116,9 +116,9 @@ def test_a_gpu_order_the_partition_does_not_fit_is_partitioned_again_for_that_or
     from mobius_fx.options import CompileOptions
     from mobius_fx.passes.partition import PartitionProblem, evaluate
 
-    # gpu1 holds 78 KiB: the partition for (gpu0, gpu1) gives gpu0 the two-layer first stage,
-    # which does not fit gpu1 once gpu1 runs stage 0.
-    topo = _big_gpu0_small_gpu1(80_000)
+    # gpu1 holds 117 KiB: the partition for (gpu0, gpu1) gives gpu0 a first stage that does
+    # not fit gpu1 once gpu1 runs stage 0.
+    topo = _big_gpu0_small_gpu1(120_000)
     ctx = CompileContext(model=_mlp(), topology=topo, example_inputs=(torch.randn(8, 64),),
                          settings=CompileOptions(microbatches=2, cache_dir=str(tmp_path), verbose=False))
     _reversed_order_pipeline().until("plan").run(ctx)
@@ -134,9 +134,9 @@ def test_a_gpu_order_the_partition_does_not_fit_is_partitioned_again_for_that_or
 
 
 def test_a_gpu_order_no_partition_fits_is_a_plan_error_naming_the_order_and_the_gpu(tmp_path):
-    # gpu1 (39 KiB) holds no stage that includes a layer, and under ("gpu1", "gpu0") stage 0 is
+    # gpu1 (59 KiB) holds no stage that includes a layer, and under ("gpu1", "gpu0") stage 0 is
     # always gpu1's; the topology's order fits (one stage on gpu0), but that is not this order.
     with pytest.raises(PlanError, match=r"cross_map chose GPU order \('gpu1', 'gpu0'\).*on gpu1.*"
                                         r"cross_map='identity'"):
-        mobius_fx.plan(_mlp(), _big_gpu0_small_gpu1(40_000), example_inputs=(torch.randn(8, 64),), microbatches=2,
+        mobius_fx.plan(_mlp(), _big_gpu0_small_gpu1(60_000), example_inputs=(torch.randn(8, 64),), microbatches=2,
                        cache_dir=str(tmp_path), verbose=False, pipeline=_reversed_order_pipeline())
