@@ -31,7 +31,7 @@ from typing import Any, Callable
 from .costs import dtype_bytes
 from .errors import MobiusError, PlanError
 from .network import Link, LinkSegment, Task, replay
-from .plans import Plan
+from .plans import MemoryModel, Plan
 from .schedule import HOST, ScheduleIR, build_schedule
 from .units import fmt_bytes, fmt_time
 
@@ -505,7 +505,7 @@ def _gpipe(ctx: _Context) -> None:
         c.inp.append(u.inp[a])
         c.out.append(u.out[z - 1])
         c.names.append(f"g{j}")
-    work = _working_bytes(plan)
+    mm, recompute = _gpipe_memory(plan, u)
     caps = {s.gpu: s.capacity for s in plan.stages}
     by_name = {g.name: g for g in ctx.topo.gpus}
     states = _STATES[ctx.optimizer] + (4 if ctx.scale != 1.0 else 0)  # + fp32 master copy when streaming half
@@ -514,12 +514,13 @@ def _gpipe(ctx: _Context) -> None:
         cap = caps.get(gpu, by_name[gpu].memory)
         opt = c.master[j] / 4.0 * states
         act = m * (c.inp[j] + c.out[j])
-        need = c.w[j] + c.g[j] + opt + act + 2 * work
+        need = mm.footprint(c.w[j], c.g[j], sum(recompute[a:z]), act)[1] + opt
+        rest = need - opt - c.w[j] - c.g[j]  # activations, recompute, working memory, a micro-batch's fresh grads
         if need > cap:
             raise PlanError(
                 f"gpipe stage {j} ({u.names[a]} .. {u.names[z - 1]}) on {gpu} needs {fmt_bytes(need)} (weights "
                 f"{fmt_bytes(c.w[j])} + grads {fmt_bytes(c.g[j])} + {ctx.optimizer} state {fmt_bytes(opt)} + "
-                f"activations {fmt_bytes(act + 2 * work)}) but {gpu} has {fmt_bytes(cap)}; GPipe keeps every "
+                f"activations, recompute and working memory {fmt_bytes(rest)}) but {gpu} has {fmt_bytes(cap)}; GPipe keeps every "
                 f"weight resident, so this model does not fit {n} GPU(s): use the 'mobius' schedule or more GPUs")
     slots = [_Slot("forward", j, ctx.gpus[j]) for j in range(len(groups))]
     slots += [_Slot("backward", j, ctx.gpus[j]) for j in reversed(range(len(groups)))]
@@ -634,11 +635,20 @@ def _balanced(u: _Costs, n: int) -> list[tuple[int, int]]:
     return cut(hi) or [(0, size)]
 
 
-def _working_bytes(plan: Plan) -> float:
-    """The plan's per-micro-batch working memory, recovered from the stages' backward peaks."""
+def _gpipe_memory(plan: Plan, u: _Costs) -> tuple[MemoryModel, list[float]]:
+    """The plan's memory model (`MemoryModel.footprint`, as the partitioner uses) and each
+    unit's recompute bytes: from the layer table, or, when the units are the plan's stages,
+    what of a stage's backward peak the footprint's other terms leave."""
     m = plan.microbatches
-    return max((max(0.0, (s.peak_bytes - s.param_bytes - s.grad_bytes - m * (s.input_bytes + s.output_bytes)) / 2)
-                for s in plan.stages), default=0.0)
+    by_name = {l.name: l for l in plan.layers}
+    if plan.layers and all(n in by_name for n in u.names):
+        mm = MemoryModel.for_layers(plan.layers, m, plan.dtype)
+        return mm, [mm.recompute_bytes(by_name[n]) for n in u.names]
+    mm = MemoryModel(m)
+    rest = [max(0.0, s.peak_bytes - mm.footprint(s.param_bytes, s.grad_bytes, 0.0,
+                                                  m * (s.input_bytes + s.output_bytes))[1])
+            for s in plan.stages]
+    return mm, rest
 
 
 # ---------------------------------------------------------------------------------- run

@@ -11,7 +11,7 @@ import pytest
 
 from mobius_fx.costs import LayerCost
 from mobius_fx.errors import MobiusError, PlanError
-from mobius_fx.plans import build_plan
+from mobius_fx.plans import MemoryModel, build_plan, stage_memory
 from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, SCHEDULES, simulate
 from mobius_fx.topology import Topology
 
@@ -326,6 +326,25 @@ def test_gpipe_that_does_not_fit_names_the_stage_and_the_gpu():
     plan = make_plan(topo, make_layers(4, w=300e6), [0, 1, 2, 3], 1)
     with pytest.raises(PlanError, match=r"gpipe stage 0 .*on gpu0 needs .* but gpu0 has"):
         simulate(plan, schedule="gpipe")
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_gpipe_checks_memory_with_the_plans_own_footprint(microbatches):
+    """A GPipe stage needs what `plans.stage_memory` says for its layers (one formula for
+    every schedule) plus its optimizer state: just under that it is refused, at it it runs."""
+    topo = Topology.virtual(gpus=2, memory="8GiB")
+    layers = [dataclasses.replace(l, peak_bytes=int(5e6 * (i + 1))) for i, l in enumerate(make_layers(4, w=10e6))]
+    plan = make_plan(topo, layers, [0, 1, 2, 3], microbatches)
+    mm = MemoryModel.for_layers(layers, microbatches)
+    need = max(stage_memory(layers[a:z], layers[a - 1] if a else None, mm)[1]
+               + sum(l.grad_bytes for l in layers[a:z]) / 4 * 8 for a, z in ((0, 2), (2, 4)))
+
+    def with_capacity(cap):
+        return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, capacity=cap) for s in plan.stages))
+
+    simulate(with_capacity(need * (1 + 1e-9)), schedule="gpipe", optimizer="adam")
+    with pytest.raises(PlanError, match="gpipe stage 1"):
+        simulate(with_capacity(need * (1 - 1e-9)), schedule="gpipe", optimizer="adam")
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
