@@ -12,13 +12,9 @@ Everything above this module (runtime.py) is one code path; only the copies diff
   while another stream still reads it; weights upload from pinned staging copies of the masters (the
   user's tensors are never moved, pinned or replaced).
 
-Both keep the same books: bytes held now and at peak, a budget that raises `BudgetError` when
-exceeded, and a log of the bytes moved per kind and direction. The books see every byte: weight
-slots and gradient accumulators are booked by the runtime (`alloc`/`free`, `claim`); every other
-tensor the GPU holds -- activations handed out (`track`), and everything stage work creates inside
-`compute()`: intermediates of the forward and of the recompute, activation and weight gradients,
-temporaries -- is charged by a dispatch-mode tracker (`_Books`) per storage (views of one storage
-count once) from the op that creates it until the storage dies (a weakref callback).
+Both keep the same books (`mobius_fx.books.Device`): bytes held now and at peak, every tensor
+stage work creates charged while it lives, a budget that raises `BudgetError` when exceeded, and a
+log of the bytes moved per kind and direction.
 
     dev = VirtualDevice("gpu0", budget=parse_bytes("64MiB"))
     slot = dev.new_slot(master, dtype=None, parameter=True)   # no storage yet
@@ -29,404 +25,17 @@ count once) from the op that creates it until the storage dies (a weakref callba
 from __future__ import annotations
 
 import contextlib
-import functools
-import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import BudgetError, MobiusError
-from .units import fmt_bytes
+from .books import HOST, Device, SavedInput, TransferLog, empty_slot, nbytes
+from .errors import MobiusError
 
 __all__ = ["HOST", "Device", "VirtualDevice", "CudaDevice", "TransferLog", "make_devices", "nbytes"]
-
-HOST = "host"  # the name of DRAM in schedules and transfer logs
-
-
-def nbytes(t: torch.Tensor) -> int:
-    """Bytes of the tensor's elements (not of its storage, which a view may share)."""
-    return t.numel() * t.element_size()
-
-
-class TransferLog:
-    """Bytes and copies moved, per (kind, direction, stage); kind is weight | gradient |
-    activation | input (a stage input saved for backward) | buffer, direction h2d | d2h | d2d.
-
-    The runtime says which stage a copy belongs to (`with log.stage(k):`), so the log can be
-    compared with the schedule IR per GPU, kind and stage; copies made outside are stage None.
-    """
-
-    def __init__(self) -> None:
-        self._counts: dict[tuple[str, str, int | None], list[int]] = {}
-        self._mark: dict[tuple[str, str, int | None], list[int]] = {}
-        self._stage = threading.local()
-
-    @contextlib.contextmanager
-    def stage(self, k: int | None) -> Iterator[None]:
-        old = getattr(self._stage, "k", None)
-        self._stage.k = k
-        try:
-            yield
-        finally:
-            self._stage.k = old
-
-    def add(self, kind: str, direction: str, nbytes: int, count: int = 1) -> None:
-        c = self._counts.setdefault((kind, direction, getattr(self._stage, "k", None)), [0, 0])
-        c[0] += count
-        c[1] += nbytes
-
-    def bytes(self, kind: str | None = None, direction: str | None = None) -> int:
-        return sum(b for (k, d, _), (_, b) in self._counts.items()
-                   if (kind is None or k == kind) and (direction is None or d == direction))
-
-    def count(self, kind: str | None = None, direction: str | None = None) -> int:
-        return sum(n for (k, d, _), (n, _) in self._counts.items()
-                   if (kind is None or k == kind) and (direction is None or d == direction))
-
-    def as_dict(self, *, since_mark: bool = False, by_stage: bool = False) -> dict:
-        """{"kind direction": {"count", "bytes"}}, in total or since the last `mark()`; with
-        `by_stage`, {"kind direction": {stage: {"count", "bytes"}}}."""
-        out: dict = {}
-        for (k, d, st), (n, b) in sorted(self._counts.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or -1)):
-            n0, b0 = self._mark.get((k, d, st), (0, 0)) if since_mark else (0, 0)
-            if not (n - n0 or b - b0):
-                continue
-            if by_stage:
-                out.setdefault(f"{k} {d}", {})[st] = {"count": n - n0, "bytes": b - b0}
-            else:
-                c = out.setdefault(f"{k} {d}", {"count": 0, "bytes": 0})
-                c["count"] += n - n0
-                c["bytes"] += b - b0
-        return out
-
-    def mark(self) -> None:
-        self._mark = {key: list(v) for key, v in self._counts.items()}
-
-    def clear(self) -> None:
-        self._counts.clear()
-        self._mark.clear()
-
-
-_FRESH: dict[Any, tuple[bool, ...]] = {}  # op -> per return: a new tensor (its schema says no alias)
-
-
-def _fresh_returns(func: Any) -> tuple[bool, ...]:
-    try:
-        return tuple(r.alias_info is None for r in func._schema.returns)
-    except AttributeError:  # not an aten op with a schema
-        return ()
-
-
-class _Books(TorchDispatchMode):
-    """The tracker `Device.books()` enters: every op's new output tensors on the device (not
-    views, not in-place results: the op's schema says which are aliases) have their storage
-    charged to the device's books until the storage dies. A budget error raised here is raised
-    by the op, before its result is used; the result, never charged, is freed with it."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # no dynamo-disabling wrapper around __torch_dispatch__: a few us per op saved
-
-    def __init__(self, dev: "Device") -> None:
-        super().__init__()
-        self.dev = dev
-        self.paused = False
-        self.label = "a stage's"
-        self.where = None if dev.torch_device.type == "cpu" else dev.torch_device  # cpu: no host tensors here
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        fresh = _FRESH.get(func)
-        if fresh is None:
-            fresh = _FRESH[func] = _fresh_returns(func)
-        if self.paused or True not in fresh:
-            return out
-        for o, new in zip((out,) if len(fresh) == 1 else out, fresh):
-            if not new:
-                continue
-            if isinstance(o, torch.Tensor):
-                self._charge(o, func)
-            elif isinstance(o, (list, tuple)):
-                for t in o:
-                    if isinstance(t, torch.Tensor):
-                        self._charge(t, func)
-        return out
-
-    def _charge(self, t: torch.Tensor, func: Any) -> None:
-        if self.where is not None and t.device != self.where:
-            return  # a host copy made during the work (CUDA: pinned offloads)
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-            return
-        self.dev._charge(storage, (self.label, func))
-
-
-def _remedy(what: str) -> str:
-    """What helps, by what did not fit: weights shrink with smaller stages; activations and
-    saved inputs with fewer rows per stage call."""
-    if "weight" in what:
-        return "give it more memory (memory_fraction, a larger budget) or cut the model into more, smaller stages"
-    return ("the activations of the batch do not fit: call with a smaller batch, or compile with more micro-batches "
-            "(fewer rows per stage call), or give the GPU more memory")
-
-
-class Device:
-    """One pipeline GPU: its books (budget, bytes held, peak, transfers) and its copies.
-
-    Subclasses implement the copies; the books are shared. `budget=None` means unlimited.
-    """
-
-    kind = "abstract"
-    granule = 1  # the allocator's rounding: a storage of n bytes holds n rounded up to this
-
-    def __init__(self, name: str, budget: int | None, torch_device: torch.device) -> None:
-        self.name = name
-        self.budget = budget
-        self.torch_device = torch_device
-        self.current_bytes = 0
-        self.peak_bytes = 0
-        self.log = TransferLog()
-        self._lock = threading.RLock()  # re-entrant: a storage may die (and be freed) while it is held
-        self._tracked: dict[int, tuple[weakref.ref, int]] = {}  # id(storage) -> (its weakref, bytes charged)
-        self._tls = threading.local()  # per thread: the tracker now active (compute()), or None
-        self._window = 0  # the peak since the current `working` began
-        self.stage_peaks: dict[int, int] = {}  # stage -> its measured peak (see `working`)
-
-    # ------------------------------------------------------------------ books
-    def alloc(self, n: int, what: "str | tuple[str, Any]") -> None:
-        """Count `n` more bytes held; raises MobiusError (nothing counted) past the budget.
-        `what` is said in the error; (whose, op) for the tracker's charges (formatted only then)."""
-        with self._lock:
-            after = self.current_bytes + n
-            if self.budget is not None and after > self.budget:
-                if not isinstance(what, str):
-                    what = f"{what[0]} working memory ({what[1]})"
-                raise BudgetError(
-                    f"{self.name} would hold {fmt_bytes(after)} ({after} bytes: {what} needs {fmt_bytes(n)} on top "
-                    f"of {fmt_bytes(self.current_bytes)} held) but its budget is {fmt_bytes(self.budget)} "
-                    f"({self.budget} bytes); {_remedy(what)}"
-                )
-            self.current_bytes = after
-            if after > self.peak_bytes:
-                self.peak_bytes = after
-            if after > self._window:
-                self._window = after
-
-    def free(self, n: int, what: str = "") -> None:
-        with self._lock:
-            self.current_bytes -= n
-
-    def track(self, t: torch.Tensor, what: str = "activation") -> None:
-        """Charge the storage of `t`, a tensor this device holds, until the storage dies (every
-        tensor and view on it) or `untrack_all`; a storage already charged is not charged again."""
-        self._charge(t.untyped_storage(), what, empty=True)
-
-    def _charge(self, storage: torch.UntypedStorage, what: Any, empty: bool = False) -> None:
-        key = id(storage)
-        if key in self._tracked:
-            return
-        n = -(-storage.nbytes() // self.granule) * self.granule
-        if not n and not empty:
-            return
-        self.alloc(n, what)
-        self._tracked[key] = (weakref.ref(storage, functools.partial(self._died, key)), n)
-
-    def _died(self, key: int, ref: weakref.ref) -> None:
-        entry = self._tracked.get(key)
-        if entry is not None and entry[0] is ref:
-            del self._tracked[key]
-            self.free(entry[1])
-
-    def holds(self, t: torch.Tensor) -> bool:
-        """Whether `t`'s storage is charged to this device (an activation it holds)."""
-        try:
-            return id(t.untyped_storage()) in self._tracked
-        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-            return False
-
-    def claim(self, t: torch.Tensor, what: str) -> None:
-        """Book `nbytes(t)` for the caller, who frees them (a gradient accumulator): charged now,
-        or, when the tracker already charges its storage, taken over from the tracker."""
-        with self._lock:
-            entry = self._tracked.pop(id(t.untyped_storage()), None)
-        n = nbytes(t)
-        if entry is None:
-            self.alloc(n, what)
-        elif n > entry[1]:
-            self.alloc(n - entry[1], what)
-        else:
-            self.free(entry[1] - n)
-
-    def accept(self, t: Any) -> Any:
-        """A tensor arriving for stage work on this GPU (an output's gradient, from the stage
-        after it or from the host), on this GPU and charged to it (inside `compute()`)."""
-        if not isinstance(t, torch.Tensor) or self.holds(t):
-            return t
-        return self._arrive(t)
-
-    def _arrive(self, t: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def untrack_all(self) -> None:
-        """Forget every charged storage (after an error: the pipeline no longer holds them)."""
-        with self._lock:
-            held = sum(n for _, n in self._tracked.values())
-            self._tracked.clear()
-            self.current_bytes -= held
-
-    def stats(self) -> dict[str, int]:
-        return {"peak_bytes": self.peak_bytes, "current_bytes": self.current_bytes}
-
-    def reset_peak(self) -> None:
-        with self._lock:
-            self.peak_bytes = self.current_bytes
-            self.stage_peaks.clear()
-
-    # ------------------------------------------------------------------ the tracker
-    @contextlib.contextmanager
-    def books(self) -> Iterator[None]:
-        """Charge every tensor created on this device in this thread, until the context ends, to
-        the books (`compute()` enters it); nested: the outer one charges."""
-        tls = self._tls
-        if getattr(tls, "mode", None) is not None:
-            yield
-            return
-        tls.mode = mode = _Books(self)
-        try:
-            with mode:
-                yield
-        finally:
-            tls.mode = None
-
-    @contextlib.contextmanager
-    def untracked(self) -> Iterator[None]:
-        """Copies made here are host memory, not this device's (a virtual GPU's offload)."""
-        mode = getattr(self._tls, "mode", None)
-        if mode is None or mode.paused:
-            yield
-            return
-        mode.paused = True
-        try:
-            yield
-        finally:
-            mode.paused = False
-
-    @contextlib.contextmanager
-    def working(self, stage: int, others: int = 0) -> Iterator[None]:
-        """Stage `stage` works on this GPU (forward, recompute, gradients, accumulation): inside
-        `compute()`, its tensors booked under its name. The GPU's peak during the work, less
-        `others` (bytes held for other stages: their weights, their gradient accumulators), is
-        the stage's measured peak, `stage_peaks[stage]` (the plan's `Stage.peak_bytes` bounds it)."""
-        with self.compute():
-            mode = getattr(self._tls, "mode", None)  # None: a Device of yours whose compute() does not track
-            label = mode.label if mode is not None else None
-            if mode is not None:
-                mode.label = f"stage {stage}'s"
-            with self._lock:
-                outer, self._window = self._window, self.current_bytes
-            try:
-                yield
-            finally:
-                with self._lock:
-                    peak = self._window - others
-                    if peak > self.stage_peaks.get(stage, -1):
-                        self.stage_peaks[stage] = peak
-                    self._window = max(outer, self._window)
-                if mode is not None:
-                    mode.label = label
-
-    # ------------------------------------------------------------------ interface
-    def compute(self) -> contextlib.AbstractContextManager:
-        """Context in which this GPU's compute runs (its compute stream), with `books()` on:
-        every tensor the work creates on the GPU is charged while it lives."""
-        raise NotImplementedError
-
-    def new_slot(self, like: torch.Tensor, dtype: torch.dtype | None, parameter: bool) -> torch.Tensor:
-        """A tensor shaped like `like` on this device, with no storage until uploaded."""
-        raise NotImplementedError
-
-    def upload(self, slots: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> Any:
-        """Give each slot storage and copy its master in; returns a token for `ready`."""
-        raise NotImplementedError
-
-    def ready(self, token: Any, slots: Sequence[torch.Tensor]) -> None:
-        """Order compute after the upload `token` (no-op when already done)."""
-        raise NotImplementedError
-
-    def cancel(self, token: Any) -> None:
-        """Let an upload in flight finish (errors ignored) so its slots can be freed."""
-
-    def new_step(self) -> None:
-        """A new forward begins: masters may have changed since the last one (optimizer step)."""
-
-    def release(self, slots: Sequence[torch.Tensor]) -> None:
-        """Free the slots' storage (their shapes stay; any use now fails)."""
-        for s in slots:
-            s.untyped_storage().resize_(0)
-
-    def receive(self, value: torch.Tensor, src: "Device | None", dtype: torch.dtype | None = None,
-                kind: str = "activation") -> torch.Tensor:
-        """A differentiable copy of an activation from `src` (None: the host) onto this device,
-        cast to `dtype` when given; logged as `kind` (a saved input sent again: "input")."""
-        raise NotImplementedError
-
-    def to_host(self, value: torch.Tensor) -> torch.Tensor:
-        """A differentiable copy of an activation into host memory."""
-        raise NotImplementedError
-
-    def offload(self, t: torch.Tensor) -> Any:
-        """Save a stage input in host memory until backward (not differentiable)."""
-        raise NotImplementedError
-
-    def restore(self, saved: Any) -> torch.Tensor:
-        """The saved input back on this device."""
-        raise NotImplementedError
-
-    def download(self, t: torch.Tensor, kind: str) -> Callable[[], torch.Tensor]:
-        """Start copying `t` to the host; the returned thunk waits and gives the host tensor."""
-        raise NotImplementedError
-
-    def rng_state(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    @contextlib.contextmanager
-    def rng(self, state: torch.Tensor) -> Iterator[None]:
-        """Run with the generator this device's random ops use set to `state`, then restore it."""
-        raise NotImplementedError
-        yield  # pragma: no cover
-
-    def synchronize(self) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        budget = "unlimited" if self.budget is None else fmt_bytes(self.budget)
-        return f"{type(self).__name__}({self.name!r}, budget={budget}, held={fmt_bytes(self.current_bytes)})"
-
-
-def _empty_slot(like: torch.Tensor, dtype: torch.dtype | None, parameter: bool, device: torch.device) -> torch.Tensor:
-    dt = dtype if (dtype is not None and like.is_floating_point()) else like.dtype
-    t = torch.empty(like.shape, dtype=dt, device=device)
-    t.untyped_storage().resize_(0)
-    if parameter:
-        return nn.Parameter(t, requires_grad=False)
-    return t
-
-
-class _Saved:
-    """A stage input kept for backward: its host copy and what orders reading it (a CUDA event;
-    on virtual devices the version the input had)."""
-
-    __slots__ = ("host", "event")
-
-    def __init__(self, host: torch.Tensor, event: Any) -> None:
-        self.host = host
-        self.event = event
 
 
 class VirtualDevice(Device):
@@ -447,7 +56,7 @@ class VirtualDevice(Device):
         return self.books()
 
     def new_slot(self, like, dtype, parameter):
-        return _empty_slot(like, dtype, parameter, self.torch_device)
+        return empty_slot(like, dtype, parameter, self.torch_device)
 
     def upload(self, slots, masters):
         slots, masters = list(slots), list(masters)
@@ -496,7 +105,7 @@ class VirtualDevice(Device):
         self.log.add("input", "d2h", nbytes(t))
         with self.untracked():
             host = t.detach().clone()
-        return _Saved(host, (weakref.ref(t), t._version))
+        return SavedInput(host, (weakref.ref(t), t._version))
 
     def restore(self, saved):
         ref, version = saved.event
@@ -557,7 +166,7 @@ class CudaDevice(Device):
             yield
 
     def new_slot(self, like, dtype, parameter):
-        return _empty_slot(like, dtype, parameter, self.torch_device)
+        return empty_slot(like, dtype, parameter, self.torch_device)
 
     def new_step(self):
         self._epoch += 1
@@ -658,7 +267,7 @@ class CudaDevice(Device):
     def offload(self, t):
         host, event = self._to_pinned(t)
         self.log.add("input", "d2h", nbytes(t))
-        return _Saved(host, event)
+        return SavedInput(host, event)
 
     def restore(self, saved):
         self.compute_stream.wait_event(saved.event)

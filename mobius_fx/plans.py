@@ -5,8 +5,9 @@ transfers (prefetch / evict / activation / gradient, with routes and modelled ti
 cross-mapped GPU order, the solver report and the layer costs it was made from, so that
 `simulate` and `lower_bound` need nothing else. `str(plan)` renders the tables users read.
 
-The memory model shared by the partitioner, the plan tables and the runtime checks lives here
-too (`stage_memory`), so there is exactly one definition of "a stage fits".
+The memory model (`MemoryModel`, `stage_memory`) and the solver report (`SolverInfo`) are
+defined in `mobius_fx.step_model`, the one statement of the model the planner solves, and
+re-exported here: there is exactly one definition of "a stage fits".
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from tabulate import tabulate
 
-from .costs import LayerCost, dtype_bytes, dtype_name
+from .costs import LayerCost, dtype_name
 from .errors import MobiusError
 from .schedule import HOST, ScheduleIR, StageInput, StageIO, build_schedule
+from .step_model import MemoryModel, SolverInfo, stage_memory
 from .units import fmt_bytes, fmt_time
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,26 +34,6 @@ __all__ = [
 ]
 
 TRANSFER_KINDS = ("prefetch", "evict", "activation", "gradient")
-
-
-@dataclass(frozen=True)
-class SolverInfo:
-    """What the partitioner did: solver, status, objective (s), gap, wall time, problem size."""
-
-    name: str = "none"
-    status: str = "not solved"
-    objective: float = float("nan")
-    gap: float = float("nan")  # relative gap between incumbent and bound (0 = proven optimal)
-    wall_time: float = 0.0
-    variables: int = 0
-    constraints: int = 0
-    stage_counts: tuple[int, ...] = ()  # candidate stage counts S tried
-    cached: bool = False
-
-    def __str__(self) -> str:
-        gap = "n/a" if self.gap != self.gap or self.gap == float("inf") else f"{self.gap:.1%}"  # NaN or inf
-        return (f"{self.name} {self.status} (gap {gap}, {self.wall_time:.2f} s, "
-                f"{self.variables} vars, {self.constraints} constraints{', cached' if self.cached else ''})")
 
 
 @dataclass(frozen=True)
@@ -95,72 +77,6 @@ class Transfer:
     route: tuple[str, ...]
     time: float  # modelled seconds of one occurrence at the route's bottleneck bandwidth
     count: int = 1
-
-
-@dataclass(frozen=True)
-class MemoryModel:
-    """Bytes scale factors and the constant working-memory term of a plan, and the stage
-    footprint formula (`footprint`) that `stage_memory`, the partitioner and its MIP share.
-
-    Layer costs are traced in the model's own dtype (fp32 masters); weights and activations
-    on the GPU are `weight_scale`/`act_scale` times that when streaming in half precision.
-    """
-
-    microbatches: int
-    weight_scale: float = 1.0
-    act_scale: float = 1.0
-    working_bytes: float = 0.0  # largest layer's working memory for one micro-batch
-
-    @staticmethod
-    def for_layers(layers: Sequence[LayerCost], microbatches: int, dtype: Any = None,
-                   master_dtype: Any = "float32") -> "MemoryModel":
-        scale = dtype_bytes(dtype) / dtype_bytes(master_dtype) if dtype is not None else 1.0
-        work = max((l.peak_bytes for l in layers), default=0) * scale / microbatches
-        return MemoryModel(microbatches, scale, scale, work)
-
-    @property
-    def grad_copies(self) -> int:
-        """Copies of a stage's weight gradients on its GPU in backward: the sum so far and,
-        with several micro-batches, the fresh gradients of the micro-batch being added to it
-        (autograd hands a stage call's weight gradients back all at once)."""
-        return 2 if self.microbatches > 1 else 1
-
-    def recompute_bytes(self, layer: LayerCost) -> float:
-        """What recomputing `layer` with grad keeps until its backward, for one micro-batch: at
-        most its live-in activations and every tensor its nodes produce (`peak_bytes`)."""
-        return layer.peak_bytes * self.act_scale / self.microbatches
-
-    def footprint(self, weights: Any, grads: Any, recompute: Any, boundary: Any) -> tuple[Any, Any]:
-        """(forward, backward) bytes of a stage from its sums over its layers: weights, weight
-        gradients, `recompute_bytes`, and M x (boundary input + output) activations. Linear
-        in them, so the MIP can call it with PuLP expressions.
-
-        forward  = weights + working + boundary
-        backward = weights + grad_copies x gradients + recompute + working + boundary
-
-        working (the largest layer's, one micro-batch) bounds the forward's live intermediates
-        and backward's activation gradients in flight; recompute is everything the stage's
-        recompute keeps for backward, summed over its layers; boundary covers the stage's
-        inputs (forward) and the input and output gradients of its M calls (backward).
-        """
-        work = self.working_bytes
-        return weights + work + boundary, weights + self.grad_copies * grads + recompute + work + boundary
-
-
-def stage_memory(layers: Sequence[LayerCost], before: LayerCost | None, mm: MemoryModel) -> tuple[float, float]:
-    """(forward, backward) GPU footprint of a stage made of `layers`, in bytes (`MemoryModel.footprint`).
-
-    `before` is the layer just before the stage (its output is the stage input), None for
-    stage 0. Linear in the layers, so the MIP can use the same formula. What the runtime's
-    books measure per stage (`Pipeline.stage_peaks()`) stays at or below the larger of the two.
-    """
-    m = mm.microbatches
-    w = sum(l.param_bytes for l in layers) * mm.weight_scale
-    g = sum(l.grad_bytes for l in layers) * mm.weight_scale
-    r = sum(mm.recompute_bytes(l) for l in layers)
-    act_in = (before.output_bytes if before is not None else 0) * mm.act_scale / m
-    act_out = layers[-1].output_bytes * mm.act_scale / m if layers else 0.0
-    return mm.footprint(w, g, r, m * (act_in + act_out))
 
 
 @dataclass(frozen=True)
@@ -208,8 +124,9 @@ class Plan:
         No schedule of this plan's work on this topology can take less: the GPUs cannot do
         more than their share of compute at once, and no link carries more than its bandwidth.
         """
-        m = self.microbatches
-        compute = sum(m * (s.fwd_time + s.bwd_time) for s in self.stages) / max(1, self.num_gpus)
+        runs = self.schedule().select(kind="run")  # a stage of a frozen prefix runs no backward
+        compute = sum(self.stages[o.stage].fwd_time if o.phase == "forward" else self.stages[o.stage].bwd_time
+                      for o in runs) / max(1, self.num_gpus)
         link = 0.0
         if self.topology is not None:
             for (u, v), b in self.link_bytes().items():

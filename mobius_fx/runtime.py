@@ -264,6 +264,13 @@ class _Runtime:
         self._from_host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # GPU copy -> its host original
         self._lock = threading.RLock()
         self._anchor = torch.zeros((), requires_grad=True)
+        # What this step executed, in order: (kind, gpu, stage, phase, micro-batch or None) for
+        # each prefetch, wait, run and evict that acted (`Pipeline.executed_ops`).
+        self.executed: list[tuple[str, str, int, str, int | None]] = []
+
+    def _did(self, kind: str, k: int, i: int | None = None) -> None:
+        phase = "backward" if self.step is not None and self.step.state == "backward" else "forward"
+        self.executed.append((kind, self.stages[k].device.name, k, phase, i))
 
     # ------------------------------------------------------------------ weights
     def prefetch(self, k: int) -> None:
@@ -282,6 +289,7 @@ class _Runtime:
             st.device.free(st.weight_bytes)
             raise
         st.resident = True
+        self._did("prefetch", k)
         if st.token is None:
             st.versions = [s._version for s in st.slots]
         st.train = [j for j, s in enumerate(st.slots) if st.is_param[j] and s.requires_grad]
@@ -297,6 +305,7 @@ class _Runtime:
             st.device.ready(st.token, st.slots)
             st.token = None
             st.versions = [s._version for s in st.slots]  # the upload's copies are done
+        self._did("wait", k)
 
     def evict(self, k: int) -> None:
         st = self.stages[k]
@@ -308,6 +317,7 @@ class _Runtime:
         st.device.release(st.slots)
         st.device.free(st.weight_bytes)
         st.resident = False
+        self._did("evict", k)
 
     def hold(self, k: int) -> None:
         if self.step is None or self.step.fwd_calls[k] == 0:
@@ -417,6 +427,7 @@ class _Runtime:
                               f"prefetch and wait for a stage before running it")
         dev = st.device
         step = self.step
+        self._did("run", k, i)
         leaves, spec = pytree.tree_flatten(args)
         pos = [j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         tensors = [leaves[j] for j in pos]
@@ -536,6 +547,7 @@ class _Runtime:
             self.wait(k, strict=False)
         # All of the stage's work -- the restored inputs, the recompute, autograd.grad, the
         # accumulation -- is charged to its GPU while it lives (Device.working).
+        self._did("run", k, call.mb)
         with self._working(k):
             in_grads = self._recompute(call, st, step, grads, needs)
         step.bwd_calls[k] += 1
@@ -635,6 +647,7 @@ class _Runtime:
                 if st.resident:
                     self.evict(k)
             self._from_host.clear()
+            self.executed.clear()
             for dev in self.devices.values():
                 dev.new_step()
                 dev.log.mark()
@@ -820,6 +833,14 @@ class Pipeline(nn.Module):
     def reset_peak_memory_stats(self) -> None:
         for dev in self._rt.devices.values():
             dev.reset_peak()
+
+    def executed_ops(self) -> list[tuple[str, str, int, str, int | None]]:
+        """What the last step executed, in order: (kind, gpu, stage, phase, micro-batch) for every
+        weight prefetch, wait, stage run (forward, or backward with its recompute; micro-batch
+        set) and eviction that acted. A step's order to check against its schedule IR: every run
+        after a wait for its stage, every wait after its prefetch, at most the IR's resident
+        stages per GPU (tests/unit/test_schedule_ir.py)."""
+        return list(self._rt.executed)
 
     def transfer_stats(self, *, last_step: bool = False, by_stage: bool = False) -> dict[str, dict]:
         """Per GPU: copies and bytes moved per "kind direction" ("weight h2d", "gradient d2h",

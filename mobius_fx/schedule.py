@@ -231,6 +231,15 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
     pushed: dict[tuple[int, int, int], int] = {}  # (consumer, input j, mb) -> the push from the stage before
     saved: dict[tuple[int, int, int], int] = {}  # (stage, input j, mb) -> offload op
     direct = [[inp.source >= 0 and inp.source == k - 1 for inp in st.inputs] for k, st in enumerate(stages)]
+    # Which values carry gradients: an input does when it needs one and its producer runs backward
+    # (a model input: when it needs one); a stage runs backward when it has weight gradients or
+    # such an input. A frozen stage on plain inputs (a frozen embedding, a frozen prefix of a
+    # LoRA model) runs forward only: nothing saved, held, restored or fetched again for it.
+    grad_in: list[list[bool]] = []
+    has_bwd: list[bool] = []
+    for k, st in enumerate(stages):
+        grad_in.append([inp.needs_grad and (inp.source < 0 or has_bwd[inp.source]) for inp in st.inputs])
+        has_bwd.append(st.grad_bytes > 0 or any(grad_in[k]))
     for k in range(len(stages)):
         if prev[k] is None:
             fetched[k] = up(k, "forward", [])
@@ -252,7 +261,7 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
             r = op("run", g, k, "forward", deps, microbatch=i)
             run_f[(k, i)] = r
             for j, inp in enumerate(st.inputs):
-                if direct[k][j]:
+                if direct[k][j] and has_bwd[k]:
                     saved[(k, j, i)] = op("offload", g, k, "forward", [r], microbatch=i, src=g, dst=HOST,
                                           what="input", bytes=inp.bytes, value=j)
             if consumer is not None and gpu[k + 1] != g:
@@ -265,7 +274,7 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
                                     bytes=b, value=p)
                 hosted_all[(k, i)].append(hosted[(k, i)])
         last = run_f[(k, m - 1)]
-        if nxt[k] is not None:
+        if nxt[k] is not None or not has_bwd[k]:
             evicted[k] = op("evict", g, k, "forward", [last])
         else:
             op("hold", g, k, "forward", [last])
@@ -275,11 +284,20 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
     evicted_b: dict[int, int] = {}
     grads_back: dict[tuple[int, int], list[int]] = defaultdict(list)  # (stage, mb) -> gradient copies it waits for
     downloads: dict[int, int] = {}
+    fetched_b: set[int] = set()  # stages whose backward prefetch the stage after them on their GPU issued
     for k in reversed(range(len(stages))):
+        if not has_bwd[k]:
+            continue
         g = gpu[k]
         st = stages[k]
+        if nxt[k] is not None and k not in fetched_b:  # the stage after it on this GPU ran no backward:
+            j = nxt[k]  # fetched again at its own turn, after the last eviction on its GPU
+            while j is not None and j not in evicted_b:
+                j = nxt[j]
+            fetched[k] = up(k, "backward", [evicted_b.get(j)])
         wait = op("wait", g, k, "backward", [fetched.get(k)])
-        if prev[k] is not None:  # as in forward: only after the stage before on this GPU left it
+        if prev[k] is not None and has_bwd[prev[k]]:  # as in forward: only after the stage before on this GPU left it
+            fetched_b.add(prev[k])
             fetched[prev[k]] = up(prev[k], "backward", [wait, evicted_b.get(nxt[k]) if nxt[k] is not None else None])
         for i in reversed(range(m)):
             deps = [wait, *grads_back.pop((k, i), [])]
@@ -296,7 +314,7 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
             r = op("run", g, k, "backward", deps, microbatch=i)
             run_b[(k, i)] = r
             for j, inp in enumerate(st.inputs):  # input gradients go back the way the inputs came
-                if not inp.needs_grad:
+                if not grad_in[k][j]:
                     continue
                 if direct[k][j]:
                     if gpu[k - 1] != g:

@@ -13,10 +13,11 @@ comparisons are like for like.
     mobius_fx.simulate(plan, schedule="zero3-offload").step_time / result.step_time
     result.save_chrome_trace("step.json")                # open in ui.perfetto.dev
 
-Schedules (the docstring of each builder says where its model comes from): "mobius",
-"mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload", "roundpipe". The three
-"mobius" ones are read from the schedule IR (`plan.schedule()`, mobius_fx/schedule.py): one task
-per op, so a change of the schedule is made there; the baselines have their own builders.
+Schedules: "mobius", "mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload",
+"roundpipe". The three "mobius" ones are read from the schedule IR (`plan.schedule()`,
+mobius_fx/schedule.py): one task per op, so a change of the schedule is made there. The
+baselines have their own builders in mobius_fx/baselines.py (each docstring says where its
+model comes from), on the task graph of mobius_fx/sim_tasks.py.
 """
 
 from __future__ import annotations
@@ -28,39 +29,17 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .costs import dtype_bytes
-from .errors import MobiusError, PlanError
+from .baselines import gpipe, roundpipe, zero3_offload
+from .errors import MobiusError
 from .network import Link, LinkSegment, Task, replay
-from .plans import MemoryModel, Plan
+from .plans import Plan
 from .schedule import HOST, ScheduleIR, build_schedule
+from .sim_tasks import CPU_ADAM_BANDWIDTH, Context, cpu_optimizer, optimizer_bytes_touched
 from .units import fmt_bytes, fmt_time
 
 __all__ = ["simulate", "SimResult", "SimEvent", "SCHEDULES", "CPU_ADAM_BANDWIDTH", "optimizer_bytes_touched"]
 
 SCHEDULES = ("mobius", "mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload", "roundpipe")
-
-# Bytes of memory traffic per fp32 master parameter in one optimizer step. Adam reads the
-# parameter, its gradient and both moments (4 x 4 B) and writes the parameter and both moments
-# (3 x 4 B): 28 B. SGD with momentum reads p, g, m and writes p, m: 20 B. The step is memory
-# bound on a CPU, so time = params x bytes / sustained bandwidth.
-_TOUCHED = {"adam": 28, "adamw": 28, "sgd": 20, "none": 0}
-_STATES = {"adam": 8, "adamw": 8, "sgd": 4, "none": 0}  # optimizer state bytes per fp32 param
-
-# Sustained bytes/s a plain torch.optim.Adam reaches over fp32 masters on a 2-socket Xeon
-# server ([I] assumption: STREAM triad on 2 x 6-channel DDR4-2666 is ~150-200 GB/s; torch's
-# Adam makes several passes over the tensors, so ~1/8 of it is effective). Measured on this
-# project's 2-core EPYC VM (torch 2.13 CPU, torch.optim.Adam.step over 50 M fp32 params,
-# 28 B/param): 4.7 GB/s with foreach=False, 1.9 GB/s foreach, 15.7 GB/s fused=True.
-# Pass `cpu_adam_bandwidth` for your server.
-CPU_ADAM_BANDWIDTH = 20e9
-
-
-def optimizer_bytes_touched(optimizer: str) -> int:
-    """Bytes read + written per fp32 parameter by one step of `optimizer` (adam: 28)."""
-    try:
-        return _TOUCHED[optimizer]
-    except KeyError:
-        raise MobiusError(f"unknown optimizer {optimizer!r}; use one of {', '.join(_TOUCHED)}") from None
 
 
 # ------------------------------------------------------------------------------- results
@@ -207,183 +186,9 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     if missing:
         raise MobiusError(f"the plan runs on {', '.join(missing)}, which topology {getattr(topo, 'name', '')!r} "
                           f"lacks ({', '.join(by_name)}); simulate on the plan's topology or re-plan")
-    ctx = _Context(plan, topo, optimizer, bw, use_plan_routes=topo is plan.topology)
+    ctx = Context(plan, topo, optimizer, bw, use_plan_routes=topo is plan.topology)
     _BUILDERS[schedule](ctx)
     return _run(ctx, schedule)
-
-
-# --------------------------------------------------------------------------- task graph
-@dataclass
-class _Costs:
-    """Per stage (or layer unit): times per micro-batch, bytes as streamed."""
-
-    f: list[float]
-    b: list[float]
-    w: list[float]
-    g: list[float]
-    inp: list[float]  # boundary input bytes per micro-batch
-    out: list[float]
-    master: list[float]  # trainable fp32 master bytes (optimizer)
-    names: list[str]
-
-
-@dataclass
-class _Slot:
-    phase: str  # forward | backward | fused
-    stage: int
-    gpu: str
-
-
-class _Context:
-    def __init__(self, plan: Plan, topo: Any, optimizer: str, cpu_bw: float, use_plan_routes: bool):
-        self.plan, self.topo, self.optimizer, self.cpu_bw = plan, topo, optimizer, cpu_bw
-        self.tasks: list[Task] = []
-        self.last_compute: dict[str, int] = {}
-        self._links: dict[tuple[str, str], tuple[Link, ...]] = {}
-        self._routes: dict[tuple[str, str], tuple[str, ...]] = {}
-        if use_plan_routes:
-            for t in plan.transfers:
-                if t.kind != "evict":
-                    self._routes[(t.src, t.dst)] = tuple(t.route)
-        idx = {g.name: g.index for g in topo.gpus}
-        self.gpus = tuple(sorted(plan.order, key=lambda n: idx[n]))  # identity order of the plan's GPUs
-        self.scale = dtype_bytes(plan.dtype) / 4.0  # streamed bytes per fp32 master byte
-        st = plan.stages
-        self.stages = _Costs([s.fwd_time for s in st], [s.bwd_time for s in st], [float(s.param_bytes) for s in st],
-                             [float(s.grad_bytes) for s in st], [float(s.input_bytes) for s in st],
-                             [float(s.output_bytes) for s in st], [s.grad_bytes / self.scale for s in st],
-                             [f"s{s.index}" for s in st])
-
-    def route(self, src: str, dst: str) -> tuple[str, ...]:
-        if (src, dst) not in self._routes:
-            self._routes[(src, dst)] = (src,) if src == dst else tuple(self.topo.route(src, dst))
-        return self._routes[(src, dst)]
-
-    def add(self, task: Task) -> int:
-        self.tasks.append(task)
-        return len(self.tasks) - 1
-
-    def compute(self, gpu: str, duration: float, name: str, after: list, **meta) -> int:
-        deps = [d for d in after if d is not None]
-        if gpu in self.last_compute:
-            deps.append(self.last_compute[gpu])
-        i = self.add(Task(name, f"{gpu}/compute", (), duration, after=deps,
-                          meta={"kind": "compute", "gpu": gpu, **meta}))
-        self.last_compute[gpu] = i
-        return i
-
-    def move(self, stream: str, priority: tuple, src: str, dst: str, nbytes: float, name: str, *,
-             after: list = (), after_start: list = (), **meta) -> int | None:
-        if nbytes <= 0:
-            return None
-        route = self.route(src, dst)
-        return self.add(Task(name, stream, priority, links=tuple(zip(route, route[1:])), size=float(nbytes),
-                             after=[d for d in after if d is not None],
-                             after_start=[d for d in after_start if d is not None],
-                             meta={"src": src, "dst": dst, "route": route, "bytes": int(nbytes), **meta}))
-
-    def mark(self, name: str, after: list, **meta) -> int:
-        return self.add(Task(name, after=[d for d in after if d is not None], meta=meta))
-
-
-def _pipeline(ctx: _Context, c: _Costs, slots: list[_Slot], m: int, *, resident: bool = False,
-              offload_activations: bool = True, activations: bool = True, loss_on_host: bool = True,
-              grads_to_host: bool = True) -> None:
-    """Tasks of a looped pipeline (the baselines): each slot runs all `m` micro-batches of one
-    stage on a GPU.
-
-    Per GPU the slots run in list order on its compute stream. A slot's weights upload on the
-    GPU's upload stream when the previous slot on that GPU starts, and not before the stage two
-    back on that GPU is evicted (at most two resident); a slot that follows the same stage on
-    the same GPU reuses its weights. Activations arrive on the receiving GPU's activation
-    stream; saved boundary inputs go to DRAM after they arrive and come back (upload stream,
-    after the weights) for backward; gradients go to DRAM on the download stream after the last
-    micro-batch.
-    """
-    seq: dict[str, list[int]] = defaultdict(list)
-    for j, s in enumerate(slots):
-        seq[s.gpu].append(j)
-    pos = {j: p for js in seq.values() for p, j in enumerate(js)}
-    last_stage = max(s.stage for s in slots)
-    comp: dict[tuple[str, int], list[int]] = {}  # (phase, stage) -> compute task per micro-batch
-    where: dict[tuple[str, int], str] = {}
-    arrive: dict[tuple[int, int], int | None] = {}  # (stage, mb) -> forward input arrival
-    save: dict[tuple[int, int], int | None] = {}
-    out: dict[int, int | None] = {}
-    evict: dict[int, int | None] = {}
-    for j, s in enumerate(slots):
-        k, gpu, p = s.stage, s.gpu, pos[j]
-        mine = seq[gpu]
-        prev = slots[mine[p - 1]] if p > 0 else None
-        nxt = slots[mine[p + 1]] if p + 1 < len(mine) else None
-        reuse = resident or (prev is not None and prev.stage == k)
-        fwd = s.phase in ("forward", "fused")
-        phase = "forward" if s.phase == "forward" else "backward"
-        tag = f"{s.phase[0]}{c.names[k]}"
-        trigger_start = [comp[(prev.phase, prev.stage)][0]] if prev is not None else []
-        memory = [next((evict[q] for q in reversed(mine[:max(0, p - 1)]) if evict.get(q) is not None), None)]
-        up = None
-        if not reuse:
-            up = ctx.move(f"{gpu}/upload", (p, 0, 0), "dram", gpu, c.w[k], f"prefetch {tag}",
-                          after=memory, after_start=trigger_start,
-                          kind="prefetch", phase=phase, gpu=gpu, stage=k)
-        rows = []
-        for i in range(m):
-            deps: list[int | None] = [up]
-            if fwd and activations:
-                if k == 0:
-                    src, made = "dram", None
-                else:
-                    src = where[("forward", k - 1)]
-                    made = comp[("forward", k - 1)][i]
-                a = None
-                if src != gpu:
-                    a = ctx.move(f"{gpu}/activation", (p, i), src, gpu, c.inp[k], f"act {tag} mb{i}", after=[made],
-                                 kind="activation", phase="forward", gpu=gpu, stage=k, microbatch=i)
-                arrive[(k, i)] = a if a is not None else made
-                deps.append(arrive[(k, i)])
-                if offload_activations and k > 0 and s.phase == "forward":
-                    save[(k, i)] = ctx.move(f"{gpu}/download", (p, i, 0), gpu, "dram", c.inp[k],
-                                            f"save {tag} mb{i}", after=[arrive[(k, i)]], kind="activation",
-                                            phase="forward", gpu=gpu, stage=k, microbatch=i)
-            if s.phase == "backward" and activations:
-                if offload_activations and k > 0 and (k, i) in save:
-                    deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), "dram", gpu, c.inp[k], f"restore {tag} mb{i}",
-                                         after=[save[(k, i)], *memory], after_start=trigger_start,
-                                         kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i))
-                elif offload_activations and k == 0 and c.inp[0] > 0:  # the model input, sent again from the host
-                    deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), "dram", gpu, c.inp[0], f"input {tag} mb{i}",
-                                         after=memory, after_start=trigger_start,
-                                         kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i))
-                if k == last_stage:
-                    src, made = "dram", out.get(i) if out.get(i) is not None else comp[("forward", k)][i]
-                else:
-                    nb = ("backward", k + 1) if ("backward", k + 1) in comp else ("fused", k + 1)
-                    src, made = where[nb], comp[nb][i]
-                hop = None
-                if src != gpu and (src != "dram" or loss_on_host):
-                    hop = ctx.move(f"{gpu}/activation", (p, i), src, gpu, c.out[k], f"grad-in {tag} mb{i}",
-                                   after=[made], kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i)
-                deps.append(hop if hop is not None else made)
-            dur = c.f[k] if s.phase == "forward" else c.b[k]
-            ci = ctx.compute(gpu, dur, f"{tag} mb{i}", deps, phase=phase, stage=k, microbatch=i)
-            rows.append(ci)
-            if s.phase == "forward" and k == last_stage and activations and loss_on_host:
-                out[i] = ctx.move(f"{gpu}/download", (p, i, 1), gpu, "dram", c.out[k], f"output mb{i}", after=[ci],
-                                  kind="activation", phase="forward", gpu=gpu, stage=k, microbatch=i)
-        comp[(s.phase, k)] = rows
-        where[(s.phase, k)] = gpu
-        if s.phase != "forward" and grads_to_host:
-            ctx.move(f"{gpu}/download", (p, m, 0), gpu, "dram", c.g[k], f"grad {tag}", after=[rows[-1]],
-                     kind="gradient", phase="backward", gpu=gpu, stage=k)
-        if not resident and not (nxt is not None and nxt.stage == k):
-            evict[j] = ctx.mark(f"evict {tag}", [rows[-1]], kind="evict", phase=phase, gpu=gpu, stage=k)
-
-
-def _cpu_optimizer(ctx: _Context, master_bytes: float) -> None:
-    t = master_bytes / 4.0 * _TOUCHED[ctx.optimizer] / ctx.cpu_bw
-    ctx.add(Task("optimizer step", "host/optimizer", (), t, after=list(range(len(ctx.tasks))),
-                 meta={"kind": "optimizer", "phase": "step"}))
 
 
 _KIND = {"prefetch": "prefetch", "send": "activation", "offload": "activation", "restore": "activation",
@@ -399,7 +204,7 @@ def _schedule(plan: Plan, gpus: tuple[str, ...] | None = None) -> ScheduleIR:
                           ir.microbatches)
 
 
-def _from_ir(ctx: _Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
+def _from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
     """One task per op of a schedule IR (mobius_fx/schedule.py). A `run` computes f or b on its
     GPU; a copy with bytes is a flow on the route src -> dst, on the receiving GPU's upload stream
     (prefetch, restore, an input sent again), its activation stream (other sends to a GPU) or the
@@ -443,125 +248,37 @@ def _from_ir(ctx: _Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
             ctx.mark(f"{o.kind} {tag}", after, kind=o.kind, phase=o.phase, gpu=o.place, stage=o.stage)
     for t, w in triggers:
         (ctx.tasks[t].after_start if prefetch else ctx.tasks[t].after).append(task[runs[w][0 if prefetch else -1]])
-    _cpu_optimizer(ctx, sum(c.master[o.stage] for o in ops if o.kind == "step"))
+    cpu_optimizer(ctx, sum(c.master[o.stage] for o in ops if o.kind == "step"))
 
 
-def _mobius(ctx: _Context) -> None:
+def _mobius(ctx: Context) -> None:
     """The plan as the runtime runs it: its schedule IR (docs/schedule.md), CPU optimizer after
     the last gradient. Moves exactly `plan.transfers` (checked), so `plan.lower_bound()` bounds it."""
     _from_ir(ctx, _schedule(ctx.plan))
     _check_transfers(ctx)
 
 
-def _noprefetch(ctx: _Context) -> None:
+def _noprefetch(ctx: Context) -> None:
     """Mobius without prefetch: a stage's upload starts only once its GPU has finished the
     previous stage (the GPU idles while its weights arrive). Same transfers as "mobius"."""
     _from_ir(ctx, _schedule(ctx.plan), prefetch=False)
     _check_transfers(ctx)
 
 
-def _identity(ctx: _Context) -> None:
+def _identity(ctx: Context) -> None:
     """Mobius with the identity mapping (stage k on the k % N-th GPU by CUDA index, no cross
     mapping), as in the paper's cross-mapping ablation; transfers re-routed accordingly."""
     _from_ir(ctx, _schedule(ctx.plan, ctx.gpus))
 
 
-def _roundpipe(ctx: _Context) -> None:
-    """RoundPipe-style stateless round-robin dispatch (Luo et al., arXiv 2604.27085, 2026).
-
-    Slot i goes to GPU (g0 + i) mod N (g0 = 0, GPUs by CUDA index); every slot runs all
-    micro-batches; backward slots continue the rotation after the forward ones, so no GPU waits
-    at the forward/backward turn. The last stage is RoundPipe's fused first backward slot: its
-    forward doubles as the recompute (it costs b_{S-1} per micro-batch, uploads once, computes
-    the loss on the GPU and keeps its input). Every other slot uploads its weights (prefetched
-    while the previous slot on that GPU runs, two resident at most), saved inputs go to DRAM
-    and come back, gradients go to DRAM. Simplifications: the plan's stages are the slots
-    (RoundPipe also cuts backward slots ~1/3 the size of forward ones), its priority packing of
-    transfers is the stream priority here, and its optimizer is run synchronously after the
-    step (RoundPipe-sync); the async variant would hide `optimizer_time`.
-    """
-    s, n = ctx.plan.num_stages, len(ctx.gpus)
-    slots = [_Slot("forward", k, ctx.gpus[k % n]) for k in range(s - 1)]
-    slots.append(_Slot("fused", s - 1, ctx.gpus[(s - 1) % n]))
-    slots += [_Slot("backward", k, ctx.gpus[(2 * s - 2 - k) % n]) for k in reversed(range(s - 1))]
-    _pipeline(ctx, ctx.stages, slots, ctx.plan.microbatches, loss_on_host=False)
-    _cpu_optimizer(ctx, sum(ctx.stages.master))
-
-
-def _gpipe(ctx: _Context) -> None:
-    """GPipe (Huang et al., 2019; torchgpipe) with every weight resident: the plan's layers
-    re-cut into N stages balanced by compute, stage j on the j-th GPU, all forwards then all
-    backwards (with recompute), activations hop between GPUs, no weight traffic. The
-    optimizer runs on the GPUs, as GPipe does: each GPU steps its own stage at its memory
-    bandwidth after the backward. Raises PlanError when a stage's weights, gradients,
-    optimizer state and activations do not fit its GPU."""
-    plan, n, m = ctx.plan, len(ctx.gpus), ctx.plan.microbatches
-    u = _units(ctx)
-    groups = _balanced(u, n)
-    c = _Costs([], [], [], [], [], [], [], [])
-    for j, (a, z) in enumerate(groups):
-        for lst, src in ((c.f, u.f), (c.b, u.b), (c.w, u.w), (c.g, u.g), (c.master, u.master)):
-            lst.append(sum(src[a:z]))
-        c.inp.append(u.inp[a])
-        c.out.append(u.out[z - 1])
-        c.names.append(f"g{j}")
-    mm, recompute = _gpipe_memory(plan, u)
-    caps = {s.gpu: s.capacity for s in plan.stages}
-    by_name = {g.name: g for g in ctx.topo.gpus}
-    states = _STATES[ctx.optimizer] + (4 if ctx.scale != 1.0 else 0)  # + fp32 master copy when streaming half
-    for j, (a, z) in enumerate(groups):
-        gpu = ctx.gpus[j]
-        cap = caps.get(gpu, by_name[gpu].memory)
-        opt = c.master[j] / 4.0 * states
-        act = m * (c.inp[j] + c.out[j])
-        need = mm.footprint(c.w[j], c.g[j], sum(recompute[a:z]), act)[1] + opt
-        rest = need - opt - c.w[j] - c.g[j]  # activations, recompute, working memory, a micro-batch's fresh grads
-        if need > cap:
-            raise PlanError(
-                f"gpipe stage {j} ({u.names[a]} .. {u.names[z - 1]}) on {gpu} needs {fmt_bytes(need)} (weights "
-                f"{fmt_bytes(c.w[j])} + grads {fmt_bytes(c.g[j])} + {ctx.optimizer} state {fmt_bytes(opt)} + "
-                f"activations, recompute and working memory {fmt_bytes(rest)}) but {gpu} has {fmt_bytes(cap)}; GPipe keeps every "
-                f"weight resident, so this model does not fit {n} GPU(s): use the 'mobius' schedule or more GPUs")
-    slots = [_Slot("forward", j, ctx.gpus[j]) for j in range(len(groups))]
-    slots += [_Slot("backward", j, ctx.gpus[j]) for j in reversed(range(len(groups)))]
-    _pipeline(ctx, c, slots, m, resident=True, offload_activations=False, grads_to_host=False)
-    barrier = ctx.mark("backward done", list(range(len(ctx.tasks))), kind="barrier")
-    for j in range(len(groups)):
-        gpu = ctx.gpus[j]
-        t = c.master[j] / 4.0 * _TOUCHED[ctx.optimizer] / by_name[gpu].spec.memory_bandwidth
-        ctx.add(Task(f"optimizer {gpu}", f"{gpu}/optimizer", (), t, after=[barrier],
-                     meta={"kind": "optimizer", "phase": "step", "gpu": gpu}))
-
-
-def _zero3(ctx: _Context) -> None:
-    """DeepSpeed ZeRO-3 with CPU offload (ZeRO-Offload/ZeRO-Infinity, Rajbhandari et al.
-    SC'21; Ren et al. ATC'21), data parallel: each GPU runs 1/N of the batch through every
-    layer, fetching each layer's weights from DRAM in forward and again in backward (one layer
-    prefetched ahead, as DeepSpeed's prefetch does), and sends each layer's gradients to DRAM
-    (N x the gradient bytes, reduced on the host); Adam runs on the CPU after the last one.
-    All N GPUs fetch the same bytes, so shared switch uplinks and root complexes carry N x
-    the traffic. Simplifications: one pass per GPU (no gradient accumulation), the all-gather
-    and reduce-scatter are modelled as each GPU's own DRAM transfers, no activation traffic,
-    the last layer stays resident across the turn, the host-side gradient sum is free."""
-    n = len(ctx.gpus)
-    u = _units(ctx)
-    m = ctx.plan.microbatches
-    c = _Costs([f * m / n for f in u.f], [b * m / n for b in u.b], u.w, u.g, u.inp, u.out, u.master, u.names)
-    for gpu in ctx.gpus:
-        slots = [_Slot("forward", k, gpu) for k in range(len(u.f))]
-        slots += [_Slot("backward", k, gpu) for k in reversed(range(len(u.f)))]
-        _pipeline(ctx, c, slots, 1, offload_activations=False, activations=False)
-    _cpu_optimizer(ctx, sum(u.master))
-
-
-_BUILDERS: dict[str, Callable[[_Context], None]] = {
+_BUILDERS: dict[str, Callable[[Context], None]] = {
     "mobius": _mobius, "mobius-noprefetch": _noprefetch, "mobius-identity-map": _identity,
-    "gpipe": _gpipe, "zero3-offload": _zero3, "roundpipe": _roundpipe,
+    "gpipe": gpipe, "zero3-offload": zero3_offload, "roundpipe": roundpipe,
 }
 
 
 # ------------------------------------------------------------------------------- helpers
-def _check_transfers(ctx: _Context) -> None:
+def _check_transfers(ctx: Context) -> None:
     """The "mobius" schedules must move exactly plan.transfers (kind, phase, stage, ends, bytes, count)."""
     ours: Counter = Counter()
     for t in ctx.tasks:
@@ -579,80 +296,8 @@ def _check_transfers(ctx: _Context) -> None:
                           f"rebuild the plan with plans.build_plan")
 
 
-def _units(ctx: _Context) -> _Costs:
-    """Per-layer costs (per micro-batch, streamed bytes) scaled so each stage's layers sum to
-    the stage's own numbers; the stages themselves when the plan has no layer table."""
-    plan = ctx.plan
-    by_name = {l.name: l for l in plan.layers}
-    if not plan.layers or any(n not in by_name for s in plan.stages for n in s.layers):
-        return ctx.stages
-    c = _Costs([], [], [], [], [], [], [], [])
-    m = plan.microbatches
-    for s in plan.stages:
-        ls = [by_name[n] for n in s.layers]
-
-        def share(total: float, parts: list[float]) -> list[float]:
-            tot = sum(parts)
-            return [total * x / tot for x in parts] if tot > 0 else [total / len(parts)] * len(parts)
-
-        c.f += share(s.fwd_time, [l.fwd_time for l in ls])
-        c.b += share(s.bwd_time, [l.bwd_time for l in ls])
-        c.w += share(s.param_bytes, [l.param_bytes for l in ls])
-        gs = share(s.grad_bytes, [l.grad_bytes for l in ls])
-        c.g += gs
-        c.master += [g / ctx.scale for g in gs]
-        outs = [l.output_bytes * ctx.scale / m for l in ls[:-1]] + [float(s.output_bytes)]
-        c.inp += [float(s.input_bytes)] + outs[:-1]
-        c.out += outs
-        c.names += [l.name for l in ls]
-    return c
-
-
-def _balanced(u: _Costs, n: int) -> list[tuple[int, int]]:
-    """Contiguous groups of units, at most n, minimising the largest compute (f + b)."""
-    cost = [f + b for f, b in zip(u.f, u.b)]
-    size = len(cost)
-    if size <= n:
-        return [(i, i + 1) for i in range(size)]
-
-    def cut(limit: float) -> list[tuple[int, int]] | None:
-        groups, a, acc = [], 0, 0.0
-        for i, x in enumerate(cost):
-            if acc + x > limit and i > a:
-                groups.append((a, i))
-                a, acc = i, 0.0
-            acc += x
-        groups.append((a, size))
-        return groups if len(groups) <= n else None
-
-    lo, hi = max(cost), sum(cost)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if cut(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    return cut(hi) or [(0, size)]
-
-
-def _gpipe_memory(plan: Plan, u: _Costs) -> tuple[MemoryModel, list[float]]:
-    """The plan's memory model (`MemoryModel.footprint`, as the partitioner uses) and each
-    unit's recompute bytes: from the layer table, or, when the units are the plan's stages,
-    what of a stage's backward peak the footprint's other terms leave."""
-    m = plan.microbatches
-    by_name = {l.name: l for l in plan.layers}
-    if plan.layers and all(n in by_name for n in u.names):
-        mm = MemoryModel.for_layers(plan.layers, m, plan.dtype)
-        return mm, [mm.recompute_bytes(by_name[n]) for n in u.names]
-    mm = MemoryModel(m)
-    rest = [max(0.0, s.peak_bytes - mm.footprint(s.param_bytes, s.grad_bytes, 0.0,
-                                                  m * (s.input_bytes + s.output_bytes))[1])
-            for s in plan.stages]
-    return mm, rest
-
-
 # ---------------------------------------------------------------------------------- run
-def _run(ctx: _Context, schedule: str) -> SimResult:
+def _run(ctx: Context, schedule: str) -> SimResult:
     tasks = ctx.tasks
     bws: dict[Link, float] = {}
 

@@ -1,13 +1,14 @@
 """The partition MIP of passes/partition.py: building it, warm-starting it, running the solver.
 
-partition.py owns the schedule model (docs/schedule.md) and the search over stage counts;
-this module turns one stage count S into a PuLP program over run-length-encoded layers and
-drives HiGHS (through highspy) or CBC on it. The formulation is explained in partition.py's
-docstring; every row here is a row of `partition.evaluate`, so a solver point is re-checked
-there exactly.
+The model is `mobius_fx.step_model` (docs/schedule.md); partition.py owns the search over
+stage counts. This module turns one stage count S into a PuLP program over run-length-encoded
+layers (`step_model.layer_runs`) whose sums are `step_model.PrefixSums`, and drives HiGHS
+(through highspy) or CBC on it. The formulation is explained in partition.py's docstring;
+every row here is a row of `step_model.evaluate`, so a solver point is re-checked there
+exactly.
 
-    mip = _build_mip(problem, _Fast(problem), _runs(problem), 16, mem_tol=1e-6)
-    _run_solver(mip, "highs", 5.0, 1e-4, False, None)    # (status, objective, bound)
+    mip = build_mip(problem, PrefixSums(problem), layer_runs(problem), 16, mem_tol=1e-6)
+    run_solver(mip, "highs", 5.0, 1e-4, False, None)    # (status, objective, bound)
 
 HiGHS gets no MIP start (see `_QuietHiGHS`), only the incumbent's makespan as a cutoff; CBC
 gets the warm start.
@@ -20,21 +21,20 @@ import os
 import re
 import tempfile
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pulp
 
-if TYPE_CHECKING:
-    from .partition import Evaluation, PartitionProblem, _Fast
+from mobius_fx.step_model import Evaluation, PartitionProblem, PrefixSums
 
-__all__: list[str] = []  # private to the partitioner
+__all__ = ["Mip", "build_mip", "warm_start", "cuts_of", "run_solver"]
 
 
 @dataclass
-class _Mip:
+class Mip:
     """One stage count's program and the variables the driver reads back (times in `scale` s)."""
 
     lp: pulp.LpProblem
@@ -47,6 +47,9 @@ class _Mip:
     D: list  # [k] end of stage k's gradient download (the per-GPU download queue)
     T: pulp.LpVariable  # the makespan: max_k D[k]
     infeasible: bool = False  # a constant memory row already fails (e.g. S = 1 too big)
+    frozen: dict = field(default_factory=dict)  # k -> (y_k, [(var, its expression when live)]): `_frozen_prefix`
+    prefix: int = 0  # P: layers before the first with a weight gradient
+    layers: int = 0
 
 
 def _var(lp: pulp.LpProblem, name: str, lo: float | None = None, hi: float | None = None,
@@ -56,8 +59,8 @@ def _var(lp: pulp.LpProblem, name: str, lo: float | None = None, hi: float | Non
     return pulp.LpVariable(name, lo, hi, cat=cat)  # pragma: no cover - older PuLP
 
 
-def _build_mip(problem: PartitionProblem, fast: _Fast, runs: list[tuple[int, int]], s: int, *,
-               mem_tol: float) -> _Mip:
+def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int, int]], s: int, *,
+               mem_tol: float) -> Mip:
     """The program for S = s stages: cut k picks a run (binary) and a count in it (integer).
 
     `mem_tol` is the relative slack on capacity the exact check also allows.
@@ -109,7 +112,11 @@ def _build_mip(problem: PartitionProblem, fast: _Fast, runs: list[tuple[int, int
     f = [part("f", k) * (1 / scale) for k in range(s)]
     b = [part("b", k) * (1 / scale) for k in range(s)]
     w = [part("w", k) for k in range(s)]
-    # Memory: plans.stage_memory's formula (MemoryModel.footprint, linear) on the stage sums.
+    wb = list(w)  # weights fetched again for backward
+    grad_in = [at[k + 1]["a"] for k in range(s)]  # bytes of the gradient that reaches stage k (from k + 1)
+    frozen = _frozen_prefix(lp, problem, at, s, {"b": b, "w": wb, "a": grad_in},
+                            {"b": fast.b[L] / scale, "w": fast.w[L], "a": max(fast.out)})
+    # Memory: step_model.stage_memory's formula (MemoryModel.footprint, linear) on the stage sums.
     mem = [fast.mm.footprint(part("w", k), part("g", k), part("r", k), m * (at[k]["a"] + at[k + 1]["a"]))
            for k in range(s)]
     infeasible = _memory_rows(lp, problem, mem, mem_tol)
@@ -136,12 +143,12 @@ def _build_mip(problem: PartitionProblem, fast: _Fast, runs: list[tuple[int, int
             lp += B[k][0] >= F[k][m - 1] + f[k], "turn"
         elif k < s - n:
             lp += B[k][0] >= B[k + n][m - 1] + b[k + n], f"gpu_free_b{k}"
-            lp += B[k][0] >= B[k + n][0] + w[k] * upk, f"prefetch_b{k}"
+            lp += B[k][0] >= B[k + n][0] + wb[k] * upk, f"prefetch_b{k}"
         for i in range(m):
             if i:
                 lp += B[k][i] >= B[k][i - 1] + b[k], f"mb_b{k}_{i}"
             if k < s - 1:
-                lp += B[k][i] >= B[k + 1][i] + b[k + 1] + at[k + 1]["a"] * hop_back[k], f"grad_b{k}_{i}"
+                lp += B[k][i] >= B[k + 1][i] + b[k + 1] + grad_in[k] * hop_back[k], f"grad_b{k}_{i}"
     # Gradient downloads queue per GPU: D_k = max(end of B[k], D_{k+N}) + G_k/down_k. The
     # makespan is max_k D_k; D_k >= D_{k+N} (G >= 0), so T >= D_k for the first N stages covers it.
     D = [_var(lp, f"D_{k}", 0) for k in range(s)]
@@ -154,11 +161,42 @@ def _build_mip(problem: PartitionProblem, fast: _Fast, runs: list[tuple[int, int
         if k < n:
             lp += T >= D[k], f"end_{k}"
     lp += T
-    return _Mip(lp, s, scale, z, t, F, B, D, T, infeasible)
+    prefix = next((i for i, l in enumerate(problem.layers) if l.grad_bytes), L)
+    return Mip(lp, s, scale, z, t, F, B, D, T, infeasible, frozen, prefix, L)
+
+
+def _frozen_prefix(lp: pulp.LpProblem, problem: PartitionProblem, at: list, s: int, live: dict[str, list],
+                   most: dict[str, float]) -> dict:
+    """The rule of `step_model.timeline` for stages of a frozen prefix: a stage whose layers and
+    all before them have no weight gradient runs no backward (no time, no refetch, no gradient
+    in). Nothing to add when the first layer has a gradient. Else y_k = 1 exactly when stage k
+    ends within the first P layers (the frozen prefix), and each backward term x of stage k
+    (`live[q][k]`, replaced in place; at most `most[q]`) becomes a variable >= x - most * y_k,
+    >= 0: every row reads "start >= ... + x", so the optimum takes the least, x (1 - y_k)."""
+    L = len(problem.layers)
+    P = next((i for i, l in enumerate(problem.layers) if l.grad_bytes), L)
+    if P == 0:
+        return {}
+    frozen = {}
+    for k in range(min(s, P)):  # stage k ends after layer k at least: only the first P can be frozen
+        y = _var(lp, f"frozen_{k}", 0, 1, pulp.LpBinary)
+        end = at[k + 1]["pos"]
+        lp += end <= P + (L - P) * (1 - y), f"frozen_ends_in_prefix_{k}"
+        lp += end >= (P + 1) * (1 - y), f"live_ends_after_prefix_{k}"
+        if k:
+            lp += y <= frozen[k - 1][0], f"frozen_is_a_prefix_{k}"
+        terms = []
+        for q, xs in live.items():
+            v = _var(lp, f"live_{q}_{k}", 0)
+            lp += v >= xs[k] - most[q] * y, f"live_{q}_{k}"
+            terms.append((v, xs[k]))
+            xs[k] = v
+        frozen[k] = (y, terms)
+    return frozen
 
 
 def _memory_rows(lp: pulp.LpProblem, problem: PartitionProblem, mem: list, mem_tol: float) -> bool:
-    """Add the memory rules of `partition._memory_violation` (each stage in forward and in
+    """Add the memory rules of `step_model.memory_violation` (each stage in forward and in
     backward; a stage and the next one on its GPU together, the double buffer) and return
     whether a constant one already fails.
 
@@ -194,7 +232,7 @@ def _memory_rows(lp: pulp.LpProblem, problem: PartitionProblem, mem: list, mem_t
     return infeasible
 
 
-def _warm(mip: _Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
+def warm_start(mip: Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
     """Set initial values of every variable from a feasible cut set and its exact schedule
     (CBC's warm start; HiGHS is not given one, see `_QuietHiGHS`)."""
     cuts = ev.boundaries
@@ -206,6 +244,12 @@ def _warm(mip: _Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
         mip.z[k, r].setInitialValue(1)
         if isinstance(mip.t[k, r], pulp.LpVariable):
             mip.t[k, r].setInitialValue(layer - runs[r][0] + 1)
+    edges = [*cuts, mip.layers]
+    for k, (y, terms) in mip.frozen.items():  # after z and t are set, the live expressions evaluate
+        off = edges[k + 1] <= mip.prefix
+        y.setInitialValue(int(off))
+        for v, x in terms:
+            v.setInitialValue(0.0 if off else max(0.0, pulp.value(x)))
     for k in range(mip.s):
         for i in range(len(mip.F[k])):
             mip.F[k][i].setInitialValue(ev.fwd_start[k][i] / mip.scale)
@@ -214,7 +258,7 @@ def _warm(mip: _Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
     mip.T.setInitialValue(ev.makespan / mip.scale)
 
 
-def _cuts_of(mip: _Mip, runs: list[tuple[int, int]]) -> tuple[int, ...]:
+def cuts_of(mip: Mip, runs: list[tuple[int, int]]) -> tuple[int, ...]:
     """The boundaries a solved program's (z, t) encode."""
     cuts = [0]
     for k in range(1, mip.s):
@@ -261,7 +305,7 @@ class _QuietHiGHS(pulp.HiGHS):
 
     def createAndConfigureSolver(self, lp):
         # PuLP's version builds a plain highspy.Highs (which prints the banner); we set the
-        # same options, which are all that `_run_solver` passes.
+        # same options, which are all that `run_solver` passes.
         lp.solverModel = _quiet_highs()()
         opts = {"output_flag": False, "mip_rel_gap": self.gapRel,
                 "time_limit": None if self.timeLimit is None else float(self.timeLimit), **self.optionsDict}
@@ -270,11 +314,11 @@ class _QuietHiGHS(pulp.HiGHS):
                 lp.solverModel.setOptionValue(key, value)
 
 
-def _run_solver(mip: _Mip, solver: str, time_limit: float, gap_rel: float, warm: bool,
+def run_solver(mip: Mip, solver: str, time_limit: float, gap_rel: float, warm: bool,
                 cutoff: float | None) -> tuple[str, float, float]:
     """Solve; return (status, objective, best bound), both in objective units (inf if none).
 
-    `warm`: start CBC from the variables' initial values (`_warm`); HiGHS never gets a start.
+    `warm`: start CBC from the variables' initial values (`warm_start`); HiGHS never gets a start.
     `cutoff`: only objectives below it are searched (HiGHS; CBC ignores it).
     """
     lp = mip.lp

@@ -1,9 +1,10 @@
 """Partition layers into pipeline stages: the Mobius MIP over run-length-encoded layers.
 
-The schedule model is docs/schedule.md, encoded three ways that must agree:
+The model it solves — a step's timeline and memory for given cuts, docs/schedule.md — is
+stated once, in `mobius_fx.step_model`; this pass searches it three ways that must agree:
 
-* `evaluate(problem, boundaries)` — the model solved exactly for fixed cuts (a forward pass
-  over stages; see "Why a forward pass is exact" below). The reference for everything else.
+* `evaluate(problem, boundaries)` (from the step model) — the model solved exactly for fixed
+  cuts. The reference for everything else.
 * `brute_force(problem)` — every cut set through `evaluate`; small instances only.
 * `solve(problem)` — a mixed-integer program in PuLP (HiGHS or CBC), with the incumbent from
   `heuristic(problem)` (balanced cuts + local search through the same model): a cutoff for
@@ -11,25 +12,18 @@ The schedule model is docs/schedule.md, encoded three ways that must agree:
   start for CBC. The program and the solver driving live in passes/_partition_mip.py.
 
 The MIP decides only stage boundaries. A model is a few runs of identical layers (a GPT is
-embedding + 72 equal blocks + head), so a cut k picks one run r (binary `z[k,r]`) and how many
-layers of that run precede it (integer `t[k,r]`). Prefix sums of every per-layer quantity are
-then linear in (z, t), and so are stage times, weights, the boundary activation (the output
-of the run the cut falls after) and the memory of `plans.stage_memory`, which the MIP and
-`_Fast` compute with the same `MemoryModel.footprint` on the same sums (weights, gradients,
-recompute bytes, boundary activations). One binary per (layer, stage) does not finish in CBC
-at 75 layers; this form has (S-1)·R binaries.
+embedding + 72 equal blocks + head), so a cut k picks one run r (binary `z[k,r]`, runs from
+`step_model.layer_runs`) and how many layers of that run precede it (integer `t[k,r]`).
+Prefix sums of every per-layer quantity (`step_model.PrefixSums`) are then linear in (z, t),
+and so are stage times, weights, the boundary activation (the output of the run the cut falls
+after) and the memory of `stage_memory`, which the MIP and the local search compute with the
+same `MemoryModel.footprint` on the same sums (weights, gradients, recompute bytes, boundary
+activations). One binary per (layer, stage) does not finish in CBC at 75 layers; this form
+has (S-1)·R binaries.
 
-Why a forward pass is exact for fixed cuts: every constraint reads "start >= something" and
-the objective grows with every start time. The prefetch p_k only appears in
-`F[k][0] >= E + (W_k - p_k)/up` with E the end of stage k-N, so the largest allowed
-p_k = min(W_k, up·span, free) is optimal, which gives
-`F[k][0] >= max(E, F[k-N][0] + W_k/up, E + (W_k - free)/up)`: a max of non-decreasing
-functions of earlier starts. Hence the least start times (a longest path, computed stage
-by stage) are optimal, and delaying an earlier stage to lengthen its span never helps.
-The end of the step is the last gradient download: downloads queue per GPU,
-`D_k = max(B[k][M-1] + b_k, D_{k+N}) + G_k/down_k`, again a max of earlier times.
-The MIP uses the same elimination of p, and drops rows that others imply for every cut set
-(`_partition_mip._memory_rows` checks each from the footprint's coefficients): `p_k <= free`
+For fixed cuts the least start times are optimal (`step_model`'s docstring says why), and the
+MIP uses the same elimination of the prefetch p, and drops rows that others imply for every
+cut set (`_partition_mip.py` checks each from the footprint's coefficients): `p_k <= free`
 and `q_k <= free` follow from the double buffer (W_k <= mem_k), the forward rules from the
 backward ones (bwd_mem >= fwd_mem), and a stage's own rule from its double-buffer pair.
 
@@ -47,118 +41,25 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import pulp
 
-from mobius_fx.costs import LayerCost
 from mobius_fx.errors import PlanError
-from mobius_fx.plans import MemoryModel, SolverInfo, stage_memory
+from mobius_fx.step_model import (
+    MEMORY_TOLERANCE, Evaluation, PartitionProblem, PrefixSums, SolverInfo, evaluate, layer_runs,
+)
 from mobius_fx.units import fmt_bytes, fmt_time
 
-from ._partition_mip import _build_mip, _cuts_of, _Mip, _run_solver, _warm
+from ._partition_mip import Mip, build_mip, cuts_of, run_solver, warm_start
 
 __all__ = [
     "PartitionProblem", "PartitionResult", "Evaluation", "evaluate", "brute_force", "heuristic",
     "solve", "plan_stage_count_candidates",
 ]
 
-_MEM_TOL = 1e-6  # relative slack on capacity, the solvers' feasibility tolerance
 _SMALL = 8  # at most this many layers: search every stage count
 _MAX_ROUNDS = 12  # at most this many multiples of N as candidate stage counts
-
-
-@dataclass(frozen=True)
-class PartitionProblem:
-    """Pure numbers the partitioner needs; no Topology, so the solver is testable alone.
-
-    `layers` hold whole-example-batch costs; stage k runs on GPU slot k % N. `up`/`down` are
-    DRAM<->GPU bytes/s per slot, `hop[i]` bytes/s from slot i to slot (i+1) % N (forward
-    activations; inf when it is the same GPU), `hop_back[i]` bytes/s from slot (i+1) % N back
-    to slot i (backward gradients; None: the same as `hop`, for symmetric links). `capacity`
-    is usable bytes per slot; `memory_fraction` only feeds messages.
-    """
-
-    layers: tuple[LayerCost, ...]
-    microbatches: int
-    gpus: tuple[str, ...]
-    capacity: tuple[int, ...]
-    up: tuple[float, ...]
-    down: tuple[float, ...]
-    hop: tuple[float, ...]
-    memory: MemoryModel
-    memory_fraction: float = 1.0
-    hop_back: tuple[float, ...] | None = None
-
-    @property
-    def backward_hop(self) -> tuple[float, ...]:
-        """Bytes/s of the gradient hop from slot (i+1) % N to slot i: `hop_back`, else `hop`.
-
-        (None is kept as None rather than filled in, so `dataclasses.replace(p, hop=...)`
-        changes both directions of a symmetric problem.)
-        """
-        return self.hop if self.hop_back is None else self.hop_back
-
-    def __post_init__(self) -> None:
-        n = len(self.gpus)
-        if not self.layers:
-            raise PlanError("the model has no layers to partition; trace and annotate it first")
-        if self.microbatches < 1:
-            raise PlanError(f"microbatches={self.microbatches}; use at least 1")
-        if n < 1 or any(len(x) != n for x in (self.capacity, self.up, self.down, self.hop)):
-            raise PlanError(f"{n} GPU slots but capacity/up/down/hop have lengths "
-                            f"{len(self.capacity)}/{len(self.up)}/{len(self.down)}/{len(self.hop)}; "
-                            "give one value per GPU slot")
-        for what, xs in (("up", self.up), ("down", self.down)):
-            for g, x in zip(self.gpus, xs):
-                if not (0 < x < math.inf):
-                    raise PlanError(f"{what} bandwidth of {g} is {x}; give a positive, finite bytes/s")
-        for g, c in zip(self.gpus, self.capacity):
-            if not c > 0:
-                raise PlanError(f"usable memory of {g} is {c} bytes; give a positive capacity "
-                                f"(GPU memory x memory_fraction)")
-        for g, x in zip(self.gpus, self.hop):
-            if not x > 0:
-                raise PlanError(f"hop bandwidth from {g} is {x}; give a positive bytes/s (inf for the same GPU)")
-        if self.hop_back is not None:
-            if len(self.hop_back) != n:
-                raise PlanError(f"{n} GPU slots but hop_back has length {len(self.hop_back)}; give one value "
-                                "per GPU slot (or None for the same as hop)")
-            for i, x in enumerate(self.hop_back):
-                if not x > 0:
-                    raise PlanError(f"hop_back bandwidth from {self.gpus[(i + 1) % n]} to {self.gpus[i]} is {x}; "
-                                    "give a positive bytes/s (inf for the same GPU)")
-
-    @staticmethod
-    def from_topology(layers: Sequence[LayerCost], topology: Any, *, microbatches: int,
-                      order: Sequence[str] | None = None, memory_fraction: float = 0.9,
-                      dtype: Any = None) -> "PartitionProblem":
-        """Read capacities and bandwidths of the GPUs in `order` (default: topology order).
-
-        PartitionProblem.from_topology(layers, Topology.virtual(gpus=2), microbatches=2)
-        """
-        if not 0 < memory_fraction <= 1:
-            raise PlanError(f"memory_fraction={memory_fraction}; use a fraction in (0, 1], e.g. 0.9")
-        by_name = {g.name: g for g in topology.gpus}
-        names = tuple(order) if order is not None else tuple(by_name)
-        unknown = [n for n in names if n not in by_name]
-        if unknown or len(set(names)) != len(names):
-            raise PlanError(f"order {names} must list distinct GPUs of the topology ({', '.join(by_name)})")
-        n = len(names)
-
-        def bw(a: str, b: str) -> float:
-            return math.inf if a == b else float(topology.bandwidth(a, b))
-
-        hop = tuple(bw(names[i], names[(i + 1) % n]) for i in range(n))
-        hop_back = tuple(bw(names[(i + 1) % n], names[i]) for i in range(n))
-        return PartitionProblem(
-            layers=tuple(layers), microbatches=microbatches, gpus=names,
-            capacity=tuple(int(by_name[g].memory * memory_fraction) for g in names),
-            up=tuple(float(topology.bandwidth("dram", g)) for g in names),
-            down=tuple(float(topology.bandwidth(g, "dram")) for g in names),
-            hop=hop, memory=MemoryModel.for_layers(layers, microbatches, dtype),
-            memory_fraction=memory_fraction, hop_back=hop_back,
-        )
 
 
 @dataclass(frozen=True)
@@ -172,145 +73,6 @@ class PartitionResult:
     prefetch_fwd: tuple[float, ...]
     prefetch_bwd: tuple[float, ...]
     solver: SolverInfo
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """The schedule of fixed cuts: start times F[k][i] / B[k][i], prefetches, memory, and
-    `grad_done[k]` = D_k, when stage k's gradients are in DRAM (makespan = max of them)."""
-
-    boundaries: tuple[int, ...]
-    makespan: float
-    prefetch_fwd: tuple[float, ...]
-    prefetch_bwd: tuple[float, ...]
-    fwd_start: tuple[tuple[float, ...], ...]
-    bwd_start: tuple[tuple[float, ...], ...]
-    fwd_mem: tuple[float, ...]
-    bwd_mem: tuple[float, ...]
-    grad_done: tuple[float, ...]
-
-
-# ------------------------------------------------------------------------ exact evaluation
-@dataclass(frozen=True)
-class _Stages:
-    """Per-stage numbers of one cut set (times per micro-batch)."""
-
-    f: list[float]
-    b: list[float]
-    w: list[float]
-    g: list[float]
-    out: list[float]  # boundary output bytes per micro-batch
-    fmem: list[float]
-    bmem: list[float]
-
-
-def _stages_reference(problem: PartitionProblem, cuts: Sequence[int]) -> _Stages:
-    ls, mm, m = problem.layers, problem.memory, problem.microbatches
-    edges = list(cuts) + [len(ls)]
-    st = _Stages([], [], [], [], [], [], [])
-    for a, z in zip(edges, edges[1:]):
-        part = ls[a:z]
-        fm, bm = stage_memory(part, ls[a - 1] if a > 0 else None, mm)
-        st.f.append(sum(l.fwd_time for l in part) / m)
-        st.b.append(sum(l.bwd_time for l in part) / m)
-        st.w.append(sum(l.param_bytes for l in part) * mm.weight_scale)
-        st.g.append(sum(l.grad_bytes for l in part) * mm.weight_scale)
-        st.out.append(part[-1].output_bytes * mm.act_scale / m)
-        st.fmem.append(fm)
-        st.bmem.append(bm)
-    return st
-
-
-def _memory_violation(problem: PartitionProblem, st: _Stages) -> float:
-    """Sum of relative overshoots of every memory rule of docs/schedule.md (0 = fits)."""
-    n, s, cap = len(problem.gpus), len(st.f), problem.capacity
-    v = 0.0
-    for k in range(s):
-        c = cap[k % n] * (1 + _MEM_TOL)
-        rows = [st.fmem[k], st.bmem[k]]
-        if k + n < s:
-            rows.append(st.fmem[k] + st.fmem[k + n])
-        if k >= n:
-            rows.append(st.bmem[k] + st.bmem[k - n])
-        v += sum(max(0.0, r - c) / max(cap[k % n], 1) for r in rows)
-    return v
-
-
-def _timeline(problem: PartitionProblem, st: _Stages, full: bool = False):
-    """Least start times of docs/schedule.md for fixed stages; returns makespan (and detail)."""
-    n, m, s = len(problem.gpus), problem.microbatches, len(st.f)
-    up, cap = problem.up, problem.capacity
-    # out_k over the link stage k -> k+1 (forward) and k+1 -> k (backward); 0 on the same GPU
-    hop_t = [st.out[k] / problem.hop[k % n] for k in range(s)]
-    hop_back_t = [st.out[k] / problem.backward_hop[k % n] for k in range(s)]
-    f, b, w = st.f, st.b, st.w
-    F: list[list[float]] = []
-    p = [0.0] * s
-    for k in range(s):
-        sl = k % n
-        if k < n:
-            t0 = w[k] / up[sl]
-        else:
-            prev = F[k - n]
-            end = prev[m - 1] + f[k - n]
-            p[k] = max(0.0, min(w[k], up[sl] * (end - prev[0]), cap[sl] - st.fmem[k - n]))
-            t0 = end + (w[k] - p[k]) / up[sl]
-        row = [0.0] * m
-        before = F[k - 1] if k else None
-        gap = f[k - 1] + hop_t[k - 1] if k else 0.0
-        t = t0
-        for i in range(m):
-            if before is not None and before[i] + gap > t:
-                t = before[i] + gap
-            row[i] = t
-            t += f[k]
-        F.append(row)
-    B: list[list[float]] = [[0.0] * m for _ in range(s)]
-    q = [0.0] * s
-    for k in range(s - 1, -1, -1):
-        sl = k % n
-        if k == s - 1:
-            t0 = F[k][m - 1] + f[k]
-        elif k >= s - n:
-            t0 = 0.0
-        else:
-            nxt = B[k + n]
-            end = nxt[m - 1] + b[k + n]
-            q[k] = max(0.0, min(w[k], up[sl] * (end - nxt[0]), cap[sl] - st.bmem[k + n]))
-            t0 = end + (w[k] - q[k]) / up[sl]
-        after = B[k + 1] if k < s - 1 else None
-        gap = b[k + 1] + hop_back_t[k] if k < s - 1 else 0.0
-        row, t = B[k], t0
-        for i in range(m):
-            if after is not None and after[i] + gap > t:
-                t = after[i] + gap
-            row[i] = t
-            t += b[k]
-    D = [0.0] * s  # gradient downloads queue per GPU: stage k's after stage k+N's
-    for k in range(s - 1, -1, -1):
-        ready = B[k][m - 1] + b[k]
-        if k + n < s and D[k + n] > ready:
-            ready = D[k + n]
-        D[k] = ready + st.g[k] / problem.down[k % n]
-    makespan = max(D)
-    return (makespan, p, q, F, B, D) if full else makespan
-
-
-def evaluate(problem: PartitionProblem, boundaries: Sequence[int]) -> Evaluation | None:
-    """The schedule model for fixed `boundaries`, solved exactly; None if memory does not fit.
-
-    evaluate(prob, (0, 4, 8)).makespan      # seconds per step of a 3-stage plan
-    """
-    cuts = tuple(int(c) for c in boundaries)
-    if not cuts or cuts[0] != 0 or any(b <= a for a, b in zip(cuts, cuts[1:])) or cuts[-1] >= len(problem.layers):
-        raise PlanError(f"boundaries {cuts} must start at 0 and increase strictly below "
-                        f"{len(problem.layers)} (the number of layers)")
-    st = _stages_reference(problem, cuts)
-    if _memory_violation(problem, st) > 0:
-        return None
-    makespan, p, q, F, B, D = _timeline(problem, st, full=True)
-    return Evaluation(cuts, makespan, tuple(p), tuple(q), tuple(map(tuple, F)), tuple(map(tuple, B)),
-                      tuple(st.fmem), tuple(st.bmem), tuple(D))
 
 
 def _result(ev: Evaluation, info: SolverInfo) -> PartitionResult:
@@ -353,44 +115,7 @@ def brute_force(problem: PartitionProblem, *, max_stages: int | None = None) -> 
 
 
 # ---------------------------------------------------------------------------- heuristic
-class _Fast:
-    """Prefix sums, so a cut set's stage numbers cost O(S) in the local search."""
-
-    def __init__(self, problem: PartitionProblem):
-        self.problem = problem
-        ls, mm, m = problem.layers, problem.memory, problem.microbatches
-        acc = lambda xs: list(itertools.accumulate(xs, initial=0.0))
-        self.f = acc(l.fwd_time / m for l in ls)
-        self.b = acc(l.bwd_time / m for l in ls)
-        self.w = acc(l.param_bytes * mm.weight_scale for l in ls)
-        self.g = acc(l.grad_bytes * mm.weight_scale for l in ls)
-        self.r = acc(mm.recompute_bytes(l) for l in ls)
-        self.out = [l.output_bytes * mm.act_scale / m for l in ls]
-        self.mm = mm
-
-    def stages(self, cuts: Sequence[int]) -> _Stages:
-        edges, m = list(cuts) + [len(self.out)], self.problem.microbatches
-        st = _Stages([], [], [], [], [], [], [])
-        for a, z in zip(edges, edges[1:]):
-            w, g = self.w[z] - self.w[a], self.g[z] - self.g[a]
-            acts = m * ((self.out[a - 1] if a else 0.0) + self.out[z - 1])
-            fm, bm = self.mm.footprint(w, g, self.r[z] - self.r[a], acts)  # = plans.stage_memory
-            st.f.append(self.f[z] - self.f[a])
-            st.b.append(self.b[z] - self.b[a])
-            st.w.append(w)
-            st.g.append(g)
-            st.out.append(self.out[z - 1])
-            st.fmem.append(fm)
-            st.bmem.append(bm)
-        return st
-
-    def score(self, cuts: Sequence[int]) -> tuple[float, float]:
-        st = self.stages(cuts)
-        v = _memory_violation(self.problem, st)
-        return (v, _timeline(self.problem, st)) if v == 0 else (v, math.inf)
-
-
-def _balanced_cuts(fast: _Fast, s: int) -> list[int]:
+def _balanced_cuts(fast: PrefixSums, s: int) -> list[int]:
     """Cut where the cumulative compute crosses k/S of the total (strictly increasing)."""
     L = len(fast.out)
     work = [fast.f[i] + fast.b[i] for i in range(L + 1)]
@@ -411,7 +136,7 @@ def _shifted(cuts: list[int], i: int, j: int, d: int, L: int) -> list[int] | Non
     return trial
 
 
-def _local_search(fast: _Fast, cuts: list[int], deadline: float) -> tuple[list[int], tuple[float, float]]:
+def _local_search(fast: PrefixSums, cuts: list[int], deadline: float) -> tuple[list[int], tuple[float, float]]:
     """First-improvement local search on the exact model until no move helps or time is up.
 
     Moves: one cut by +-1/+-2 (cheap, O(S)), then a segment of cuts i..j by +-1, which moves
@@ -437,7 +162,7 @@ def _local_search(fast: _Fast, cuts: list[int], deadline: float) -> tuple[list[i
     return cuts, best
 
 
-def _heuristic_for(fast: _Fast, s: int, deadline: float) -> tuple[list[int], float] | None:
+def _heuristic_for(fast: PrefixSums, s: int, deadline: float) -> tuple[list[int], float] | None:
     cuts, (viol, makespan) = _local_search(fast, _balanced_cuts(fast, s), deadline)
     return (cuts, makespan) if viol == 0 else None
 
@@ -451,7 +176,7 @@ def heuristic(problem: PartitionProblem, *, stage_counts: Sequence[int] | None =
     heuristic(prob).makespan        # seconds, an upper bound on solve(prob).makespan
     """
     t0 = time.perf_counter()
-    fast = _Fast(problem)
+    fast = PrefixSums(problem)
     cands = _candidates(problem, stage_counts)
     best = None
     for i, s in enumerate(cands):
@@ -473,7 +198,7 @@ def _candidates(problem: PartitionProblem, stage_counts: Sequence[int] | None, e
     L = len(problem.layers)
     if stage_counts is None:
         base = plan_stage_count_candidates(L, len(problem.gpus))
-        fast = _Fast(problem)
+        fast = PrefixSums(problem)
         scored = sorted((fast.score(_balanced_cuts(fast, s)), s) for s in range(1, L + 1) if s not in base)
         return tuple(sorted(set(base) | {s for (v, m), s in scored[:extra] if v == 0}))
     bad = [s for s in stage_counts if not 1 <= s <= L]
@@ -483,20 +208,7 @@ def _candidates(problem: PartitionProblem, stage_counts: Sequence[int] | None, e
     return tuple(sorted(set(int(s) for s in stage_counts)))
 
 
-# ------------------------------------------------------------------------------------ MIP
-def _runs(problem: PartitionProblem) -> list[tuple[int, int]]:
-    """(start, length) of maximal runs of layers with equal cost numbers (what the model reads:
-    times, weights, gradients, output and, through the recompute memory, peak bytes)."""
-    key = lambda l: (l.fwd_time, l.bwd_time, l.param_bytes, l.grad_bytes, l.output_bytes, l.peak_bytes)
-    runs: list[tuple[int, int]] = []
-    for i, l in enumerate(problem.layers):
-        if runs and key(problem.layers[runs[-1][0]]) == key(l):
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
-
-
+# ------------------------------------------------------------------------- infeasibility
 def _span(problem: PartitionProblem, cuts: Sequence[int], k: int) -> str:
     edges, ls = list(cuts) + [len(problem.layers)], problem.layers
     a, z = edges[k], edges[k + 1] - 1
@@ -505,7 +217,7 @@ def _span(problem: PartitionProblem, cuts: Sequence[int], k: int) -> str:
 
 def _worst_row(problem: PartitionProblem, cuts: Sequence[int]) -> tuple[float, str]:
     """The most overfull memory rule of a cut set: (need / capacity, description)."""
-    st, n, s = _Fast(problem).stages(cuts), len(problem.gpus), len(cuts)
+    st, n, s = PrefixSums(problem).stages(cuts), len(problem.gpus), len(cuts)
     worst = (-math.inf, "")
     for k in range(s):
         cap, gpu = problem.capacity[k % n], problem.gpus[k % n]
@@ -522,7 +234,7 @@ def _worst_row(problem: PartitionProblem, cuts: Sequence[int]) -> tuple[float, s
 
 def _explain_infeasible(problem: PartitionProblem, cands: Sequence[int], unknown: Sequence[int]) -> str:
     """The binding reason, with numbers, and what to do about it."""
-    fast, ls = _Fast(problem), problem.layers
+    fast, ls = PrefixSums(problem), problem.layers
     L, n, frac = len(ls), len(problem.gpus), problem.memory_fraction
     big = max(range(n), key=lambda i: problem.capacity[i])
     cap, gname = problem.capacity[big], problem.gpus[big]
@@ -537,7 +249,7 @@ def _explain_infeasible(problem: PartitionProblem, cands: Sequence[int], unknown
                 if st.bmem[0] < need[i]:
                     need[i], arg[i] = st.bmem[0], (a, z)
     worst = max(range(L), key=lambda i: need[i])
-    if need[worst] > cap * (1 + _MEM_TOL):
+    if need[worst] > cap * (1 + MEMORY_TOLERANCE):
         a, z = arg[worst]
         st, mm = fast.stages([a, z] if z < L else [a]), fast.mm
         copies = f"{mm.grad_copies}x" if mm.grad_copies != 1 else ""
@@ -614,7 +326,7 @@ def solve(problem: PartitionProblem, *, solver: str = "auto", time_limit: float 
         except (KeyError, TypeError, ValueError, PlanError):
             pass  # a stale or foreign file: solve again and overwrite it
 
-    fast, runs = _Fast(problem), _runs(problem)
+    fast, runs = PrefixSums(problem), layer_runs(problem)
     heur_end = t_start + min(0.15 * time_limit, 3.0)
     states: dict[int, _Candidate] = {}
     for i, s in enumerate(cands):
@@ -675,31 +387,31 @@ class _Candidate:
     makespan: float = math.inf
     bound: float = -math.inf
     status: str = "not solved"
-    mip: _Mip | None = None
+    mip: Mip | None = None
 
 
-def _attempt(states: dict[int, _Candidate], s: int, problem: PartitionProblem, fast: _Fast,
+def _attempt(states: dict[int, _Candidate], s: int, problem: PartitionProblem, fast: PrefixSums,
              runs: list[tuple[int, int]], name: str, limit: float, gap_rel: float,
              say: Callable[[str], None]) -> None:
     """One solver run for stage count s, cut off at the best makespan of any candidate (CBC:
     warm-started from s's best cut set; HiGHS gets no start); updates states[s]."""
     c, t0 = states[s], time.perf_counter()
     if c.mip is None:
-        c.mip = _build_mip(problem, fast, runs, s, mem_tol=_MEM_TOL)
+        c.mip = build_mip(problem, fast, runs, s, mem_tol=MEMORY_TOLERANCE)
     mip = c.mip
     warm = c.cuts is not None and name == "cbc"
     if warm:
-        _warm(mip, runs, evaluate(problem, c.cuts))
+        warm_start(mip, runs, evaluate(problem, c.cuts))
     incumbent = min(x.makespan for x in states.values())
     cutoff = incumbent / mip.scale if incumbent < math.inf else None
     if mip.infeasible:
         status, obj, bound = "infeasible", math.inf, math.inf
     else:
-        status, obj, bound = _run_solver(mip, name, limit, gap_rel, warm, cutoff)
+        status, obj, bound = run_solver(mip, name, limit, gap_rel, warm, cutoff)
     c.bound = max(c.bound, bound * mip.scale)
     c.status = status
     if obj < math.inf and status != "cut off":
-        ev = evaluate(problem, _cuts_of(mip, runs))
+        ev = evaluate(problem, cuts_of(mip, runs))
         if ev is None:  # accepted within the solver's tolerance, rejected by the exact check
             c.status += " (solver point failed the exact memory check)"
         elif ev.makespan < c.makespan:

@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 
 from mobius_fx import PlanError
 from mobius_fx.costs import LayerCost
-from mobius_fx.plans import MemoryModel, stage_memory
 from mobius_fx.passes import _partition_mip as M
-from mobius_fx.passes import partition as P
+from mobius_fx.step_model import MEMORY_TOLERANCE, MemoryModel, PrefixSums, layer_runs, stage_memory
 from mobius_fx.passes.partition import PartitionProblem, brute_force, evaluate, heuristic, solve
 
 TIMES = st.floats(0.05, 2.0, allow_nan=False)
@@ -85,14 +84,45 @@ def test_the_mip_with_its_cuts_fixed_equals_evaluate(p, data):
     ev = evaluate(p, (0, *inner))
     if ev is None:
         return
-    runs = P._runs(p)
-    mip = M._build_mip(p, P._Fast(p), runs, len(ev.boundaries), mem_tol=P._MEM_TOL)
-    M._warm(mip, runs, ev)
+    runs = layer_runs(p)
+    mip = M.build_mip(p, PrefixSums(p), runs, len(ev.boundaries), mem_tol=MEMORY_TOLERANCE)
+    M.warm_start(mip, runs, ev)
     for v in list(mip.z.values()) + [v for v in mip.t.values() if not isinstance(v, int)]:
         v.lowBound = v.upBound = v.varValue
-    status, obj, _ = M._run_solver(mip, "highs", 10.0, 1e-9, False, None)
+    status, obj, _ = M.run_solver(mip, "highs", 10.0, 1e-9, False, None)
     assert status == "optimal"
     assert obj * mip.scale == pytest.approx(ev.makespan, rel=1e-6)
+
+
+@st.composite
+def frozen_prefix_problems(draw) -> PartitionProblem:
+    """`problems()` whose first layers take no weight gradient (a frozen embedding, a frozen
+    prefix of a LoRA model) and the rest do: stages within the prefix run no backward."""
+    p = draw(problems())
+    frozen = draw(st.integers(1, len(p.layers) - 1))
+    layers = tuple(replace(l, grad_bytes=0) if i < frozen else replace(l, grad_bytes=max(1, l.grad_bytes))
+                   for i, l in enumerate(p.layers))
+    return replace(p, layers=layers, memory=MemoryModel.for_layers(layers, p.microbatches))
+
+
+@given(frozen_prefix_problems(), st.data())
+def test_with_a_frozen_prefix_the_mip_equals_evaluate_and_brute_force(p, data):
+    L = len(p.layers)
+    inner = data.draw(st.lists(st.integers(1, L - 1), unique=True, max_size=L - 1).map(sorted))
+    ev = evaluate(p, (0, *inner))
+    if ev is not None:  # the encoding, row for row, on cuts with and without frozen stages
+        runs = layer_runs(p)
+        mip = M.build_mip(p, PrefixSums(p), runs, len(ev.boundaries), mem_tol=MEMORY_TOLERANCE)
+        M.warm_start(mip, runs, ev)
+        for v in list(mip.z.values()) + [v for v in mip.t.values() if not isinstance(v, int)]:
+            v.lowBound = v.upBound = v.varValue
+        status, obj, _ = M.run_solver(mip, "highs", 10.0, 1e-9, False, None)
+        assert status == "optimal"
+        assert obj * mip.scale == pytest.approx(ev.makespan, rel=1e-6)
+    best = brute_force(p)
+    if best is not None:
+        got = _solve(p)
+        assert best.makespan * (1 - 1e-9) <= got.makespan <= best.makespan * (1 + _tolerance(got))
 
 
 @given(problems())

@@ -11,9 +11,10 @@ import pytest
 
 from mobius_fx import PlanError
 from mobius_fx.costs import LayerCost
-from mobius_fx.plans import MemoryModel, SolverInfo, build_plan, stage_memory
+from mobius_fx.plans import build_plan
 from mobius_fx.passes import _partition_mip as M
 from mobius_fx.passes import partition as P
+from mobius_fx.step_model import MEMORY_TOLERANCE, MemoryModel, PrefixSums, SolverInfo, layer_runs, stage_memory
 from mobius_fx.passes.partition import (
     PartitionProblem, brute_force, evaluate, heuristic, plan_stage_count_candidates, solve,
 )
@@ -200,17 +201,17 @@ def test_large_models_search_multiples_of_the_gpu_count():
 
 def test_identical_layers_form_one_run():
     ls = [layer("emb", params=50)] + [layer(f"h{i}") for i in range(6)] + [layer("head", fwd=3.0)]
-    assert P._runs(problem(ls)) == [(0, 1), (1, 6), (7, 1)]
+    assert layer_runs(problem(ls)) == [(0, 1), (1, 6), (7, 1)]
 
 
 def mip_makespan(p: PartitionProblem, cuts) -> float:
     """The MIP's optimum with every cut variable fixed to `cuts`: its encoding of evaluate()."""
-    runs, ev = P._runs(p), evaluate(p, cuts)
-    mip = M._build_mip(p, P._Fast(p), runs, len(cuts), mem_tol=P._MEM_TOL)
-    M._warm(mip, runs, ev)
+    runs, ev = layer_runs(p), evaluate(p, cuts)
+    mip = M.build_mip(p, PrefixSums(p), runs, len(cuts), mem_tol=MEMORY_TOLERANCE)
+    M.warm_start(mip, runs, ev)
     for v in list(mip.z.values()) + [v for v in mip.t.values() if not isinstance(v, int)]:
         v.lowBound = v.upBound = v.varValue
-    status, obj, _ = M._run_solver(mip, "highs", 10.0, 1e-9, False, None)
+    status, obj, _ = M.run_solver(mip, "highs", 10.0, 1e-9, False, None)
     assert status == "optimal"
     return obj * mip.scale
 
@@ -232,7 +233,7 @@ def test_model_size_does_not_grow_with_the_number_of_identical_blocks():
     def ints(blocks):
         ls = [layer("emb", params=50)] + [layer(f"h{i}") for i in range(blocks)] + [layer("head", fwd=3.0)]
         p = problem(ls, gpus=2, m=2)
-        mip = M._build_mip(p, P._Fast(p), P._runs(p), 4, mem_tol=P._MEM_TOL)
+        mip = M.build_mip(p, PrefixSums(p), layer_runs(p), 4, mem_tol=MEMORY_TOLERANCE)
         return sum(1 for v in mip.lp.variables() if v.cat == "Integer")
     assert ints(10) == ints(40)
 
@@ -280,14 +281,17 @@ def recompute_problem() -> PartitionProblem:
 def test_solve_matches_brute_force_on_the_property_tests_falsifying_example(tmp_path):
     p = recompute_problem()
     best = brute_force(p)
-    assert (best.boundaries, best.makespan) == ((0, 1, 4, 5, 6, 7), pytest.approx(16.2))
+    # No layer has a weight gradient: every stage is frozen and runs forward only (8.2 s; 16.2 s
+    # when the model still ran a backward through frozen stages), and the memory rules still
+    # leave only (0, 1, 4, 5, 6, 7).
+    assert (best.boundaries, best.makespan) == ((0, 1, 4, 5, 6, 7), pytest.approx(8.2))
     got = solve(p, cache_dir=tmp_path, time_limit=10)
     assert got.makespan == pytest.approx(best.makespan, rel=1e-9)
     assert got.solver.status == "optimal"
 
 
 def test_layers_differing_only_in_recompute_bytes_are_different_runs():
-    assert P._runs(recompute_problem()) == [(0, 4), (4, 2), (6, 2)]
+    assert layer_runs(recompute_problem()) == [(0, 4), (4, 2), (6, 2)]
 
 
 def memory_free_problem() -> PartitionProblem:
@@ -308,15 +312,15 @@ def test_a_warm_start_is_never_proven_optimal_when_a_better_cut_exists():
                key=lambda ev: ev.makespan)
     assert (best.boundaries, best.makespan) == ((0, 2, 4, 5, 6), pytest.approx(27.6))
     assert evaluate(p, start).makespan == pytest.approx(27.8)
-    runs = P._runs(p)
+    runs = layer_runs(p)
     for cutoff in (None, evaluate(p, start).makespan):
-        mip = M._build_mip(p, P._Fast(p), runs, 5, mem_tol=P._MEM_TOL)
-        M._warm(mip, runs, evaluate(p, start))
-        status, obj, bound = M._run_solver(mip, "highs", 10.0, 1e-9, True, cutoff and cutoff / mip.scale)
+        mip = M.build_mip(p, PrefixSums(p), runs, 5, mem_tol=MEMORY_TOLERANCE)
+        M.warm_start(mip, runs, evaluate(p, start))
+        status, obj, bound = M.run_solver(mip, "highs", 10.0, 1e-9, True, cutoff and cutoff / mip.scale)
         assert status == "optimal"
         assert obj * mip.scale == pytest.approx(best.makespan, rel=1e-7)
         assert bound * mip.scale <= best.makespan * (1 + 1e-7)
-        assert evaluate(p, M._cuts_of(mip, runs)).makespan == pytest.approx(best.makespan, rel=1e-9)
+        assert evaluate(p, M.cuts_of(mip, runs)).makespan == pytest.approx(best.makespan, rel=1e-9)
 
 
 def test_solve_matches_brute_force_when_the_local_search_stops_short(tmp_path):
@@ -335,7 +339,7 @@ def test_the_mip_and_the_local_search_share_evaluates_memory_model(m):
     ls = [layer("a", params=7, out=3, peak=5), layer("b", params=4, out=9, peak=8, grad=6),
           layer("c", params=6, out=2, peak=1), layer("d", params=5, out=4, peak=8, grad=0)]
     p = problem(ls, gpus=2, m=m, cap=60 if m == 2 else 70)  # the old "2 x working" rule erred both ways
-    fast, runs = P._Fast(p), P._runs(p)
+    fast, runs = PrefixSums(p), layer_runs(p)
     fits = 0
     for s in range(1, len(ls) + 1):
         for inner in itertools.combinations(range(1, len(ls)), s - 1):
@@ -345,13 +349,13 @@ def test_the_mip_and_the_local_search_share_evaluates_memory_model(m):
                 ref = stage_memory(ls[a:z], ls[a - 1] if a else None, p.memory)
                 assert (st.fmem[k], st.bmem[k]) == pytest.approx(ref)
             ev = evaluate(p, cuts)
-            mip = M._build_mip(p, fast, runs, s, mem_tol=P._MEM_TOL)
+            mip = M.build_mip(p, fast, runs, s, mem_tol=MEMORY_TOLERANCE)
             if ev is None:
                 if not mip.infeasible:
-                    M._warm(mip, runs, evaluate(replace(p, capacity=(10**9,) * 2), cuts))
+                    M.warm_start(mip, runs, evaluate(replace(p, capacity=(10**9,) * 2), cuts))
                     for v in list(mip.z.values()) + [v for v in mip.t.values() if not isinstance(v, int)]:
                         v.lowBound = v.upBound = v.varValue
-                    assert M._run_solver(mip, "highs", 10.0, 1e-9, False, None)[0] == "infeasible"
+                    assert M.run_solver(mip, "highs", 10.0, 1e-9, False, None)[0] == "infeasible"
             else:
                 fits += 1
                 assert mip_makespan(p, cuts) == pytest.approx(ev.makespan, rel=1e-7)
@@ -364,7 +368,7 @@ def test_solving_prints_nothing(solver, tmp_path, capfd):
     import subprocess
     import sys
     code = ("from mobius_fx.costs import LayerCost\n"
-            "from mobius_fx.plans import MemoryModel\n"
+            "from mobius_fx.step_model import MemoryModel\n"
             "from mobius_fx.passes.partition import PartitionProblem, solve\n"
             "ls = tuple(LayerCost(n, (n,), 0.0, 0.0, 1.0, 2.0, 10, 10, 1, 0) for n in 'abcd')\n"
             "p = PartitionProblem(ls, 2, ('g0', 'g1'), (10**6,) * 2, (10.0,) * 2, (10.0,) * 2, (10.0,) * 2,\n"

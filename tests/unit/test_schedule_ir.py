@@ -1,6 +1,8 @@
 """The schedule IR (mobius_fx/schedule.py): the order and the bytes of a step, and the plan's
 transfer table as a sum over it."""
 
+from collections import defaultdict
+
 import pytest
 import torch
 
@@ -147,6 +149,41 @@ def _values(gm, *mb_inputs):
     return out
 
 
+def _lora_example():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("lora_example", Path(__file__).parents[2] / "examples" / "lora.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _check_executed_order(pipe, ir):
+    """The order the runtime executed (`executed_ops`) against the IR: per GPU the same runs in
+    the same order; every run after a wait for its stage, every wait after its prefetch; never
+    more stages resident on a GPU than the IR has."""
+    on, waited, peak, runs = defaultdict(set), set(), defaultdict(int), defaultdict(list)
+    for kind, gpu, k, phase, i in pipe.executed_ops():
+        if kind == "prefetch":
+            on[gpu].add(k)
+            waited.discard(k)
+        elif kind == "wait":
+            assert k in on[gpu], f"wait for stage {k} on {gpu} before its prefetch"
+            waited.add(k)
+        elif kind == "run":
+            assert k in on[gpu] and k in waited, f"stage {k} ran on {gpu} ({phase}, mb {i}) before its wait"
+            runs[gpu].append((k, phase, i))
+        elif kind == "evict":
+            on[gpu].discard(k)
+            waited.discard(k)
+        peak[gpu] = max(peak[gpu], len(on[gpu]))
+    planned = {g: [(o.stage, o.phase, o.microbatch) for o in ir.place(g) if o.kind == "run"] for g in ir.gpus}
+    assert dict(runs) == {g: r for g, r in planned.items() if r}
+    most = ir.resident_at_most()
+    assert all(n <= most[g] for g, n in peak.items()), (dict(peak), most)
+
+
 def _cases():
     torch.manual_seed(0)
     res = ResidualMLP(d_in=8, width=16, depth=6, d_out=4)
@@ -170,6 +207,23 @@ def _cases():
     h = len(names) // 3
     yield "tied-gpt-3on2", tied, gm, [names[:h], names[h:2 * h], names[2 * h:]], ["gpu0", "gpu1", "gpu0"], (ids,)
 
+
+    frozen = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
+    for name, p in frozen.named_parameters():  # a frozen prefix: those stages run forward only
+        p.requires_grad_(not name.startswith(("inp", "blocks.0", "blocks.1")))
+    gm = torch.fx.symbolic_trace(frozen)
+    names = [n.name for n in gm.graph.nodes if n.op in _COMPUTE]
+    h, q = len(names) // 2, len(names) // 4
+    yield "frozen-2on2", frozen, gm, [names[:h], names[h:]], ["gpu0", "gpu1"], (torch.randn(4, 8),)
+    yield "frozen-4on2", frozen, gm, [names[:q], names[q:h], names[h:3 * q], names[3 * q:]], \
+        ["gpu0", "gpu1"] * 2, (torch.randn(4, 8),)
+    lora = GPT(GPTConfig(vocab=64, seq=8, hidden=16, blocks=3, heads=2))
+    _lora_example().add_lora(lora, rank=2)  # frozen base, adapters in every block; embeddings frozen
+    ids = torch.randint(0, 64, (4, 8))
+    gm = mobius_fx.trace(lora, example_inputs=(ids,))
+    names = [n.name for n in gm.graph.nodes if n.op in _COMPUTE]
+    h = len(names) // 3
+    yield "lora-gpt-3on2", lora, gm, [names[:h], names[h:2 * h], names[2 * h:]], ["gpu0", "gpu1", "gpu0"], (ids,)
 
     from tests.models import hf_inputs, hf_llama
 
@@ -210,3 +264,4 @@ def test_the_runtime_moves_exactly_what_its_schedule_ir_says(case):
                 got.setdefault(gpu, {}).setdefault(kind, {})[stage] = per_copy(kind, c)
     assert got == expected
     assert all(n <= 2 for n in ir.resident_at_most().values())
+    _check_executed_order(pipe, ir)

@@ -1,0 +1,218 @@
+"""The simulator's task graph: per-GPU streams, transfers on the topology's routes, and the
+looped pipeline the baselines are built from (mobius_fx/baselines.py). The "mobius" schedules
+are built from the schedule IR instead (mobius_fx/simulator.py).
+
+    ctx = Context(plan, topo, "adam", 20e9, use_plan_routes=True)
+    i = ctx.compute("gpu0", 1e-3, "F0 mb0", after=[])
+    ctx.move("gpu0/upload", (0, 0, 0), "host", "gpu0", 1e6, "prefetch s0")
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from .costs import dtype_bytes
+from .errors import MobiusError
+from .network import Link, Task
+from .plans import Plan
+
+__all__ = ["Costs", "Slot", "Context", "looped_pipeline", "cpu_optimizer", "optimizer_bytes_touched",
+           "TOUCHED_BYTES", "STATE_BYTES", "CPU_ADAM_BANDWIDTH"]
+
+# Bytes of memory traffic per fp32 master parameter in one optimizer step. Adam reads the
+# parameter, its gradient and both moments (4 x 4 B) and writes the parameter and both moments
+# (3 x 4 B): 28 B. SGD with momentum reads p, g, m and writes p, m: 20 B. The step is memory
+# bound on a CPU, so time = params x bytes / sustained bandwidth.
+TOUCHED_BYTES = {"adam": 28, "adamw": 28, "sgd": 20, "none": 0}
+STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "none": 0}  # optimizer state bytes per fp32 param
+
+# Sustained bytes/s a plain torch.optim.Adam reaches over fp32 masters on a 2-socket Xeon
+# server ([I] assumption: STREAM triad on 2 x 6-channel DDR4-2666 is ~150-200 GB/s; torch's
+# Adam makes several passes over the tensors, so ~1/8 of it is effective). Measured on this
+# project's 2-core EPYC VM (torch 2.13 CPU, torch.optim.Adam.step over 50 M fp32 params,
+# 28 B/param): 4.7 GB/s with foreach=False, 1.9 GB/s foreach, 15.7 GB/s fused=True.
+# Pass `cpu_adam_bandwidth` for your server.
+CPU_ADAM_BANDWIDTH = 20e9
+
+
+def optimizer_bytes_touched(optimizer: str) -> int:
+    """Bytes read + written per fp32 parameter by one step of `optimizer` (adam: 28)."""
+    try:
+        return TOUCHED_BYTES[optimizer]
+    except KeyError:
+        raise MobiusError(f"unknown optimizer {optimizer!r}; use one of {', '.join(TOUCHED_BYTES)}") from None
+
+
+@dataclass
+class Costs:
+    """Per stage (or layer unit): times per micro-batch, bytes as streamed."""
+
+    f: list[float]
+    b: list[float]
+    w: list[float]
+    g: list[float]
+    inp: list[float]  # boundary input bytes per micro-batch
+    out: list[float]
+    master: list[float]  # trainable fp32 master bytes (optimizer)
+    names: list[str]
+
+
+@dataclass
+class Slot:
+    phase: str  # forward | backward | fused
+    stage: int
+    gpu: str
+
+
+class Context:
+    def __init__(self, plan: Plan, topo: Any, optimizer: str, cpu_bw: float, use_plan_routes: bool):
+        self.plan, self.topo, self.optimizer, self.cpu_bw = plan, topo, optimizer, cpu_bw
+        self.tasks: list[Task] = []
+        self.last_compute: dict[str, int] = {}
+        self._links: dict[tuple[str, str], tuple[Link, ...]] = {}
+        self._routes: dict[tuple[str, str], tuple[str, ...]] = {}
+        if use_plan_routes:
+            for t in plan.transfers:
+                if t.kind != "evict":
+                    self._routes[(t.src, t.dst)] = tuple(t.route)
+        idx = {g.name: g.index for g in topo.gpus}
+        self.gpus = tuple(sorted(plan.order, key=lambda n: idx[n]))  # identity order of the plan's GPUs
+        self.scale = dtype_bytes(plan.dtype) / 4.0  # streamed bytes per fp32 master byte
+        st = plan.stages
+        self.stages = Costs([s.fwd_time for s in st], [s.bwd_time for s in st], [float(s.param_bytes) for s in st],
+                             [float(s.grad_bytes) for s in st], [float(s.input_bytes) for s in st],
+                             [float(s.output_bytes) for s in st], [s.grad_bytes / self.scale for s in st],
+                             [f"s{s.index}" for s in st])
+
+    def route(self, src: str, dst: str) -> tuple[str, ...]:
+        if (src, dst) not in self._routes:
+            self._routes[(src, dst)] = (src,) if src == dst else tuple(self.topo.route(src, dst))
+        return self._routes[(src, dst)]
+
+    def add(self, task: Task) -> int:
+        self.tasks.append(task)
+        return len(self.tasks) - 1
+
+    def compute(self, gpu: str, duration: float, name: str, after: list, **meta) -> int:
+        deps = [d for d in after if d is not None]
+        if gpu in self.last_compute:
+            deps.append(self.last_compute[gpu])
+        i = self.add(Task(name, f"{gpu}/compute", (), duration, after=deps,
+                          meta={"kind": "compute", "gpu": gpu, **meta}))
+        self.last_compute[gpu] = i
+        return i
+
+    def move(self, stream: str, priority: tuple, src: str, dst: str, nbytes: float, name: str, *,
+             after: list = (), after_start: list = (), **meta) -> int | None:
+        if nbytes <= 0:
+            return None
+        route = self.route(src, dst)
+        return self.add(Task(name, stream, priority, links=tuple(zip(route, route[1:])), size=float(nbytes),
+                             after=[d for d in after if d is not None],
+                             after_start=[d for d in after_start if d is not None],
+                             meta={"src": src, "dst": dst, "route": route, "bytes": int(nbytes), **meta}))
+
+    def mark(self, name: str, after: list, **meta) -> int:
+        return self.add(Task(name, after=[d for d in after if d is not None], meta=meta))
+
+
+def looped_pipeline(ctx: Context, c: Costs, slots: list[Slot], m: int, *, resident: bool = False,
+              offload_activations: bool = True, activations: bool = True, loss_on_host: bool = True,
+              grads_to_host: bool = True) -> None:
+    """Tasks of a looped pipeline (the baselines): each slot runs all `m` micro-batches of one
+    stage on a GPU.
+
+    Per GPU the slots run in list order on its compute stream. A slot's weights upload on the
+    GPU's upload stream when the previous slot on that GPU starts, and not before the stage two
+    back on that GPU is evicted (at most two resident); a slot that follows the same stage on
+    the same GPU reuses its weights. Activations arrive on the receiving GPU's activation
+    stream; saved boundary inputs go to DRAM after they arrive and come back (upload stream,
+    after the weights) for backward; gradients go to DRAM on the download stream after the last
+    micro-batch.
+    """
+    seq: dict[str, list[int]] = defaultdict(list)
+    for j, s in enumerate(slots):
+        seq[s.gpu].append(j)
+    pos = {j: p for js in seq.values() for p, j in enumerate(js)}
+    last_stage = max(s.stage for s in slots)
+    comp: dict[tuple[str, int], list[int]] = {}  # (phase, stage) -> compute task per micro-batch
+    where: dict[tuple[str, int], str] = {}
+    arrive: dict[tuple[int, int], int | None] = {}  # (stage, mb) -> forward input arrival
+    save: dict[tuple[int, int], int | None] = {}
+    out: dict[int, int | None] = {}
+    evict: dict[int, int | None] = {}
+    for j, s in enumerate(slots):
+        k, gpu, p = s.stage, s.gpu, pos[j]
+        mine = seq[gpu]
+        prev = slots[mine[p - 1]] if p > 0 else None
+        nxt = slots[mine[p + 1]] if p + 1 < len(mine) else None
+        reuse = resident or (prev is not None and prev.stage == k)
+        fwd = s.phase in ("forward", "fused")
+        phase = "forward" if s.phase == "forward" else "backward"
+        tag = f"{s.phase[0]}{c.names[k]}"
+        trigger_start = [comp[(prev.phase, prev.stage)][0]] if prev is not None else []
+        memory = [next((evict[q] for q in reversed(mine[:max(0, p - 1)]) if evict.get(q) is not None), None)]
+        up = None
+        if not reuse:
+            up = ctx.move(f"{gpu}/upload", (p, 0, 0), "dram", gpu, c.w[k], f"prefetch {tag}",
+                          after=memory, after_start=trigger_start,
+                          kind="prefetch", phase=phase, gpu=gpu, stage=k)
+        rows = []
+        for i in range(m):
+            deps: list[int | None] = [up]
+            if fwd and activations:
+                if k == 0:
+                    src, made = "dram", None
+                else:
+                    src = where[("forward", k - 1)]
+                    made = comp[("forward", k - 1)][i]
+                a = None
+                if src != gpu:
+                    a = ctx.move(f"{gpu}/activation", (p, i), src, gpu, c.inp[k], f"act {tag} mb{i}", after=[made],
+                                 kind="activation", phase="forward", gpu=gpu, stage=k, microbatch=i)
+                arrive[(k, i)] = a if a is not None else made
+                deps.append(arrive[(k, i)])
+                if offload_activations and k > 0 and s.phase == "forward":
+                    save[(k, i)] = ctx.move(f"{gpu}/download", (p, i, 0), gpu, "dram", c.inp[k],
+                                            f"save {tag} mb{i}", after=[arrive[(k, i)]], kind="activation",
+                                            phase="forward", gpu=gpu, stage=k, microbatch=i)
+            if s.phase == "backward" and activations:
+                if offload_activations and k > 0 and (k, i) in save:
+                    deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), "dram", gpu, c.inp[k], f"restore {tag} mb{i}",
+                                         after=[save[(k, i)], *memory], after_start=trigger_start,
+                                         kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i))
+                elif offload_activations and k == 0 and c.inp[0] > 0:  # the model input, sent again from the host
+                    deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), "dram", gpu, c.inp[0], f"input {tag} mb{i}",
+                                         after=memory, after_start=trigger_start,
+                                         kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i))
+                if k == last_stage:
+                    src, made = "dram", out.get(i) if out.get(i) is not None else comp[("forward", k)][i]
+                else:
+                    nb = ("backward", k + 1) if ("backward", k + 1) in comp else ("fused", k + 1)
+                    src, made = where[nb], comp[nb][i]
+                hop = None
+                if src != gpu and (src != "dram" or loss_on_host):
+                    hop = ctx.move(f"{gpu}/activation", (p, i), src, gpu, c.out[k], f"grad-in {tag} mb{i}",
+                                   after=[made], kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i)
+                deps.append(hop if hop is not None else made)
+            dur = c.f[k] if s.phase == "forward" else c.b[k]
+            ci = ctx.compute(gpu, dur, f"{tag} mb{i}", deps, phase=phase, stage=k, microbatch=i)
+            rows.append(ci)
+            if s.phase == "forward" and k == last_stage and activations and loss_on_host:
+                out[i] = ctx.move(f"{gpu}/download", (p, i, 1), gpu, "dram", c.out[k], f"output mb{i}", after=[ci],
+                                  kind="activation", phase="forward", gpu=gpu, stage=k, microbatch=i)
+        comp[(s.phase, k)] = rows
+        where[(s.phase, k)] = gpu
+        if s.phase != "forward" and grads_to_host:
+            ctx.move(f"{gpu}/download", (p, m, 0), gpu, "dram", c.g[k], f"grad {tag}", after=[rows[-1]],
+                     kind="gradient", phase="backward", gpu=gpu, stage=k)
+        if not resident and not (nxt is not None and nxt.stage == k):
+            evict[j] = ctx.mark(f"evict {tag}", [rows[-1]], kind="evict", phase=phase, gpu=gpu, stage=k)
+
+
+def cpu_optimizer(ctx: Context, master_bytes: float) -> None:
+    t = master_bytes / 4.0 * TOUCHED_BYTES[ctx.optimizer] / ctx.cpu_bw
+    ctx.add(Task("optimizer step", "host/optimizer", (), t, after=list(range(len(ctx.tasks))),
+                 meta={"kind": "optimizer", "phase": "step"}))

@@ -1,0 +1,181 @@
+"""The package's import rules (DESIGN.md §2, "Repository layout"), read off the source with `ast`.
+
+- No import cycles among the modules of `mobius_fx` and `mobius_fx.passes` (`passes/`),
+  counting every import statement: at module level, under `if TYPE_CHECKING:` and inside
+  functions. A type-only or lazy import still makes two modules depend on each other's
+  definitions; it only hides the cycle from the interpreter.
+- The passes do not import `mobius_fx.plans`: the model they share is `mobius_fx.step_model`.
+- No module imports a private name (`_x`) that another module defines, neither with
+  `from m import _x` nor as `m._x`. A private *module* (`mobius_fx/_stages.py`,
+  `passes/_partition_mip.py`) is private to its package: modules of that package import it.
+
+Run as a script to print the import graph's cycles: `python tests/unit/test_architecture.py`.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"mobius_fx": ROOT / "mobius_fx", "mobius_fx.passes": ROOT / "passes"}  # pyproject package-dir
+
+# Known violations in modules outside the partitioner, named so that a new one fails. Each is
+# type-only or one shared flag; fix them in their modules, then delete the entry (a stale
+# entry fails the tests too).
+KNOWN_CYCLE_EDGES = {
+    # ops.py names `_Runtime` in annotations (under TYPE_CHECKING); runtime.py imports ops.
+    ("mobius_fx.ops", "mobius_fx.runtime"),
+    # _stages.py names `CompileContext` in annotations (TYPE_CHECKING); compiler.py imports
+    # _stages lazily to build its pass list.
+    ("mobius_fx._stages", "mobius_fx.compiler"),
+}
+KNOWN_PRIVATE_IMPORTS = {
+    ("mobius_fx.runtime", "mobius_fx.ops", "_ACTIVE"),  # the context variable of the active runtime
+    ("mobius_fx.ops", "mobius_fx.runtime", "_Runtime"),  # an annotation (TYPE_CHECKING)
+    ("mobius_fx.pipeline", "mobius_fx.runtime", "_Runtime"),  # Pipeline builds the runtime state
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg, folder in PACKAGES.items():
+        for path in sorted(folder.glob("*.py")):
+            mods[pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+@dataclass(frozen=True)
+class Import:
+    """One imported name: `importer` line `line` takes `name` (None: the module itself) from
+    `target`, a module of the package."""
+
+    importer: str
+    target: str
+    name: str | None
+    line: int
+
+
+def _package_module(dotted: str) -> str | None:
+    """The longest prefix of `dotted` that is a module of the package, else None (external)."""
+    while dotted and dotted not in MODULES:
+        dotted = dotted.rpartition(".")[0]
+    return dotted or None
+
+
+def package_of(module: str) -> str:
+    return module if MODULES[module].stem == "__init__" else module.rpartition(".")[0]
+
+
+def imports_of(module: str) -> list[Import]:
+    """Every import statement of `module` that reaches the package, wherever it stands."""
+    path, package = MODULES[module], package_of(module)
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = _package_module(alias.name)
+                if target:
+                    out.append(Import(module, target, None, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in MODULES:  # `from pkg import module`
+                    out.append(Import(module, sub, None, node.lineno))
+                elif (target := _package_module(base)):
+                    out.append(Import(module, target, alias.name, node.lineno))
+    return out
+
+
+def import_graph() -> nx.DiGraph:
+    """Module -> the modules it imports (edges carry the line numbers)."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(MODULES)
+    for module in MODULES:
+        for imp in imports_of(module):
+            if imp.target != module:
+                graph.add_edge(module, imp.target)
+                graph.edges[module, imp.target].setdefault("lines", []).append(imp.line)
+    return graph
+
+
+def _describe(graph: nx.DiGraph, cycle: list[str]) -> str:
+    steps = zip(cycle, cycle[1:] + cycle[:1])
+    return " -> ".join(f"{a} (line {graph.edges[a, b]['lines'][0]})" for a, b in steps) + f" -> {cycle[0]}"
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    stale = [e for e in KNOWN_CYCLE_EDGES if not graph.has_edge(*e)]
+    assert not stale, f"{stale} no longer import each other: remove them from KNOWN_CYCLE_EDGES"
+    graph.remove_edges_from(KNOWN_CYCLE_EDGES)
+    cycles = sorted(nx.simple_cycles(graph), key=len)
+    assert not cycles, ("modules import each other (counting TYPE_CHECKING and function-level imports); "
+                        "move what both need into a module both import:\n"
+                        + "\n".join(_describe(graph, c) for c in cycles[:10]))
+
+
+def test_passes_do_not_import_plans():
+    found = [f"{imp.importer} line {imp.line}" for module in MODULES if module.startswith("mobius_fx.passes.")
+             for imp in imports_of(module) if imp.target == "mobius_fx.plans"]
+    assert not found, (f"passes import mobius_fx.plans: {found}; import the step model (MemoryModel, "
+                       f"stage_memory, SolverInfo) from mobius_fx.step_model")
+
+
+def _private_name_uses(module: str) -> list[tuple[str, str, int]]:
+    """(defining module, private name, line) of every private name `module` takes from another
+    module of the package: `from m import _x`, `import m as a; a._x`, `from m import C; C._x`,
+    and private modules of another package."""
+    found, bound = [], {}
+    for imp in imports_of(module):
+        if imp.target == module:
+            continue
+        leaf = imp.target.rpartition(".")[2]
+        if leaf.startswith("_") and leaf != "__init__" and package_of(imp.target) != package_of(module):
+            found.append((package_of(imp.target), leaf, imp.line))  # a private module of another package
+        if imp.name is not None and imp.name.startswith("_") and not imp.name.startswith("__"):
+            found.append((imp.target, imp.name, imp.line))
+    tree = ast.parse(MODULES[module].read_text())
+    for node in ast.walk(tree):  # names bound to what was imported from the package
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                bound[alias.asname or alias.name.split(".")[0]] = node
+    package_bound = {name for name, node in bound.items()
+                     if (isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("mobius_fx")))
+                     or (isinstance(node, ast.Import) and name == "mobius_fx")}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in package_bound
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append((node.value.id, node.attr, node.lineno))
+    return found
+
+
+def test_no_private_names_imported_across_modules():
+    uses = {(module, origin, name): line for module in MODULES
+            for origin, name, line in _private_name_uses(module)}
+    stale = KNOWN_PRIVATE_IMPORTS - set(uses)
+    assert not stale, f"{sorted(stale)} are gone: remove them from KNOWN_PRIVATE_IMPORTS"
+    new = sorted(f"{m} line {line}: {name} from {origin}" for (m, origin, name), line in uses.items()
+                 if (m, origin, name) not in KNOWN_PRIVATE_IMPORTS)
+    assert not new, ("modules use private names of other modules; make the name public (no leading "
+                     "underscore, in __all__) or move it to the module that uses it:\n" + "\n".join(new))
+
+
+if __name__ == "__main__":
+    g = import_graph()
+    print(f"{g.number_of_nodes()} modules, {g.number_of_edges()} import edges")
+    for c in sorted(nx.simple_cycles(g), key=len):
+        known = any((a, b) in KNOWN_CYCLE_EDGES for a, b in zip(c, c[1:] + c[:1]))
+        print(("known: " if known else "CYCLE: ") + _describe(g, c))
+    g.remove_edges_from(KNOWN_CYCLE_EDGES)
+    print("cycles besides the known ones:", sorted(nx.simple_cycles(g), key=len))
