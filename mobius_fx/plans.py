@@ -21,7 +21,7 @@ from tabulate import tabulate
 
 from .costs import LayerCost, dtype_name
 from .errors import MobiusError
-from .schedule import HOST, ScheduleIR, StageInput, StageIO, build_schedule
+from .schedule import ScheduleIR, StageInput, StageIO, build_schedule
 from .step_model import MemoryModel, SolverInfo, stage_memory
 from .units import fmt_bytes, fmt_time
 
@@ -300,11 +300,6 @@ def build_plan(
                 dtype=dtype_name(dtype), topology=topology)
 
 
-def _host(name: str) -> str:
-    """The IR calls host memory "host"; plans and topology routes call it "dram"."""
-    return "dram" if name == HOST else name
-
-
 _TRANSFER_KIND = {"prefetch": "prefetch", "evict": "evict", "send": "activation", "offload": "activation",
                   "restore": "activation", "download": "gradient"}
 
@@ -317,7 +312,7 @@ def _transfers(ir: ScheduleIR, topo: "Topology") -> list[Transfer]:
         kind = _TRANSFER_KIND.get(o.kind)
         if kind is None or (kind != "evict" and (o.bytes <= 0 or not o.direction)):
             continue
-        src, dst = (o.place, o.place) if kind == "evict" else (_host(o.src), _host(o.dst))
+        src, dst = (o.place, o.place) if kind == "evict" else (o.src, o.dst)
         key = (kind, o.phase, o.stage, src, dst, o.bytes)
         if key in rows:
             rows[key][1] += 1

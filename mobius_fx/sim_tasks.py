@@ -17,6 +17,7 @@ from .costs import dtype_bytes
 from .errors import MobiusError
 from .network import Link, Task
 from .plans import Plan
+from .schedule import HOST
 
 __all__ = ["Costs", "Slot", "Context", "looped_pipeline", "cpu_optimizer", "optimizer_bytes_touched",
            "TOUCHED_BYTES", "STATE_BYTES", "CPU_ADAM_BANDWIDTH"]
@@ -156,7 +157,7 @@ def looped_pipeline(ctx: Context, c: Costs, slots: list[Slot], m: int, *, reside
         memory = [next((evict[q] for q in reversed(mine[:max(0, p - 1)]) if evict.get(q) is not None), None)]
         up = None
         if not reuse:
-            up = ctx.move(f"{gpu}/upload", (p, 0, 0), "dram", gpu, c.w[k], f"prefetch {tag}",
+            up = ctx.move(f"{gpu}/upload", (p, 0, 0), HOST, gpu, c.w[k], f"prefetch {tag}",
                           after=memory, after_start=trigger_start,
                           kind="prefetch", phase=phase, gpu=gpu, stage=k)
         rows = []
@@ -164,7 +165,7 @@ def looped_pipeline(ctx: Context, c: Costs, slots: list[Slot], m: int, *, reside
             deps: list[int | None] = [up]
             if fwd and activations:
                 if k == 0:
-                    src, made = "dram", None
+                    src, made = HOST, None
                 else:
                     src = where[("forward", k - 1)]
                     made = comp[("forward", k - 1)][i]
@@ -175,25 +176,25 @@ def looped_pipeline(ctx: Context, c: Costs, slots: list[Slot], m: int, *, reside
                 arrive[(k, i)] = a if a is not None else made
                 deps.append(arrive[(k, i)])
                 if offload_activations and k > 0 and s.phase == "forward":
-                    save[(k, i)] = ctx.move(f"{gpu}/download", (p, i, 0), gpu, "dram", c.inp[k],
+                    save[(k, i)] = ctx.move(f"{gpu}/download", (p, i, 0), gpu, HOST, c.inp[k],
                                             f"save {tag} mb{i}", after=[arrive[(k, i)]], kind="activation",
                                             phase="forward", gpu=gpu, stage=k, microbatch=i)
             if s.phase == "backward" and activations:
                 if offload_activations and k > 0 and (k, i) in save:
-                    deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), "dram", gpu, c.inp[k], f"restore {tag} mb{i}",
+                    deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), HOST, gpu, c.inp[k], f"restore {tag} mb{i}",
                                          after=[save[(k, i)], *memory], after_start=trigger_start,
                                          kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i))
                 elif offload_activations and k == 0 and c.inp[0] > 0:  # the model input, sent again from the host
-                    deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), "dram", gpu, c.inp[0], f"input {tag} mb{i}",
+                    deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), HOST, gpu, c.inp[0], f"input {tag} mb{i}",
                                          after=memory, after_start=trigger_start,
                                          kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i))
                 if k == last_stage:
-                    src, made = "dram", out.get(i) if out.get(i) is not None else comp[("forward", k)][i]
+                    src, made = HOST, out.get(i) if out.get(i) is not None else comp[("forward", k)][i]
                 else:
                     nb = ("backward", k + 1) if ("backward", k + 1) in comp else ("fused", k + 1)
                     src, made = where[nb], comp[nb][i]
                 hop = None
-                if src != gpu and (src != "dram" or loss_on_host):
+                if src != gpu and (src != HOST or loss_on_host):
                     hop = ctx.move(f"{gpu}/activation", (p, i), src, gpu, c.out[k], f"grad-in {tag} mb{i}",
                                    after=[made], kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i)
                 deps.append(hop if hop is not None else made)
@@ -201,12 +202,12 @@ def looped_pipeline(ctx: Context, c: Costs, slots: list[Slot], m: int, *, reside
             ci = ctx.compute(gpu, dur, f"{tag} mb{i}", deps, phase=phase, stage=k, microbatch=i)
             rows.append(ci)
             if s.phase == "forward" and k == last_stage and activations and loss_on_host:
-                out[i] = ctx.move(f"{gpu}/download", (p, i, 1), gpu, "dram", c.out[k], f"output mb{i}", after=[ci],
+                out[i] = ctx.move(f"{gpu}/download", (p, i, 1), gpu, HOST, c.out[k], f"output mb{i}", after=[ci],
                                   kind="activation", phase="forward", gpu=gpu, stage=k, microbatch=i)
         comp[(s.phase, k)] = rows
         where[(s.phase, k)] = gpu
         if s.phase != "forward" and grads_to_host:
-            ctx.move(f"{gpu}/download", (p, m, 0), gpu, "dram", c.g[k], f"grad {tag}", after=[rows[-1]],
+            ctx.move(f"{gpu}/download", (p, m, 0), gpu, HOST, c.g[k], f"grad {tag}", after=[rows[-1]],
                      kind="gradient", phase="backward", gpu=gpu, stage=k)
         if not resident and not (nxt is not None and nxt.stage == k):
             evict[j] = ctx.mark(f"evict {tag}", [rows[-1]], kind="evict", phase=phase, gpu=gpu, stage=k)

@@ -240,7 +240,7 @@ def _from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
             stream = ("download" if o.dst == HOST else "upload" if o.kind == "prefetch" or o.what == "input"
                       else "activation")
             task[o.index] = ctx.move(f"{gpu}/{stream}", (slot[(o.phase, o.stage)], o.index),
-                                     "dram" if o.src == HOST else o.src, "dram" if o.dst == HOST else o.dst, o.bytes,
+                                     o.src, o.dst, o.bytes,
                                      f"{o.kind} {tag}", after=after, kind=_KIND[o.kind], phase=o.phase, gpu=gpu,
                                      stage=o.stage, microbatch=o.microbatch)
             triggers += [(task[o.index], d) for d in o.deps if o.kind == "prefetch" and ops[d].kind == "wait"]

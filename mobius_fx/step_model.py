@@ -218,8 +218,8 @@ class PartitionProblem:
         return PartitionProblem(
             layers=tuple(layers), microbatches=microbatches, gpus=names,
             capacity=tuple(int(by_name[g].memory * memory_fraction) for g in names),
-            up=tuple(float(topology.bandwidth("dram", g)) for g in names),
-            down=tuple(float(topology.bandwidth(g, "dram")) for g in names),
+            up=tuple(float(topology.bandwidth("host", g)) for g in names),
+            down=tuple(float(topology.bandwidth(g, "host")) for g in names),
             hop=hop, memory=MemoryModel.for_layers(layers, microbatches, dtype),
             memory_fraction=memory_fraction, hop_back=hop_back,
         )

@@ -51,6 +51,7 @@ import networkx as nx
 from .costs import DEVICE_SPECS, DeviceSpec
 from .errors import TopologyError
 from .links import GB, NVLINK2, PCIE3_X8, PCIE3_X16, PCIE4_X16, UPI_GOLD6130
+from .schedule import HOST
 from .topology_detect import NoGPUFound, detect_layout, nvidia_smi_layout
 from .topology_schema import (LINK_KINDS, NODE_KINDS, check_graph, graph_from_dict, natural_key, parse_bandwidths,
                               parse_memory, parse_spec)
@@ -77,9 +78,9 @@ class Topology:
     Build one from a preset, a JSON file, `nvidia-smi topo -m`, NVML, or as virtual GPUs:
 
     >>> topo = Topology.preset("mobius-testbed")
-    >>> topo.route("dram", "gpu3")
+    >>> topo.route("host", "gpu3")
     ('cpu0', 'sw0', 'gpu3')
-    >>> topo.bandwidth("dram", "gpu3") / 1e9      # the x8 GPU link is the bottleneck
+    >>> topo.bandwidth("host", "gpu3") / 1e9      # the x8 GPU link is the bottleneck
     6.5
 
     Treat it as immutable: routes are cached and equal topologies hash equal.
@@ -143,7 +144,7 @@ class Topology:
     def route(self, a: str, b: str) -> tuple[str, ...]:
         """The nodes a transfer from `a` to `b` passes, both ends included.
 
-        "dram" stands for the host memory of the other end's own root complex. GPU to GPU:
+        "host" stands for the host memory of the other end's own root complex. GPU to GPU:
         a direct NVLink if one joins them; else, with P2P, the shortest PCIe path (across the
         inter-socket link if needed); else staged through host memory: up to a's root complex,
         across UPI when b sits on another socket, and down to b.
@@ -162,12 +163,12 @@ class Topology:
         return min((self.graph.edges[u, v]["bandwidth"] for u, v in zip(r, r[1:])), default=math.inf)
 
     def _route(self, a: str, b: str) -> tuple[str, ...]:
-        if a == "dram" and b == "dram":
-            raise TopologyError("route('dram', 'dram') has no GPU end; 'dram' means the host memory "
+        if a == HOST and b == HOST:
+            raise TopologyError("route('host', 'host') has no GPU end; 'host' means the host memory "
                                 "of the other end's root complex, so give a GPU, switch or root complex")
-        if a == "dram":
+        if a == HOST:
             a = self._rc[self._need(b)]
-        elif b == "dram":
+        elif b == HOST:
             b = self._rc[self._need(a)]
         self._need(a)
         self._need(b)
@@ -198,7 +199,7 @@ class Topology:
     def _need(self, node: str) -> str:
         if node not in self.graph:
             raise TopologyError(f"unknown node {node!r} in topology {self.name!r}; its nodes are "
-                                f"{', '.join(self.graph)} (and 'dram' for a GPU's host memory)")
+                                f"{', '.join(self.graph)} (and 'host' for a GPU's host memory)")
         return node
 
     # ----------------------------------------------------------- equality, text

@@ -38,8 +38,8 @@ def check_graph(graph: Any) -> tuple[nx.DiGraph, dict[str, str | None], dict[str
         raise TopologyError(f"a Topology is built on a networkx.DiGraph, got {type(graph).__name__}; "
                             "or use Topology.from_json / preset / virtual")
     for n, d in graph.nodes(data=True):
-        if not isinstance(n, str) or not n or n == "dram":
-            raise TopologyError(f"node name {n!r} is not allowed; give a non-empty string other than 'dram' "
+        if not isinstance(n, str) or not n or n == "host":
+            raise TopologyError(f"node name {n!r} is not allowed; give a non-empty string other than 'host' "
                                 "(the name routes use for a GPU's host memory)")
         if d.get("kind") not in NODE_KINDS:
             raise TopologyError(f"node {n!r} has kind {d.get('kind')!r}; give one of {', '.join(NODE_KINDS)}")

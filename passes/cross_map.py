@@ -13,7 +13,7 @@ Two costs, both minimised over orders (exactly up to 8 GPUs, by local search abo
   torchmobius `get_device_order`, used 1 instead of 0 for different root complexes; that
   only adds a constant-free bias, we follow the paper.)
 * `contention_cost` — ours, read off the topology graph instead of root-complex labels.
-  Each stage k has transfers: its weight upload along route(dram, g_k) with `stage_bytes[k]`
+  Each stage k has transfers: its weight upload along route(host, g_k) with `stage_bytes[k]`
   bytes (1 each when not given), and (k < S-1) its activation hop along route(g_k, g_{k+1})
   with `act_bytes[k]` bytes (all M micro-batches; left out when not given, since their size
   relative to the weights is then unknown). Two transfers of stages k and k+d (1 <= d <= N-1) overlap in
@@ -187,7 +187,7 @@ def _contention_engine(gpus: Sequence[str], topology: Any, num_stages: int | Non
     if len(x) != s or len(y) < s - 1:
         raise MobiusError(f"stage_bytes has {len(x)} and act_bytes {len(y)} entries for {s} stages; "
                           f"give one per stage")
-    up = [_links(topology, "dram", g) for g in gpus]
+    up = [_links(topology, "host", g) for g in gpus]
     hop = [[_links(topology, g, h) for h in gpus] for g in gpus]
     shared = lambda p, q: sum(c for l, c in p.items() if l in q)
     c2 = np.array([[shared(up[a], up[b]) for b in range(n)] for a in range(n)])

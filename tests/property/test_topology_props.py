@@ -52,14 +52,14 @@ def test_json_round_trip_gives_an_equal_topology(d):
 @given(servers())
 def test_routes_start_and_end_at_the_endpoints_and_follow_links(d):
     topo = Topology.from_dict(d)
-    ends = [*topo.graph, "dram"]
+    ends = [*topo.graph, "host"]
     for a in ends:
         for b in ends:
-            if a == b == "dram":
+            if a == b == "host":
                 continue
             r = topo.route(a, b)
-            want_a = topo._rc[b] if a == "dram" else a
-            want_b = topo._rc[a] if b == "dram" else b
+            want_a = topo._rc[b] if a == "host" else a
+            want_b = topo._rc[a] if b == "host" else b
             assert r[0] == want_a and r[-1] == want_b
             assert all(topo.graph.has_edge(u, v) for u, v in zip(r, r[1:]))
 
@@ -67,7 +67,7 @@ def test_routes_start_and_end_at_the_endpoints_and_follow_links(d):
 @given(servers())
 def test_bandwidth_is_the_smallest_link_bandwidth_on_the_route(d):
     topo = Topology.from_dict(d)
-    for a in ["dram", *topo.graph]:
+    for a in ["host", *topo.graph]:
         for b in topo.graph:
             r = topo.route(a, b)
             if len(r) > 1:
@@ -92,12 +92,12 @@ def test_gpu_to_gpu_routes_follow_nvlink_p2p_or_host_memory(d):
 
 
 @given(servers())
-def test_dram_routes_walk_the_pcie_tree_from_the_gpus_own_root_complex(d):
+def test_host_routes_walk_the_pcie_tree_from_the_gpus_own_root_complex(d):
     topo = Topology.from_dict(d)
     for g in topo.gpus:
-        down = topo.route("dram", g.name)
+        down = topo.route("host", g.name)
         assert down[0] == g.root_complex
-        assert topo.route(g.name, "dram") == down[::-1]
+        assert topo.route(g.name, "host") == down[::-1]
         assert all(topo.graph.edges[u, v]["kind"] == "pcie" for u, v in zip(down, down[1:]))
 
 

@@ -502,7 +502,7 @@ def test_from_topology_reads_capacity_and_routes():
     p = PartitionProblem.from_topology([layer("a"), layer("b")], topo, microbatches=2, order=order,
                                        memory_fraction=0.5, dtype="float16")
     assert p.gpus == order and p.capacity == (12 * GiB,) * 4
-    assert p.up == (topo.bandwidth("dram", "gpu0"),) + (6.5e9,) * 3
+    assert p.up == (topo.bandwidth("host", "gpu0"),) + (6.5e9,) * 3
     assert p.hop[0] == topo.bandwidth("gpu0", "gpu4") and p.hop[3] == topo.bandwidth("gpu5", "gpu0")
     assert p.hop_back[0] == topo.bandwidth("gpu4", "gpu0") and p.hop_back[3] == topo.bandwidth("gpu0", "gpu5")
     assert p.memory.weight_scale == 0.5

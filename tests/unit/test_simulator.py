@@ -49,7 +49,7 @@ def schedule_model(plan, topo, *, gradient_queue=True):
     stages' gradients in backward order); without it, the doc's `B[0][M-1] + b_0 + G_0/down_0`."""
     st, n, m = plan.stages, plan.num_gpus, plan.microbatches
     s = len(st)
-    up = [topo.bandwidth("dram", x.gpu) for x in st]
+    up = [topo.bandwidth("host", x.gpu) for x in st]
 
     def hop(a, b, nbytes):
         return 0.0 if st[a].gpu == st[b].gpu else nbytes / topo.bandwidth(st[a].gpu, st[b].gpu)
@@ -86,7 +86,7 @@ def schedule_model(plan, topo, *, gradient_queue=True):
             row.append(t)
             t += st[k].bwd_time
         B[k] = row
-    down = [topo.bandwidth(x.gpu, "dram") for x in st]
+    down = [topo.bandwidth(x.gpu, "host") for x in st]
     if not gradient_queue:
         return B[0][m - 1] + st[0].bwd_time + st[0].grad_bytes / down[0]
     done = {}

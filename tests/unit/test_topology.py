@@ -73,13 +73,13 @@ def test_mobius_testbed_bandwidths_are_x8_gpu_links_under_an_x16_uplink():
     assert topo.link_bandwidth("sw0", "gpu3") == 6.5 * GB
     assert topo.link_bandwidth("cpu0", "sw0") == 13 * GB
     assert topo.link_bandwidth("cpu0", "cpu1") == 20 * GB
-    assert topo.bandwidth("dram", "gpu3") == 6.5 * GB
+    assert topo.bandwidth("host", "gpu3") == 6.5 * GB
 
 
 def test_rtx4090x8_puts_four_gpus_on_each_socket_over_pcie4_x16():
     topo = Topology.preset("rtx4090x8")
     assert [g.root_complex for g in topo.gpus] == ["cpu0"] * 4 + ["cpu1"] * 4
-    assert topo.bandwidth("dram", "gpu6") == 25 * GB
+    assert topo.bandwidth("host", "gpu6") == 25 * GB
     assert topo.p2p is False and topo.gpus[0].spec.name == "rtx4090"
 
 
@@ -110,13 +110,13 @@ def test_every_preset_survives_a_json_round_trip(name):
 
 
 # ---------------------------------------------------------------------- routes
-def test_dram_means_the_gpus_own_root_complex():
+def test_host_means_the_gpus_own_root_complex():
     topo = Topology.preset("mobius-testbed")
-    assert topo.route("dram", "gpu3") == ("cpu0", "sw0", "gpu3")
-    assert topo.route("gpu5", "dram") == ("gpu5", "sw1", "cpu1")
+    assert topo.route("host", "gpu3") == ("cpu0", "sw0", "gpu3")
+    assert topo.route("gpu5", "host") == ("gpu5", "sw1", "cpu1")
 
 
-def test_a_root_complex_can_be_named_explicitly_as_the_dram_end():
+def test_a_root_complex_can_be_named_explicitly_as_the_host_end():
     topo = Topology.preset("mobius-testbed")
     assert topo.route("cpu1", "gpu0") == ("cpu1", "cpu0", "sw0", "gpu0")
 
@@ -154,16 +154,16 @@ def test_each_direction_of_a_link_has_its_own_bandwidth():
 def test_a_route_to_itself_is_one_node_with_unbounded_bandwidth():
     topo = Topology.preset("single-3090")
     assert topo.route("gpu0", "gpu0") == ("gpu0",)
-    assert topo.bandwidth("dram", "cpu0") == math.inf
+    assert topo.bandwidth("host", "cpu0") == math.inf
 
 
 def test_route_to_an_unknown_node_names_it():
-    msg = error(Topology.preset("single-3090").route, "dram", "gpu7")
+    msg = error(Topology.preset("single-3090").route, "host", "gpu7")
     assert "'gpu7'" in msg and "gpu0" in msg
 
 
-def test_route_from_dram_to_dram_is_refused():
-    assert "'dram'" in error(Topology.preset("single-3090").route, "dram", "dram")
+def test_route_from_host_to_host_is_refused():
+    assert "'host'" in error(Topology.preset("single-3090").route, "host", "host")
 
 
 def test_link_bandwidth_of_a_missing_link_names_both_ends():
@@ -210,8 +210,8 @@ def test_virtual_memory_may_be_given_in_bytes():
 
 def test_virtual_links_are_pcie_like_under_one_switch_per_root_complex():
     topo = Topology.virtual(gpus=2, bandwidth=16e9)
-    assert topo.route("dram", "gpu1") == ("cpu0", "sw0", "gpu1")
-    assert topo.bandwidth("dram", "gpu1") == 16e9
+    assert topo.route("host", "gpu1") == ("cpu0", "sw0", "gpu1")
+    assert topo.bandwidth("host", "gpu1") == 16e9
 
 
 def test_virtual_rejects_more_root_complexes_than_gpus():
@@ -340,7 +340,7 @@ def test_zero_gpu_memory_names_the_gpu():
     assert "gpu1" in msg and "memory" in msg
 
 
-def test_a_gpu_with_no_path_to_dram_is_named():
+def test_a_gpu_with_no_path_to_host_memory_is_named():
     d = server()
     d["nodes"].append({"name": "gpu2", "kind": "gpu", "memory": "8GiB", "spec": "rtx3090"})
     d["links"].append({"a": "gpu1", "b": "gpu2", "kind": "nvlink", "bandwidth_gbps": 50})
@@ -430,7 +430,7 @@ def test_nvidia_smi_pix_pairs_become_switches_on_two_sockets():
 
 def test_nvidia_smi_pxb_group_holds_a_switch_per_pix_pair():
     topo = Topology.from_nvidia_smi(smi("8gpu_pxb_nested"), spec="rtx3090ti", memory="24GiB")
-    assert topo.route("dram", "gpu3") == ("cpu0", "sw0", "sw2", "gpu3")
+    assert topo.route("host", "gpu3") == ("cpu0", "sw0", "sw2", "gpu3")
     assert topo.gpus_under("sw0") == ("gpu0", "gpu1", "gpu2", "gpu3")
     assert topo.gpus_under("sw4") == ("gpu4", "gpu5")
 
@@ -446,7 +446,7 @@ def test_nvidia_smi_nv_entries_become_nvlinks_of_that_many_links():
 def test_nvidia_smi_phb_pair_hangs_both_gpus_on_one_root_complex():
     topo = Topology.from_nvidia_smi(smi("2gpu_phb"), spec="rtx3090", memory="24GiB", pcie=25e9)
     assert topo.route("gpu0", "gpu1") == ("gpu0", "cpu0", "gpu1")
-    assert topo.bandwidth("dram", "gpu0") == 25e9
+    assert topo.bandwidth("host", "gpu0") == 25e9
 
 
 def test_nvidia_smi_sockets_of_nvlinked_gpus_come_from_sys_and_affinity():
