@@ -312,7 +312,7 @@ def solve(problem: PartitionProblem, *, solver: str = "auto", time_limit: float 
     name = _pick_solver(solver)
     cands = _candidates(problem, stage_counts)
     say = progress or (lambda msg: None)
-    settings = {"solver": name, "time_limit": time_limit, "stage_counts": cands, "gap_rel": gap_rel, "v": 2}
+    settings = {"solver": name, "time_limit": time_limit, "stage_counts": cands, "gap_rel": gap_rel, "v": 3}  # v: the model and solver (bump when either changes)
     path = _cache_dir(cache_dir) / f"{_cache_key(problem, settings)}.json"
     if path.exists():
         try:
