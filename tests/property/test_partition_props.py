@@ -176,7 +176,8 @@ def test_the_makespan_is_the_last_gradient_download(p):
     edges = list(ev.boundaries) + [len(p.layers)]
     for k in range(s):  # a download starts when the stage's backward and the GPU's previous download end
         part = p.layers[edges[k]:edges[k + 1]]
-        ready = ev.bwd_start[k][m - 1] + sum(l.bwd_time for l in part) / m
+        frozen = not any(l.grad_bytes for l in p.layers[:edges[k + 1]])  # runs no backward: takes no time
+        ready = ev.bwd_start[k][m - 1] + (0.0 if frozen else sum(l.bwd_time for l in part) / m)
         if k + n < s:
             ready = max(ready, ev.grad_done[k + n])
         took = sum(l.grad_bytes for l in part) * p.memory.weight_scale / p.down[k % n]
