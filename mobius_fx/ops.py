@@ -9,23 +9,33 @@ nothing from the runtime or the passes: both import it.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 import torch.fx as fx
 
 from .errors import MobiusError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import _Runtime
-
 __all__ = ["prefetch", "wait", "run_stage", "send", "evict", "hold_for_backward", "split_microbatches",
-           "merge_microbatches", "OPS"]
+           "merge_microbatches", "OPS", "running"]
 
-_ACTIVE: contextvars.ContextVar["_Runtime | None"] = contextvars.ContextVar("mobius_fx_runtime", default=None)
+# The runtime (mobius_fx.runtime._Runtime) the ops of the Pipeline call now running act on.
+_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("mobius_fx_runtime", default=None)
 
 
-def _runtime() -> "_Runtime":
+@contextlib.contextmanager
+def running(rt: Any) -> Iterator[None]:
+    """The ops called inside act on `rt` (a Pipeline's runtime, which calls its program here)."""
+    token = _ACTIVE.set(rt)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _runtime() -> Any:
     rt = _ACTIVE.get()
     if rt is None:
         raise MobiusError("a schedule op ran outside a Pipeline call; call the Pipeline (pipe(x)), not its program")

@@ -76,7 +76,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from .devices import HOST, Device, nbytes
 from .errors import BudgetError, MobiusError
-from .ops import _ACTIVE
+from .ops import running
 
 __all__ = ["Pipeline", "batch_rows"]
 
@@ -760,16 +760,14 @@ class Pipeline(nn.Module):
         rt = self._rt
         rt.begin_step()
         rt.step.mb_rows = (rows or 0) // self.schedule.microbatches
-        token = _ACTIVE.set(rt)
         try:
-            out = self.program(*flat)
+            with running(rt):
+                out = self.program(*flat)
             rt.end_forward()
         except BaseException as e:
             rt.abort()
             rt.explain(e)
             raise
-        finally:
-            _ACTIVE.reset(token)
         if self.schedule.out_spec is not None:
             out = pytree.tree_unflatten(list(out), self.schedule.out_spec)
         return out
