@@ -7,10 +7,7 @@ lives in the pass modules (mobius_fx.passes.*), tracing.py, plans.py and runtime
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # compiler imports this module lazily; a runtime import would be a cycle
-    from .compiler import CompileContext
+from .options import CompileContext
 
 __all__ = ["trace_pass", "annotate_pass", "partition_pass", "cross_map_pass", "plan_pass",
            "insert_transfers_pass", "emit_pass"]

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from .errors import MobiusError
-from .options import CompileOptions
+from .options import CompileContext  # lives with the options it carries; re-exported here
 
 __all__ = ["CompileContext", "MobiusPass", "FunctionPass", "PassPipeline", "Touched", "default_pipeline",
            "PASS_ORDER"]
@@ -37,32 +37,6 @@ __all__ = ["CompileContext", "MobiusPass", "FunctionPass", "PassPipeline", "Touc
 log = logging.getLogger("mobius_fx")
 
 PASS_ORDER = ("trace", "annotate", "partition", "cross_map", "plan", "insert_transfers", "emit")
-
-
-@dataclass
-class CompileContext:
-    """Everything a compile carries between passes: inputs, settings and the facts passes write.
-
-    `facts` names what is available so far; passes read inputs from attributes here. Each field
-    is the fact of its name, except `gm` ("graph") and `example_kwargs` ("example_inputs");
-    `facts`, `timings` and `touched` are the pipeline's bookkeeping, not facts.
-    """
-
-    model: torch.nn.Module
-    topology: Any
-    example_inputs: tuple = ()
-    example_kwargs: dict = field(default_factory=dict)
-    settings: CompileOptions = field(default_factory=CompileOptions)
-    gm: torch.fx.GraphModule | None = None
-    layers: tuple = ()
-    partition: Any = None
-    order: tuple = ()
-    plan: Any = None
-    stages: Any = None
-    pipeline: Any = None
-    facts: set = field(default_factory=lambda: {"model", "topology", "example_inputs", "settings"})
-    timings: dict = field(default_factory=dict)
-    touched: dict = field(default_factory=dict)  # pass name -> Touched, as run
 
 
 @dataclass(frozen=True)

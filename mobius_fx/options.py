@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from .errors import MobiusError
 
-__all__ = ["CompileOptions"]
+__all__ = ["CompileOptions", "CompileContext"]
 
 _COSTS = ("auto", "model", "measure")
 _SOLVERS = ("auto", "highs", "cbc")
@@ -122,3 +122,29 @@ class CompileOptions:
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+@dataclass
+class CompileContext:
+    """Everything a compile carries between passes: inputs, settings and the facts passes write.
+
+    `facts` names what is available so far; passes read inputs from attributes here. Each field
+    is the fact of its name, except `gm` ("graph") and `example_kwargs` ("example_inputs");
+    `facts`, `timings` and `touched` are the pipeline's bookkeeping, not facts.
+    """
+
+    model: torch.nn.Module
+    topology: Any
+    example_inputs: tuple = ()
+    example_kwargs: dict = field(default_factory=dict)
+    settings: CompileOptions = field(default_factory=CompileOptions)
+    gm: torch.fx.GraphModule | None = None
+    layers: tuple = ()
+    partition: Any = None
+    order: tuple = ()
+    plan: Any = None
+    stages: Any = None
+    pipeline: Any = None
+    facts: set = field(default_factory=lambda: {"model", "topology", "example_inputs", "settings"})
+    timings: dict = field(default_factory=dict)
+    touched: dict = field(default_factory=dict)  # pass name -> Touched, as run
