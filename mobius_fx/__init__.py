@@ -27,7 +27,7 @@ _LAZY = {
     "Plan": "plans", "Stage": "plans", "Transfer": "plans", "SolverInfo": "plans",
     "plan": "api", "compile": "api",
     "simulate": "simulator", "SimResult": "simulator",
-    "Pipeline": "runtime",
+    "Pipeline": "pipeline_module",
     "CompileOptions": "options",
 }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from .options import CompileContext
 
-__all__ = ["trace_pass", "annotate_pass", "partition_pass", "cross_map_pass", "plan_pass",
+__all__ = ["trace_pass", "annotate_pass", "partition_pass", "reuse_partition_pass", "cross_map_pass", "plan_pass",
            "insert_transfers_pass", "emit_pass"]
 
 log = logging.getLogger("mobius_fx")
@@ -49,6 +49,32 @@ def partition_pass(gm, ctx: CompileContext):
     ctx.partition = solve(problem, solver=s.solver, time_limit=s.time_limit,
                           cache_dir=s.cache_dir, progress=lambda msg: log.info("partition: %s", msg))
     return None
+
+
+def reuse_partition_pass(layers: tuple[str, ...], boundaries: tuple[int, ...]):
+    """A partition pass for a variant of a compiled pipeline (another call signature or shape):
+    it keeps `boundaries`, the cuts of the plan it varies, when its layers have the same names
+    and those cuts fit the GPUs with this example's costs; otherwise it partitions again."""
+
+    def reuse(gm, ctx: CompileContext):
+        from .passes.partition import PartitionResult, evaluate
+        from .plans import SolverInfo
+
+        names = tuple(layer.name for layer in ctx.layers)
+        if boundaries and names == tuple(layers):
+            ev = evaluate(_problem(ctx), boundaries)
+            if ev is not None:
+                log.info("partition: the compiled plan's cuts %s fit this call; kept", tuple(boundaries))
+                ctx.partition = PartitionResult(ev.boundaries, ev.makespan, ev.prefetch_fwd, ev.prefetch_bwd,
+                                                SolverInfo("reused", "cuts kept", ev.makespan, 0.0))
+                return None
+            why = "do not fit the GPUs with this call's costs"
+        else:
+            why = f"are for other layers ({len(layers)} layers; this trace has {len(names)})"
+        log.warning("mobius_fx: the compiled plan's cuts %s %s; partitioning again", tuple(boundaries), why)
+        return partition_pass(gm, ctx)
+
+    return reuse
 
 
 def cross_map_pass(gm, ctx: CompileContext):

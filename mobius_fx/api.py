@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .compiler import CompileContext, PassPipeline, default_pipeline
-from .errors import MobiusError
+from .errors import MobiusError, PlanError
 from .options import CompileOptions
 from .plans import Plan
 
@@ -57,7 +57,7 @@ def _verbosity(verbose: bool):
         log.propagate = old_propagate
 
 
-def _run(passes: PassPipeline, *, model, topology, example_inputs, example_kwargs,
+def _run(passes: PassPipeline, *, model, topology, example_inputs, example_kwargs, gm=None,
          **settings) -> CompileContext:
     """Validate the user's arguments (`CompileOptions`) and run `passes` on a CompileContext of them.
 
@@ -76,12 +76,69 @@ def _run(passes: PassPipeline, *, model, topology, example_inputs, example_kwarg
                           f"model's positional inputs, e.g. example_inputs=(x,)")
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise MobiusError(f"example_kwargs is a {type(example_kwargs).__name__}; pass a dict of keyword inputs")
+    from .signatures import bind_call
+
+    bind_call(model, tuple(example_inputs), dict(example_kwargs or {}))  # refuses an argument forward does not take
     ctx = CompileContext(model=model, topology=_topology(topology), example_inputs=tuple(example_inputs),
-                         example_kwargs=dict(example_kwargs or {}), settings=options)
+                         example_kwargs=dict(example_kwargs or {}), settings=options, gm=gm)
     _check_batch(ctx)
     with _verbosity(options.verbose):
         passes.run(ctx)
     return ctx
+
+
+class _Recompiler:
+    """Compiles the variants of a compiled pipeline (mobius_fx/signatures.py): for a call with
+    other arguments or shapes (`variant`: traced and planned again), or one larger than its
+    variant was planned for (`replan`: the same graph, costed again). Either keeps the cuts of
+    the plan it varies when they fit (`_stages.reuse_partition_pass`), on the same devices, with
+    the passes and settings the pipeline was compiled with."""
+
+    def __init__(self, passes: PassPipeline, ctx: CompileContext) -> None:
+        self.passes = passes
+        self.model, self.topology, self.options = ctx.model, ctx.topology, ctx.settings
+
+    def _passes(self, like, *, graph: bool = False) -> PassPipeline:
+        from . import _stages
+        from .compiler import FunctionPass
+
+        passes = list(self.passes.passes)
+        if graph:
+            passes = [p for p in passes if p.name != "trace"]
+        out = PassPipeline(passes, given=(*self.passes.given, "graph") if graph else self.passes.given)
+        part = next((p for p in passes if p.name == "partition"), None)
+        if getattr(part, "fn", None) is _stages.partition_pass:  # the user's own partitioner stays as it is
+            reuse = _stages.reuse_partition_pass(like.layers, like.boundaries)
+            out.replace("partition", FunctionPass("partition", reuse, reads=part.reads, writes=part.writes))
+        return out
+
+    def _compile(self, passes: PassPipeline, pipe, call, gm=None) -> CompileContext:
+        settings = {name: getattr(self.options, name) for name in CompileOptions.names()}
+        settings.update(device=pipe.devices, verbose=False)
+        return _run(passes, model=self.model, topology=self.topology, example_inputs=call.args,
+                    example_kwargs=call.kwargs, gm=gm, **settings)
+
+    @staticmethod
+    def _add(pipe, ctx: CompileContext, call):
+        return pipe._add_variant(call.args, call.kwargs, layers=tuple(layer.name for layer in ctx.layers),
+                                 boundaries=tuple(ctx.partition.boundaries), state=ctx.pipeline)
+
+    def variant(self, pipe, call):
+        ctx = self._compile(self._passes(pipe.variants[0]), pipe, call)
+        return self._add(pipe, ctx, call)
+
+    def replan(self, pipe, like, call, *, allow_new: bool = True):
+        passes = self._passes(like, graph=True)
+        ctx = self._compile(passes.until("partition"), pipe, call, gm=like.gm)
+        if tuple(ctx.partition.boundaries) == tuple(like.boundaries):  # the cuts fit: kept
+            like.sizes = {n: max(like.sizes.get(n, 0), k) for n, k in {**like.sizes, **call.sizes}.items()}
+            return like
+        if not allow_new:
+            raise PlanError(f"the plan's cuts do not fit this call and max_variants={pipe.max_variants} allows no "
+                            f"re-planned variant; compile for the largest call, or with a larger max_variants")
+        rest = PassPipeline(passes.passes[passes.names.index("partition") + 1:], given=tuple(ctx.facts))
+        rest.run(ctx)
+        return self._add(pipe, ctx, call)
 
 
 def _check_batch(ctx: CompileContext) -> None:
@@ -142,7 +199,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             microbatches: int = _D.microbatches, dtype: torch.dtype | None = _D.dtype, costs: str = _D.costs,
             memory_fraction: float = _D.memory_fraction, solver: str = _D.solver, time_limit: float = _D.time_limit,
             cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, device: str = _D.device,
-            verbose: bool = _D.verbose, pipeline: PassPipeline | None = None):
+            verbose: bool = _D.verbose, max_variants: int = _D.max_variants, pipeline: PassPipeline | None = None):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -152,6 +209,13 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     The master weights stay in `model` on the CPU; gradients land in `param.grad`.
     `device`: "auto" (CUDA when the topology is real and CUDA is present, else virtual GPUs on
     the CPU), "virtual" or "cuda". A model or inputs on the meta device are refused: `plan` them.
+    Call the pipeline as you call the model: every argument a call passes is honoured. A call
+    with keyword arguments the example did not have (`attention_mask=`, `labels=`), or without
+    some it had, or with shapes its graph does not hold for (export keeps sequence lengths and
+    the batch symbolic where the model allows), gets a variant traced and planned for it, cached,
+    reusing the plan's cuts when they fit (a warning says so); `max_variants=1` refuses such calls
+    instead (`MobiusError` naming the argument or dimension). An argument the model's forward
+    does not take is refused.
     A Pipeline cannot be copied or pickled; copy or save the model and compile again.
     """
     if isinstance(model, torch.nn.Module) and not isinstance(example_inputs, (str, bytes)):
@@ -161,7 +225,16 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             raise MobiusError(f"compile needs real weights and inputs, but {where} is on the meta device (the pipeline "
                               f"copies the weights to the GPUs and runs them); use mobius_fx.plan(...) to plan a meta "
                               f"model, or build it on the CPU to compile it")
-    return _run(pipeline or default_pipeline(), model=model, topology=topology, example_inputs=example_inputs,
-                example_kwargs=example_kwargs, microbatches=microbatches, verbose=verbose, costs=costs, dtype=dtype,
-                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
-                cache_dir=cache_dir, device=device).pipeline
+    passes = pipeline or default_pipeline()
+    ctx = _run(passes, model=model, topology=topology, example_inputs=example_inputs, example_kwargs=example_kwargs,
+               microbatches=microbatches, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction,
+               solver=solver, time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, device=device,
+               max_variants=max_variants)
+    pipe = ctx.pipeline
+    variants = getattr(pipe, "_variants", None)
+    if variants:  # other call signatures and shapes get variants of it (signatures.py)
+        variants[0].layers = tuple(layer.name for layer in ctx.layers)
+        variants[0].boundaries = tuple(ctx.partition.boundaries) if ctx.partition is not None else ()
+        object.__setattr__(pipe, "_recompiler", _Recompiler(passes, ctx))
+        object.__setattr__(pipe, "max_variants", ctx.settings.max_variants)
+    return pipe

@@ -21,7 +21,7 @@ from .errors import MobiusError
 __all__ = ["prefetch", "wait", "run_stage", "send", "evict", "hold_for_backward", "split_microbatches",
            "merge_microbatches", "OPS", "running"]
 
-# The runtime (mobius_fx.runtime._Runtime) the ops of the Pipeline call now running act on.
+# The runtime (mobius_fx.runtime.Runtime) the ops of the Pipeline call now running act on.
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("mobius_fx_runtime", default=None)
 
 

@@ -87,6 +87,9 @@ class CompileOptions:
     "contention" | "paper" | "identity". `cache_dir`: where solved partitions are kept.
     `device`: "auto" | "virtual" | "cuda" or `{gpu name: Device}` (compile only). `device_spec`:
     the cost model's device (default: the topology's first GPU). `verbose`: progress on stderr.
+    `max_variants` (compile only): how many call signatures a pipeline compiles a variant for
+    (other keyword arguments, or shapes its graph does not hold for: mobius_fx/signatures.py);
+    1 keeps the compiled signature fixed and refuses any other call with a MobiusError.
     """
 
     microbatches: int = 1
@@ -100,6 +103,7 @@ class CompileOptions:
     device: Any = "auto"
     device_spec: Any = None
     verbose: bool = True
+    max_variants: int = 8
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -118,6 +122,8 @@ class CompileOptions:
             _choice("device", self.device, _DEVICES)
         if not isinstance(self.verbose, bool):
             raise MobiusError(f"verbose={self.verbose!r}; it must be True or False")
+        _positive_int("max_variants", self.max_variants,
+                      "compiled variants per pipeline, one per call signature; 1 = a fixed signature")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

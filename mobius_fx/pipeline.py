@@ -17,7 +17,9 @@ from torch import nn
 
 from .devices import Device, make_devices
 from .errors import MobiusError
-from .runtime import Pipeline, _Runtime, batch_rows
+from .pipeline_module import Pipeline
+from .runtime import Runtime, batch_rows
+from .signatures import VariantPipeline
 
 __all__ = ["build_pipeline"]
 
@@ -75,7 +77,10 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     `torch.amp.GradScaler("cpu")`).
     `device`: "virtual" (GPUs played by the CPU), "cuda", "auto" (virtual for a virtual
     topology or without CUDA, else CUDA) or a `{gpu name: Device}` of your own; `gpu_indices`
-    maps GPU names to CUDA indices. The model is left as it was.
+    maps GPU names to CUDA indices. The model is left as it was. Given example inputs, the
+    pipeline (a `signatures.VariantPipeline`) serves calls like them: a call with other keyword
+    arguments, or shapes the traced graph does not hold for, is refused with a MobiusError
+    naming the argument or dimension (`mobius_fx.compile` traces a variant for it instead).
 
     gm = torch.fx.symbolic_trace(model)
     pipe = build_pipeline(model, gm, stage_nodes=[["fc1", "relu"], ["fc2"]], stage_gpus=["gpu0", "gpu1"],
@@ -116,7 +121,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
         names = [g for g in names if g in device or g in schedule.gpus]
     devices = make_devices({g: budgets.get(g) for g in names}, device=device, indices=gpu_indices)
     masters = [_masters(model, gm, spec) for spec in schedule.stages]
-    runtime = _Runtime(schedule, devices, masters, _torch_dtype(dtype))
+    runtime = Runtime(schedule, devices, masters, _torch_dtype(dtype))
     if example_inputs or example_kwargs:
         from .tracing import flatten_inputs
 
@@ -132,4 +137,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
                         ", ".join(norms[:3]) + (" ..." if len(norms) > 3 else ""), "" if len(norms) > 1 else "s",
                         schedule.microbatches)
     code = program.code.strip("\n") + "\n\n" + backward_summary(schedule) + "\n"
-    return Pipeline(model, gm, schedule, program, runtime, plan, code)
+    pipe = VariantPipeline(model, gm, schedule, program, runtime, plan, code)
+    if example_inputs or example_kwargs:  # the call it serves (signatures.py); mobius_fx.compile adds variants
+        pipe._add_variant(tuple(example_inputs), dict(example_kwargs or {}))
+    return pipe

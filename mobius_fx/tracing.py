@@ -32,7 +32,7 @@ from torch import nn
 
 from .errors import TraceError
 
-__all__ = ["trace", "TraceInfo", "module_path", "module_stack", "flatten_inputs", "trace_info"]
+__all__ = ["trace", "TraceInfo", "module_path", "module_stack", "flatten_inputs", "trace_info", "input_guards"]
 
 _log = logging.getLogger("mobius_fx")
 
@@ -59,6 +59,9 @@ class TraceInfo:
     fx_error: str = ""  # why symbolic_trace was not used (first line), "" when it was
     dynamic_batch: bool = False  # export only: dim 0 of the tensor inputs is symbolic
     seconds: float = 0.0
+    # `training` of each of the model's modules (model.modules() order) when traced: an export
+    # graph computes in these modes whatever train()/eval() says later
+    modes: tuple[bool, ...] = ()
 
     def model_name(self, gm_name: str) -> str:
         """The user model's name for a GraphModule parameter/buffer name."""
@@ -81,12 +84,19 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
       runs the graph on the model's masters.
     - The model is left as it was: parameter and buffer values, `training` flags, and the
       CPU/CUDA RNG state are restored.
+    - Autograd and state semantics are kept or refused (TraceError): symbolic_trace records each
+      custom `torch.autograd.Function.apply` as one call, so its backward is kept; an export
+      graph that traced through one is refused (export drops the backward). An in-place buffer
+      update symbolic_trace cannot record (`self.count.add_(1)`) sends "auto" to export, which
+      records it; a forward that changes a parameter in place is refused.
     - Every node produced inside a submodule carries `node.meta["nn_module_stack"]`;
       `module_path(node)` gives that module's qualified name. `get_attr` nodes sit immediately
       before their first user (export hoists them all to the top; we move them back).
-    - On the export path, dim 0 of each tensor input is traced symbolic (`Dim.AUTO`) when
-      `dynamic_batch`, so stages also run on micro-batches; export falls back to static shapes
-      where the model pins the batch size. Such a GraphModule cannot switch train/eval mode:
+    - On the export path, every dim of each tensor input is traced `Dim.AUTO` when
+      `dynamic_batch` (stages run on micro-batches; sequence lengths may vary between calls);
+      export keeps a dim static where the model pins it, and falls back to a symbolic dim 0
+      only, then to static shapes. Its guards are kept off the graph (`input_guards(gm)`), for
+      the pipeline to check each call. Such a GraphModule cannot switch train/eval mode:
       the mode is baked in at trace time (trace a model in the mode you will run it in).
 
     `front_end`: "auto" (symbolic_trace, then export), "fx" or "export" (that one only).
@@ -101,8 +111,9 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
     args = tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
     t0 = time.perf_counter()
+    modes = tuple(m.training for m in model.modules())
     with _preserve_model(model):
-        gm, fx_error, dynamic = None, "not tried (front_end='export')", False
+        gm, fx_error, dynamic, applied = None, "not tried (front_end='export')", False, []
         if front_end in ("auto", "fx"):
             gm, fx_error = _try_fx(model, args, kwargs)
         used = "fx"
@@ -112,7 +123,8 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
         if gm is None:
             if front_end == "auto":
                 _report(progress, f"symbolic_trace failed ({fx_error}); trying torch.export (strict=False)")
-            gm, export_error, dynamic = _try_export(model, args, kwargs, dynamic_batch)
+            with _autograd_functions(as_calls=False) as applied:
+                gm, export_error, dynamic = _try_export(model, args, kwargs, dynamic_batch)
             used = "export"
             if gm is None:
                 raise TraceError(
@@ -122,11 +134,12 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
                     f"  torch.export.export(strict=False): {export_error}\n"
                     f"To make it traceable, {_REMEDY}."
                 )
+        _check_semantics(model, gm, args, kwargs, applied, fx_error)
     _place_get_attrs(gm)
     names, constants = _name_map(gm, model)
     gm.meta["mobius_trace"] = TraceInfo(front_end=used, names=names, constants=constants,
                                         fx_error=fx_error, dynamic_batch=dynamic,
-                                        seconds=time.perf_counter() - t0)
+                                        seconds=time.perf_counter() - t0, modes=modes)
     _report(progress, f"traced {type(model).__name__} with {used}: {len(gm.graph.nodes)} nodes "
                       f"in {time.perf_counter() - t0:.2f} s")
     return gm
@@ -229,10 +242,17 @@ def flatten_inputs(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, 
 def _try_fx(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule | None, str]:
     try:
         concrete = _concrete_args(model, args, kwargs)
-        gm = fx.symbolic_trace(model, concrete_args=concrete or None)
+        versions = {k: t._version for k, t in _state(model).items()}
+        with _autograd_functions(as_calls=True):  # each Function one node: its backward is kept
+            gm = fx.symbolic_trace(model, concrete_args=concrete or None)
         _restore_concrete_defaults(gm, concrete)
     except Exception as e:  # any failure of the tracer means "try the other front end"
         return None, _first_line(e)
+    changed = [k for k, t in _state(model).items() if k in versions and t._version != versions[k]]
+    if changed:  # e.g. `self.count.add_(1)`: a buffer is a real tensor, not a traced value, to symbolic_trace
+        return None, (f"forward changes {_describe(model, changed[0])} in place on the real tensor, which "
+                      f"symbolic_trace does not record (the update ran once, at trace time, and the graph would "
+                      f"never repeat it); torch.export records such updates")
     error = _check_runs(gm, args, kwargs)
     if error:
         return None, f"the traced graph does not run on the example inputs: {error}"
@@ -275,55 +295,197 @@ def _restore_concrete_defaults(gm: fx.GraphModule, concrete: dict[str, Any]) -> 
 
 
 def _check_runs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> str:
-    """Run `gm` on meta copies of everything (cheap, no side effects); if that fails and the
-    inputs are real, run it once on the real inputs (no_grad, buffers cloned). "" = it runs."""
-    meta_state = {k: _meta_like(v) for k, v in _state(gm).items()}
-    meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, _meta_like, (args, kwargs))
+    """"" when `gm` runs on the example inputs, else why not (see `_run_on_copies`)."""
+    return _run_on_copies(gm, args, kwargs)[0]
+
+
+def _run_on_copies(gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[str, list[str] | None]:
+    """Run `gm` once under no_grad on meta copies of everything (cheap, no side effects); if
+    that fails and everything is real, on clones of the real inputs, parameters and buffers.
+    Returns ("" or why it runs on neither, the names of gm's parameters and buffers the run
+    changed in place, None when it did not run). The model and the inputs are never touched."""
+    state = _state(gm)
+    copies = {k: _meta_like(v) for k, v in state.items()}
+    inputs = pytree.tree_map_only(torch.Tensor, _meta_like, (args, kwargs))
+    error = ""
+    for real in (False, True):
+        if real:
+            leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if any(t.is_meta for t in leaves) or any(t.is_meta for t in state.values()):
+                return error, None
+            copies = {k: v.detach().clone() for k, v in state.items()}
+            inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
+        versions = {k: t._version for k, t in copies.items()}
+        try:
+            with torch.no_grad():
+                torch.func.functional_call(gm, copies, inputs[0], inputs[1], strict=False, tie_weights=False)
+        except Exception as e:
+            error = _first_line(e)
+            continue
+        return "", [k for k, t in copies.items() if t._version != versions[k]]
+    return error, None
+
+
+# ----------------------------------------------------------------------------- autograd and state
+
+_APPLY_CALLS: dict[type, Callable[..., Any]] = {}
+
+
+def _function_call(fn_cls: type) -> Callable[..., Any]:
+    """The graph's target for `fn_cls.apply`: one plain function per Function class (fx would
+    print torch's bound classmethod as a torch name the generated code cannot find)."""
+    call = _APPLY_CALLS.get(fn_cls)
+    if call is None:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return fn_cls.apply(*args, **kwargs)
+
+        call.__name__ = call.__qualname__ = f"{fn_cls.__name__}_apply"
+        call.autograd_function = fn_cls  # type: ignore[attr-defined]
+        _APPLY_CALLS[fn_cls] = call
+    return call
+
+
+@contextlib.contextmanager
+def _autograd_functions(*, as_calls: bool):
+    """Patch `torch.autograd.Function.apply` meanwhile: yields the list of Function classes the
+    forward applies; with `as_calls` (symbolic_trace), an apply on traced values is recorded as
+    one node calling `Fn.apply`, so the graph keeps the Function's own backward (traced through,
+    its forward's ops would be differentiated instead: a gradient-reversal layer would give +g)."""
+    applied: list[type] = []
+    original = inspect.getattr_static(torch.autograd.Function, "apply")
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if cls not in applied:
+            applied.append(cls)
+        if as_calls:
+            proxy = next((a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, fx.Proxy)), None)
+            if proxy is not None:
+                return proxy.tracer.create_proxy("call_function", _function_call(cls), args, kwargs)
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment]
     try:
-        with torch.no_grad():
-            torch.func.functional_call(gm, meta_state, meta_args, meta_kwargs, strict=False, tie_weights=False)
-        return ""
-    except Exception as e:
-        meta_error = _first_line(e)
-    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if any(t.is_meta for t in leaves) or any(t.is_meta for t in _state(gm).values()):
-        return meta_error
-    state = {k: (v.detach().clone() if not isinstance(v, nn.Parameter) else v) for k, v in _state(gm).items()}
+        yield applied
+    finally:
+        torch.autograd.Function.apply = original  # type: ignore[assignment]
+
+
+def _describe(model: nn.Module, name: str) -> str:
+    """"buffer `c.count` (in module `c`, Count)" for a parameter or buffer name of `model`."""
+    path, _, attr = name.rpartition(".")
     try:
-        with torch.no_grad():
-            torch.func.functional_call(gm, state, args, kwargs, strict=False, tie_weights=False)
-        return ""
-    except Exception as e:
-        return _first_line(e)
+        owner = model.get_submodule(path)
+    except AttributeError:
+        return f"`{name}`"
+    kind = "parameter" if attr in owner._parameters else "buffer"
+    return f"{kind} `{name}` (in module `{path or '<root>'}`, {type(owner).__name__})"
+
+
+def _check_semantics(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict, applied: list[type],
+                     fx_error: str) -> None:
+    """Refuse what the pipeline would run differently from eager: a custom autograd.Function
+    an export graph traced through (`applied`), and a parameter changed in place in forward."""
+    # torch's own Functions (reentrant checkpointing) differentiate like the ops they run
+    own = [c for c in applied if not c.__module__.startswith("torch.")]
+    if own:
+        names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in own)
+        raise TraceError(f"{type(model).__name__}'s forward applies the custom torch.autograd.Function {names}; "
+                         f"torch.export traces through its forward and drops its backward, so gradients would differ "
+                         f"from eager (a gradient reversal would give +g). torch.fx.symbolic_trace keeps each Function "
+                         f"as one call with its backward: make the model traceable by symbolic_trace (it failed: "
+                         f"{fx_error}), or write the Function's gradient with differentiable ops")
+    written = _run_on_copies(gm, args, kwargs)[1] or []
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    info = _name_map(gm, model)[0]
+    changed = [info.get(n, n) for n in written if n in params]
+    if changed:
+        raise TraceError(f"{type(model).__name__}'s forward changes {_describe(model, changed[0])} in place; the "
+                         f"pipeline runs forward on copies of the weights (the change would not reach the model) and "
+                         f"runs it again in backward's recompute. Change parameters outside forward (e.g. after "
+                         f"optimizer.step(), under torch.no_grad()), or keep such state in a buffer "
+                         f"(register_buffer): in-place buffer updates are copied back once per call")
 
 
 # ----------------------------------------------------------------------------- export front end
 
 def _try_export(model: nn.Module, args: tuple, kwargs: dict,
                 dynamic_batch: bool) -> tuple[fx.GraphModule | None, str, bool]:
+    """Export with every dim of every tensor input `Dim.AUTO` (sequence lengths vary between
+    calls), else dim 0 only, else static shapes; `dynamic_batch=False`: static only.
+
+    The exported guards (static dims, ranges, equalities between dims, the model's own shape
+    conditions) are kept off the graph, as `input_guards(gm)`: the pipeline checks each call
+    with them once, on the whole batch (in the graph they would run per stage and micro-batch).
+    """
     error = ""
-    attempts = [True, False] if dynamic_batch else [False]
-    for dynamic in attempts:
+    args, kwargs = _unaliased(args, kwargs)
+    attempts = ["all", "batch", None] if dynamic_batch else [None]
+    for dims in attempts:
         try:
-            shapes = _batch_dynamic_shapes(model, args, kwargs) if dynamic else None
-            if dynamic and shapes is None:
+            shapes = _dynamic_shapes(model, args, kwargs, dims) if dims else None
+            if dims and shapes is None:
                 continue
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
-            gm = ep.module(check_guards=False)
-            return gm, "", dynamic and _has_symbolic_batch(gm)
+            gm = ep.module(check_guards=True)
+            _detach_guards(gm)
+            return gm, "", dims is not None and _has_symbolic_batch(gm)
         except Exception as e:
             error = _first_line(e)
-            if not dynamic or "DataDependent" in type(e).__name__:
+            if not dims or "DataDependent" in type(e).__name__:
                 break  # static shapes would not help a data-dependent branch
     return None, error, False
 
 
-def _batch_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """Dim.AUTO on dim 0 of every tensor input (export keeps it static where it must)."""
+def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs, each tensor that shares storage with an earlier one cloned.
+
+    torch.export traces aliased inputs as one: for `model(ids, labels=ids)` its graph embeds
+    `labels` where the model embeds `input_ids`, which is wrong for any call that passes two
+    different tensors. Traced apart, the graph is right for both (and for aliased calls too).
+    """
+    seen: set = set()
+
+    def apart(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        key = id(x) if x.is_meta or x.untyped_storage().data_ptr() == 0 else x.untyped_storage().data_ptr()
+        if key in seen:
+            return x.detach().clone().requires_grad_(x.requires_grad)
+        seen.add(key)
+        return x
+
+    return pytree.tree_map(apart, (tuple(args), dict(kwargs)))
+
+
+def _detach_guards(gm: fx.GraphModule) -> None:
+    """Take export's `_guards_fn` call off the graph; keep it as gm.meta["mobius_guards"]."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]
+    guards = getattr(gm, "_guards_fn", None)
+    for node in calls:
+        gm.graph.erase_node(node)
+    if guards is not None:
+        delattr(gm, "_guards_fn")  # so a direct gm(...) call checks the ranges itself, as before
+        gm.meta["mobius_guards"] = guards
+    if calls:
+        gm.recompile()
+
+
+def input_guards(gm: fx.GraphModule) -> Callable[..., None] | None:
+    """The export guards of `gm` as a function of its flat inputs (placeholder order) that
+    raises AssertionError("Guard failed: input_ids.size()[1] <= 64") on a call the graph does
+    not hold for; None for a symbolic trace (its graph holds for any shape)."""
+    return getattr(gm, "meta", {}).get("mobius_guards")
+
+
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict, dims: str) -> Any:
+    """Dim.AUTO on every dim ("all") or dim 0 ("batch") of every tensor input (export keeps a
+    dim static where the model needs it so)."""
     from torch.export import Dim
 
     def spec(x: Any) -> Any:
-        return {0: Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return None
+        return {i: Dim.AUTO for i in range(x.dim() if dims == "all" else 1)}
 
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
     if not leaves:

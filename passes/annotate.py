@@ -11,12 +11,14 @@ Two sources behind one interface:
   bytes_moved = inputs + outputs for the forward and twice that for the backward (read the
   output gradient and saved inputs, write input and weight gradients); view-like nodes move
   nothing. Per-kernel launch latency is ignored.
-- *measured* — the graph runs node by node on the real tensors and device it was given;
-  each distinct (op, input shapes) is timed once (warm-up, then the median of `repeats`) and
-  the time reused for identical nodes (repeated blocks), which keeps blocks identical and the
-  pass fast. Forward timing runs under `no_grad`; backward is `torch.autograd.grad` on the node
-  (so no `.grad` appears on the model), buffers are cloned (BatchNorm statistics stay as they
-  were), and the caller's RNG state is restored.
+- *measured* — the graph runs node by node on clones of the inputs, parameters and buffers,
+  on the device they are on (the model is never run on: compile does not change it, even
+  when forward changes a weight in place); each distinct (op, input shapes) is timed once
+  (warm-up, then the median of `repeats`) and the time reused for identical nodes (repeated
+  blocks), which keeps blocks identical and the pass fast. Forward timing runs under
+  `no_grad`, an in-place op on fresh copies of its arguments each run (so it changes the
+  values the graph goes on with once, as eager does); backward is `torch.autograd.grad` on the
+  node (no `.grad` appears anywhere), and the caller's RNG state is restored.
 
 `bwd_time` always includes the recompute of the forward (Mobius recomputes each stage from its
 boundary input): bwd_time = fwd_time + backward.
@@ -164,16 +166,19 @@ class _Run:
 
     # -- values
     def _value(self, t: torch.Tensor, *, is_buffer: bool) -> torch.Tensor:
-        """What the graph sees for a model tensor: a meta copy (modelled); the tensor itself
-        (parameters, measured) or a private clone (buffers, measured)."""
+        """What the graph sees for a model tensor: a meta copy (modelled) or a private clone
+        (measured; parameters keep their requires_grad), one per tensor (tied weights stay
+        tied). The model's own tensors are never run on: an in-place op in forward would change
+        them once per timing run."""
         key = id(t)
         if key not in self._copies:
             if not self.measure:
                 self._copies[key] = _meta_like(t)
-            elif is_buffer or not isinstance(t, nn.Parameter):
-                self._copies[key] = t.detach().clone()
             else:
-                self._copies[key] = t
+                copy = t.detach().clone()
+                if not is_buffer and isinstance(t, nn.Parameter):
+                    copy.requires_grad_(t.requires_grad)
+                self._copies[key] = copy
         return self._copies[key]
 
     def _attr(self, target: str) -> Any:
@@ -299,21 +304,18 @@ class _Run:
         module = self.gm.get_submodule(str(node.target))
         state: dict[str, torch.Tensor] = {}
         for local, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
-            is_buffer = id(t) not in self.param_ids
-            if self.measure and not is_buffer:
-                continue  # parameters are used as they are
-            state[local] = self._value(t, is_buffer=is_buffer)
+            state[local] = self._value(t, is_buffer=id(t) not in self.param_ids)
+        # measured: a shallow copy of the module holding the copies, called as it is (no
+        # functional_call overhead in the timing)
+        holder = _holding(module, state) if self.measure else None
 
         def call(*a: Any, **k: Any) -> Any:
-            if not state:  # measured, no buffers: call the module as it is
-                return module(*a, **k)
+            if holder is not None:
+                return holder(*a, **k)
             return torch.func.functional_call(module, state, a, k, strict=False, tie_weights=False)
 
         call.module = module  # type: ignore[attr-defined]
-        full_state = dict(state)  # what the module computes with (key, inputs of the backward)
-        if self.measure:
-            full_state.update(module.named_parameters(remove_duplicate=False))
-        return call, full_state
+        return call, dict(state)  # what the module computes with (key, inputs of the backward)
 
     def _params_read(self, node: fx.Node) -> dict[str, tuple[int, bool]]:
         """Canonical names of the parameters this node reads directly, with bytes and grad flag."""
@@ -338,9 +340,12 @@ class _Run:
         grad_ins = [t for t in in_tensors if t.requires_grad]
         bwd_flops = 0.0
         grad_flags: tuple[bool, ...] | None
+        versions = [t._version for t in in_tensors]
+        ran = False
         try:
             with counter:
                 out = fn(*args, **kwargs)
+            ran = True
             fwd_flops = float(counter.get_total_flops())
             outs = [t for t in _unique_tensors(out) if t.requires_grad and t.grad_fn is not None]
             grad_flags = tuple(t.requires_grad for t in _tensor_leaves(out))
@@ -351,10 +356,12 @@ class _Run:
                 bwd_flops = float(counter.get_total_flops())
         except RuntimeError:
             # e.g. an in-place op on a leaf that requires grad: count the forward alone and use
-            # the 2x rule for the backward.
-            with torch.no_grad(), counter:
-                out = fn(*args, **kwargs)
-            fwd_flops = float(counter.get_total_flops())
+            # the 2x rule for the backward. The forward runs again only if it did not run: an
+            # in-place op must change its input once, as in eager.
+            if not ran:
+                with torch.no_grad(), counter:
+                    out = fn(*args, **kwargs)
+                fwd_flops = float(counter.get_total_flops())
             bwd_flops = 2.0 * fwd_flops
             outs, grads = [], []
             grad_flags = tuple((t.is_floating_point() and bool(grad_ins)) for t in _tensor_leaves(out))
@@ -362,11 +369,19 @@ class _Run:
         if self.measure:
             sync = _synchronizer(in_tensors)
 
-            def forward() -> None:
-                with torch.no_grad():
-                    fn(*args, **kwargs)
+            setup = None
+            if any(t._version != v for t, v in zip(in_tensors, versions)):
+                # an in-place op: each timing run gets fresh copies of the arguments, so the op is
+                # not applied again to the values the graph goes on with (T5's bucket indices)
+                def setup() -> tuple:
+                    with torch.no_grad():
+                        return pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
 
-            fwd_m = _median_time(forward, self.warmup, self.repeats, sync)
+            def forward(a: Any = args, k: Any = kwargs) -> None:
+                with torch.no_grad():
+                    fn(*a, **k)
+
+            fwd_m = _median_time(forward, self.warmup, self.repeats, sync, setup)
             if outs and grad_ins:
                 def backward() -> None:
                     torch.autograd.grad(outs, grad_ins, grads, allow_unused=True, retain_graph=True)
@@ -486,20 +501,46 @@ def _cuda_devices(flat: list[Any]) -> list[int]:
     return sorted({t.device.index or 0 for t in _tensor_leaves(flat) if t.is_cuda})
 
 
+def _holding(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A shallow copy of `module` and its submodules (same code, hooks and configuration) whose
+    parameters and buffers are `state`'s tensors, by local name; `module` is left as it is."""
+    memo: dict[int, nn.Module] = {}
+
+    def shell(m: nn.Module) -> nn.Module:
+        if id(m) not in memo:
+            new = object.__new__(type(m))
+            new.__dict__.update(m.__dict__)
+            memo[id(m)] = new
+            new.__dict__["_parameters"] = dict(m._parameters)
+            new.__dict__["_buffers"] = dict(m._buffers)
+            new.__dict__["_modules"] = {k: (shell(v) if v is not None else None) for k, v in m._modules.items()}
+        return memo[id(m)]
+
+    root = shell(module)
+    for name, t in state.items():
+        path, _, attr = name.rpartition(".")
+        owner = root.get_submodule(path) if path else root
+        (owner._parameters if attr in owner._parameters else owner._buffers)[attr] = t
+    return root
+
+
 def _synchronizer(tensors: list[torch.Tensor]) -> Callable[[], None]:
     if any(t.is_cuda for t in tensors):
         return torch.cuda.synchronize
     return lambda: None
 
 
-def _median_time(fn: Callable[[], None], warmup: int, repeats: int, sync: Callable[[], None]) -> float:
+def _median_time(fn: Callable[..., None], warmup: int, repeats: int, sync: Callable[[], None],
+                 setup: Callable[[], tuple] | None = None) -> float:
+    """Median time of `fn()` (of `fn(*setup())` with `setup`, made before the clock starts)."""
     for _ in range(warmup):
-        fn()
+        fn(*(setup() if setup is not None else ()))
     times = []
     for _ in range(repeats):
+        a = setup() if setup is not None else ()
         sync()
         t0 = time.perf_counter()
-        fn()
+        fn(*a)
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)

@@ -157,7 +157,9 @@ def insert_transfers(gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]]
         kwargs["tuple_return"] = True
     split = split_module(work, work, lambda n: stage_of[n.name], **kwargs)
 
-    parent = {n.name: n for n in split.graph.nodes}
+    # by target: an export graph's HOP body attribute (`submod_1` of a `torch.no_grad()` block)
+    # may take a partition's node name, but never its call_module target
+    parent = {str(n.target): n for n in split.graph.nodes if n.op == "call_module"}
     stages = tuple(_build_stage(k, stage_gpus[k], split, parent[f"submod_{k}"], work, qualname_map)
                    for k in range(len(stage_nodes)))
 

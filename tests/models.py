@@ -13,6 +13,7 @@ Every builder returns an `nn.Module` in training mode; wrap a call in
 | `mlp` | nn.Sequential MLP (plain fx path) |
 | `GPT` / `gpt` | nanoGPT-style GPT: tied wte/lm_head, a causal mask built with `torch.ones(t, t)` in forward (fx cannot trace it, export can), optional dropout |
 | `hf_gpt2`, `hf_llama` | HF `GPT2LMHeadModel` / `LlamaForCausalLM` from tiny configs, `use_cache=False` (export path) |
+| `hf_mistral`, `hf_qwen2`, `hf_opt`, `hf_bert`, `hf_t5` | the rest of the HF zoo, 1 layer each (`HF_ZOO`: by name) |
 | `ResidualMLP` | a stack of residual MLP blocks in an nn.ModuleList |
 | `SkipNet` | a skip connection that crosses several blocks |
 """
@@ -28,6 +29,7 @@ from torch import nn
 
 __all__ = [
     "mlp", "GPTConfig", "GPT", "gpt", "gpt_inputs", "hf_gpt2", "hf_llama", "hf_inputs",
+    "hf_mistral", "hf_qwen2", "hf_opt", "hf_bert", "hf_t5", "HF_ZOO",
     "ResidualMLP", "SkipNet", "BranchOnValue", "unique_param_bytes",
 ]
 
@@ -205,6 +207,70 @@ def hf_llama(*, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int
                       max_position_embeddings=positions, use_cache=False, attn_implementation="eager",
                       bos_token_id=None, eos_token_id=None)
     return LlamaForCausalLM(cfg)
+
+
+def _hf_decoder(config_cls: str, model_cls: str, *, layers: int, hidden: int, heads: int, kv_heads: int,
+                intermediate: int, vocab: int, positions: int):
+    import transformers
+
+    cfg = getattr(transformers, config_cls)(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        intermediate_size=intermediate, vocab_size=vocab, max_position_embeddings=positions, use_cache=False,
+        attn_implementation="eager", bos_token_id=None, eos_token_id=None)
+    return getattr(transformers, model_cls)(cfg)
+
+
+def hf_mistral(*, layers: int = 1, hidden: int = 32, heads: int = 4, kv_heads: int = 2, intermediate: int = 64,
+               vocab: int = 100, positions: int = 64):
+    """HF MistralForCausalLM from a tiny config (GQA, RoPE, sliding-window attention); use_cache=False."""
+    return _hf_decoder("MistralConfig", "MistralForCausalLM", layers=layers, hidden=hidden, heads=heads,
+                       kv_heads=kv_heads, intermediate=intermediate, vocab=vocab, positions=positions)
+
+
+def hf_qwen2(*, layers: int = 1, hidden: int = 32, heads: int = 4, kv_heads: int = 2, intermediate: int = 64,
+             vocab: int = 100, positions: int = 64):
+    """HF Qwen2ForCausalLM from a tiny config (GQA, RoPE, q/k/v biases); use_cache=False."""
+    return _hf_decoder("Qwen2Config", "Qwen2ForCausalLM", layers=layers, hidden=hidden, heads=heads,
+                       kv_heads=kv_heads, intermediate=intermediate, vocab=vocab, positions=positions)
+
+
+def hf_opt(*, layers: int = 1, hidden: int = 32, heads: int = 2, ffn: int = 64, vocab: int = 100, positions: int = 64):
+    """HF OPTForCausalLM from a tiny config (learned positions offset by the attention mask); no dropout."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_dim=ffn,
+                    word_embed_proj_dim=hidden, vocab_size=vocab, max_position_embeddings=positions, dropout=0.0,
+                    attention_dropout=0.0, use_cache=False, attn_implementation="eager")
+    return OPTForCausalLM(cfg)
+
+
+def hf_bert(*, layers: int = 1, hidden: int = 32, heads: int = 2, intermediate: int = 64, vocab: int = 100,
+            positions: int = 64):
+    """HF BertForMaskedLM from a tiny config (bidirectional; at most `positions` tokens); no dropout."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                     intermediate_size=intermediate, vocab_size=vocab, max_position_embeddings=positions,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    return BertForMaskedLM(cfg)
+
+
+def hf_t5(*, layers: int = 1, hidden: int = 32, heads: int = 4, ffn: int = 64, vocab: int = 100):
+    """HF T5ForConditionalGeneration (encoder-decoder, relative positions) from a tiny config; no dropout.
+    Called with input_ids and decoder_input_ids, or labels (the decoder input is shifted from them)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(num_layers=layers, d_model=hidden, d_kv=hidden // heads, num_heads=heads, d_ff=ffn,
+                   vocab_size=vocab, dropout_rate=0.0, use_cache=False, attn_implementation="eager",
+                   decoder_start_token_id=0, pad_token_id=0)
+    return T5ForConditionalGeneration(cfg)
+
+
+# The HF zoo of the call-signature and shape tests: name -> builder of a tiny model (1 layer).
+HF_ZOO = {
+    "gpt2": lambda: hf_gpt2(layers=1, positions=64), "llama": lambda: hf_llama(layers=1, positions=64),
+    "mistral": hf_mistral, "qwen2": hf_qwen2, "opt": hf_opt, "bert": hf_bert, "t5": hf_t5,
+}
 
 
 def hf_inputs(model: nn.Module, *, batch: int = 2, seq: int = 8, seed: int = 0,

@@ -1,0 +1,186 @@
+"""The `Pipeline`: the `nn.Module` a compiled model becomes. Calling it runs the schedule's
+program (mobius_fx.ops on a `runtime.Runtime`); `mobius_fx.pipeline.build_pipeline` builds it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .devices import Device, nbytes
+from .errors import MobiusError
+from .ops import running
+from .runtime import Runtime, batch_rows
+
+__all__ = ["Pipeline"]
+
+_NO_COPY = ("a Pipeline cannot be {op}: it holds GPU weight slots (storage freed between stages), streams and "
+            "worker threads that belong to this process; copy or save the model instead (copy.deepcopy(model), "
+            "torch.save(model.state_dict(), path) — the pipeline's weights are the model's) and compile the copy "
+            "again with mobius_fx.compile")
+
+
+class Pipeline(nn.Module):
+    """A model compiled into a Mobius pipeline; call it like the model.
+
+    Attributes: `plan` (the Plan it was built from, or None), `code` (the schedule as Python),
+    `program` (the schedule GraphModule), `schedule` (stages and their modules), `model` (the
+    user's model: `pipe.parameters()` are its master weights; `pipe.train()`/`eval()` reach it
+    and, at the next call, the stages' leaf modules; a graph from torch.export has the mode it
+    was traced in baked in, and a call in another mode warns). Outputs come back on the host,
+    in the dtype autocast gives them when a `dtype` was given (matmul outputs in that dtype,
+    fp32-list ops such as a loss in fp32). The pipeline cannot be moved or cast (`.to`, `.cuda`, `.half`): it copies the CPU
+    masters to the GPUs itself.
+
+    pipe = build_pipeline(model, gm, stage_nodes=..., stage_gpus=..., gpu_budgets=..., microbatches=2,
+                          example_inputs=(x,), device="virtual")
+    pipe(x).sum().backward()     # gradients in model.parameters()' .grad
+    pipe.memory_stats()["gpu0"]  # {'peak_bytes': ..., 'current_bytes': 0}
+    """
+
+    def __init__(self, model: nn.Module, gm: fx.GraphModule, schedule: Any, program: fx.GraphModule,
+                 runtime: Runtime, plan: Any, code: str) -> None:
+        super().__init__()
+        self.model = model
+        self.plan = plan
+        self.code = code
+        object.__setattr__(self, "program", program)
+        object.__setattr__(self, "schedule", schedule)
+        object.__setattr__(self, "_rt", runtime)
+        object.__setattr__(self, "_gm", gm)
+        object.__setattr__(self, "_warned_modes", None)
+        runtime.watch(model)
+        try:
+            self.__signature__ = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            pass
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from .tracing import flatten_inputs, trace_info
+
+        traced = trace_info(self._gm)
+        if traced.front_end == "export" and traced.modes:
+            self._check_modes(traced.modes)
+        flat = flatten_inputs(self._gm, args, kwargs)
+        rows = batch_rows(flat, self.schedule.microbatches)  # refuses an empty batch before anything runs
+        rt = self._rt
+        rt.begin_step()
+        rt.step.mb_rows = (rows or 0) // self.schedule.microbatches
+        try:
+            with running(rt):
+                out = self.program(*flat)
+            rt.end_forward()
+        except BaseException as e:
+            rt.abort()
+            rt.explain(e)
+            raise
+        if self.schedule.out_spec is not None:
+            out = pytree.tree_unflatten(list(out), self.schedule.out_spec)
+        return out
+
+    def _check_modes(self, traced: tuple[bool, ...]) -> None:
+        """Warn, once per change, when the model's train/eval modes are not those its export
+        graph was traced in: the graph goes on computing in the traced ones."""
+        now = tuple(m.training for m in self.model.modules())
+        if now == traced or now == self._warned_modes or len(now) != len(traced):
+            return
+        object.__setattr__(self, "_warned_modes", now)
+        name, was = next((n or "the model", t) for (n, m), t in zip(self.model.named_modules(), traced)
+                         if m.training != t)
+        mode, other = ("train", "eval") if was else ("eval", "train")
+        warnings.warn(f"{name} is in {other} mode, but this pipeline's graph came from torch.export, which fixed the "
+                      f"{mode} mode it was traced in: it still computes as in {mode} mode (dropout, batch statistics, "
+                      f"`self.training` branches). Compile the model again after model.{other}() to run it in "
+                      f"{other} mode (a pipeline per mode), or make it traceable by torch.fx, whose graphs follow "
+                      f"train()/eval()", stacklevel=3)
+
+    def __deepcopy__(self, memo: dict) -> "Pipeline":
+        raise MobiusError(_NO_COPY.format(op="copied (copy.deepcopy)"))
+
+    def __reduce_ex__(self, protocol: int):
+        raise MobiusError(_NO_COPY.format(op="pickled or saved (pickle, torch.save, copy.copy)"))
+
+    def schedule_ir(self, values: Mapping[str, torch.Tensor] | None = None, *, optimizer: bool = False):
+        """The step this pipeline runs, as the schedule IR (mobius_fx/schedule.py): weight and
+        gradient bytes from its GPU slots; activation bytes from `values`, one micro-batch's
+        tensor (real or meta) per value name of the traced graph (absent: 0 bytes). A value's
+        gradient flows back when it is floating and not a model input. `transfer_stats(
+        last_step=True, by_stage=True)` after a training step equals `ir.bytes_moved()`.
+        """
+        from .schedule import StageInput, StageIO, build_schedule
+
+        values = dict(values or {})
+
+        def size(name: str) -> int:
+            t = values.get(name)
+            if t is None:
+                return 0
+            cast = self._rt.dtype if self._rt.dtype is not None and t.is_floating_point() else t.dtype
+            return t.numel() * cast.itemsize
+
+        def floating(name: str) -> bool:
+            t = values.get(name)
+            return t is not None and t.is_floating_point()
+
+        specs = self.schedule.stages
+
+        def value(ref) -> str:  # the traced graph's name of a value crossing stages
+            return specs[ref.stage].outputs[ref.index] if ref.stage >= 0 else ref.name
+
+        ios = []
+        for spec, st in zip(specs, self._rt.stages):
+            grads = sum(nbytes(s) for j, s in enumerate(st.slots) if st.is_param[j] and st.masters[j].requires_grad)
+            ios.append(StageIO(
+                gpu=spec.gpu, weight_bytes=st.weight_bytes, grad_bytes=grads,
+                inputs=tuple(StageInput(ref.stage, size(value(ref)), needs_grad=ref.stage >= 0 and floating(value(ref)))
+                             for ref in spec.inputs),
+                host_outputs=tuple(size(spec.outputs[j]) for j in self.schedule.to_host[spec.index])))
+        return build_schedule(ios, self.schedule.microbatches, optimizer=optimizer)
+
+    def memory_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes each GPU of the topology holds now and held at peak, one entry per GPU, used by a
+        stage or not. The books see every byte: weight slots, gradient sums, and every tensor a
+        stage's work creates on the GPU (forward intermediates, recompute, activation and fresh
+        weight gradients, temporaries) while it lives, each storage counted once."""
+        return {name: dev.stats() for name, dev in self._rt.devices.items()}
+
+    def stage_peaks(self) -> list[int]:
+        """Per stage, the most its GPU held while the stage worked (forward calls, backward
+        calls), less what the GPU held for other stages meanwhile (their weights and gradient
+        sums): what the plan's `Stage.peak_bytes` predicts (0 for a stage that has not run)."""
+        return [st.device.stage_peaks.get(k, 0) for k, st in enumerate(self._rt.stages)]
+
+    def reset_peak_memory_stats(self) -> None:
+        for dev in self._rt.devices.values():
+            dev.reset_peak()
+
+    def executed_ops(self) -> list[tuple[str, str, int, str, int | None]]:
+        """What the last step executed, in order: (kind, gpu, stage, phase, micro-batch) for every
+        weight prefetch, wait, stage run (forward, or backward with its recompute; micro-batch
+        set) and eviction that acted. A step's order to check against its schedule IR: every run
+        after a wait for its stage, every wait after its prefetch, at most the IR's resident
+        stages per GPU (tests/unit/test_schedule_ir.py)."""
+        return list(self._rt.executed)
+
+    def transfer_stats(self, *, last_step: bool = False, by_stage: bool = False) -> dict[str, dict]:
+        """Per GPU: copies and bytes moved per "kind direction" ("weight h2d", "gradient d2h",
+        "activation d2d", "input d2h" — a stage input saved for backward —, ...), since the
+        pipeline was built or, with `last_step`, since the last forward began (that forward and
+        its backward); with `by_stage`, per "kind direction" and stage, as the schedule IR books
+        them (`schedule_ir().bytes_moved()`)."""
+        return {name: dev.log.as_dict(since_mark=last_step, by_stage=by_stage) for name, dev in self._rt.devices.items()}
+
+    @property
+    def devices(self) -> dict[str, Device]:
+        return dict(self._rt.devices)
+
+    def _apply(self, fn, recurse=True):  # .to / .cuda / .half / .float ...
+        raise MobiusError("a Pipeline keeps the master weights on the CPU and copies them to its GPUs itself; move or "
+                          "cast the model before compiling it, not the pipeline")
