@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,8 +44,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from mobius_fx.costs import DEVICE_SPECS, DeviceSpec, LayerCost, NodeCost
+from mobius_fx.costs import DeviceSpec, LayerCost, NodeCost
 from mobius_fx.errors import MobiusError
+from mobius_fx.passes.annotate_tools import (all_real, cuda_devices, holding, host_spec, main_dtype, median_time,
+                                             meta_like, node_key, roofline, synchronizer, tensor_leaves,
+                                             unique_tensors, value_bytes)
 from mobius_fx.passes.layers import TINY_LAYER_FRACTION, group_layers
 from mobius_fx.tracing import flatten_inputs, trace_info
 
@@ -88,8 +90,8 @@ def annotate(gm: fx.GraphModule, *, example_inputs: Sequence[Any] = (), example_
     t0 = time.perf_counter()
     names = trace_info(gm).names
     flat = flatten_inputs(gm, tuple(example_inputs), dict(example_kwargs or {}))
-    compute_dtype = dtype if dtype is not None else _main_dtype(gm)
-    real = _all_real(gm, flat)
+    compute_dtype = dtype if dtype is not None else main_dtype(gm)
+    real = all_real(gm, flat)
     if costs == "measure" and not real:
         raise MobiusError("costs='measure' needs real tensors, but the example inputs or the model's "
                           "parameters are on the meta device; use costs='model' (or 'auto')")
@@ -108,8 +110,8 @@ def annotate(gm: fx.GraphModule, *, example_inputs: Sequence[Any] = (), example_
             measure = True
     if costs == "auto" and real and not measure:
         assert run is not None
-        host = _host_spec(gm, flat, spec)
-        estimate = sum(_roofline(c.fwd_flops + c.bwd_flops, 3 * run.moved[n], host, compute_dtype)
+        host = host_spec(gm, flat, spec)
+        estimate = sum(roofline(c.fwd_flops + c.bwd_flops, 3 * run.moved[n], host, compute_dtype)
                        for n, c in run.costs.items()) * (warmup + repeats + 2)
         measure = estimate <= AUTO_MEASURE_BUDGET_S
         _report(progress, f"annotate auto: measuring would take ~{estimate:.1f} s -> "
@@ -173,7 +175,7 @@ class _Run:
         key = id(t)
         if key not in self._copies:
             if not self.measure:
-                self._copies[key] = _meta_like(t)
+                self._copies[key] = meta_like(t)
             else:
                 copy = t.detach().clone()
                 if not is_buffer and isinstance(t, nn.Parameter):
@@ -194,7 +196,7 @@ class _Run:
         if not isinstance(x, torch.Tensor):
             return x
         if not self.measure:
-            return _meta_like(x)
+            return meta_like(x)
         return x.detach().clone().requires_grad_(x.requires_grad)
 
     # -- main loop
@@ -212,7 +214,7 @@ class _Run:
         env: dict[fx.Node, Any] = {}
         inputs = iter(self.flat_inputs)
         misses = 0
-        with torch.random.fork_rng(devices=_cuda_devices(self.flat_inputs)):
+        with torch.random.fork_rng(devices=cuda_devices(self.flat_inputs)):
             for i, node in enumerate(nodes):
                 try:
                     cost = self._node(node, env, inputs)
@@ -237,7 +239,7 @@ class _Run:
         if node.op == "placeholder":
             value = self._input(next(inputs))
             env[node] = value
-            nbytes = _bytes(value)
+            nbytes = value_bytes(value)
             self.out_bytes[node] = self.act_bytes[node] = nbytes
             self.moved[node] = 0
             self.param_info[node] = {}
@@ -262,8 +264,8 @@ class _Run:
         params = self._params_read(node)
         self.param_info[node] = params
 
-        in_tensors = _unique_tensors((args, kwargs, list(module_state.values())))
-        key = _node_key(node, fn, args, kwargs, module_state)
+        in_tensors = unique_tensors((args, kwargs, list(module_state.values())))
+        key = node_key(node, fn, args, kwargs, module_state)
         cached = self.cache.get(key) if key is not None else None
         if cached is None:
             out, entry = self._first_run(fn, args, kwargs, in_tensors)
@@ -274,23 +276,23 @@ class _Run:
                 out = fn(*args, **kwargs)
             entry = cached
         fwd_flops, bwd_flops, fwd_m, bwd_m, grad_flags = entry
-        out_list = _unique_tensors(out)
+        out_list = unique_tensors(out)
         in_ids = {id(t) for t in in_tensors}
         # fresh outputs: not an input handed back (getitem, in-place) nor a view of one
         fresh = [t for t in out_list if id(t) not in in_ids and not t._is_view()]
         env[node] = self._store(out, grad_flags, in_tensors)
 
-        out_bytes = sum(_bytes(t) for t in out_list)
-        act = sum(_bytes(t) for t in fresh)
-        in_bytes = sum(_bytes(t) for t in in_tensors)
+        out_bytes = sum(value_bytes(t) for t in out_list)
+        act = sum(value_bytes(t) for t in fresh)
+        in_bytes = sum(value_bytes(t) for t in in_tensors)
         moved = in_bytes + act if fresh else 0
         self.out_bytes[node], self.act_bytes[node], self.moved[node] = out_bytes, act, moved
         if self.measure:
             fwd_time, bwd_time = fwd_m, fwd_m + bwd_m
         else:
-            fwd_time = _roofline(fwd_flops, moved, self.spec, self.dtype)
+            fwd_time = roofline(fwd_flops, moved, self.spec, self.dtype)
             needs_grad = grad_flags is not None and any(grad_flags)
-            bwd_time = fwd_time + (_roofline(bwd_flops, 2 * moved, self.spec, self.dtype) if needs_grad else 0.0)
+            bwd_time = fwd_time + (roofline(bwd_flops, 2 * moved, self.spec, self.dtype) if needs_grad else 0.0)
         return NodeCost(fwd_flops=float(fwd_flops), bwd_flops=float(bwd_flops), fwd_time=fwd_time,
                         bwd_time=bwd_time, param_bytes=0, output_bytes=out_bytes, peak_bytes=in_bytes + act,
                         measured=self.measure)
@@ -307,7 +309,7 @@ class _Run:
             state[local] = self._value(t, is_buffer=id(t) not in self.param_ids)
         # measured: a shallow copy of the module holding the copies, called as it is (no
         # functional_call overhead in the timing)
-        holder = _holding(module, state) if self.measure else None
+        holder = holding(module, state) if self.measure else None
 
         def call(*a: Any, **k: Any) -> Any:
             if holder is not None:
@@ -347,8 +349,8 @@ class _Run:
                 out = fn(*args, **kwargs)
             ran = True
             fwd_flops = float(counter.get_total_flops())
-            outs = [t for t in _unique_tensors(out) if t.requires_grad and t.grad_fn is not None]
-            grad_flags = tuple(t.requires_grad for t in _tensor_leaves(out))
+            outs = [t for t in unique_tensors(out) if t.requires_grad and t.grad_fn is not None]
+            grad_flags = tuple(t.requires_grad for t in tensor_leaves(out))
             if outs and grad_ins:
                 grads = [torch.ones_like(t) for t in outs]
                 with counter:
@@ -364,10 +366,10 @@ class _Run:
                 fwd_flops = float(counter.get_total_flops())
             bwd_flops = 2.0 * fwd_flops
             outs, grads = [], []
-            grad_flags = tuple((t.is_floating_point() and bool(grad_ins)) for t in _tensor_leaves(out))
+            grad_flags = tuple((t.is_floating_point() and bool(grad_ins)) for t in tensor_leaves(out))
         fwd_m = bwd_m = 0.0
         if self.measure:
-            sync = _synchronizer(in_tensors)
+            sync = synchronizer(in_tensors)
 
             setup = None
             if any(t._version != v for t, v in zip(in_tensors, versions)):
@@ -381,12 +383,12 @@ class _Run:
                 with torch.no_grad():
                     fn(*a, **k)
 
-            fwd_m = _median_time(forward, self.warmup, self.repeats, sync, setup)
+            fwd_m = median_time(forward, self.warmup, self.repeats, sync, setup)
             if outs and grad_ins:
                 def backward() -> None:
                     torch.autograd.grad(outs, grad_ins, grads, allow_unused=True, retain_graph=True)
 
-                bwd_m = _median_time(backward, self.warmup, self.repeats, sync)
+                bwd_m = median_time(backward, self.warmup, self.repeats, sync)
         return out, (fwd_flops, bwd_flops, fwd_m, bwd_m, grad_flags)
 
     def _store(self, out: Any, grad_flags: tuple[bool, ...] | None, in_tensors: list[torch.Tensor]) -> Any:
@@ -409,142 +411,6 @@ class _Run:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def _node_key(node: fx.Node, fn: Any, args: Any, kwargs: Any, state: dict[str, torch.Tensor]) -> Any:
-    """Hashable identity of what a node computes, or None if it cannot be keyed safely."""
-    try:
-        if node.op == "call_module":
-            module = fn.module
-            target: Any = (type(module), module.extra_repr(), module.training,
-                           tuple((k, _spec(v)) for k, v in sorted(state.items())))
-        elif node.op == "call_method":
-            target = ("method", node.target)
-        else:
-            target = node.target
-        key = (node.op, target, _spec(args), _spec(kwargs))
-        hash(key)
-        return key
-    except (TypeError, _Unkeyable):
-        return None
-
-
-class _Unkeyable(Exception):
-    pass
-
-
-def _spec(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return ("T", tuple(x.shape), tuple(x.stride()), x.dtype, x.requires_grad, x.device.type)
-    if isinstance(x, (list, tuple)):
-        return (type(x).__name__, tuple(_spec(i) for i in x))
-    if isinstance(x, dict):
-        return ("dict", tuple((k, _spec(v)) for k, v in x.items()))
-    if x is None or isinstance(x, (bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
-        return x
-    if isinstance(x, float):
-        return ("f", repr(x))
-    if isinstance(x, slice):
-        return ("slice", _spec(x.start), _spec(x.stop), _spec(x.step))
-    raise _Unkeyable(type(x).__name__)
-
-
-def _tensor_leaves(x: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
-
-
-def _unique_tensors(x: Any) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    out = []
-    for t in _tensor_leaves(x):
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
-def _bytes(x: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _unique_tensors(x))
-
-
-def _roofline(flops: float, nbytes: float, spec: DeviceSpec, dtype: Any) -> float:
-    compute = flops / (spec.peak_flops(dtype) * spec.efficiency) if flops else 0.0
-    memory = nbytes / spec.memory_bandwidth if nbytes else 0.0
-    return max(compute, memory)
-
-
-def _meta_like(t: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    if t.requires_grad and (t.is_floating_point() or t.is_complex()):
-        out.requires_grad_(True)
-    return out
-
-
-def _main_dtype(gm: fx.GraphModule) -> torch.dtype:
-    totals: dict[torch.dtype, int] = {}
-    for p in gm.parameters():
-        if p.is_floating_point():
-            totals[p.dtype] = totals.get(p.dtype, 0) + p.numel()
-    return max(totals, key=totals.__getitem__) if totals else torch.float32
-
-
-def _all_real(gm: fx.GraphModule, flat: list[Any]) -> bool:
-    tensors = _tensor_leaves(flat) + list(gm.parameters()) + list(gm.buffers())
-    return all(not t.is_meta for t in tensors)
-
-
-def _host_spec(gm: fx.GraphModule, flat: list[Any], spec: DeviceSpec) -> DeviceSpec:
-    tensors = _tensor_leaves(flat) + list(gm.parameters())
-    return spec if any(t.is_cuda for t in tensors) else DEVICE_SPECS["cpu"]
-
-
-def _cuda_devices(flat: list[Any]) -> list[int]:
-    return sorted({t.device.index or 0 for t in _tensor_leaves(flat) if t.is_cuda})
-
-
-def _holding(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
-    """A shallow copy of `module` and its submodules (same code, hooks and configuration) whose
-    parameters and buffers are `state`'s tensors, by local name; `module` is left as it is."""
-    memo: dict[int, nn.Module] = {}
-
-    def shell(m: nn.Module) -> nn.Module:
-        if id(m) not in memo:
-            new = object.__new__(type(m))
-            new.__dict__.update(m.__dict__)
-            memo[id(m)] = new
-            new.__dict__["_parameters"] = dict(m._parameters)
-            new.__dict__["_buffers"] = dict(m._buffers)
-            new.__dict__["_modules"] = {k: (shell(v) if v is not None else None) for k, v in m._modules.items()}
-        return memo[id(m)]
-
-    root = shell(module)
-    for name, t in state.items():
-        path, _, attr = name.rpartition(".")
-        owner = root.get_submodule(path) if path else root
-        (owner._parameters if attr in owner._parameters else owner._buffers)[attr] = t
-    return root
-
-
-def _synchronizer(tensors: list[torch.Tensor]) -> Callable[[], None]:
-    if any(t.is_cuda for t in tensors):
-        return torch.cuda.synchronize
-    return lambda: None
-
-
-def _median_time(fn: Callable[..., None], warmup: int, repeats: int, sync: Callable[[], None],
-                 setup: Callable[[], tuple] | None = None) -> float:
-    """Median time of `fn()` (of `fn(*setup())` with `setup`, made before the clock starts)."""
-    for _ in range(warmup):
-        fn(*(setup() if setup is not None else ()))
-    times = []
-    for _ in range(repeats):
-        a = setup() if setup is not None else ()
-        sync()
-        t0 = time.perf_counter()
-        fn(*a)
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()

@@ -1,0 +1,157 @@
+"""Helpers of the annotate pass: what it measures with and how (keys of identical ops,
+copies of the state a node reads, timing, the roofline model, device and dtype choices).
+
+    t = median_time(lambda: fn(*args), 1, 5, synchronizer([]))   # seconds, median of 5 runs
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from mobius_fx.costs import DEVICE_SPECS, DeviceSpec
+
+__all__ = ["node_key", "Unkeyable", "value_spec", "tensor_leaves", "unique_tensors", "value_bytes", "roofline", "meta_like", "main_dtype", "all_real", "host_spec", "cuda_devices", "holding", "synchronizer", "median_time"]
+
+
+def node_key(node: fx.Node, fn: Any, args: Any, kwargs: Any, state: dict[str, torch.Tensor]) -> Any:
+    """Hashable identity of what a node computes, or None if it cannot be keyed safely."""
+    try:
+        if node.op == "call_module":
+            module = fn.module
+            target: Any = (type(module), module.extra_repr(), module.training,
+                           tuple((k, value_spec(v)) for k, v in sorted(state.items())))
+        elif node.op == "call_method":
+            target = ("method", node.target)
+        else:
+            target = node.target
+        key = (node.op, target, value_spec(args), value_spec(kwargs))
+        hash(key)
+        return key
+    except (TypeError, Unkeyable):
+        return None
+
+
+class Unkeyable(Exception):
+    pass
+
+
+def value_spec(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), tuple(x.stride()), x.dtype, x.requires_grad, x.device.type)
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(value_spec(i) for i in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, value_spec(v)) for k, v in x.items()))
+    if x is None or isinstance(x, (bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return x
+    if isinstance(x, float):
+        return ("f", repr(x))
+    if isinstance(x, slice):
+        return ("slice", value_spec(x.start), value_spec(x.stop), value_spec(x.step))
+    raise Unkeyable(type(x).__name__)
+
+
+def tensor_leaves(x: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def unique_tensors(x: Any) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for t in tensor_leaves(x):
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def value_bytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in unique_tensors(x))
+
+
+def roofline(flops: float, nbytes: float, spec: DeviceSpec, dtype: Any) -> float:
+    compute = flops / (spec.peak_flops(dtype) * spec.efficiency) if flops else 0.0
+    memory = nbytes / spec.memory_bandwidth if nbytes else 0.0
+    return max(compute, memory)
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+        out.requires_grad_(True)
+    return out
+
+
+def main_dtype(gm: fx.GraphModule) -> torch.dtype:
+    totals: dict[torch.dtype, int] = {}
+    for p in gm.parameters():
+        if p.is_floating_point():
+            totals[p.dtype] = totals.get(p.dtype, 0) + p.numel()
+    return max(totals, key=totals.__getitem__) if totals else torch.float32
+
+
+def all_real(gm: fx.GraphModule, flat: list[Any]) -> bool:
+    tensors = tensor_leaves(flat) + list(gm.parameters()) + list(gm.buffers())
+    return all(not t.is_meta for t in tensors)
+
+
+def host_spec(gm: fx.GraphModule, flat: list[Any], spec: DeviceSpec) -> DeviceSpec:
+    tensors = tensor_leaves(flat) + list(gm.parameters())
+    return spec if any(t.is_cuda for t in tensors) else DEVICE_SPECS["cpu"]
+
+
+def cuda_devices(flat: list[Any]) -> list[int]:
+    return sorted({t.device.index or 0 for t in tensor_leaves(flat) if t.is_cuda})
+
+
+def holding(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A shallow copy of `module` and its submodules (same code, hooks and configuration) whose
+    parameters and buffers are `state`'s tensors, by local name; `module` is left as it is."""
+    memo: dict[int, nn.Module] = {}
+
+    def shell(m: nn.Module) -> nn.Module:
+        if id(m) not in memo:
+            new = object.__new__(type(m))
+            new.__dict__.update(m.__dict__)
+            memo[id(m)] = new
+            new.__dict__["_parameters"] = dict(m._parameters)
+            new.__dict__["_buffers"] = dict(m._buffers)
+            new.__dict__["_modules"] = {k: (shell(v) if v is not None else None) for k, v in m._modules.items()}
+        return memo[id(m)]
+
+    root = shell(module)
+    for name, t in state.items():
+        path, _, attr = name.rpartition(".")
+        owner = root.get_submodule(path) if path else root
+        (owner._parameters if attr in owner._parameters else owner._buffers)[attr] = t
+    return root
+
+
+def synchronizer(tensors: list[torch.Tensor]) -> Callable[[], None]:
+    if any(t.is_cuda for t in tensors):
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def median_time(fn: Callable[..., None], warmup: int, repeats: int, sync: Callable[[], None],
+                 setup: Callable[[], tuple] | None = None) -> float:
+    """Median time of `fn()` (of `fn(*setup())` with `setup`, made before the clock starts)."""
+    for _ in range(warmup):
+        fn(*(setup() if setup is not None else ()))
+    times = []
+    for _ in range(repeats):
+        a = setup() if setup is not None else ()
+        sync()
+        t0 = time.perf_counter()
+        fn(*a)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
