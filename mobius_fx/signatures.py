@@ -44,7 +44,7 @@ import torch.utils._pytree as pytree
 from .errors import MobiusError, PlanError, TraceError
 from .pipeline_module import Pipeline
 from .runtime import batch_rows
-from .tracing import flatten_inputs, input_guards, trace_info
+from .tracing import flatten_inputs, forward_signature, input_guards, trace_info
 
 __all__ = ["Call", "CallForm", "Variant", "VariantPipeline", "bind_call", "check_shapes"]
 
@@ -112,10 +112,7 @@ def bind_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Call:
 
 
 def _signature(model: torch.nn.Module) -> inspect.Signature | None:
-    try:
-        return inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return None
+    return forward_signature(model)  # a PEFT wrapper's call binds as its base model's forward
 
 
 def _short(sig: inspect.Signature) -> str:
@@ -401,13 +398,19 @@ class VariantPipeline(Pipeline):
             return
         if labels.is_floating_point() or labels.dim() == 0 or labels.size(0) % m:
             return
-        counts = [int((part == -100).sum()) for part in labels.split(labels.size(0) // m)]
-        if len(set(counts)) > 1:
+        parts = labels.split(labels.size(0) // m)
+        counts = [int((part == -100).sum()) for part in parts]
+        # a causal LM's loss shifts the labels (each row's first label predicts nothing): count
+        # those it uses too, so left padding ignored unevenly after the shift is warned about
+        shifted = [int((part[..., 1:] == -100).sum()) for part in parts] if labels.dim() > 1 else counts
+        if len(set(counts)) > 1 or len(set(shifted)) > 1:
             object.__setattr__(self, "_warned_labels", True)
+            told = " / ".join(map(str, counts)) + ("" if len(set(counts)) > 1 else
+                                                   f" (after each row's first label: {' / '.join(map(str, shifted))})")
             log.warning("mobius_fx: labels ignore (-100) %s tokens in the %d micro-batches: the pipeline's loss is the "
                         "mean of the micro-batch losses, which differs from eager's mean over the whole batch's tokens "
                         "(and so do the gradients); ignore as many tokens in each micro-batch, or compile with "
-                        "microbatches=1 for eager's loss", " / ".join(map(str, counts)), m)
+                        "microbatches=1 for eager's loss", told, m)
 
     def _select(self, call: Call) -> Variant:
         m = self.schedule.microbatches

@@ -32,7 +32,8 @@ from torch import nn
 
 from .errors import TraceError
 
-__all__ = ["trace", "TraceInfo", "module_path", "module_stack", "flatten_inputs", "trace_info", "input_guards"]
+__all__ = ["trace", "TraceInfo", "module_path", "module_stack", "flatten_inputs", "trace_info", "input_guards",
+           "forward_signature"]
 
 _log = logging.getLogger("mobius_fx")
 
@@ -98,6 +99,10 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
       only, then to static shapes. Its guards are kept off the graph (`input_guards(gm)`), for
       the pipeline to check each call. Such a GraphModule cannot switch train/eval mode:
       the mode is baked in at trace time (trace a model in the mode you will run it in).
+      A forward whose example passes values through `*args`/`**kwargs` (PEFT's `PeftModel`)
+      is exported under an explicit signature, its base model's or the example's argument
+      names (`_export_signature`), so that its shapes can be dynamic; the graph's names and
+      tensors stay the model's own.
 
     `front_end`: "auto" (symbolic_trace, then export), "fx" or "export" (that one only).
     Raises `TraceError` quoting the front ends' failures when none captures the model.
@@ -420,20 +425,104 @@ def _try_export(model: nn.Module, args: tuple, kwargs: dict,
     error = ""
     args, kwargs = _unaliased(args, kwargs)
     attempts = ["all", "batch", None] if dynamic_batch else [None]
-    for dims in attempts:
-        try:
-            shapes = _dynamic_shapes(model, args, kwargs, dims) if dims else None
-            if dims and shapes is None:
-                continue
-            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
-            gm = ep.module(check_guards=True)
-            _detach_guards(gm)
-            return gm, "", dims is not None and _has_symbolic_batch(gm)
-        except Exception as e:
-            error = _first_line(e)
-            if not dims or "DataDependent" in type(e).__name__:
-                break  # static shapes would not help a data-dependent branch
+    with _explicit_forward(model, _export_signature(model, args, kwargs)):
+        for dims in attempts:
+            try:
+                shapes = _dynamic_shapes(model, args, kwargs, dims) if dims else None
+                if dims and shapes is None:
+                    continue
+                ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
+                gm = ep.module(check_guards=True)
+                _detach_guards(gm)
+                return gm, "", dims is not None and _has_symbolic_batch(gm)
+            except Exception as e:
+                error = _first_line(e)
+                if not dims or "DataDependent" in type(e).__name__:
+                    break  # static shapes would not help a data-dependent branch
     return None, error, False
+
+
+def forward_signature(model: nn.Module) -> inspect.Signature | None:
+    """The signature a call of `model` binds against: its forward's, except for a wrapper whose
+    forward takes only `*args, **kwargs` and hands them to the model it wraps (PEFT's
+    `PeftModel`: `get_base_model()`), whose call binds as the wrapped model's forward would
+    bind it. None when the forward has no signature to read."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    if not _only_variadic(sig) or not callable(getattr(model, "get_base_model", None)):
+        return sig
+    try:
+        base = model.get_base_model()
+    except Exception:  # a get_base_model of another meaning: the wrapper's own signature
+        return sig
+    inner = forward_signature(base) if isinstance(base, nn.Module) and base is not model else None
+    return inner if inner is not None else sig
+
+
+def _only_variadic(sig: inspect.Signature) -> bool:
+    return bool(sig.parameters) and all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values())
+
+
+def _export_signature(model: nn.Module, args: tuple, kwargs: dict) -> inspect.Signature | None:
+    """The signature to export `model` under, None for its forward's own.
+
+    torch.export (2.13) cannot match dynamic shapes to an example that passes values through
+    `*args` or `**kwargs` ("Must provide a tree_name when there might be a mismatch"), and then
+    traces static shapes, which micro-batches cannot run. Such a model (a PEFT `PeftModel`:
+    `forward(*args, **kwargs)`) is exported under an explicit signature: `forward_signature`'s
+    (the wrapped model's) when the example binds to it without `*args`/`**kwargs`, else one made
+    of the example's own arguments (positional `args_0`, ..., then its keywords by name)."""
+
+    def binds_plainly(sig: inspect.Signature | None) -> bool:
+        if sig is None:
+            return False
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError:
+            return False
+        return all(sig.parameters[n].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+                   or not v for n, v in bound.arguments.items())
+
+    try:
+        own = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        own = None
+    if own is None or binds_plainly(own):
+        return None
+    sig = forward_signature(model)
+    if sig is not own and binds_plainly(sig):
+        return sig
+    P = inspect.Parameter
+    return inspect.Signature([P(f"args_{i}", P.POSITIONAL_ONLY) for i in range(len(args))] +
+                             [P(k, P.KEYWORD_ONLY) for k in kwargs])
+
+
+@contextlib.contextmanager
+def _explicit_forward(model: nn.Module, sig: inspect.Signature | None):
+    """Meanwhile `model.forward` is a thin wrapper of itself with signature `sig` (nothing else
+    changes: torch.export still traces the user's model, so parameter names and module paths are
+    the model's own, and the graph reads the model's very tensors); no-op for None."""
+    if sig is None:
+        yield
+        return
+    missing = object()
+    saved = model.__dict__.get("forward", missing)  # an instance forward (accelerate's hooks) is kept
+    inner = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return inner(*args, **kwargs)
+
+    forward.__signature__ = sig  # type: ignore[attr-defined]
+    model.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        if saved is missing:
+            model.__dict__.pop("forward", None)
+        else:
+            model.__dict__["forward"] = saved
 
 
 def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -27,6 +27,21 @@ def test_lora_sends_back_only_adapter_gradients(monkeypatch, capsys):
     assert "never sent back" in capsys.readouterr().out
 
 
+def test_finetune_hf_example_falls_back_without_a_cache_and_lowers_the_loss(monkeypatch, capsys, tmp_path):
+    # an empty cache: GPT-2 is not there, nothing is downloaded, a config-built GPT-2 is fine-tuned
+    _run("finetune_hf.py", ["--model", "gpt2", "--cache-dir", str(tmp_path), "--steps", "30", "--log-every", "15"],
+         monkeypatch)
+    out = capsys.readouterr().out
+    assert "gpt2 is not in the local Hugging Face cache" in out and "nothing is downloaded" in out
+    assert "stage" in out and "step 30: train loss" in out
+    sent = next(l for l in out.splitlines() if "sent back" in l)
+    assert "ran on 1 compiled variant" in sent  # every padded length on one graph
+    assert sent.split("sent back ")[1].split(" KB")[0] == sent.split("adapters': ")[1].split(" KB")[0]
+    line = next(l for l in out.splitlines() if l.startswith("validation loss"))
+    first, last = (float(v) for v in line.split()[2:5:2])
+    assert last < 0.85 * first
+
+
 @pytest.mark.slow
 def test_finetune_example_lowers_the_loss_in_a_short_run(monkeypatch, capsys):
     _run("finetune_gpt.py", ["--steps", "60", "--log-every", "30"], monkeypatch)
