@@ -7,7 +7,7 @@ Every message says the value, the rule it broke, and what to do about it, e.g.
 
 from __future__ import annotations
 
-__all__ = ["MobiusError", "TraceError", "PlanError", "TopologyError", "BudgetError"]
+__all__ = ["MobiusError", "TraceError", "PlanError", "TopologyError", "BudgetError", "first_line"]
 
 
 class MobiusError(Exception):
@@ -28,3 +28,12 @@ class TopologyError(MobiusError):
 
 class BudgetError(MobiusError):
     """At run time a GPU would hold more bytes than its budget (nothing was counted or copied)."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an error, with its type, at most ~300 characters (for messages)."""
+    text = str(e).strip() or type(e).__name__
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), text)
+    if len(line) > 300:
+        line = line[:297] + "..."
+    return f"{type(e).__name__}: {line}"

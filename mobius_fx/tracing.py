@@ -30,7 +30,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .errors import TraceError
+from .errors import TraceError, first_line
+from .export_front import forward_signature, input_guards, try_export
+from .module_paths import module_path, module_stack
 
 __all__ = ["trace", "TraceInfo", "module_path", "module_stack", "flatten_inputs", "trace_info", "input_guards",
            "forward_signature"]
@@ -101,7 +103,7 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
       the mode is baked in at trace time (trace a model in the mode you will run it in).
       A forward whose example passes values through `*args`/`**kwargs` (PEFT's `PeftModel`)
       is exported under an explicit signature, its base model's or the example's argument
-      names (`_export_signature`), so that its shapes can be dynamic; the graph's names and
+      names (`export_signature`), so that its shapes can be dynamic; the graph's names and
       tensors stay the model's own.
 
     `front_end`: "auto" (symbolic_trace, then export), "fx" or "export" (that one only).
@@ -129,7 +131,7 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
             if front_end == "auto":
                 _report(progress, f"symbolic_trace failed ({fx_error}); trying torch.export (strict=False)")
             with _autograd_functions(as_calls=False) as applied:
-                gm, export_error, dynamic = _try_export(model, args, kwargs, dynamic_batch)
+                gm, export_error, dynamic = try_export(model, args, kwargs, dynamic_batch)
             used = "export"
             if gm is None:
                 raise TraceError(
@@ -157,57 +159,6 @@ def trace_info(gm: fx.GraphModule) -> TraceInfo:
         return info
     names, constants = _name_map(gm, gm)
     return TraceInfo(front_end="fx", names=names, constants=constants)
-
-
-# ----------------------------------------------------------------------------- module paths
-
-def module_stack(node: fx.Node) -> list[tuple[str, str]]:
-    """(qualified path, class name) of every module around `node`, outermost first, root excluded.
-
-    Reads `nn_module_stack` (fx keys it by path, export by `L__self__...`; both store
-    (path, type) values) and drops the root entry (path "").
-    """
-    stack = node.meta.get("nn_module_stack") or {}
-    out: list[tuple[str, str]] = []
-    for value in stack.values():
-        path, kind = value[0], value[1]
-        if not path or path.startswith("_empty_nn_module_stack"):
-            continue  # the root, or export's placeholder for "no module" (sym_size nodes)
-        cls = kind.__name__ if isinstance(kind, type) else str(kind).rsplit(".", 1)[-1]
-        out.append((_strip_export_prefix(path), cls))
-    return out
-
-
-def module_path(node: fx.Node) -> str:
-    """Qualified name of the innermost user module `node` was produced in ("" for the root).
-
-    `call_module` nodes without a recorded stack give their target; `get_attr` nodes without
-    one give the module of their first user (where the attribute is used).
-
-    >>> gm = trace(nn.Sequential(nn.Linear(4, 4)), example_inputs=(torch.randn(1, 4),))
-    >>> [module_path(n) for n in gm.graph.nodes]
-    ['', '0', '']
-    """
-    stack = module_stack(node)
-    if stack:
-        return stack[-1][0]
-    if node.op == "call_module":
-        return str(node.target)
-    if node.op == "get_attr" and node.users:
-        first = min(node.users, key=_position(node.graph))
-        if first.op != "output":
-            return module_path(first)
-    return ""
-
-
-def _strip_export_prefix(path: str) -> str:
-    # Older export versions record "L__self___transformer_h_0"-style keys as paths.
-    return path[len("L__self__"):].lstrip("_.") if path.startswith("L__self__") else path
-
-
-def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return order.__getitem__
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -252,7 +203,7 @@ def _try_fx(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule
             gm = fx.symbolic_trace(model, concrete_args=concrete or None)
         _restore_concrete_defaults(gm, concrete)
     except Exception as e:  # any failure of the tracer means "try the other front end"
-        return None, _first_line(e)
+        return None, first_line(e)
     changed = [k for k, t in _state(model).items() if k in versions and t._version != versions[k]]
     if changed:  # e.g. `self.count.add_(1)`: a buffer is a real tensor, not a traced value, to symbolic_trace
         return None, (f"forward changes {_describe(model, changed[0])} in place on the real tensor, which "
@@ -325,7 +276,7 @@ def _run_on_copies(gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[str, 
             with torch.no_grad():
                 torch.func.functional_call(gm, copies, inputs[0], inputs[1], strict=False, tie_weights=False)
         except Exception as e:
-            error = _first_line(e)
+            error = first_line(e)
             continue
         return "", [k for k, t in copies.items() if t._version != versions[k]]
     return error, None
@@ -409,190 +360,6 @@ def _check_semantics(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: 
                          f"runs it again in backward's recompute. Change parameters outside forward (e.g. after "
                          f"optimizer.step(), under torch.no_grad()), or keep such state in a buffer "
                          f"(register_buffer): in-place buffer updates are copied back once per call")
-
-
-# ----------------------------------------------------------------------------- export front end
-
-def _try_export(model: nn.Module, args: tuple, kwargs: dict,
-                dynamic_batch: bool) -> tuple[fx.GraphModule | None, str, bool]:
-    """Export with every dim of every tensor input `Dim.AUTO` (sequence lengths vary between
-    calls), else dim 0 only, else static shapes; `dynamic_batch=False`: static only.
-
-    The exported guards (static dims, ranges, equalities between dims, the model's own shape
-    conditions) are kept off the graph, as `input_guards(gm)`: the pipeline checks each call
-    with them once, on the whole batch (in the graph they would run per stage and micro-batch).
-    """
-    error = ""
-    args, kwargs = _unaliased(args, kwargs)
-    attempts = ["all", "batch", None] if dynamic_batch else [None]
-    with _explicit_forward(model, _export_signature(model, args, kwargs)):
-        for dims in attempts:
-            try:
-                shapes = _dynamic_shapes(model, args, kwargs, dims) if dims else None
-                if dims and shapes is None:
-                    continue
-                ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
-                gm = ep.module(check_guards=True)
-                _detach_guards(gm)
-                return gm, "", dims is not None and _has_symbolic_batch(gm)
-            except Exception as e:
-                error = _first_line(e)
-                if not dims or "DataDependent" in type(e).__name__:
-                    break  # static shapes would not help a data-dependent branch
-    return None, error, False
-
-
-def forward_signature(model: nn.Module) -> inspect.Signature | None:
-    """The signature a call of `model` binds against: its forward's, except for a wrapper whose
-    forward takes only `*args, **kwargs` and hands them to the model it wraps (PEFT's
-    `PeftModel`: `get_base_model()`), whose call binds as the wrapped model's forward would
-    bind it. None when the forward has no signature to read."""
-    try:
-        sig = inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return None
-    if not _only_variadic(sig) or not callable(getattr(model, "get_base_model", None)):
-        return sig
-    try:
-        base = model.get_base_model()
-    except Exception:  # a get_base_model of another meaning: the wrapper's own signature
-        return sig
-    inner = forward_signature(base) if isinstance(base, nn.Module) and base is not model else None
-    return inner if inner is not None else sig
-
-
-def _only_variadic(sig: inspect.Signature) -> bool:
-    return bool(sig.parameters) and all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values())
-
-
-def _export_signature(model: nn.Module, args: tuple, kwargs: dict) -> inspect.Signature | None:
-    """The signature to export `model` under, None for its forward's own.
-
-    torch.export (2.13) cannot match dynamic shapes to an example that passes values through
-    `*args` or `**kwargs` ("Must provide a tree_name when there might be a mismatch"), and then
-    traces static shapes, which micro-batches cannot run. Such a model (a PEFT `PeftModel`:
-    `forward(*args, **kwargs)`) is exported under an explicit signature: `forward_signature`'s
-    (the wrapped model's) when the example binds to it without `*args`/`**kwargs`, else one made
-    of the example's own arguments (positional `args_0`, ..., then its keywords by name)."""
-
-    def binds_plainly(sig: inspect.Signature | None) -> bool:
-        if sig is None:
-            return False
-        try:
-            bound = sig.bind(*args, **kwargs)
-        except TypeError:
-            return False
-        return all(sig.parameters[n].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-                   or not v for n, v in bound.arguments.items())
-
-    try:
-        own = inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        own = None
-    if own is None or binds_plainly(own):
-        return None
-    sig = forward_signature(model)
-    if sig is not own and binds_plainly(sig):
-        return sig
-    P = inspect.Parameter
-    return inspect.Signature([P(f"args_{i}", P.POSITIONAL_ONLY) for i in range(len(args))] +
-                             [P(k, P.KEYWORD_ONLY) for k in kwargs])
-
-
-@contextlib.contextmanager
-def _explicit_forward(model: nn.Module, sig: inspect.Signature | None):
-    """Meanwhile `model.forward` is a thin wrapper of itself with signature `sig` (nothing else
-    changes: torch.export still traces the user's model, so parameter names and module paths are
-    the model's own, and the graph reads the model's very tensors); no-op for None."""
-    if sig is None:
-        yield
-        return
-    missing = object()
-    saved = model.__dict__.get("forward", missing)  # an instance forward (accelerate's hooks) is kept
-    inner = model.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return inner(*args, **kwargs)
-
-    forward.__signature__ = sig  # type: ignore[attr-defined]
-    model.__dict__["forward"] = forward
-    try:
-        yield
-    finally:
-        if saved is missing:
-            model.__dict__.pop("forward", None)
-        else:
-            model.__dict__["forward"] = saved
-
-
-def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The example inputs, each tensor that shares storage with an earlier one cloned.
-
-    torch.export traces aliased inputs as one: for `model(ids, labels=ids)` its graph embeds
-    `labels` where the model embeds `input_ids`, which is wrong for any call that passes two
-    different tensors. Traced apart, the graph is right for both (and for aliased calls too).
-    """
-    seen: set = set()
-
-    def apart(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        key = id(x) if x.is_meta or x.untyped_storage().data_ptr() == 0 else x.untyped_storage().data_ptr()
-        if key in seen:
-            return x.detach().clone().requires_grad_(x.requires_grad)
-        seen.add(key)
-        return x
-
-    return pytree.tree_map(apart, (tuple(args), dict(kwargs)))
-
-
-def _detach_guards(gm: fx.GraphModule) -> None:
-    """Take export's `_guards_fn` call off the graph; keep it as gm.meta["mobius_guards"]."""
-    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]
-    guards = getattr(gm, "_guards_fn", None)
-    for node in calls:
-        gm.graph.erase_node(node)
-    if guards is not None:
-        delattr(gm, "_guards_fn")  # so a direct gm(...) call checks the ranges itself, as before
-        gm.meta["mobius_guards"] = guards
-    if calls:
-        gm.recompile()
-
-
-def input_guards(gm: fx.GraphModule) -> Callable[..., None] | None:
-    """The export guards of `gm` as a function of its flat inputs (placeholder order) that
-    raises AssertionError("Guard failed: input_ids.size()[1] <= 64") on a call the graph does
-    not hold for; None for a symbolic trace (its graph holds for any shape)."""
-    return getattr(gm, "meta", {}).get("mobius_guards")
-
-
-def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict, dims: str) -> Any:
-    """Dim.AUTO on every dim ("all") or dim 0 ("batch") of every tensor input (export keeps a
-    dim static where the model needs it so)."""
-    from torch.export import Dim
-
-    def spec(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            return None
-        return {i: Dim.AUTO for i in range(x.dim() if dims == "all" else 1)}
-
-    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    if not leaves:
-        return None
-    if kwargs:
-        sig = inspect.signature(model.forward)
-        bound = sig.bind(*args, **kwargs)
-        return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
-    return tuple(pytree.tree_map(spec, a) for a in args)
-
-
-def _has_symbolic_batch(gm: fx.GraphModule) -> bool:
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() > 0:
-            if isinstance(val.shape[0], torch.SymInt):
-                return True
-    return False
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -687,12 +454,6 @@ def _preserve_model(model: nn.Module):
                     b.copy_(saved)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), text)
-    if len(line) > 300:
-        line = line[:297] + "..."
-    return f"{type(e).__name__}: {line}"
 
 
 def _report(progress: Callable[[str], None] | None, message: str) -> None:
