@@ -50,6 +50,10 @@ class Mip:
     frozen: dict = field(default_factory=dict)  # k -> (y_k, [(var, its expression when live)]): `_frozen_prefix`
     prefix: int = 0  # P: layers before the first with a weight gradient
     layers: int = 0
+    V: dict = field(default_factory=dict)  # k -> [i] start of micro-batch i's copies to the host (k >= S-N)
+    E: dict = field(default_factory=dict)  # k -> end of the copies to the host up to stage k (k < S-N)
+    A: dict = field(default_factory=dict)  # k -> stage k's weights back for backward (k < S-N)
+    R: dict = field(default_factory=dict)  # k -> its restores and the uploads before them done (k >= S-N, N)
 
 
 def _var(lp: pulp.LpProblem, name: str, lo: float | None = None, hi: float | None = None,
@@ -114,8 +118,10 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     w = [part("w", k) for k in range(s)]
     wb = list(w)  # weights fetched again for backward
     grad_in = [at[k + 1]["a"] for k in range(s)]  # bytes of the gradient that reaches stage k (from k + 1)
-    frozen = _frozen_prefix(lp, problem, at, s, {"b": b, "w": wb, "a": grad_in},
-                            {"b": fast.b[L] / scale, "w": fast.w[L], "a": max(fast.out)})
+    in0 = problem.input_bytes / m
+    saved = [in0] + [at[k]["a"] for k in range(1, s)]  # in_k: offloaded and restored (k = 0: sent again)
+    frozen = _frozen_prefix(lp, problem, at, s, {"b": b, "w": wb, "a": grad_in, "in": saved},
+                            {"b": fast.b[L] / scale, "w": fast.w[L], "a": max(fast.out), "in": max(*fast.out, in0)})
     # Memory: step_model.stage_memory's formula (MemoryModel.footprint, linear) on the stage sums.
     mem = [fast.mm.footprint(part("w", k), part("g", k), part("r", k), m * (at[k]["a"] + at[k + 1]["a"]))
            for k in range(s)]
@@ -123,27 +129,71 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     inv = lambda bw: 0.0 if bw == math.inf else 1 / (bw * scale)  # seconds per byte, in units
     hop = [inv(problem.hop[k % n]) for k in range(s)]  # activation k -> k+1
     hop_back = [inv(problem.backward_hop[k % n]) for k in range(s)]  # gradient k+1 -> k
+    up = [1 / (problem.up[k % n] * scale) for k in range(s)]  # seconds per byte, in units
+    down = [1 / (problem.down[k % n] * scale) for k in range(s)]
     F = [[_var(lp, f"F_{k}_{i}", 0) for i in range(m)] for k in range(s)]
     B = [[_var(lp, f"B_{k}_{i}", 0) for i in range(m)] for k in range(s)]
     for k in range(s):
-        upk = 1 / (problem.up[k % n] * scale)
         if k < n:
-            lp += F[k][0] >= w[k] * upk, f"upload_{k}"
+            lp += F[k][0] >= w[k] * up[k], f"upload_{k}"
         else:
             lp += F[k][0] >= F[k - n][m - 1] + f[k - n], f"gpu_free_f{k}"
-            lp += F[k][0] >= F[k - n][0] + w[k] * upk, f"prefetch_f{k}"
+            lp += F[k][0] >= F[k - n][0] + w[k] * up[k], f"prefetch_f{k}"
         for i in range(m):
             if i:
                 lp += F[k][i] >= F[k][i - 1] + f[k], f"mb_f{k}_{i}"
             if k:
                 lp += F[k][i] >= F[k - 1][i] + f[k - 1] + at[k]["a"] * hop[k - 1], f"act_f{k}_{i}"
+            elif in0 > 0:  # the model inputs of micro-batches 0..i and the weights share the host link
+                lp += F[0][i] >= (w[0] + (i + 1) * in0) * up[0], f"input_f{i}"
+    # Copies to the host (step_model.timeline's V and E): micro-batch i's offload, then (last
+    # stage) its output, after its forward run, in stage and micro-batch order per GPU. V per
+    # micro-batch for the stages resident through the turn, only the end E for the others.
+    out_last = fast.out[L - 1]
+    copy = [(saved[k] * down[k] if k else 0.0) + (out_last * down[k] if k == s - 1 else 0.0) for k in range(s)]
+    V, E, A, R = {}, {}, {}, {}
+    for k in range(1 if s > 1 else 0, s):
+        if k >= s - n:
+            V[k] = [_var(lp, f"V_{k}_{i}", 0) for i in range(m)]
+            for i in range(m):
+                lp += V[k][i] >= F[k][i] + f[k], f"host_copy_{k}_{i}"
+                if i:
+                    lp += V[k][i] >= V[k][i - 1] + copy[k], f"host_copies_{k}_{i}"
+            if k - n in E:
+                lp += V[k][0] >= E[k - n], f"host_copies_{k}"
+        else:
+            E[k] = _var(lp, f"E_{k}", 0)
+            lp += E[k] >= F[k][0] + f[k] + m * copy[k], f"host_copies_{k}_first"
+            lp += E[k] >= F[k][m - 1] + f[k] + copy[k], f"host_copies_{k}_last"
+            if k - n in E:
+                lp += E[k] >= E[k - n] + m * copy[k], f"host_copies_{k}"
     for k in range(s - 1, -1, -1):
-        upk = 1 / (problem.up[k % n] * scale)
+        rk = saved[k] * up[k]  # one restore (k = 0: one model input sent again)
         if k == s - 1:
             lp += B[k][0] >= F[k][m - 1] + f[k], "turn"
         elif k < s - n:
             lp += B[k][0] >= B[k + n][m - 1] + b[k + n], f"gpu_free_b{k}"
-            lp += B[k][0] >= B[k + n][0] + wb[k] * upk, f"prefetch_b{k}"
+        if k >= s - n:  # step_model.timeline's ready[j] and R_k of a resident stage
+            dk = saved[k] * down[k] if k else 0.0
+            for j in range(m):
+                if k:  # restore j after offload M-1-j
+                    lp += B[k][j] >= V[k][m - 1 - j] + dk + (j + 1) * rk, f"restore_b{k}_{j}"
+                elif in0 > 0:
+                    lp += B[0][j] >= w[0] * up[0] + (j + 1) * rk, f"input_b{j}"
+                if k == s - 1:
+                    lp += B[k][j] >= V[k][m - 1 - j] + copy[k] + (j + 1) * grad_in[k] * up[k], f"output_grad_b{j}"
+            if k >= n:
+                R[k] = _var(lp, f"R_{k}", 0)
+                for i in range(m):
+                    lp += R[k] >= V[k][i] + dk + (m - i) * rk, f"restores_{k}_{i}"
+        else:  # the prefetch starts with stage k+N's backward and queues after its restores
+            A[k] = _var(lp, f"A_{k}", 0)
+            lp += A[k] >= B[k + n][0] + wb[k] * up[k], f"prefetch_b{k}"
+            lp += A[k] >= R[k + n] + wb[k] * up[k], f"upload_queue_b{k}"
+            lp += B[k][0] >= A[k] + rk, f"restore_b{k}_first"
+            lp += B[k][m - 1] >= A[k] + m * rk, f"restore_b{k}_last"
+            if k >= n:
+                R[k] = A[k] + m * rk
         for i in range(m):
             if i:
                 lp += B[k][i] >= B[k][i - 1] + b[k], f"mb_b{k}_{i}"
@@ -154,15 +204,16 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     D = [_var(lp, f"D_{k}", 0) for k in range(s)]
     T = _var(lp, "makespan", 0)
     for k in range(s - 1, -1, -1):
-        down = part("g", k) * (1 / (problem.down[k % n] * scale))
-        lp += D[k] >= B[k][m - 1] + b[k] + down, f"download_{k}"
+        grads = part("g", k) * down[k]
+        lp += D[k] >= B[k][m - 1] + b[k] + grads, f"download_{k}"
         if k + n < s:
-            lp += D[k] >= D[k + n] + down, f"download_queue_{k}"
+            lp += D[k] >= D[k + n] + grads, f"download_queue_{k}"
         if k < n:
             lp += T >= D[k], f"end_{k}"
     lp += T
     prefix = next((i for i, l in enumerate(problem.layers) if l.grad_bytes), L)
-    return Mip(lp, s, scale, z, t, F, B, D, T, infeasible, frozen, prefix, L)
+    return Mip(lp, s, scale, z, t, F, B, D, T, infeasible, frozen, prefix, L, V, E, A,
+               {k: v for k, v in R.items() if isinstance(v, pulp.LpVariable)})
 
 
 def _frozen_prefix(lp: pulp.LpProblem, problem: PartitionProblem, at: list, s: int, live: dict[str, list],
@@ -255,6 +306,12 @@ def warm_start(mip: Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
             mip.F[k][i].setInitialValue(ev.fwd_start[k][i] / mip.scale)
             mip.B[k][i].setInitialValue(ev.bwd_start[k][i] / mip.scale)
         mip.D[k].setInitialValue(ev.grad_done[k] / mip.scale)
+    for k, row in mip.V.items():
+        for i, v in enumerate(row):
+            v.setInitialValue(ev.host_copy_start[k][i] / mip.scale)
+    for times, variables in ((ev.host_copies_done, mip.E), (ev.weights_back, mip.A), (ev.restores_done, mip.R)):
+        for k, v in variables.items():
+            v.setInitialValue(times[k] / mip.scale)
     mip.T.setInitialValue(ev.makespan / mip.scale)
 
 

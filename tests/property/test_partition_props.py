@@ -26,7 +26,8 @@ BANDWIDTH = st.floats(5.0, 100.0, allow_nan=False)
 def problems(draw) -> PartitionProblem:
     """2-8 layers drawn from <= 3 kinds (so runs of identical layers occur), <= 3 GPUs,
     <= 3 micro-batches; capacities from "the largest layer alone does not fit" to "the whole
-    model fits on one GPU"; backward hops the same as forward ones or drawn apart."""
+    model fits on one GPU"; backward hops the same as forward ones or drawn apart; a model
+    input (sent to stage 0 in forward and again in backward) of 0-60 B."""
     kinds = [dict(fwd_time=draw(TIMES), bwd_time=draw(TIMES), param_bytes=draw(st.integers(1, 60)),
                   grad_bytes=draw(BYTES), output_bytes=draw(BYTES), peak_bytes=draw(BYTES))
              for _ in range(draw(st.integers(1, 3)))]
@@ -43,7 +44,7 @@ def problems(draw) -> PartitionProblem:
     back = None if n == 1 or draw(st.booleans()) else tuple(draw(BANDWIDTH) for _ in range(n))
     return PartitionProblem(layers, m, tuple(f"gpu{i}" for i in range(n)), caps,
                             tuple(draw(BANDWIDTH) for _ in range(n)), tuple(draw(BANDWIDTH) for _ in range(n)),
-                            hops, mm, hop_back=back)
+                            hops, mm, hop_back=back, input_bytes=draw(BYTES))
 
 
 def _solve(p: PartitionProblem):
