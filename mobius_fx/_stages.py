@@ -32,11 +32,29 @@ def annotate_pass(gm, ctx: CompileContext):
 
 
 def _problem(ctx: CompileContext, order=None):
+    """The step model's numbers for this compile: the layers' costs, the GPUs in `order`, the
+    model input's bytes and the tied weights' extra copies (as `plan_pass`'s plan counts them)."""
     from .passes.partition import PartitionProblem
+    from .step_model import tied_weights
 
     s = ctx.settings
+    sizes, trainable = _param_sizes(ctx)
     return PartitionProblem.from_topology(ctx.layers, ctx.topology, microbatches=s.microbatches, order=order,
-                                          memory_fraction=s.memory_fraction, dtype=s.dtype)
+                                          memory_fraction=s.memory_fraction, dtype=s.dtype,
+                                          input_bytes=_input_bytes(ctx),
+                                          tied=tied_weights(ctx.layers, sizes, trainable) if sizes else ())
+
+
+def _param_sizes(ctx: CompileContext) -> tuple[dict[str, int], list[str]]:
+    """Bytes of every parameter of the model by qualified name (tied aliases included), and the
+    names of those that take a gradient; empty without a model."""
+    sizes, trainable = {}, []
+    if ctx.model is not None:
+        for name, p in ctx.model.named_parameters(remove_duplicate=False):
+            sizes[name] = p.numel() * p.element_size()
+            if p.requires_grad:
+                trainable.append(name)
+    return sizes, trainable
 
 
 def partition_pass(gm, ctx: CompileContext):
@@ -118,12 +136,7 @@ def plan_pass(gm, ctx: CompileContext):
                             f"fit these GPUs in that order and no other partition does: {e}; or keep the "
                             f"topology's order (cross_map='identity')") from None
         step_time, prefetch = part.makespan, part.prefetch_fwd
-    sizes, trainable = {}, []
-    if ctx.model is not None:
-        for name, p in ctx.model.named_parameters(remove_duplicate=False):
-            sizes[name] = p.numel() * p.element_size()
-            if p.requires_grad:
-                trainable.append(name)
+    sizes, trainable = _param_sizes(ctx)
     ctx.plan = build_plan(ctx.layers, part.boundaries, order=ctx.order, topology=ctx.topology,
                           microbatches=s.microbatches, step_time=step_time, dtype=s.dtype,
                           memory_fraction=s.memory_fraction, prefetch_fwd=prefetch,

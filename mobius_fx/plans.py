@@ -22,7 +22,7 @@ from tabulate import tabulate
 from .costs import LayerCost, dtype_name
 from .errors import MobiusError
 from .schedule import ScheduleIR, StageInput, StageIO, build_schedule
-from .step_model import MemoryModel, SolverInfo, stage_memory
+from .step_model import MemoryModel, SolverInfo, stage_memory, tied_copy_bytes, tied_weights
 from .units import fmt_bytes, fmt_time
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -264,22 +264,17 @@ def build_plan(
     nstages = len(boundaries)
     gpu_of = {g.name: g for g in topology.gpus}
     stages: list[Stage] = []
+    # tied weights a stage reads but another stage's layer owns: its GPU copy, and that copy's
+    # gradient, downloaded and summed on the host (the step model's rule, one statement)
+    tied = tied_weights(layers, param_sizes, trainable) if param_sizes is not None else ()
     for k in range(nstages):
         ls = layers[cuts[k]:cuts[k + 1]]
         before = layers[cuts[k] - 1] if k > 0 else None
-        fwd_mem, bwd_mem = stage_memory(ls, before, mm)
+        extra = tied_copy_bytes(tied, cuts[k], cuts[k + 1], mm.weight_scale)
+        fwd_mem, bwd_mem = stage_memory(ls, before, mm, extra)
         uses = tuple(dict.fromkeys(p for l in ls for p in (l.uses or l.params)))
-        w = sum(l.param_bytes for l in ls) * mm.weight_scale
-        grad = sum(l.grad_bytes for l in ls) * mm.weight_scale
-        if param_sizes is not None:  # tied weights this stage reads but an earlier layer owns
-            owned = {p for l in ls for p in l.params}
-            extra = sum(param_sizes.get(p, 0) for p in uses if p not in owned) * mm.weight_scale
-            extra_grad = sum(param_sizes.get(p, 0) for p in uses if p not in owned and p in trainable) \
-                * mm.weight_scale
-            w += extra
-            grad += extra_grad  # its GPU copy gets a gradient of its own, downloaded and summed on the host
-            fwd_mem += extra
-            bwd_mem += extra + mm.grad_copies * extra_grad
+        w = sum(l.param_bytes for l in ls) * mm.weight_scale + extra[0]
+        grad = sum(l.grad_bytes for l in ls) * mm.weight_scale + extra[1]
         g = gpu_of[order[k % n]]
         hidden = 0.0
         if prefetch_fwd is not None and w > 0:

@@ -10,8 +10,11 @@ Every encoding of the model reads it from here, so they cannot drift apart:
 * stage sums: `PrefixSums` of every per-layer quantity the model reads, so a cut set's
   `StageTotals` cost O(S) (the local search) and are linear in the MIP's cut variables;
   `layer_runs`, the runs of layers the model cannot tell apart (the MIP decides over runs);
-* the timeline: `memory_violation` (the memory rules) and `timeline` (least start times), and
-  `evaluate`, the model solved exactly for fixed cuts: the reference every solver is checked on;
+* tied weights: `TiedWeight` / `tied_weights`, the extra copy (and gradient) a stage keeps of
+  a parameter another stage's layer owns, `tied_copy_bytes` its bytes (`plans.build_plan` too);
+* the timeline: `memory_violation` (the memory rules) and `timeline` (least start times; its
+  body is in step_timeline.py, for size, re-exported here), and `evaluate`, the model solved
+  exactly for fixed cuts: the reference every solver is checked on;
 * `SolverInfo`, the report of a solve, which a `Plan` carries.
 
 Why a forward pass is exact for fixed cuts: every constraint reads "start >= something" and
@@ -22,7 +25,11 @@ p_k = min(W_k, up·span, free) is optimal, which gives
 functions of earlier starts. Hence the least start times (a longest path, computed stage
 by stage) are optimal, and delaying an earlier stage to lengthen its span never helps.
 The end of the step is the last gradient download: downloads queue per GPU,
-`D_k = max(B[k][M-1] + b_k, D_{k+N}) + G_k/down_k`, again a max of earlier times.
+`D_k = max(B[k][M-1] + b_k, D_{k+N}) + G_k/down_k`, again a max of earlier times. So are
+the rows of the saved inputs (offloads queued on a GPU's download stream, restores on its
+upload stream after them and after the weights, the backward prefetch after the restores
+before it; docs/schedule.md), each a lower bound of what the IR's order forces, so the model
+stays a relaxation of the simulator.
 
     prob = PartitionProblem.from_topology(layers, topo, microbatches=4)
     evaluate(prob, (0, 4, 8)).makespan      # seconds per step of a 3-stage plan
@@ -37,10 +44,12 @@ from typing import Any, Sequence
 
 from .costs import LayerCost, dtype_bytes
 from .errors import PlanError
+from .step_timeline import Evaluation, Timeline, timeline
 
 __all__ = [
-    "MEMORY_TOLERANCE", "SolverInfo", "MemoryModel", "stage_memory", "PartitionProblem", "Evaluation",
-    "StageTotals", "PrefixSums", "layer_runs", "memory_violation", "timeline", "evaluate",
+    "MEMORY_TOLERANCE", "SolverInfo", "MemoryModel", "stage_memory", "TiedWeight", "tied_weights", "tied_copy_bytes",
+    "PartitionProblem", "Evaluation",
+    "StageTotals", "PrefixSums", "layer_runs", "memory_violation", "Timeline", "timeline", "evaluate",
 ]
 
 MEMORY_TOLERANCE = 1e-6  # relative slack on capacity, the solvers' feasibility tolerance
@@ -116,16 +125,19 @@ class MemoryModel:
         return weights + work + boundary, weights + self.grad_copies * grads + recompute + work + boundary
 
 
-def stage_memory(layers: Sequence[LayerCost], before: LayerCost | None, mm: MemoryModel) -> tuple[float, float]:
+def stage_memory(layers: Sequence[LayerCost], before: LayerCost | None, mm: MemoryModel,
+                 tied: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """(forward, backward) GPU footprint of a stage made of `layers`, in bytes (`MemoryModel.footprint`).
 
     `before` is the layer just before the stage (its output is the stage input), None for
-    stage 0. Linear in the layers, so the MIP can use the same formula. What the runtime's
-    books measure per stage (`Pipeline.stage_peaks()`) stays at or below the larger of the two.
+    stage 0. `tied` = (weight, gradient) bytes as streamed of the tied weights the stage keeps
+    a copy of (`TiedWeight.copies`). Linear in the layers, so the MIP can use the same formula.
+    What the runtime's books measure per stage (`Pipeline.stage_peaks()`) stays at or below
+    the larger of the two.
     """
     m = mm.microbatches
-    w = sum(l.param_bytes for l in layers) * mm.weight_scale
-    g = sum(l.grad_bytes for l in layers) * mm.weight_scale
+    w = sum(l.param_bytes for l in layers) * mm.weight_scale + tied[0]
+    g = sum(l.grad_bytes for l in layers) * mm.weight_scale + tied[1]
     r = sum(mm.recompute_bytes(l) for l in layers)
     act_in = (before.output_bytes if before is not None else 0) * mm.act_scale / m
     act_out = layers[-1].output_bytes * mm.act_scale / m if layers else 0.0
@@ -133,14 +145,70 @@ def stage_memory(layers: Sequence[LayerCost], before: LayerCost | None, mm: Memo
 
 
 @dataclass(frozen=True)
+class TiedWeight:
+    """A parameter that several layers read (tied embedding and head, a shared module), in the
+    numbers of the step model. Layer `owner` owns it (`LayerCost.params`; -1: no layer does)
+    and `readers` read it too (`LayerCost.uses`). A stage that holds a reader but not the
+    owner keeps a copy of its own on its GPU: `nbytes` more weights uploaded (forward and
+    backward) and, when `trainable`, `nbytes` more gradient sent to the host and summed there —
+    as `plans.build_plan` counts it. `nbytes` is in the master dtype (scaled like the layers').
+    """
+
+    name: str
+    owner: int
+    readers: tuple[int, ...]
+    nbytes: float
+    trainable: bool = True
+
+    def copies(self, start: int, end: int) -> bool:
+        """Whether the stage of layers [start, end) keeps a copy of its own."""
+        return not start <= self.owner < end and any(start <= r < end for r in self.readers)
+
+
+def tied_weights(layers: Sequence[LayerCost], param_sizes: dict[str, int],
+                 trainable: Any = None) -> tuple[TiedWeight, ...]:
+    """The parameters of `layers` that a layer reads without owning them, with their bytes
+    (`param_sizes`: qualified name -> master bytes) and whether they take a gradient
+    (`trainable`: names; default all of `param_sizes`). Parameters missing from `param_sizes`
+    count 0 bytes, as in `plans.build_plan`.
+
+    tied_weights(layers, {"wte.weight": 154_389_504})   # (TiedWeight("wte.weight", 0, (14,), ...),)
+    """
+    trainable = set(param_sizes) if trainable is None else set(trainable)
+    owner = {p: i for i, l in enumerate(layers) for p in l.params}
+    readers: dict[str, list[int]] = {}
+    for i, l in enumerate(layers):
+        for p in dict.fromkeys(l.uses or l.params):
+            if owner.get(p, -1) != i:
+                readers.setdefault(p, []).append(i)
+    return tuple(TiedWeight(p, owner.get(p, -1), tuple(rs), float(param_sizes.get(p, 0)), p in trainable)
+                 for p, rs in readers.items() if param_sizes.get(p, 0) > 0)
+
+
+def tied_copy_bytes(tied: Sequence[TiedWeight], start: int, end: int, weight_scale: float) -> tuple[float, float]:
+    """(weight, gradient) bytes as streamed of the tied copies the stage of layers [start, end)
+    keeps (`TiedWeight.copies`): what it uploads and holds beyond its layers' own weights, and
+    the gradient of those copies it sends to the host."""
+    w = g = 0.0
+    for t in tied:
+        if t.copies(start, end):
+            w += t.nbytes * weight_scale
+            g += t.nbytes * weight_scale if t.trainable else 0.0
+    return w, g
+
+
+@dataclass(frozen=True)
 class PartitionProblem:
     """Pure numbers the partitioner needs; no Topology, so the solver is testable alone.
 
     `layers` hold whole-example-batch costs; stage k runs on GPU slot k % N. `up`/`down` are
-    DRAM<->GPU bytes/s per slot, `hop[i]` bytes/s from slot i to slot (i+1) % N (forward
+    host<->GPU bytes/s per slot, `hop[i]` bytes/s from slot i to slot (i+1) % N (forward
     activations; inf when it is the same GPU), `hop_back[i]` bytes/s from slot (i+1) % N back
     to slot i (backward gradients; None: the same as `hop`, for symmetric links). `capacity`
-    is usable bytes per slot; `memory_fraction` only feeds messages.
+    is usable bytes per slot; `memory_fraction` only feeds messages. `input_bytes` is the
+    model's example input for the whole batch as sent (stage 0 receives `input_bytes / M` per
+    micro-batch in forward and again in backward); 0 when unknown. `tied`: the parameters
+    layers read without owning them (`tied_weights`), whose extra copies cost bytes.
     """
 
     layers: tuple[LayerCost, ...]
@@ -153,6 +221,20 @@ class PartitionProblem:
     memory: MemoryModel
     memory_fraction: float = 1.0
     hop_back: tuple[float, ...] | None = None
+    input_bytes: float = 0.0
+    tied: tuple[TiedWeight, ...] = ()
+
+    @property
+    def frozen_prefix(self) -> int:
+        """P: the layers before the first one with a weight gradient — its own, or a trainable
+        tied weight's that it reads (its stage then gets a gradient for that copy or owns it).
+        A stage within them runs no backward (docs/schedule.md, frozen stages)."""
+        reads = {r for t in self.tied if t.trainable for r in (*t.readers, t.owner) if r >= 0}
+        return next((i for i, l in enumerate(self.layers) if l.grad_bytes or i in reads), len(self.layers))
+
+    def tied_bytes(self, start: int, end: int) -> tuple[float, float]:
+        """(weight, gradient) bytes as streamed of the tied copies the stage [start, end) keeps."""
+        return tied_copy_bytes(self.tied, start, end, self.memory.weight_scale)
 
     @property
     def backward_hop(self) -> tuple[float, ...]:
@@ -184,6 +266,15 @@ class PartitionProblem:
         for g, x in zip(self.gpus, self.hop):
             if not x > 0:
                 raise PlanError(f"hop bandwidth from {g} is {x}; give a positive bytes/s (inf for the same GPU)")
+        if not 0 <= self.input_bytes < math.inf:
+            raise PlanError(f"input_bytes={self.input_bytes}; give the model input's bytes (>= 0, 0 when unknown)")
+        L = len(self.layers)
+        for t in self.tied:
+            if not (-1 <= t.owner < L and all(0 <= r < L and r != t.owner for r in t.readers)
+                    and 0 <= t.nbytes < math.inf):
+                raise PlanError(f"tied weight {t.name!r}: owner {t.owner}, readers {t.readers}, {t.nbytes} bytes; "
+                                f"give layer indices below {L} (owner -1 when no layer owns it), readers other "
+                                "than the owner and bytes >= 0 (build it with step_model.tied_weights)")
         if self.hop_back is not None:
             if len(self.hop_back) != n:
                 raise PlanError(f"{n} GPU slots but hop_back has length {len(self.hop_back)}; give one value "
@@ -196,8 +287,11 @@ class PartitionProblem:
     @staticmethod
     def from_topology(layers: Sequence[LayerCost], topology: Any, *, microbatches: int,
                       order: Sequence[str] | None = None, memory_fraction: float = 0.9,
-                      dtype: Any = None) -> "PartitionProblem":
-        """Read capacities and bandwidths of the GPUs in `order` (default: topology order).
+                      dtype: Any = None, input_bytes: float = 0.0,
+                      tied: Sequence[TiedWeight] = ()) -> "PartitionProblem":
+        """Read capacities and bandwidths of the GPUs in `order` (default: topology order);
+        `input_bytes`: the model's example inputs, whole batch (what `plans.build_plan` takes);
+        `tied`: `tied_weights(layers, param sizes, trainable)`.
 
         PartitionProblem.from_topology(layers, Topology.virtual(gpus=2), microbatches=2)
         """
@@ -221,7 +315,8 @@ class PartitionProblem:
             up=tuple(float(topology.bandwidth("host", g)) for g in names),
             down=tuple(float(topology.bandwidth(g, "host")) for g in names),
             hop=hop, memory=MemoryModel.for_layers(layers, microbatches, dtype),
-            memory_fraction=memory_fraction, hop_back=hop_back,
+            memory_fraction=memory_fraction, hop_back=hop_back, input_bytes=float(input_bytes),
+            tied=tuple(tied),
         )
 
 
@@ -261,13 +356,15 @@ class PrefixSums:
         self.r = acc(mm.recompute_bytes(l) for l in ls)
         self.out = [l.output_bytes * mm.act_scale / m for l in ls]
         self.mm = mm
+        self.frozen = problem.frozen_prefix
 
     def stages(self, cuts: Sequence[int]) -> StageTotals:
         """The numbers of the stages that start at `cuts` (equal to `stage_memory` and sums)."""
         edges, m = list(cuts) + [len(self.out)], self.problem.microbatches
         st = StageTotals([], [], [], [], [], [], [])
         for a, z in zip(edges, edges[1:]):
-            w, g = self.w[z] - self.w[a], self.g[z] - self.g[a]
+            tw, tg = self.problem.tied_bytes(a, z) if self.problem.tied else (0.0, 0.0)
+            w, g = self.w[z] - self.w[a] + tw, self.g[z] - self.g[a] + tg
             acts = m * ((self.out[a - 1] if a else 0.0) + self.out[z - 1])
             fm, bm = self.mm.footprint(w, g, self.r[z] - self.r[a], acts)  # = stage_memory
             st.f.append(self.f[z] - self.f[a])
@@ -277,7 +374,7 @@ class PrefixSums:
             st.out.append(self.out[z - 1])
             st.fmem.append(fm)
             st.bmem.append(bm)
-            st.frozen.append(self.g[z] == 0)
+            st.frozen.append(z <= self.frozen)
         return st
 
     def score(self, cuts: Sequence[int]) -> tuple[float, float]:
@@ -302,22 +399,6 @@ def layer_runs(problem: PartitionProblem) -> list[tuple[int, int]]:
 
 
 # ---------------------------------------------------------------- the timeline
-@dataclass(frozen=True)
-class Evaluation:
-    """The schedule of fixed cuts: start times F[k][i] / B[k][i], prefetches, memory, and
-    `grad_done[k]` = D_k, when stage k's gradients are in DRAM (makespan = max of them)."""
-
-    boundaries: tuple[int, ...]
-    makespan: float
-    prefetch_fwd: tuple[float, ...]
-    prefetch_bwd: tuple[float, ...]
-    fwd_start: tuple[tuple[float, ...], ...]
-    bwd_start: tuple[tuple[float, ...], ...]
-    fwd_mem: tuple[float, ...]
-    bwd_mem: tuple[float, ...]
-    grad_done: tuple[float, ...]
-
-
 def _reference_totals(problem: PartitionProblem, cuts: Sequence[int]) -> StageTotals:
     """`StageTotals` summed layer by layer through `stage_memory` (what `evaluate` trusts)."""
     ls, mm, m = problem.layers, problem.memory, problem.microbatches
@@ -325,15 +406,17 @@ def _reference_totals(problem: PartitionProblem, cuts: Sequence[int]) -> StageTo
     st = StageTotals([], [], [], [], [], [], [])
     for a, z in zip(edges, edges[1:]):
         part = ls[a:z]
-        fm, bm = stage_memory(part, ls[a - 1] if a > 0 else None, mm)
+        tied = tied_copy_bytes(problem.tied, a, z, mm.weight_scale)
+        fm, bm = stage_memory(part, ls[a - 1] if a > 0 else None, mm, tied)
         st.f.append(sum(l.fwd_time for l in part) / m)
         st.b.append(sum(l.bwd_time for l in part) / m)
-        st.w.append(sum(l.param_bytes for l in part) * mm.weight_scale)
-        st.g.append(sum(l.grad_bytes for l in part) * mm.weight_scale)
+        st.w.append(sum(l.param_bytes for l in part) * mm.weight_scale + tied[0])
+        st.g.append(sum(l.grad_bytes for l in part) * mm.weight_scale + tied[1])
         st.out.append(part[-1].output_bytes * mm.act_scale / m)
         st.fmem.append(fm)
         st.bmem.append(bm)
-        st.frozen.append(not any(l.grad_bytes for l in ls[:z]))
+        st.frozen.append(not any(l.grad_bytes for l in ls[:z]) and not any(
+            t.trainable and any(0 <= r < z for r in (*t.readers, t.owner)) for t in problem.tied))
     return st
 
 
@@ -353,77 +436,6 @@ def memory_violation(problem: PartitionProblem, st: StageTotals) -> float:
         v += sum(max(0.0, r - c) / max(cap[k % n], 1) for r in rows)
     return v
 
-
-def timeline(problem: PartitionProblem, st: StageTotals, full: bool = False):
-    """Least start times of docs/schedule.md for fixed stages (exact: see the module docstring).
-
-    Returns the makespan, or with `full` (makespan, p, q, F, B, D): prefetched bytes forward
-    and backward, forward / backward start times [k][i] and gradient-download ends per stage.
-    Memory is not checked here (`memory_violation`); the prefetches use the free memory.
-    """
-    n, m, s = len(problem.gpus), problem.microbatches, len(st.f)
-    up, cap = problem.up, problem.capacity
-    # out_k over the link stage k -> k+1 (forward) and k+1 -> k (backward); 0 on the same GPU
-    hop_t = [st.out[k] / problem.hop[k % n] for k in range(s)]
-    # A frozen stage (no weight gradient in it or before it) runs no backward: no gradient
-    # reaches it, its weights are not fetched again, it recomputes nothing.
-    live = [not x for x in st.frozen] if st.frozen else [True] * s
-    hop_back_t = [st.out[k] / problem.backward_hop[k % n] if live[k] else 0.0 for k in range(s)]
-    f, w = st.f, st.w
-    b = [x if on else 0.0 for x, on in zip(st.b, live)]
-    wb = [x if on else 0.0 for x, on in zip(st.w, live)]  # weights fetched again for backward
-    F: list[list[float]] = []
-    p = [0.0] * s
-    for k in range(s):
-        sl = k % n
-        if k < n:
-            t0 = w[k] / up[sl]
-        else:
-            prev = F[k - n]
-            end = prev[m - 1] + f[k - n]
-            p[k] = max(0.0, min(w[k], up[sl] * (end - prev[0]), cap[sl] - st.fmem[k - n]))
-            t0 = end + (w[k] - p[k]) / up[sl]
-        row = [0.0] * m
-        before = F[k - 1] if k else None
-        gap = f[k - 1] + hop_t[k - 1] if k else 0.0
-        t = t0
-        for i in range(m):
-            if before is not None and before[i] + gap > t:
-                t = before[i] + gap
-            row[i] = t
-            t += f[k]
-        F.append(row)
-    B: list[list[float]] = [[0.0] * m for _ in range(s)]
-    q = [0.0] * s
-    for k in range(s - 1, -1, -1):
-        sl = k % n
-        if k == s - 1:
-            t0 = F[k][m - 1] + f[k]
-        elif k >= s - n:
-            t0 = 0.0
-        else:
-            nxt = B[k + n]
-            end = nxt[m - 1] + b[k + n]
-            q[k] = max(0.0, min(wb[k], up[sl] * (end - nxt[0]), cap[sl] - st.bmem[k + n]))
-            t0 = end + (wb[k] - q[k]) / up[sl]
-        after = B[k + 1] if k < s - 1 else None
-        gap = b[k + 1] + hop_back_t[k] if k < s - 1 else 0.0
-        row, t = B[k], t0
-        for i in range(m):
-            if after is not None and after[i] + gap > t:
-                t = after[i] + gap
-            row[i] = t
-            t += b[k]
-    D = [0.0] * s  # gradient downloads queue per GPU: stage k's after stage k+N's
-    for k in range(s - 1, -1, -1):
-        ready = B[k][m - 1] + b[k]
-        if k + n < s and D[k + n] > ready:
-            ready = D[k + n]
-        D[k] = ready + st.g[k] / problem.down[k % n]
-    makespan = max(D)
-    return (makespan, p, q, F, B, D) if full else makespan
-
-
 def evaluate(problem: PartitionProblem, boundaries: Sequence[int]) -> Evaluation | None:
     """The schedule model for fixed `boundaries`, solved exactly; None if memory does not fit.
 
@@ -436,6 +448,8 @@ def evaluate(problem: PartitionProblem, boundaries: Sequence[int]) -> Evaluation
     st = _reference_totals(problem, cuts)
     if memory_violation(problem, st) > 0:
         return None
-    makespan, p, q, F, B, D = timeline(problem, st, full=True)
-    return Evaluation(cuts, makespan, tuple(p), tuple(q), tuple(map(tuple, F)), tuple(map(tuple, B)),
-                      tuple(st.fmem), tuple(st.bmem), tuple(D))
+    tl = timeline(problem, st, full=True)
+    return Evaluation(cuts, tl.makespan, tuple(tl.p), tuple(tl.q), tuple(map(tuple, tl.F)), tuple(map(tuple, tl.B)),
+                      tuple(st.fmem), tuple(st.bmem), tuple(tl.D),
+                      tuple(tuple(tl.V.get(k, ())) for k in range(len(cuts))), tuple(tl.E), tuple(tl.A),
+                      tuple(tl.R))

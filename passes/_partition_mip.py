@@ -50,6 +50,12 @@ class Mip:
     frozen: dict = field(default_factory=dict)  # k -> (y_k, [(var, its expression when live)]): `_frozen_prefix`
     prefix: int = 0  # P: layers before the first with a weight gradient
     layers: int = 0
+    V: dict = field(default_factory=dict)  # k -> [i] start of micro-batch i's copies to the host (k >= S-N)
+    E: dict = field(default_factory=dict)  # k -> end of the copies to the host up to stage k (k < S-N)
+    A: dict = field(default_factory=dict)  # k -> stage k's weights back for backward (k < S-N)
+    R: dict = field(default_factory=dict)  # k -> its restores and the uploads before them done (k >= S-N, N)
+    tied: dict = field(default_factory=dict)  # "holds_{i}_{k}" / "tied_{j}_{k}" -> var: `_tied_copies`
+    tied_weights: tuple = ()  # the problem's TiedWeights (j indexes them)
 
 
 def _var(lp: pulp.LpProblem, name: str, lo: float | None = None, hi: float | None = None,
@@ -109,41 +115,91 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
                 if b:
                     lp += pulp.lpSum(a) >= pulp.lpSum(b), f"run_order_{k}_{r}"
     part = lambda q, k: at[k + 1][q] - at[k][q]
+    aux: dict = {}
+    tied_w, tied_g = _tied_copies(lp, problem, at, s, aux)
     f = [part("f", k) * (1 / scale) for k in range(s)]
     b = [part("b", k) * (1 / scale) for k in range(s)]
-    w = [part("w", k) for k in range(s)]
+    w = [part("w", k) + tied_w[k] for k in range(s)]
+    g = [part("g", k) + tied_g[k] for k in range(s)]
     wb = list(w)  # weights fetched again for backward
     grad_in = [at[k + 1]["a"] for k in range(s)]  # bytes of the gradient that reaches stage k (from k + 1)
-    frozen = _frozen_prefix(lp, problem, at, s, {"b": b, "w": wb, "a": grad_in},
-                            {"b": fast.b[L] / scale, "w": fast.w[L], "a": max(fast.out)})
+    in0 = problem.input_bytes / m
+    saved = [in0] + [at[k]["a"] for k in range(1, s)]  # in_k: offloaded and restored (k = 0: sent again)
+    frozen = _frozen_prefix(lp, problem, at, s, {"b": b, "w": wb, "a": grad_in, "in": saved},
+                            {"b": fast.b[L] / scale, "w": fast.w[L] + sum(t.nbytes for t in problem.tied) * fast.mm.weight_scale,
+                             "a": max(fast.out), "in": max(*fast.out, in0)})
     # Memory: step_model.stage_memory's formula (MemoryModel.footprint, linear) on the stage sums.
-    mem = [fast.mm.footprint(part("w", k), part("g", k), part("r", k), m * (at[k]["a"] + at[k + 1]["a"]))
+    mem = [fast.mm.footprint(w[k], g[k], part("r", k), m * (at[k]["a"] + at[k + 1]["a"]))
            for k in range(s)]
     infeasible = _memory_rows(lp, problem, mem, mem_tol)
     inv = lambda bw: 0.0 if bw == math.inf else 1 / (bw * scale)  # seconds per byte, in units
     hop = [inv(problem.hop[k % n]) for k in range(s)]  # activation k -> k+1
     hop_back = [inv(problem.backward_hop[k % n]) for k in range(s)]  # gradient k+1 -> k
+    up = [1 / (problem.up[k % n] * scale) for k in range(s)]  # seconds per byte, in units
+    down = [1 / (problem.down[k % n] * scale) for k in range(s)]
     F = [[_var(lp, f"F_{k}_{i}", 0) for i in range(m)] for k in range(s)]
     B = [[_var(lp, f"B_{k}_{i}", 0) for i in range(m)] for k in range(s)]
     for k in range(s):
-        upk = 1 / (problem.up[k % n] * scale)
         if k < n:
-            lp += F[k][0] >= w[k] * upk, f"upload_{k}"
+            lp += F[k][0] >= w[k] * up[k], f"upload_{k}"
         else:
             lp += F[k][0] >= F[k - n][m - 1] + f[k - n], f"gpu_free_f{k}"
-            lp += F[k][0] >= F[k - n][0] + w[k] * upk, f"prefetch_f{k}"
+            lp += F[k][0] >= F[k - n][0] + w[k] * up[k], f"prefetch_f{k}"
         for i in range(m):
             if i:
                 lp += F[k][i] >= F[k][i - 1] + f[k], f"mb_f{k}_{i}"
             if k:
                 lp += F[k][i] >= F[k - 1][i] + f[k - 1] + at[k]["a"] * hop[k - 1], f"act_f{k}_{i}"
+            elif in0 > 0:  # the model inputs of micro-batches 0..i and the weights share the host link
+                lp += F[0][i] >= (w[0] + (i + 1) * in0) * up[0], f"input_f{i}"
+    # Copies to the host (step_model.timeline's V and E): micro-batch i's offload, then (last
+    # stage) its output, after its forward run, in stage and micro-batch order per GPU. V per
+    # micro-batch for the stages resident through the turn, only the end E for the others.
+    out_last = fast.out[L - 1]
+    copy = [(saved[k] * down[k] if k else 0.0) + (out_last * down[k] if k == s - 1 else 0.0) for k in range(s)]
+    V, E, A, R = {}, {}, {}, {}
+    for k in range(1 if s > 1 else 0, s):
+        if k >= s - n:
+            V[k] = [_var(lp, f"V_{k}_{i}", 0) for i in range(m)]
+            for i in range(m):
+                lp += V[k][i] >= F[k][i] + f[k], f"host_copy_{k}_{i}"
+                if i:
+                    lp += V[k][i] >= V[k][i - 1] + copy[k], f"host_copies_{k}_{i}"
+            if k - n in E:
+                lp += V[k][0] >= E[k - n], f"host_copies_{k}"
+        else:
+            E[k] = _var(lp, f"E_{k}", 0)
+            lp += E[k] >= F[k][0] + f[k] + m * copy[k], f"host_copies_{k}_first"
+            lp += E[k] >= F[k][m - 1] + f[k] + copy[k], f"host_copies_{k}_last"
+            if k - n in E:
+                lp += E[k] >= E[k - n] + m * copy[k], f"host_copies_{k}"
     for k in range(s - 1, -1, -1):
-        upk = 1 / (problem.up[k % n] * scale)
+        rk = saved[k] * up[k]  # one restore (k = 0: one model input sent again)
         if k == s - 1:
             lp += B[k][0] >= F[k][m - 1] + f[k], "turn"
         elif k < s - n:
             lp += B[k][0] >= B[k + n][m - 1] + b[k + n], f"gpu_free_b{k}"
-            lp += B[k][0] >= B[k + n][0] + wb[k] * upk, f"prefetch_b{k}"
+        if k >= s - n:  # step_model.timeline's ready[j] and R_k of a resident stage
+            dk = saved[k] * down[k] if k else 0.0
+            for j in range(m):
+                if k:  # restore j after offload M-1-j
+                    lp += B[k][j] >= V[k][m - 1 - j] + dk + (j + 1) * rk, f"restore_b{k}_{j}"
+                elif in0 > 0:
+                    lp += B[0][j] >= w[0] * up[0] + (j + 1) * rk, f"input_b{j}"
+                if k == s - 1:
+                    lp += B[k][j] >= V[k][m - 1 - j] + copy[k] + (j + 1) * grad_in[k] * up[k], f"output_grad_b{j}"
+            if k >= n:
+                R[k] = _var(lp, f"R_{k}", 0)
+                for i in range(m):
+                    lp += R[k] >= V[k][i] + dk + (m - i) * rk, f"restores_{k}_{i}"
+        else:  # the prefetch starts with stage k+N's backward and queues after its restores
+            A[k] = _var(lp, f"A_{k}", 0)
+            lp += A[k] >= B[k + n][0] + wb[k] * up[k], f"prefetch_b{k}"
+            lp += A[k] >= R[k + n] + wb[k] * up[k], f"upload_queue_b{k}"
+            lp += B[k][0] >= A[k] + rk, f"restore_b{k}_first"
+            lp += B[k][m - 1] >= A[k] + m * rk, f"restore_b{k}_last"
+            if k >= n:
+                R[k] = A[k] + m * rk
         for i in range(m):
             if i:
                 lp += B[k][i] >= B[k][i - 1] + b[k], f"mb_b{k}_{i}"
@@ -154,15 +210,66 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     D = [_var(lp, f"D_{k}", 0) for k in range(s)]
     T = _var(lp, "makespan", 0)
     for k in range(s - 1, -1, -1):
-        down = part("g", k) * (1 / (problem.down[k % n] * scale))
-        lp += D[k] >= B[k][m - 1] + b[k] + down, f"download_{k}"
+        grads = g[k] * down[k]
+        lp += D[k] >= B[k][m - 1] + b[k] + grads, f"download_{k}"
         if k + n < s:
-            lp += D[k] >= D[k + n] + down, f"download_queue_{k}"
+            lp += D[k] >= D[k + n] + grads, f"download_queue_{k}"
         if k < n:
             lp += T >= D[k], f"end_{k}"
     lp += T
-    prefix = next((i for i, l in enumerate(problem.layers) if l.grad_bytes), L)
-    return Mip(lp, s, scale, z, t, F, B, D, T, infeasible, frozen, prefix, L)
+    prefix = problem.frozen_prefix
+    return Mip(lp, s, scale, z, t, F, B, D, T, infeasible, frozen, prefix, L, V, E, A,
+               {k: v for k, v in R.items() if isinstance(v, pulp.LpVariable)}, aux, problem.tied)
+
+
+def _tied_copies(lp: pulp.LpProblem, problem: PartitionProblem, at: list, s: int, aux: dict) -> tuple[list, list]:
+    """(weight, gradient) bytes of the tied copies each stage keeps (`TiedWeight.copies`), as
+    linear forms. Stage k holds layer i when cut k <= i < cut k+1; that is fixed for layer 0
+    (stage 0), the last layer (stage S-1) and layers no stage but one can reach, else a binary
+    per feasible stage with exactly one set (big-M rows on the cut positions). Stage k keeps a
+    copy when it holds a reader but not the owner: x >= holds(reader) - holds(owner), x >= 0,
+    exact because every row grows with x. The variables go into `aux` by name (the warm start)."""
+    L = len(problem.layers)
+    ws = problem.memory.weight_scale
+    holds: dict[int, list] = {}
+
+    def held(i: int) -> list:
+        if i not in holds:
+            if i < 0:
+                row: list = [0] * s
+            elif i == 0:
+                row = [1] + [0] * (s - 1)
+            elif i == L - 1:
+                row = [0] * (s - 1) + [1]
+            else:
+                row = [1 if k <= i <= L - s + k else 0 for k in range(s)]  # stage k starts at layer >= k
+                if sum(row) > 1:
+                    us = {k: _var(lp, f"holds_{i}_{k}", 0, 1, pulp.LpBinary) for k in range(s) if row[k]}
+                    aux.update((f"holds_{i}_{k}", u) for k, u in us.items())
+                    lp.addConstraint(pulp.lpSum(us.values()) == 1, f"holds_one_{i}")
+                    for k, u in us.items():
+                        lp.addConstraint(at[k]["pos"] <= i + L * (1 - u), f"holds_from_{i}_{k}")
+                        lp.addConstraint(at[k + 1]["pos"] >= i + 1 - L * (1 - u), f"holds_to_{i}_{k}")
+                    row = [us.get(k, 0) for k in range(s)]
+            holds[i] = row
+        return holds[i]
+
+    tw: list = [0.0] * s
+    tg: list = [0.0] * s
+    for j, t in enumerate(problem.tied):
+        owner = held(t.owner)
+        for k in range(s):
+            diffs = [held(r)[k] - owner[k] for r in t.readers]
+            if all(isinstance(d, int) for d in diffs):
+                x: Any = max(0, *diffs)
+            else:
+                x = aux[f"tied_{j}_{k}"] = _var(lp, f"tied_{j}_{k}", 0)
+                for i, d in enumerate(diffs):
+                    lp += x >= d, f"tied_{j}_{k}_{i}"
+            tw[k] = tw[k] + t.nbytes * ws * x
+            if t.trainable:
+                tg[k] = tg[k] + t.nbytes * ws * x
+    return tw, tg
 
 
 def _frozen_prefix(lp: pulp.LpProblem, problem: PartitionProblem, at: list, s: int, live: dict[str, list],
@@ -174,7 +281,7 @@ def _frozen_prefix(lp: pulp.LpProblem, problem: PartitionProblem, at: list, s: i
     (`live[q][k]`, replaced in place; at most `most[q]`) becomes a variable >= x - most * y_k,
     >= 0: every row reads "start >= ... + x", so the optimum takes the least, x (1 - y_k)."""
     L = len(problem.layers)
-    P = next((i for i, l in enumerate(problem.layers) if l.grad_bytes), L)
+    P = problem.frozen_prefix
     if P == 0:
         return {}
     frozen = {}
@@ -245,6 +352,13 @@ def warm_start(mip: Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
         if isinstance(mip.t[k, r], pulp.LpVariable):
             mip.t[k, r].setInitialValue(layer - runs[r][0] + 1)
     edges = [*cuts, mip.layers]
+    for name, v in mip.tied.items():  # holds_{i}_{k}: stage k holds layer i; tied_{j}_{k}: it keeps a copy
+        what, a, k = name.split("_")
+        a, k = int(a), int(k)
+        if what == "holds":
+            v.setInitialValue(int(edges[k] <= a < edges[k + 1]))
+        else:
+            v.setInitialValue(int(mip.tied_weights[a].copies(edges[k], edges[k + 1])))
     for k, (y, terms) in mip.frozen.items():  # after z and t are set, the live expressions evaluate
         off = edges[k + 1] <= mip.prefix
         y.setInitialValue(int(off))
@@ -255,6 +369,12 @@ def warm_start(mip: Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
             mip.F[k][i].setInitialValue(ev.fwd_start[k][i] / mip.scale)
             mip.B[k][i].setInitialValue(ev.bwd_start[k][i] / mip.scale)
         mip.D[k].setInitialValue(ev.grad_done[k] / mip.scale)
+    for k, row in mip.V.items():
+        for i, v in enumerate(row):
+            v.setInitialValue(ev.host_copy_start[k][i] / mip.scale)
+    for times, variables in ((ev.host_copies_done, mip.E), (ev.weights_back, mip.A), (ev.restores_done, mip.R)):
+        for k, v in variables.items():
+            v.setInitialValue(times[k] / mip.scale)
     mip.T.setInitialValue(ev.makespan / mip.scale)
 
 
@@ -345,7 +465,9 @@ def run_solver(mip: Mip, solver: str, time_limit: float, gap_rel: float, warm: b
         if st == K.kOptimal:
             if obj > cut * (1 + 1e-9):
                 return "cut off", obj, cut
-            return "optimal", obj, min(bound, obj)
+            # (a program without integer columns, e.g. S = 1, is an LP: HiGHS leaves its MIP
+            # dual bound at 0, and its optimum is its own bound)
+            return "optimal", obj, min(bound, obj) if lp.isMIP() else obj
         if st in (K.kInfeasible, K.kUnboundedOrInfeasible, K.kObjectiveBound):
             return ("cut off", obj, cut) if cutoff is not None else ("infeasible", math.inf, math.inf)
         # (Without a MIP start, running out of time before beating the cutoff leaves no

@@ -19,11 +19,13 @@ and so are stage times, weights, the boundary activation (the output of the run 
 after) and the memory of `stage_memory`, which the MIP and the local search compute with the
 same `MemoryModel.footprint` on the same sums (weights, gradients, recompute bytes, boundary
 activations). One binary per (layer, stage) does not finish in CBC at 75 layers; this form
-has (S-1)·R binaries.
+has (S-1)·R binaries, plus, for a tied weight read by a layer other than the first or the
+last, one binary per stage that layer can fall in (which stage keeps a copy of it).
 
 For fixed cuts the least start times are optimal (`step_model`'s docstring says why), and the
-MIP uses the same elimination of the prefetch p, and drops rows that others imply for every
-cut set (`_partition_mip.py` checks each from the footprint's coefficients): `p_k <= free`
+MIP uses the same elimination of the prefetch p, the same rows for the saved inputs (the
+bytes of a boundary activation are linear in the cut variables), and drops rows that others
+imply for every cut set (`_partition_mip.py` checks each from the footprint's coefficients): `p_k <= free`
 and `q_k <= free` follow from the double buffer (W_k <= mem_k), the forward rules from the
 backward ones (bwd_mem >= fwd_mem), and a stage's own rule from its double-buffer pair.
 
@@ -312,7 +314,7 @@ def solve(problem: PartitionProblem, *, solver: str = "auto", time_limit: float 
     name = _pick_solver(solver)
     cands = _candidates(problem, stage_counts)
     say = progress or (lambda msg: None)
-    settings = {"solver": name, "time_limit": time_limit, "stage_counts": cands, "gap_rel": gap_rel, "v": 3}  # v: the model and solver (bump when either changes)
+    settings = {"solver": name, "time_limit": time_limit, "stage_counts": cands, "gap_rel": gap_rel, "v": 5}  # v: the model and solver (bump when either changes)
     path = _cache_dir(cache_dir) / f"{_cache_key(problem, settings)}.json"
     if path.exists():
         try:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mobius_fx import PlanError
 from mobius_fx.costs import LayerCost
 from mobius_fx.passes import _partition_mip as M
-from mobius_fx.step_model import MEMORY_TOLERANCE, MemoryModel, PrefixSums, layer_runs, stage_memory
+from mobius_fx.step_model import MEMORY_TOLERANCE, MemoryModel, PrefixSums, TiedWeight, layer_runs, stage_memory
 from mobius_fx.passes.partition import PartitionProblem, brute_force, evaluate, heuristic, solve
 
 TIMES = st.floats(0.05, 2.0, allow_nan=False)
@@ -26,7 +26,9 @@ BANDWIDTH = st.floats(5.0, 100.0, allow_nan=False)
 def problems(draw) -> PartitionProblem:
     """2-8 layers drawn from <= 3 kinds (so runs of identical layers occur), <= 3 GPUs,
     <= 3 micro-batches; capacities from "the largest layer alone does not fit" to "the whole
-    model fits on one GPU"; backward hops the same as forward ones or drawn apart."""
+    model fits on one GPU"; backward hops the same as forward ones or drawn apart; a model
+    input (sent to stage 0 in forward and again in backward) of 0-60 B; half of them with a
+    tied weight that layers of other stages read (`TiedWeight`)."""
     kinds = [dict(fwd_time=draw(TIMES), bwd_time=draw(TIMES), param_bytes=draw(st.integers(1, 60)),
                   grad_bytes=draw(BYTES), output_bytes=draw(BYTES), peak_bytes=draw(BYTES))
              for _ in range(draw(st.integers(1, 3)))]
@@ -41,9 +43,16 @@ def problems(draw) -> PartitionProblem:
     caps = tuple(draw(st.integers(lo, int(max(1.3 * total, alone)) + 1)) for _ in range(n))
     hops = tuple(math.inf if n == 1 else draw(BANDWIDTH) for _ in range(n))
     back = None if n == 1 or draw(st.booleans()) else tuple(draw(BANDWIDTH) for _ in range(n))
+    tied = ()
+    if draw(st.booleans()):  # a tied weight: owned by layer 0 (an embedding), another one or none
+        L = len(layers)
+        owner = draw(st.sampled_from([0, -1, draw(st.integers(0, L - 1))]))
+        readers = draw(st.sets(st.integers(0, L - 1).filter(lambda i: i != owner), min_size=1, max_size=2))
+        tied = (TiedWeight("tied", owner, tuple(sorted(readers)), float(draw(st.integers(1, 40))),
+                           draw(st.booleans())),)
     return PartitionProblem(layers, m, tuple(f"gpu{i}" for i in range(n)), caps,
                             tuple(draw(BANDWIDTH) for _ in range(n)), tuple(draw(BANDWIDTH) for _ in range(n)),
-                            hops, mm, hop_back=back)
+                            hops, mm, hop_back=back, input_bytes=draw(BYTES), tied=tied)
 
 
 def _solve(p: PartitionProblem):
@@ -173,11 +182,12 @@ def test_the_makespan_is_the_last_gradient_download(p):
     edges = list(ev.boundaries) + [len(p.layers)]
     for k in range(s):  # a download starts when the stage's backward and the GPU's previous download end
         part = p.layers[edges[k]:edges[k + 1]]
-        frozen = not any(l.grad_bytes for l in p.layers[:edges[k + 1]])  # runs no backward: takes no time
+        frozen = edges[k + 1] <= p.frozen_prefix  # no weight gradient in it or before it: no backward
         ready = ev.bwd_start[k][m - 1] + (0.0 if frozen else sum(l.bwd_time for l in part) / m)
         if k + n < s:
             ready = max(ready, ev.grad_done[k + n])
-        took = sum(l.grad_bytes for l in part) * p.memory.weight_scale / p.down[k % n]
+        tied = p.tied_bytes(edges[k], edges[k + 1])[1]  # its tied copies' gradient
+        took = (sum(l.grad_bytes for l in part) * p.memory.weight_scale + tied) / p.down[k % n]
         assert ev.grad_done[k] == pytest.approx(ready + took, rel=1e-9, abs=1e-12)
     assert ev.makespan == max(ev.grad_done)
 

@@ -126,6 +126,31 @@ def test_the_plan_counts_the_tied_heads_gradient_the_runtime_sends_back(tmp_path
         assert stats[gpu]["weight h2d"]["bytes"] == planned_weights, gpu
 
 
+def test_the_planned_step_counts_the_tied_copy_and_the_model_input(tmp_path):
+    # The partitioner's problem is the plan's: the step time compile() reports is the step
+    # model's for the plan's stages with the tied head's copy (and its gradient) and the model
+    # input in it — without either, the model gives another time.
+    from dataclasses import replace
+
+    from mobius_fx.step_model import PartitionProblem, evaluate, tied_weights
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=256, seq=32, hidden=64, blocks=4, heads=2))
+    x = torch.randint(0, 256, (4, 32))
+    size = sum(p.numel() * 4 for p in model.parameters())
+    topo = Topology.virtual(gpus=2, memory=8 * size, bandwidth=size)  # slow links: every byte counts
+    plan = mobius_fx.plan(model, topo, example_inputs=(x,), microbatches=2, cache_dir=str(tmp_path), time_limit=2.0)
+    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters(remove_duplicate=False)}
+    tied = tied_weights(plan.layers, sizes)
+    assert [(t.name, t.owner, t.readers) for t in tied] == [("wte.weight", 0, (len(plan.layers) - 1,))]
+    full = PartitionProblem.from_topology(plan.layers, topo, microbatches=plan.microbatches,
+                                          order=plan.order, input_bytes=4 * 32 * 8, tied=tied)
+    cuts = [plan.layers.index(next(l for l in plan.layers if l.name == s.layers[0])) for s in plan.stages]
+    assert plan.step_time == pytest.approx(evaluate(full, cuts).makespan, rel=1e-12)
+    for other in (replace(full, tied=()), replace(full, input_bytes=0.0)):
+        assert evaluate(other, cuts).makespan != pytest.approx(plan.step_time, rel=1e-9)
+
+
 # ----------------------------------------------------------------------------- the runtime moves what it says
 
 from torch.fx.passes.shape_prop import ShapeProp  # noqa: E402

@@ -1,0 +1,212 @@
+"""The timeline of the step model (`mobius_fx.step_model`, which re-exports everything here):
+the least start times of docs/schedule.md for fixed stages, and the records they come in.
+
+Kept apart only for size: import these names from `mobius_fx.step_model`. This module reads
+its `problem` (a `step_model.PartitionProblem`) and stage numbers (`step_model.StageTotals`)
+by attribute and imports nothing from it.
+
+    timeline(problem, PrefixSums(problem).stages((0, 4, 8)))   # seconds per step
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Evaluation", "Timeline", "timeline"]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The schedule of fixed cuts: start times F[k][i] / B[k][i], prefetches, memory,
+    `grad_done[k]` = D_k, when stage k's gradients are on the host (makespan = max of them), and
+    the helper times of the saved-input rows (`Timeline`): `host_copy_start[k][i]` = V_k,i for
+    the stages resident through the turn (() for the others), `host_copies_done[k]` = E_k,
+    `weights_back[k]` = A_k and `restores_done[k]` = R_k."""
+
+    boundaries: tuple[int, ...]
+    makespan: float
+    prefetch_fwd: tuple[float, ...]
+    prefetch_bwd: tuple[float, ...]
+    fwd_start: tuple[tuple[float, ...], ...]
+    bwd_start: tuple[tuple[float, ...], ...]
+    fwd_mem: tuple[float, ...]
+    bwd_mem: tuple[float, ...]
+    grad_done: tuple[float, ...]
+    host_copy_start: tuple[tuple[float, ...], ...] = ()
+    host_copies_done: tuple[float, ...] = ()
+    weights_back: tuple[float, ...] = ()
+    restores_done: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """`timeline(..., full=True)`: the least times of docs/schedule.md for fixed stages.
+
+    p / q: bytes prefetched forward / backward; F / B: forward / backward start of the i-th
+    micro-batch run of each stage (backward in run order); D: end of each stage's gradient
+    download; V: start of micro-batch i's copies to the host (offload, model output) of each
+    stage resident through the turn (k >= S-N; no key for the others); E: end of the copies of
+    stage k and those before it on its GPU (read for k < S-N); A: stage k's weights back for
+    backward (k < S-N); R: the least end of the uploads up to and including stage k's restores
+    (its backward prefetch and the restores of the stages after it on its GPU included).
+    """
+
+    makespan: float
+    p: list[float]
+    q: list[float]
+    F: list[list[float]]
+    B: list[list[float]]
+    D: list[float]
+    V: dict[int, list[float]]
+    E: list[float]
+    A: list[float]
+    R: list[float]
+
+
+def timeline(problem: Any, st: Any, full: bool = False):
+    """Least start times of docs/schedule.md for fixed stages (exact: see the module docstring).
+
+    Returns the makespan, or with `full` a `Timeline` (prefetched bytes, start times, download
+    ends and the saved-input helpers V, E, A and R). Memory is not checked here
+    (`memory_violation`); the prefetches use the free memory.
+    """
+    n, m, s = len(problem.gpus), problem.microbatches, len(st.f)
+    up, down, cap = problem.up, problem.down, problem.capacity
+    # out_k over the link stage k -> k+1 (forward) and k+1 -> k (backward); 0 on the same GPU
+    hop_t = [st.out[k] / problem.hop[k % n] for k in range(s)]
+    # A frozen stage (no weight gradient in it or before it) runs no backward: no gradient
+    # reaches it, its weights are not fetched again, it recomputes nothing, and its input is
+    # neither saved nor restored.
+    live = [not x for x in st.frozen] if st.frozen else [True] * s
+    hop_back_t = [st.out[k] / problem.backward_hop[k % n] if live[k] else 0.0 for k in range(s)]
+    f, w = st.f, st.w
+    b = [x if on else 0.0 for x, on in zip(st.b, live)]
+    wb = [x if on else 0.0 for x, on in zip(st.w, live)]  # weights fetched again for backward
+    # Saved inputs (schedule.py): in_k per micro-batch (k = 0: the model input as sent). Stage
+    # k > 0 offloads it to the host after each forward run (d_k) and restores it before each
+    # backward run (r_k); stage 0's model input is sent again (r_0). The last stage copies its
+    # output to the host (h) and gets its gradient back (e).
+    in0 = problem.input_bytes / m
+    inp = [in0, *st.out[:s - 1]]
+    r = [inp[k] / up[k % n] if live[k] else 0.0 for k in range(s)]
+    d = [inp[k] / down[k % n] if live[k] and k else 0.0 for k in range(s)]
+    out_down = st.out[s - 1] / down[(s - 1) % n]
+    out_up = st.out[s - 1] / up[(s - 1) % n] if live[s - 1] else 0.0
+    F: list[list[float]] = []
+    p = [0.0] * s
+    for k in range(s):
+        sl = k % n
+        if k < n:
+            t0 = w[k] / up[sl]
+        else:
+            prev = F[k - n]
+            end = prev[m - 1] + f[k - n]
+            p[k] = max(0.0, min(w[k], up[sl] * (end - prev[0]), cap[sl] - st.fmem[k - n]))
+            t0 = end + (w[k] - p[k]) / up[sl]
+        row = [0.0] * m
+        t, fk = t0, f[k]
+        if k:
+            before, gap = F[k - 1], f[k - 1] + hop_t[k - 1]
+            for i in range(m):
+                if before[i] + gap > t:
+                    t = before[i] + gap
+                row[i] = t
+                t += fk
+        else:  # the model inputs of micro-batches 0..i and the weights share stage 0's host link
+            for i in range(m):
+                if (w[0] + (i + 1) * in0) / up[0] > t:
+                    t = (w[0] + (i + 1) * in0) / up[0]
+                row[i] = t
+                t += fk
+        F.append(row)
+    # Copies to the host leave on each GPU's download stream in stage and micro-batch order
+    # (a stage's are released before the next stage's on the GPU, and served first): stage k's
+    # offload (d_k), then, for the last stage, its output (h), each after its forward run.
+    # V[k][i] is when micro-batch i's copies start, for a stage resident through the turn
+    # (k >= S-N), whose restores wait for them. The other stages' copies only delay the
+    # resident one's: E[k] bounds when those of stage k (and the stages before it on its GPU)
+    # are done, by the first and the last micro-batch's (both exact when forward runs follow
+    # each other without a gap; the MIP keeps two rows instead of M).
+    copy = d[:]
+    copy[s - 1] += out_down
+    V: dict[int, list[float]] = {}
+    E = [-math.inf] * s
+    for k in range(1 if s > 1 else 0, s):
+        before, c, row = E[k - n] if k >= n else -math.inf, copy[k], F[k]
+        if k < s - n:
+            E[k] = max(before + m * c, row[0] + f[k] + m * c, row[m - 1] + f[k] + c)
+            continue
+        v, t = [], before
+        for i in range(m):
+            if row[i] + f[k] > t:
+                t = row[i] + f[k]
+            v.append(t)
+            t += c
+        V[k] = v
+    B: list[list[float]] = [[0.0] * m for _ in range(s)]
+    q = [0.0] * s
+    A = [0.0] * s  # stage k's weights back for backward (k < S-N), at the least
+    R = [0.0] * s  # the restores of stage k (and the uploads before them on its GPU) done, at the least
+    for k in range(s - 1, -1, -1):
+        sl = k % n
+        # ready[j] / first, last: the least start of the j-th backward run (micro-batch M-1-j)
+        # from the uploads it waits for: the restores of micro-batches M-1..M-1-j, serial on the
+        # upload stream, each after its offload and after the stage's weights.
+        ready, last = None, -math.inf
+        if k >= s - n:  # resident: restore j after offload M-1-j (and the later ones after theirs)
+            t0 = F[k][m - 1] + f[k] if k == s - 1 else 0.0
+            if k:
+                v, dk, rk = V[k], d[k], r[k]
+                ready = [v[m - 1 - j] + dk + (j + 1) * rk for j in range(m)]
+                R[k] = max(v[i] + dk + (m - i) * rk for i in range(m))
+            else:  # a resident stage 0: the model input is sent again after the first upload
+                ready = [w[0] / up[0] + (j + 1) * r[0] for j in range(m)]
+            if k == s - 1:  # the output's gradient comes back from the host after the output went
+                v = V[k]
+                ready = [max(x, v[m - 1 - j] + copy[k] + (j + 1) * out_up) for j, x in enumerate(ready)]
+        else:  # the prefetch starts with stage k+N's backward and queues after its restores (its
+            # offloads are older than the resident stage's, so they are implied); the first
+            # run waits for one restore, the last for all M (the MIP keeps these two rows)
+            nxt = B[k + n]
+            end = nxt[m - 1] + b[k + n]
+            q[k] = max(0.0, min(wb[k], up[sl] * (end - nxt[0]), cap[sl] - st.bmem[k + n]))
+            t0 = end + (wb[k] - q[k]) / up[sl]
+            A[k] = max(R[k + n], nxt[0]) + wb[k] / up[sl]
+            R[k] = last = A[k] + m * r[k]
+            if A[k] + r[k] > t0:
+                t0 = A[k] + r[k]
+        row, t, bk = B[k], t0, b[k]
+        if k < s - 1:
+            after, gap = B[k + 1], b[k + 1] + hop_back_t[k]
+            if ready is None:
+                for i in range(m):
+                    if after[i] + gap > t:
+                        t = after[i] + gap
+                    row[i] = t
+                    t += bk
+            else:
+                for i in range(m):
+                    if after[i] + gap > t:
+                        t = after[i] + gap
+                    if ready[i] > t:
+                        t = ready[i]
+                    row[i] = t
+                    t += bk
+        else:
+            for i in range(m):
+                if ready[i] > t:
+                    t = ready[i]
+                row[i] = t
+                t += bk
+        if last > row[m - 1]:  # the last run waits for all M restores
+            row[m - 1] = last
+    D = [0.0] * s  # gradient downloads queue per GPU: stage k's after stage k+N's
+    for k in range(s - 1, -1, -1):
+        done = B[k][m - 1] + b[k]
+        if k + n < s and D[k + n] > done:
+            done = D[k + n]
+        D[k] = done + st.g[k] / problem.down[k % n]
+    makespan = max(D)
+    return Timeline(makespan, p, q, F, B, D, V, E, A, R) if full else makespan

@@ -1,0 +1,391 @@
+"""The step model (mobius_fx.step_model): `evaluate`, the timeline of fixed cuts, by hand and
+against the simulator. The solvers that search it are tested in test_partition.py."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from mobius_fx import PlanError
+from mobius_fx.costs import LayerCost
+from mobius_fx.plans import build_plan
+from mobius_fx.simulator import simulate
+from mobius_fx.step_model import (
+    MemoryModel, PartitionProblem, PrefixSums, TiedWeight, evaluate, stage_memory, tied_weights,
+)
+from mobius_fx.topology import Topology
+
+
+def layer(name: str, fwd: float = 1.0, bwd: float = 2.0, params: int = 10, out: int = 0, peak: int = 0,
+          grad: int | None = None, sig: str = "") -> LayerCost:
+    return LayerCost(name, (name,), 0.0, 0.0, fwd, bwd, params, params if grad is None else grad, out, peak,
+                     signature=sig)
+
+
+def problem(layers, *, gpus: int = 1, m: int = 1, cap: float = 1e9, up: float = 10.0, down: float = 10.0,
+            hop: float = 10.0, hop_back: float | None = None, frac: float = 1.0, dtype=None,
+            input_bytes: float = 0.0, tied: tuple[TiedWeight, ...] = ()) -> PartitionProblem:
+    layers = tuple(layers)
+    return PartitionProblem(layers, m, tuple(f"gpu{i}" for i in range(gpus)), (int(cap),) * gpus, (up,) * gpus,
+                            (down,) * gpus, (hop,) * gpus, MemoryModel.for_layers(layers, m, dtype), frac,
+                            hop_back=None if hop_back is None else (hop_back,) * gpus, input_bytes=input_bytes,
+                            tied=tied)
+
+
+def unshared_topology(n: int, *, nvlink: float | list[float] = 50.0):
+    """Every GPU on its own 10 GB/s host link, NVLink (GB/s, or [a_to_b, b_to_a]) between every
+    pair: no link is shared, so the simulator replays exactly the partitioner's model."""
+    nodes = [{"name": "cpu0", "kind": "root_complex"}]
+    nodes += [{"name": f"gpu{i}", "kind": "gpu", "memory": "24GiB", "spec": "rtx3090"} for i in range(n)]
+    links = [{"a": "cpu0", "b": f"gpu{i}", "bandwidth_gbps": 10.0} for i in range(n)]
+    links += [{"a": f"gpu{i}", "b": f"gpu{j}", "kind": "nvlink", "bandwidth_gbps": nvlink}
+              for i in range(n) for j in range(i + 1, n)]
+    return Topology.from_dict({"name": "unshared", "p2p": True, "nodes": nodes, "links": links})
+
+
+# ---------------------------------------------------------------------- weights and hops
+def test_evaluate_hides_the_whole_upload_when_the_previous_span_is_long_enough():
+    # One GPU, two stages of W=10 B at 10 B/s: stage 1's upload fits in stage 0's 1 s span.
+    ev = evaluate(problem([layer("a"), layer("b")]), (0, 1))
+    assert ev.fwd_start == ((1.0,), (2.0,))
+    assert ev.prefetch_fwd == (0.0, 10.0)
+    assert ev.bwd_start == ((5.0,), (3.0,))
+    assert ev.makespan == pytest.approx(7.0 + 10 / 10)  # + stage 0's gradient download
+
+
+def test_evaluate_prefetch_is_limited_by_bandwidth_times_the_previous_span():
+    # At 5 B/s only 5 of stage 1's 10 B move during stage 0's 1 s forward; the rest waits 1 s.
+    ev = evaluate(problem([layer("a"), layer("b")], up=5.0, down=5.0), (0, 1))
+    assert ev.fwd_start == ((2.0,), (4.0,))
+    assert ev.prefetch_fwd == (0.0, 5.0)
+    assert ev.prefetch_bwd == (10.0, 0.0)  # stage 1's 2 s backward hides all of stage 0
+    assert ev.makespan == pytest.approx(9.0 + 10 / 5)
+
+
+def test_evaluate_prefetch_is_limited_by_free_memory():
+    # Capacity 35 B: stage 0 (10 B weights, 20 B in backward with its gradients) leaves only
+    # 35 - 10 = 25 B in forward for the 10 B prefetch, but the double buffer (20 + 20 > 35) fails.
+    p = problem([layer("a"), layer("b")], cap=35)
+    assert evaluate(p, (0, 1)) is None
+    assert evaluate(problem([layer("a"), layer("b")], cap=40), (0, 1)) is not None
+
+
+def test_evaluate_waits_for_the_activation_hop():
+    ls = [layer("a", out=20), layer("b")]
+    ev = evaluate(problem(ls, gpus=2, hop=10.0), (0, 1))
+    # stage 1 starts after stage 0 (1 s upload + 1 s compute) plus 20 B / 10 B/s
+    assert ev.fwd_start[1][0] == pytest.approx(1.0 + 1.0 + 2.0)
+
+
+def test_the_gradient_hop_uses_the_backward_link():
+    # Stage 0 on gpu0, stage 1 on gpu1; out_0 = 20 B. Forward hop 10 B/s (2 s), backward 4 B/s (5 s).
+    ls = [layer("a", out=20), layer("b")]
+    ev = evaluate(problem(ls, gpus=2, hop=10.0, hop_back=4.0), (0, 1))
+    assert ev.fwd_start[1][0] == pytest.approx(1.0 + 1.0 + 20 / 10)
+    assert ev.bwd_start[0][0] == pytest.approx(ev.bwd_start[1][0] + 2.0 + 20 / 4)
+
+
+def test_hop_back_defaults_to_the_forward_hop():
+    ls = [layer("a", out=20), layer("b")]
+    same = evaluate(problem(ls, gpus=2, hop=4.0), (0, 1))
+    explicit = evaluate(problem(ls, gpus=2, hop=4.0, hop_back=4.0), (0, 1))
+    assert same == explicit
+
+
+def test_micro_batches_pipeline_across_gpus():
+    # Two GPUs, two micro-batches, resident stages: the second GPU starts micro-batch 0 while
+    # the first runs micro-batch 1 (the classic GPipe fill), not after both.
+    p = problem([layer("a"), layer("b")], gpus=2, m=2, up=1e12, down=1e12, hop=math.inf)
+    ev = evaluate(p, (0, 1))
+    assert ev.fwd_start[1] == pytest.approx((0.5, 1.0))
+
+
+# --------------------------------------------------------------------- gradient downloads
+def test_the_step_ends_at_a_later_stages_gradient_download():
+    # Two GPUs; stage 1's 200 B of gradients take 20 s to download, long after stage 0's
+    # backward (and its own 1 s download) is done: the step ends with stage 1's download.
+    ls = [layer("a"), layer("b", grad=200)]
+    ev = evaluate(problem(ls, gpus=2, hop=math.inf), (0, 1))
+    b1_end = ev.bwd_start[1][0] + 2.0
+    assert ev.grad_done == pytest.approx((ev.bwd_start[0][0] + 2.0 + 1.0, b1_end + 20.0))
+    assert ev.makespan == pytest.approx(b1_end + 20.0)
+
+
+def test_gradient_downloads_queue_on_one_gpu():
+    # One GPU: stage 0's download waits for stage 1's (200 B at 10 B/s, 20 s) to finish.
+    ls = [layer("a"), layer("b", grad=200)]
+    ev = evaluate(problem(ls, cap=1e4), (0, 1))
+    assert ev.grad_done[1] == pytest.approx(ev.bwd_start[1][0] + 2.0 + 20.0)
+    assert ev.grad_done[1] > ev.bwd_start[0][0] + 2.0
+    assert ev.makespan == ev.grad_done[0] == pytest.approx(ev.grad_done[1] + 1.0)
+
+
+# --------------------------------------------------------------------------- saved inputs
+# Times in the cases below: f = 1 s, b = 2 s per stage and micro-batch, W = G = 10 B at 10 B/s
+# up (1 s); `down=1e9` makes offloads and gradient downloads take ~1e-8 s (hence abs=1e-6).
+FAST = dict(down=1e9, hop=math.inf)
+
+
+def test_a_restore_delays_the_backward_by_its_upload_time():
+    # One GPU, stages a | b; b's saved input in_1 = 20 B. Forward: F0 = 1 (upload), F1 = 2
+    # (prefetched during F0). Stage 1's offload leaves at 3 and is back after 20 B / 10 B/s:
+    # B1 = 3 + 2 = 5 (without the restore: the turn, 3). Stage 0's backward follows stage 1's
+    # (ends 7) and ends at 9: the whole step is 2 s, the restore, longer.
+    ev = evaluate(problem([layer("a", out=20), layer("b")], **FAST), (0, 1))
+    assert ev.fwd_start == ((1.0,), (2.0,))
+    assert ev.host_copy_start[1] == (3.0,)  # the offload starts after F1's run
+    assert (ev.bwd_start[0][0], ev.bwd_start[1][0]) == pytest.approx((7.0, 5.0), abs=1e-6)
+    assert ev.makespan == pytest.approx(9.0, abs=1e-6)
+    no_act = evaluate(problem([layer("a"), layer("b")], **FAST), (0, 1))
+    assert ev.makespan - no_act.makespan == pytest.approx(20 / 10, abs=1e-6)
+
+
+def test_a_restore_is_hidden_behind_the_next_stages_backward():
+    # Two GPUs, stages a | b | c (gpu0, gpu1, gpu0); stage 1 keeps in_1 = out_a = 20 B. Its
+    # offload (20 B at 10 B/s) leaves at F1 + f = 5 and its restore is back at 7 + 2 = 9,
+    # before stage 2's 4 s backward (from 6) hands it the gradient at 10: nothing changes.
+    ls = [layer("a", out=20), layer("b"), layer("c", bwd=4.0)]
+    ev = evaluate(problem(ls, gpus=2), (0, 1, 2))
+    assert ev.fwd_start == ((1.0,), (4.0,), (5.0,))
+    assert ev.restores_done[1] == pytest.approx(9.0)
+    assert ev.bwd_start == ((14.0,), (10.0,), (6.0,))
+    assert ev.makespan == pytest.approx(17.0)
+    sooner = evaluate(problem([layer("a", out=20), layer("b"), layer("c", bwd=2.0)], gpus=2), (0, 1, 2))
+    assert sooner.bwd_start[1] == (9.0,)  # with stage 2 done at 8, the restore is what stage 1 waits for
+
+
+def test_the_model_input_is_sent_to_stage_0_again_for_backward():
+    # One GPU, a | b, a 20 B model input. Forward: the input and stage 0's weights share its
+    # host link, F0 = (10 + 20) B / 10 B/s = 3. Backward: stage 0's weights come back after
+    # stage 1's backward starts (B1 + 1 s) and the input after them (+ 2 s): B0 = B1 + 3, after
+    # the end of stage 1's backward (B1 + 2).
+    ev = evaluate(problem([layer("a"), layer("b")], input_bytes=20, **FAST), (0, 1))
+    assert ev.fwd_start == ((3.0,), (4.0,))
+    b1 = ev.bwd_start[1][0]
+    assert b1 == pytest.approx(5.0)
+    assert ev.bwd_start[0][0] == pytest.approx(b1 + 1.0 + 2.0)
+    without = evaluate(problem([layer("a"), layer("b")], **FAST), (0, 1))
+    assert without.bwd_start[0][0] == pytest.approx(without.bwd_start[1][0] + 2.0)  # the GPU was the limit
+
+
+def test_the_output_goes_to_the_host_and_its_gradient_comes_back():
+    # One stage, two micro-batches (f = 0.5, b = 1 s each), a 20 B output (10 B per micro-batch,
+    # 1 s each way). Outputs leave at 1.5 and 2.5; the gradient of micro-batch 1 (run first in
+    # backward) is back at 2.5 + 1 + 1 = 4.5; the step ends after 2 s of backward + 1 s download.
+    ev = evaluate(problem([layer("a", out=20)], m=2), (0,))
+    assert ev.fwd_start == ((1.0, 1.5),)
+    assert ev.host_copy_start[0] == (1.5, 2.5)
+    assert ev.bwd_start == ((4.5, 5.5),)
+    assert ev.makespan == pytest.approx(7.5)
+
+
+def test_offloads_queue_on_the_gpus_download_stream():
+    # One GPU, a | b | c, two micro-batches, saved inputs of 20 B per micro-batch at 10 B/s down
+    # (2 s each), uploads ~free. Stage 1 offloads at 1.5 and 3.5; stage 2's offloads queue
+    # behind them (5.5, 7.5) though its runs end at 2.5 and 3: its first restore is back at 9.5.
+    ls = [layer("a", out=40), layer("b", out=40), layer("c")]
+    ev = evaluate(problem(ls, m=2, up=1e9, hop=math.inf), (0, 1, 2))
+    assert ev.host_copies_done[1] == pytest.approx(3.5 + 2.0, abs=1e-6)
+    assert ev.host_copy_start[2] == pytest.approx((5.5, 7.5), abs=1e-6)
+    assert ev.bwd_start[2] == pytest.approx((9.5, 10.5), abs=1e-6)
+
+
+def test_the_backward_prefetch_queues_after_the_restores_of_the_stage_before_it():
+    # One GPU, a | b | c, two micro-batches; stage 2 restores in_2 = 20 B per micro-batch (2 s
+    # each) and its backward is short (0.1 s per micro-batch). Its restores are back at 6 and
+    # 7.5 (released at its offloads, 3.5 and 4); stage 1's prefetch, triggered at B2 = 6, queues
+    # behind the second one: stage 1's weights are there at 7.5 + 1 = 8.5, not 6 + 1 = 7.
+    ls = [layer("a"), layer("b", out=40), layer("c", bwd=0.2)]
+    ev = evaluate(problem(ls, m=2, **FAST), (0, 1, 2))
+    assert ev.bwd_start[2] == pytest.approx((6.0, 7.5), abs=1e-6)
+    assert ev.restores_done[2] == pytest.approx(7.5, abs=1e-6)
+    assert ev.bwd_start[1][0] == pytest.approx(8.5, abs=1e-6)
+
+
+def test_a_frozen_stage_saves_and_restores_nothing():
+    # Stages a | b | c on one GPU; a and b take no gradient, so stages 0 and 1 run no backward
+    # and stage 1 keeps no copy of its input: out_a's size changes nothing. When they train,
+    # stage 1's weights are back at B2 + 1 = 5 and its 20 B input at 7, a second after stage
+    # 2's backward ends (6): the step takes 1 s longer.
+    def makespan(out_a, grad):
+        ls = [layer("a", out=out_a, grad=grad), layer("b", grad=grad), layer("c")]
+        return evaluate(problem(ls, **FAST), (0, 1, 2)).makespan
+    assert makespan(20, 0) == makespan(0, 0)
+    assert makespan(20, 10) == pytest.approx(makespan(0, 10) + 1.0, abs=1e-6)
+
+
+# ------------------------------------------------------------------------ the simulator
+@pytest.mark.parametrize("nvlink", [50.0, [50.0, 0.2]], ids=["symmetric", "slow-backward-link"])
+def test_evaluate_agrees_with_the_simulator_when_no_link_is_shared(nvlink):
+    # The simulator moves every transfer of the plan; with no shared link and small activations
+    # the model agrees closely (measured: <= 0.015%; 0.3% before it counted saved inputs, 5%
+    # when it ended at stage 0's download or timed gradient hops on the forward link).
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(12):
+        n, nl, m = rng.randint(1, 3), rng.randint(2, 7), rng.randint(1, 4)
+        topo = unshared_topology(n, nvlink=nvlink)
+        layers = [LayerCost(f"h{i}", (f"n{i}",), 1.0, 1.0, 0.01 * rng.uniform(0.2, 2), 0.03 * rng.uniform(0.2, 2),
+                            int(100e6 * rng.uniform(0.2, 2)), int(100e6 * rng.uniform(0.2, 2)),
+                            int(1e6 * rng.uniform(0.2, 2)), int(1e6)) for i in range(nl)]
+        cuts = [0] + sorted(rng.sample(range(1, nl), rng.randint(1, nl) - 1))
+        ev = evaluate(PartitionProblem.from_topology(layers, topo, microbatches=m, memory_fraction=0.99,
+                                                     input_bytes=1000), cuts)
+        if ev is None:
+            continue
+        plan = build_plan(layers, cuts, order=[g.name for g in topo.gpus], topology=topo, microbatches=m,
+                          step_time=0.0, input_bytes=1000, memory_fraction=0.99)
+        assert simulate(plan).pipeline_time == pytest.approx(ev.makespan, rel=1e-3)
+        checked += 1
+    assert checked >= 8
+
+
+def tied_layers(nl: int, rng: random.Random, *, reader: int, emb: int) -> list[LayerCost]:
+    """`nl` layers of ~100 MB; layer 0 owns "emb.weight" (`emb` bytes, in its own) and layer
+    `reader` reads it too (a tied head, or a middle one as T5's decoder embedding)."""
+    layers = []
+    for i in range(nl):
+        w = int(100e6 * rng.uniform(0.2, 2)) + (emb if i == 0 else 0)
+        layers.append(LayerCost(f"h{i}", (f"n{i}",), 1.0, 1.0, 0.01 * rng.uniform(0.2, 2), 0.03 * rng.uniform(0.2, 2),
+                                w, w, int(1e6 * rng.uniform(0.2, 2)), int(1e6),
+                                params=(f"p{i}",) + (("emb.weight",) if i == 0 else ()),
+                                uses=(f"p{i}",) + (("emb.weight",) if i in (0, reader) else ())))
+    return layers
+
+
+def tied_sizes(layers: list[LayerCost], emb: int) -> dict[str, int]:
+    """param_sizes for `tied_layers`: layer 0's own bytes are its "p0" and the embedding."""
+    sizes = {f"p{i}": l.param_bytes for i, l in enumerate(layers)}
+    sizes["p0"] -= emb
+    sizes["emb.weight"] = emb
+    return sizes
+
+
+@pytest.mark.parametrize("trainable", [True, False], ids=["trained", "frozen-embedding"])
+def test_tied_copies_are_the_plans_stage_bytes(trainable):
+    # Every cut set of six layers whose embedding (owned by layer 0) is read again by layer 2
+    # (the middle: a stage holds it or not depending on the cuts) and layer 5 (the head): the
+    # step model's weights, gradients and footprints are the plan's, copy by copy.
+    import itertools
+
+    rng = random.Random(3)
+    emb = int(40e6)
+    layers = tied_layers(6, rng, reader=5, emb=emb)
+    layers[2] = replace(layers[2], uses=("p2", "emb.weight"))
+    sizes = tied_sizes(layers, emb)
+    train = [n for n in sizes if trainable or n != "emb.weight"]
+    tied = tied_weights(layers, sizes, train)
+    assert tied == (TiedWeight("emb.weight", 0, (2, 5), float(emb), trainable),)
+    topo = Topology.virtual(gpus=2, memory="24GiB", bandwidth=10e9)
+    p = PartitionProblem.from_topology(layers, topo, microbatches=2, tied=tied, dtype="float16")
+    for k in range(6):
+        for rest in itertools.combinations(range(1, 6), k):
+            cuts = (0, *rest)
+            plan = build_plan(layers, cuts, order=["gpu0", "gpu1"], topology=topo, microbatches=2, step_time=0.0,
+                              dtype="float16", param_sizes=sizes, trainable=train)
+            st = PrefixSums(p).stages(cuts)
+            assert [int(x) for x in st.w] == [s.param_bytes for s in plan.stages]
+            assert [int(x) for x in st.g] == [s.grad_bytes for s in plan.stages]
+            assert [int(max(a, b)) for a, b in zip(st.fmem, st.bmem)] == [s.peak_bytes for s in plan.stages]
+    # the copies are there: one stage for layers 0-1, one for 2-5 holds 2 and 5, one copy
+    st = PrefixSums(p).stages((0, 2))
+    own = PrefixSums(PartitionProblem.from_topology(layers, topo, microbatches=2, dtype="float16")).stages((0, 2))
+    assert st.w[1] - own.w[1] == emb / 2 and st.g[1] - own.g[1] == (emb / 2 if trainable else 0)
+    assert st.w[0] == own.w[0]
+
+
+@pytest.mark.parametrize("reader", [1, 3, 5])
+def test_evaluate_with_tied_weights_agrees_with_the_simulator(reader):
+    # The simulator moves the plan's transfers, tied copies and their gradients included; the
+    # step model counts them the same way (no link shared, so they agree as without tied weights).
+    rng = random.Random(reader)
+    topo = unshared_topology(2)
+    checked = 0
+    for _ in range(8):
+        layers = tied_layers(6, rng, reader=reader, emb=int(150e6))
+        sizes = tied_sizes(layers, int(150e6))
+        cuts = [0] + sorted(rng.sample(range(1, 6), rng.randint(1, 5)))
+        m = rng.randint(1, 3)
+        prob = PartitionProblem.from_topology(layers, topo, microbatches=m, memory_fraction=0.99,
+                                              tied=tied_weights(layers, sizes))
+        ev = evaluate(prob, cuts)
+        plan = build_plan(layers, cuts, order=["gpu0", "gpu1"], topology=topo, microbatches=m, step_time=0.0,
+                          memory_fraction=0.99, param_sizes=sizes)
+        assert simulate(plan).pipeline_time == pytest.approx(ev.makespan, rel=1e-3)
+        untied = evaluate(PartitionProblem.from_topology(layers, topo, microbatches=m, memory_fraction=0.99), cuts)
+        copies = any(a <= reader < b for a, b in zip(cuts[1:], [*cuts[2:], 6]))
+        assert ev.makespan >= untied.makespan and (ev.grad_done != untied.grad_done) == copies
+        checked += ev.makespan > untied.makespan * 1.001  # the copies were on the critical path
+    assert checked >= 2
+
+
+def test_a_tied_weight_with_a_bad_layer_index_is_refused():
+    with pytest.raises(PlanError, match="tied weight 'w'.*layer indices below 2"):
+        problem([layer("a"), layer("b")], tied=(TiedWeight("w", 0, (2,), 8.0),))
+    with pytest.raises(PlanError, match="readers other than the owner"):
+        problem([layer("a"), layer("b")], tied=(TiedWeight("w", 1, (1,), 8.0),))
+
+
+@pytest.mark.parametrize("cuts", [[0], [0, 3], [0, 2, 4], [0, 1, 2, 3, 4, 5]])
+def test_with_large_activations_the_model_is_the_simulated_step_on_one_gpu(cuts):
+    # Six layers with 400 MB outputs (100 MB per micro-batch: 10 ms each way at 10 GB/s, as
+    # long as a stage's weight upload) on one virtual GPU. The saved inputs' offloads queue on
+    # the download stream, their restores on the upload stream ahead of the next prefetch, the
+    # model output goes to the host and its gradient comes back; the model counts all of it and
+    # equals the simulated step. Without them it was 50-82% of it.
+    topo = Topology.virtual(gpus=1, memory="24GiB", bandwidth=10e9)
+    layers = [LayerCost(f"h{i}", (f"n{i}",), 1.0, 1.0, 0.01, 0.03, int(100e6), int(100e6), int(400e6), int(1e6))
+              for i in range(6)]
+    plan = build_plan(layers, cuts, order=["gpu0"], topology=topo, microbatches=4, step_time=0.0,
+                      memory_fraction=0.99)
+    ev = evaluate(PartitionProblem.from_topology(layers, topo, microbatches=4, memory_fraction=0.99), cuts)
+    assert ev.makespan == pytest.approx(simulate(plan).pipeline_time, rel=1e-9)
+
+
+def test_with_large_activations_the_model_stays_below_the_simulated_step_on_two_gpus():
+    # Two virtual GPUs under one switch: hops go GPU to GPU through the host and share links
+    # with the offloads, which the model leaves out (issue 14), so it is a bound, and a closer
+    # one than before (0.89 of the simulated step on these cuts; 0.66 without saved inputs).
+    topo = Topology.virtual(gpus=2, memory="24GiB", bandwidth=10e9)
+    layers = [LayerCost(f"h{i}", (f"n{i}",), 1.0, 1.0, 0.01, 0.03, int(100e6), int(100e6), int(400e6), int(1e6))
+              for i in range(6)]
+    plan = build_plan(layers, [0, 2, 4], order=["gpu0", "gpu1"], topology=topo, microbatches=4, step_time=0.0,
+                      memory_fraction=0.99)
+    ev = evaluate(PartitionProblem.from_topology(layers, topo, microbatches=4, memory_fraction=0.99), [0, 2, 4])
+    sim = simulate(plan).pipeline_time
+    assert 0.85 * sim <= ev.makespan <= sim * (1 + 1e-9)
+
+
+# ----------------------------------------------------------------------------- memory
+def test_evaluate_memory_equals_plans_stage_memory():
+    ls = [layer("a", params=7, out=3, peak=5), layer("b", params=4, out=9, peak=8), layer("c", params=6, out=2)]
+    p = problem(ls, gpus=2, m=2)
+    ev = evaluate(p, (0, 1))
+    assert (ev.fwd_mem[0], ev.bwd_mem[0]) == pytest.approx(stage_memory(ls[:1], None, p.memory))
+    assert (ev.fwd_mem[1], ev.bwd_mem[1]) == pytest.approx(stage_memory(ls[1:], ls[0], p.memory))
+
+
+def test_the_boundary_term_holds_every_restored_input():
+    # Backward may restore all M saved inputs before its first run: the footprint's boundary
+    # term, M x (in + out), holds them. Growing in_1 by 1 B per micro-batch grows stage 1's
+    # backward footprint by M bytes.
+    ls = [layer("a", out=8), layer("b", out=4)]
+    big = [layer("a", out=8 + 4), layer("b", out=4)]  # whole batch: +1 B per micro-batch at M = 4
+    one, two = (evaluate(problem(x, m=4), (0, 1)) for x in (ls, big))
+    assert two.bwd_mem[1] - one.bwd_mem[1] == pytest.approx(4 * 1)
+
+
+# ------------------------------------------------------------------------------ errors
+def test_evaluate_rejects_malformed_boundaries():
+    with pytest.raises(PlanError, match="must start at 0"):
+        evaluate(problem([layer("a"), layer("b")]), (1,))
+    with pytest.raises(PlanError, match="increase strictly"):
+        evaluate(problem([layer("a"), layer("b")]), (0, 0))
+
+
+def test_a_negative_input_size_is_refused():
+    with pytest.raises(PlanError, match="input_bytes=-1"):
+        problem([layer("a")], input_bytes=-1)
