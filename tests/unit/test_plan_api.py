@@ -122,7 +122,8 @@ def test_a_gpu_order_the_partition_does_not_fit_is_partitioned_again_for_that_or
     ctx = CompileContext(model=_mlp(), topology=topo, example_inputs=(torch.randn(8, 64),),
                          settings=CompileOptions(microbatches=2, cache_dir=str(tmp_path), verbose=False))
     _reversed_order_pipeline().until("plan").run(ctx)
-    mapped = PartitionProblem.from_topology(ctx.layers, topo, microbatches=2, order=ctx.order)
+    mapped = PartitionProblem.from_topology(ctx.layers, topo, microbatches=2, order=ctx.order,
+                                            input_bytes=8 * 64 * 4)  # the example input, as compile gives it
     assert evaluate(mapped, ctx.partition.boundaries) is None  # the identity order's cuts no longer fit
     plan = ctx.plan
     assert [s.gpu for s in plan.stages][:2] == ["gpu1", "gpu0"]
