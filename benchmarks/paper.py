@@ -9,14 +9,25 @@ plans a Llama-3.1-8B-like model on `rtx4090x8` (RoundPipe's server).
 "pipeline" is forward + backward + gradient download (what the GPUs and PCIe do); "step" adds
 the CPU Adam step over the fp32 masters, which every schedule but GPipe pays. The CPU
 optimizer's sustained bandwidth is an assumption (--adam-gbps; default 100 GB/s: a fused,
-multi-threaded AdamW on a 2-socket DDR4 server, about 2/3 of its STREAM bandwidth).
+multi-threaded AdamW on a 2-socket DDR4 server, about 2/3 of its STREAM bandwidth); ZeRO-3
+steps with DeepSpeed's own CPU Adam (--deepspeed-adam-gbps; default the simulator's
+DEEPSPEED_CPU_ADAM_BANDWIDTH, 6x torch's Adam). Host memory is NUMA-local to each stage's GPU
+unless --masters names one socket (mobius_fx.sim_tasks.MASTERS).
 
-    python benchmarks/paper.py [--adam-gbps 100] [--time-limit 10]
+Every ratio rests on the compute model: the roofline at a share of peak FLOP/s (the device
+spec's `efficiency`, 0.6 by default: 48 TF/s on a 3090 Ti). The headline ratios are printed at
+each of --efficiency (default 0.6 and a pessimistic 0.22, ~17.6 TF/s on a 3090 Ti), planned
+anew at each, through the topology's device spec (costs.py is not touched). The last table
+sets cross mapping against the identity map on the paper's server under each host memory
+placement.
+
+    python benchmarks/paper.py [--adam-gbps 100] [--efficiency 0.6 0.22] [--time-limit 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 
@@ -26,9 +37,22 @@ from tabulate import tabulate
 import mobius_fx
 from mobius_fx import Topology, zoo
 from mobius_fx.report import compare
+from mobius_fx.simulator import DEEPSPEED_CPU_ADAM_BANDWIDTH
 from mobius_fx.units import fmt_bytes
 
 SCHEDULES = ("mobius", "mobius-noprefetch", "mobius-identity-map", "roundpipe", "gpipe", "zero3-offload")
+
+
+def with_efficiency(topo: Topology, efficiency: float) -> Topology:
+    """`topo` with every GPU's device spec at `efficiency` of peak FLOP/s (the plan's cost model
+    reads the topology's spec)."""
+    d = topo.to_dict()
+    for node in d["nodes"]:
+        if node["kind"] == "gpu":
+            spec = dataclasses.replace(topo.gpu(node["name"]).spec, efficiency=efficiency)
+            node["spec"] = {"name": spec.name, "flops": dict(spec.flops), "memory_bandwidth": spec.memory_bandwidth,
+                            "memory": spec.memory, "efficiency": spec.efficiency}
+    return Topology.from_dict(d)
 
 
 def run(model_name: str, topo: Topology, args, cache: str) -> tuple[list, dict]:
@@ -37,7 +61,8 @@ def run(model_name: str, topo: Topology, args, cache: str) -> tuple[list, dict]:
     plan = mobius_fx.plan(model, topo, example_inputs=inputs, microbatches=len(topo.gpus), dtype=torch.float16,
                           time_limit=args.time_limit, cache_dir=cache, verbose=False)
     params = sum(p.numel() for p in model.parameters()) / 1e9
-    res = compare(plan, SCHEDULES, cpu_adam_bandwidth=args.adam_gbps * 1e9).results
+    res = compare(plan, SCHEDULES, cpu_adam_bandwidth=args.adam_gbps * 1e9,
+                  deepspeed_adam_bandwidth=args.deepspeed_adam_gbps * 1e9, masters=args.masters).results
     lb = plan.lower_bound()
     mob = res["mobius"]
     rows = []
@@ -51,7 +76,7 @@ def run(model_name: str, topo: Topology, args, cache: str) -> tuple[list, dict]:
                      fmt_bytes(sum(r.link_bytes.values())),
                      f"{r.pipeline_time / lb:.2f}"])
     summary = {"model": model_name, "params": params, "stages": plan.num_stages, "plan s": time.perf_counter() - t0,
-               "solver": str(plan.solver), "predicted": plan.step_time, "results": res}
+               "solver": str(plan.solver), "predicted": plan.step_time, "results": res, "plan": plan}
     return rows, summary
 
 
@@ -67,9 +92,29 @@ def speedups(summary: dict) -> list:
     return out
 
 
+def cross_vs_identity(plan, args) -> list:
+    """Simulated pipeline (and step) of cross mapping and the identity map under each host
+    memory placement: both local, both on cpu0, and cross local against identity on cpu0."""
+    def sim(schedule: str, masters: str):
+        return mobius_fx.simulate(plan, schedule=schedule, masters=masters, cpu_adam_bandwidth=args.adam_gbps * 1e9)
+
+    rows = []
+    for cross_m, ident_m in (("local", "local"), ("cpu0", "cpu0"), ("local", "cpu0")):
+        c, i = sim("mobius", cross_m), sim("mobius-identity-map", ident_m)
+        rows.append([f"cross: {cross_m}, identity: {ident_m}", f"{c.pipeline_time:.3f}", f"{i.pipeline_time:.3f}",
+                     f"{(i.pipeline_time / c.pipeline_time - 1) * 100:+.1f}%", f"{c.step_time:.2f}",
+                     f"{i.step_time:.2f}", f"{(i.step_time / c.step_time - 1) * 100:+.1f}%"])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--adam-gbps", type=float, default=100.0, help="sustained CPU optimizer bandwidth, GB/s")
+    ap.add_argument("--deepspeed-adam-gbps", type=float, default=DEEPSPEED_CPU_ADAM_BANDWIDTH / 1e9,
+                    help="ZeRO-3's DeepSpeedCPUAdam bandwidth, GB/s (default %(default).0f)")
+    ap.add_argument("--masters", default="local", help="host memory placement: 'local' or a socket ('cpu0')")
+    ap.add_argument("--efficiency", type=float, nargs="+", default=[0.6, 0.22],
+                    help="shares of peak FLOP/s to print the headline ratios at (the first gives the full tables)")
     ap.add_argument("--time-limit", type=float, default=10.0, help="the MIP's time budget in seconds (default 10)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
@@ -81,25 +126,46 @@ def main(argv: list[str] | None = None) -> None:
     sp_headers = ["model", "stages", "MIP predicted s", "simulated s", "vs zero3 (pipeline)", "vs zero3 (step)",
                   "vs identity map (pipeline)", "vs identity map (step)", "vs roundpipe (pipeline)",
                   "vs roundpipe (step)"]
+    servers = (("Table 1: the Mobius paper's server", "mobius-testbed", args.models),
+               ("Table 2: RoundPipe's server", "rtx4090x8", ["llama-8b"]))
+    headline: list = []
+    cross_rows: list = []
     with tempfile.TemporaryDirectory() as cache:
-        for title, topo_name, models in (
-            ("Table 1: the Mobius paper's server", "mobius-testbed", args.models),
-            ("Table 2: RoundPipe's server", "rtx4090x8", ["llama-8b"]),
-        ):
-            topo = Topology.preset(topo_name)
-            rows, sums = [], []
-            for m in models:
-                r, s = run(m, topo, args, cache)
-                rows += r
-                sums.append(s)
-                print(f"  planned and simulated {m} on {topo_name} in {s['plan s']:.1f} s ({s['solver']})", flush=True)
-            print(f"\n{title} ({topo_name}; batch {args.batch} x {args.seq}, fp16 streamed, "
-                  f"{len(topo.gpus)} micro-batches, CPU Adam at {args.adam_gbps:.0f} GB/s)")
-            print(tabulate(rows, headers=headers))
-            print("\nMobius speedups (time of the other schedule / time of mobius):")
-            print(tabulate([speedups(s) for s in sums], headers=sp_headers))
-            print()
-    print(f"total {time.perf_counter() - t0:.0f} s")
+        for e_i, eff in enumerate(args.efficiency):
+            for title, topo_name, models in servers:
+                topo = with_efficiency(Topology.preset(topo_name), eff)
+                spec = topo.gpus[0].spec
+                tfs = spec.peak_flops(torch.float16) * eff / 1e12
+                rows, sums = [], []
+                for m in models:
+                    r, s = run(m, topo, args, cache)
+                    rows += r
+                    sums.append(s)
+                    print(f"  planned and simulated {m} on {topo_name} at {eff:.0%} of peak in {s['plan s']:.1f} s "
+                          f"({s['solver']})", flush=True)
+                    if e_i == 0 and topo_name == "mobius-testbed" and m == "gpt3-8b":
+                        cross_rows = cross_vs_identity(s["plan"], args)
+                headline += [[topo_name, f"{eff:.0%} ({tfs:.1f} TF/s)"] + speedups(s) for s in sums]
+                if e_i:
+                    continue
+                print(f"\n{title} ({topo_name}; batch {args.batch} x {args.seq}, fp16 streamed, "
+                      f"{len(topo.gpus)} micro-batches, {eff:.0%} of peak FLOP/s = {tfs:.1f} TF/s on {spec.name}, "
+                      f"CPU Adam at {args.adam_gbps:.0f} GB/s, DeepSpeedCPUAdam at {args.deepspeed_adam_gbps:.0f} "
+                      f"GB/s, masters {args.masters})")
+                print(tabulate(rows, headers=headers))
+                print("\nMobius speedups (time of the other schedule / time of mobius):")
+                print(tabulate([speedups(s) for s in sums], headers=sp_headers))
+                print()
+    print("Headline ratios at each compute efficiency (time of the other schedule / time of mobius; each "
+          "efficiency planned anew):")
+    print(tabulate(headline, headers=["server", "efficiency"] + sp_headers))
+    if cross_rows:
+        print(f"\nCross mapping vs the identity map (gpt3-8b on mobius-testbed, {args.efficiency[0]:.0%} of peak; "
+              f"host memory 'local': each stage on its GPU's socket, 'cpu0': all on socket 0):")
+        print(tabulate(cross_rows, headers=["host memory", "cross pipeline s", "identity pipeline s",
+                                            "identity slower by", "cross step s", "identity step s",
+                                            "identity slower by (step)"]))
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -86,21 +86,34 @@ def zero3_offload(ctx: Context) -> None:
     """DeepSpeed ZeRO-3 with CPU offload (ZeRO-Offload/ZeRO-Infinity, Rajbhandari et al.
     SC'21; Ren et al. ATC'21), data parallel: each GPU runs 1/N of the batch through every
     layer, fetching each layer's weights from DRAM in forward and again in backward (one layer
-    prefetched ahead, as DeepSpeed's prefetch does), and sends each layer's gradients to DRAM
-    (N x the gradient bytes, reduced on the host); Adam runs on the CPU after the last one.
+    prefetched ahead, as DeepSpeed's prefetch does), and sends each layer's gradients to DRAM;
+    DeepSpeed's own CPU Adam (DeepSpeedCPUAdam, `ctx.deepspeed_adam_bw`, by default
+    sim_tasks.DEEPSPEED_CPU_ADAM_BANDWIDTH: 6 x torch's Adam) runs after the last one.
     All N GPUs fetch the same bytes, so shared switch uplinks and root complexes carry N x
-    the traffic. Simplifications: one pass per GPU (no gradient accumulation), the all-gather
-    and reduce-scatter are modelled as each GPU's own DRAM transfers, no activation traffic,
-    the last layer stays resident across the turn, the host-side gradient sum is free."""
+    the traffic.
+
+    The collectives as DeepSpeed runs them: a layer's all-gather gives each GPU the whole
+    layer (the H2D upload), and its reduce-scatter sends each GPU's whole gradient out (the
+    D2H download). On GPUs without peer-to-peer (`topology.p2p` False: GeForce cards) NCCL
+    routes both through host memory, so each GPU also sends its share of the ring to the host
+    with every all-gather ((N-1)/N of the layer, D2H) and receives it with every
+    reduce-scatter ((N-1)/N of the gradient, H2D): `looped_pipeline(host_collectives=...)`.
+    With peer-to-peer (or NVLink) that half goes GPU to GPU and is not modelled. Each rank
+    keeps its own partition in host memory (`sharded`: on its socket under masters="local").
+    Simplifications: one pass per GPU (no gradient accumulation), no activation traffic, the
+    last layer stays resident across the turn, the reduction and NCCL's ring hops across the
+    inter-socket link are free, NCCL's host buffers are on each GPU's own socket."""
     n = len(ctx.gpus)
     u = _units(ctx)
     m = ctx.plan.microbatches
     c = Costs([f * m / n for f in u.f], [b * m / n for b in u.b], u.w, u.g, u.inp, u.out, u.master, u.names)
+    routed = 0.0 if ctx.topo.p2p or n == 1 else (n - 1) / n
     for gpu in ctx.gpus:
         slots = [Slot("forward", k, gpu) for k in range(len(u.f))]
         slots += [Slot("backward", k, gpu) for k in reversed(range(len(u.f)))]
-        looped_pipeline(ctx, c, slots, 1, offload_activations=False, activations=False)
-    cpu_optimizer(ctx, sum(u.master))
+        looped_pipeline(ctx, c, slots, 1, offload_activations=False, activations=False, sharded=True,
+                        host_collectives=routed)
+    cpu_optimizer(ctx, sum(u.master), ctx.deepspeed_adam_bw)
 
 
 def _units(ctx: Context) -> Costs:

@@ -13,7 +13,7 @@ All values are achievable bytes/s per direction, not the raw signalling rate:
 from __future__ import annotations
 
 __all__ = ["GB", "PCIE_EFFICIENCY", "PCIE_LANE_RAW", "pcie_bandwidth", "PCIE3_X8", "PCIE3_X16", "PCIE4_X16",
-           "UPI_GOLD6130", "NVLINK2"]
+           "UPI_GOLD6130", "NVLINK2", "SWITCH_DUPLEX"]
 
 GB = 1e9  # JSON topologies give bandwidths in GB/s
 
@@ -34,6 +34,15 @@ UPI_GOLD6130 = 20e9
 # NVLink 2.0 (V100): 25 GB/s raw per link per direction; p2pBandwidthLatencyTest measures
 # ~24 GB/s over one link (NV1) and ~48 GB/s over a bonded pair (NV2).
 NVLINK2 = 24e9
+# Through PCIe switches the two directions of a link interfere: with host->device and
+# device->host copies running at once, each direction keeps about 0.72 of its one-way rate
+# (the pair carries ~1.44x one direction, not 2x). Measured with nvbandwidth on A100 servers
+# whose GPUs sit behind PCIe switches: one-way ~25-26 GB/s each; both at once, D2H ~24-25 and
+# H2D ~11-13 GB/s, together ~36-37 GB/s of 2 x 25.5 (github.com/NVIDIA/nvbandwidth issues #11,
+# 2023, and #53, 2025, "PXB" topology). The simulator applies it (`Topology.link_duplex`) to
+# PCIe links with a switch at one end, as a budget both directions share max-min fairly (we do
+# not model the H2D/D2H asymmetry those runs show); a direct root-port link stays full duplex.
+SWITCH_DUPLEX = 0.72
 
 
 def pcie_bandwidth(gen: int, width: int) -> float:

@@ -6,7 +6,13 @@ Two pieces, one idea (replaying a task graph on a machine's streams and links in
   transfers share every directed link of their route max-min fairly (progressive filling:
   raise all rates together, freeze the flows of a link when it saturates, repeat), and are
   re-rated whenever a flow starts or finishes. Each direction of a link is its own resource
-  (PCIe is full duplex), so H2D and D2H on one link do not interfere.
+  (PCIe is full duplex), so H2D and D2H on one link do not interfere -- unless the link has a
+  `duplex` factor d < 1 (PCIe switches show it, `mobius_fx.links.SWITCH_DUPLEX`): then the two
+  directions together carry at most d x (both bandwidths), one more resource shared max-min
+  fairly by the flows of both directions (one direction alone still runs at full speed for
+  d >= 0.5). Flows carry a `priority` (smaller first): a link serves its most urgent flows
+  first, max-min fairly among equals, and lower classes get what is left (strict priority: the
+  transfer needed first goes first, as Mobius's prototype intends with its stream priorities).
 - `replay`: an event-driven run of `Task`s. A task waits for the end (or the start) of the
   tasks it depends on, then for its stream (one task at a time per stream; among ready tasks
   the smallest `priority` goes first, i.e. "the one needed first"). Compute tasks take
@@ -16,6 +22,8 @@ Two pieces, one idea (replaying a task graph on a machine's streams and links in
     >>> net.add("x", (("a", "b"),), 1e9, now=0.0); net.add("y", (("a", "b"),), 1e9, now=0.0)
     >>> net.next_finish()[0]      # two flows on one link: each at half rate
     2.0
+    >>> max_min_rates({"x": [("a", "b")], "y": [("a", "b")]}, {("a", "b"): 1.0}, priority={"x": (0,), "y": (1,)})
+    {'x': 1.0, 'y': 0.0}
 
 Per event the work is O(active flows x route length) times the number of distinct bottleneck
 levels, so thousands of flows replay in well under a second.
@@ -38,27 +46,78 @@ _REL = 1e-9  # relative tolerance for "this flow is done" and "these shares are 
 
 
 def max_min_rates(flows: Mapping[Hashable, Sequence[Link]],
-                  capacity: Mapping[Link, float]) -> dict[Hashable, float]:
+                  capacity: Mapping[Link, float], *, priority: Mapping[Hashable, tuple] | None = None,
+                  duplex: Mapping[Link, float] | Callable[[Link], float] | None = None) -> dict[Hashable, float]:
     """Max-min fair rate (bytes/s) of each flow, given the directed links each one crosses.
 
     Progressive filling: every unfrozen flow gets the same rate until some link is full; the
     flows on that link are frozen at that rate, the others keep rising. A flow held back by
-    one link so leaves its unused share of its other links to the flows there.
+    one link so leaves its unused share of its other links to the flows there. With
+    `priority` (flow -> tuple, smaller first) each class fills what the classes before it left;
+    with `duplex` (link -> factor in [0.5, 1]) a link's two directions share d x their sum.
 
     >>> max_min_rates({"x": [("a", "b")], "y": [("a", "b"), ("b", "c")]},
     ...               {("a", "b"): 10.0, ("b", "c"): 2.0})
     {'y': 2.0, 'x': 8.0}
     """
-    rates, _ = _fill({k: tuple(v) for k, v in flows.items()}, capacity)
+    factor = _factor_of(duplex)
+    cap = _capacity_of(capacity, factor)
+    rates, _ = _fill({k: _resources(tuple(v), factor) for k, v in flows.items()}, cap, priority)
     return rates
 
 
-def _fill(flows: Mapping[Hashable, tuple[Link, ...]], capacity: Mapping[Link, float] | Callable[[Link], float]
-          ) -> tuple[dict[Hashable, float], dict[Hashable, Link | None]]:
-    cap_of = capacity.__getitem__ if isinstance(capacity, Mapping) else capacity
-    cap: dict[Link, float] = {}
-    users: dict[Link, list[Hashable]] = {}
-    for key, links in flows.items():
+def _factor_of(duplex: Mapping[Link, float] | Callable[[Link], float] | None) -> Callable[[Link], float]:
+    if duplex is None:
+        return lambda link: 1.0
+    table = duplex if isinstance(duplex, Mapping) else None
+    seen: dict[Link, float] = {}
+
+    def factor(link: Link) -> float:
+        if link not in seen:
+            f = table.get(link, 1.0) if table is not None else duplex(link)  # type: ignore[operator]
+            f = 1.0 if f is None else float(f)
+            if not 0.5 <= f <= 1.0:
+                raise MobiusError(f"link {link[0]} -> {link[1]} has duplex factor {f}; it is the share of each "
+                                  f"direction's bandwidth left when both directions are busy, between 0.5 and 1 "
+                                  f"(1 = full duplex); fix the topology")
+            seen[link] = f
+        return seen[link]
+
+    return factor
+
+
+def _resources(links: tuple[Link, ...], factor: Callable[[Link], float]) -> tuple:
+    """A flow's links plus the duplex budget ("<->", a, b), a < b, of each link whose two
+    directions interfere (one resource for both directions of the physical link)."""
+    pairs = tuple(("<->", *sorted(link)) for link in links if factor(link) < 1.0)
+    return links + pairs
+
+
+def _capacity_of(capacity: Mapping[Link, float] | Callable[[Link], float],
+                 factor: Callable[[Link], float]) -> Callable[[Hashable], float]:
+    if isinstance(capacity, Mapping):
+        def cap_of(link: Link) -> float:
+            if link not in capacity:
+                raise MobiusError(f"no bandwidth for link {link[0]} -> {link[1]}; give every link a flow crosses, "
+                                  f"and both directions of a link with a duplex factor below 1")
+            return capacity[link]
+    else:
+        cap_of = capacity
+
+    def cap(resource: Hashable) -> float:
+        if len(resource) == 3:  # a duplex budget: d x (a->b + b->a)
+            _, a, b = resource
+            return factor((a, b)) * (float(cap_of((a, b))) + float(cap_of((b, a))))
+        return float(cap_of(resource))
+
+    return cap
+
+
+def _fill(flows: Mapping[Hashable, tuple[Hashable, ...]], cap_of: Callable[[Hashable], float],
+          priority: Mapping[Hashable, tuple] | None = None
+          ) -> tuple[dict[Hashable, float], dict[Hashable, Hashable | None]]:
+    cap: dict[Hashable, float] = {}
+    for links in flows.values():
         for link in links:
             if link not in cap:
                 c = float(cap_of(link))
@@ -66,28 +125,36 @@ def _fill(flows: Mapping[Hashable, tuple[Link, ...]], capacity: Mapping[Link, fl
                     raise MobiusError(f"link {link[0]} -> {link[1]} has bandwidth {c}; every link needs a "
                                       f"positive bandwidth in bytes/s (fix the topology)")
                 cap[link] = c
-                users[link] = []
-            users[link].append(key)
-    count = {link: len(u) for link, u in users.items()}
     rates: dict[Hashable, float] = {}
-    bottleneck: dict[Hashable, Link | None] = {}
+    bottleneck: dict[Hashable, Hashable | None] = {}
     for key, links in flows.items():
         if not links:  # same node: no link to share, moves at once
             rates[key] = math.inf
             bottleneck[key] = None
-    while count:
-        share = min(cap[l] / n for l, n in count.items())
-        tight = [l for l, n in count.items() if cap[l] / n <= share * (1 + _REL)]
-        for link in tight:
-            for key in users[link]:
-                if key in rates:
-                    continue
-                rates[key] = share
-                bottleneck[key] = link
-                for other in flows[key]:
-                    cap[other] -= share
-                    count[other] -= 1
-        count = {l: n for l, n in count.items() if n > 0}
+    prio = priority or {}
+    classes: dict[tuple, list[Hashable]] = {}
+    for key in flows:
+        if key not in rates:
+            classes.setdefault(tuple(prio.get(key, ())), []).append(key)
+    for cls in sorted(classes):
+        users: dict[Hashable, list[Hashable]] = {}
+        for key in classes[cls]:
+            for link in flows[key]:
+                users.setdefault(link, []).append(key)
+        count = {link: len(u) for link, u in users.items()}
+        while count:
+            share = min(cap[l] / n for l, n in count.items())
+            tight = [l for l, n in count.items() if cap[l] / n <= share * (1 + _REL)]
+            for link in tight:
+                for key in users[link]:
+                    if key in rates:
+                        continue
+                    rates[key] = share
+                    bottleneck[key] = link
+                    for other in flows[key]:
+                        cap[other] = max(0.0, cap[other] - share)
+                        count[other] -= 1
+            count = {l: n for l, n in count.items() if n > 0}
     return rates, bottleneck
 
 
@@ -102,10 +169,11 @@ class LinkSegment:
 
 
 class _Flow:
-    __slots__ = ("key", "links", "size", "remaining", "rate", "bottleneck", "by_link")
+    __slots__ = ("key", "links", "resources", "priority", "size", "remaining", "rate", "bottleneck", "by_link")
 
-    def __init__(self, key: Hashable, links: tuple[Link, ...], size: float):
+    def __init__(self, key: Hashable, links: tuple[Link, ...], resources: tuple, priority: tuple, size: float):
         self.key, self.links, self.size, self.remaining = key, links, float(size), float(size)
+        self.resources, self.priority = resources, tuple(priority)
         self.rate, self.bottleneck = 0.0, None
         self.by_link: dict[Link, float] = {}  # seconds spent with each link as the bottleneck
 
@@ -113,12 +181,15 @@ class _Flow:
 class FlowNetwork:
     """Active flows on directed links, re-rated max-min fairly whenever the set changes.
 
-    `capacity` maps a link to bytes/s (a mapping or a function). Times are absolute seconds;
-    call `advance(t)` before `add`/`finished` at time t.
+    `capacity` maps a link to bytes/s (a mapping or a function); `duplex` a link to the share
+    of each direction left when both are busy (default 1: full duplex; see `max_min_rates`).
+    Times are absolute seconds; call `advance(t)` before `add`/`finished` at time t.
     """
 
-    def __init__(self, capacity: Mapping[Link, float] | Callable[[Link], float]):
-        self._capacity = capacity
+    def __init__(self, capacity: Mapping[Link, float] | Callable[[Link], float],
+                 duplex: Mapping[Link, float] | Callable[[Link], float] | None = None):
+        self._factor = _factor_of(duplex)
+        self._capacity = _capacity_of(capacity, self._factor)
         self._flows: dict[Hashable, _Flow] = {}
         self._on_link: dict[Link, list[Hashable]] = {}
         self._since: dict[Link, float] = {}
@@ -130,12 +201,14 @@ class FlowNetwork:
     def __len__(self) -> int:
         return len(self._flows)
 
-    def add(self, key: Hashable, links: Sequence[Link], size: float, *, now: float | None = None) -> None:
+    def add(self, key: Hashable, links: Sequence[Link], size: float, *, now: float | None = None,
+            priority: tuple = ()) -> None:
+        """Start flow `key` of `size` bytes over `links`; `priority`: smaller is served first."""
         if now is not None:
             self.advance(now)
         if key in self._flows:
             raise MobiusError(f"flow {key!r} is already active")
-        flow = _Flow(key, tuple(links), size)
+        flow = _Flow(key, tuple(links), _resources(tuple(links), self._factor), priority, size)
         self._flows[key] = flow
         for link in flow.links:
             self.link_bytes[link] = self.link_bytes.get(link, 0.0) + size
@@ -155,9 +228,13 @@ class FlowNetwork:
     def _rerate(self) -> None:
         if not self._dirty:
             return
-        rates, bottleneck = _fill({k: f.links for k, f in self._flows.items()}, self._capacity)
+        rates, bottleneck = _fill({k: f.resources for k, f in self._flows.items()}, self._capacity,
+                                  {k: f.priority for k, f in self._flows.items()})
         for key, flow in self._flows.items():
-            flow.rate, flow.bottleneck = rates[key], bottleneck[key]
+            b = bottleneck[key]
+            if b is not None and len(b) == 3:  # a duplex budget: blame this flow's own direction of it
+                b = next(l for l in flow.links if tuple(sorted(l)) == b[1:])
+            flow.rate, flow.bottleneck = rates[key], b
         self._dirty = False
 
     def rates(self) -> dict[Hashable, float]:
@@ -169,6 +246,8 @@ class FlowNetwork:
         self._rerate()
         best, best_key = math.inf, None
         for key, flow in self._flows.items():
+            if flow.rate <= 0:  # waiting behind more urgent flows
+                continue
             t = 0.0 if flow.rate == math.inf else flow.remaining / flow.rate
             if t < best:
                 best, best_key = t, key
@@ -213,15 +292,18 @@ class FlowNetwork:
         return busy
 
 
-def run_flows(capacity: Mapping[Link, float], flows: Sequence[tuple[float, Sequence[Link], float]]) -> list[float]:
-    """Finish time of each (start, links, bytes) flow on an otherwise idle network.
+def run_flows(capacity: Mapping[Link, float], flows: Sequence[tuple], *,
+              duplex: Mapping[Link, float] | None = None) -> list[float]:
+    """Finish time of each (start, links, bytes[, priority]) flow on an otherwise idle network.
 
     >>> run_flows({("a", "b"): 1.0}, [(0.0, [("a", "b")], 1.0), (0.0, [("a", "b")], 1.0)])
     [2.0, 2.0]
+    >>> run_flows({("a", "b"): 1.0}, [(0.0, [("a", "b")], 1.0, (1,)), (0.0, [("a", "b")], 1.0, (0,))])
+    [2.0, 1.0]
     """
-    tasks = [Task(name=str(i), links=tuple(links), size=size, not_before=start)
-             for i, (start, links, size) in enumerate(flows)]
-    result = replay(tasks, capacity)
+    tasks = [Task(name=str(i), links=tuple(f[1]), size=f[2], not_before=f[0], link_priority=tuple(f[3]) if len(f) > 3 else ())
+             for i, f in enumerate(flows)]
+    result = replay(tasks, capacity, duplex=duplex)
     return [result.end[i] for i in range(len(tasks))]
 
 
@@ -232,7 +314,9 @@ class Task:
 
     `after` are tasks whose end it waits for, `after_start` tasks whose start it waits for.
     `stream` serialises tasks (one at a time; smallest `priority` of the ready ones first);
-    None runs it as soon as it is ready. `meta` is carried through for the caller.
+    None runs it as soon as it is ready. A transfer's `link_priority` orders it against the
+    other flows on its links (smaller first, e.g. the step-order rank of the work that needs
+    it; equal ones share max-min fairly). `meta` is carried through for the caller.
     """
 
     name: str
@@ -245,6 +329,7 @@ class Task:
     after_start: list[int] = field(default_factory=list)
     not_before: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    link_priority: tuple = ()
 
     @property
     def is_flow(self) -> bool:
@@ -265,8 +350,10 @@ class Replay:
     segments: list[LinkSegment]
 
 
-def replay(tasks: Sequence[Task], capacity: Mapping[Link, float] | Callable[[Link], float]) -> Replay:
-    """Run `tasks` to completion; raise MobiusError if some can never start (a cycle)."""
+def replay(tasks: Sequence[Task], capacity: Mapping[Link, float] | Callable[[Link], float], *,
+           duplex: Mapping[Link, float] | Callable[[Link], float] | None = None) -> Replay:
+    """Run `tasks` to completion on links of `capacity` (and `duplex`, see `FlowNetwork`);
+    raise MobiusError if some can never start (a cycle)."""
     n = len(tasks)
     waiting = [len(t.after) + len(t.after_start) for t in tasks]
     on_end: list[list[int]] = [[] for _ in range(n)]
@@ -284,7 +371,7 @@ def replay(tasks: Sequence[Task], capacity: Mapping[Link, float] | Callable[[Lin
     busy: dict[str, int | None] = {}
     last_on: dict[str, int | None] = {}
     timers: list[tuple[float, int, int]] = []  # (time, kind 0=end 1=release, task)
-    net = FlowNetwork(capacity)
+    net = FlowNetwork(capacity, duplex)
     now = 0.0
 
     ready: list[int] = []
@@ -310,7 +397,7 @@ def replay(tasks: Sequence[Task], capacity: Mapping[Link, float] | Callable[[Lin
             if waiting[j] == 0:
                 make_ready(j)
         if t.is_flow:
-            net.add(i, t.links, t.size)
+            net.add(i, t.links, t.size, priority=t.link_priority)
         elif t.duration > 0:
             heapq.heappush(timers, (now + t.duration, 0, i))
         else:

@@ -49,18 +49,22 @@ class Comparison:
                                        "fwd+bwd / lower bound", "bytes on links", "note"])
 
 
-def compare(plan: Plan, schedules=SCHEDULES, *, cpu_adam_bandwidth: float | None = None) -> Comparison:
+def compare(plan: Plan, schedules=SCHEDULES, *, cpu_adam_bandwidth: float | None = None,
+            deepspeed_adam_bandwidth: float | None = None, masters: str | None = None) -> Comparison:
     """Simulate `plan` under every schedule (same costs, same topology, same simulator).
 
     `cpu_adam_bandwidth` (bytes/s) sets the CPU optimizer's speed; None takes the simulator's
-    default for a plain torch.optim.Adam (see mobius_fx.simulator.CPU_ADAM_BANDWIDTH).
+    default for a plain torch.optim.Adam (see mobius_fx.simulator.CPU_ADAM_BANDWIDTH);
+    `deepspeed_adam_bandwidth` that of ZeRO-3's DeepSpeedCPUAdam, `masters` where host memory
+    lives (both: see `mobius_fx.simulate`).
     """
     from .simulator import simulate
 
     results: dict = {}
     for name in schedules:
         try:
-            results[name] = simulate(plan, schedule=name, cpu_adam_bandwidth=cpu_adam_bandwidth)
+            results[name] = simulate(plan, schedule=name, cpu_adam_bandwidth=cpu_adam_bandwidth,
+                                     deepspeed_adam_bandwidth=deepspeed_adam_bandwidth, masters=masters)
         except PlanError as e:
             results[name] = str(e)
     return Comparison(plan, results)

@@ -20,7 +20,8 @@ from .plans import Plan
 from .schedule import HOST
 
 __all__ = ["Costs", "Slot", "Context", "looped_pipeline", "cpu_optimizer", "optimizer_bytes_touched",
-           "TOUCHED_BYTES", "STATE_BYTES", "CPU_ADAM_BANDWIDTH"]
+           "TOUCHED_BYTES", "STATE_BYTES", "CPU_ADAM_BANDWIDTH", "DEEPSPEED_CPU_ADAM_SPEEDUP",
+           "DEEPSPEED_CPU_ADAM_BANDWIDTH", "MASTERS"]
 
 # Bytes of memory traffic per fp32 master parameter in one optimizer step. Adam reads the
 # parameter, its gradient and both moments (4 x 4 B) and writes the parameter and both moments
@@ -36,6 +37,27 @@ STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "none": 0}  # optimizer state by
 # 28 B/param): 4.7 GB/s with foreach=False, 1.9 GB/s foreach, 15.7 GB/s fused=True.
 # Pass `cpu_adam_bandwidth` for your server.
 CPU_ADAM_BANDWIDTH = 20e9
+
+# DeepSpeed's own CPU Adam (DeepSpeedCPUAdam, the optimizer ZeRO-Offload/ZeRO-3 offload run:
+# AVX-vectorised, multi-threaded, fused over the tensors) against torch.optim.Adam on the CPU:
+# "up to a 6X throughput boost" (DeepSpeed maintainers, github.com/microsoft/DeepSpeed issue
+# #479, 2020; the ZeRO-Offload paper, Ren et al. ATC'21, reports CPU-Adam several times faster
+# than PyTorch's CPU Adam). So the "zero3-offload" baseline steps at 6 x CPU_ADAM_BANDWIDTH =
+# 120 GB/s by default, below a 2-socket DDR4 server's ~150-200 GB/s STREAM bandwidth; pass
+# `deepspeed_adam_bandwidth` to `simulate` for your server. Mobius's optimizer keeps
+# `cpu_adam_bandwidth` (the user's torch optimizer).
+DEEPSPEED_CPU_ADAM_SPEEDUP = 6.0
+DEEPSPEED_CPU_ADAM_BANDWIDTH = CPU_ADAM_BANDWIDTH * DEEPSPEED_CPU_ADAM_SPEEDUP
+
+# Where host memory (a stage's fp32 masters, its gradients, its saved inputs) lives, per socket:
+# "local": in the DRAM of the socket of the GPU that first moves it (first touch by that GPU's
+# upload worker, bound to its socket: what a NUMA-aware runtime gets; for the Mobius schedules
+# the socket of the GPU the stage is mapped to, so cross or identity mapping alike read local
+# DRAM; data-parallel ZeRO-3 keeps each rank's partition on its own socket); or a root complex
+# name ("cpu0"): everything in that socket's DRAM (a process that allocates the model from one
+# socket, without NUMA binding), so a GPU on another socket reaches it over the inter-socket
+# (UPI) link. Transfers to or from host memory then route through that socket.
+MASTERS = "local"
 
 
 def optimizer_bytes_touched(optimizer: str) -> int:
@@ -68,8 +90,15 @@ class Slot:
 
 
 class Context:
-    def __init__(self, plan: Plan, topo: Any, optimizer: str, cpu_bw: float, use_plan_routes: bool):
+    """The task list under construction, with the costs, routes and host memory placement
+    (`masters`, see MASTERS) every builder shares."""
+
+    def __init__(self, plan: Plan, topo: Any, optimizer: str, cpu_bw: float, use_plan_routes: bool, *,
+                 masters: str = MASTERS, deepspeed_adam_bw: float = DEEPSPEED_CPU_ADAM_BANDWIDTH):
         self.plan, self.topo, self.optimizer, self.cpu_bw = plan, topo, optimizer, cpu_bw
+        self.masters, self.deepspeed_adam_bw = masters, deepspeed_adam_bw
+        self._socket = {g.name: g.root_complex for g in topo.gpus}
+        self._home: dict[Any, str] = {}
         self.tasks: list[Task] = []
         self.last_compute: dict[str, int] = {}
         self._links: dict[tuple[str, str], tuple[Link, ...]] = {}
@@ -92,6 +121,13 @@ class Context:
             self._routes[(src, dst)] = (src,) if src == dst else tuple(self.topo.route(src, dst))
         return self._routes[(src, dst)]
 
+    def home(self, key: Any, gpu: str) -> str:
+        """The root complex whose DRAM holds `key`'s host copies (a stage, or (gpu, stage) for
+        a data-parallel rank's own partition), first moved by `gpu` (see MASTERS)."""
+        if self.masters != "local":
+            return self.masters
+        return self._home.setdefault(key, self._socket[gpu])
+
     def add(self, task: Task) -> int:
         self.tasks.append(task)
         return len(self.tasks) - 1
@@ -106,13 +142,20 @@ class Context:
         return i
 
     def move(self, stream: str, priority: tuple, src: str, dst: str, nbytes: float, name: str, *,
-             after: list = (), after_start: list = (), **meta) -> int | None:
+             after: list = (), after_start: list = (), need: tuple = (), home: str | None = None,
+             **meta) -> int | None:
+        """A transfer task on `stream` (served in `priority` order). `need` ranks it against the
+        other flows on its links (smaller: needed sooner, goes first); `home` is the root
+        complex whose DRAM the host end is (None: the GPU's own socket)."""
         if nbytes <= 0:
             return None
         route = self.route(src, dst)
+        gpu = dst if src == HOST else src if dst == HOST else None
+        if home is not None and gpu is not None and home != self._socket[gpu]:
+            route = self.route(home, gpu) if src == HOST else self.route(gpu, home)
         return self.add(Task(name, stream, priority, links=tuple(zip(route, route[1:])), size=float(nbytes),
                              after=[d for d in after if d is not None],
-                             after_start=[d for d in after_start if d is not None],
+                             after_start=[d for d in after_start if d is not None], link_priority=tuple(need),
                              meta={"src": src, "dst": dst, "route": route, "bytes": int(nbytes), **meta}))
 
     def mark(self, name: str, after: list, **meta) -> int:
@@ -121,7 +164,7 @@ class Context:
 
 def looped_pipeline(ctx: Context, c: Costs, slots: list[Slot], m: int, *, resident: bool = False,
               offload_activations: bool = True, activations: bool = True, loss_on_host: bool = True,
-              grads_to_host: bool = True) -> None:
+              grads_to_host: bool = True, sharded: bool = False, host_collectives: float = 0.0) -> None:
     """Tasks of a looped pipeline (the baselines): each slot runs all `m` micro-batches of one
     stage on a GPU.
 
@@ -132,12 +175,24 @@ def looped_pipeline(ctx: Context, c: Costs, slots: list[Slot], m: int, *, reside
     stream; saved boundary inputs go to DRAM after they arrive and come back (upload stream,
     after the weights) for backward; gradients go to DRAM on the download stream after the last
     micro-batch.
+
+    On shared links a transfer ranks by the slot that needs it (its list position; saved inputs
+    by their backward slot, gradients last). Host memory is placed by `ctx.home` per stage, or
+    per (GPU, stage) with `sharded` (each data-parallel rank its own partition).
+    `host_collectives` = f adds the host-routed half of ZeRO-3's collectives (GPUs without
+    peer-to-peer, NCCL through host memory): with each upload of w bytes (the all-gather's
+    receive side) the GPU sends f x w to host memory (its all-gather send), on its "allgather"
+    stream, and the slot waits for both; with each gradient download of g bytes (the
+    reduce-scatter's send side) it receives f x g from host memory, on its "reduce-scatter"
+    stream. For a ring over N GPUs, f = (N-1)/N.
     """
     seq: dict[str, list[int]] = defaultdict(list)
     for j, s in enumerate(slots):
         seq[s.gpu].append(j)
     pos = {j: p for js in seq.values() for p, j in enumerate(js)}
     last_stage = max(s.stage for s in slots)
+    bslot = {s.stage: j for j, s in enumerate(slots) if s.phase != "forward"}  # when a saved input is needed
+    done = len(slots)  # gradients: needed by the optimizer, after every slot
     comp: dict[tuple[str, int], list[int]] = {}  # (phase, stage) -> compute task per micro-batch
     where: dict[tuple[str, int], str] = {}
     arrive: dict[tuple[int, int], int | None] = {}  # (stage, mb) -> forward input arrival
@@ -153,16 +208,21 @@ def looped_pipeline(ctx: Context, c: Costs, slots: list[Slot], m: int, *, reside
         fwd = s.phase in ("forward", "fused")
         phase = "forward" if s.phase == "forward" else "backward"
         tag = f"{s.phase[0]}{c.names[k]}"
+        home = ctx.home((gpu, k) if sharded else k, gpu)
         trigger_start = [comp[(prev.phase, prev.stage)][0]] if prev is not None else []
         memory = [next((evict[q] for q in reversed(mine[:max(0, p - 1)]) if evict.get(q) is not None), None)]
         up = None
         if not reuse:
             up = ctx.move(f"{gpu}/upload", (p, 0, 0), HOST, gpu, c.w[k], f"prefetch {tag}",
-                          after=memory, after_start=trigger_start,
+                          after=memory, after_start=trigger_start, need=(j,), home=home,
                           kind="prefetch", phase=phase, gpu=gpu, stage=k)
+        gather = None
+        if up is not None and host_collectives > 0:
+            gather = ctx.move(f"{gpu}/allgather", (p,), gpu, HOST, host_collectives * c.w[k], f"all-gather send {tag}",
+                              after_start=[up], need=(j,), kind="collective", phase=phase, gpu=gpu, stage=k)
         rows = []
         for i in range(m):
-            deps: list[int | None] = [up]
+            deps: list[int | None] = [up, gather]
             if fwd and activations:
                 if k == 0:
                     src, made = HOST, None
@@ -172,21 +232,24 @@ def looped_pipeline(ctx: Context, c: Costs, slots: list[Slot], m: int, *, reside
                 a = None
                 if src != gpu:
                     a = ctx.move(f"{gpu}/activation", (p, i), src, gpu, c.inp[k], f"act {tag} mb{i}", after=[made],
+                                 need=(j,), home=home if src == HOST else None,
                                  kind="activation", phase="forward", gpu=gpu, stage=k, microbatch=i)
                 arrive[(k, i)] = a if a is not None else made
                 deps.append(arrive[(k, i)])
                 if offload_activations and k > 0 and s.phase == "forward":
                     save[(k, i)] = ctx.move(f"{gpu}/download", (p, i, 0), gpu, HOST, c.inp[k],
                                             f"save {tag} mb{i}", after=[arrive[(k, i)]], kind="activation",
+                                            need=(bslot.get(k, done),), home=home,
                                             phase="forward", gpu=gpu, stage=k, microbatch=i)
             if s.phase == "backward" and activations:
                 if offload_activations and k > 0 and (k, i) in save:
                     deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), HOST, gpu, c.inp[k], f"restore {tag} mb{i}",
                                          after=[save[(k, i)], *memory], after_start=trigger_start,
+                                         need=(j,), home=home,
                                          kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i))
                 elif offload_activations and k == 0 and c.inp[0] > 0:  # the model input, sent again from the host
                     deps.append(ctx.move(f"{gpu}/upload", (p, 1, i), HOST, gpu, c.inp[0], f"input {tag} mb{i}",
-                                         after=memory, after_start=trigger_start,
+                                         after=memory, after_start=trigger_start, need=(j,), home=home,
                                          kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i))
                 if k == last_stage:
                     src, made = HOST, out.get(i) if out.get(i) is not None else comp[("forward", k)][i]
@@ -196,24 +259,32 @@ def looped_pipeline(ctx: Context, c: Costs, slots: list[Slot], m: int, *, reside
                 hop = None
                 if src != gpu and (src != HOST or loss_on_host):
                     hop = ctx.move(f"{gpu}/activation", (p, i), src, gpu, c.out[k], f"grad-in {tag} mb{i}",
-                                   after=[made], kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i)
+                                   after=[made], need=(j,), home=home if src == HOST else None,
+                                   kind="activation", phase="backward", gpu=gpu, stage=k, microbatch=i)
                 deps.append(hop if hop is not None else made)
             dur = c.f[k] if s.phase == "forward" else c.b[k]
             ci = ctx.compute(gpu, dur, f"{tag} mb{i}", deps, phase=phase, stage=k, microbatch=i)
             rows.append(ci)
             if s.phase == "forward" and k == last_stage and activations and loss_on_host:
                 out[i] = ctx.move(f"{gpu}/download", (p, i, 1), gpu, HOST, c.out[k], f"output mb{i}", after=[ci],
+                                  need=(bslot.get(k, done),), home=home,
                                   kind="activation", phase="forward", gpu=gpu, stage=k, microbatch=i)
         comp[(s.phase, k)] = rows
         where[(s.phase, k)] = gpu
         if s.phase != "forward" and grads_to_host:
             ctx.move(f"{gpu}/download", (p, m, 0), gpu, HOST, c.g[k], f"grad {tag}", after=[rows[-1]],
-                     kind="gradient", phase="backward", gpu=gpu, stage=k)
+                     need=(done,), home=home, kind="gradient", phase="backward", gpu=gpu, stage=k)
+            if host_collectives > 0:
+                ctx.move(f"{gpu}/reduce-scatter", (p,), HOST, gpu, host_collectives * c.g[k],
+                         f"reduce-scatter receive {tag}", after=[rows[-1]], need=(done,),
+                         kind="collective", phase="backward", gpu=gpu, stage=k)
         if not resident and not (nxt is not None and nxt.stage == k):
             evict[j] = ctx.mark(f"evict {tag}", [rows[-1]], kind="evict", phase=phase, gpu=gpu, stage=k)
 
 
-def cpu_optimizer(ctx: Context, master_bytes: float) -> None:
-    t = master_bytes / 4.0 * TOUCHED_BYTES[ctx.optimizer] / ctx.cpu_bw
+def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = None) -> None:
+    """The optimizer step over `master_bytes` of fp32 masters on the CPU, after every task, at
+    `bandwidth` bytes/s (default: the context's `cpu_bw`, the user's torch optimizer)."""
+    t = master_bytes / 4.0 * TOUCHED_BYTES[ctx.optimizer] / (bandwidth or ctx.cpu_bw)
     ctx.add(Task("optimizer step", "host/optimizer", (), t, after=list(range(len(ctx.tasks))),
                  meta={"kind": "optimizer", "phase": "step"}))

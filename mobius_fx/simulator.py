@@ -3,8 +3,10 @@
 `simulate(plan)` turns a schedule into tasks (per GPU and micro-batch: forward, backward
 with recompute, weight prefetch, evict, activation and gradient transfers, the optimizer
 step), replays them on per-GPU streams (compute, upload, download, activation) and on the
-topology's directed links with max-min fair sharing (mobius_fx.network), and reports the
-step time, per-GPU and per-link busy time, the critical path and a Chrome/Perfetto trace.
+topology's directed links with max-min fair sharing (mobius_fx.network: the transfer needed
+first goes first on a shared link, the two directions of a PCIe switch link interfere; host
+memory lives on a socket, `masters`), and reports the step time, per-GPU and per-link busy
+time, the critical path and a Chrome/Perfetto trace.
 Every schedule uses the plan's own costs (stage times, bytes) and the same engine, so the
 comparisons are like for like.
 
@@ -34,10 +36,12 @@ from .errors import MobiusError
 from .network import Link, LinkSegment, Task, replay
 from .plans import Plan
 from .schedule import HOST, ScheduleIR, build_schedule
-from .sim_tasks import CPU_ADAM_BANDWIDTH, Context, cpu_optimizer, optimizer_bytes_touched
+from .sim_tasks import (CPU_ADAM_BANDWIDTH, DEEPSPEED_CPU_ADAM_BANDWIDTH, MASTERS, Context, cpu_optimizer,
+                        optimizer_bytes_touched)
 from .units import fmt_bytes, fmt_time
 
-__all__ = ["simulate", "SimResult", "SimEvent", "SCHEDULES", "CPU_ADAM_BANDWIDTH", "optimizer_bytes_touched"]
+__all__ = ["simulate", "SimResult", "SimEvent", "SCHEDULES", "CPU_ADAM_BANDWIDTH", "DEEPSPEED_CPU_ADAM_BANDWIDTH",
+           "optimizer_bytes_touched"]
 
 SCHEDULES = ("mobius", "mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload", "roundpipe")
 
@@ -48,7 +52,7 @@ class SimEvent:
     """One simulated task: compute, a transfer, an evict marker or the optimizer step."""
 
     name: str
-    kind: str  # compute | prefetch | activation | gradient | evict | optimizer
+    kind: str  # compute | prefetch | activation | gradient | collective | evict | optimizer
     phase: str  # forward | backward | step
     gpu: str | None
     stream: str | None  # e.g. "gpu0/upload"; None for markers
@@ -165,12 +169,21 @@ class SimResult:
 
 # --------------------------------------------------------------------------- public entry
 def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, optimizer: str = "adam",
-             cpu_adam_bandwidth: float | None = None) -> SimResult:
+             cpu_adam_bandwidth: float | None = None, deepspeed_adam_bandwidth: float | None = None,
+             masters: str | None = None) -> SimResult:
     """Replay one training step of `plan` under `schedule` on `topology` (default: the plan's).
+
+    `cpu_adam_bandwidth` (bytes/s) is the CPU optimizer of the Mobius schedules, RoundPipe's
+    (the user's torch optimizer; default CPU_ADAM_BANDWIDTH); `deepspeed_adam_bandwidth` the
+    "zero3-offload" baseline's DeepSpeedCPUAdam (default DEEPSPEED_CPU_ADAM_BANDWIDTH, 6x).
+    `masters`: where host memory lives, "local" (default: each stage on the socket of the GPU
+    that first moves it) or a root complex ("cpu0": all on that socket; GPUs elsewhere cross
+    the inter-socket link) -- see mobius_fx.sim_tasks.MASTERS.
 
     r = simulate(plan)
     print(r.summary())
     simulate(plan, schedule="roundpipe").step_time
+    simulate(plan, schedule="mobius-identity-map", masters="cpu0").step_time
     """
     topo = topology if topology is not None else plan.topology
     if topo is None:
@@ -181,12 +194,22 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     bw = CPU_ADAM_BANDWIDTH if cpu_adam_bandwidth is None else float(cpu_adam_bandwidth)
     if not bw > 0:
         raise MobiusError(f"cpu_adam_bandwidth={cpu_adam_bandwidth}; give the optimizer's bytes/s (> 0)")
+    ds_bw = DEEPSPEED_CPU_ADAM_BANDWIDTH if deepspeed_adam_bandwidth is None else float(deepspeed_adam_bandwidth)
+    if not ds_bw > 0:
+        raise MobiusError(f"deepspeed_adam_bandwidth={deepspeed_adam_bandwidth}; give DeepSpeedCPUAdam's bytes/s "
+                          f"(> 0), e.g. {DEEPSPEED_CPU_ADAM_BANDWIDTH:.3g}")
+    masters = MASTERS if masters is None else masters
+    if masters != "local" and masters not in topo.root_complexes:
+        raise MobiusError(f"masters={masters!r}; host memory lives either 'local' (each stage on its GPU's socket) "
+                          f"or on one root complex of topology {getattr(topo, 'name', '')!r}: "
+                          f"{', '.join(topo.root_complexes)}; pass one of those")
     by_name = {g.name: g for g in topo.gpus}
     missing = [g for g in plan.order if g not in by_name]
     if missing:
         raise MobiusError(f"the plan runs on {', '.join(missing)}, which topology {getattr(topo, 'name', '')!r} "
                           f"lacks ({', '.join(by_name)}); simulate on the plan's topology or re-plan")
-    ctx = Context(plan, topo, optimizer, bw, use_plan_routes=topo is plan.topology)
+    ctx = Context(plan, topo, optimizer, bw, use_plan_routes=topo is plan.topology, masters=masters,
+                  deepspeed_adam_bw=ds_bw)
     _BUILDERS[schedule](ctx)
     return _run(ctx, schedule)
 
@@ -212,7 +235,8 @@ def _from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
     forward or backward on that GPU), then IR order; `evict`/`wait`/`hold` are markers; the host
     `step`s are the one CPU optimizer task at the end. Deps are the IR's, through markers and
     zero-byte copies: a `wait` stands for the stage's weights, but a prefetch it triggers starts
-    with the stage's first run (with `prefetch=False`: after its last)."""
+    with the stage's first run (with `prefetch=False`: after its last). On a shared link a copy
+    ranks by when the step needs it (`_need`); its host end is the stage's home (`ctx.home`)."""
     ops, c = ir.ops, ctx.stages
     slot = {(o.phase, o.stage): p for g in ir.gpus for p, o in enumerate(x for x in ir.place(g) if x.kind == "wait")}
     runs: dict[int, list[int]] = defaultdict(list)  # wait -> the runs that wait for it
@@ -240,15 +264,31 @@ def _from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
             stream = ("download" if o.dst == HOST else "upload" if o.kind == "prefetch" or o.what == "input"
                       else "activation")
             task[o.index] = ctx.move(f"{gpu}/{stream}", (slot[(o.phase, o.stage)], o.index),
-                                     o.src, o.dst, o.bytes,
-                                     f"{o.kind} {tag}", after=after, kind=_KIND[o.kind], phase=o.phase, gpu=gpu,
-                                     stage=o.stage, microbatch=o.microbatch)
+                                     o.src, o.dst, o.bytes, f"{o.kind} {tag}", after=after,
+                                     need=_need(o, len(ir.stages)),
+                                     home=ctx.home(o.stage, gpu) if HOST in (o.src, o.dst) else None,
+                                     kind=_KIND[o.kind], phase=o.phase, gpu=gpu, stage=o.stage, microbatch=o.microbatch)
             triggers += [(task[o.index], d) for d in o.deps if o.kind == "prefetch" and ops[d].kind == "wait"]
         elif o.kind in ("evict", "wait", "hold"):
             ctx.mark(f"{o.kind} {tag}", after, kind=o.kind, phase=o.phase, gpu=o.place, stage=o.stage)
     for t, w in triggers:
         (ctx.tasks[t].after_start if prefetch else ctx.tasks[t].after).append(task[runs[w][0 if prefetch else -1]])
     cpu_optimizer(ctx, sum(c.master[o.stage] for o in ops if o.kind == "step"))
+
+
+def _need(o: Any, stages: int) -> tuple[int]:
+    """When the step needs copy `o`, as the rank of the run that waits for it: stage k's forward
+    is k, its backward 2S-1-k; a saved input is needed by its stage's backward, a value sent to
+    the host two stages on (or at the turn), gradients (and input gradients sent to the host)
+    by the optimizer, after everything (2S)."""
+    back = 2 * stages - 1 - o.stage
+    if o.kind == "download" or (o.phase == "backward" and o.dst == HOST):
+        return (2 * stages,)
+    if o.kind == "offload":
+        return (back,)
+    if o.dst == HOST:
+        return (min(o.stage + 2, stages),)
+    return (o.stage,) if o.phase == "forward" else (back,)
 
 
 def _mobius(ctx: Context) -> None:
@@ -306,7 +346,7 @@ def _run(ctx: Context, schedule: str) -> SimResult:
             bws[link] = float(ctx.topo.link_bandwidth(*link))
         return bws[link]
 
-    rep = replay(tasks, capacity)
+    rep = replay(tasks, capacity, duplex=lambda link: ctx.topo.link_duplex(*link))
     opt_ids = [i for i, t in enumerate(tasks) if t.meta.get("kind") == "optimizer"]
     pipe_end = max((rep.end[i] for i, t in enumerate(tasks) if t.meta.get("kind") != "optimizer"), default=0.0)
     step = max([pipe_end] + [rep.end[i] for i in opt_ids])

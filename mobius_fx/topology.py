@@ -10,7 +10,8 @@ or "nvlink") and `name`. Switches and root complexes form a tree over PCIe; the 
 
 Describe your own server in JSON (`Topology.from_json("server.json")`). Bandwidths are GB/s
 (10**9 bytes/s) per direction: one number for both directions, or `[a_to_b, b_to_a]` when they
-differ. Memory is bytes or a string with a unit; `spec` is a `DeviceSpec` preset name (or the
+differ; a link's optional `duplex` (0.5 to 1) is the share of each direction left while both
+are busy (default: `links.SWITCH_DUPLEX` at a PCIe switch, 1 elsewhere). Memory is bytes or a string with a unit; `spec` is a `DeviceSpec` preset name (or the
 full spec as an object); `memory` defaults to the spec's. Memory, FLOP/s and bandwidths must be
 positive and finite: 0, negatives, NaN, Infinity and quoted numbers are refused with their JSON
 location. A link's `kind` defaults to "upi" between root complexes, "nvlink" between GPUs and
@@ -50,11 +51,11 @@ import networkx as nx
 
 from .costs import DEVICE_SPECS, DeviceSpec
 from .errors import TopologyError
-from .links import GB, NVLINK2, PCIE3_X8, PCIE3_X16, PCIE4_X16, UPI_GOLD6130
+from .links import GB, NVLINK2, PCIE3_X8, PCIE3_X16, PCIE4_X16, SWITCH_DUPLEX, UPI_GOLD6130
 from .schedule import HOST
 from .topology_detect import NoGPUFound, detect_layout, nvidia_smi_layout
-from .topology_schema import (LINK_KINDS, NODE_KINDS, check_graph, graph_from_dict, natural_key, parse_bandwidths,
-                              parse_memory, parse_spec)
+from .topology_schema import (LINK_KINDS, NODE_KINDS, check_graph, graph_from_dict, layout, natural_key,
+                              parse_bandwidths, parse_memory, parse_spec)
 from .units import fmt_bytes
 
 __all__ = ["GPU", "Topology", "PRESETS", "NODE_KINDS", "LINK_KINDS"]
@@ -140,6 +141,17 @@ class Topology:
                                 f"{', '.join(self.graph.successors(u)) or 'nothing'}")
         return self.graph.edges[u, v]["bandwidth"]
 
+    def link_duplex(self, u: str, v: str) -> float:
+        """The share of each direction's bandwidth of link u - v left while both directions are
+        busy: the link's `duplex` if given, else `links.SWITCH_DUPLEX` for a PCIe link at a
+        switch (measured interference) and 1.0 (full duplex) for the others."""
+        self.link_bandwidth(u, v)  # the error for a missing link
+        d = self.graph.edges[u, v]
+        if d.get("duplex") is not None:
+            return d["duplex"]
+        at_switch = "switch" in (self.graph.nodes[u]["kind"], self.graph.nodes[v]["kind"])
+        return SWITCH_DUPLEX if d["kind"] == "pcie" and at_switch else 1.0
+
     # ------------------------------------------------------------------ routes
     def route(self, a: str, b: str) -> tuple[str, ...]:
         """The nodes a transfer from `a` to `b` passes, both ends included.
@@ -206,7 +218,8 @@ class Topology:
     def _key(self) -> tuple:
         nodes = tuple(sorted((n, d["kind"], d.get("memory"), d.get("index"), d.get("spec"))
                              for n, d in self.graph.nodes(data=True)))
-        edges = tuple(sorted((u, v, d["bandwidth"], d["kind"], d["name"]) for u, v, d in self.graph.edges(data=True)))
+        edges = tuple(sorted((u, v, d["bandwidth"], d["kind"], d["name"], d.get("duplex") or 0.0)
+                             for u, v, d in self.graph.edges(data=True)))
         return (self.name, self.p2p, self.virtual, nodes, edges)
 
     def __eq__(self, other: object) -> bool:
@@ -282,6 +295,8 @@ class Topology:
             link: dict[str, Any] = {"a": a, "b": b, "kind": d["kind"], "bandwidth_gbps": ab if ab == ba else [ab, ba]}
             if d["name"] != f"{a}-{b}":
                 link["name"] = d["name"]
+            if d.get("duplex") is not None:
+                link["duplex"] = d["duplex"]
             links.append(link)
         return {"name": self.name, "p2p": self.p2p, "virtual": self.virtual, "nodes": nodes, "links": links}
 
@@ -371,7 +386,7 @@ class Topology:
             size = base + (r < extra)
             blocks.append([list(range(start, start + size))])
             start += size
-        return _from_dict(_layout("virtual", blocks, spec="cpu", memory=mem, gpu_link=bw["bandwidth"], uplink=uplink,
+        return _from_dict(layout("virtual", blocks, spec="cpu", memory=mem, gpu_link=bw["bandwidth"], uplink=uplink,
                                   upi=bw["upi"], p2p=p2p, virtual=True), "Topology.virtual")
 
     # ------------------------------------------------------------ discovery
@@ -437,39 +452,13 @@ def _each(value: Any, parse: Callable[[Any, str], Any], where: str) -> Any:
     return parse(value, where)
 
 
-# --------------------------------------------------------------------- layouts
-def _layout(name: str, sockets: list[list[list[int]]], *, spec: Any, memory: Any, gpu_link: float,
-            uplink: float | None, upi: float, p2p: bool, virtual: bool = False,
-            nvlinks: Mapping[tuple[int, int], float] | None = None) -> dict[str, Any]:
-    """A JSON-schema dict: socket r holds groups of GPU indices; each group sits under one
-    switch with `uplink`, or with `uplink=None` every GPU links straight to the socket."""
-    nodes: list[dict] = [{"name": f"cpu{r}", "kind": "root_complex"} for r in range(len(sockets))]
-    links: list[dict] = [{"a": f"cpu{r}", "b": f"cpu{s}", "kind": "upi", "bandwidth_gbps": upi / GB}
-                         for r in range(len(sockets)) for s in range(r + 1, len(sockets))]
-    gpus: list[dict] = []
-    sw = 0
-    for r, groups in enumerate(sockets):
-        for group in groups:
-            top = f"cpu{r}"
-            if uplink is not None:
-                top, sw = f"sw{sw}", sw + 1
-                nodes.append({"name": top, "kind": "switch"})
-                links.append({"a": f"cpu{r}", "b": top, "bandwidth_gbps": uplink / GB})
-            for g in group:
-                gpus.append({"name": f"gpu{g}", "kind": "gpu", "index": g, "memory": memory, "spec": spec})
-                links.append({"a": top, "b": f"gpu{g}", "bandwidth_gbps": gpu_link / GB})
-    links += [{"a": f"gpu{i}", "b": f"gpu{j}", "kind": "nvlink", "bandwidth_gbps": bw / GB}
-              for (i, j), bw in (nvlinks or {}).items()]
-    return {"name": name, "p2p": p2p, "virtual": virtual, "nodes": nodes + sorted(gpus, key=lambda g: g["index"]),
-            "links": links}
-
-
+# --------------------------------------------------------------------- presets
 def _mobius_testbed() -> Topology:
     # Feng et al., "Mobius", ASPLOS 2023, evaluation setup: 2x Xeon Gold 6130, 8 GPUs
     # ("8x3090-Ti", 24 GB); "every 4 GPUs are connected to a CPU root complex via PCIe 3.0x8
     # and a PCIe switch". The switch uplink is PCIe 3.0 x16 (~13 GB/s); GPU links x8
     # (~6.5 GB/s); UPI ~20 GB/s per direction. GeForce cards have no PCIe P2P.
-    return _from_dict(_layout("mobius-testbed", [[[0, 1, 2, 3]], [[4, 5, 6, 7]]], spec="rtx3090ti",
+    return _from_dict(layout("mobius-testbed", [[[0, 1, 2, 3]], [[4, 5, 6, 7]]], spec="rtx3090ti",
                               memory="24GiB", gpu_link=PCIE3_X8, uplink=PCIE3_X16, upi=UPI_GOLD6130,
                               p2p=False), "preset mobius-testbed")
 
@@ -479,7 +468,7 @@ def _rtx4090x8() -> Topology:
     # of four GPUs. Its switch layout is not published; we assume each GPU has its own x16
     # CPU link (~25 GB/s effective of 31.5 raw). The CPU is not named either; we assume three
     # UPI links at 11.2 GT/s (67 GB/s raw per direction) and ~60% of it, 40 GB/s, for DMA.
-    return _from_dict(_layout("rtx4090x8", [[[0], [1], [2], [3]], [[4], [5], [6], [7]]], spec="rtx4090",
+    return _from_dict(layout("rtx4090x8", [[[0], [1], [2], [3]], [[4], [5], [6], [7]]], spec="rtx4090",
                               memory="24GiB", gpu_link=PCIE4_X16, uplink=None, upi=40e9, p2p=False),
                       "preset rtx4090x8")
 
@@ -490,14 +479,14 @@ def _v100x4_nvlink() -> Topology:
     # `nvidia-smi topo -m` shows on p3 instances: 0-1 NV1, 0-2 NV1, 0-3 NV2, 1-2 NV2,
     # 1-3 NV1, 2-3 NV2 (six links per GPU, ~24 GB/s each per direction). P2P is on.
     nv = {(0, 1): 1, (0, 2): 1, (0, 3): 2, (1, 2): 2, (1, 3): 1, (2, 3): 2}
-    return _from_dict(_layout("v100x4-nvlink", [[[0], [1], [2], [3]]], spec="v100-16gb", memory="16GiB",
+    return _from_dict(layout("v100x4-nvlink", [[[0], [1], [2], [3]]], spec="v100-16gb", memory="16GiB",
                               gpu_link=PCIE3_X16, uplink=None, upi=UPI_GOLD6130, p2p=True,
                               nvlinks={k: c * NVLINK2 for k, c in nv.items()}), "preset v100x4-nvlink")
 
 
 def _single_3090() -> Topology:
     # One RTX 3090 24 GB in a desktop, on its native PCIe 4.0 x16 link (~25 GB/s effective).
-    return _from_dict(_layout("single-3090", [[[0]]], spec="rtx3090", memory="24GiB", gpu_link=PCIE4_X16,
+    return _from_dict(layout("single-3090", [[[0]]], spec="rtx3090", memory="24GiB", gpu_link=PCIE4_X16,
                               uplink=None, upi=UPI_GOLD6130, p2p=False), "preset single-3090")
 
 

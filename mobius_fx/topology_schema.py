@@ -24,7 +24,7 @@ from .errors import MobiusError, TopologyError
 from .links import GB
 from .units import check_positive, parse_bandwidth, parse_bytes
 
-__all__ = ["NODE_KINDS", "LINK_KINDS", "check_graph", "graph_from_dict", "parse_spec", "parse_memory",
+__all__ = ["NODE_KINDS", "LINK_KINDS", "check_graph", "graph_from_dict", "layout", "parse_spec", "parse_memory",
            "parse_bandwidths", "natural_key"]
 
 NODE_KINDS = ("root_complex", "switch", "gpu")
@@ -134,6 +134,13 @@ def _check_edge(graph: nx.DiGraph, u: str, v: str, d: Mapping[str, Any]) -> None
     if not graph.has_edge(v, u) or graph.edges[v, u].get("kind") != kind:
         raise TopologyError(f"link {link} ({u} -> {v}, {kind}) has no reverse {v} -> {u} of the same kind; "
                             "each physical link is two directed edges")
+    duplex = d.get("duplex")
+    if duplex is not None and (isinstance(duplex, bool) or not isinstance(duplex, (int, float))
+                               or not 0.5 <= duplex <= 1 or graph.edges[v, u].get("duplex") != duplex):
+        raise TopologyError(f"link {link} ({u} -> {v}) has duplex {duplex!r} (reverse: "
+                            f"{graph.edges[v, u].get('duplex')!r}); duplex is the share of each direction's "
+                            "bandwidth left while both directions are busy, one number from 0.5 to 1 for both "
+                            "directions (1 = full duplex); give e.g. 0.72, or leave it out for the default")
     ku, kv = graph.nodes[u]["kind"], graph.nodes[v]["kind"]
     rule = {"nvlink": ku == kv == "gpu", "upi": ku == kv == "root_complex",
             "pcie": {ku, kv} not in ({"gpu"}, {"root_complex"})}[kind]
@@ -158,6 +165,8 @@ def _canonical(graph: nx.DiGraph, parent: dict[str, str | None], index: dict[str
         a, b = (v, u) if parent.get(u) == v or (d["kind"] != "pcie" and rank[v] < rank[u]) else (u, v)
         out.add_edge(u, v, bandwidth=float(max(1, round(d["bandwidth"]))), kind=d["kind"],
                      name=str(d.get("name") or f"{a}-{b}"))
+        if d.get("duplex") is not None:
+            out.edges[u, v]["duplex"] = float(d["duplex"])
     return out
 
 
@@ -169,7 +178,7 @@ def natural_key(name: str) -> tuple:
 # ------------------------------------------------------------------------ JSON
 _TOP_KEYS = {"name", "p2p", "virtual", "nodes", "links", "comment"}
 _NODE_KEYS = {"name", "kind", "memory", "spec", "index"}
-_LINK_KEYS = {"a", "b", "kind", "bandwidth_gbps", "name"}
+_LINK_KEYS = {"a", "b", "kind", "bandwidth_gbps", "name", "duplex"}
 
 
 def graph_from_dict(data: Any, source: str) -> tuple[nx.DiGraph, dict[str, Any]]:
@@ -241,13 +250,46 @@ def graph_from_dict(data: Any, source: str) -> tuple[nx.DiGraph, dict[str, Any]]
         ab, ba = (GB * check_positive(x, f"{source}: {where}: bandwidth_gbps{f'[{k}]' if both else ''}",
                                       "give GB/s per direction: one number, or [a_to_b, b_to_a]",
                                       TopologyError) for k, x in enumerate(gbps if both else (gbps, gbps)))
-        graph.add_edge(a, b, bandwidth=ab, kind=kind, name=name)  # rounded to whole bytes/s by Topology
-        graph.add_edge(b, a, bandwidth=ba, kind=kind, name=name)
+        duplex = ln.get("duplex")
+        if duplex is not None and (isinstance(duplex, bool) or not isinstance(duplex, (int, float))
+                                   or not 0.5 <= duplex <= 1):
+            raise fail(where, f"duplex is {duplex!r}; it is the share of each direction's bandwidth left while both "
+                              "directions are busy, a number from 0.5 to 1 (1 = full duplex); give e.g. 0.72, or "
+                              "leave it out (PCIe links at a switch default to mobius_fx.links.SWITCH_DUPLEX)")
+        extra = {} if duplex is None else {"duplex": float(duplex)}
+        graph.add_edge(a, b, bandwidth=ab, kind=kind, name=name, **extra)  # rounded to whole bytes/s by Topology
+        graph.add_edge(b, a, bandwidth=ba, kind=kind, name=name, **extra)
     for key in ("p2p", "virtual"):
         if not isinstance(data.get(key, False), bool):
             raise fail(key, f"expected true or false, got {data[key]!r}")
     return graph, {"name": str(data.get("name", "custom")), "p2p": data.get("p2p", False),
                    "virtual": data.get("virtual", False)}
+
+
+def layout(name: str, sockets: list[list[list[int]]], *, spec: Any, memory: Any, gpu_link: float,
+            uplink: float | None, upi: float, p2p: bool, virtual: bool = False,
+            nvlinks: Mapping[tuple[int, int], float] | None = None) -> dict[str, Any]:
+    """A JSON-schema dict: socket r holds groups of GPU indices; each group sits under one
+    switch with `uplink`, or with `uplink=None` every GPU links straight to the socket."""
+    nodes: list[dict] = [{"name": f"cpu{r}", "kind": "root_complex"} for r in range(len(sockets))]
+    links: list[dict] = [{"a": f"cpu{r}", "b": f"cpu{s}", "kind": "upi", "bandwidth_gbps": upi / GB}
+                         for r in range(len(sockets)) for s in range(r + 1, len(sockets))]
+    gpus: list[dict] = []
+    sw = 0
+    for r, groups in enumerate(sockets):
+        for group in groups:
+            top = f"cpu{r}"
+            if uplink is not None:
+                top, sw = f"sw{sw}", sw + 1
+                nodes.append({"name": top, "kind": "switch"})
+                links.append({"a": f"cpu{r}", "b": top, "bandwidth_gbps": uplink / GB})
+            for g in group:
+                gpus.append({"name": f"gpu{g}", "kind": "gpu", "index": g, "memory": memory, "spec": spec})
+                links.append({"a": top, "b": f"gpu{g}", "bandwidth_gbps": gpu_link / GB})
+    links += [{"a": f"gpu{i}", "b": f"gpu{j}", "kind": "nvlink", "bandwidth_gbps": bw / GB}
+              for (i, j), bw in (nvlinks or {}).items()]
+    return {"name": name, "p2p": p2p, "virtual": virtual, "nodes": nodes + sorted(gpus, key=lambda g: g["index"]),
+            "links": links}
 
 
 def _no_unknown_keys(d: Mapping, allowed: set[str], where: str, fail: Callable[[str, str], Exception]) -> None:

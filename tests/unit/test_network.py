@@ -102,3 +102,46 @@ def test_replay_records_time_per_bottleneck_link():
     r = replay(tasks, {AB: 1.0, BC: 4.0})
     assert r.flow_links[0] == pytest.approx({AB: 4.0})
     assert not math.isnan(r.end[0])
+
+
+# ------------------------------------------------------------------ priorities on a link
+def test_the_flow_needed_first_takes_a_shared_link_first():
+    # Same link, same bytes: the urgent one (priority 0) runs alone at full rate, then the other.
+    assert run_flows({AB: 1.0}, [(0.0, [AB], 1.0, (1,)), (0.0, [AB], 1.0, (0,))]) == pytest.approx([2.0, 1.0])
+
+
+def test_a_less_urgent_flow_gets_what_the_urgent_ones_leave():
+    # x (urgent) is held to 2 by b->c, so y (later) gets the other 8 of a->b, not nothing.
+    rates = max_min_rates({"x": [AB, BC], "y": [AB]}, {AB: 10.0, BC: 2.0}, priority={"x": (0,), "y": (1,)})
+    assert rates == pytest.approx({"x": 2.0, "y": 8.0})
+
+
+def test_flows_of_one_priority_share_max_min_fairly():
+    rates = max_min_rates({"x": [AB], "y": [AB], "z": [AB]}, {AB: 9.0}, priority={"x": (0,), "y": (1,), "z": (1,)})
+    assert rates == pytest.approx({"x": 9.0, "y": 0.0, "z": 0.0})
+    assert max_min_rates({"y": [AB], "z": [AB]}, {AB: 9.0}, priority={"y": (1,), "z": (1,)}) == \
+        pytest.approx({"y": 4.5, "z": 4.5})
+
+
+# ------------------------------------------------------------- two directions of a link
+def test_both_directions_of_an_interfering_link_keep_the_duplex_share():
+    # d = 0.72: the pair carries 0.72 x (1 + 1); each direction gets 0.72, so 1 byte takes 1/0.72 s.
+    assert run_flows({AB: 1.0, BA: 1.0}, [(0.0, [AB], 1.0), (0.0, [BA], 1.0)], duplex={AB: 0.72, BA: 0.72}) == \
+        pytest.approx([1 / 0.72, 1 / 0.72])
+
+
+def test_one_direction_alone_runs_at_full_speed_on_an_interfering_link():
+    assert run_flows({AB: 1.0, BA: 1.0}, [(0.0, [AB], 1.0)], duplex={AB: 0.72, BA: 0.72}) == pytest.approx([1.0])
+
+
+def test_the_duplex_budget_a_slow_reverse_flow_leaves_goes_to_the_other_direction():
+    # d = 0.5: both directions share 1.0. y (b->a) also crosses a->c, which holds it to 0.2, so
+    # x (a->b) gets the rest of the shared 1.0: 0.8, not a flat 0.5.
+    caps = {AB: 1.0, BA: 1.0, ("a", "c"): 0.2}
+    rates = max_min_rates({"x": [AB], "y": [BA, ("a", "c")]}, caps, duplex={AB: 0.5, BA: 0.5})
+    assert rates == pytest.approx({"x": 0.8, "y": 0.2})
+
+
+def test_a_duplex_factor_outside_half_to_one_is_refused():
+    with pytest.raises(MobiusError, match=r"duplex factor 0.3.*between 0.5 and 1"):
+        max_min_rates({"x": [AB]}, {AB: 1.0, BA: 1.0}, duplex={AB: 0.3})

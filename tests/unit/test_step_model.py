@@ -335,8 +335,10 @@ def test_with_large_activations_the_model_is_the_simulated_step_on_one_gpu(cuts)
     # long as a stage's weight upload) on one virtual GPU. The saved inputs' offloads queue on
     # the download stream, their restores on the upload stream ahead of the next prefetch, the
     # model output goes to the host and its gradient comes back; the model counts all of it and
-    # equals the simulated step. Without them it was 50-82% of it.
-    topo = Topology.virtual(gpus=1, memory="24GiB", bandwidth=10e9)
+    # equals the simulated step. Without them it was 50-82% of it. (The GPU's own 10 GB/s link
+    # to the root complex, no switch: a switch's PCIe links lose bandwidth when both directions
+    # are busy, which the simulator models and the step model does not, issue 14.)
+    topo = unshared_topology(1)
     layers = [LayerCost(f"h{i}", (f"n{i}",), 1.0, 1.0, 0.01, 0.03, int(100e6), int(100e6), int(400e6), int(1e6))
               for i in range(6)]
     plan = build_plan(layers, cuts, order=["gpu0"], topology=topo, microbatches=4, step_time=0.0,
@@ -347,8 +349,10 @@ def test_with_large_activations_the_model_is_the_simulated_step_on_one_gpu(cuts)
 
 def test_with_large_activations_the_model_stays_below_the_simulated_step_on_two_gpus():
     # Two virtual GPUs under one switch: hops go GPU to GPU through the host and share links
-    # with the offloads, which the model leaves out (issue 14), so it is a bound, and a closer
-    # one than before (0.89 of the simulated step on these cuts; 0.66 without saved inputs).
+    # with the offloads, and the switch's links lose bandwidth when both directions are busy
+    # (links.SWITCH_DUPLEX); the model leaves both out (issue 14), so it is a bound (0.82 of the
+    # simulated step on these cuts; 0.89 before the simulator modelled the duplex share, 0.66
+    # without saved inputs).
     topo = Topology.virtual(gpus=2, memory="24GiB", bandwidth=10e9)
     layers = [LayerCost(f"h{i}", (f"n{i}",), 1.0, 1.0, 0.01, 0.03, int(100e6), int(100e6), int(400e6), int(1e6))
               for i in range(6)]
@@ -356,7 +360,7 @@ def test_with_large_activations_the_model_stays_below_the_simulated_step_on_two_
                       memory_fraction=0.99)
     ev = evaluate(PartitionProblem.from_topology(layers, topo, microbatches=4, memory_fraction=0.99), [0, 2, 4])
     sim = simulate(plan).pipeline_time
-    assert 0.85 * sim <= ev.makespan <= sim * (1 + 1e-9)
+    assert 0.8 * sim <= ev.makespan <= sim * (1 + 1e-9)
 
 
 # ----------------------------------------------------------------------------- memory

@@ -256,3 +256,39 @@ def test_parse_bandwidth_reads_bytes_per_second_in_the_units_of_sizes(value, rat
 def test_parse_bandwidth_refuses_a_rate_that_is_not_positive_and_finite(value):
     with pytest.raises(MobiusError, match=r"bandwidth .* is not (positive|finite|a number of bytes/s)"):
         units.parse_bandwidth(value)
+
+
+# ---------------------------------------------------------------- duplex (direction interference)
+def _two_gpus(duplex=None):
+    link = {"a": "sw0", "b": "gpu0", "bandwidth_gbps": 6.5}
+    if duplex is not None:
+        link["duplex"] = duplex
+    return {"name": "d", "nodes": [{"name": "cpu0", "kind": "root_complex"}, {"name": "sw0", "kind": "switch"},
+                                   {"name": "gpu0", "kind": "gpu", "spec": "rtx3090"},
+                                   {"name": "gpu1", "kind": "gpu", "spec": "rtx3090"}],
+            "links": [{"a": "cpu0", "b": "sw0", "bandwidth_gbps": 13}, link,
+                      {"a": "cpu0", "b": "gpu1", "bandwidth_gbps": 13}]}
+
+
+def test_pcie_links_at_a_switch_default_to_the_measured_duplex_share_and_others_to_full_duplex():
+    from mobius_fx.links import SWITCH_DUPLEX
+    topo = Topology.from_dict(_two_gpus())
+    assert topo.link_duplex("cpu0", "sw0") == topo.link_duplex("gpu0", "sw0") == SWITCH_DUPLEX == 0.72
+    assert topo.link_duplex("cpu0", "gpu1") == 1.0  # a root port, no switch
+    testbed = Topology.preset("mobius-testbed")
+    assert testbed.link_duplex("cpu0", "cpu1") == 1.0 and testbed.link_duplex("sw1", "gpu5") == SWITCH_DUPLEX
+    assert Topology.preset("rtx4090x8").link_duplex("cpu1", "gpu5") == 1.0
+
+
+def test_a_links_duplex_is_read_from_json_and_written_back():
+    topo = Topology.from_dict(_two_gpus(0.9))
+    assert topo.link_duplex("sw0", "gpu0") == topo.link_duplex("gpu0", "sw0") == 0.9
+    again = Topology.from_json(topo.to_json())
+    assert again == topo and again.link_duplex("gpu0", "sw0") == 0.9
+    assert Topology.from_dict(_two_gpus()) != topo
+
+
+@pytest.mark.parametrize("bad", [0.3, 1.5, "0.8", True])
+def test_a_duplex_outside_half_to_one_is_refused_with_its_location(bad):
+    with pytest.raises(TopologyError, match=r"links\[1\] \(sw0-gpu0\): duplex is .*from 0.5 to 1"):
+        Topology.from_dict(_two_gpus(bad))
