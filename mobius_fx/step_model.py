@@ -10,6 +10,9 @@ Every encoding of the model reads it from here, so they cannot drift apart:
 * stage sums: `PrefixSums` of every per-layer quantity the model reads, so a cut set's
   `StageTotals` cost O(S) (the local search) and are linear in the MIP's cut variables;
   `layer_runs`, the runs of layers the model cannot tell apart (the MIP decides over runs);
+* shared links: `SharedLink` / `shared_links`, a switch uplink several GPUs' weight uploads or
+  gradient downloads cross, which carries `servers` of them at a time in the order the pipeline
+  needs them (`queue_before`; in step_timeline.py, re-exported);
 * tied weights: `TiedWeight` / `tied_weights`, the extra copy (and gradient) a stage keeps of
   a parameter another stage's layer owns, `tied_copy_bytes` its bytes (`plans.build_plan` too);
 * the timeline: `memory_violation` (the memory rules) and `timeline` (least start times; its
@@ -44,10 +47,11 @@ from typing import Any, Sequence
 
 from .costs import LayerCost, dtype_bytes
 from .errors import PlanError
-from .step_timeline import Evaluation, Timeline, timeline
+from .step_timeline import Evaluation, SharedLink, Timeline, queue_before, shared_links, timeline
 
 __all__ = [
-    "MEMORY_TOLERANCE", "SolverInfo", "MemoryModel", "stage_memory", "TiedWeight", "tied_weights", "tied_copy_bytes",
+    "MEMORY_TOLERANCE", "SolverInfo", "MemoryModel", "stage_memory", "TiedWeight", "tied_weights", "tied_copy_bytes", "SharedLink",
+    "shared_links", "queue_before",
     "PartitionProblem", "Evaluation",
     "StageTotals", "PrefixSums", "layer_runs", "memory_violation", "Timeline", "timeline", "evaluate",
 ]
@@ -209,6 +213,8 @@ class PartitionProblem:
     model's example input for the whole batch as sent (stage 0 receives `input_bytes / M` per
     micro-batch in forward and again in backward); 0 when unknown. `tied`: the parameters
     layers read without owning them (`tied_weights`), whose extra copies cost bytes.
+    `shared_up` / `shared_down`: links the weight uploads / gradient downloads of several
+    slots share (`shared_links`); their copies queue on them (`queue_before`).
     """
 
     layers: tuple[LayerCost, ...]
@@ -223,6 +229,8 @@ class PartitionProblem:
     hop_back: tuple[float, ...] | None = None
     input_bytes: float = 0.0
     tied: tuple[TiedWeight, ...] = ()
+    shared_up: tuple[SharedLink, ...] = ()
+    shared_down: tuple[SharedLink, ...] = ()
 
     @property
     def frozen_prefix(self) -> int:
@@ -268,6 +276,10 @@ class PartitionProblem:
                 raise PlanError(f"hop bandwidth from {g} is {x}; give a positive bytes/s (inf for the same GPU)")
         if not 0 <= self.input_bytes < math.inf:
             raise PlanError(f"input_bytes={self.input_bytes}; give the model input's bytes (>= 0, 0 when unknown)")
+        for link in (*self.shared_up, *self.shared_down):
+            if link.servers < 1 or not link.slots or any(not 0 <= i < n for i in link.slots):
+                raise PlanError(f"shared link {link.name}: slots {link.slots}, {link.servers} at a time; give slots "
+                                f"below {n} and at least 1 at a time (build it with step_model.shared_links)")
         L = len(self.layers)
         for t in self.tied:
             if not (-1 <= t.owner < L and all(0 <= r < L and r != t.owner for r in t.readers)
@@ -316,7 +328,8 @@ class PartitionProblem:
             down=tuple(float(topology.bandwidth(g, "host")) for g in names),
             hop=hop, memory=MemoryModel.for_layers(layers, microbatches, dtype),
             memory_fraction=memory_fraction, hop_back=hop_back, input_bytes=float(input_bytes),
-            tied=tuple(tied),
+            tied=tuple(tied), shared_up=shared_links(topology, names, "up"),
+            shared_down=shared_links(topology, names, "down"),
         )
 
 
@@ -452,4 +465,4 @@ def evaluate(problem: PartitionProblem, boundaries: Sequence[int]) -> Evaluation
     return Evaluation(cuts, tl.makespan, tuple(tl.p), tuple(tl.q), tuple(map(tuple, tl.F)), tuple(map(tuple, tl.B)),
                       tuple(st.fmem), tuple(st.bmem), tuple(tl.D),
                       tuple(tuple(tl.V.get(k, ())) for k in range(len(cuts))), tuple(tl.E), tuple(tl.A),
-                      tuple(tl.R))
+                      tuple(tl.R), tuple(tl.U))

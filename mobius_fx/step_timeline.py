@@ -1,5 +1,6 @@
 """The timeline of the step model (`mobius_fx.step_model`, which re-exports everything here):
-the least start times of docs/schedule.md for fixed stages, and the records they come in.
+the least start times of docs/schedule.md for fixed stages, the records they come in, and the
+shared links whose copies queue (`SharedLink`, `shared_links`, `queue_before`).
 
 Kept apart only for size: import these names from `mobius_fx.step_model`. This module reads
 its `problem` (a `step_model.PartitionProblem`) and stage numbers (`step_model.StageTotals`)
@@ -11,10 +12,10 @@ by attribute and imports nothing from it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
-__all__ = ["Evaluation", "Timeline", "timeline"]
+__all__ = ["Evaluation", "Timeline", "timeline", "SharedLink", "shared_links", "queue_before"]
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class Evaluation:
     `grad_done[k]` = D_k, when stage k's gradients are on the host (makespan = max of them), and
     the helper times of the saved-input rows (`Timeline`): `host_copy_start[k][i]` = V_k,i for
     the stages resident through the turn (() for the others), `host_copies_done[k]` = E_k,
-    `weights_back[k]` = A_k and `restores_done[k]` = R_k."""
+    `weights_back[k]` = A_k, `restores_done[k]` = R_k and `upload_done[k]` = U_k, the end of
+    stage k's forward upload (after the ones before it on a shared link)."""
 
     boundaries: tuple[int, ...]
     makespan: float
@@ -38,6 +40,7 @@ class Evaluation:
     host_copies_done: tuple[float, ...] = ()
     weights_back: tuple[float, ...] = ()
     restores_done: tuple[float, ...] = ()
+    upload_done: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,59 @@ class Timeline:
     E: list[float]
     A: list[float]
     R: list[float]
+    U: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SharedLink:
+    """A link that the host copies of several GPU slots cross the same way (a PCIe switch's
+    uplink): it carries `servers` of them at a time, each at its own link's speed, and the
+    schedule's priorities serve them in the order the pipeline needs them (the simulator's
+    priorities, `network.py`). `slots` are the GPU slots behind it; `name` says which link."""
+
+    name: str
+    slots: tuple[int, ...]
+    servers: int
+
+
+def shared_links(topology: Any, gpus: Sequence[str], direction: str) -> tuple[SharedLink, ...]:
+    """The links that the host copies of two or more of `gpus` (slot i = gpus[i]) cross in
+    `direction` ("up": host -> GPU, "down": GPU -> host) and that carry fewer of them at a
+    time at full speed than there are: servers = the link's bandwidth over the fastest of their
+    own routes' bandwidth (at least 1). mobius-testbed: each 13 GB/s switch uplink carries two of
+    the four 6.5 GB/s GPU links' copies at a time.
+
+    shared_links(Topology.preset("mobius-testbed"), [f"gpu{i}" for i in range(8)], "up")
+    """
+    routes = [topology.route("host", g) if direction == "up" else topology.route(g, "host") for g in gpus]
+    users: dict[tuple[str, str], list[int]] = {}
+    for i, r in enumerate(routes):
+        for edge in zip(r, r[1:]):
+            users.setdefault(edge, []).append(i)
+    out = []
+    for (u, v), slots in users.items():
+        if len(slots) < 2:
+            continue
+        own = max(topology.bandwidth("host", gpus[i]) if direction == "up" else topology.bandwidth(gpus[i], "host")
+                  for i in slots)
+        servers = max(1, int(topology.link_bandwidth(u, v) / own + 1e-9))
+        if servers < len(slots):
+            out.append(SharedLink(f"{u}->{v}", tuple(slots), servers))
+    return tuple(out)
+
+
+def queue_before(links: Sequence[Any], slot_of: Sequence[int], order: Sequence[int]) -> list[list[int]]:
+    """For each stage k, the stages whose copy on a shared link (`step_model.SharedLink`) must
+    end before k's starts: on each link k's slot is behind, the one `servers` places before k
+    among the stages of `order` (the order the pipeline needs their copies in) behind that
+    link — a queue with `servers` servers, served in need order. Indexed by stage."""
+    before: list[list[int]] = [[] for _ in slot_of]
+    for link in links:
+        queue = [k for k in order if slot_of[k] in link.slots]
+        for j, k in enumerate(queue):
+            if j >= link.servers:
+                before[k].append(queue[j - link.servers])
+    return before
 
 
 def timeline(problem: Any, st: Any, full: bool = False):
@@ -94,17 +150,28 @@ def timeline(problem: Any, st: Any, full: bool = False):
     d = [inp[k] / down[k % n] if live[k] and k else 0.0 for k in range(s)]
     out_down = st.out[s - 1] / down[(s - 1) % n]
     out_up = st.out[s - 1] / up[(s - 1) % n] if live[s - 1] else 0.0
+    # Weight uploads (forward in stage order, backward in reverse) and gradient downloads
+    # (reverse) of the slots behind a shared link queue on it (`queue_before`): one starts
+    # when its release time has come and the one `servers` places before it has ended.
+    slot = [k % n for k in range(s)]
+    up_fwd = queue_before(problem.shared_up, slot, range(s))
+    up_bwd = queue_before(problem.shared_up, slot, range(s - n - 1, -1, -1))
+    down_q = queue_before(problem.shared_down, slot, range(s - 1, -1, -1))
     F: list[list[float]] = []
     p = [0.0] * s
+    U = [0.0] * s  # end of stage k's forward upload
     for k in range(s):
         sl = k % n
+        start = 0.0 if k < n else F[k - n][0]  # the prefetch starts with stage k-N
+        for j in up_fwd[k]:
+            start = max(start, U[j])
+        U[k] = start + w[k] / up[sl]
         if k < n:
-            t0 = w[k] / up[sl]
+            t0 = U[k]
         else:
-            prev = F[k - n]
-            end = prev[m - 1] + f[k - n]
-            p[k] = max(0.0, min(w[k], up[sl] * (end - prev[0]), cap[sl] - st.fmem[k - n]))
-            t0 = end + (w[k] - p[k]) / up[sl]
+            end = F[k - n][m - 1] + f[k - n]
+            p[k] = max(0.0, min(w[k], up[sl] * (end - start), cap[sl] - st.fmem[k - n]))
+            t0 = max(end, start) + (w[k] - p[k]) / up[sl]
         row = [0.0] * m
         t, fk = t0, f[k]
         if k:
@@ -171,9 +238,10 @@ def timeline(problem: Any, st: Any, full: bool = False):
             # run waits for one restore, the last for all M (the MIP keeps these two rows)
             nxt = B[k + n]
             end = nxt[m - 1] + b[k + n]
-            q[k] = max(0.0, min(wb[k], up[sl] * (end - nxt[0]), cap[sl] - st.bmem[k + n]))
-            t0 = end + (wb[k] - q[k]) / up[sl]
-            A[k] = max(R[k + n], nxt[0]) + wb[k] / up[sl]
+            start = max([nxt[0], *(A[j] for j in up_bwd[k])])
+            q[k] = max(0.0, min(wb[k], up[sl] * (end - start), cap[sl] - st.bmem[k + n]))
+            t0 = max(end, start) + (wb[k] - q[k]) / up[sl]
+            A[k] = max(R[k + n], start) + wb[k] / up[sl]
             R[k] = last = A[k] + m * r[k]
             if A[k] + r[k] > t0:
                 t0 = A[k] + r[k]
@@ -207,6 +275,8 @@ def timeline(problem: Any, st: Any, full: bool = False):
         done = B[k][m - 1] + b[k]
         if k + n < s and D[k + n] > done:
             done = D[k + n]
+        for j in down_q[k]:
+            done = max(done, D[j])
         D[k] = done + st.g[k] / problem.down[k % n]
     makespan = max(D)
-    return Timeline(makespan, p, q, F, B, D, V, E, A, R) if full else makespan
+    return Timeline(makespan, p, q, F, B, D, V, E, A, R, U) if full else makespan

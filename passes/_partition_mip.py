@@ -2,33 +2,29 @@
 
 The model is `mobius_fx.step_model` (docs/schedule.md); partition.py owns the search over
 stage counts. This module turns one stage count S into a PuLP program over run-length-encoded
-layers (`step_model.layer_runs`) whose sums are `step_model.PrefixSums`, and drives HiGHS
-(through highspy) or CBC on it. The formulation is explained in partition.py's docstring;
+layers (`step_model.layer_runs`) whose sums are `step_model.PrefixSums`; `run_solver`
+(passes/mip_solver.py, re-exported here) drives HiGHS (through highspy) or CBC on it. The formulation is explained in partition.py's docstring;
 every row here is a row of `step_model.evaluate`, so a solver point is re-checked there
 exactly.
 
     mip = build_mip(problem, PrefixSums(problem), layer_runs(problem), 16, mem_tol=1e-6)
     run_solver(mip, "highs", 5.0, 1e-4, False, None)    # (status, objective, bound)
 
-HiGHS gets no MIP start (see `_QuietHiGHS`), only the incumbent's makespan as a cutoff; CBC
+HiGHS gets no MIP start (see mip_solver.py), only the incumbent's makespan as a cutoff; CBC
 gets the warm start.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import re
-import tempfile
-import warnings
 from dataclasses import dataclass, field
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pulp
 
-from mobius_fx.step_model import Evaluation, PartitionProblem, PrefixSums
+from mobius_fx.step_model import Evaluation, PartitionProblem, PrefixSums, queue_before
+
+from .mip_solver import run_solver
 
 __all__ = ["Mip", "build_mip", "warm_start", "cuts_of", "run_solver"]
 
@@ -56,6 +52,7 @@ class Mip:
     R: dict = field(default_factory=dict)  # k -> its restores and the uploads before them done (k >= S-N, N)
     tied: dict = field(default_factory=dict)  # "holds_{i}_{k}" / "tied_{j}_{k}" -> var: `_tied_copies`
     tied_weights: tuple = ()  # the problem's TiedWeights (j indexes them)
+    U: dict = field(default_factory=dict)  # k -> end of stage k's forward upload (shared uplinks only)
 
 
 def _var(lp: pulp.LpProblem, name: str, lo: float | None = None, hi: float | None = None,
@@ -152,6 +149,21 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
                 lp += F[k][i] >= F[k - 1][i] + f[k - 1] + at[k]["a"] * hop[k - 1], f"act_f{k}_{i}"
             elif in0 > 0:  # the model inputs of micro-batches 0..i and the weights share the host link
                 lp += F[0][i] >= (w[0] + (i + 1) * in0) * up[0], f"input_f{i}"
+    # Uploads and downloads of the slots behind a shared link queue on it (step_model's
+    # `queue_before`): U_k, the end of stage k's forward upload, after the one `servers`
+    # places before it; the backward uploads (A) and the downloads (D) below likewise.
+    slot = [k % n for k in range(s)]
+    up_fwd = queue_before(problem.shared_up, slot, range(s))
+    up_bwd = queue_before(problem.shared_up, slot, range(s - n - 1, -1, -1))
+    down_q = queue_before(problem.shared_down, slot, range(s - 1, -1, -1))
+    U = {}
+    if problem.shared_up:
+        for k in range(s):
+            U[k] = _var(lp, f"U_{k}", 0)
+            lp += U[k] >= (F[k - n][0] if k >= n else 0) + w[k] * up[k], f"upload_end_{k}"
+            for j in up_fwd[k]:
+                lp += U[k] >= U[j] + w[k] * up[k], f"upload_queue_{k}_{j}"
+            lp += F[k][0] >= U[k], f"uploaded_{k}"
     # Copies to the host (step_model.timeline's V and E): micro-batch i's offload, then (last
     # stage) its output, after its forward run, in stage and micro-batch order per GPU. V per
     # micro-batch for the stages resident through the turn, only the end E for the others.
@@ -196,6 +208,8 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
             A[k] = _var(lp, f"A_{k}", 0)
             lp += A[k] >= B[k + n][0] + wb[k] * up[k], f"prefetch_b{k}"
             lp += A[k] >= R[k + n] + wb[k] * up[k], f"upload_queue_b{k}"
+            for j in up_bwd[k]:
+                lp += A[k] >= A[j] + wb[k] * up[k], f"shared_upload_b{k}_{j}"
             lp += B[k][0] >= A[k] + rk, f"restore_b{k}_first"
             lp += B[k][m - 1] >= A[k] + m * rk, f"restore_b{k}_last"
             if k >= n:
@@ -214,12 +228,14 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
         lp += D[k] >= B[k][m - 1] + b[k] + grads, f"download_{k}"
         if k + n < s:
             lp += D[k] >= D[k + n] + grads, f"download_queue_{k}"
+        for j in down_q[k]:
+            lp += D[k] >= D[j] + grads, f"shared_download_{k}_{j}"
         if k < n:
             lp += T >= D[k], f"end_{k}"
     lp += T
     prefix = problem.frozen_prefix
     return Mip(lp, s, scale, z, t, F, B, D, T, infeasible, frozen, prefix, L, V, E, A,
-               {k: v for k, v in R.items() if isinstance(v, pulp.LpVariable)}, aux, problem.tied)
+               {k: v for k, v in R.items() if isinstance(v, pulp.LpVariable)}, aux, problem.tied, U)
 
 
 def _tied_copies(lp: pulp.LpProblem, problem: PartitionProblem, at: list, s: int, aux: dict) -> tuple[list, list]:
@@ -341,7 +357,7 @@ def _memory_rows(lp: pulp.LpProblem, problem: PartitionProblem, mem: list, mem_t
 
 def warm_start(mip: Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
     """Set initial values of every variable from a feasible cut set and its exact schedule
-    (CBC's warm start; HiGHS is not given one, see `_QuietHiGHS`)."""
+    (CBC's warm start; HiGHS is not given one, see mip_solver.py)."""
     cuts = ev.boundaries
     for v in mip.lp.variables():
         v.setInitialValue(0)
@@ -372,7 +388,8 @@ def warm_start(mip: Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
     for k, row in mip.V.items():
         for i, v in enumerate(row):
             v.setInitialValue(ev.host_copy_start[k][i] / mip.scale)
-    for times, variables in ((ev.host_copies_done, mip.E), (ev.weights_back, mip.A), (ev.restores_done, mip.R)):
+    for times, variables in ((ev.host_copies_done, mip.E), (ev.weights_back, mip.A), (ev.restores_done, mip.R),
+                             (ev.upload_done, mip.U)):
         for k, v in variables.items():
             v.setInitialValue(times[k] / mip.scale)
     mip.T.setInitialValue(ev.makespan / mip.scale)
@@ -386,111 +403,3 @@ def cuts_of(mip: Mip, runs: list[tuple[int, int]]) -> tuple[int, ...]:
         tv = mip.t[k, r]
         cuts.append(runs[r][0] + (round(tv.value()) if isinstance(tv, pulp.LpVariable) else tv))
     return tuple(cuts)
-
-
-@cache
-def _quiet_highs() -> type:
-    """A highspy.Highs that never prints, not even the once-per-process banner.
-
-    HiGHS writes "Running HiGHS ... Copyright" on the first logging call of an instance whose
-    `output_flag` is still on, and highspy's constructor makes such a call (it registers its
-    callbacks) before PuLP can set `output_flag=False`. So turn the flag off first, inside
-    that registration. (Defined lazily: highspy is an optional dependency.)
-    """
-    import highspy
-
-    class QuietHighs(highspy.Highs):
-        def enableCallbacks(self):
-            self.setOptionValue("output_flag", False)
-            super().enableCallbacks()
-
-    return QuietHighs
-
-
-class _QuietHiGHS(pulp.HiGHS):
-    """PuLP's highspy interface, silent, and deliberately without a MIP start.
-
-    HiGHS (seen in 1.16) mis-values a user MIP start once presolve's aggregator has substituted
-    columns: the start is reported "feasible in the reduced space" with an objective below its
-    real value, becomes an incumbent no node can beat, and the solve ends "optimal" at once
-    with the start's columns and that wrong value as primal and dual bound. A warm start from
-    a worse cut set was then "proven" optimal (tests/unit/test_partition.py::
-    test_a_warm_start_is_never_proven_optimal_when_a_better_cut_exists). What the start gave
-    is kept without it: its makespan reaches HiGHS as `objective_bound` (the cutoff) and its
-    cut set stays the candidate's incumbent in `solve`.
-    """
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, msg=False, **kw)
-
-    def createAndConfigureSolver(self, lp):
-        # PuLP's version builds a plain highspy.Highs (which prints the banner); we set the
-        # same options, which are all that `run_solver` passes.
-        lp.solverModel = _quiet_highs()()
-        opts = {"output_flag": False, "mip_rel_gap": self.gapRel,
-                "time_limit": None if self.timeLimit is None else float(self.timeLimit), **self.optionsDict}
-        for key, value in opts.items():
-            if value is not None:
-                lp.solverModel.setOptionValue(key, value)
-
-
-def run_solver(mip: Mip, solver: str, time_limit: float, gap_rel: float, warm: bool,
-                cutoff: float | None) -> tuple[str, float, float]:
-    """Solve; return (status, objective, best bound), both in objective units (inf if none).
-
-    `warm`: start CBC from the variables' initial values (`warm_start`); HiGHS never gets a start.
-    `cutoff`: only objectives below it are searched (HiGHS; CBC ignores it).
-    """
-    lp = mip.lp
-    if solver == "highs":
-        import highspy
-        opts = {"mip_feasibility_tolerance": 1e-7}
-        if cutoff is not None:
-            opts["objective_bound"] = cutoff
-        cmd = _QuietHiGHS(timeLimit=max(time_limit, 0.05), gapRel=gap_rel, **opts)  # no MIP start: see there
-        lp.solve(cmd)
-        h = lp.solverModel
-        st, info = h.getModelStatus(), h.getInfo()
-        K = highspy.HighsModelStatus
-        has_sol = info.primal_solution_status == 2 and mip.T.value() is not None
-        obj = mip.T.value() if has_sol else math.inf
-        bound = info.mip_dual_bound if info.mip_dual_bound == info.mip_dual_bound else -math.inf
-        if has_sol and abs(info.objective_function_value - obj) > 1e-7 * max(1.0, abs(obj)):
-            # Its status and bounds are about another objective than its columns' (what the
-            # mis-valued MIP start did): the columns are a plan, nothing is proven.
-            return "unproven", obj, -math.inf
-        # With a cutoff the search only covers objectives below it: whatever it proves is
-        # "optimum >= min(bound, cutoff)", and finishing without beating it settles S.
-        cut = cutoff if cutoff is not None else math.inf
-        if st == K.kOptimal:
-            if obj > cut * (1 + 1e-9):
-                return "cut off", obj, cut
-            # (a program without integer columns, e.g. S = 1, is an LP: HiGHS leaves its MIP
-            # dual bound at 0, and its optimum is its own bound)
-            return "optimal", obj, min(bound, obj) if lp.isMIP() else obj
-        if st in (K.kInfeasible, K.kUnboundedOrInfeasible, K.kObjectiveBound):
-            return ("cut off", obj, cut) if cutoff is not None else ("infeasible", math.inf, math.inf)
-        # (Without a MIP start, running out of time before beating the cutoff leaves no
-        # solution; the candidate's own plan is still there, so it is the time limit too.)
-        timed_out = obj < math.inf or st == K.kTimeLimit
-        return ("time limit" if timed_out else "no solution"), obj, min(bound, cut)
-    with tempfile.TemporaryDirectory() as tmp:  # CBC: no cutoff; its bound is read from the log
-        log = os.path.join(tmp, "cbc.log")
-        with warnings.catch_warnings():  # PuLP 3.3 deprecates its bundled CBC; it is still the
-            warnings.simplefilter("ignore", DeprecationWarning)  # one CBC that is always there
-            cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=round(max(time_limit, 0.2), 2), gapRel=gap_rel,
-                                    warmStart=warm, logPath=log)
-        lp.solve(cmd)
-        text = Path(log).read_text() if os.path.exists(log) else ""
-    result = re.search(r"^Result - (.*)$", text, re.M)
-    result = result.group(1).lower() if result else ""
-    if "infeasible" in result or pulp.LpStatus[lp.status] == "Infeasible":
-        return "infeasible", math.inf, math.inf
-    obj = pulp.value(lp.objective) if lp.sol_status in (1, 2) else math.inf
-    if "optimal" in result:
-        return "optimal", obj, obj * (1 - gap_rel)
-    if not result and re.search(r"^Optimal - objective value", text, re.M):
-        return "optimal", obj, obj  # no integer columns (S = 1): CBC solved an LP, no "Result" line
-    found = re.findall(r"best possible ([-+0-9.eE]+)", text)
-    bound = float(found[-1]) if found else -math.inf
-    return ("time limit" if obj < math.inf else "no solution"), obj, min(bound, obj)

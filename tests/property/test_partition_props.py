@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from mobius_fx import PlanError
 from mobius_fx.costs import LayerCost
 from mobius_fx.passes import _partition_mip as M
-from mobius_fx.step_model import MEMORY_TOLERANCE, MemoryModel, PrefixSums, TiedWeight, layer_runs, stage_memory
+from mobius_fx.step_model import (
+    MEMORY_TOLERANCE, MemoryModel, PrefixSums, SharedLink, TiedWeight, layer_runs, queue_before, stage_memory,
+)
 from mobius_fx.passes.partition import PartitionProblem, brute_force, evaluate, heuristic, solve
 
 TIMES = st.floats(0.05, 2.0, allow_nan=False)
@@ -28,7 +30,8 @@ def problems(draw) -> PartitionProblem:
     <= 3 micro-batches; capacities from "the largest layer alone does not fit" to "the whole
     model fits on one GPU"; backward hops the same as forward ones or drawn apart; a model
     input (sent to stage 0 in forward and again in backward) of 0-60 B; half of them with a
-    tied weight that layers of other stages read (`TiedWeight`)."""
+    tied weight that layers of other stages read (`TiedWeight`); some with a switch uplink that
+    the uploads or downloads of two or more slots queue on (`SharedLink`)."""
     kinds = [dict(fwd_time=draw(TIMES), bwd_time=draw(TIMES), param_bytes=draw(st.integers(1, 60)),
                   grad_bytes=draw(BYTES), output_bytes=draw(BYTES), peak_bytes=draw(BYTES))
              for _ in range(draw(st.integers(1, 3)))]
@@ -50,9 +53,15 @@ def problems(draw) -> PartitionProblem:
         readers = draw(st.sets(st.integers(0, L - 1).filter(lambda i: i != owner), min_size=1, max_size=2))
         tied = (TiedWeight("tied", owner, tuple(sorted(readers)), float(draw(st.integers(1, 40))),
                            draw(st.booleans())),)
+    shared = {"up": (), "down": ()}
+    for way in shared:  # a switch uplink some slots' copies queue on, one or more at a time
+        if n >= 2 and draw(st.booleans()):
+            slots = tuple(sorted(draw(st.sets(st.integers(0, n - 1), min_size=2, max_size=n))))
+            shared[way] = (SharedLink(way, slots, draw(st.integers(1, len(slots) - 1))),)
     return PartitionProblem(layers, m, tuple(f"gpu{i}" for i in range(n)), caps,
                             tuple(draw(BANDWIDTH) for _ in range(n)), tuple(draw(BANDWIDTH) for _ in range(n)),
-                            hops, mm, hop_back=back, input_bytes=draw(BYTES), tied=tied)
+                            hops, mm, hop_back=back, input_bytes=draw(BYTES), tied=tied,
+                            shared_up=shared["up"], shared_down=shared["down"])
 
 
 def _solve(p: PartitionProblem):
@@ -180,12 +189,15 @@ def test_the_makespan_is_the_last_gradient_download(p):
     ev = evaluate(p, best.boundaries)
     n, m, s = len(p.gpus), p.microbatches, len(ev.boundaries)
     edges = list(ev.boundaries) + [len(p.layers)]
+    shared = queue_before(p.shared_down, [k % n for k in range(s)], range(s - 1, -1, -1))
     for k in range(s):  # a download starts when the stage's backward and the GPU's previous download end
         part = p.layers[edges[k]:edges[k + 1]]
         frozen = edges[k + 1] <= p.frozen_prefix  # no weight gradient in it or before it: no backward
         ready = ev.bwd_start[k][m - 1] + (0.0 if frozen else sum(l.bwd_time for l in part) / m)
         if k + n < s:
             ready = max(ready, ev.grad_done[k + n])
+        for j in shared[k]:  # and the download `servers` places before it on a shared uplink
+            ready = max(ready, ev.grad_done[j])
         tied = p.tied_bytes(edges[k], edges[k + 1])[1]  # its tied copies' gradient
         took = (sum(l.grad_bytes for l in part) * p.memory.weight_scale + tied) / p.down[k % n]
         assert ev.grad_done[k] == pytest.approx(ready + took, rel=1e-9, abs=1e-12)

@@ -16,7 +16,7 @@ from mobius_fx.costs import LayerCost
 from mobius_fx.passes import _partition_mip as M
 from mobius_fx.passes import partition as P
 from mobius_fx.step_model import (
-    MEMORY_TOLERANCE, MemoryModel, PrefixSums, SolverInfo, TiedWeight, layer_runs, stage_memory,
+    MEMORY_TOLERANCE, MemoryModel, PrefixSums, SharedLink, SolverInfo, TiedWeight, layer_runs, stage_memory,
 )
 from mobius_fx.passes.partition import (
     PartitionProblem, brute_force, evaluate, heuristic, plan_stage_count_candidates, solve,
@@ -127,6 +127,24 @@ def test_the_mip_counts_tied_copies_like_evaluate():
         untied = evaluate(replace(p, tied=()), cuts).makespan
         assert evaluate(p, cuts).makespan > untied + 0.5
         assert mip_makespan(p, cuts) == pytest.approx(evaluate(p, cuts).makespan, rel=1e-7)
+
+
+def test_the_mip_queues_copies_on_a_shared_uplink_like_evaluate():
+    # Weight uploads (forward and backward) and gradient downloads of the slots behind one
+    # uplink, one or two at a time: the MIP with the cuts fixed equals evaluate, and the queue
+    # costs time (the cases are slower than with every GPU on its own link).
+    ls = [layer(c, fwd=0.2, bwd=0.4, params=30, out=5) for c in "abcdefgh"]
+    slower = 0
+    for gpus, servers, m in ((4, 1, 1), (4, 2, 2), (3, 1, 2)):
+        free = problem(ls, gpus=gpus, m=m, hop=50.0)
+        links = (SharedLink("sw", tuple(range(gpus)), servers),)
+        for p in (replace(free, shared_up=links), replace(free, shared_down=links),
+                  replace(free, shared_up=links, shared_down=links)):
+            for cuts in ((0, 1, 2, 3, 4, 5, 6, 7), (0, 2, 4, 6), (0, 3, 5, 6, 7)):
+                assert evaluate(p, cuts).makespan >= evaluate(free, cuts).makespan
+                slower += evaluate(p, cuts).makespan > evaluate(free, cuts).makespan + 0.1
+                assert mip_makespan(p, cuts) == pytest.approx(evaluate(p, cuts).makespan, rel=1e-7)
+    assert slower >= 20  # of 27 (measured: 26)
 
 
 def test_the_mip_places_a_tied_head_where_brute_force_does():
