@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     print(topo.tree())
     print()
     model, inputs = zoo.build(args.model, batch=args.batch, seq=args.seq, device="meta")
-    # The paper's setting: fp16 weights on the GPUs, fp32 masters in DRAM, one micro-batch per GPU.
-    plan = mobius_fx.plan(model, topo, example_inputs=inputs, microbatches=len(topo.gpus), dtype=torch.float16)
+    # The paper's setting: fp16 weights on the GPUs, fp32 masters in DRAM, one micro-batch per GPU
+    # (the default when --batch divides into them; else the largest divisor of the batch below that).
+    plan = mobius_fx.plan(model, topo, example_inputs=inputs, dtype=torch.float16)
     print(plan)
     print()
     cmp = compare(plan)

@@ -1,6 +1,7 @@
 """The command line: `python -m mobius_fx plan ...` and `python -m mobius_fx topology ...`.
 
     mobius-fx plan --model gpt3-8b --topology mobius-testbed --microbatches 8
+    mobius-fx plan --model gpt2 --topology rtx4090x8 --cuts 1,5,9     # a given partition
     mobius-fx topology rtx4090x8
     mobius-fx topology --detect --json server.json
 """
@@ -52,6 +53,22 @@ def _out_path(text: str) -> str:
 _POSITIVE_INT = _checked(int, lambda v: v > 0, "a positive integer")
 
 
+def _cuts(text: str) -> tuple[int, ...]:
+    """An argparse `type=` for --cuts "1,5,9" ("" or "none" for one stage), checked as `plan(cuts=)` checks it."""
+    from .options import CompileOptions
+
+    parts = [] if text.strip().lower() in ("", "none") else [p.strip() for p in text.split(",")]
+    try:
+        cuts = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: give comma-separated layer indices, e.g. --cuts 1,5 "
+                                         f"(stages [0,1), [1,5), [5,L)), or --cuts none for one stage") from None
+    try:
+        return CompileOptions(cuts=cuts).cuts
+    except MobiusError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import zoo
     from .options import CompileOptions
@@ -70,7 +87,11 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--topology", required=True, help=f"a preset ({presets}) or a topology JSON file")
     pl.add_argument("--microbatches", default=None,
                     type=_checked(int, lambda v: v > 0, "a positive integer; omit it for one per GPU"),
-                    help="micro-batches per step, dividing --batch (default: one per GPU)")
+                    help="micro-batches per step, dividing --batch (default: one per GPU, or the largest divisor "
+                         "of --batch below the GPU count)")
+    pl.add_argument("--cuts", type=_cuts, default=None, metavar="I,J,...",
+                    help="plan this partition instead of solving for one: the first layer index of every stage "
+                         "after the first, e.g. 1,5 (stages [0,1), [1,5), [5,L)); 'none' is one stage")
     pl.add_argument("--batch", type=_POSITIVE_INT, default=8, help="sequences per step (default 8)")
     pl.add_argument("--seq", type=_POSITIVE_INT, default=1024, help="tokens per sequence (default 1024)")
     pl.add_argument("--dtype", default="fp16", choices=sorted(_DTYPES),
@@ -115,22 +136,26 @@ def _cmd_plan(args) -> int:
     from . import api, zoo
     from .report import compare
 
+    from .options import divisors_near
+
     topo = _load_topology(args.topology)
-    micro = args.microbatches if args.microbatches is not None else len(topo.gpus)
-    if args.batch % micro:
-        raise MobiusError(f"--batch {args.batch} does not split into {micro} equal micro-batches"
-                          f"{'' if args.microbatches else f' (the default: one per GPU of {topo.name})'}; give a "
-                          f"--batch that is a multiple of {micro}, or --microbatches that divide {args.batch}")
+    micro = args.microbatches
+    if micro is not None and args.batch % micro:
+        near = " or ".join(f"--microbatches {d}" for d in divisors_near(args.batch, micro))
+        raise MobiusError(f"--batch {args.batch} does not split into {micro} equal micro-batches (micro-batches must "
+                          f"divide the batch); give {near}, a --batch that is a multiple of {micro}, or omit "
+                          f"--microbatches (one per GPU, or the largest divisor of the batch below the GPU count)")
     t0 = time.perf_counter()
     model, inputs = zoo.build(args.model, batch=args.batch, seq=args.seq, device="meta")
     dtype = _DTYPES[args.dtype]
-    p = api.plan(model, topo, example_inputs=inputs, microbatches=micro,
+    p = api.plan(model, topo, example_inputs=inputs, microbatches=micro, cuts=args.cuts,
                  dtype=getattr(torch, dtype) if dtype else None, memory_fraction=args.memory_fraction,
                  time_limit=args.time_limit, verbose=not args.quiet)
     print(p)
     cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None)
     print()
-    print(f"Simulated on {topo.name} ({args.model}, batch {args.batch} x {args.seq} tokens, {micro} micro-batches):")
+    print(f"Simulated on {topo.name} ({args.model}, batch {args.batch} x {args.seq} tokens, {p.microbatches} "
+          f"micro-batches):")
     print(cmp.table())
     if args.json:
         p.to_json(args.json)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 from .options import CompileContext
 
-__all__ = ["trace_pass", "annotate_pass", "partition_pass", "reuse_partition_pass", "cross_map_pass", "plan_pass",
-           "insert_transfers_pass", "emit_pass"]
+__all__ = ["trace_pass", "annotate_pass", "partition_pass", "given_partition", "misfit", "reuse_partition_pass",
+           "cross_map_pass", "plan_pass", "insert_transfers_pass", "emit_pass"]
 
 log = logging.getLogger("mobius_fx")
 
@@ -58,15 +58,70 @@ def _param_sizes(ctx: CompileContext) -> tuple[dict[str, int], list[str]]:
 
 
 def partition_pass(gm, ctx: CompileContext):
+    """The MIP's partition, or with `cuts=` given (`ctx.settings.cuts`) exactly that one."""
     from .passes.partition import solve
 
     s = ctx.settings
+    if s.cuts is not None:
+        ctx.partition = given_partition(_problem(ctx), s.cuts)
+        return None
     problem = _problem(ctx)
     log.info("partition: %d layers on %d GPUs, %d micro-batches; MIP time limit %.0f s", len(ctx.layers),
              len(problem.gpus), problem.microbatches, s.time_limit)
     ctx.partition = solve(problem, solver=s.solver, time_limit=s.time_limit,
                           cache_dir=s.cache_dir, progress=lambda msg: log.info("partition: %s", msg))
     return None
+
+
+def given_partition(problem, cuts):
+    """The partition the user gave (`cuts`: the first layer of every stage after the first),
+    timed by the step model on `problem`'s GPU order; no MIP runs. `PlanError` when a cut is
+    out of range (value, rule, remedy) or the stages do not fit the GPUs (the rule they break)."""
+    import time
+
+    from .errors import PlanError
+    from .passes.partition import PartitionResult, evaluate
+    from .plans import SolverInfo
+
+    t0, L = time.perf_counter(), len(problem.layers)
+    bad = [c for c in cuts if not 0 < c < L]
+    if bad:
+        raise PlanError(f"cuts={list(cuts)}: {bad[0]} is not a layer index in 1..{L - 1} (this model has {L} "
+                        f"layers, plan.layers[0..{L - 1}], and a cut is the first layer of a stage after the first); "
+                        f"give cuts below {L}, e.g. from mobius_fx.plan(...).layers")
+    boundaries = (0, *cuts)
+    ev = evaluate(problem, boundaries)
+    if ev is None:
+        raise PlanError(f"cuts={list(cuts)} do not fit the GPUs: {misfit(problem, boundaries)}; move the cuts (more, "
+                        f"smaller stages), stream in half precision, raise memory_fraction, or let the planner cut "
+                        f"(cuts=None)")
+    info = SolverInfo("given cuts", f"{list(cuts)}, no MIP run", ev.makespan, float("nan"), time.perf_counter() - t0,
+                      0, 0, (len(boundaries),))
+    log.info("partition: the given cuts %s, %d stages; predicted step %.4g s", list(cuts), len(boundaries), ev.makespan)
+    return PartitionResult(ev.boundaries, ev.makespan, ev.prefetch_fwd, ev.prefetch_bwd, info)
+
+
+def misfit(problem, boundaries) -> str:
+    """The memory rule of docs/schedule.md that stages cut at `boundaries` break worst, with its
+    numbers: a stage alone, or a stage with the next one on its GPU (the double buffer)."""
+    from .plans import stage_memory
+    from .units import fmt_bytes
+
+    ls, n = problem.layers, len(problem.gpus)
+    edges = list(boundaries) + [len(ls)]
+    mem = [stage_memory(ls[a:z], ls[a - 1] if a else None, problem.memory) for a, z in zip(edges, edges[1:])]
+    span = lambda k: ls[edges[k]].name + ("" if edges[k + 1] - edges[k] == 1 else f"..{ls[edges[k + 1] - 1].name}")
+    alone, pairs = [], []  # (need / capacity, text): a stage alone is said first, it is the one to split
+    for k, (fm, bm) in enumerate(mem):
+        cap, gpu = problem.capacity[k % n], problem.gpus[k % n]
+        where = f" on {gpu}, which has {fmt_bytes(cap)} usable (memory_fraction {problem.memory_fraction:g})"
+        alone.append((max(fm, bm) / cap, f"stage {k} ({span(k)}) needs {fmt_bytes(max(fm, bm))}{where}"))
+        if k + n < len(mem):
+            pair = max(fm + mem[k + n][0], bm + mem[k + n][1])
+            pairs.append((pair / cap, f"stages {k} and {k + n} ({span(k)} and {span(k + n)}) need {fmt_bytes(pair)} "
+                                      f"together (the double buffer: a stage and the next one on its GPU){where}"))
+    worst = max(alone)
+    return worst[1] if worst[0] > 1 or not pairs else max(pairs)[1]
 
 
 def reuse_partition_pass(layers: tuple[str, ...], boundaries: tuple[int, ...]):
@@ -123,6 +178,11 @@ def plan_pass(gm, ctx: CompileContext):
     # order (routes, bandwidths and GPU memory can differ per GPU) so the plan is for its order.
     problem = _problem(ctx, order=ctx.order)
     ev = evaluate(problem, part.boundaries)
+    if ev is None and s.cuts is not None:  # given cuts are planned as given, never cut again
+        raise PlanError(f"cuts={list(s.cuts)} fit the GPUs in the topology's order, but cross_map={s.cross_map!r} "
+                        f"chose GPU order {ctx.order} (stage k runs on its GPU k % {len(ctx.order)}), where "
+                        f"{misfit(problem, part.boundaries)}; plan them with cross_map='identity', or give other "
+                        f"cuts")
     if ev is not None:
         step_time, prefetch = ev.makespan, ev.prefetch_fwd
     else:  # the cuts do not fit the mapped order's GPUs: cut again for that order, never the old cuts
@@ -138,7 +198,8 @@ def plan_pass(gm, ctx: CompileContext):
         step_time, prefetch = part.makespan, part.prefetch_fwd
     sizes, trainable = _param_sizes(ctx)
     ctx.plan = build_plan(ctx.layers, part.boundaries, order=ctx.order, topology=ctx.topology,
-                          microbatches=s.microbatches, step_time=step_time, dtype=s.dtype,
+                          microbatches=s.microbatches, microbatches_rule=s.microbatches_rule,
+                          step_time=step_time, dtype=s.dtype,
                           memory_fraction=s.memory_fraction, prefetch_fwd=prefetch,
                           solver=part.solver, param_sizes=sizes, trainable=trainable,
                           input_bytes=_input_bytes(ctx))

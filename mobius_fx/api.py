@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -142,15 +142,28 @@ class _Recompiler:
 
 
 def _check_batch(ctx: CompileContext) -> None:
-    """Refuse example inputs that micro-batches cannot split along a batch dimension."""
+    """Choose the micro-batch count when none is given (`CompileOptions.resolved`: one per GPU of
+    the topology when the batch divides, else the batch's largest divisor below that), then
+    refuse example inputs that the micro-batches cannot split into equal parts along dim 0 —
+    for `plan` and `compile` alike, meta tensors or real ones."""
+    from torch.utils._pytree import tree_leaves
+
+    from .options import divisors_near
     from .runtime import batch_rows
 
+    inputs = (ctx.example_inputs, ctx.example_kwargs)
+    if ctx.settings.microbatches is None:
+        leaves = [x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
+        batched = leaves and any(x.dim() > 1 for x in leaves)  # all 1-D: dim 0 is features, not a batch
+        ctx.settings = ctx.settings.resolved(batch_rows(inputs, 1) if batched else None, len(ctx.topology.gpus))
     m = ctx.settings.microbatches
-    rows = batch_rows((ctx.example_inputs, ctx.example_kwargs), m)
+    rows = batch_rows(inputs, m)
     if rows is not None and rows % m:
-        raise MobiusError(f"the example batch has {rows} rows (dim 0 of the first batched input) and does not split "
-                          f"into microbatches={m} equal micro-batches; use a batch size that is a multiple of {m}, "
-                          f"or microbatches that divide {rows}")
+        near = " or ".join(f"microbatches={d}" for d in divisors_near(rows, m))
+        raise PlanError(f"the example batch has {rows} rows (dim 0 of the first batched input) and does not split "
+                        f"into microbatches={m} equal micro-batches (each micro-batch takes batch/microbatches rows, "
+                        f"so microbatches must divide the batch); use {near} (the divisors of {rows} nearest {m}), "
+                        f"or a batch size that is a multiple of {m}")
 
 
 def _on_meta(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict) -> str | None:
@@ -169,7 +182,8 @@ _D = CompileOptions()  # the one set of defaults, shown in the signatures below
 
 
 def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,
-         microbatches: int = _D.microbatches, costs: str = _D.costs, dtype: torch.dtype | None = _D.dtype,
+         microbatches: int | None = _D.microbatches, cuts: Sequence[int] | None = _D.cuts, costs: str = _D.costs,
+         dtype: torch.dtype | None = _D.dtype,
          memory_fraction: float = _D.memory_fraction, solver: str = _D.solver, time_limit: float = _D.time_limit,
          cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, verbose: bool = _D.verbose,
          pipeline: PassPipeline | None = None) -> Plan:
@@ -182,6 +196,13 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
         p = mobius_fx.plan(model, "mobius-testbed", example_inputs=(ids,), microbatches=8)
         print(p)
 
+    `microbatches`: per step; by default one per GPU when the batch (dim 0 of the example
+    inputs) divides into that many, else the largest divisor of the batch below the GPU count
+    (the plan's header says which). A count that does not divide the batch raises `PlanError`.
+    `cuts`: plan this partition instead of solving for one — the index in `plan.layers` of
+    the first layer of every stage after the first (`cuts=[]`: one stage; `cuts=[1, 5]`: stages
+    [0,1), [1,5), [5,L)). No MIP runs; the stages are cross-mapped and timed as usual, and
+    `PlanError` says when they do not fit the GPUs. Compare partitions with `simulate`.
     `dtype` is the dtype weights are streamed and computed in on the GPUs (fp32 masters stay
     in DRAM); `memory_fraction` the share of each GPU's memory the plan may use; `solver`
     "auto" | "highs" | "cbc"; `time_limit` the MIP's whole budget in seconds (shared by the
@@ -191,12 +212,13 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     """
     return _run((pipeline or default_pipeline()).until("plan"), model=model, topology=topology,
                 example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
-                verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
+                cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
                 time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir).plan
 
 
 def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,
-            microbatches: int = _D.microbatches, dtype: torch.dtype | None = _D.dtype, costs: str = _D.costs,
+            microbatches: int | None = _D.microbatches, cuts: Sequence[int] | None = _D.cuts,
+            dtype: torch.dtype | None = _D.dtype, costs: str = _D.costs,
             memory_fraction: float = _D.memory_fraction, solver: str = _D.solver, time_limit: float = _D.time_limit,
             cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, device: str = _D.device,
             verbose: bool = _D.verbose, max_variants: int = _D.max_variants, pipeline: PassPipeline | None = None):
@@ -207,6 +229,8 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
         loss = loss_fn(pipe(x), y); loss.backward(); opt.step()   # opt over model.parameters()
 
     The master weights stay in `model` on the CPU; gradients land in `param.grad`.
+    `microbatches` and `cuts` are as for `plan` (default: one micro-batch per GPU when the
+    example batch divides; every call's batch must then split the same way).
     `device`: "auto" (CUDA when the topology is real and CUDA is present, else virtual GPUs on
     the CPU), "virtual" or "cuda". A model or inputs on the meta device are refused: `plan` them.
     Call the pipeline as you call the model: every argument a call passes is honoured. A call
@@ -227,9 +251,9 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
                               f"model, or build it on the CPU to compile it")
     passes = pipeline or default_pipeline()
     ctx = _run(passes, model=model, topology=topology, example_inputs=example_inputs, example_kwargs=example_kwargs,
-               microbatches=microbatches, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction,
-               solver=solver, time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, device=device,
-               max_variants=max_variants)
+               microbatches=microbatches, cuts=cuts, verbose=verbose, costs=costs, dtype=dtype,
+               memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
+               cache_dir=cache_dir, device=device, max_variants=max_variants)
     pipe = ctx.pipeline
     variants = getattr(pipe, "_variants", None)
     if variants:  # other call signatures and shapes get variants of it (signatures.py)

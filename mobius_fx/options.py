@@ -10,20 +10,23 @@ with the value, the rule and the remedy:
     Traceback (most recent call last):
     ...
     mobius_fx.errors.MobiusError: microbatches=True is a bool; it must be a positive int (micro-batches per step; Mobius uses one per GPU)
+    >>> default_microbatches(rows=6, gpus=4)
+    (3, 'default: the largest divisor of batch 6 <= 4 GPUs')
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
-from .errors import MobiusError
+from .errors import MobiusError, PlanError
 
-__all__ = ["CompileOptions", "CompileContext"]
+__all__ = ["CompileOptions", "CompileContext", "default_microbatches", "divisors_near"]
 
 _COSTS = ("auto", "model", "measure")
 _SOLVERS = ("auto", "highs", "cbc")
@@ -55,6 +58,51 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
+def _cuts(value: Any) -> tuple[int, ...] | None:
+    """`cuts=`: None (the MIP cuts) or the first layer index of every stage after the first,
+    strictly increasing from 1. That they lie below the layer count is checked once the model is
+    traced (mobius_fx._stages.given_partition)."""
+    if value is None:
+        return None
+    rule = ("cuts are the index (in plan.layers) of the first layer of every stage after the first: ints >= 1, "
+            "strictly increasing, e.g. cuts=[1, 5] for stages [0,1), [1,5), [5,L); cuts=[] is one stage")
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        raise PlanError(f"cuts={value!r} is not a list of layer indices; {rule}")
+    cuts = tuple(value)
+    bad = [c for c in cuts if isinstance(c, bool) or not isinstance(c, numbers.Integral)]
+    if bad:
+        raise PlanError(f"cuts={list(cuts)!r} holds {bad[0]!r}, which is not an int; {rule}")
+    cuts = tuple(int(c) for c in cuts)
+    if cuts and cuts[0] < 1:
+        raise PlanError(f"cuts={list(cuts)} starts at {cuts[0]}, but stage 0 always starts at layer 0, so the "
+                          f"first cut must be >= 1; {rule}")
+    wrong = next((i for i in range(1, len(cuts)) if cuts[i] <= cuts[i - 1]), None)
+    if wrong is not None:
+        raise PlanError(f"cuts={list(cuts)} is not strictly increasing ({cuts[wrong - 1]} then {cuts[wrong]}); "
+                          f"{rule}; sort them and drop repeats")
+    return cuts
+
+
+def divisors_near(rows: int, m: int) -> tuple[int, ...]:
+    """The divisors of `rows` nearest to `m`: the largest below it and the smallest above it."""
+    divs = [d for d in range(1, rows + 1) if rows % d == 0]
+    below = [d for d in divs if d < m]
+    above = [d for d in divs if d > m]
+    return tuple(x for x in (below[-1] if below else None, above[0] if above else None) if x is not None)
+
+
+def default_microbatches(rows: int | None, gpus: int) -> tuple[int, str]:
+    """The micro-batch count when none is given, and why: one per GPU (as the paper runs) when
+    the batch of `rows` divides into that many, else the largest divisor of the batch <= the
+    GPU count; 1 when the inputs have no batch dimension (`rows` None)."""
+    if rows is None:
+        return 1, "default: 1, the inputs have no batch dimension to split"
+    if rows % gpus == 0:
+        return gpus, "default: one per GPU"
+    best = max(d for d in range(1, min(rows, gpus) + 1) if rows % d == 0)
+    return best, f"default: the largest divisor of batch {rows} <= {gpus} GPUs"
+
+
 def streamed_dtype(dtype: Any) -> torch.dtype | None:
     """The dtype weights are streamed and computed in on the GPUs, as a torch dtype (None: the
     masters' own). Strings such as "bf16", "float16" or "torch.float16" are accepted; a
@@ -80,7 +128,11 @@ def streamed_dtype(dtype: Any) -> torch.dtype | None:
 class CompileOptions:
     """What a plan or compile may be told, each checked here.
 
-    `microbatches`: micro-batches per step (Mobius runs one per GPU). `costs`: "model" (roofline,
+    `microbatches`: micro-batches per step; None (the default) takes one per GPU when the batch
+    divides, else the largest divisor of the batch below the GPU count (`default_microbatches`;
+    `resolved` fills it in and `microbatches_rule` says which rule chose it). `cuts`: None
+    (the MIP partitions) or a given partition, the index of the first layer of every stage after
+    the first (`[]` is one stage); the plan is built and timed for exactly those stages. `costs`: "model" (roofline,
     works on meta tensors), "measure" or "auto". `dtype`: the streamed dtype on the GPUs (fp32
     masters stay in DRAM). `memory_fraction`: the share of each GPU a plan may use. `solver`:
     "auto" | "highs" | "cbc". `time_limit`: the MIP's whole budget in seconds. `cross_map`:
@@ -92,7 +144,8 @@ class CompileOptions:
     1 keeps the compiled signature fixed and refuses any other call with a MobiusError.
     """
 
-    microbatches: int = 1
+    microbatches: int | None = None
+    cuts: tuple[int, ...] | None = None
     costs: str = "auto"
     dtype: torch.dtype | None = None
     memory_fraction: float = 0.9
@@ -104,10 +157,13 @@ class CompileOptions:
     device_spec: Any = None
     verbose: bool = True
     max_variants: int = 8
+    microbatches_rule: str = ""  # why microbatches is what it is, when plan/compile chose it (`resolved`)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        _positive_int("microbatches", self.microbatches, "micro-batches per step; Mobius uses one per GPU")
+        if self.microbatches is not None:
+            _positive_int("microbatches", self.microbatches, "micro-batches per step; Mobius uses one per GPU")
+        set_("cuts", _cuts(self.cuts))
         _choice("costs", self.costs, _COSTS)
         set_("dtype", streamed_dtype(self.dtype))
         set_("memory_fraction", _positive_float("memory_fraction", self.memory_fraction,
@@ -124,6 +180,17 @@ class CompileOptions:
             raise MobiusError(f"verbose={self.verbose!r}; it must be True or False")
         _positive_int("max_variants", self.max_variants,
                       "compiled variants per pipeline, one per call signature; 1 = a fixed signature")
+        if not isinstance(self.microbatches_rule, str):
+            raise MobiusError(f"microbatches_rule={self.microbatches_rule!r}; it must be a str (set by `resolved`)")
+
+    def resolved(self, rows: int | None, gpus: int) -> "CompileOptions":
+        """These options with `microbatches` chosen by `default_microbatches` when it is None
+        (`rows`: the example batch, None when it has no batch dimension; `gpus`: the topology's);
+        a given value is kept as given."""
+        if self.microbatches is not None:
+            return self
+        m, why = default_microbatches(rows, gpus)
+        return replace(self, microbatches=m, microbatches_rule=why)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -96,6 +96,7 @@ class Plan:
     solver: SolverInfo = field(default_factory=SolverInfo)
     layers: tuple[LayerCost, ...] = ()
     dtype: str = "float32"  # the dtype weights are streamed and computed in
+    microbatches_rule: str = ""  # why `microbatches` is what it is, when the planner chose it
     topology: "Topology | None" = field(default=None, compare=False, repr=False)
 
     @property
@@ -138,7 +139,9 @@ class Plan:
         hidden = (sum(s.hidden_fraction * s.param_bytes for s in self.stages)
                   / max(1, sum(s.param_bytes for s in self.stages)))
         return (f"Mobius plan: {self.num_stages} stages on {self.num_gpus} GPUs, "
-                f"{self.microbatches} micro-batches, {self.dtype} on the GPUs; predicted step "
+                f"{self.microbatches} micro-batches"
+                f"{f' ({self.microbatches_rule})' if self.microbatches_rule else ''}, {self.dtype} on the GPUs; "
+                f"predicted step "
                 f"{fmt_time(self.step_time)} (lower bound {fmt_time(self.lower_bound())}); "
                 f"{fmt_bytes(sum(s.param_bytes for s in self.stages))} of weights, "
                 f"{hidden:.0%} of the weight upload hidden; solver: {self.solver}")
@@ -198,7 +201,8 @@ class Plan:
                 order=tuple(d["order"]), microbatches=d["microbatches"], step_time=d["step_time"],
                 solver=SolverInfo(**_tuples(d["solver"])),
                 layers=tuple(LayerCost(**_tuples(l)) for l in d["layers"]),
-                dtype=d["dtype"], topology=topo,
+                dtype=d["dtype"], microbatches_rule=d.get("microbatches_rule", ""),  # absent in older JSON
+                topology=topo,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise MobiusError(f"not a mobius_fx plan JSON ({type(e).__name__}: {e}); write it with plan.to_json()") from e
@@ -236,6 +240,7 @@ def build_plan(
     microbatches: int,
     step_time: float,
     dtype: Any = None,
+    microbatches_rule: str = "",
     memory_fraction: float = 0.9,
     prefetch_fwd: Sequence[float] | None = None,
     solver: SolverInfo | None = None,
@@ -250,7 +255,8 @@ def build_plan(
     including a tied parameter that another stage owns; without it a stage holds what its
     layers own. `trainable` names the parameters that take gradients (default: all of
     `param_sizes`): a tied one's copy in a second stage gets a gradient there too.
-    `input_bytes` is the size of the model's example inputs (the whole batch). The transfers
+    `input_bytes` is the size of the model's example inputs (the whole batch).
+    `microbatches_rule` says why `microbatches` is what it is (the plan's header shows it). The transfers
     are a sum over the plan's schedule IR (`Plan.schedule()`, mobius_fx/schedule.py).
     """
     trainable = set(param_sizes or {}) if trainable is None else set(trainable)
@@ -292,7 +298,7 @@ def build_plan(
     transfers = _transfers(build_schedule(stage_ios(stages), m), topology)
     return Plan(stages=tuple(stages), transfers=tuple(transfers), order=tuple(order), microbatches=m,
                 step_time=step_time, solver=solver or SolverInfo(), layers=layers,
-                dtype=dtype_name(dtype), topology=topology)
+                dtype=dtype_name(dtype), microbatches_rule=microbatches_rule, topology=topology)
 
 
 _TRANSFER_KIND = {"prefetch": "prefetch", "evict": "evict", "send": "activation", "offload": "activation",

@@ -99,14 +99,15 @@ def test_plan_refuses_a_batch_the_microbatches_do_not_divide_before_planning(no_
     assert main([*PLAN, "--batch", "6", "--microbatches", "4"]) == 2
     err = capsys.readouterr().err
     assert "mobius-fx: error: --batch 6 does not split into 4 equal micro-batches" in err
+    assert "--microbatches 3 or --microbatches 6" in err  # the nearest divisors, as the remedy
     assert no_planning == []
 
 
-def test_plan_refuses_a_batch_smaller_than_the_default_one_microbatch_per_gpu(no_planning, capsys):
-    assert main(["plan", "--model", "gpt2", "--topology", "mobius-testbed", "--batch", "4"]) == 2
-    err = capsys.readouterr().err
-    assert "does not split into 8 equal micro-batches (the default: one per GPU" in err
-    assert no_planning == []
+def test_plan_default_microbatches_take_a_divisor_of_a_batch_smaller_than_the_gpu_count(no_planning):
+    # One micro-batch per GPU would not divide a batch of 4 on 8 GPUs; the default is then the
+    # largest divisor of the batch (4), so the command goes on to plan instead of refusing.
+    with pytest.raises(_Reached, match="build"):
+        main(["plan", "--model", "gpt2", "--topology", "mobius-testbed", "--batch", "4"])
 
 
 def test_valid_flags_reach_the_planner_unchanged(tmp_path, monkeypatch, no_planning):

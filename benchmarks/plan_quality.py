@@ -1,0 +1,178 @@
+"""How good the planner's pick and its prediction are, against the simulator, on small cases.
+
+For each case (a small GPT-like model on the meta device, 8 layers: embedding, 5-6 blocks, head;
+a server of 2-4 RTX 3090s behind one or two PCIe switches) every contiguous partition of the
+layers (2^7 = 128) is planned with `cuts=` (the same passes as `mobius_fx.plan(..., cuts=)`:
+given cuts, cross mapping, re-timed on the mapped order) and simulated with `mobius_fx.simulate`.
+The normal planner (the MIP) plans the same case. Times are the pipeline's forward + backward +
+gradient download (`SimResult.pipeline_time`, what the planner predicts; the CPU optimizer step
+after it is the same for every partition). Columns:
+
+- partitions: how many fit the GPUs (of all contiguous ones);
+- MIP pick: its cuts and simulated time; best: the partition the simulator times fastest;
+- pick/best: simulated time of the MIP's pick over the best's (target: <= 1.03);
+- pred/sim: the MIP's predicted time over the simulated time of its pick (target: 0.90-1.10);
+- >= LB: whether the prediction is at least `plan.lower_bound()`.
+
+Every figure is computed in this run, with a fresh plan cache. Always exits 0.
+
+    python benchmarks/plan_quality.py [--time-limit 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+from tabulate import tabulate
+
+import mobius_fx
+from mobius_fx import PlanError, Topology
+from mobius_fx.compiler import CompileContext, PassPipeline, default_pipeline
+from mobius_fx.options import CompileOptions
+from mobius_fx.zoo import GPT, GPTConfig
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    what: str  # why it is here
+    hidden: int
+    batch: int
+    seq: int
+    switches: tuple[tuple[int, ...], ...]  # per root complex, the GPU count under each of its switches
+    memory: str = "24GiB"
+    gpu_gbps: float = 6.5  # each GPU's x8 link
+    uplink_gbps: float = 13.0  # each switch's x16 uplink
+    blocks: int = 6
+
+
+CASES = (
+    Case("compute-bound", "4 GPUs, one switch, 4 x 1024 tokens", 1024, 4, 1024, ((4,),), blocks=5),
+    Case("link-bound", "4 GPUs, one switch, 4 x 256 tokens", 3072, 4, 256, ((4,),)),  # issue 14's case
+    Case("link-bound, tiny batch", "4 GPUs, one switch, 4 x 64 tokens", 2048, 4, 64, ((4,),)),
+    Case("memory-tight", "2 GPUs, one switch, 1.5 GiB each", 2048, 2, 512, ((2,),), memory="1.5GiB"),
+    Case("two switches", "4 GPUs, two switches on two sockets", 1536, 4, 512, ((2,), (2,))),
+    Case("3 GPUs, 2 switches", "3 GPUs, switches of 2 and 1 on one socket", 1024, 3, 512, ((2, 1),)),
+    Case("2 GPUs, link-bound", "2 GPUs on two sockets, 2 x 128 tokens", 2048, 2, 128, ((1,), (1,))),
+    Case("no shared link", "4 GPUs, each on its own x16 link to the socket", 1024, 4, 256, ((1, 1, 1, 1),),
+         gpu_gbps=13.0, uplink_gbps=13.0),
+)
+
+
+def server(case: Case) -> Topology:
+    """The case's server: sockets joined by UPI, switches under each, GPUs under each switch."""
+    nodes, links, g = [], [], 0
+    for r, switches in enumerate(case.switches):
+        nodes.append({"name": f"cpu{r}", "kind": "root_complex"})
+        if r:
+            links.append({"a": "cpu0", "b": f"cpu{r}", "bandwidth_gbps": 20.0})
+        for s, count in enumerate(switches):
+            sw = f"sw{r}{s}"
+            nodes.append({"name": sw, "kind": "switch"})
+            links.append({"a": f"cpu{r}", "b": sw, "bandwidth_gbps": case.uplink_gbps})
+            for _ in range(count):
+                nodes.append({"name": f"gpu{g}", "kind": "gpu", "memory": case.memory, "spec": "rtx3090"})
+                links.append({"a": sw, "b": f"gpu{g}", "bandwidth_gbps": case.gpu_gbps})
+                g += 1
+    return Topology.from_dict({"name": case.name, "p2p": False, "nodes": nodes, "links": links})
+
+
+def _context(case: Case, topo: Topology, cache: str, **settings) -> CompileContext:
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=8192, seq=case.seq, hidden=case.hidden, blocks=case.blocks,
+                              heads=case.hidden // 64))
+    ids = torch.zeros(case.batch, case.seq, dtype=torch.long, device="meta")
+    opts = CompileOptions(dtype=torch.float16, costs="model", cache_dir=cache, verbose=False, **settings)
+    ctx = CompileContext(model=model, topology=topo, example_inputs=(ids,), settings=opts)
+    ctx.settings = ctx.settings.resolved(case.batch, len(topo.gpus))  # the default: one micro-batch per GPU
+    return ctx
+
+
+def _cuts(plan) -> tuple[int, ...]:
+    sizes = [len(s.layers) for s in plan.stages]
+    return tuple(itertools.accumulate(sizes[:-1]))
+
+
+def run_case(case: Case, cache: str, time_limit: float) -> dict:
+    topo = server(case)
+    t0 = time.perf_counter()
+    mip_ctx = _context(case, topo, cache, time_limit=time_limit)
+    default_pipeline().until("plan").run(mip_ctx)  # trace, annotate and the MIP, as mobius_fx.plan runs them
+    mip = mip_ctx.plan
+    mip_sim = mobius_fx.simulate(mip).pipeline_time
+    # Every contiguous partition through the plan's own passes with cuts= given (no re-trace).
+    tail = default_pipeline()
+    tail = PassPipeline([p for p in tail.passes if p.name in ("partition", "cross_map", "plan")],
+                        given=(*tail.given, "graph", "layers"))
+    L = len(mip_ctx.layers)
+    assert L <= 8, f"{case.name} has {L} layers; keep cases at <= 8 (2^(L-1) partitions)"
+    results, fits = [], 0
+    for s in range(L):
+        for cuts in itertools.combinations(range(1, L), s):
+            ctx = CompileContext(model=mip_ctx.model, topology=topo, example_inputs=mip_ctx.example_inputs,
+                                 settings=CompileOptions(**{**_settings(mip_ctx.settings), "cuts": cuts}),
+                                 gm=mip_ctx.gm, layers=mip_ctx.layers)
+            try:
+                tail.run(ctx)
+            except PlanError:
+                continue  # does not fit the GPUs
+            fits += 1
+            results.append((mobius_fx.simulate(ctx.plan).pipeline_time, cuts, ctx.plan.step_time))
+    best_sim, best_cuts, _ = min(results)
+    return {"case": case.name, "what": case.what, "layers": L, "gpus": len(topo.gpus),
+            "microbatches": mip.microbatches, "partitions": f"{fits} / {2 ** (L - 1)}",
+            "mip_cuts": _cuts(mip), "mip_sim": mip_sim, "best_cuts": best_cuts, "best_sim": best_sim,
+            "pick_best": mip_sim / best_sim, "pred_sim": mip.step_time / mip_sim,
+            "above_lb": mip.step_time >= mip.lower_bound() * (1 - 1e-9), "solver": str(mip.solver),
+            "seconds": time.perf_counter() - t0}
+
+
+def _settings(opts: CompileOptions) -> dict:
+    return {name: getattr(opts, name) for name in CompileOptions.names()}
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--time-limit", type=float, default=10.0, help="the MIP's budget per case, seconds")
+    args = ap.parse_args(argv)
+    rows, out = [], []
+    with tempfile.TemporaryDirectory() as cache:  # fresh: every MIP really solved
+        os.environ["MOBIUS_FX_CACHE"] = cache
+        for case in CASES:
+            try:
+                r = run_case(case, cache, args.time_limit)
+            except PlanError as e:  # reported, not fatal: the table shows the other cases
+                print(f"{case.name}: the planner failed: {e}", flush=True)
+                continue
+            out.append(r)
+            print(f"{case.name}: {r['seconds']:.1f} s ({r['solver']})", flush=True)
+            rows.append([r["case"], r["what"], r["gpus"], r["microbatches"], r["partitions"],
+                         f"{list(r['mip_cuts'])} {_ms(r['mip_sim'])}", f"{list(r['best_cuts'])} {_ms(r['best_sim'])}",
+                         f"{r['pick_best']:.3f}", f"{r['pred_sim']:.3f}", "yes" if r["above_lb"] else "NO"])
+    print()
+    print("MIP pick vs every contiguous partition, simulated (fwd+bwd+gradient download per step; fp16 on RTX 3090s):")
+    print(tabulate(rows, headers=["case", "server and batch", "GPUs", "micro-batches", "partitions fitting",
+                                  "MIP pick (cuts, sim.)", "best (cuts, sim.)", "pick/best", "pred/sim", ">= LB"]))
+    if out:
+        worst_pick = max(out, key=lambda r: r["pick_best"])
+        worst_pred = max(out, key=lambda r: abs(r["pred_sim"] - 1))
+        print(f"worst pick/best: {worst_pick['pick_best']:.3f} ({worst_pick['case']}); target <= 1.03")
+        print(f"worst pred/sim: {worst_pred['pred_sim']:.3f} ({worst_pred['case']}); target 0.90-1.10")
+        below = [r["case"] for r in out if not r["above_lb"]]
+        print(f"predicted below plan.lower_bound(): {', '.join(below) if below else 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
