@@ -104,12 +104,13 @@ def given_partition(problem, cuts):
 def misfit(problem, boundaries) -> str:
     """The memory rule of docs/schedule.md that stages cut at `boundaries` break worst, with its
     numbers: a stage alone, or a stage with the next one on its GPU (the double buffer)."""
-    from .plans import stage_memory
+    from .step_model import PrefixSums
     from .units import fmt_bytes
 
     ls, n = problem.layers, len(problem.gpus)
     edges = list(boundaries) + [len(ls)]
-    mem = [stage_memory(ls[a:z], ls[a - 1] if a else None, problem.memory) for a, z in zip(edges, edges[1:])]
+    st = PrefixSums(problem).stages(boundaries)  # evaluate's numbers, tied copies included
+    mem = list(zip(st.fmem, st.bmem))
     span = lambda k: ls[edges[k]].name + ("" if edges[k + 1] - edges[k] == 1 else f"..{ls[edges[k + 1] - 1].name}")
     alone, pairs = [], []  # (need / capacity, text): a stage alone is said first, it is the one to split
     for k, (fm, bm) in enumerate(mem):

@@ -416,9 +416,13 @@ class VariantPipeline(Pipeline):
         m = self.schedule.microbatches
         rows = batch_rows((call.args, call.kwargs), m)
         if rows is not None and m > 1 and rows % m:
+            rule = getattr(self.plan, "microbatches_rule", "")
+            chosen = (f"; microbatches={m} was not given but chosen ({rule}): compile with a microbatches= that "
+                      f"divides every batch you call with (1 always does), or drop a partial last batch "
+                      f"(DataLoader(..., drop_last=True))") if rule else ""
             raise MobiusError(f"the batch has {rows} rows (dim 0 of the first batched input) and does not split into "
                               f"{m} equal micro-batches; micro-batches must divide the batch: use a batch size that "
-                              f"is a multiple of {m}")
+                              f"is a multiple of {m}{chosen}")
         shape_error, holds = None, []
         for v in sorted((v for v in self._variants if v.matches(call)), key=lambda v: sum(v.sizes.values())):
             _, _, flat, labels = v.flat(call)

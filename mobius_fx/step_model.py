@@ -282,11 +282,11 @@ class PartitionProblem:
                                 f"below {n} and at least 1 at a time (build it with step_model.shared_links)")
         L = len(self.layers)
         for t in self.tied:
-            if not (-1 <= t.owner < L and all(0 <= r < L and r != t.owner for r in t.readers)
+            if not (-1 <= t.owner < L and t.readers and all(0 <= r < L and r != t.owner for r in t.readers)
                     and 0 <= t.nbytes < math.inf):
                 raise PlanError(f"tied weight {t.name!r}: owner {t.owner}, readers {t.readers}, {t.nbytes} bytes; "
-                                f"give layer indices below {L} (owner -1 when no layer owns it), readers other "
-                                "than the owner and bytes >= 0 (build it with step_model.tied_weights)")
+                                f"give layer indices below {L} (owner -1 when no layer owns it), one or more "
+                                "readers other than the owner and bytes >= 0 (build it with step_model.tied_weights)")
         if self.hop_back is not None:
             if len(self.hop_back) != n:
                 raise PlanError(f"{n} GPU slots but hop_back has length {len(self.hop_back)}; give one value "

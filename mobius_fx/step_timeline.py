@@ -95,16 +95,17 @@ def shared_links(topology: Any, gpus: Sequence[str], direction: str) -> tuple[Sh
     for i, r in enumerate(routes):
         for edge in zip(r, r[1:]):
             users.setdefault(edge, []).append(i)
-    out = []
+    out: dict[tuple[int, ...], SharedLink] = {}  # one per set of slots: the link that carries fewest
     for (u, v), slots in users.items():
         if len(slots) < 2:
             continue
         own = max(topology.bandwidth("host", gpus[i]) if direction == "up" else topology.bandwidth(gpus[i], "host")
                   for i in slots)
         servers = max(1, int(topology.link_bandwidth(u, v) / own + 1e-9))
-        if servers < len(slots):
-            out.append(SharedLink(f"{u}->{v}", tuple(slots), servers))
-    return tuple(out)
+        key = tuple(slots)
+        if servers < len(slots) and (key not in out or servers < out[key].servers):
+            out[key] = SharedLink(f"{u}->{v}", key, servers)
+    return tuple(out.values())
 
 
 def queue_before(links: Sequence[Any], slot_of: Sequence[int], order: Sequence[int]) -> list[list[int]]:
@@ -116,7 +117,7 @@ def queue_before(links: Sequence[Any], slot_of: Sequence[int], order: Sequence[i
     for link in links:
         queue = [k for k in order if slot_of[k] in link.slots]
         for j, k in enumerate(queue):
-            if j >= link.servers:
+            if j >= link.servers and queue[j - link.servers] not in before[k]:
                 before[k].append(queue[j - link.servers])
     return before
 

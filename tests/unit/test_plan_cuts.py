@@ -152,6 +152,50 @@ def test_compile_takes_cuts_and_defaults_to_one_microbatch_per_gpu(tmp_path):
     torch.testing.assert_close(pipe(x), model(x))
 
 
+def test_a_call_whose_batch_the_default_micro_batches_do_not_split_says_they_were_chosen(tmp_path):
+    # 2 GPUs: the example batch of 4 gets 2 micro-batches by default; a last batch of 3 rows
+    # cannot split, and the error says the count was chosen and how to choose another.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory="1MiB"), example_inputs=(torch.randn(4, 8),),
+                             cuts=[], cache_dir=str(tmp_path), verbose=False)
+    with pytest.raises(mobius_fx.MobiusError, match=r"3 rows.*microbatches=2 was not given but chosen \(default: "
+                                                    r"one per GPU\).*drop_last=True"):
+        pipe(torch.randn(3, 8))
+    given = mobius_fx.compile(model, Topology.virtual(gpus=2, memory="1MiB"), example_inputs=(torch.randn(4, 8),),
+                              cuts=[], microbatches=2, cache_dir=str(tmp_path), verbose=False)
+    with pytest.raises(mobius_fx.MobiusError, match=r"multiple of 2$"):  # the user's own count: no such remark
+        given(torch.randn(3, 8))
+
+
+def test_cuts_that_do_not_fit_name_the_stage_with_its_tied_copy(tmp_path):
+    # A tied GPT's head reads the embedding: cut into one layer per stage, the head's stage
+    # holds a copy of it and needs the most. With room for a byte less, the message names that
+    # stage with the bytes evaluate counted, copy included (it used to leave the copy out).
+    from mobius_fx._stages import misfit
+    from mobius_fx.step_model import tied_weights
+    from mobius_fx.units import fmt_bytes
+
+    cfg = GPTConfig(vocab=2000, seq=16, hidden=32, blocks=2, heads=2)  # the embedding outweighs a block
+    with torch.device("meta"):
+        model = GPT(cfg)
+    p = mobius_fx.plan(model, Topology.virtual(gpus=2, memory="64MiB"), cuts=[1], cache_dir=str(tmp_path),
+                       example_inputs=(torch.zeros(2, cfg.seq, dtype=torch.long, device="meta"),), verbose=False)
+    sizes = {n: t.numel() * t.element_size() for n, t in model.named_parameters(remove_duplicate=False)}
+    tied = tied_weights(p.layers, sizes)
+    last = len(p.layers) - 1
+    assert [t.readers for t in tied] == [(last,)]
+    cuts = tuple(range(last + 1))
+    prob = PartitionProblem.from_topology(p.layers, p.topology, microbatches=2, tied=tied, memory_fraction=1.0)
+    ev = evaluate(prob, cuts)
+    needs = [max(f, b) for f, b in zip(ev.fwd_mem, ev.bwd_mem)]
+    assert needs.index(max(needs)) == last
+    room = p.topology.gpus[0].memory
+    small = PartitionProblem.from_topology(p.layers, p.topology, microbatches=2, tied=tied,
+                                           memory_fraction=(needs[last] - 1) / room)
+    assert evaluate(small, cuts) is None
+    assert f"stage {last} ({p.layers[last].name}) needs {fmt_bytes(needs[last])}" in misfit(small, cuts)
+
+
 # --------------------------------------------------------------------------------------- CLI
 @pytest.fixture
 def tiny_factory(monkeypatch):

@@ -365,6 +365,29 @@ def test_shared_links_of_the_presets():
     assert shared_links(Topology.virtual(gpus=2), ["gpu0", "gpu1"], "up") == ()  # 2x uplink: room for both
 
 
+def test_stacked_switches_queue_once_on_the_link_with_the_fewest_servers():
+    # cpu0 - swA - swB - four GPUs: both uplinks carry the same GPUs' copies; the model keeps
+    # one queue (the slower link's) and the planner plans it (two queues gave the MIP the same
+    # row twice, which PuLP refuses).
+    import torch
+
+    import mobius_fx
+    from tests.models import mlp
+
+    gpus = [{"name": f"gpu{i}", "kind": "gpu", "memory": "64MiB", "spec": "cpu"} for i in range(4)]
+    links = [{"a": "cpu0", "b": "swA", "bandwidth_gbps": 13.0}, {"a": "swA", "b": "swB", "bandwidth_gbps": 6.5}]
+    links += [{"a": "swB", "b": f"gpu{i}", "bandwidth_gbps": 6.5} for i in range(4)]
+    topo = Topology.from_dict({"name": "stacked", "p2p": False, "links": links, "nodes": [
+        {"name": "cpu0", "kind": "root_complex"}, {"name": "swA", "kind": "switch"},
+        {"name": "swB", "kind": "switch"}, *gpus]})
+    names = [g.name for g in topo.gpus]
+    assert shared_links(topo, names, "up") == (SharedLink("swA->swB", (0, 1, 2, 3), 1),)
+    torch.manual_seed(0)
+    plan = mobius_fx.plan(mlp((64, 256, 256, 256, 256, 8)), topo, example_inputs=(torch.randn(8, 64),),
+                          time_limit=2.0, verbose=False)
+    assert plan.step_time > 0 and plan.solver.status != "not solved"
+
+
 def test_where_gpus_share_an_uplink_the_model_is_within_10_percent_of_the_simulator():
     # Random plans on 2-4 virtual GPUs under one switch (an uplink as fast as one GPU's link or
     # twice it): the simulator shares links max-min fairly with priorities and loses bandwidth
