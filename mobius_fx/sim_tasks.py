@@ -32,10 +32,11 @@ STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "none": 0}  # optimizer state by
 
 # Sustained bytes/s a plain torch.optim.Adam reaches over fp32 masters on a 2-socket Xeon
 # server ([I] assumption: STREAM triad on 2 x 6-channel DDR4-2666 is ~150-200 GB/s; torch's
-# Adam makes several passes over the tensors, so ~1/8 of it is effective). Measured on this
-# project's 2-core EPYC VM (torch 2.13 CPU, torch.optim.Adam.step over 50 M fp32 params,
-# 28 B/param): 4.7 GB/s with foreach=False, 1.9 GB/s foreach, 15.7 GB/s fused=True.
-# Pass `cpu_adam_bandwidth` for your server.
+# Adam makes several passes over the tensors, so ~1/8 of it is effective). Measured by
+# benchmarks/cpu_optimizer.py on this project's 2-core VM (torch 2.13 CPU, AdamW over 63 M
+# fp32 params, 28 B/param, median of 7 steps): 7.7 GB/s per tensor (foreach=False), 7.9 GB/s
+# foreach, 41 GB/s fused=True — the fused kernel makes one pass; use it. Run the script on
+# your server and pass its figure as `cpu_adam_bandwidth` (the CLI's --adam-gbps).
 CPU_ADAM_BANDWIDTH = 20e9
 
 # DeepSpeed's own CPU Adam (DeepSpeedCPUAdam, the optimizer ZeRO-Offload/ZeRO-3 offload run:
