@@ -105,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--adam-gbps", type=_checked(float, lambda v: v > 0, "a positive number of GB/s; omit it for 20"),
                     default=None,
                     help="sustained bandwidth of the CPU optimizer in GB/s (default: a plain torch.optim.Adam, 20)")
+    pl.add_argument("--optimizer-overlap", choices=("none", "sync", "async"), default="none",
+                    help="when the CPU optimizer steps in the simulated comparison: after the step (none, default), "
+                         "per stage as its gradients land (sync) or a step late (async); Mobius and RoundPipe")
     pl.add_argument("--json", metavar="OUT", type=_out_path, help="write the plan as JSON")
     pl.add_argument("--trace", metavar="OUT", type=_out_path,
                     help="write a Chrome/Perfetto trace of the simulated step")
@@ -152,10 +155,11 @@ def _cmd_plan(args) -> int:
                  dtype=getattr(torch, dtype) if dtype else None, memory_fraction=args.memory_fraction,
                  time_limit=args.time_limit, verbose=not args.quiet)
     print(p)
-    cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None)
+    cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None,
+                  optimizer_overlap=args.optimizer_overlap)
     print()
     print(f"Simulated on {topo.name} ({args.model}, batch {args.batch} x {args.seq} tokens, {p.microbatches} "
-          f"micro-batches):")
+          f"micro-batches; CPU optimizer overlap: {args.optimizer_overlap}):")
     print(cmp.table())
     if args.json:
         p.to_json(args.json)

@@ -26,15 +26,15 @@ def roundpipe(ctx: Context) -> None:
     while the previous slot on that GPU runs, two resident at most), saved inputs go to DRAM
     and come back, gradients go to DRAM. Simplifications: the plan's stages are the slots
     (RoundPipe also cuts backward slots ~1/3 the size of forward ones), its priority packing of
-    transfers is the stream priority here, and its optimizer is run synchronously after the
-    step (RoundPipe-sync); the async variant would hide `optimizer_time`.
+    transfers is the stream priority here, and its optimizer steps as `simulate`'s
+    `optimizer_overlap` says ("async" is RoundPipe's own asynchronous optimizer).
     """
     s, n = ctx.plan.num_stages, len(ctx.gpus)
     slots = [Slot("forward", k, ctx.gpus[k % n]) for k in range(s - 1)]
     slots.append(Slot("fused", s - 1, ctx.gpus[(s - 1) % n]))
     slots += [Slot("backward", k, ctx.gpus[(2 * s - 2 - k) % n]) for k in reversed(range(s - 1))]
     looped_pipeline(ctx, ctx.stages, slots, ctx.plan.microbatches, loss_on_host=False)
-    cpu_optimizer(ctx, sum(ctx.stages.master))
+    cpu_optimizer(ctx, sum(ctx.stages.master), per_stage={k: m for k, m in enumerate(ctx.stages.master) if m})
 
 
 def gpipe(ctx: Context) -> None:
@@ -113,7 +113,7 @@ def zero3_offload(ctx: Context) -> None:
         slots += [Slot("backward", k, gpu) for k in reversed(range(len(u.f)))]
         looped_pipeline(ctx, c, slots, 1, offload_activations=False, activations=False, sharded=True,
                         host_collectives=routed)
-    cpu_optimizer(ctx, sum(u.master), ctx.deepspeed_adam_bw)
+    cpu_optimizer(ctx, sum(u.master), ctx.deepspeed_adam_bw, overlap="none")  # DeepSpeed steps after the step
 
 
 def _units(ctx: Context) -> Costs:

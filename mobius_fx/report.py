@@ -50,13 +50,14 @@ class Comparison:
 
 
 def compare(plan: Plan, schedules=SCHEDULES, *, cpu_adam_bandwidth: float | None = None,
-            deepspeed_adam_bandwidth: float | None = None, masters: str | None = None) -> Comparison:
+            deepspeed_adam_bandwidth: float | None = None, masters: str | None = None,
+            optimizer_overlap: str = "none") -> Comparison:
     """Simulate `plan` under every schedule (same costs, same topology, same simulator).
 
     `cpu_adam_bandwidth` (bytes/s) sets the CPU optimizer's speed; None takes the simulator's
     default for a plain torch.optim.Adam (see mobius_fx.simulator.CPU_ADAM_BANDWIDTH);
     `deepspeed_adam_bandwidth` that of ZeRO-3's DeepSpeedCPUAdam, `masters` where host memory
-    lives (both: see `mobius_fx.simulate`).
+    lives, `optimizer_overlap` when the CPU optimizer steps (all: see `mobius_fx.simulate`).
     """
     from .simulator import simulate
 
@@ -64,7 +65,8 @@ def compare(plan: Plan, schedules=SCHEDULES, *, cpu_adam_bandwidth: float | None
     for name in schedules:
         try:
             results[name] = simulate(plan, schedule=name, cpu_adam_bandwidth=cpu_adam_bandwidth,
-                                     deepspeed_adam_bandwidth=deepspeed_adam_bandwidth, masters=masters)
+                                     deepspeed_adam_bandwidth=deepspeed_adam_bandwidth, masters=masters,
+                                     optimizer_overlap=optimizer_overlap)
         except PlanError as e:
             results[name] = str(e)
     return Comparison(plan, results)

@@ -19,7 +19,7 @@ from .network import Link, Task
 from .plans import Plan
 from .schedule import HOST
 
-__all__ = ["Costs", "Slot", "Context", "looped_pipeline", "cpu_optimizer", "optimizer_bytes_touched",
+__all__ = ["Costs", "Slot", "Context", "looped_pipeline", "cpu_optimizer", "optimizer_bytes_touched", "OVERLAPS",
            "TOUCHED_BYTES", "STATE_BYTES", "CPU_ADAM_BANDWIDTH", "DEEPSPEED_CPU_ADAM_SPEEDUP",
            "DEEPSPEED_CPU_ADAM_BANDWIDTH", "MASTERS"]
 
@@ -61,6 +61,10 @@ DEEPSPEED_CPU_ADAM_BANDWIDTH = CPU_ADAM_BANDWIDTH * DEEPSPEED_CPU_ADAM_SPEEDUP
 MASTERS = "local"
 
 
+# When the CPU optimizer steps relative to the pipeline (`cpu_optimizer`, `simulate(optimizer_overlap=)`).
+OVERLAPS = ("none", "sync", "async")
+
+
 def optimizer_bytes_touched(optimizer: str) -> int:
     """Bytes read + written per fp32 parameter by one step of `optimizer` (adam: 28)."""
     try:
@@ -95,8 +99,10 @@ class Context:
     (`masters`, see MASTERS) every builder shares."""
 
     def __init__(self, plan: Plan, topo: Any, optimizer: str, cpu_bw: float, use_plan_routes: bool, *,
-                 masters: str = MASTERS, deepspeed_adam_bw: float = DEEPSPEED_CPU_ADAM_BANDWIDTH):
+                 masters: str = MASTERS, deepspeed_adam_bw: float = DEEPSPEED_CPU_ADAM_BANDWIDTH,
+                 overlap: str = "none"):
         self.plan, self.topo, self.optimizer, self.cpu_bw = plan, topo, optimizer, cpu_bw
+        self.overlap = overlap  # OVERLAPS: when the CPU optimizer steps (see cpu_optimizer)
         self.masters, self.deepspeed_adam_bw = masters, deepspeed_adam_bw
         self._socket = {g.name: g.root_complex for g in topo.gpus}
         self._home: dict[Any, str] = {}
@@ -283,9 +289,30 @@ def looped_pipeline(ctx: Context, c: Costs, slots: list[Slot], m: int, *, reside
             evict[j] = ctx.mark(f"evict {tag}", [rows[-1]], kind="evict", phase=phase, gpu=gpu, stage=k)
 
 
-def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = None) -> None:
-    """The optimizer step over `master_bytes` of fp32 masters on the CPU, after every task, at
-    `bandwidth` bytes/s (default: the context's `cpu_bw`, the user's torch optimizer)."""
-    t = master_bytes / 4.0 * TOUCHED_BYTES[ctx.optimizer] / (bandwidth or ctx.cpu_bw)
-    ctx.add(Task("optimizer step", "host/optimizer", (), t, after=list(range(len(ctx.tasks))),
+def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = None, *,
+                  per_stage: dict[int, float] | None = None, overlap: str | None = None) -> None:
+    """The optimizer step over `master_bytes` of fp32 masters on the CPU, at `bandwidth` bytes/s
+    (default: the context's `cpu_bw`, the user's torch optimizer), on one host resource.
+
+    `overlap` (default the context's, see OVERLAPS): "none" steps everything after every task;
+    "sync" steps each stage of `per_stage` (stage -> its master bytes) as soon as its gradient
+    downloads (every GPU that holds a copy) have landed, while the GPUs go on with earlier stages
+    (without `per_stage`, as "none"); "async" is the steady state of a staleness-1 update (step
+    t's update runs while step t+1 computes): the step starts at 0 with the pipeline, so the
+    step takes max(pipeline, optimizer). The update's DRAM traffic is not charged to the links.
+    """
+    per_byte = TOUCHED_BYTES[ctx.optimizer] / 4.0 / (bandwidth or ctx.cpu_bw)  # seconds per master byte
+    mode = ctx.overlap if overlap is None else overlap
+    if mode == "sync" and per_stage:
+        grads: dict[int, list[int]] = defaultdict(list)
+        for i, t in enumerate(ctx.tasks):
+            if t.meta.get("kind") == "gradient":
+                grads[t.meta["stage"]].append(i)
+        everything = list(range(len(ctx.tasks)))
+        for k, nbytes in sorted(per_stage.items(), reverse=True):  # the last stage's gradients land first
+            ctx.add(Task(f"optimizer step s{k}", "host/optimizer", (-k,), nbytes * per_byte,
+                         after=grads.get(k) or everything, meta={"kind": "optimizer", "phase": "step", "stage": k}))
+        return
+    after = [] if mode == "async" else list(range(len(ctx.tasks)))
+    ctx.add(Task("optimizer step", "host/optimizer", (), master_bytes * per_byte, after=after,
                  meta={"kind": "optimizer", "phase": "step"}))

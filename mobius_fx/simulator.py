@@ -36,7 +36,7 @@ from .errors import MobiusError
 from .network import Link, LinkSegment, Task, replay
 from .plans import Plan
 from .schedule import HOST, ScheduleIR, build_schedule
-from .sim_tasks import (CPU_ADAM_BANDWIDTH, DEEPSPEED_CPU_ADAM_BANDWIDTH, MASTERS, Context, cpu_optimizer,
+from .sim_tasks import (CPU_ADAM_BANDWIDTH, DEEPSPEED_CPU_ADAM_BANDWIDTH, MASTERS, OVERLAPS, Context, cpu_optimizer,
                         optimizer_bytes_touched)
 from .units import fmt_bytes, fmt_time
 
@@ -170,7 +170,7 @@ class SimResult:
 # --------------------------------------------------------------------------- public entry
 def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, optimizer: str = "adam",
              cpu_adam_bandwidth: float | None = None, deepspeed_adam_bandwidth: float | None = None,
-             masters: str | None = None) -> SimResult:
+             masters: str | None = None, optimizer_overlap: str = "none") -> SimResult:
     """Replay one training step of `plan` under `schedule` on `topology` (default: the plan's).
 
     `cpu_adam_bandwidth` (bytes/s) is the CPU optimizer of the Mobius schedules, RoundPipe's
@@ -178,7 +178,11 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     "zero3-offload" baseline's DeepSpeedCPUAdam (default DEEPSPEED_CPU_ADAM_BANDWIDTH, 6x).
     `masters`: where host memory lives, "local" (default: each stage on the socket of the GPU
     that first moves it) or a root complex ("cpu0": all on that socket; GPUs elsewhere cross
-    the inter-socket link) -- see mobius_fx.sim_tasks.MASTERS.
+    the inter-socket link) -- see mobius_fx.sim_tasks.MASTERS. `optimizer_overlap`: "none"
+    (the CPU optimizer after the step), "sync" (each stage stepped once its gradients are on
+    the host) or "async" (staleness 1: the step is max(pipeline, optimizer)), for the Mobius
+    schedules and RoundPipe's; "zero3-offload" keeps DeepSpeed's step after the pipeline and
+    GPipe steps on the GPUs (sim_tasks.cpu_optimizer).
 
     r = simulate(plan)
     print(r.summary())
@@ -198,6 +202,9 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     if not ds_bw > 0:
         raise MobiusError(f"deepspeed_adam_bandwidth={deepspeed_adam_bandwidth}; give DeepSpeedCPUAdam's bytes/s "
                           f"(> 0), e.g. {DEEPSPEED_CPU_ADAM_BANDWIDTH:.3g}")
+    if optimizer_overlap not in OVERLAPS:
+        raise MobiusError(f"optimizer_overlap={optimizer_overlap!r}; use one of {', '.join(map(repr, OVERLAPS))}: "
+                          f"the optimizer after the step, per stage as gradients land, or a step late")
     masters = MASTERS if masters is None else masters
     if masters != "local" and masters not in topo.root_complexes:
         raise MobiusError(f"masters={masters!r}; host memory lives either 'local' (each stage on its GPU's socket) "
@@ -209,7 +216,7 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
         raise MobiusError(f"the plan runs on {', '.join(missing)}, which topology {getattr(topo, 'name', '')!r} "
                           f"lacks ({', '.join(by_name)}); simulate on the plan's topology or re-plan")
     ctx = Context(plan, topo, optimizer, bw, use_plan_routes=topo is plan.topology, masters=masters,
-                  deepspeed_adam_bw=ds_bw)
+                  deepspeed_adam_bw=ds_bw, overlap=optimizer_overlap)
     _BUILDERS[schedule](ctx)
     return _run(ctx, schedule)
 
@@ -273,7 +280,8 @@ def _from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
             ctx.mark(f"{o.kind} {tag}", after, kind=o.kind, phase=o.phase, gpu=o.place, stage=o.stage)
     for t, w in triggers:
         (ctx.tasks[t].after_start if prefetch else ctx.tasks[t].after).append(task[runs[w][0 if prefetch else -1]])
-    cpu_optimizer(ctx, sum(c.master[o.stage] for o in ops if o.kind == "step"))
+    steps = {o.stage: c.master[o.stage] for o in ops if o.kind == "step"}
+    cpu_optimizer(ctx, sum(steps.values()), per_stage=steps)
 
 
 def _need(o: Any, stages: int) -> tuple[int]:

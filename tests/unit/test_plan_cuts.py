@@ -213,6 +213,20 @@ def test_cli_plans_given_cuts(tiny_factory, capsys):
     assert "1 stages on 1 GPUs" in capsys.readouterr().out
 
 
+def test_cli_compares_with_the_optimizer_overlap_asked_for(tiny_factory, capsys):
+    # The comparison's step column follows --optimizer-overlap: "async" hides an optimizer
+    # faster than the pipeline behind it (the step is the pipeline), "none" adds it after.
+    argv = ["plan", "--model", "plan_cuts_models:tiny", "--topology", "mobius-testbed", "--batch", "8", "--quiet",
+            "--cuts", "1,3", "--adam-gbps", "1000"]
+    for mode in ("none", "async"):
+        assert main([*argv, "--optimizer-overlap", mode]) == 0
+        out = capsys.readouterr().out
+        assert f"CPU optimizer overlap: {mode}" in out
+        fwd_bwd, step = (" ".join(x) for x in (lambda f: (f[1:3], f[3:5]))(
+            next(line for line in out.splitlines() if line.startswith("mobius ")).split()))
+        assert (step == fwd_bwd) == (mode == "async"), (mode, fwd_bwd, step)
+
+
 @pytest.mark.parametrize("value, rule", [("1,x", "comma-separated layer indices"),
                                          ("3,2", "not strictly increasing")])
 def test_cli_refuses_bad_cuts_before_planning(value, rule, capsys):

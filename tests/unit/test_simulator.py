@@ -420,3 +420,46 @@ def test_a_large_plan_simulates_in_seconds(testbed):
         simulate(plan, schedule=schedule)
     assert time.perf_counter() - t0 < 5.0
     assert math.isfinite(simulate(plan).step_time)
+
+
+# ------------------------------------------------------------------ the optimizer's overlap
+@pytest.mark.parametrize("schedule", ["mobius", "roundpipe"])
+def test_a_synchronous_overlap_steps_each_stage_once_its_gradients_have_landed(testbed_plan, schedule):
+    # Per-stage steps on the one host optimizer, each after its stage's gradient downloads:
+    # the step ends sooner than stepping everything after the pipeline, never before it, and
+    # the optimizer does the same work.
+    serial = simulate(testbed_plan, schedule=schedule, optimizer_overlap="none")
+    sync = simulate(testbed_plan, schedule=schedule, optimizer_overlap="sync")
+    grads_done: dict[int, float] = {}
+    for e in sync.events:
+        if e.kind == "gradient":
+            grads_done[e.stage] = max(grads_done.get(e.stage, 0.0), e.end)
+    steps = [e for e in sync.events if e.kind == "optimizer"]
+    assert sorted(e.stage for e in steps) == sorted(grads_done)  # one per stage with gradients
+    for e in steps:
+        assert e.start >= grads_done[e.stage] - 1e-12
+    work = lambda r: sum(e.end - e.start for e in r.events if e.kind == "optimizer")
+    assert work(sync) == pytest.approx(work(serial), rel=1e-9)
+    assert sync.pipeline_time == pytest.approx(serial.pipeline_time, rel=1e-12)
+    assert sync.pipeline_time <= sync.step_time < serial.step_time
+
+
+def test_an_asynchronous_optimizer_takes_the_longer_of_the_pipeline_and_the_update(testbed_plan):
+    # Staleness 1: step t's update runs while step t+1 computes, so a step is the longer of
+    # the two; with a slow CPU optimizer the update is the longer one.
+    for bw in (CPU_ADAM_BANDWIDTH, CPU_ADAM_BANDWIDTH / 100):
+        fast, slow = (simulate(testbed_plan, optimizer_overlap=m, cpu_adam_bandwidth=bw) for m in ("none", "async"))
+        update = fast.step_time - fast.pipeline_time
+        assert slow.step_time == pytest.approx(max(slow.pipeline_time, update), rel=1e-9)
+    assert update > slow.pipeline_time  # the slow optimizer case is the one it bounds
+
+
+def test_zero3_keeps_deepspeeds_step_after_the_pipeline_whatever_the_overlap(testbed_plan):
+    a, b = (simulate(testbed_plan, schedule="zero3-offload", optimizer_overlap=m) for m in ("none", "async"))
+    assert a.step_time == pytest.approx(b.step_time, rel=1e-12)
+
+
+def test_an_unknown_optimizer_overlap_is_refused():
+    plan = make_plan(unshared_topology(1), make_layers(2), [0], 1)
+    with pytest.raises(MobiusError, match=r"optimizer_overlap='later'; use one of 'none', 'sync', 'async'"):
+        simulate(plan, optimizer_overlap="later")
