@@ -214,7 +214,10 @@ class PartitionProblem:
     micro-batch in forward and again in backward); 0 when unknown. `tied`: the parameters
     layers read without owning them (`tied_weights`), whose extra copies cost bytes.
     `shared_up` / `shared_down`: links the weight uploads / gradient downloads of several
-    slots share (`shared_links`); their copies queue on them (`queue_before`).
+    slots share (`shared_links`); their copies queue on them (`queue_before`). `duplex[i]`:
+    the share of each direction slot i's host route keeps while both directions are busy (the
+    least `Topology.link_duplex` on it; None: 1, full duplex), which its backward weight copies
+    and its gradient downloads get (docs/schedule.md).
     """
 
     layers: tuple[LayerCost, ...]
@@ -231,6 +234,7 @@ class PartitionProblem:
     tied: tuple[TiedWeight, ...] = ()
     shared_up: tuple[SharedLink, ...] = ()
     shared_down: tuple[SharedLink, ...] = ()
+    duplex: tuple[float, ...] | None = None
 
     @property
     def frozen_prefix(self) -> int:
@@ -276,6 +280,8 @@ class PartitionProblem:
                 raise PlanError(f"hop bandwidth from {g} is {x}; give a positive bytes/s (inf for the same GPU)")
         if not 0 <= self.input_bytes < math.inf:
             raise PlanError(f"input_bytes={self.input_bytes}; give the model input's bytes (>= 0, 0 when unknown)")
+        if self.duplex is not None and (len(self.duplex) != n or not all(0.5 <= x <= 1 for x in self.duplex)):
+            raise PlanError(f"duplex={self.duplex}; give one share in [0.5, 1] per GPU slot ({n}), or None")
         for link in (*self.shared_up, *self.shared_down):
             if link.servers < 1 or not link.slots or any(not 0 <= i < n for i in link.slots):
                 raise PlanError(f"shared link {link.name}: slots {link.slots}, {link.servers} at a time; give slots "
@@ -319,6 +325,10 @@ class PartitionProblem:
         def bw(a: str, b: str) -> float:
             return math.inf if a == b else float(topology.bandwidth(a, b))
 
+        def duplex(g: str) -> float:
+            r = topology.route("host", g)
+            return min((float(topology.link_duplex(u, v)) for u, v in zip(r, r[1:])), default=1.0)
+
         hop = tuple(bw(names[i], names[(i + 1) % n]) for i in range(n))
         hop_back = tuple(bw(names[(i + 1) % n], names[i]) for i in range(n))
         return PartitionProblem(
@@ -329,7 +339,7 @@ class PartitionProblem:
             hop=hop, memory=MemoryModel.for_layers(layers, microbatches, dtype),
             memory_fraction=memory_fraction, hop_back=hop_back, input_bytes=float(input_bytes),
             tied=tuple(tied), shared_up=shared_links(topology, names, "up"),
-            shared_down=shared_links(topology, names, "down"),
+            shared_down=shared_links(topology, names, "down"), duplex=tuple(duplex(g) for g in names),
         )
 
 

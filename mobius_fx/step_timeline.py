@@ -147,6 +147,13 @@ def timeline(problem: Any, st: Any, full: bool = False):
     # output to the host (h) and gets its gradient back (e).
     in0 = problem.input_bytes / m
     inp = [in0, *st.out[:s - 1]]
+    # A GPU behind a switch link that loses bandwidth with both directions busy (duplex < 1)
+    # fetches stage k's weights again for backward while stage k+N's gradients leave, and sends
+    # stage k's gradients (k >= N) while stage k-N's weights come back: those copies run at the
+    # duplex share; the forward's are one-way.
+    dx = problem.duplex or (1.0,) * n
+    up_b = [up[i] * dx[i] for i in range(n)]
+    down_g = [down[k % n] * (dx[k % n] if k >= n else 1.0) for k in range(s)]
     r = [inp[k] / up[k % n] if live[k] else 0.0 for k in range(s)]
     d = [inp[k] / down[k % n] if live[k] and k else 0.0 for k in range(s)]
     out_down = st.out[s - 1] / down[(s - 1) % n]
@@ -240,9 +247,9 @@ def timeline(problem: Any, st: Any, full: bool = False):
             nxt = B[k + n]
             end = nxt[m - 1] + b[k + n]
             start = max([nxt[0], *(A[j] for j in up_bwd[k])])
-            q[k] = max(0.0, min(wb[k], up[sl] * (end - start), cap[sl] - st.bmem[k + n]))
-            t0 = max(end, start) + (wb[k] - q[k]) / up[sl]
-            A[k] = max(R[k + n], start) + wb[k] / up[sl]
+            q[k] = max(0.0, min(wb[k], up_b[sl] * (end - start), cap[sl] - st.bmem[k + n]))
+            t0 = max(end, start) + (wb[k] - q[k]) / up_b[sl]
+            A[k] = max(R[k + n], start) + wb[k] / up_b[sl]
             R[k] = last = A[k] + m * r[k]
             if A[k] + r[k] > t0:
                 t0 = A[k] + r[k]
@@ -278,6 +285,6 @@ def timeline(problem: Any, st: Any, full: bool = False):
             done = D[k + n]
         for j in down_q[k]:
             done = max(done, D[j])
-        D[k] = done + st.g[k] / problem.down[k % n]
+        D[k] = done + st.g[k] / down_g[k]
     makespan = max(D)
     return Timeline(makespan, p, q, F, B, D, V, E, A, R, U) if full else makespan

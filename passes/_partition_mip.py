@@ -133,6 +133,8 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     hop = [inv(problem.hop[k % n]) for k in range(s)]  # activation k -> k+1
     hop_back = [inv(problem.backward_hop[k % n]) for k in range(s)]  # gradient k+1 -> k
     up = [1 / (problem.up[k % n] * scale) for k in range(s)]  # seconds per byte, in units
+    dx = problem.duplex or (1.0,) * n  # step_model.timeline: backward weights and gradients at the duplex share
+    up_b = [up[k] / dx[k % n] for k in range(s)]
     down = [1 / (problem.down[k % n] * scale) for k in range(s)]
     F = [[_var(lp, f"F_{k}_{i}", 0) for i in range(m)] for k in range(s)]
     B = [[_var(lp, f"B_{k}_{i}", 0) for i in range(m)] for k in range(s)]
@@ -206,10 +208,10 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
                     lp += R[k] >= V[k][i] + dk + (m - i) * rk, f"restores_{k}_{i}"
         else:  # the prefetch starts with stage k+N's backward and queues after its restores
             A[k] = _var(lp, f"A_{k}", 0)
-            lp += A[k] >= B[k + n][0] + wb[k] * up[k], f"prefetch_b{k}"
-            lp += A[k] >= R[k + n] + wb[k] * up[k], f"upload_queue_b{k}"
+            lp += A[k] >= B[k + n][0] + wb[k] * up_b[k], f"prefetch_b{k}"
+            lp += A[k] >= R[k + n] + wb[k] * up_b[k], f"upload_queue_b{k}"
             for j in up_bwd[k]:
-                lp += A[k] >= A[j] + wb[k] * up[k], f"shared_upload_b{k}_{j}"
+                lp += A[k] >= A[j] + wb[k] * up_b[k], f"shared_upload_b{k}_{j}"
             lp += B[k][0] >= A[k] + rk, f"restore_b{k}_first"
             lp += B[k][m - 1] >= A[k] + m * rk, f"restore_b{k}_last"
             if k >= n:
@@ -224,7 +226,7 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     D = [_var(lp, f"D_{k}", 0) for k in range(s)]
     T = _var(lp, "makespan", 0)
     for k in range(s - 1, -1, -1):
-        grads = g[k] * down[k]
+        grads = g[k] * down[k] / (dx[k % n] if k >= n else 1.0)
         lp += D[k] >= B[k][m - 1] + b[k] + grads, f"download_{k}"
         if k + n < s:
             lp += D[k] >= D[k + n] + grads, f"download_queue_{k}"

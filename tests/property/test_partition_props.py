@@ -61,7 +61,9 @@ def problems(draw) -> PartitionProblem:
     return PartitionProblem(layers, m, tuple(f"gpu{i}" for i in range(n)), caps,
                             tuple(draw(BANDWIDTH) for _ in range(n)), tuple(draw(BANDWIDTH) for _ in range(n)),
                             hops, mm, hop_back=back, input_bytes=draw(BYTES), tied=tied,
-                            shared_up=shared["up"], shared_down=shared["down"])
+                            shared_up=shared["up"], shared_down=shared["down"],
+                            duplex=tuple(draw(st.sampled_from([0.5, 0.72, 1.0])) for _ in range(n))
+                            if draw(st.booleans()) else None)
 
 
 def _solve(p: PartitionProblem):
@@ -199,7 +201,8 @@ def test_the_makespan_is_the_last_gradient_download(p):
         for j in shared[k]:  # and the download `servers` places before it on a shared uplink
             ready = max(ready, ev.grad_done[j])
         tied = p.tied_bytes(edges[k], edges[k + 1])[1]  # its tied copies' gradient
-        took = (sum(l.grad_bytes for l in part) * p.memory.weight_scale + tied) / p.down[k % n]
+        share = p.duplex[k % n] if p.duplex and k >= n else 1.0  # while stage k-N's weights come back
+        took = (sum(l.grad_bytes for l in part) * p.memory.weight_scale + tied) / (p.down[k % n] * share)
         assert ev.grad_done[k] == pytest.approx(ready + took, rel=1e-9, abs=1e-12)
     assert ev.makespan == max(ev.grad_done)
 

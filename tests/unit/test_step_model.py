@@ -350,6 +350,32 @@ def test_gradient_downloads_behind_a_switch_queue_in_backward_order():
     assert ev.makespan == ends[0] > evaluate(free, (0, 1, 2, 3)).makespan + 2.9
 
 
+def test_backward_copies_run_at_the_duplex_share():
+    # One GPU, two stages of 10 B at 10 B/s each way, a route that keeps half of each direction
+    # while both are busy: stage 0's weights come back for backward while stage 1's gradients
+    # leave (stage 1 is not the GPU's first stage), both at 5 B/s. Stage 0's gradients, the
+    # GPU's last copy, leave alone at full speed.
+    ls = [layer("a"), layer("b")]
+    full = problem(ls, cap=1e4)
+    half = replace(full, duplex=(0.5,))
+    a, b = evaluate(full, (0, 1)), evaluate(half, (0, 1))
+    end1 = b.bwd_start[1][0] + 2.0  # stage 1's backward: one micro-batch of 2 s
+    assert b.grad_done[1] == pytest.approx(end1 + 10 / 5)
+    assert a.grad_done[1] == pytest.approx(a.bwd_start[1][0] + 2.0 + 10 / 10)
+    assert b.weights_back[0] - a.weights_back[0] == pytest.approx(10 / 5 - 10 / 10)
+    assert b.grad_done[0] - b.grad_done[1] >= 10 / 10 - 1e-12  # stage 0's own download: full speed
+    with pytest.raises(PlanError, match=r"duplex=\(0.4,\); give one share in \[0.5, 1\]"):
+        replace(full, duplex=(0.4,))
+
+
+def test_the_duplex_share_comes_from_the_route():
+    testbed = Topology.preset("mobius-testbed")
+    p = PartitionProblem.from_topology([layer("a")], testbed, microbatches=1)
+    assert p.duplex == (0.72,) * 8  # every GPU sits under a PCIe switch (links.SWITCH_DUPLEX)
+    rtx = Topology.preset("rtx4090x8")  # root ports: full duplex
+    assert PartitionProblem.from_topology([layer("a")], rtx, microbatches=1).duplex == (1.0,) * 8
+
+
 def test_shared_links_of_the_presets():
     # The paper's server: each 13 GB/s switch uplink carries two of its four 6.5 GB/s GPU
     # links' copies at a time, both ways; with cross mapping a switch's GPUs are slots 0, 2, 4, 6.
