@@ -418,7 +418,7 @@ def test_where_gpus_share_an_uplink_the_model_is_within_10_percent_of_the_simula
     # Random plans on 2-4 virtual GPUs under one switch (an uplink as fast as one GPU's link or
     # twice it): the simulator shares links max-min fairly with priorities and loses bandwidth
     # when both directions are busy; the model queues the weight and gradient copies on the
-    # uplink. Measured: 0.95-1.03 of the simulated step.
+    # uplink and slows backward copies by the duplex share. Measured: 0.97-1.07 of the simulated step.
     rng = random.Random(5)
     checked = 0
     for _ in range(16):
