@@ -110,22 +110,23 @@ def cross_vs_identity(plan, args) -> list:
     return rows
 
 
-def overlaps(name: str, plan, args) -> list:
+def overlaps(name: str, plan, res: dict, args) -> list:
     """The step of Mobius and of the RoundPipe-style schedule with the CPU optimizer after the
     step ("none"), per stage as gradients land ("sync") and a step late ("async", staleness 1),
-    as ratios to Mobius's serial step; ZeRO-3 offload's for reference."""
+    as ratios to Mobius's serial step; ZeRO-3 offload's for reference. `res`: `run`'s results,
+    the "none" ones already simulated."""
     def step(schedule: str, mode: str):
         return mobius_fx.simulate(plan, schedule=schedule, optimizer_overlap=mode, masters=args.masters,
                                   cpu_adam_bandwidth=args.adam_gbps * 1e9,
                                   deepspeed_adam_bandwidth=args.deepspeed_adam_gbps * 1e9)
 
-    serial = step("mobius", "none")
+    serial = res["mobius"]
     row = [name, f"{serial.pipeline_time:.2f}"]
     for schedule in ("mobius", "roundpipe"):
         for mode in ("none", "sync", "async"):
             r = serial if (schedule, mode) == ("mobius", "none") else step(schedule, mode)
             row.append(f"{r.step_time:.2f} ({r.step_time / serial.step_time:.2f})")
-    row.append(f"{step('zero3-offload', 'none').step_time:.2f}")
+    row.append(f"{res['zero3-offload'].step_time:.2f}")
     return row
 
 
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                     if e_i == 0 and topo_name == "mobius-testbed" and m == "gpt3-8b":
                         cross_rows = cross_vs_identity(s["plan"], args)
                     if e_i == 0:
-                        overlap_rows.append(overlaps(f"{m}, {topo_name}", s["plan"], args))
+                        overlap_rows.append(overlaps(f"{m}, {topo_name}", s["plan"], s["results"], args))
                 headline += [[topo_name, f"{eff:.0%} ({tfs:.1f} TF/s)"] + speedups(s) for s in sums]
                 if e_i:
                     continue

@@ -259,7 +259,6 @@ def build_plan(
     `microbatches_rule` says why `microbatches` is what it is (the plan's header shows it). The transfers
     are a sum over the plan's schedule IR (`Plan.schedule()`, mobius_fx/schedule.py).
     """
-    trainable = set(param_sizes or {}) if trainable is None else set(trainable)
     layers = tuple(layers)
     m = microbatches
     n = len(order)

@@ -427,6 +427,7 @@ def _reference_totals(problem: PartitionProblem, cuts: Sequence[int]) -> StageTo
     ls, mm, m = problem.layers, problem.memory, problem.microbatches
     edges = list(cuts) + [len(ls)]
     st = StageTotals([], [], [], [], [], [], [])
+    frozen = problem.frozen_prefix
     for a, z in zip(edges, edges[1:]):
         part = ls[a:z]
         tied = tied_copy_bytes(problem.tied, a, z, mm.weight_scale)
@@ -438,8 +439,7 @@ def _reference_totals(problem: PartitionProblem, cuts: Sequence[int]) -> StageTo
         st.out.append(part[-1].output_bytes * mm.act_scale / m)
         st.fmem.append(fm)
         st.bmem.append(bm)
-        st.frozen.append(not any(l.grad_bytes for l in ls[:z]) and not any(
-            t.trainable and any(0 <= r < z for r in (*t.readers, t.owner)) for t in problem.tied))
+        st.frozen.append(z <= frozen)
     return st
 
 
