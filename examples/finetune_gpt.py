@@ -7,6 +7,12 @@ Python standard library's docstrings (no download), AdamW on the CPU master weig
     python examples/finetune_gpt.py                       # about two minutes on 2 cores
     python examples/finetune_gpt.py --data my.txt --steps 500 --topology virtual:8
     python examples/finetune_gpt.py --topology server.json   # a real server (CUDA)
+    python examples/finetune_gpt.py --optimizer-overlap async  # RoundPipe's one-step-late update
+
+The optimizer runs through `pipe.overlap(opt, mode)`: "sync" (the default) steps each stage's
+parameters on a CPU worker as soon as its gradients are complete during backward -- the same
+weights as stepping after backward, bit for bit; "async" runs step t's update while step t+1
+computes on weights one update old; "none" steps serially after backward.
 """
 
 from __future__ import annotations
@@ -64,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--optimizer-overlap", choices=("sync", "async", "none"), default="sync",
+                    help="when the CPU optimizer steps: during backward, stage by stage (sync, exact), one step late "
+                         "(async) or after backward (none)")
     args = ap.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -88,7 +97,11 @@ def main(argv: list[str] | None = None) -> None:
     pipe = mobius_fx.compile(model, topo, example_inputs=(x0,), microbatches=args.microbatches, verbose=False)
     print(pipe.plan)
     print()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)  # CPU masters, plain torch.optim
+    # CPU masters, plain torch.optim, stepped off the pipeline's critical path
+    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=args.lr), mode=args.optimizer_overlap)
+    print(f"optimizer: AdamW on the CPU masters, overlap mode {args.optimizer_overlap!r}"
+          + {"sync": " (stages stepped during backward; exact)", "async": " (one step late, as RoundPipe)",
+             "none": " (serial, after backward)"}[args.optimizer_overlap])
 
     @torch.no_grad()
     def val_loss() -> float:
@@ -111,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if step % args.log_every == 0 or step == args.steps:
             tqdm.write(f"step {step}: train loss {loss.item():.3f}, validation loss {val_loss():.3f}")
+    if args.optimizer_overlap == "async":
+        opt.synchronize()  # the last update into the model before evaluating it
     last = val_loss()
     elapsed = time.perf_counter() - t0
     peak = max(s["peak_bytes"] for s in pipe.memory_stats().values())

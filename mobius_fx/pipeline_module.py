@@ -144,6 +144,43 @@ class Pipeline(nn.Module):
                 host_outputs=tuple(size(spec.outputs[j]) for j in self.schedule.to_host[spec.index])))
         return build_schedule(ios, self.schedule.microbatches, optimizer=optimizer)
 
+    def overlap(self, optimizer: torch.optim.Optimizer, mode: str = "sync") -> torch.optim.Optimizer:
+        """The optimizer to use in the training loop instead of `optimizer`, stepped off the
+        pipeline's critical path (mobius_fx/overlap.py): "sync" steps each stage's parameters on a
+        CPU worker as soon as its gradients are complete during backward (bit-identical to a serial
+        step; falls back to serial stepping, said once in the log, when the loop clips or unscales
+        gradients); "async" runs step t's update while step t+1 computes on weights one update old
+        (RoundPipe's staleness 1); "none" returns `optimizer` unchanged. A pipeline overlaps one
+        optimizer at a time: a new call waits for the previous one's work and detaches it.
+
+            opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4), mode="sync")
+            for x, y in data:
+                loss = loss_fn(pipe(x), y); loss.backward(); opt.step(); opt.zero_grad()
+        """
+        from .overlap import MODES, OverlapOptimizer
+
+        if mode not in MODES:
+            raise MobiusError(f"overlap mode={mode!r}; use one of {', '.join(MODES)}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise MobiusError(f"pipe.overlap needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        masters = {id(m) for st in self._rt.stages for m, p in zip(st.masters, st.is_param) if p}
+        theirs = [p for g in optimizer.param_groups for p in g["params"]]
+        if not any(id(p) in masters for p in theirs):
+            raise MobiusError(f"the optimizer's {len(theirs)} parameters include none of this pipeline's master weights; "
+                              f"build it over the compiled model's parameters (model.parameters() or pipe.parameters())")
+        old = object.__getattribute__(self, "_overlap") if "_overlap" in self.__dict__ else None
+        if old is not None:
+            old.synchronize()
+        self._rt.overlap = None
+        object.__setattr__(self, "_overlap", None)
+        if mode == "none":
+            return optimizer
+        opt = OverlapOptimizer(self, optimizer, mode)
+        object.__setattr__(self, "_overlap", opt)
+        if mode == "sync":
+            self._rt.overlap = opt
+        return opt
+
     def memory_stats(self) -> dict[str, dict[str, int]]:
         """Bytes each GPU of the topology holds now and held at peak, one entry per GPU, used by a
         stage or not. The books see every byte: weight slots, gradient sums, and every tensor a

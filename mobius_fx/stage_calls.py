@@ -109,6 +109,13 @@ class Step:
         self.state = "forward"  # forward | backward | done | aborted
         self.mb_rows = 0
         self.hub: torch.Tensor | None = None  # Masters' output: every stage call hangs off it
+        # pipe.overlap(mode="sync"): whether this backward hands complete gradients to the
+        # optimizer (decided at its first flush), the stages flushed, the masters handed over
+        # and, per master, the stages holding it that ran
+        self.overlap: bool | None = None
+        self.flushed: set[int] = set()
+        self.handed: set[int] = set()
+        self.holders: dict[int, set[int]] = {}
 
 
 class StageCall:
@@ -215,6 +222,8 @@ class Masters(torch.autograd.Function):
 class StageCalls:
     """Stage calls on their GPUs, forward and backward (mixed into `runtime.Runtime`, whose
     weights, activations and step state these methods use)."""
+
+    overlap: Any = None  # the OverlapOptimizer stepping stages during backward (pipe.overlap, mode="sync")
 
     # ------------------------------------------------------------------ stage calls
     def amp_state(self, dev: Device) -> tuple[str, bool, torch.dtype]:
@@ -352,6 +361,8 @@ class StageCalls:
             except BaseException as e:
                 self.abort(step)
                 self.explain(e)
+                if self.overlap is not None:
+                    self.overlap.aborted(e)
                 raise
 
     def _backward_call(self, call: StageCall, step: Step, grads: tuple, needs: Sequence[bool]) -> list:
@@ -359,6 +370,8 @@ class StageCalls:
             step.state = "backward"
             step.bwd_calls = [0] * len(self.stages)
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._finish, step))
+            if self.overlap is not None:
+                self.overlap.backward_started()
         k = call.stage
         st = self.stages[k]
         if step.bwd_calls[k] == 0 or not st.resident:
@@ -432,12 +445,51 @@ class StageCalls:
                 step.pending.append((st.masters[j], st.device.download(g, "gradient")))
             st.device.free(nbytes(g))
         self.evict(k)
+        if self.overlap is not None:
+            self._hand_over(k, step)
+
+    def _hand_over(self, k: int, step: Step) -> None:
+        """pipe.overlap(mode="sync"): stage k's gradients are on their way to the host; hand the
+        masters whose gradients are now complete (every stage holding a copy flushed) to the
+        optimizer, which adds them into `.grad` and steps them while the GPUs go on. Autograd
+        (`Masters`) then hands over only the others."""
+        hook = self.overlap
+        if step.overlap is None:
+            step.overlap = hook.overlapping()
+            if step.overlap:
+                for i, s in enumerate(self.stages):
+                    if step.fwd_calls[i] > 0:
+                        for m in s.masters:
+                            step.holders.setdefault(id(m), set()).add(i)
+        if not step.overlap:
+            return
+        step.flushed.add(k)
+        st = self.stages[k]
+        ready: dict[int, torch.Tensor] = {}
+        for m, is_param in zip(st.masters, st.is_param):
+            if (is_param and m.requires_grad and id(m) not in step.handed and id(m) not in ready
+                    and step.holders.get(id(m), set()) <= step.flushed and hook.wants(m)):
+                ready[id(m)] = m
+        thunks: dict[int, list] = {i: [] for i in ready}
+        keep = []
+        for master, thunk in step.pending:
+            if id(master) in thunks:
+                thunks[id(master)].append(thunk)
+            else:
+                keep.append((master, thunk))
+        groups = [(m, thunks[i]) for i, m in ready.items() if thunks[i]]
+        if groups:
+            step.pending[:] = keep
+            step.handed.update(id(m) for m, _ in groups)
+            hook.ready(groups)
 
     def _finish(self, step: Step) -> None:
         """End of a backward pass (an engine callback): a backward that did not ask `Masters`
         for the masters' gradients (`torch.autograd.grad(loss, x)`) drops them, as eager would
         not have computed them."""
         self._gradients(step)
+        if self.overlap is not None:
+            self.overlap.backward_done()
 
     def _gradients(self, step: Step) -> dict[int, torch.Tensor]:
         """Flush what is left; the host gradient of each master (by id), once per backward."""

@@ -43,9 +43,11 @@ def test_finetune_hf_example_falls_back_without_a_cache_and_lowers_the_loss(monk
 
 
 @pytest.mark.slow
-def test_finetune_example_lowers_the_loss_in_a_short_run(monkeypatch, capsys):
-    _run("finetune_gpt.py", ["--steps", "60", "--log-every", "30"], monkeypatch)
+@pytest.mark.parametrize("overlap", ["sync", "async"])
+def test_finetune_example_lowers_the_loss_in_a_short_run(monkeypatch, capsys, overlap):
+    _run("finetune_gpt.py", ["--steps", "60", "--log-every", "30", "--optimizer-overlap", overlap], monkeypatch)
     out = capsys.readouterr().out
+    assert f"overlap mode '{overlap}'" in out
     line = next(l for l in out.splitlines() if l.startswith("validation loss"))
     first, last = (float(v) for v in line.split()[2:5:2])
     assert last < 0.8 * first

@@ -1,0 +1,225 @@
+"""pipe.overlap: the CPU optimizer stepped during backward ("sync", exact) or one step late ("async").
+
+"sync" is compared with the same optimizer stepped serially after backward on a second pipeline
+compiled from a copy of the model: the pipelines compute the same gradients, and the optimizers
+of torch update each parameter from its own gradient and state, so the weights must be equal bit
+for bit after every step. "async" is compared with a plain implementation of the delayed update
+written here, w(t+1) = update(w(t), grad at w(t-1)), on a pipeline of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mobius_fx
+from mobius_fx import MobiusError, Topology
+
+try:
+    from tests.models import gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama
+except ImportError:  # pragma: no cover
+    from models import gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama
+
+STEPS = 10
+
+
+def _model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if kind == "gpt":  # tied wte / lm_head, read by the first and the last stage
+        return gpt(hidden=32, blocks=3, vocab=64, seq=8)
+    if kind == "hf_gpt2":
+        return hf_gpt2(layers=2, hidden=32, vocab=64, positions=8)
+    return hf_llama(layers=2, hidden=32)
+
+
+def _batches(model, kind: str, n: int):
+    if kind == "gpt":
+        return [gpt_inputs(model, batch=4, seed=s) for s in range(n)]
+    return [hf_inputs(model, batch=4, seq=8, seed=s) for s in range(n)]
+
+
+def _loss(out, x):
+    logits = out if isinstance(out, torch.Tensor) else out["logits"]
+    return F.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
+
+
+def _compile(model, x, tmp_path, microbatches=2):
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    topo = Topology.virtual(gpus=2, memory=8 * nbytes)
+    return mobius_fx.compile(model, topo, example_inputs=(x,), microbatches=microbatches, cuts=[1, 2, 3],
+                             cache_dir=str(tmp_path), verbose=False)
+
+
+def _pair(kind, tmp_path, freeze=False):
+    model = _model(kind)
+    if freeze:  # a frozen parameter in the middle of the model
+        frozen = [p for n, p in model.named_parameters() if ".1." in n and ("ln_1" in n or "input_layernorm" in n)]
+        assert frozen
+        for p in frozen:
+            p.requires_grad_(False)
+    twin = copy.deepcopy(model)
+    data = _batches(model, kind, STEPS)
+    return model, twin, data, _compile(model, data[0][0], tmp_path), _compile(twin, data[0][0], tmp_path)
+
+
+def _optimizer(name, params):
+    params = [p for p in params if p.requires_grad]
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if name == "adamw-fused":
+        return torch.optim.AdamW(params, lr=1e-2, fused=True)
+    return torch.optim.SGD(params, lr=1e-1, momentum=0.9, weight_decay=1e-3)
+
+
+@pytest.mark.parametrize("kind,opt_name,freeze", [
+    ("gpt", "adamw", True), ("gpt", "sgd", False), ("hf_gpt2", "adamw-fused", False), ("hf_llama", "adamw", True)])
+def test_sync_overlap_equals_serial_stepping_bit_for_bit(tmp_path, kind, opt_name, freeze):
+    model, twin, data, pipe, ref_pipe = _pair(kind, tmp_path, freeze)
+    opt = pipe.overlap(_optimizer(opt_name, model.parameters()), mode="sync")
+    ref = _optimizer(opt_name, twin.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=3, gamma=0.5)
+    overlapped = []
+    for t, (x,) in enumerate(data):
+        _loss(pipe(x), x).backward()
+        _loss(ref_pipe(x), x).backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):  # .grad final after backward
+            assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+        opt.step()
+        ref.step()
+        overlapped.append(opt.stepped_in_backward)
+        sched.step()
+        ref_sched.step()
+        opt.zero_grad()
+        ref.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p, q), f"step {t}: {name}"
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    assert overlapped[0] == 0  # the first step watches the loop, serially
+    assert all(n == trainable for n in overlapped[1:]), overlapped  # then every parameter during backward
+    assert opt.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
+
+
+def test_clipping_falls_back_to_serial_stepping_said_once(tmp_path, caplog):
+    model, twin, data, pipe, ref_pipe = _pair("gpt", tmp_path)
+    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="sync")
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    with caplog.at_level(logging.WARNING, logger="mobius_fx"):
+        for (x,) in data[:4]:
+            for p_, m, o in ((pipe, model, opt), (ref_pipe, twin, ref)):
+                _loss(p_(x), x).backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+                o.step()
+                o.zero_grad()
+            assert opt.stepped_in_backward == 0
+            for p, q in zip(model.parameters(), twin.parameters()):
+                assert torch.equal(p, q)
+    said = [r for r in caplog.records if "serially" in r.getMessage()]
+    assert len(said) == 1 and "clip_grad_norm_" in said[0].getMessage()
+
+
+def test_grad_scaler_falls_back_and_matches_serial(tmp_path):
+    model, twin, data, pipe, ref_pipe = _pair("gpt", tmp_path)
+    opt = pipe.overlap(torch.optim.SGD(model.parameters(), lr=0.1), mode="sync")
+    ref = torch.optim.SGD(twin.parameters(), lr=0.1)
+    scalers = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10), torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for (x,) in data[:4]:
+        for p_, o, s in ((pipe, opt, scalers[0]), (ref_pipe, ref, scalers[1])):
+            s.scale(_loss(p_(x), x)).backward()
+            s.step(o)
+            s.update()
+            o.zero_grad()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+    assert opt.stepped_in_backward == 0
+
+
+def test_gradient_accumulation_falls_back(tmp_path):
+    model, twin, data, pipe, ref_pipe = _pair("gpt", tmp_path)
+    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="sync")
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    for i in range(0, 6, 2):
+        for p_, o in ((pipe, opt), (ref_pipe, ref)):
+            for (x,) in data[i:i + 2]:
+                _loss(p_(x), x).backward()
+            o.step()
+            o.zero_grad()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+
+
+def test_a_loop_that_starts_clipping_later_is_refused(tmp_path):
+    model, _, data, pipe, _ = _pair("gpt", tmp_path)
+    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="sync")
+    for (x,) in data[:2]:
+        _loss(pipe(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+    x, = data[2]
+    _loss(pipe(x), x).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    with pytest.raises(MobiusError, match="already stepped"):
+        opt.step()
+
+
+def test_autograd_grad_does_not_step(tmp_path):
+    model, twin, data, pipe, _ = _pair("gpt", tmp_path)
+    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="sync")
+    for (x,) in data[:2]:
+        _loss(pipe(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    x, = data[2]
+    grads = torch.autograd.grad(_loss(pipe(x), x), [p for p in model.parameters() if p.requires_grad])
+    opt.synchronize()
+    assert all(g is not None for g in grads)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_async_equals_the_delayed_update(tmp_path):
+    """w(t+1) = update(w(t), g(t)) with g(t) the gradient at w(t-1) (w(-1) = w(0)), written plainly:
+    a second pipeline holds the lagging weights, a plain optimizer the current ones."""
+    model, lag, data, pipe, lag_pipe = _pair("gpt", tmp_path)
+    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), mode="async")
+    current = [p.detach().clone().requires_grad_(True) for p in lag.parameters()]
+    ref = torch.optim.AdamW(current, lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=4, gamma=0.5)
+    for (x,) in data:
+        _loss(pipe(x), x).backward()
+        opt.step()
+        sched.step()
+        _loss(lag_pipe(x), x).backward()  # at w(t-1)
+        with torch.no_grad():
+            for c, p in zip(current, lag.parameters()):
+                c.grad = p.grad
+                p.grad = None
+                p.copy_(c)  # the lagging weights become w(t)
+        ref.step()  # current: w(t+1)
+        ref_sched.step()
+    opt.synchronize()
+    for (name, p), c in zip(model.named_parameters(), current):
+        torch.testing.assert_close(p, c, rtol=1e-6, atol=1e-6, msg=name)
+    # the run differs from the synchronous trajectory: the test is not vacuous
+    assert any(not torch.allclose(p, q) for p, q in zip(model.parameters(), lag.parameters()))
+
+
+def test_overlap_refuses_what_it_cannot_do(tmp_path):
+    model, _, data, pipe, _ = _pair("gpt", tmp_path)
+    with pytest.raises(MobiusError, match="mode="):
+        pipe.overlap(torch.optim.SGD(model.parameters(), lr=0.1), mode="later")
+    with pytest.raises(MobiusError, match="LBFGS"):
+        pipe.overlap(torch.optim.LBFGS(model.parameters()))
+    with pytest.raises(MobiusError, match="none of this pipeline"):
+        pipe.overlap(torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1))
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert pipe.overlap(plain, mode="none") is plain
+    opt = pipe.overlap(plain)
+    with pytest.raises(MobiusError, match="closure"):
+        opt.step(lambda: 0.0)
