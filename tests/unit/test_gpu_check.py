@@ -1,0 +1,207 @@
+"""benchmarks/gpu_check.py, the script prepared for a GPU machine, checked where there is none:
+it says so and exits 0; its pure parts (model sizing, the topology JSON it writes, reading the
+plan, the report) and its GPU phase's CPU-computable parts (plan and simulate on the meta
+device; the same training and comparisons on virtual GPUs) work here."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mobius_fx import Topology
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gc = _load()
+
+
+# ~20M parameters in 25 blocks of hidden 256: 38 MiB in bf16, planned through 16 MiB GPUs in ~2 s
+SMALL = ("--params", "2e7", "--hidden", "256", "--vocab", "512", "--seq", "64", "--batch", "4", "--time-limit", "2")
+
+
+def _args(*argv):
+    return gc._parser().parse_args(list(argv))
+
+
+def test_without_a_gpu_the_script_says_so_and_exits_0():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU even on a machine that has one
+    out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert gc.NO_GPU in out.stdout
+    assert "On a GPU it would" in out.stdout and "tests/gpu" in out.stdout and "--dry-run" in out.stdout
+
+
+def test_help_documents_every_option_and_the_docstring_how_to_run_it(capsys):
+    with pytest.raises(SystemExit) as e:
+        gc.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    options = [a for a in gc._parser()._actions if a.option_strings and a.dest != "help"]
+    assert len(options) >= 20
+    for a in options:
+        assert a.help and len(a.help) > 15, a.option_strings
+        assert a.option_strings[0] in text
+    assert "python benchmarks/gpu_check.py [--out DIR]" in gc.__doc__
+    assert "[measured]" in gc.__doc__ and "[simulated]" in gc.__doc__ and "exits 0" in gc.__doc__
+
+
+@pytest.mark.parametrize("params", [1e9, 3e9, 6e9])
+def test_gpt_config_is_the_size_asked_for_in_heads_of_128(params):
+    cfg = gc.gpt_config(params)
+    n = gc.gpt_params(cfg.hidden, cfg.blocks, vocab=cfg.vocab, seq=cfg.seq)
+    assert abs(n - params) <= 0.05 * params
+    assert cfg.hidden % 128 == 0 and cfg.heads * 128 == cfg.hidden
+    assert 0.5 <= cfg.hidden / 80 / cfg.blocks <= 2
+
+
+def test_gpt_params_counts_what_the_model_holds():
+    cfg = gc.gpt_config(3e9, hidden=256, blocks=3, vocab=1000, seq=64)
+    assert (cfg.hidden, cfg.blocks) == (256, 3)  # given sizes are kept
+    model, (idx, targets) = gc.build_model(cfg, batch=2, device="meta")
+    held = sum(p.numel() for p in model.parameters())  # the tied head counted once
+    assert held == gc.gpt_params(256, 3, vocab=1000, seq=64)
+    assert idx.shape == targets.shape == (2, 64)
+
+
+def test_machine_topology_round_trips_with_the_measured_bandwidths(tmp_path):
+    links = [gc.LinkFigures(53.123456789e9, 49.87654321e9, 0.8312), gc.LinkFigures(26.2e9, 26.2e9, None)]
+    d = gc.machine_topology_dict([("NVIDIA H200", 150_000_000_000), ("NVIDIA H200", 150_000_000_000)], links,
+                                 spec="h200")
+    topo = Topology.from_dict(d)
+    path = tmp_path / "topology.json"
+    path.write_text(topo.to_json())
+    back = Topology.from_json(path)
+    assert back == topo
+    for i, bw in enumerate(links):
+        g = f"gpu{i}"
+        assert back.route("host", g) == ("cpu0", g)
+        assert back.bandwidth("host", g) == pytest.approx(bw.h2d, abs=1)
+        assert back.bandwidth(g, "host") == pytest.approx(bw.d2h, abs=1)
+        assert back.gpu(g).memory == 150_000_000_000 and back.gpu(g).spec.name == "h200" and back.gpu(g).index == i
+    assert back.link_duplex("cpu0", "gpu0") == pytest.approx(0.8312)
+    assert back.link_duplex("cpu0", "gpu1") == 1.0  # not measured: the library's default straight at a socket
+
+
+def test_budget_topology_puts_the_gpus_sharing_a_device_under_one_switch():
+    bw = gc.LinkFigures(50e9, 40e9, 0.9)
+    one = Topology.from_dict(gc.budget_topology_dict(2, 3 * 2**30, [bw], spec="h200"))
+    assert [g.memory for g in one.gpus] == [3 * 2**30] * 2
+    assert one.route("host", "gpu0") == ("cpu0", "sw0", "gpu0") and one.route("host", "gpu1") == ("cpu0", "sw0", "gpu1")
+    assert one.link_bandwidth("cpu0", "sw0") == 50e9 and one.link_bandwidth("sw0", "cpu0") == 40e9
+    assert one.link_duplex("cpu0", "sw0") == pytest.approx(0.9)
+    three = Topology.from_dict(gc.budget_topology_dict(3, 2**30, [bw, bw], spec="h200"))
+    assert three.route("host", "gpu2") == ("cpu0", "sw0", "gpu2") and three.route("host", "gpu1") == ("cpu0", "gpu1")
+    assert gc.cuda_indices(3, 2) == [0, 1, 0] and gc.cuda_indices(2, 8) == [0, 1]
+
+
+def test_spec_is_guessed_from_the_product_name_and_says_when_it_is_not():
+    assert gc.spec_for("NVIDIA H200") == ("h200", True)
+    assert gc.spec_for("NVIDIA GeForce RTX 3090 Ti") == ("rtx3090ti", True)
+    assert gc.spec_for("NVIDIA B200")[1] is False
+
+
+def test_the_plans_peak_is_the_double_buffer_of_consecutive_stages_on_a_gpu():
+    stages = [SimpleNamespace(gpu=g, peak_bytes=b) for g, b in
+              [("gpu0", 5), ("gpu1", 7), ("gpu0", 9), ("gpu1", 1), ("gpu0", 2), ("gpu2", 4)]]
+    assert gc.plan_gpu_peaks(SimpleNamespace(stages=stages)) == {"gpu0": 14, "gpu1": 8, "gpu2": 4}
+
+
+def test_pytest_summary_counts():
+    text = "....F.s\nFAILED tests/gpu/x.py::t - boom\n3 passed, 1 failed, 2 skipped, 1 error, 4 warnings in 4.2s\n"
+    assert gc.parse_pytest_summary(text) == {"passed": 3, "failed": 1, "skipped": 2, "errors": 1, "xfailed": 0,
+                                             "xpassed": 0}
+    assert gc.parse_pytest_summary("sssss\n12 skipped in 0.5s")["skipped"] == 12
+    assert set(gc.parse_pytest_summary("no tests ran in 0.01s").values()) == {0}
+
+
+def test_ratio_is_measured_over_the_other_and_na_without_one():
+    assert gc.ratio(3.0, 2.0) == "1.50x"
+    assert gc.ratio(None, 2.0) == gc.ratio(2.0, 0) == gc.ratio(2.0, None) == "n/a"
+    assert gc.fmt_params(2.65e9) == "2.65B" and gc.fmt_params(124.4e6) == "124.4M"
+
+
+def _figures(**kw):
+    base = dict(config=gc.gpt_config(3e9), params=3_000_000_000, topology="t", device="cuda",
+                plan_summary="Mobius plan", planned_step=1.0, sim_pipeline=2.0, sim_step=5.0, sim_optimizer=3.0,
+                stages=30, microbatches=2,
+                plan_peaks={"gpu0": 2 * 2**30, "gpu1": 2**30}, budgets={"gpu0": 3 * 2**30, "gpu1": 3 * 2**30})
+    return gc.RunFigures(**{**base, **kw})
+
+
+def test_report_compares_the_median_after_the_first_step_and_labels_every_figure():
+    fig = _figures(step_times=[100.0, 9.0, 11.0], pipeline_times=[90.0, 3.0, 5.0], optimizer_times=[10.0, 6.0, 6.0],
+                   losses=[11.0, 10.9, 10.8],
+                   peaks=[gc.PeakRow("cuda:0", ("gpu0", "gpu1"), 3 * 2**30, 6 * 2**30, 2 * 2**30, 6 * 2**30)],
+                   moved={"weight h2d": 300, "gradient d2h": 100}, ir={"weight h2d": 200, "gradient d2h": 100},
+                   plan_ir={"weight h2d": 200, "gradient d2h": 100})
+    text = gc.format_run(fig)
+    lines = text.splitlines()
+
+    def line(*words):
+        found = [ln for ln in lines if all(w in ln for w in words)]
+        assert found, (words, text)
+        return found[0]
+
+    assert "ratio  2.00x" in line("step (fwd+bwd+AdamW)", "[measured]", "[simulated]")  # median(9, 11) / 5
+    assert "ratio  2.00x" in line("fwd+bwd", "[measured]", "[simulated]")  # median(3, 5) / 2
+    assert "ratio  4.00x" in line("fwd+bwd", "[measured]", "[planned]")
+    assert "ratio  2.00x" in line("AdamW", "[measured]", "[simulated]")
+    peak = line("cuda:0 (gpu0, gpu1)")
+    assert "[measured] 6.00 GiB" in peak and "[planned] 3.00 GiB  ratio 2.00x" in peak and "[books] 2.00 GiB" in peak
+    assert "ratio 1.50x" in line("weight h2d", "[measured]", "[IR]")
+    assert "ratio 1.00x" in line("gradient d2h", "[measured]", "[IR]")
+    assert "last 2 of 3 steps" in text
+
+
+def test_a_dry_run_plans_and_simulates_without_measuring(capsys):
+    assert gc.main(["--dry-run", *SMALL, "--memory", "16MiB"]) == 0
+    text = capsys.readouterr().out
+    assert "no GPU used" in text and "[assumed]" in text
+    assert "[simulated]" in text and "[planned]" in text and "[measured]" not in text
+    assert "gpu0, gpu1 share cuda:0" in text
+
+
+def test_plan_only_gives_the_simulated_and_planned_figures_for_the_budget():
+    args = _args(*SMALL)
+    topo = Topology.from_dict(gc.budget_topology_dict(2, 16 * 2**20, [gc.LinkFigures(50e9, 50e9)], spec="h200"))
+    fig = gc.plan_only(args, topo, bandwidth_source="assumed")
+    assert fig.stages > 2 and fig.microbatches == 2  # weights over the budget: streamed through
+    assert 2 * fig.params > 2 * 16 * 2**20  # bf16 weights over both budgets together
+    assert fig.sim_step > fig.sim_pipeline > 0 and fig.planned_step > 0
+    assert all(0 < b <= 16 * 2**20 for b in fig.plan_peaks.values())
+    assert fig.plan_ir["weight h2d"] > 2 * fig.params and fig.plan_ir["gradient d2h"] >= 2 * fig.params
+    assert not fig.step_times
+
+
+def test_the_gpu_phase_on_virtual_gpus_moves_exactly_the_ir_and_stays_in_budget():
+    args = _args("--device", "virtual", "--params", "3e5", "--hidden", "128", "--blocks", "2", "--vocab", "256",
+                 "--seq", "32", "--batch", "4", "--memory", "4MiB", "--steps", "2", "--adamw", "foreach",
+                 "--time-limit", "2")
+    topo = Topology.from_dict(gc.budget_topology_dict(2, 4 * 2**20, [gc.LinkFigures(50e9, 50e9)] * 2, spec="cpu"))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        fig = gc.train_gpt(args, topo, device="virtual", bandwidth_source="assumed")
+    finally:
+        torch.set_num_threads(before)
+    assert len(fig.step_times) == len(fig.losses) == 2 and fig.losses[1] < fig.losses[0]
+    assert fig.moved["weight h2d"] > 0 and fig.moved == fig.ir == fig.plan_ir
+    assert [p.names for p in fig.peaks] == [("gpu0",), ("gpu1",)]
+    for p in fig.peaks:
+        assert p.allocator_bytes is None and 0 < p.books_bytes <= p.plan_bytes <= p.budget_bytes
+    text = gc.format_run(fig)
+    assert "ratio 1.00x" in next(ln for ln in text.splitlines() if "weight h2d" in ln and "[IR]" in ln)
