@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from .compiler import CompileContext, PassPipeline, default_pipeline
+from .data_parallel import GradientReducer, default_group
 from .errors import MobiusError, PlanError
 from .options import CompileOptions
 from .plans import Plan
@@ -221,7 +222,8 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             dtype: torch.dtype | None = _D.dtype, costs: str = _D.costs,
             memory_fraction: float = _D.memory_fraction, solver: str = _D.solver, time_limit: float = _D.time_limit,
             cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, device: str = _D.device,
-            verbose: bool = _D.verbose, max_variants: int = _D.max_variants, pipeline: PassPipeline | None = None):
+            verbose: bool = _D.verbose, max_variants: int = _D.max_variants, pipeline: PassPipeline | None = None,
+            process_group: Any = None):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -241,6 +243,10 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     instead (`MobiusError` naming the argument or dimension). An argument the model's forward
     does not take is refused.
     A Pipeline cannot be copied or pickled; copy or save the model and compile again.
+    `process_group`: data parallel across ranks (mobius_fx/data_parallel.py): every rank runs
+    this plan on its own slice of the batch and gradients are averaged across the group as each
+    stage's are complete; default: the world group when torch.distributed is initialised with
+    more than one rank; `False`: none.
     """
     if isinstance(model, torch.nn.Module) and not isinstance(example_inputs, (str, bytes)):
         inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
@@ -255,6 +261,11 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
                cache_dir=cache_dir, device=device, max_variants=max_variants)
     pipe = ctx.pipeline
+    group = default_group(process_group)
+    if group is not None:
+        reducer = GradientReducer(group)
+        reducer.broadcast([*model.parameters(), *model.buffers()])  # every rank starts from rank 0's model
+        pipe._rt.reducer = reducer
     variants = getattr(pipe, "_variants", None)
     if variants:  # other call signatures and shapes get variants of it (signatures.py)
         variants[0].layers = tuple(layer.name for layer in ctx.layers)

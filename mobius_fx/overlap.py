@@ -206,10 +206,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
                     total = None
                     for thunk in thunks:
                         g = thunk()
+                        if g is None:  # data parallel: no rank had a gradient for it
+                            continue
                         if total is None:
                             total = g.to(device=p.device, dtype=p.dtype)
                         else:
                             total.add_(g.to(p.dtype))
+                    if total is None:
+                        continue
                     if p.grad is None:
                         p.grad = total
                     else:

@@ -369,6 +369,9 @@ class VariantPipeline(Pipeline):
         return v
 
     def _use(self, v: Variant) -> None:
+        old = self._rt
+        if v.runtime is not old:  # the optimizer overlap and the data-parallel reducer follow the call
+            v.runtime.overlap, v.runtime.reducer = old.overlap, old.reducer
         for attr, value in (("_gm", v.gm), ("schedule", v.schedule), ("program", v.program), ("_rt", v.runtime)):
             object.__setattr__(self, attr, value)
         self.plan, self.code = v.plan, v.code

@@ -224,6 +224,7 @@ class StageCalls:
     weights, activations and step state these methods use)."""
 
     overlap: Any = None  # the OverlapOptimizer stepping stages during backward (pipe.overlap, mode="sync")
+    reducer: Any = None  # the data_parallel.GradientReducer averaging gradients across ranks (compile(process_group=))
 
     # ------------------------------------------------------------------ stage calls
     def amp_state(self, dev: Device) -> tuple[str, bool, torch.dtype]:
@@ -445,31 +446,34 @@ class StageCalls:
                 step.pending.append((st.masters[j], st.device.download(g, "gradient")))
             st.device.free(nbytes(g))
         self.evict(k)
-        if self.overlap is not None:
+        if self.overlap is not None or self.reducer is not None:
             self._hand_over(k, step)
 
     def _hand_over(self, k: int, step: Step) -> None:
-        """pipe.overlap(mode="sync"): stage k's gradients are on their way to the host; hand the
-        masters whose gradients are now complete (every stage holding a copy flushed) to the
-        optimizer, which adds them into `.grad` and steps them while the GPUs go on. Autograd
-        (`Masters`) then hands over only the others."""
-        hook = self.overlap
+        """Stage k's gradients are on their way to the host. The masters whose gradients are now
+        complete (every stage holding a copy flushed) are averaged across ranks (data parallel,
+        `reducer`) and/or handed to the optimizer stepping during backward (pipe.overlap
+        mode="sync"), which adds them into `.grad` and steps them while the GPUs go on. Autograd
+        (`Masters`) then hands over only the others, averaged when data parallel."""
+        hook, reducer = self.overlap, self.reducer
         if step.overlap is None:
-            step.overlap = hook.overlapping()
-            if step.overlap:
+            step.overlap = hook is not None and hook.overlapping()
+            if step.overlap or reducer is not None:
                 for i, s in enumerate(self.stages):
                     if step.fwd_calls[i] > 0:
                         for m in s.masters:
                             step.holders.setdefault(id(m), set()).add(i)
-        if not step.overlap:
+        if not step.overlap and reducer is None:
             return
         step.flushed.add(k)
         st = self.stages[k]
         ready: dict[int, torch.Tensor] = {}
         for m, is_param in zip(st.masters, st.is_param):
             if (is_param and m.requires_grad and id(m) not in step.handed and id(m) not in ready
-                    and step.holders.get(id(m), set()) <= step.flushed and hook.wants(m)):
+                    and step.holders.get(id(m), set()) <= step.flushed):
                 ready[id(m)] = m
+        if not ready:
+            return
         thunks: dict[int, list] = {i: [] for i in ready}
         keep = []
         for master, thunk in step.pending:
@@ -477,11 +481,16 @@ class StageCalls:
                 thunks[id(master)].append(thunk)
             else:
                 keep.append((master, thunk))
-        groups = [(m, thunks[i]) for i, m in ready.items() if thunks[i]]
-        if groups:
-            step.pending[:] = keep
-            step.handed.update(id(m) for m, _ in groups)
-            hook.ready(groups)
+        step.handed.update(ready)
+        # data parallel: every rank reduces the same masters in the same order, gradient or not
+        groups = [(m, thunks[i]) for i, m in ready.items() if reducer is not None or thunks[i]]
+        if reducer is not None:
+            groups = reducer.reduce(groups)
+        give = [(m, t) for m, t in groups if t and step.overlap and hook.wants(m)]
+        given = {id(m) for m, _ in give}
+        step.pending[:] = keep + [(m, t) for m, ts in groups if id(m) not in given for t in ts]
+        if give:
+            hook.ready(give)
 
     def _finish(self, step: Step) -> None:
         """End of a backward pass (an engine callback): a backward that did not ask `Masters`
@@ -505,6 +514,8 @@ class StageCalls:
                 staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
                 for master, thunk in step.pending:
                     g = thunk()
+                    if g is None:  # data parallel: no rank had a gradient for it
+                        continue
                     if id(master) in staged:
                         staged[id(master)][1].add_(g.to(master.dtype))
                     else:
