@@ -60,14 +60,25 @@ class GradientReducer:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mobius-allreduce")
-        self.buckets = 0  # all_reduce calls made (per stage and dtype)
-        self.bytes = 0  # bytes all-reduced
+        self.buckets = 0  # collectives made (per stage, dtype and, sharded, owner)
+        self.bytes = 0  # bytes reduced
+        # pipe.overlap(opt, shard=True): id(param) -> the rank that steps it; its gradient is
+        # reduced to that rank only (ZeRO-1: the others never hold it or its optimizer state)
+        self.owners: dict[int, int] | None = None
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank)
+
+    def broadcast_flat(self, flat: torch.Tensor, owner: int) -> None:
+        """`owner`'s `flat` into every rank's (shard=True: the stepped parameters, gathered)."""
+        dist.broadcast(flat, src=self._global(owner), group=self.group)
+        self.bytes += flat.numel() * flat.element_size()
 
     def broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Rank 0's values into every rank's `tensors` (the masters and buffers, at compile)."""
         with torch.no_grad():
             for t in tensors:
-                dist.broadcast(t.data, src=dist.get_global_rank(self.group, 0), group=self.group)
+                dist.broadcast(t.data, src=self._global(0), group=self.group)
 
     def reduce(self, groups: list[tuple[torch.Tensor, list[Callable[[], torch.Tensor]]]]
                ) -> list[tuple[torch.Tensor, list[Callable[[], torch.Tensor | None]]]]:
@@ -102,14 +113,26 @@ class GradientReducer:
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, (m, _) in enumerate(groups):
             by_dtype.setdefault(m.dtype, []).append(i)
+        buckets: list[tuple[int | None, list[int]]] = []  # (owner rank or None: every rank, members)
         for dtype, idx in by_dtype.items():
+            owners: dict[int | None, list[int]] = {}
+            for i in idx:
+                owners.setdefault(None if self.owners is None else self.owners.get(id(groups[i][0])), []).append(i)
+            buckets += sorted(owners.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+        for owner, idx in buckets:
+            dtype = groups[idx[0]][0].dtype
             parts = [totals[i].reshape(-1) if totals[i] is not None else torch.zeros(groups[i][0].numel(), dtype=dtype)
                      for i in idx]
             has = torch.tensor([float(totals[i] is not None) for i in idx], dtype=dtype)
             flat = torch.cat([*parts, has])
-            dist.all_reduce(flat, group=self.group)
+            if owner is None:
+                dist.all_reduce(flat, group=self.group)
+            else:
+                dist.reduce(flat, dst=self._global(owner), group=self.group)
             self.buckets += 1
             self.bytes += flat.numel() * flat.element_size()
+            if owner is not None and owner != self.rank:
+                continue  # only the owner steps these parameters: the others get no gradient
             flat.div_(self.world)
             offset = 0
             for i in idx:

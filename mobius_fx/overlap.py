@@ -86,6 +86,19 @@ def _fingerprint(g: torch.Tensor) -> int:
     return int(g.detach().contiguous().view(bits).sum(dtype=torch.int64))
 
 
+def _partition(params: list[torch.Tensor], world: int) -> dict[int, int]:
+    """shard=True: which rank steps each parameter (trainable ones), balancing bytes greedily in
+    the optimizer's order, the same on every rank."""
+    load = [0] * world
+    owners: dict[int, int] = {}
+    for p in params:
+        if p.requires_grad and id(p) not in owners:
+            r = min(range(world), key=lambda i: (load[i], i))
+            owners[id(p)] = r
+            load[r] += p.numel() * p.element_size()
+    return owners
+
+
 def _hooked(p: torch.Tensor) -> bool:
     return bool(getattr(p, "_backward_hooks", None)) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
 
@@ -97,7 +110,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
     schedulers and checkpoints see one optimizer; use it, not the wrapped one, in the loop.
     """
 
-    def __init__(self, pipeline: Any, optimizer: torch.optim.Optimizer, mode: str) -> None:  # noqa: D107
+    def __init__(self, pipeline: Any, optimizer: torch.optim.Optimizer, mode: str,  # noqa: D107
+                 shard: bool = False) -> None:
         # Optimizer.__init__ is not called: this object owns no parameters of its own.
         if mode not in ("sync", "async"):
             raise MobiusError(f"overlap mode={mode!r}; use 'sync' (exact: stages stepped during backward), 'async' "
@@ -109,8 +123,19 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, torch.optim.LBFGS):
             raise MobiusError("LBFGS re-evaluates the loss over all parameters in its step (a closure), so it cannot "
                               "step stage by stage or one step late; use it without pipe.overlap")
+        reducer = pipeline._rt.reducer if shard else None
+        if shard and reducer is None:
+            raise MobiusError("shard=True divides the optimizer over the ranks of a data-parallel run, but this "
+                              "pipeline has none: compile with process_group=... (or under an initialised "
+                              "torch.distributed with several ranks), or use shard=False")
+        if shard and mode != "sync":
+            raise MobiusError(f"shard=True steps each rank's share of the parameters and then gathers them, which "
+                              f"mode={mode!r} does not do; use mode='sync' with shard=True")
         self.inner = optimizer
         self.mode = mode
+        self.shard = shard
+        self._reducer = reducer
+        self.owned = 0  # parameters this rank steps (shard=True; else all)
         self.defaults = optimizer.defaults
         self.state = optimizer.state
         self.param_groups = optimizer.param_groups
@@ -139,6 +164,12 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._shadows: dict[int, nn.Parameter] = {}
         self._flight: Future | None = None
         self._flight_params: list[torch.Tensor] = []
+        if shard:
+            self._owners = _partition(self._params(), reducer.world)
+            reducer.owners = self._owners
+            self.owned = sum(1 for r in self._owners.values() if r == reducer.rank)
+        else:
+            self.owned = len(self._params())
 
     # ------------------------------------------------------------------ the wrapped optimizer's face
     def __repr__(self) -> str:
@@ -308,7 +339,26 @@ class OverlapOptimizer(torch.optim.Optimizer):
         rest = [p for p in self._params() if id(p) not in stepped and p.grad is not None]
         if rest:
             self._step_only(rest)
+        if self.shard:
+            self._gather()
         return None
+
+    def _gather(self) -> None:
+        """shard=True: every rank stepped its own parameters; each owner's new values to all."""
+        by_owner: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        for p in self._params():
+            if id(p) in self._owners:
+                by_owner.setdefault((self._owners[id(p)], p.dtype), []).append(p)
+        red = self._reducer
+        with torch.no_grad():
+            for (owner, _), params in sorted(by_owner.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+                flat = torch.cat([p.detach().reshape(-1) for p in params])
+                red.broadcast_flat(flat, owner)
+                if owner != red.rank:
+                    offset = 0
+                    for p in params:
+                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                        offset += p.numel()
 
     def _step_async(self) -> None:
         self._finish_flight()

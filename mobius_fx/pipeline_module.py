@@ -144,7 +144,8 @@ class Pipeline(nn.Module):
                 host_outputs=tuple(size(spec.outputs[j]) for j in self.schedule.to_host[spec.index])))
         return build_schedule(ios, self.schedule.microbatches, optimizer=optimizer)
 
-    def overlap(self, optimizer: torch.optim.Optimizer, mode: str = "sync") -> torch.optim.Optimizer:
+    def overlap(self, optimizer: torch.optim.Optimizer, mode: str = "sync", *,
+                shard: bool = False) -> torch.optim.Optimizer:
         """The optimizer to use in the training loop instead of `optimizer`, stepped off the
         pipeline's critical path (mobius_fx/overlap.py): "sync" steps each stage's parameters on a
         CPU worker as soon as its gradients are complete during backward (bit-identical to a serial
@@ -152,6 +153,11 @@ class Pipeline(nn.Module):
         gradients); "async" runs step t's update while step t+1 computes on weights one update old
         (RoundPipe's staleness 1); "none" returns `optimizer` unchanged. A pipeline overlaps one
         optimizer at a time: a new call waits for the previous one's work and detaches it.
+        `shard=True` (data parallel, mode "sync"): each rank keeps optimizer state for and steps
+        only its share of the parameters (balanced by bytes), their gradients reduced to it
+        alone, and the new weights are broadcast from their owners at `step()` (ZeRO-1): R ranks
+        divide the CPU optimizer's time and state by R; `.grad` is None on the other ranks, and
+        `state_dict()` holds this rank's share (save one per rank).
 
             opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4), mode="sync")
             for x, y in data:
@@ -173,9 +179,11 @@ class Pipeline(nn.Module):
             old.synchronize()
         self._rt.overlap = None
         object.__setattr__(self, "_overlap", None)
-        if mode == "none":
+        if mode == "none" and not shard:
             return optimizer
-        opt = OverlapOptimizer(self, optimizer, mode)
+        if self._rt.reducer is not None:
+            self._rt.reducer.owners = None
+        opt = OverlapOptimizer(self, optimizer, mode, shard=shard)
         object.__setattr__(self, "_overlap", opt)
         if mode == "sync":
             self._rt.overlap = opt

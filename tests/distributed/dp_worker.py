@@ -40,7 +40,13 @@ def batches() -> list[torch.Tensor]:
     return [torch.randint(0, 64, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def train(model: torch.nn.Module, rank: int, world: int, overlap: str, process_group=None) -> dict:
+def train(model: torch.nn.Module, rank: int, world: int, overlap: str, process_group=None, *, shard: bool = False,
+          steps: range = range(STEPS), opt_state: dict | None = None, fail_at: int | None = None,
+          report: dict | None = None) -> dict:
+    """Train `steps` of the common data on this rank's rows; returns the final weights. `report`
+    (a dict) receives the optimizer's state_dict, how many parameters this rank stepped, and --
+    with `fail_at`, on the ranks that did not fail -- the error and whether the weights were
+    left as the step before."""
     data = batches()
     rows = GLOBAL_BATCH // world
     x0 = data[0][rank * rows:(rank + 1) * rows]
@@ -48,14 +54,30 @@ def train(model: torch.nn.Module, rank: int, world: int, overlap: str, process_g
     pipe = mobius_fx.compile(model, topo, example_inputs=(x0,), microbatches=MICROBATCHES, cuts=[1, 2, 3],
                              verbose=False, process_group=process_group)
     opt = pipe.overlap(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR,
-                                       momentum=MOMENTUM, weight_decay=1e-2), mode=overlap)
-    for x in data:
-        x = x[rank * rows:(rank + 1) * rows]
-        F.cross_entropy(pipe(x).flatten(0, 1), x.flatten()).backward()
+                                       momentum=MOMENTUM, weight_decay=1e-2), mode=overlap, shard=shard)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    for t in steps:
+        x = data[t][rank * rows:(rank + 1) * rows]
+        loss = F.cross_entropy(pipe(x).flatten(0, 1), x.flatten())
+        if t == fail_at:
+            if rank == world - 1:
+                raise SystemExit(f"rank {rank}: failing on purpose in step {t}")
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            try:
+                loss.backward()
+            except mobius_fx.MobiusError as e:
+                report.update(error=str(e), intact=all(torch.equal(p, before[n]) for n, p in model.named_parameters()),
+                              grads_untouched=all(p.grad is None for p in model.parameters()))
+                return before
+            raise AssertionError("the backward of a step whose peer died did not fail")
+        loss.backward()
         opt.step()
         opt.zero_grad()
     if hasattr(opt, "synchronize"):
         opt.synchronize()
+    if report is not None:
+        report.update(opt_state=opt.state_dict(), owned=getattr(opt, "owned", None))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -66,17 +88,35 @@ def main() -> None:
     ap.add_argument("--store", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--overlap", default="none")
+    ap.add_argument("--shard", action="store_true")
+    ap.add_argument("--steps", type=int, nargs=2, default=(0, STEPS), help="train steps [a, b)")
+    ap.add_argument("--resume", help="a checkpoint saved by --save: model and optimizer state")
+    ap.add_argument("--save", help="rank 0 saves the model and optimizer state here after training")
+    ap.add_argument("--fail-at", type=int, help="the last rank exits in this step, after its forward")
+    ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args()
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        weights = train(build_model(args.rank), args.rank, args.world, args.overlap)
-        torch.save(weights, args.out)
+        model = build_model(args.rank)
+        opt_state = None
+        if args.resume:
+            ckpt = torch.load(args.resume)
+            model.load_state_dict(ckpt["model"])
+            opt_state = ckpt["optimizer"]
+        report: dict = {}
+        weights = train(model, args.rank, args.world, args.overlap, shard=args.shard, steps=range(*args.steps),
+                        opt_state=opt_state, fail_at=args.fail_at, report=report)
+        if args.save and args.rank == 0:
+            torch.save({"model": model.state_dict(), "optimizer": report["opt_state"]}, args.save)
+        torch.save({"weights": weights, **{k: v for k, v in report.items() if k != "opt_state"},
+                    "state_entries": len(report.get("opt_state", {}).get("state", {}))}, args.out)
     finally:
-        dist.destroy_process_group()
+        if args.fail_at is None:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -30,22 +30,61 @@ def single_process():
     return dp_worker.train(dp_worker.build_model(0), 0, 1, "none", process_group=False)
 
 
-@pytest.mark.parametrize("world,overlap", [(2, "none"), (3, "sync")])
-def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, single_process, world, overlap):
+def _launch(tmp_path, world, *extra, tag="run"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")])}
-    store = tmp_path / "store"
+    store = tmp_path / f"{tag}.store"
     procs = [subprocess.Popen([sys.executable, WORKER, "--rank", str(r), "--world", str(world), "--store", str(store),
-                               "--out", str(tmp_path / f"rank{r}.pt"), "--overlap", overlap],
+                               "--out", str(tmp_path / f"{tag}{r}.pt"), *extra],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     outs = [p.communicate(timeout=240)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{out[-3000:]}"
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    return [p.returncode for p in procs], outs, [tmp_path / f"{tag}{r}.pt" for r in range(world)]
+
+
+def _results(tmp_path, world, *extra, tag="run"):
+    codes, outs, files = _launch(tmp_path, world, *extra, tag=tag)
+    for r, (c, out) in enumerate(zip(codes, outs)):
+        assert c == 0, f"rank {r} failed:\n{out[-3000:]}"
+    return [torch.load(f) for f in files]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _results(tmp_path_factory.mktemp("dp"), 2)
+
+
+@pytest.mark.parametrize("world,extra", [(2, ()), (3, ("--overlap", "sync")), (2, ("--overlap", "sync", "--shard"))])
+def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, single_process, two_ranks, world, extra):
+    ranks = two_ranks if (world, extra) == (2, ()) else _results(tmp_path, world, *extra)
     for name, ref in single_process.items():
-        for r, w in enumerate(ranks):
-            torch.testing.assert_close(w[name], ref, rtol=0, atol=1e-5, msg=f"rank {r}: {name}")
-        assert all(torch.equal(w[name], ranks[0][name]) for w in ranks)  # the ranks agree exactly
+        for r, res in enumerate(ranks):
+            torch.testing.assert_close(res["weights"][name], ref, rtol=0, atol=1e-5, msg=f"rank {r}: {name}")
+        assert all(torch.equal(res["weights"][name], ranks[0]["weights"][name]) for res in ranks)  # ranks agree
     start = dp_worker.build_model(0).state_dict()
     assert any(not torch.equal(single_process[n], start[n]) for n in single_process)  # training moved the weights
+    trainable = sum(1 for p in dp_worker.build_model(0).parameters() if p.requires_grad)
+    if "--shard" in extra:  # each rank holds optimizer state for its share only
+        assert sum(res["owned"] for res in ranks) == trainable
+        assert all(0 < res["state_entries"] < trainable for res in ranks)
+        assert sum(res["state_entries"] for res in ranks) == trainable
+    else:
+        assert all(res["state_entries"] == trainable for res in ranks)
+
+
+def test_a_rank_that_dies_fails_the_others_loudly_with_weights_intact(tmp_path):
+    codes, outs, files = _launch(tmp_path, 2, "--fail-at", "2", "--timeout", "20")
+    assert codes[1] != 0 and "failing on purpose" in outs[1]
+    assert codes[0] == 0, outs[0][-3000:]
+    res = torch.load(files[0])
+    assert "averaging gradients across the 2 ranks failed" in res["error"]
+    assert res["intact"] and res["grads_untouched"]
+
+
+def test_a_saved_run_resumes_on_the_same_loss_curve(tmp_path, two_ranks):
+    whole = two_ranks
+    ckpt = tmp_path / "ckpt.pt"
+    _results(tmp_path, 2, "--steps", "0", "3", "--save", str(ckpt), tag="first")
+    resumed = _results(tmp_path, 2, "--steps", "3", str(dp_worker.STEPS), "--resume", str(ckpt), tag="second")
+    for name, w in whole[0]["weights"].items():
+        assert torch.equal(resumed[0]["weights"][name], w), name
