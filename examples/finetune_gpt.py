@@ -13,6 +13,13 @@ The optimizer runs through `pipe.overlap(opt, mode)`: "sync" (the default) steps
 parameters on a CPU worker as soon as its gradients are complete during backward -- the same
 weights as stepping after backward, bit for bit; "async" runs step t's update while step t+1
 computes on weights one update old; "none" steps serially after backward.
+
+On several servers, launch one process per server with torchrun (each trains the same plan on
+its own batches of --batch rows; gradients are averaged as each stage's are complete):
+
+    torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --master-addr HOST0 --master-port 29500 \
+        examples/finetune_gpt.py --topology server.json      # on HOST0; --node-rank 1 on the other
+    torchrun --standalone --nproc-per-node 2 examples/finetune_gpt.py --steps 50   # try it on one machine
 """
 
 from __future__ import annotations
@@ -73,14 +80,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--optimizer-overlap", choices=("sync", "async", "none"), default="sync",
                     help="when the CPU optimizer steps: during backward, stage by stage (sync, exact), one step late "
                          "(async) or after backward (none)")
+    ap.add_argument("--shard", action="store_true",
+                    help="under torchrun: each process keeps optimizer state for and steps 1/R of the parameters")
     args = ap.parse_args(argv)
 
+    world, rank, gen = int(os.environ.get("WORLD_SIZE", "1")), 0, None
+    if world > 1:  # launched by torchrun: data parallel over the processes (gloo: the masters are on the CPU)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
+    say = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
     text = load_text(data=args.data)
     data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()  # (n_bytes,)
     split = int(0.95 * len(data))
     train, val = data[:split], data[split:]
-    print(f"corpus: {len(data) / 1e3:.0f} KB of text ({'--data ' + args.data if args.data else 'stdlib docstrings'})")
+    say(f"corpus: {len(data) / 1e3:.0f} KB of text ({'--data ' + args.data if args.data else 'stdlib docstrings'})")
 
     model = GPT(GPTConfig(vocab=256, seq=args.seq, hidden=args.hidden, blocks=args.blocks,
                           heads=max(1, args.hidden // 32)))
@@ -88,18 +105,22 @@ def main(argv: list[str] | None = None) -> None:
     topo = _topology(args.topology, model_bytes)
 
     def batch(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        i = torch.randint(0, len(src) - args.seq - 1, (args.batch,))
+        i = torch.randint(0, len(src) - args.seq - 1, (args.batch,), generator=gen)
         x = torch.stack([src[j:j + args.seq] for j in i.tolist()])  # (b, t)
         y = torch.stack([src[j + 1:j + args.seq + 1] for j in i.tolist()])  # (b, t)
         return x, y
 
     x0, _ = batch(train)
     pipe = mobius_fx.compile(model, topo, example_inputs=(x0,), microbatches=args.microbatches, verbose=False)
-    print(pipe.plan)
-    print()
+    say(pipe.plan)
+    say()
+    if world > 1:
+        say(f"data parallel: {world} processes, {args.batch} rows each ({world * args.batch} per step), gradients "
+            f"averaged per stage{'; optimizer sharded' if args.shard else ''}")
     # CPU masters, plain torch.optim, stepped off the pipeline's critical path
-    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=args.lr), mode=args.optimizer_overlap)
-    print(f"optimizer: AdamW on the CPU masters, overlap mode {args.optimizer_overlap!r}"
+    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=args.lr), mode=args.optimizer_overlap,
+                       shard=args.shard)
+    say(f"optimizer: AdamW on the CPU masters, overlap mode {args.optimizer_overlap!r}"
           + {"sync": " (stages stepped during backward; exact)", "async": " (one step late, as RoundPipe)",
              "none": " (serial, after backward)"}[args.optimizer_overlap])
 
@@ -109,11 +130,12 @@ def main(argv: list[str] | None = None) -> None:
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
 
     first = val_loss()
-    print(f"step 0: validation loss {first:.3f} (model {model_bytes / 2**20:.1f} MiB, "
+    say(f"step 0: validation loss {first:.3f} (model {model_bytes / 2**20:.1f} MiB, "
           f"{len(topo.gpus)} GPUs of {topo.gpus[0].memory / 2**20:.1f} MiB)")
     t0 = time.perf_counter()
     # disable=None: a live bar on a terminal, none in logs (the loss lines still print)
-    bar = tqdm(range(1, args.steps + 1), desc="fine-tuning", unit="step", dynamic_ncols=True, disable=None)
+    bar = tqdm(range(1, args.steps + 1), desc="fine-tuning", unit="step", dynamic_ncols=True,
+               disable=None if rank == 0 else True)
     for step in bar:
         x, y = batch(train)
         logits = pipe(x)  # (b, t, vocab), streamed through the pipeline
@@ -122,16 +144,19 @@ def main(argv: list[str] | None = None) -> None:
         loss.backward()
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % args.log_every == 0 or step == args.steps:
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
             tqdm.write(f"step {step}: train loss {loss.item():.3f}, validation loss {val_loss():.3f}")
     if args.optimizer_overlap == "async":
         opt.synchronize()  # the last update into the model before evaluating it
     last = val_loss()
     elapsed = time.perf_counter() - t0
     peak = max(s["peak_bytes"] for s in pipe.memory_stats().values())
-    print(f"validation loss {first:.3f} -> {last:.3f} ({(first - last) / first:.0%} lower) in {elapsed:.0f} s; "
-          f"peak per-GPU memory {peak / 2**20:.1f} MiB of {topo.gpus[0].memory / 2**20:.1f} MiB")
-    print("sample:", repr(sample(model, b"The ", 200, args.seq)))
+    say(f"validation loss {first:.3f} -> {last:.3f} ({(first - last) / first:.0%} lower) in {elapsed:.0f} s; "
+        f"peak per-GPU memory {peak / 2**20:.1f} MiB of {topo.gpus[0].memory / 2**20:.1f} MiB")
+    if rank == 0:
+        print("sample:", repr(sample(model, b"The ", 200, args.seq)))
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
 
 from __future__ import annotations
 
+import copy
 import logging
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -99,6 +101,31 @@ def _partition(params: list[torch.Tensor], world: int) -> dict[int, int]:
     return owners
 
 
+def _hyper(groups: list[dict]) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _same_hyper(a: list[dict], b: list[dict]) -> bool:
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+        return x == y
+    return len(a) == len(b) and all(g.keys() == h.keys() and all(same(g[k], h[k]) for k in g) for g, h in zip(a, b))
+
+
+def _called_by_grad_scaler() -> bool:
+    """Whether opt.step() was called by torch.amp.GradScaler.step (directly or through an LR
+    scheduler's wrapper of step)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith("grad_scaler.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _hooked(p: torch.Tensor) -> bool:
     return bool(getattr(p, "_backward_hooks", None)) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
 
@@ -136,9 +163,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.shard = shard
         self._reducer = reducer
         self.owned = 0  # parameters this rank steps (shard=True; else all)
-        self.defaults = optimizer.defaults
-        self.state = optimizer.state
-        self.param_groups = optimizer.param_groups
         self._optimizer_step_pre_hooks: dict = {}
         self._optimizer_step_post_hooks: dict = {}
         self._optimizer_state_dict_pre_hooks: dict = {}
@@ -160,6 +184,13 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._backwards = 0  # backward passes since the last step()
         self.stepped_in_backward = 0  # parameters the last step() found already stepped during backward
         self._after_backward: dict[int, tuple[Any, int]] = {}  # id(p) -> (its .grad, version) when backward ended
+        self._hp: list[dict] | None = None  # the hyper-parameters this round's stages were stepped with
+        self._watched: set[int] = set()  # parameters whose AccumulateGrad node has our pre-hook
+        self._handed_fp: dict[int, tuple] = {}  # probe: the gradients Masters handed autograd (tensor, version)
+        self._outside: set[int] = set()  # parameters that also get gradients from outside the pipeline
+        self._late: set[int] = set()  # ... seen after their stage was stepped (an overlapping round)
+        self._nonfinite = False  # this round met a non-finite gradient: no more stepping during backward
+        self._dirty: str | None = None  # a backward failed after stepping some parameters
         # async: per parameter a shadow the update is written into while the model runs on the old weights
         self._shadows: dict[int, nn.Parameter] = {}
         self._flight: Future | None = None
@@ -172,6 +203,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.owned = len(self._params())
 
     # ------------------------------------------------------------------ the wrapped optimizer's face
+    # Read through to the wrapped optimizer (its load_state_dict replaces param_groups and state):
+    # schedulers and user edits reach the groups its step reads. Workers step a shallow copy of it
+    # with groups of their own (`_step_only`), so these are never rebound while work is in flight.
+    param_groups = property(lambda self: self.inner.param_groups,
+                            lambda self, v: setattr(self.inner, "param_groups", v))
+    state = property(lambda self: self.inner.state, lambda self, v: setattr(self.inner, "state", v))
+    defaults = property(lambda self: self.inner.defaults, lambda self, v: setattr(self.inner, "defaults", v))
+
     def __repr__(self) -> str:
         return f"OverlapOptimizer(mode={self.mode!r}, {self.inner!r})"
 
@@ -192,7 +231,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.synchronize()
         self.inner.load_state_dict(state_dict)
-        self.state = self.inner.state
+        self._dirty, self._stepped, self._backwards, self._hp = None, set(), 0, None
 
     def add_param_group(self, param_group: dict) -> None:
         self.synchronize()
@@ -201,11 +240,53 @@ class OverlapOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the pipeline's side (sync)
     def backward_started(self) -> None:
         """A backward pass of the pipeline begins (first stage backward of a step)."""
+        self._check_dirty()
         self._backwards += 1
-        if self._backwards > 1 and self.mode == "sync":
-            self._serialize("two backward passes came before one opt.step() (gradient accumulation): a stage cannot "
-                            "be stepped before its gradients are summed over them",
-                            refuse=bool(self._stepped))
+        if self.mode != "sync":
+            return
+        for p in self._params():
+            self._watch(p)
+        if self._backwards > 1:
+            self._serialize("opt.step() was not called between two backward passes (gradient accumulation, or a loop "
+                            "that skips steps, e.g. on a non-finite loss): a stage cannot be stepped before it is known "
+                            "that the step will be taken with these gradients", refuse=bool(self._stepped))
+
+    def _check_dirty(self) -> None:
+        if self._dirty is not None:
+            raise MobiusError(f"pipe.overlap(mode='sync'): {self._dirty}; the model's weights and the optimizer state "
+                              f"are those of a partial step. Reload both from a checkpoint (opt.load_state_dict clears "
+                              f"this), or use mode='none' to retry failed steps")
+
+    def _watch(self, p: torch.Tensor) -> None:
+        """Pre-hook p's AccumulateGrad node: it sees every gradient autograd accumulates into
+        `.grad`, so a gradient from outside the pipeline (a regulariser, an auxiliary loss on
+        model.parameters()) shows up there."""
+        if id(p) in self._watched or not p.requires_grad:
+            return
+        node = self._nodes.get(id(p))
+        if node is None:
+            node = self._nodes[id(p)] = _accumulator(p)
+        pid = id(p)
+
+        def arrives(grad_outputs: tuple) -> None:
+            g = grad_outputs[0] if grad_outputs else None
+            if g is None:
+                return
+            if pid in self._stepped:
+                self._late.add(pid)
+            elif self._probing and pid in self._handed_fp:
+                mine, version = self._handed_fp[pid]
+                if g is not mine or g._version != version:  # summed with another gradient (even a zero one)
+                    self._outside.add(pid)
+
+        node.register_prehook(arrives)
+        self._watched.add(pid)
+
+    def handed_by_autograd(self, grads: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The runtime's `Masters` hands these (id -> (master, gradient)) to autograd; while
+        probing, remember them, to tell gradients from outside the pipeline (`_watch`)."""
+        if self._probing:
+            self._handed_fp = {i: (g, g._version) for i, (_, g) in grads.items()}
 
     def overlapping(self) -> bool:
         """Whether this backward steps stages as their gradients complete."""
@@ -222,7 +303,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             if not any(q is p for q in self._params()):
                 return False
             node = self._nodes[id(p)] = _accumulator(p)
-        return not _hooked(p) and _engine_accumulates(node)
+        return id(p) not in self._outside and not _hooked(p) and _engine_accumulates(node)
 
     def ready(self, groups: list[tuple[torch.Tensor, list[Callable[[], torch.Tensor]]]]) -> None:
         """Gradients of these masters are complete (each: the thunks giving its host gradient
@@ -230,6 +311,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
         `.grad` and step them, on the workers."""
         params = [p for p, _ in groups]
         self._stepped.update(id(p) for p in params)
+        if self._hp is None:  # the hyper-parameters of this round: every stage is stepped with them
+            self._hp = _hyper(self.param_groups)
+        hp = [{**h, "params": g["params"]} for h, g in zip(self._hp, self.param_groups)]
 
         def add() -> None:
             with torch.no_grad():
@@ -252,19 +336,37 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
         added = self._adder.submit(self._guarded, add)
         self._adds.append(added)
-        self._steps.append(self._stepper.submit(self._guarded, lambda: (added.result(), self._step_only(params))))
+        def step() -> None:
+            added.result()
+            if not self._nonfinite and all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params):
+                self._step_only(params, hp)
+                return
+            # a non-finite gradient: step nothing more during this backward; opt.step() steps the
+            # rest serially if the loop takes the step (a loop that skips it then changed nothing)
+            self._nonfinite = True
+            self._stepped.difference_update(id(p) for p in params)
+
+        self._steps.append(self._stepper.submit(self._guarded, step))
 
     def backward_done(self) -> None:
         """End of a backward pass: every `.grad` is final when it returns."""
         self._wait_adds()
+        if self._hp is None:
+            self._hp = _hyper(self.param_groups)
         self._after_backward = {id(p): (p.grad, p.grad._version, _fingerprint(p.grad) if self._probing else None)
                                 for p in self._params() if p.grad is not None}
 
     def aborted(self, e: BaseException) -> None:
+        for f in self._steps:  # let the work already handed over finish, then account for it
+            f.result()
         self._backwards = max(0, self._backwards - 1)  # a backward that failed does not count
-        if self._stepped and hasattr(e, "add_note"):
-            e.add_note(f"[mobius_fx] pipe.overlap(mode='sync') had already stepped {len(self._stepped)} parameters of "
-                       f"stages whose backward finished before the error; their new weights stay")
+        if self._stepped and self._dirty is None:
+            self._dirty = (f"a backward failed after {len(self._stepped)} parameters of the stages it had finished "
+                           f"were stepped")
+            if hasattr(e, "add_note"):
+                e.add_note(f"[mobius_fx] pipe.overlap(mode='sync') had already stepped {len(self._stepped)} parameters "
+                           f"of stages whose backward finished before the error; their new weights stay, and the "
+                           f"next backward or opt.step() refuses until the state is reloaded")
 
     # ------------------------------------------------------------------ workers
     def _guarded(self, fn: Callable[[], Any]) -> None:
@@ -290,14 +392,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
         """Step the wrapped optimizer over `params` only (optionally with the hyper-parameters
         of `groups`, a snapshot of param_groups taken when the step was launched)."""
         want = {id(p) for p in params}
-        inner = self.inner
-        public = inner.param_groups
-        source = groups if groups is not None else public
-        inner.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in want]} for g in source]
-        try:
-            inner.step()
-        finally:
-            inner.param_groups = public
+        source = groups if groups is not None else self.inner.param_groups
+        sub = copy.copy(self.inner)  # shares state (and hooks) with the optimizer; groups of its own
+        sub.__dict__.pop("step", None)  # an LR scheduler's wrapper of the optimizer's bound step
+        sub.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in want]} for g in source]
+        type(self.inner).step(sub)
 
     # ------------------------------------------------------------------ the loop's side
     def _serialize(self, why: str, refuse: bool = False) -> None:
@@ -314,8 +413,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise MobiusError("pipe.overlap's optimizer takes no closure: the pipeline's backward already computed the "
                               "gradients; call loss.backward() and then opt.step()")
+        self.inner._opt_called = True  # for an LR scheduler built on the wrapped optimizer
         if self.mode == "async":
             return self._step_async()
+        self._check_dirty()
         steps, self._steps = self._steps, []
         for f in steps:
             f.result()
@@ -327,6 +428,23 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.stepped_in_backward = len(stepped)
         backwards, self._backwards = self._backwards, 0
         self._after_backward = {}
+        hp, self._hp = self._hp, None
+        late, self._late = self._late, set()
+        self._nonfinite = False
+        self._handed_fp = {}
+        if _called_by_grad_scaler():
+            self._serialize("a GradScaler steps this optimizer: its inf check needs every gradient before any update",
+                            refuse=bool(stepped))
+        if hp is not None and not _same_hyper(hp, _hyper(self.param_groups)):
+            self._serialize("hyper-parameters (lr, momentum, weight decay ...) changed between the end of backward and "
+                            "opt.step(): the stages are stepped during backward", refuse=bool(stepped))
+        if late:
+            self._serialize(f"{len(late)} parameters got gradients from outside the pipeline (a regulariser or an "
+                            f"auxiliary loss on the model's parameters) after their stage was stepped",
+                            refuse=bool(stepped))
+        if self._outside and self._probing and backwards:
+            log.info("pipe.overlap(mode='sync'): %d parameters also get gradients from outside the pipeline; they are "
+                     "stepped at opt.step(), the others during backward", len(self._outside))
         if changed:
             self._serialize(f"{len(changed)} gradients changed between the end of backward and opt.step() "
                             f"(clip_grad_norm_, GradScaler.unscale_, or code that edits .grad): every gradient "

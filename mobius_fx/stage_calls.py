@@ -522,6 +522,8 @@ class StageCalls:
                         staged[id(master)] = (master, g.to(device=master.device, dtype=master.dtype))
                 step.pending.clear()
                 step.state = "done"
+                if self.overlap is not None:
+                    self.overlap.handed_by_autograd(staged)
                 return {i: g for i, (_, g) in staged.items()}
             except BaseException:
                 self.abort(step)

@@ -52,3 +52,17 @@ def test_finetune_example_lowers_the_loss_in_a_short_run(monkeypatch, capsys, ov
     first, last = (float(v) for v in line.split()[2:5:2])
     assert last < 0.8 * first
     assert "sample:" in out and "stage" in out
+
+
+@pytest.mark.slow
+def test_finetune_example_runs_data_parallel_under_torchrun(tmp_path):
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(EXAMPLES / "finetune_gpt.py"), "--steps", "4", "--log-every", "2", "--batch", "8",
+                          "--microbatches", "4", "--shard"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "data parallel: 2 processes, 8 rows each (16 per step)" in run.stdout
+    assert run.stdout.count("step 4: train loss") == 1  # rank 0 prints, the other does not

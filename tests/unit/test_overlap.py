@@ -223,3 +223,127 @@ def test_overlap_refuses_what_it_cannot_do(tmp_path):
     opt = pipe.overlap(plain)
     with pytest.raises(MobiusError, match="closure"):
         opt.step(lambda: 0.0)
+
+
+# ---------------------------------------------------------------- loops that must not go silently wrong
+
+def _lockstep(tmp_path, loop, steps=4, opt_name="sgd", mode="sync"):
+    """Run `loop(t, pipe, model, opt, is_overlap)` on an overlapped and a plain pipeline in lockstep;
+    the weights must stay bit-identical after every step."""
+    model, twin, data, pipe, ref_pipe = _pair("gpt", tmp_path)
+    opt = pipe.overlap(_optimizer(opt_name, model.parameters()), mode=mode)
+    ref = _optimizer(opt_name, twin.parameters())
+    for t, (x,) in enumerate(data[:steps]):
+        loop(t, x, pipe, model, opt, True)
+        loop(t, x, ref_pipe, twin, ref, False)
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p, q), f"step {t}: {name}"
+    return opt
+
+
+def test_an_outside_gradient_leaves_its_parameters_to_opt_step(tmp_path):
+    def loop(t, x, pipe, model, opt, _):
+        reg = sum((p ** 2).sum() for p in model.transformer.h[0].parameters()) * 1e-3  # saves the weights
+        (_loss(pipe(x), x) + reg).backward()
+        opt.step()
+        opt.zero_grad()
+
+    opt = _lockstep(tmp_path, loop)
+    n_reg = len(list(_model("gpt").transformer.h[0].parameters()))
+    trainable = sum(1 for p in _model("gpt").parameters() if p.requires_grad)
+    assert opt.stepped_in_backward == trainable - n_reg  # the others still overlap
+
+
+def test_hyper_parameters_changed_after_backward_fall_back(tmp_path, caplog):
+    def loop(t, x, pipe, model, opt, _):
+        _loss(pipe(x), x).backward()
+        for g in opt.param_groups:  # a warm-up written by hand, between backward and step
+            g["lr"] = 0.1 * (t + 1) / 4
+        opt.step()
+        opt.zero_grad()
+
+    with caplog.at_level(logging.WARNING, logger="mobius_fx"):
+        opt = _lockstep(tmp_path, loop)
+    assert opt.stepped_in_backward == 0 and "hyper-parameters" in caplog.text
+
+
+def test_a_skipped_step_after_a_non_finite_loss_changes_nothing(tmp_path):
+    def loop(t, x, pipe, model, opt, _):
+        loss = _loss(pipe(x), x) * (float("inf") if t == 2 else 1.0)
+        loss.backward()
+        if torch.isfinite(loss):
+            opt.step()
+        opt.zero_grad()
+
+    _lockstep(tmp_path, loop, steps=5)
+
+
+def test_a_failed_backward_after_stepping_is_refused_until_reloaded(tmp_path):
+    model, _, data, pipe, _ = _pair("gpt", tmp_path)
+    opt = pipe.overlap(torch.optim.SGD(model.parameters(), lr=0.1), mode="sync")
+    for (x,) in data[:2]:
+        _loss(pipe(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+    saved_opt, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    rt, original = pipe._rt, pipe._rt._recompute
+
+    def flaky(call, st, step, grads, needs):  # stage 0's backward fails (as an out-of-memory would)
+        if call.stage == 0:
+            raise RuntimeError("injected failure in stage 0")
+        return original(call, st, step, grads, needs)
+
+    rt._recompute = flaky
+    x, = data[2]
+    with pytest.raises(RuntimeError, match="injected") as info:
+        _loss(pipe(x), x).backward()
+    assert any("already stepped" in n for n in getattr(info.value, "__notes__", []))
+    rt._recompute = original
+    with pytest.raises(MobiusError, match="partial step"):
+        _loss(pipe(x), x).backward()
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    opt.zero_grad()
+    _loss(pipe(x), x).backward()  # usable again
+    opt.step()
+
+
+def test_async_zero_grad_and_a_scheduler_on_the_wrapped_optimizer_do_not_touch_the_update_in_flight(tmp_path):
+    import time
+
+    def run(zero: bool, set_to_none: bool):
+        model, _, data, pipe, _ = _pair("gpt", tmp_path)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(inner, step_size=2, gamma=0.5)  # built before wrapping
+        opt = pipe.overlap(inner, mode="async")
+        inner.register_step_pre_hook(lambda *a: time.sleep(0.05))  # a step long enough to be mid-flight
+        lrs = []
+        for (x,) in data[:5]:
+            _loss(pipe(x), x).backward()
+            opt.step()
+            sched.step()
+            if zero:
+                opt.zero_grad(set_to_none=set_to_none)
+            lrs.append(opt.param_groups[0]["lr"])
+        opt.synchronize()
+        return [p.detach().clone() for p in model.parameters()], lrs, opt.state_dict()["param_groups"][0]["lr"]
+
+    plain, lrs, saved_lr = run(False, True)
+    assert lrs == [1e-2, 5e-3, 5e-3, 2.5e-3, 2.5e-3] and saved_lr == lrs[-1]
+    for set_to_none in (True, False):
+        with_zero, _, _ = run(True, set_to_none)
+        assert all(torch.equal(a, b) for a, b in zip(plain, with_zero)), set_to_none
+
+
+def test_a_scheduler_still_reaches_the_optimizer_after_load_state_dict(tmp_path):
+    def loop(t, x, pipe, model, opt, overlapped):
+        if t == 0:
+            opt.load_state_dict(opt.state_dict())  # replaces the wrapped optimizer's param_groups
+            opt.sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+        _loss(pipe(x), x).backward()
+        opt.step()
+        opt.sched.step()
+        opt.zero_grad()
+
+    opt = _lockstep(tmp_path, loop)
+    assert opt.param_groups[0]["lr"] == opt.inner.param_groups[0]["lr"] == 0.1 * 0.5 ** 4
