@@ -2,6 +2,7 @@
 
     mobius-fx plan --model gpt3-8b --topology mobius-testbed --microbatches 8
     mobius-fx plan --model gpt2 --topology rtx4090x8 --cuts 1,5,9     # a given partition
+    mobius-fx plan --model gpt3-15b --topology mobius-testbed --servers 4 --network 100Gbps
     mobius-fx topology rtx4090x8
     mobius-fx topology --detect --json server.json
 """
@@ -51,6 +52,16 @@ def _out_path(text: str) -> str:
 
 
 _POSITIVE_INT = _checked(int, lambda v: v > 0, "a positive integer")
+
+
+def _network(text: str) -> float:
+    """An argparse `type=` for --network: bytes/s from "100Gbps", "25Gbit/s", "12.5GB/s" (units.parse_network)."""
+    from .units import parse_network
+
+    try:
+        return parse_network(text, "")
+    except MobiusError as e:
+        raise argparse.ArgumentTypeError(str(e).strip()) from None
 
 
 def _cuts(text: str) -> tuple[int, ...]:
@@ -108,6 +119,14 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--optimizer-overlap", choices=("none", "sync", "async"), default="none",
                     help="when the CPU optimizer steps in the simulated comparison: after the step (none, default), "
                          "per stage as its gradients land (sync) or a step late (async); Mobius and RoundPipe")
+    pl.add_argument("--servers", type=_checked(int, lambda v: v > 0, "a positive integer (servers, 1 or more)"),
+                    default=None, metavar="R",
+                    help="also simulate R servers running this plan data parallel (each its own slice of an R x "
+                         "larger batch, gradients ring all-reduced over --network) and print the cluster table "
+                         "for 1, 2, 4, ... R servers")
+    pl.add_argument("--network", type=_network, default=None, metavar="BANDWIDTH",
+                    help="each server's NIC bandwidth per direction, with --servers: bits or bytes per second, "
+                         "e.g. 100Gbps, 25Gbit/s, 12.5GB/s")
     pl.add_argument("--json", metavar="OUT", type=_out_path, help="write the plan as JSON")
     pl.add_argument("--trace", metavar="OUT", type=_out_path,
                     help="write a Chrome/Perfetto trace of the simulated step")
@@ -141,6 +160,9 @@ def _cmd_plan(args) -> int:
 
     from .options import divisors_near
 
+    if (args.servers is None) != (args.network is None):
+        raise MobiusError("--servers R and --network go together: the cluster table needs how many servers and how "
+                          "fast each one's NIC is; give both, e.g. --servers 4 --network 100Gbps, or neither")
     topo = _load_topology(args.topology)
     micro = args.microbatches
     if micro is not None and args.batch % micro:
@@ -161,6 +183,19 @@ def _cmd_plan(args) -> int:
     print(f"Simulated on {topo.name} ({args.model}, batch {args.batch} x {args.seq} tokens, {p.microbatches} "
           f"micro-batches; CPU optimizer overlap: {args.optimizer_overlap}):")
     print(cmp.table())
+    if args.servers is not None:
+        from .report import cluster
+
+        cl = cluster(p, args.servers, args.network, tokens=args.batch * args.seq,
+                     cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None,
+                     optimizer_overlap=args.optimizer_overlap)
+        print()
+        print(f"Simulated data parallel, mobius schedule, one server's step among R (batch {args.batch} x {args.seq} "
+              f"tokens per server; ring all-reduce per stage over a {args.network * 8 / 1e9:.4g} Gbit/s = "
+              f"{args.network / 1e9:.4g} GB/s full-duplex NIC; CPU optimizer overlap: {args.optimizer_overlap}):")
+        print(cl.table())
+        print("scaling efficiency = throughput_R / (R x throughput_1); step = pipeline + all-reduce exposed + "
+              "optimizer")
     if args.json:
         p.to_json(args.json)
         print(f"plan written to {args.json}")

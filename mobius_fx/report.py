@@ -1,7 +1,9 @@
-"""The schedule comparison table printed by the CLI, the examples and benchmarks/paper.py."""
+"""The schedule comparison table printed by the CLI, the examples and benchmarks/paper.py, and
+the data-parallel cluster table (`plan --servers R --network ...`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tabulate import tabulate
@@ -10,7 +12,7 @@ from .errors import PlanError
 from .plans import Plan
 from .units import fmt_bytes, fmt_time
 
-__all__ = ["SCHEDULES", "Comparison", "compare"]
+__all__ = ["SCHEDULES", "Comparison", "compare", "Cluster", "cluster", "server_counts"]
 
 SCHEDULES = ("mobius", "mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload", "roundpipe")
 
@@ -70,3 +72,66 @@ def compare(plan: Plan, schedules=SCHEDULES, *, cpu_adam_bandwidth: float | None
         except PlanError as e:
             results[name] = str(e)
     return Comparison(plan, results)
+
+
+def server_counts(servers: int) -> list[int]:
+    """The cluster sizes the table shows: 1, the powers of two below `servers`, and `servers`.
+
+    >>> server_counts(4), server_counts(6), server_counts(1)
+    ([1, 2, 4], [1, 2, 4, 6], [1])
+    """
+    out, r = [], 1
+    while r < servers:
+        out.append(r)
+        r *= 2
+    return out + [servers]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Simulated data-parallel steps of one plan on 1..R servers (`cluster`): `results[R]` is one
+    server's SimResult among R, `tokens` the tokens one server runs per step."""
+
+    plan: Plan
+    tokens: int
+    network: float  # bytes/s per direction of each server's NIC
+    results: dict  # servers -> SimResult
+
+    def throughput(self, servers: int) -> float:
+        """Tokens per second of the whole cluster: R x tokens per server / step time."""
+        return servers * self.tokens / self.results[servers].step_time
+
+    def efficiency(self, servers: int) -> float:
+        """Scaling efficiency vs one server: throughput_R / (R x throughput_1)."""
+        return self.throughput(servers) / (servers * self.throughput(1))
+
+    def table(self) -> str:
+        rows = []
+        for r, res in sorted(self.results.items()):
+            rows.append([r, f"{r * self.tokens:,}", fmt_time(res.step_time), f"{self.throughput(r):,.0f}",
+                         f"{self.efficiency(r):.1%}", fmt_time(res.pipeline_time),
+                         fmt_time(res.allreduce_time) if r > 1 else "-",
+                         fmt_time(res.allreduce_exposed) if r > 1 else "-", fmt_time(res.optimizer_time),
+                         fmt_bytes(res.nic_bytes) if r > 1 else "-"])
+        return tabulate(rows, headers=["servers", "global batch (tokens)", "step", "throughput (tokens/s)",
+                                       "scaling efficiency", "pipeline", "all-reduce (NIC busy)",
+                                       "all-reduce exposed", "optimizer", "NIC bytes each way"],
+                        disable_numparse=True)
+
+
+def cluster(plan: Plan, servers: int, network: float | str, *, tokens: int, schedule: str = "mobius",
+            counts: list[int] | None = None, cpu_adam_bandwidth: float | None = None,
+            optimizer_overlap: str = "none", network_latency: float | None = None) -> Cluster:
+    """Simulate `plan` data parallel on each of `counts` servers (default `server_counts(servers)`,
+    always with 1) over NICs of `network` (bytes/s, "100Gbps", or math.inf): one server's step
+    among R, the ring all-reduce of every stage's gradients on its NIC (see `mobius_fx.simulate`).
+    `tokens` is what one server runs per step (batch x sequence length), for the throughput."""
+    from .simulator import simulate
+    from .units import parse_network
+
+    bw = math.inf if isinstance(network, float) and network == math.inf else parse_network(network)
+    counts = sorted(set([1, *(counts if counts is not None else server_counts(servers))]))
+    results = {r: simulate(plan, schedule=schedule, cpu_adam_bandwidth=cpu_adam_bandwidth,
+                           optimizer_overlap=optimizer_overlap, servers=r, network=bw, network_latency=network_latency)
+               for r in counts}
+    return Cluster(plan, tokens, bw, results)

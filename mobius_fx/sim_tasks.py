@@ -20,8 +20,8 @@ from .plans import Plan
 from .schedule import HOST
 
 __all__ = ["Costs", "Slot", "Context", "looped_pipeline", "cpu_optimizer", "optimizer_bytes_touched", "OVERLAPS",
-           "TOUCHED_BYTES", "STATE_BYTES", "CPU_ADAM_BANDWIDTH", "DEEPSPEED_CPU_ADAM_SPEEDUP",
-           "DEEPSPEED_CPU_ADAM_BANDWIDTH", "MASTERS"]
+           "ring_allreduce_time", "gradient_allreduce", "NETWORK_LATENCY", "TOUCHED_BYTES", "STATE_BYTES",
+           "CPU_ADAM_BANDWIDTH", "DEEPSPEED_CPU_ADAM_SPEEDUP", "DEEPSPEED_CPU_ADAM_BANDWIDTH", "MASTERS"]
 
 # Bytes of memory traffic per fp32 master parameter in one optimizer step. Adam reads the
 # parameter, its gradient and both moments (4 x 4 B) and writes the parameter and both moments
@@ -59,6 +59,15 @@ DEEPSPEED_CPU_ADAM_BANDWIDTH = CPU_ADAM_BANDWIDTH * DEEPSPEED_CPU_ADAM_SPEEDUP
 # socket, without NUMA binding), so a GPU on another socket reaches it over the inter-socket
 # (UPI) link. Transfers to or from host memory then route through that socket.
 MASTERS = "local"
+
+
+# Data parallel across servers (`simulate(servers=R, network=...)`, mobius_fx/data_parallel.py):
+# each stage's averaged gradients are a ring all-reduce over the servers' NICs. NETWORK_LATENCY
+# is the default latency term alpha of one ring step (seconds): 0, so the simulated collective is
+# the bandwidth term alone, 2(R-1)/R x bytes / bandwidth. Per-stage buckets are hundreds of MiB
+# for the models Mobius is for, so a TCP round trip of tens of microseconds per step (gloo over
+# Ethernet) changes nothing visible; pass `network_latency` to `simulate` to charge it.
+NETWORK_LATENCY = 0.0
 
 
 # When the CPU optimizer steps relative to the pipeline (`cpu_optimizer`, `simulate(optimizer_overlap=)`).
@@ -100,9 +109,13 @@ class Context:
 
     def __init__(self, plan: Plan, topo: Any, optimizer: str, cpu_bw: float, use_plan_routes: bool, *,
                  masters: str = MASTERS, deepspeed_adam_bw: float = DEEPSPEED_CPU_ADAM_BANDWIDTH,
-                 overlap: str = "none"):
+                 overlap: str = "none", servers: int = 1, network: float = float("inf"),
+                 network_latency: float = NETWORK_LATENCY):
         self.plan, self.topo, self.optimizer, self.cpu_bw = plan, topo, optimizer, cpu_bw
         self.overlap = overlap  # OVERLAPS: when the CPU optimizer steps (see cpu_optimizer)
+        # Data-parallel servers, each server's NIC bandwidth (bytes/s per direction) and the
+        # latency of one ring step (s): see gradient_allreduce.
+        self.servers, self.network, self.network_latency = servers, network, network_latency
         self.masters, self.deepspeed_adam_bw = masters, deepspeed_adam_bw
         self._socket = {g.name: g.root_complex for g in topo.gpus}
         self._home: dict[Any, str] = {}
@@ -289,6 +302,64 @@ def looped_pipeline(ctx: Context, c: Costs, slots: list[Slot], m: int, *, reside
             evict[j] = ctx.mark(f"evict {tag}", [rows[-1]], kind="evict", phase=phase, gpu=gpu, stage=k)
 
 
+def ring_allreduce_time(nbytes: float, servers: int, bandwidth: float, latency: float = NETWORK_LATENCY) -> float:
+    """Seconds a ring all-reduce of `nbytes` takes across `servers` over NICs of `bandwidth`
+    bytes/s per direction: 2(R-1) steps (R-1 of reduce-scatter, R-1 of all-gather), each
+    sending and receiving a 1/R chunk at once (full duplex), so 2(R-1) x latency +
+    2(R-1)/R x nbytes / bandwidth. 0 for one server or no bytes.
+
+    >>> ring_allreduce_time(1e9, 4, 12.5e9)   # 1 GB over 4 servers on 100 Gbit/s: 1.5 GB each way
+    0.12
+    """
+    if servers <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (servers - 1) * latency + 2 * (servers - 1) / servers * nbytes / bandwidth
+
+
+def _gradient_tasks(ctx: Context) -> dict[int, list[int]]:
+    """Stage -> its gradient downloads (one per GPU holding a copy) in the task list so far."""
+    grads: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(ctx.tasks):
+        if t.meta.get("kind") == "gradient":
+            grads[t.meta["stage"]].append(i)
+    return grads
+
+
+def gradient_allreduce(ctx: Context, per_stage: dict[int, float]) -> dict[int, int]:
+    """The inter-server traffic of `ctx.servers` data-parallel servers, as one server sees it
+    (every server runs the same plan on its own slice of the global batch, so all are alike).
+
+    Per stage of `per_stage` (stage -> its trainable fp32 master-gradient bytes), once its
+    gradients are in host memory (its gradient downloads have ended, from every GPU holding a
+    copy; with none, after every task so far), one all-reduce task of `ring_allreduce_time` on
+    the "host/nic" stream: one collective at a time, in the order stages complete (the later
+    stage first when two are ready together), as data_parallel.GradientReducer's single
+    communication thread runs gloo's all_reduce, one bucket per stage. Algorithm: ring
+    (reduce-scatter then all-gather, 2(R-1) steps); each server sends and receives
+    2(R-1)/R x bytes. Assumptions: the NIC is full duplex, `ctx.network` bytes/s in each
+    direction, the only traffic on it, and the network between servers never the bottleneck
+    (a non-blocking switch); each ring step costs `ctx.network_latency` more (default
+    NETWORK_LATENCY, 0); the reduction's additions, gloo's CPU threads and the NIC's own PCIe
+    and DRAM traffic are free (not charged to the optimizer or the topology's links).
+    Returns stage -> its all-reduce task (stages with no bytes have none); none for one server.
+    """
+    if ctx.servers <= 1:
+        return {}
+    grads = _gradient_tasks(ctx)
+    everything = list(range(len(ctx.tasks)))
+    ring = 2 * (ctx.servers - 1) / ctx.servers
+    out: dict[int, int] = {}
+    for k, nbytes in sorted(per_stage.items(), reverse=True):  # the last stage's gradients land first
+        if nbytes <= 0:
+            continue
+        out[k] = ctx.add(Task(f"all-reduce s{k}", "host/nic", (-k,),
+                              ring_allreduce_time(nbytes, ctx.servers, ctx.network, ctx.network_latency),
+                              after=grads.get(k) or everything,
+                              meta={"kind": "allreduce", "phase": "backward", "stage": k,
+                                    "bytes": int(round(ring * nbytes)), "route": ("host", "nic")}))
+    return out
+
+
 def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = None, *,
                   per_stage: dict[int, float] | None = None, overlap: str | None = None) -> None:
     """The optimizer step over `master_bytes` of fp32 masters on the CPU, at `bandwidth` bytes/s
@@ -300,18 +371,22 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
     (without `per_stage`, as "none"); "async" is the steady state of a staleness-1 update (step
     t's update runs while step t+1 computes): the step starts at 0 with the pipeline, so the
     step takes max(pipeline, optimizer). The update's DRAM traffic is not charged to the links.
+
+    With `ctx.servers` > 1 (and `per_stage`), each stage's gradients are first all-reduced
+    across the servers (`gradient_allreduce`): "sync" steps a stage once its all-reduce has
+    ended, "none" after every all-reduce; "async" still starts at 0 (it steps the previous
+    step's gradients, averaged within that step).
     """
     per_byte = TOUCHED_BYTES[ctx.optimizer] / 4.0 / (bandwidth or ctx.cpu_bw)  # seconds per master byte
     mode = ctx.overlap if overlap is None else overlap
+    reduced = gradient_allreduce(ctx, per_stage) if per_stage else {}
     if mode == "sync" and per_stage:
-        grads: dict[int, list[int]] = defaultdict(list)
-        for i, t in enumerate(ctx.tasks):
-            if t.meta.get("kind") == "gradient":
-                grads[t.meta["stage"]].append(i)
+        grads = _gradient_tasks(ctx)
         everything = list(range(len(ctx.tasks)))
         for k, nbytes in sorted(per_stage.items(), reverse=True):  # the last stage's gradients land first
+            after = [reduced[k]] if k in reduced else grads.get(k) or everything
             ctx.add(Task(f"optimizer step s{k}", "host/optimizer", (-k,), nbytes * per_byte,
-                         after=grads.get(k) or everything, meta={"kind": "optimizer", "phase": "step", "stage": k}))
+                         after=after, meta={"kind": "optimizer", "phase": "step", "stage": k}))
         return
     after = [] if mode == "async" else list(range(len(ctx.tasks)))
     ctx.add(Task("optimizer step", "host/optimizer", (), master_bytes * per_byte, after=after,

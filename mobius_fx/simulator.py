@@ -6,7 +6,9 @@ step), replays them on per-GPU streams (compute, upload, download, activation) a
 topology's directed links with max-min fair sharing (mobius_fx.network: the transfer needed
 first goes first on a shared link, the two directions of a PCIe switch link interfere; host
 memory lives on a socket, `masters`), and reports the step time, per-GPU and per-link busy
-time, the critical path and a Chrome/Perfetto trace.
+time, the critical path and a Chrome/Perfetto trace. With `servers=R, network=...` it is one
+server of R running the plan data parallel: each stage's gradients are ring all-reduced over
+the server's NIC before its CPU optimizer step (mobius_fx.sim_tasks.gradient_allreduce).
 Every schedule uses the plan's own costs (stage times, bytes) and the same engine, so the
 comparisons are like for like.
 
@@ -14,6 +16,8 @@ comparisons are like for like.
     result.step_time, result.pipeline_time >= plan.lower_bound()
     mobius_fx.simulate(plan, schedule="zero3-offload").step_time / result.step_time
     result.save_chrome_trace("step.json")                # open in ui.perfetto.dev
+    r4 = mobius_fx.simulate(plan, servers=4, network="100Gbps")  # one of 4 data-parallel servers
+    result.step_time / r4.step_time                       # scaling efficiency (4x the global batch)
 
 Schedules: "mobius", "mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload",
 "roundpipe". The three "mobius" ones are read from the schedule IR (`plan.schedule()`,
@@ -36,14 +40,15 @@ from .errors import MobiusError
 from .network import Link, LinkSegment, Task, replay
 from .plans import Plan
 from .schedule import HOST, ScheduleIR, build_schedule
-from .sim_tasks import (CPU_ADAM_BANDWIDTH, DEEPSPEED_CPU_ADAM_BANDWIDTH, MASTERS, OVERLAPS, Context, cpu_optimizer,
-                        optimizer_bytes_touched)
-from .units import fmt_bytes, fmt_time
+from .sim_tasks import (CPU_ADAM_BANDWIDTH, DEEPSPEED_CPU_ADAM_BANDWIDTH, MASTERS, NETWORK_LATENCY, OVERLAPS, Context,
+                        cpu_optimizer, optimizer_bytes_touched, ring_allreduce_time)
+from .units import fmt_bytes, fmt_time, parse_network
 
 __all__ = ["simulate", "SimResult", "SimEvent", "SCHEDULES", "CPU_ADAM_BANDWIDTH", "DEEPSPEED_CPU_ADAM_BANDWIDTH",
-           "optimizer_bytes_touched"]
+           "optimizer_bytes_touched", "ring_allreduce_time", "NETWORK_LATENCY"]
 
 SCHEDULES = ("mobius", "mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload", "roundpipe")
+DATA_PARALLEL = ("mobius", "mobius-noprefetch", "mobius-identity-map", "roundpipe")  # schedules `servers` > 1 takes
 
 
 # ------------------------------------------------------------------------------- results
@@ -52,7 +57,7 @@ class SimEvent:
     """One simulated task: compute, a transfer, an evict marker or the optimizer step."""
 
     name: str
-    kind: str  # compute | prefetch | activation | gradient | collective | evict | optimizer
+    kind: str  # compute | prefetch | activation | gradient | collective | allreduce | evict | optimizer
     phase: str  # forward | backward | step
     gpu: str | None
     stream: str | None  # e.g. "gpu0/upload"; None for markers
@@ -69,11 +74,16 @@ class SimResult:
     """What one simulated training step did.
 
     `pipeline_time` is forward + backward + gradient offload (what the partitioner predicts),
-    `step_time` adds the optimizer step. `link_busy` is the seconds each directed link carried
+    `step_time` adds the optimizer step. With `servers` > 1 (data parallel, see `simulate`)
+    `step_time` = `pipeline_time` + `allreduce_exposed` (how much longer the last stage's
+    all-reduce ends than the pipeline) + `optimizer_time` (what the optimizer adds after that);
+    `allreduce_time` is the seconds the NIC carried all-reduces, `nic_bytes` what this server
+    sent (and received) on it. `link_busy` is the seconds each directed link carried
     at least one flow; `critical_path` splits `step_time` over the resources the longest
     chain of dependent tasks used ("<gpu> compute", "<u>-><v>" for the link that held a
-    transfer back, "optimizer", "waiting"). `bound` is max(total compute / GPUs, the busiest
-    link's bytes / bandwidth) of the work this schedule did (plan.lower_bound for "mobius").
+    transfer back, "optimizer", "network" for the all-reduces, "waiting"). `bound` is
+    max(total compute / GPUs, the busiest link's bytes / bandwidth) of the work this schedule
+    did (plan.lower_bound for "mobius").
     """
 
     schedule: str
@@ -88,12 +98,24 @@ class SimResult:
     bound: float = 0.0
     link_bandwidth: dict[tuple[str, str], float] = field(default_factory=dict, repr=False)
     segments: tuple[LinkSegment, ...] = field(default=(), repr=False, compare=False)
+    servers: int = 1
+    network: float = math.inf  # bytes/s per direction of each server's NIC
+    allreduce_time: float = 0.0
+    allreduce_exposed: float = 0.0
+    nic_bytes: int = 0
 
     def summary(self) -> str:
         """A few lines a person reads: times, utilisation, busiest link, critical path."""
         util = {g: b / self.pipeline_time for g, b in self.gpu_busy.items()} if self.pipeline_time else {}
         lines = [f"{self.schedule}: step {fmt_time(self.step_time)} = pipeline {fmt_time(self.pipeline_time)} "
                  f"+ optimizer {fmt_time(self.optimizer_time)} (work bound {fmt_time(self.bound)})"]
+        if self.servers > 1:
+            lines[0] = (f"{self.schedule}, one of {self.servers} data-parallel servers: "
+                        f"step {fmt_time(self.step_time)} = pipeline {fmt_time(self.pipeline_time)} + all-reduce exposed "
+                        f"{fmt_time(self.allreduce_exposed)} + optimizer {fmt_time(self.optimizer_time)} (work bound "
+                        f"{fmt_time(self.bound)})")
+            lines.append(f"  NIC: ring all-reduce of {fmt_bytes(self.nic_bytes)} each way at "
+                         f"{self.network * 8 / 1e9:.4g} Gbit/s, busy {fmt_time(self.allreduce_time)}")
         if util:
             lines.append(f"  GPU compute busy: mean {sum(util.values()) / len(util):.0%}, "
                          + ", ".join(f"{g} {u:.0%}" for g, u in util.items()))
@@ -170,7 +192,8 @@ class SimResult:
 # --------------------------------------------------------------------------- public entry
 def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, optimizer: str = "adam",
              cpu_adam_bandwidth: float | None = None, deepspeed_adam_bandwidth: float | None = None,
-             masters: str | None = None, optimizer_overlap: str = "none") -> SimResult:
+             masters: str | None = None, optimizer_overlap: str = "none", servers: int = 1,
+             network: float | str | None = None, network_latency: float | None = None) -> SimResult:
     """Replay one training step of `plan` under `schedule` on `topology` (default: the plan's).
 
     `cpu_adam_bandwidth` (bytes/s) is the CPU optimizer of the Mobius schedules, RoundPipe's
@@ -183,6 +206,24 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     the host) or "async" (staleness 1: the step is max(pipeline, optimizer)), for the Mobius
     schedules and RoundPipe's; "zero3-offload" keeps DeepSpeed's step after the pipeline and
     GPipe steps on the GPUs (sim_tasks.cpu_optimizer).
+
+    `servers` = R > 1 simulates one server of R running the plan data parallel
+    (mobius_fx/data_parallel.py; the Mobius schedules and RoundPipe's): every server runs the
+    same step on its own slice of an R x larger global batch, so one server's step is the
+    cluster's. Once a stage's gradients are in host memory (its gradient downloads, from every
+    GPU holding a copy, have ended), its trainable fp32 master gradients are averaged across the
+    servers by a ring all-reduce (reduce-scatter + all-gather, 2(R-1) steps): 2(R-1)/R x bytes
+    sent and as many received on the server's NIC, taking 2(R-1)/R x bytes / `network` +
+    2(R-1) x `network_latency` (`ring_allreduce_time`), one stage at a time on a "host/nic"
+    resource, in the order stages complete, overlapped with the backward of earlier stages.
+    The stage's CPU optimizer step comes after its all-reduce ("sync"; "none": after all of
+    them; "async": stepping the previous step's averaged gradients, from the start).
+    Assumptions: a full-duplex NIC of `network` bytes/s in each direction (a number of bytes/s
+    or a string, "100Gbps", "25Gbit/s", "12.5GB/s": units.parse_network; math.inf: an ideal
+    network, the all-reduces take no time), a non-blocking network between the servers,
+    `network_latency` seconds per ring step (default NETWORK_LATENCY = 0: the bandwidth term
+    alone), the NIC's PCIe and DRAM traffic and gloo's CPU work not charged, nor the time to
+    copy a bucket together. `servers=1` is one server, exactly as without it.
 
     r = simulate(plan)
     print(r.summary())
@@ -210,15 +251,40 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
         raise MobiusError(f"masters={masters!r}; host memory lives either 'local' (each stage on its GPU's socket) "
                           f"or on one root complex of topology {getattr(topo, 'name', '')!r}: "
                           f"{', '.join(topo.root_complexes)}; pass one of those")
+    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+        raise MobiusError(f"servers={servers!r}; give the number of data-parallel servers, an integer >= 1 "
+                          f"(1: this server alone)")
+    net = math.inf
+    if servers > 1:
+        if network is None:
+            raise MobiusError(f"servers={servers} needs the network: pass network= each server's NIC bandwidth, "
+                              f"bytes/s or a string such as '100Gbps' or '12.5GB/s'")
+        if schedule not in DATA_PARALLEL:
+            raise MobiusError(f"servers={servers} simulates data parallel over the schedules that step a CPU optimizer "
+                              f"per stage ({', '.join(DATA_PARALLEL)}), not {schedule!r}; simulate {schedule!r} with "
+                              f"servers=1")
+        net = math.inf if _ideal(network) else parse_network(network, "network")
+    elif network is not None and not _ideal(network):
+        parse_network(network, "network")  # checked; one server sends nothing
+    alpha = NETWORK_LATENCY if network_latency is None else network_latency
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha < math.inf:
+        raise MobiusError(f"network_latency={network_latency!r}; give the seconds one ring step adds (>= 0, "
+                          f"finite), e.g. 30e-6, or None for {NETWORK_LATENCY}")
     by_name = {g.name: g for g in topo.gpus}
     missing = [g for g in plan.order if g not in by_name]
     if missing:
         raise MobiusError(f"the plan runs on {', '.join(missing)}, which topology {getattr(topo, 'name', '')!r} "
                           f"lacks ({', '.join(by_name)}); simulate on the plan's topology or re-plan")
     ctx = Context(plan, topo, optimizer, bw, use_plan_routes=topo is plan.topology, masters=masters,
-                  deepspeed_adam_bw=ds_bw, overlap=optimizer_overlap)
+                  deepspeed_adam_bw=ds_bw, overlap=optimizer_overlap, servers=servers, network=net,
+                  network_latency=float(alpha))
     _BUILDERS[schedule](ctx)
     return _run(ctx, schedule)
+
+
+def _ideal(network: Any) -> bool:
+    """`network=math.inf`: an infinitely fast network (the all-reduces take no time)."""
+    return isinstance(network, (int, float)) and not isinstance(network, bool) and network == math.inf
 
 
 _KIND = {"prefetch": "prefetch", "send": "activation", "offload": "activation", "restore": "activation",
@@ -356,8 +422,11 @@ def _run(ctx: Context, schedule: str) -> SimResult:
 
     rep = replay(tasks, capacity, duplex=lambda link: ctx.topo.link_duplex(*link))
     opt_ids = [i for i, t in enumerate(tasks) if t.meta.get("kind") == "optimizer"]
-    pipe_end = max((rep.end[i] for i, t in enumerate(tasks) if t.meta.get("kind") != "optimizer"), default=0.0)
-    step = max([pipe_end] + [rep.end[i] for i in opt_ids])
+    nic_ids = [i for i, t in enumerate(tasks) if t.meta.get("kind") == "allreduce"]
+    pipe_end = max((rep.end[i] for i, t in enumerate(tasks) if t.meta.get("kind") not in ("optimizer", "allreduce")),
+                   default=0.0)
+    comm_end = max([pipe_end] + [rep.end[i] for i in nic_ids])
+    step = max([comm_end] + [rep.end[i] for i in opt_ids])
     gpu_busy = {g: 0.0 for g in ctx.gpus}
     for i, t in enumerate(tasks):
         if t.meta.get("kind") == "compute":
@@ -371,12 +440,15 @@ def _run(ctx: Context, schedule: str) -> SimResult:
         capacity(l)
     compute_total = sum(gpu_busy.values())
     bound = max([compute_total / max(1, len(ctx.gpus))] + [b / bws[l] for l, b in link_bytes.items()])
-    return SimResult(schedule=schedule, step_time=step, pipeline_time=pipe_end, optimizer_time=step - pipe_end,
+    return SimResult(schedule=schedule, step_time=step, pipeline_time=pipe_end, optimizer_time=step - comm_end,
                      gpu_busy=gpu_busy, link_bytes=link_bytes, link_busy=rep.link_busy,
                      critical_path=_critical_path(tasks, rep, step), events=events, bound=bound,
                      link_bandwidth=dict(bws),
                      segments=tuple(LinkSegment(g.link, g.start, g.end, tuple(tasks[i].name for i in g.flows))
-                                    for g in rep.segments))
+                                    for g in rep.segments),
+                     servers=ctx.servers, network=ctx.network,
+                     allreduce_time=sum(rep.end[i] - rep.start[i] for i in nic_ids),
+                     allreduce_exposed=comm_end - pipe_end, nic_bytes=sum(tasks[i].meta["bytes"] for i in nic_ids))
 
 
 def _critical_path(tasks: list[Task], rep: Any, step: float) -> dict[str, float]:
@@ -397,6 +469,8 @@ def _critical_path(tasks: list[Task], rep: Any, step: float) -> dict[str, float]
                 out[f"{t.meta['gpu']} compute"] += dur
             elif kind == "optimizer":
                 out["optimizer"] += dur
+            elif kind == "allreduce":
+                out["network"] += dur
             elif cur in rep.flow_links:
                 for (u, v), sec in rep.flow_links[cur].items():
                     out[f"{u}->{v}"] += sec

@@ -9,7 +9,7 @@ from typing import Any
 
 from .errors import MobiusError
 
-__all__ = ["parse_bytes", "parse_bandwidth", "check_positive", "fmt_bytes", "fmt_time"]
+__all__ = ["parse_bytes", "parse_bandwidth", "parse_network", "check_positive", "fmt_bytes", "fmt_time"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -45,6 +45,50 @@ def parse_bandwidth(value: int | float | str, what: str = "bandwidth") -> float:
     x = _amount(value, what, per_second=True)
     if x <= 0:
         raise MobiusError(f"{what} {value!r} is not positive; give bytes/s > 0, e.g. 16e9 or '16GB/s'")
+    return x
+
+
+_PREFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_RATE = re.compile(r"\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]i?)?"
+                   r"(bits?|bytes?|b|B)(ps|PS|/s|/sec)?\s*", re.IGNORECASE)
+_NETWORK_RULE = ("a number and a unit of bits or bytes per second: a lowercase b or 'bit' is bits, an uppercase B "
+                 "or 'byte' is bytes; k, M, G, T are powers of 1000 (Ki, Mi, Gi, Ti of 1024). E.g. '100Gbps' or "
+                 "'100Gbit/s' (100 gigabits/s = 12.5 GB/s), '25Gbit/s', '12.5GB/s'")
+
+
+def parse_network(value: int | float | str, what: str = "network") -> float:
+    """A network link's bandwidth in bytes/s (positive, finite), from a number of bytes/s or a
+    string that says bits or bytes: `'100Gbps'`, `'100Gb/s'`, `'25Gbit/s'` are gigabits per
+    second (/ 8 for bytes), `'12.5GB/s'`, `'12.5GBps'`, `'1.2GiB/s'` bytes. A string without a
+    unit, or one that does not say bits or bytes ("100G"), is refused: NICs are sold in bits
+    per second, memory in bytes, and the two differ by 8.
+
+    >>> parse_network("100Gbps"), parse_network("12.5GB/s"), parse_network("25Gbit/s")
+    (12500000000.0, 12500000000.0, 3125000000.0)
+    """
+    if isinstance(value, str):
+        m = _RATE.fullmatch(value)
+        unit = m.group(3) if m else ""
+        if m and unit.lower() in ("bit", "bits", "byte", "bytes") or unit in ("b", "B"):
+            bits = unit.lower().startswith("bit") or unit == "b"
+            if unit == "B" and m.group(4) == "PS":  # "GBPS": all capitals, bits or bytes?
+                raise MobiusError(f"{what} {value!r} is ambiguous (all capitals: bits or bytes?); give {_NETWORK_RULE}")
+            x = float(m.group(1)) * _PREFIX[(m.group(2) or "").lower()] / (8 if bits else 1)
+        else:
+            hint = ""
+            if re.fullmatch(r"\s*[+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*([kKmMgGtT]i?)?\s*", value):
+                hint = " (no unit, or no bits or bytes: 100 Gbit/s is 12.5 GB/s, 8x apart)"
+            raise MobiusError(f"{what} {value!r} is not a network bandwidth{hint}; give {_NETWORK_RULE}")
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        x = _finite(value)
+        if x is None:
+            raise MobiusError(f"{what} {value!r} is not finite; give a finite number of bytes/s or {_NETWORK_RULE}")
+    else:
+        raise MobiusError(f"{what} {value!r} (type {type(value).__name__}) is not a network bandwidth; give a number "
+                          f"of bytes/s or {_NETWORK_RULE}")
+    if not math.isfinite(x) or x <= 0:
+        raise MobiusError(f"{what} {value!r} is not a positive, finite bandwidth; give {_NETWORK_RULE}")
     return x
 
 

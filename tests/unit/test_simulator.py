@@ -463,3 +463,136 @@ def test_an_unknown_optimizer_overlap_is_refused():
     plan = make_plan(unshared_topology(1), make_layers(2), [0], 1)
     with pytest.raises(MobiusError, match=r"optimizer_overlap='later'; use one of 'none', 'sync', 'async'"):
         simulate(plan, optimizer_overlap="later")
+
+
+# ------------------------------------------------------- data parallel across servers (ring)
+def _dp_plan(stages=4, *, dtype=None):
+    """Compute and PCIe made negligible (1 ns per layer, 1 PB/s links): the step is the NIC's."""
+    topo = unshared_topology(2, bw=1e15, nvlink=1e15)
+    return make_plan(topo, make_layers(2 * stages, f=1e-9, b=1e-9, w=100e6, out=1e3), list(range(0, 2 * stages, 2)),
+                     2, dtype=dtype)
+
+
+def _ring(nbytes, servers, bandwidth, alpha=0.0):
+    """The closed form of a ring all-reduce (reduce-scatter + all-gather) on full-duplex NICs."""
+    return 2 * (servers - 1) * alpha + 2 * (servers - 1) / servers * nbytes / bandwidth
+
+
+@pytest.mark.parametrize("schedule", ["mobius", "roundpipe"])
+@pytest.mark.parametrize("mode", ["none", "sync", "async"])
+def test_one_server_is_exactly_the_single_server_step(testbed_plan, schedule, mode):
+    one = simulate(testbed_plan, schedule=schedule, optimizer_overlap=mode)
+    assert simulate(testbed_plan, schedule=schedule, optimizer_overlap=mode, servers=1, network="100Gbps") == one
+    assert one.servers == 1 and one.allreduce_time == 0 and one.nic_bytes == 0
+    assert not events(one, "allreduce")
+
+
+@pytest.mark.parametrize("servers", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [None, "float16"])
+def test_the_nic_time_is_the_ring_all_reduce_closed_form(servers, dtype):
+    # No optimizer, negligible compute and PCIe: the step is the NIC carrying every stage's
+    # fp32 master gradients, 2(R-1)/R x bytes each way at the network bandwidth, one stage
+    # after the other.
+    plan = _dp_plan(dtype=dtype)
+    masters = sum(l.grad_bytes for l in plan.layers)  # fp32, traced (fp16 streams half of it)
+    bw = 12.5e9  # 100 Gbit/s
+    r = simulate(plan, optimizer="none", servers=servers, network="100Gbps")
+    assert r.allreduce_time == pytest.approx(_ring(masters, servers, bw), rel=1e-12)
+    assert r.step_time == pytest.approx(_ring(masters, servers, bw), rel=1e-5)
+    assert r.nic_bytes == pytest.approx(2 * (servers - 1) / servers * masters, abs=len(plan.stages))
+    assert r.step_time == pytest.approx(r.pipeline_time + r.allreduce_exposed + r.optimizer_time, rel=1e-12)
+    per_stage = events(r, "allreduce")
+    assert len(per_stage) == plan.num_stages and {e.stream for e in per_stage} == {"host/nic"}
+    for e in per_stage:
+        assert e.end - e.start == pytest.approx(_ring(plan.stages[e.stage].grad_bytes * (2 if dtype else 1),
+                                                      servers, bw), rel=1e-12)
+    assert sum(r.critical_path.values()) == pytest.approx(r.step_time)
+    assert r.critical_path["network"] == pytest.approx(r.allreduce_time, rel=1e-5)
+
+
+def test_one_stage_all_reduce_starts_when_its_gradients_land_and_pays_the_latency_per_ring_step():
+    plan = _dp_plan(stages=1)
+    r = simulate(plan, optimizer="none", servers=4, network=1e9, network_latency=1e-3)
+    (ar,) = events(r, "allreduce")
+    (grad,) = events(r, "gradient")
+    assert ar.start == pytest.approx(grad.end, abs=1e-12)
+    assert ar.end - ar.start == pytest.approx(6 * 1e-3 + 1.5 * plan.stages[0].grad_bytes / 1e9, rel=1e-12)
+
+
+def test_all_reduces_run_one_at_a_time_in_the_order_stages_complete(testbed_plan):
+    r = simulate(testbed_plan, servers=4, network="25Gbit/s")
+    ars = sorted(events(r, "allreduce"), key=lambda e: e.start)
+    assert [e.stage for e in ars] == sorted((e.stage for e in ars), reverse=True)  # backward order
+    for a, b in zip(ars, ars[1:]):
+        assert b.start >= a.end - 1e-12
+    landed = {}
+    for e in events(r, "gradient"):
+        landed[e.stage] = max(landed.get(e.stage, 0.0), e.end)
+    assert all(e.start >= landed[e.stage] - 1e-12 for e in ars)
+    assert any(e.start < r.pipeline_time for e in ars)  # overlapped with the backward of earlier stages
+
+
+@pytest.mark.parametrize("mode", ["none", "sync", "async"])
+def test_an_infinitely_fast_network_scales_perfectly(testbed_plan, mode):
+    from mobius_fx.report import cluster
+
+    one = simulate(testbed_plan, optimizer_overlap=mode)
+    for servers in (2, 4, 16):
+        r = simulate(testbed_plan, optimizer_overlap=mode, servers=servers, network=math.inf)
+        assert r.step_time == one.step_time and r.allreduce_exposed == 0
+        assert simulate(testbed_plan, optimizer_overlap=mode, servers=servers, network=1e18).step_time == \
+            pytest.approx(one.step_time, rel=1e-6)
+    c = cluster(testbed_plan, 8, math.inf, tokens=1000, optimizer_overlap=mode)
+    assert sorted(c.results) == [1, 2, 4, 8] and all(c.efficiency(r) == pytest.approx(1.0) for r in c.results)
+    slow = cluster(testbed_plan, 4, "10Gbps", tokens=1000, optimizer_overlap=mode)
+    assert slow.efficiency(4) < slow.efficiency(2) < 1.0
+    assert slow.throughput(4) == pytest.approx(4 * 1000 / slow.results[4].step_time)
+
+
+def test_the_all_reduce_delays_its_stages_optimizer_step_in_sync_mode(testbed_plan):
+    # Each stage steps once its averaged gradients are back, not when they land from the GPUs;
+    # a slower network delays the steps and the step, never the pipeline.
+    one = simulate(testbed_plan, optimizer_overlap="sync")
+    r = simulate(testbed_plan, optimizer_overlap="sync", servers=4, network="10Gbps")
+    reduced = {e.stage: e for e in events(r, "allreduce")}
+    steps = events(r, "optimizer")
+    assert sorted(e.stage for e in steps) == sorted(reduced)
+    for e in steps:
+        assert e.start >= reduced[e.stage].end - 1e-12
+    assert any(e.start > min(x.start for x in events(one, "optimizer", stage=e.stage)) + 1e-6 for e in steps)
+    assert r.pipeline_time == pytest.approx(one.pipeline_time, rel=1e-12)
+    assert r.step_time > one.step_time
+    assert r.step_time >= max(e.end for e in reduced.values()) + steps[-1].end - steps[-1].start - 1e-9
+
+
+def test_without_overlap_the_optimizer_steps_after_the_last_all_reduce(testbed_plan):
+    r = simulate(testbed_plan, servers=2, network="10Gbps")
+    (opt,) = events(r, "optimizer")
+    last = max(e.end for e in events(r, "allreduce"))
+    assert opt.start == pytest.approx(last) and last > r.pipeline_time
+    assert r.allreduce_exposed == pytest.approx(last - r.pipeline_time)
+    assert r.optimizer_time == pytest.approx(opt.end - opt.start)
+    assert "one of 2 data-parallel servers" in r.summary() and "ring all-reduce" in r.summary()
+
+
+def test_an_asynchronous_optimizer_overlaps_the_all_reduces_too(testbed_plan):
+    r = simulate(testbed_plan, servers=4, network="10Gbps", optimizer_overlap="async")
+    (opt,) = events(r, "optimizer")
+    comm_end = max(e.end for e in events(r, "allreduce"))
+    assert opt.start == 0.0 and r.step_time == pytest.approx(max(comm_end, opt.end))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"servers": 2}, r"servers=2 needs the network: pass network="),
+    ({"servers": 0, "network": 1e9}, r"servers=0; give the number of data-parallel servers, an integer >= 1"),
+    ({"servers": 2.0, "network": 1e9}, r"servers=2.0; give the number"),
+    ({"servers": 2, "network": "100G"}, r"network '100G' is not a network bandwidth .*'100Gbps'"),
+    ({"servers": 2, "network": -1.0}, r"network -1.0 is not a positive, finite bandwidth"),
+    ({"servers": 2, "network": 1e9, "schedule": "zero3-offload"}, r"not 'zero3-offload'; simulate 'zero3-offload' "
+                                                                  r"with servers=1"),
+    ({"servers": 2, "network": 1e9, "network_latency": -1}, r"network_latency=-1; give the seconds one ring step"),
+])
+def test_bad_data_parallel_arguments_are_refused(kwargs, message):
+    plan = make_plan(unshared_topology(1), make_layers(2), [0], 1)
+    with pytest.raises(MobiusError, match=message):
+        simulate(plan, **kwargs)
