@@ -155,8 +155,12 @@ def timeline(problem: Any, st: Any, full: bool = False):
     up_b = [up[i] * dx[i] for i in range(n)]
     down_g = [down[k % n] * (dx[k % n] if k >= n else 1.0) for k in range(s)]
     r = [inp[k] / up[k % n] if live[k] else 0.0 for k in range(s)]
-    d = [inp[k] / down[k % n] if live[k] and k else 0.0 for k in range(s)]
-    out_down = st.out[s - 1] / down[(s - 1) % n]
+    # The last stage's copies to the host (its offloads, its outputs) leave while the outputs'
+    # gradients come back (with several micro-batches, the gradient of one while the next goes):
+    # at the duplex share too.
+    last_dx = dx[(s - 1) % n] if m > 1 and live[s - 1] else 1.0
+    d = [inp[k] / (down[k % n] * (last_dx if k == s - 1 else 1.0)) if live[k] and k else 0.0 for k in range(s)]
+    out_down = st.out[s - 1] / (down[(s - 1) % n] * last_dx)
     out_up = st.out[s - 1] / up[(s - 1) % n] if live[s - 1] else 0.0
     # Weight uploads (forward in stage order, backward in reverse) and gradient downloads
     # (reverse) of the slots behind a shared link queue on it (`queue_before`): one starts

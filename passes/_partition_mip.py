@@ -24,9 +24,9 @@ import pulp
 
 from mobius_fx.step_model import Evaluation, PartitionProblem, PrefixSums, queue_before
 
-from .mip_solver import run_solver
+from .mip_solver import run_solver, solve_relaxation
 
-__all__ = ["Mip", "build_mip", "warm_start", "cuts_of", "run_solver"]
+__all__ = ["Mip", "build_mip", "warm_start", "cuts_of", "run_solver", "solve_relaxation"]
 
 
 @dataclass
@@ -38,8 +38,8 @@ class Mip:
     scale: float  # seconds per objective unit
     z: dict  # (k, r) -> var; cut k falls after a layer of run r
     t: dict  # (k, r) -> var or int multiplier (layers of run r before cut k)
-    F: list  # [k][i] forward start of micro-batch i of stage k
-    B: list  # [k][i] backward start
+    F: list  # [k][i] forward start of micro-batch i of stage k (a dict by i)
+    B: list  # [k][i] backward start (a dict by i)
     D: list  # [k] end of stage k's gradient download (the per-GPU download queue)
     T: pulp.LpVariable  # the makespan: max_k D[k]
     infeasible: bool = False  # a constant memory row already fails (e.g. S = 1 too big)
@@ -63,12 +63,19 @@ def _var(lp: pulp.LpProblem, name: str, lo: float | None = None, hi: float | Non
 
 
 def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int, int]], s: int, *,
-               mem_tol: float) -> Mip:
+               mem_tol: float, bound_only: bool = False) -> Mip:
     """The program for S = s stages: cut k picks a run (binary) and a count in it (integer).
 
-    `mem_tol` is the relative slack on capacity the exact check also allows.
+    `mem_tol` is the relative slack on capacity the exact check also allows. `bound_only`: a
+    relaxation for a lower bound only (`partition.solve` solves its LP): the start times of
+    the first and the last micro-batch alone (F, B, V keyed by those two), the rows between
+    them summed along their chains (`F[k][M-1] >= F[k][0] + (M-1) f_k`, ...), the rows of
+    the middle micro-batches dropped. Every row left is a row of the program or a sum of
+    them, so its optimum is at most the program's. Its variables are not a schedule.
     """
     n, m, L = len(problem.gpus), problem.microbatches, len(problem.layers)
+    mbs = sorted({0, m - 1}) if bound_only else list(range(m))  # symmetric: i in it iff m-1-i is
+    prev = {i: mbs[j - 1] for j, i in enumerate(mbs) if j}  # the micro-batch before i in mbs
     # Normalise: times in units of `scale` seconds, memory rows in units of capacity.
     scale = max(fast.f[L] + fast.b[L] + fast.w[L] / min(problem.up) + fast.g[L] / min(problem.down), 1e-30)
     lp = pulp.LpProblem(f"mobius_partition_S{s}", pulp.LpMinimize)
@@ -136,17 +143,17 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     dx = problem.duplex or (1.0,) * n  # step_model.timeline: backward weights and gradients at the duplex share
     up_b = [up[k] / dx[k % n] for k in range(s)]
     down = [1 / (problem.down[k % n] * scale) for k in range(s)]
-    F = [[_var(lp, f"F_{k}_{i}", 0) for i in range(m)] for k in range(s)]
-    B = [[_var(lp, f"B_{k}_{i}", 0) for i in range(m)] for k in range(s)]
+    F = [{i: _var(lp, f"F_{k}_{i}", 0) for i in mbs} for k in range(s)]
+    B = [{i: _var(lp, f"B_{k}_{i}", 0) for i in mbs} for k in range(s)]
     for k in range(s):
         if k < n:
             lp += F[k][0] >= w[k] * up[k], f"upload_{k}"
         else:
             lp += F[k][0] >= F[k - n][m - 1] + f[k - n], f"gpu_free_f{k}"
             lp += F[k][0] >= F[k - n][0] + w[k] * up[k], f"prefetch_f{k}"
-        for i in range(m):
+        for i in mbs:
             if i:
-                lp += F[k][i] >= F[k][i - 1] + f[k], f"mb_f{k}_{i}"
+                lp += F[k][i] >= F[k][prev[i]] + (i - prev[i]) * f[k], f"mb_f{k}_{i}"
             if k:
                 lp += F[k][i] >= F[k - 1][i] + f[k - 1] + at[k]["a"] * hop[k - 1], f"act_f{k}_{i}"
             elif in0 > 0:  # the model inputs of micro-batches 0..i and the weights share the host link
@@ -170,15 +177,19 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     # stage) its output, after its forward run, in stage and micro-batch order per GPU. V per
     # micro-batch for the stages resident through the turn, only the end E for the others.
     out_last = fast.out[L - 1]
-    copy = [(saved[k] * down[k] if k else 0.0) + (out_last * down[k] if k == s - 1 else 0.0) for k in range(s)]
+    # step_model.timeline's last_dx: the last stage's copies to the host at the duplex share
+    # while its outputs' gradients come back (several micro-batches; it is live unless all are frozen)
+    down_c = [down[k] / (dx[k % n] if k == s - 1 and m > 1 and problem.frozen_prefix < L else 1.0)
+              for k in range(s)]
+    copy = [(saved[k] * down_c[k] if k else 0.0) + (out_last * down_c[k] if k == s - 1 else 0.0) for k in range(s)]
     V, E, A, R = {}, {}, {}, {}
     for k in range(1 if s > 1 else 0, s):
         if k >= s - n:
-            V[k] = [_var(lp, f"V_{k}_{i}", 0) for i in range(m)]
-            for i in range(m):
+            V[k] = {i: _var(lp, f"V_{k}_{i}", 0) for i in mbs}
+            for i in mbs:
                 lp += V[k][i] >= F[k][i] + f[k], f"host_copy_{k}_{i}"
                 if i:
-                    lp += V[k][i] >= V[k][i - 1] + copy[k], f"host_copies_{k}_{i}"
+                    lp += V[k][i] >= V[k][prev[i]] + (i - prev[i]) * copy[k], f"host_copies_{k}_{i}"
             if k - n in E:
                 lp += V[k][0] >= E[k - n], f"host_copies_{k}"
         else:
@@ -194,8 +205,8 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
         elif k < s - n:
             lp += B[k][0] >= B[k + n][m - 1] + b[k + n], f"gpu_free_b{k}"
         if k >= s - n:  # step_model.timeline's ready[j] and R_k of a resident stage
-            dk = saved[k] * down[k] if k else 0.0
-            for j in range(m):
+            dk = saved[k] * down_c[k] if k else 0.0
+            for j in mbs:
                 if k:  # restore j after offload M-1-j
                     lp += B[k][j] >= V[k][m - 1 - j] + dk + (j + 1) * rk, f"restore_b{k}_{j}"
                 elif in0 > 0:
@@ -204,7 +215,7 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
                     lp += B[k][j] >= V[k][m - 1 - j] + copy[k] + (j + 1) * grad_in[k] * up[k], f"output_grad_b{j}"
             if k >= n:
                 R[k] = _var(lp, f"R_{k}", 0)
-                for i in range(m):
+                for i in mbs:
                     lp += R[k] >= V[k][i] + dk + (m - i) * rk, f"restores_{k}_{i}"
         else:  # the prefetch starts with stage k+N's backward and queues after its restores
             A[k] = _var(lp, f"A_{k}", 0)
@@ -216,9 +227,9 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
             lp += B[k][m - 1] >= A[k] + m * rk, f"restore_b{k}_last"
             if k >= n:
                 R[k] = A[k] + m * rk
-        for i in range(m):
+        for i in mbs:
             if i:
-                lp += B[k][i] >= B[k][i - 1] + b[k], f"mb_b{k}_{i}"
+                lp += B[k][i] >= B[k][prev[i]] + (i - prev[i]) * b[k], f"mb_b{k}_{i}"
             if k < s - 1:
                 lp += B[k][i] >= B[k + 1][i] + b[k + 1] + grad_in[k] * hop_back[k], f"grad_b{k}_{i}"
     # Gradient downloads queue per GPU: D_k = max(end of B[k], D_{k+N}) + G_k/down_k. The
@@ -383,12 +394,12 @@ def warm_start(mip: Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
         for v, x in terms:
             v.setInitialValue(0.0 if off else max(0.0, pulp.value(x)))
     for k in range(mip.s):
-        for i in range(len(mip.F[k])):
+        for i in mip.F[k]:
             mip.F[k][i].setInitialValue(ev.fwd_start[k][i] / mip.scale)
             mip.B[k][i].setInitialValue(ev.bwd_start[k][i] / mip.scale)
         mip.D[k].setInitialValue(ev.grad_done[k] / mip.scale)
     for k, row in mip.V.items():
-        for i, v in enumerate(row):
+        for i, v in row.items():
             v.setInitialValue(ev.host_copy_start[k][i] / mip.scale)
     for times, variables in ((ev.host_copies_done, mip.E), (ev.weights_back, mip.A), (ev.restores_done, mip.R),
                              (ev.upload_done, mip.U)):

@@ -17,6 +17,7 @@ from mobius_fx.passes import _partition_mip as M
 from mobius_fx.step_model import (
     MEMORY_TOLERANCE, MemoryModel, PrefixSums, SharedLink, TiedWeight, layer_runs, queue_before, stage_memory,
 )
+from mobius_fx.passes import partition as P
 from mobius_fx.passes.partition import PartitionProblem, brute_force, evaluate, heuristic, solve
 
 TIMES = st.floats(0.05, 2.0, allow_nan=False)
@@ -92,6 +93,26 @@ def test_mip_objective_equals_brute_force(p):
     got = _solve(p)
     assert got.makespan >= best.makespan * (1 - 1e-9)
     assert got.makespan <= best.makespan * (1 + _tolerance(got))
+
+
+@given(problems())
+def test_every_stage_counts_lower_bounds_are_at_most_its_optimum(p):
+    # What `solve` prunes counts with and reports its gap over: the closed form and the LP of
+    # the reduced program, each at most the count's brute-force optimum (inf: none fits).
+    fast, runs, L = PrefixSums(p), layer_runs(p), len(p.layers)
+    for s in range(1, L + 1):
+        best = brute_force_count(p, s)
+        assert P.stage_count_bound(p, s, fast) <= best * (1 + 1e-9) + 1e-12
+        status, bound = P.lp_bound(p, fast, runs, s, "highs", 10.0)
+        assert status in ("bound", "infeasible")
+        assert bound <= best * (1 + 1e-7) + 1e-12
+
+
+def brute_force_count(p: PartitionProblem, s: int) -> float:
+    """The best makespan of the cut sets with `s` stages (inf when none fits)."""
+    import itertools
+    evs = (evaluate(p, (0, *inner)) for inner in itertools.combinations(range(1, len(p.layers)), s - 1))
+    return min((ev.makespan for ev in evs if ev is not None), default=math.inf)
 
 
 @given(problems(), st.data())

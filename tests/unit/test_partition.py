@@ -55,8 +55,75 @@ def test_small_models_search_every_stage_count():
     assert plan_stage_count_candidates(8, 2) == tuple(range(1, 9))
 
 
-def test_large_models_search_multiples_of_the_gpu_count():
-    assert plan_stage_count_candidates(75, 8) == (8, 16, 24, 32, 40, 48, 56, 64, 72)
+def test_every_stage_count_is_a_candidate():
+    # Issue 14: not N, 2N, ... and a few extras, which missed the best count by up to 26%
+    # (`test_the_pick_is_the_brute_force_best_over_every_stage_count`).
+    assert plan_stage_count_candidates(75, 8) == tuple(range(1, 76))
+
+
+def best_count_not_a_multiple_problem() -> PartitionProblem:
+    """Ten layers on three GPUs, two micro-batches, 300 B each (memory binds): the best plan has
+    7 stages, 39.75 s (brute force); the old candidates (3, 6, 9 and the four counts whose
+    balanced cuts scored best) reached 50.0 s at best, and the solver called that optimal."""
+    kinds = [(2.0, 4.0, 60, 30, 10), (0.5, 1.0, 5, 0, 0), (0.5, 1.0, 20, 30, 0), (1.0, 1.0, 20, 30, 10),
+             (2.0, 1.0, 5, 5, 0), (0.5, 1.0, 60, 5, 10), (0.5, 4.0, 5, 0, 10), (2.0, 1.0, 5, 5, 0),
+             (1.0, 4.0, 20, 0, 10), (1.0, 1.0, 60, 5, 0)]
+    ls = [layer(f"l{i}", fwd=f, bwd=b, params=w, out=o, peak=pk) for i, (f, b, w, o, pk) in enumerate(kinds)]
+    return problem(ls, gpus=3, m=2, up=10.0, hop=5.0, cap=300)
+
+
+def per_count_optimum(p: PartitionProblem) -> dict[int, float]:
+    """Brute force: the best makespan of every stage count that has a fitting cut set."""
+    L, best = len(p.layers), {}
+    for s in range(1, L + 1):
+        for inner in itertools.combinations(range(1, L), s - 1):
+            ev = evaluate(p, (0, *inner))
+            if ev is not None:
+                best[s] = min(best.get(s, math.inf), ev.makespan)
+    return best
+
+
+def test_the_pick_is_the_brute_force_best_over_every_stage_count(tmp_path):
+    p = best_count_not_a_multiple_problem()
+    opt = per_count_optimum(p)
+    assert min(opt, key=opt.get) == 7 and opt[7] == pytest.approx(39.75)
+    got = solve(p, time_limit=10.0, cache_dir=tmp_path)
+    assert got.makespan == pytest.approx(39.75, rel=1e-9)
+    assert got.solver.status == "optimal" and got.solver.stage_counts == tuple(range(1, 11))
+
+
+def test_the_reported_gap_is_over_every_stage_count(tmp_path):
+    # However short the time, best x (1 - gap) is a lower bound of every count's optimum,
+    # counts the solver never reached included.
+    p = best_count_not_a_multiple_problem()
+    lowest = min(per_count_optimum(p).values())
+    for limit in (0.05, 0.3, 2.0):
+        got = solve(p, time_limit=limit, cache_dir=tmp_path / str(limit))
+        assert got.makespan * (1 - got.solver.gap) <= lowest * (1 + 1e-9)
+        assert got.makespan >= lowest * (1 - 1e-9)
+
+
+def test_every_counts_bounds_are_below_its_optimum():
+    # The per-count lower bounds `solve` prunes and reports the gap with: the closed form
+    # (`stage_count_bound`) and the LP relaxation of the program (`bound_only`).
+    p = best_count_not_a_multiple_problem()
+    fast, runs = PrefixSums(p), layer_runs(p)
+    for s, best in per_count_optimum(p).items():
+        assert P.stage_count_bound(p, s, fast) <= best * (1 + 1e-9)
+        status, bound = P.lp_bound(p, fast, runs, s, "highs", 5.0)
+        assert status == "bound" and bound <= best * (1 + 1e-9)
+    assert P.lp_bound(p, fast, runs, 1, "highs", 5.0)[0] == "infeasible"  # 300 B holds no one-stage plan
+
+
+def test_a_stage_count_not_a_multiple_of_the_gpus_balances_the_gpus_work():
+    # Three stages on two GPUs: GPU 0 runs stages 0 and 2, GPU 1 stage 1. Equal stages
+    # ([3, 3, 2] layers) give GPU 0 six layers and GPU 1 two; the seed gives each GPU half
+    # the work ([2, 4, 2]), and so does the optimum of a compute-bound problem ([1, 4, 3]: four
+    # layers a GPU, the first stage short to start the pipeline sooner).
+    p = problem([layer(f"h{i}", params=1) for i in range(8)], gpus=2, m=4, up=1e6, down=1e6, hop=1e6)
+    assert heuristic(p, stage_counts=[3], time_limit=0.0).boundaries == (0, 2, 6)
+    a, b = solve(p, stage_counts=[3], cache_dir=tempfile.mkdtemp()).boundaries[1:]
+    assert a + (8 - b) == b - a == 4
 
 
 def test_identical_layers_form_one_run():
@@ -145,6 +212,21 @@ def test_the_mip_queues_copies_on_a_shared_uplink_like_evaluate():
                 slower += evaluate(p, cuts).makespan > evaluate(free, cuts).makespan + 0.1
                 assert mip_makespan(p, cuts) == pytest.approx(evaluate(p, cuts).makespan, rel=1e-7)
     assert slower >= 20  # of 27 (measured: 26)
+
+
+def test_the_mip_times_the_last_stages_copies_at_the_duplex_share_like_evaluate():
+    # The last stage's offloads and outputs leave at the duplex share while its outputs'
+    # gradients come back (several micro-batches): the MIP with the cuts fixed equals
+    # evaluate, and the share costs time where those copies bind.
+    ls = [layer(c, fwd=0.05, bwd=0.1, out=40) for c in "abcde"]
+    slower = 0
+    for gpus, m in ((1, 2), (2, 2), (2, 3), (2, 1)):
+        full = problem(ls, gpus=gpus, m=m, hop=50.0)
+        p = replace(full, duplex=(0.5,) * gpus)
+        for cuts in ((0,), (0, 2), (0, 1, 3), (0, 1, 2, 3, 4)):
+            slower += evaluate(p, cuts).makespan > evaluate(full, cuts).makespan + 1e-9
+            assert mip_makespan(p, cuts) == pytest.approx(evaluate(p, cuts).makespan, rel=1e-7)
+    assert slower >= 10  # of 16
 
 
 def test_the_mip_places_a_tied_head_where_brute_force_does():

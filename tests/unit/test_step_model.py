@@ -183,6 +183,19 @@ def test_the_output_goes_to_the_host_and_its_gradient_comes_back():
     assert ev.makespan == pytest.approx(7.5)
 
 
+def test_the_last_stages_outputs_leave_at_the_duplex_share_while_their_gradients_come_back():
+    # As above on a route that keeps half of each direction while both are busy: the second
+    # output (10 B) leaves while the first one's gradient comes back, so the outputs take 2 s
+    # each (the simulator's switch links do this; plan_quality's compute-bound case predicted
+    # 0.845 of the simulated step without it). One micro-batch: nothing comes back meanwhile.
+    p = replace(problem([layer("a", out=20)], m=2), duplex=(0.5,))
+    ev = evaluate(p, (0,))
+    assert ev.host_copy_start[0] == (1.5, 3.5)
+    assert ev.bwd_start == ((6.5, 7.5),)  # the last output back at 5.5, its gradient at 6.5
+    one = replace(problem([layer("a", out=20)], m=1), duplex=(0.5,))
+    assert evaluate(one, (0,)).bwd_start == ((1.0 + 1.0 + 2.0 + 2.0,),)  # 20 B out and back at 10 B/s
+
+
 def test_offloads_queue_on_the_gpus_download_stream():
     # One GPU, a | b | c, two micro-batches, saved inputs of 20 B per micro-batch at 10 B/s down
     # (2 s each), uploads ~free. Stage 1 offloads at 1.5 and 3.5; stage 2's offloads queue
