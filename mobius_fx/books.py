@@ -352,6 +352,31 @@ class Device:
     def new_step(self) -> None:
         """A new forward begins: masters may have changed since the last one (optimizer step)."""
 
+    def plan_slots(self, sizes: Sequence[int]) -> None:
+        """The bytes of each stage slot the schedule holds at once on this GPU (a device with a
+        fixed slot pool sizes it from them; here: nothing to do)."""
+
+    def slot_bytes(self, slots: Sequence[torch.Tensor]) -> int:
+        """The bytes a stage with these slots takes in a slot."""
+        return sum(nbytes(s) for s in slots)
+
+    def fill(self, stage: int, slots: Sequence[torch.Tensor], masters: Sequence[torch.Tensor], nbytes: int,
+             prefer: int | None = None) -> Any:
+        """Make stage `stage` resident (`nbytes` of weights; `prefer`: the slot the plan gives
+        it) and upload its masters; returns the token for `ready`. Here: book the bytes, upload."""
+        self.alloc(nbytes, f"stage {stage}'s weights")
+        try:
+            return self.upload(slots, masters)
+        except BaseException:
+            self.release(slots)
+            self.free(nbytes)
+            raise
+
+    def vacate(self, stage: int, slots: Sequence[torch.Tensor], nbytes: int) -> None:
+        """Stage `stage` leaves the GPU: free its slots (an upload in flight was awaited)."""
+        self.release(slots)
+        self.free(nbytes)
+
     def release(self, slots: Sequence[torch.Tensor]) -> None:
         """Free the slots' storage (their shapes stay; any use now fails)."""
         for s in slots:

@@ -5,52 +5,66 @@ Everything above this module (runtime.py) is one code path; only the copies diff
 - `VirtualDevice` — a GPU of the topology played by the CPU with a byte budget (tests, CI, laptops).
   Uploads make real copies into slots whose storage is freed again on eviction
   (`untyped_storage().resize_(0)`), so a schedule that touches an evicted weight fails loudly.
-- `CudaDevice` — a real GPU: per pipeline GPU a compute stream (highest priority: it carries the
-  critical path, activation hops included), an upload stream for weights (next priority: the next
-  stage's weights are needed before anything that goes back) and a download stream for gradients and
-  offloaded inputs (lowest). Events order them; `record_stream` keeps freed memory from being reused
-  while another stream still reads it; weights upload from pinned staging copies of the masters (the
+- `StreamDevice` — the CUDA path's logic, shared by the two below: per pipeline GPU a compute
+  stream, an upload stream (weights), a download stream (gradients, offloaded inputs, values sent
+  to the host) and a copy stream (activations from other GPUs and from the host), ordered by
+  events (mobius_fx/streams.py). Weights live in a fixed pool of stage slots (`SlotPool`: as many
+  as the schedule IR has stages resident on the GPU, each a region sized from the plan); a slot is
+  refilled only after the events of its last use completed, and the upload worker waits for them
+  before it issues the refill, so the host cannot run further ahead of a GPU than the IR allows
+  (its `wait` for the stage waits for the worker). No copy blocks the host in the steady state:
+  a value sent to the host lands in a pinned buffer on the download stream with an event
+  (`streams.PENDING`); the copy up to the GPU that reads it waits for that event on its copy
+  stream, and only a host read (the model's outputs, the gradients handed to the optimizer, buffer
+  updates) waits on the host.
+- `CudaDevice` — a real GPU (`torch.cuda.Stream`/`Event`; compute and copy streams at the highest
+  priority, upload next, download last; `record_stream` keeps freed memory from being reused while
+  another stream still reads it; weights upload from pinned staging copies of the masters -- the
   user's tensors are never moved, pinned or replaced).
+- `VirtualAsyncDevice` — the CPU stand-in (`device="virtual-async"`): the same stream, event and
+  slot-pool code on thread-backed streams with seeded random delays, an access sanitizer (a copy
+  into a slot whose last use has not completed raises `RaceError`) and a log of the host's
+  blocking waits (`waits`), so races, over-allocation and host syncs show up in CI.
 
-Both keep the same books (`mobius_fx.books.Device`): bytes held now and at peak, every tensor
+All keep the same books (`mobius_fx.books.Device`): bytes held now and at peak, every tensor
 stage work creates charged while it lives, a budget that raises `BudgetError` when exceeded, and a
 log of the bytes moved per kind and direction.
 
     dev = VirtualDevice("gpu0", budget=parse_bytes("64MiB"))
     slot = dev.new_slot(master, dtype=None, parameter=True)   # no storage yet
-    dev.alloc(nbytes(slot), "stage 0 weights"); dev.ready(dev.upload([slot], [master]), [slot])
-    dev.release([slot]); dev.free(nbytes(slot), "stage 0 weights")
+    dev.ready(dev.fill(0, [slot], [master], nbytes(slot)), [slot])
+    dev.vacate(0, [slot], nbytes(slot))
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .books import HOST, Device, SavedInput, TransferLog, empty_slot, nbytes
 from .errors import MobiusError
+from .streams import PENDING, HostWaits, RaceError, SlotPool, ThreadEvent, ThreadStream, layout, views
 
-__all__ = ["HOST", "Device", "VirtualDevice", "CudaDevice", "TransferLog", "make_devices", "nbytes"]
+__all__ = ["HOST", "Device", "VirtualDevice", "StreamDevice", "CudaDevice", "VirtualAsyncDevice", "TransferLog",
+           "make_devices", "nbytes", "DEVICES"]
+
+DEVICES = ("auto", "virtual", "virtual-async", "cuda")
 
 
 class VirtualDevice(Device):
-    """A GPU played by the CPU: real copies, a byte budget, freed storage after eviction.
-
-    `asynchronous=True` uploads on a worker thread and hands out futures, as `CudaDevice`
-    does, so the runtime's handling of uploads in flight is exercised without a GPU.
-    """
+    """A GPU played by the CPU: real copies made at once, a byte budget, freed storage after
+    eviction. (`VirtualAsyncDevice` plays the CUDA path's streams, events and slot pool.)"""
 
     kind = "virtual"
 
-    def __init__(self, name: str, budget: int | None, *, asynchronous: bool = False) -> None:
+    def __init__(self, name: str, budget: int | None) -> None:
         super().__init__(name, budget, torch.device("cpu"))
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mobius-upload-{name}") \
-            if asynchronous else None
 
     def compute(self) -> contextlib.AbstractContextManager:
         return self.books()
@@ -68,21 +82,11 @@ class VirtualDevice(Device):
                     s.copy_(m)
 
         self.log.add("weight", "h2d", sum(nbytes(s) for s in slots), len(slots))
-        if self._worker is not None:
-            return self._worker.submit(work)
         work()
         return None
 
     def ready(self, token, slots):
-        if token is not None:
-            token.result()
-
-    def cancel(self, token):
-        if token is not None:
-            try:
-                token.result()
-            except BaseException:
-                pass
+        pass
 
     def receive(self, value, src, dtype=None, kind="activation"):
         out = value.to(dtype) if dtype is not None and dtype != value.dtype else value.clone()
@@ -136,29 +140,321 @@ class VirtualDevice(Device):
             torch.set_rng_state(now)
 
 
-class CudaDevice(Device):
+class StreamDevice(Device):
+    """The CUDA path's logic -- streams, events, the slot pool, asynchronous copies -- over a
+    stream backend (see the module docstring). Subclasses give the streams and events
+    (`_event`), where slot regions live (`_region`), how one copy is issued on a stream
+    (`_issue_copy`, `_copy_in`) and how a copy is differentiated (`_differentiable`).
+
+    `waits` logs the issuing thread's blocking waits (streams.HostWaits); `slot_stats()` says
+    how many slots the pool has and held at most at once."""
+
+    align = 256  # a stage's tensors are packed into its slot at this alignment
+
+    def __init__(self, name: str, budget: int | None, torch_device: torch.device) -> None:
+        super().__init__(name, budget, torch_device)
+        self.waits = HostWaits()
+        self.races: list[str] = []  # what the stand-in's sanitizer saw (always empty on CUDA)
+        self._sizes: list[int] = []
+        self._pool: SlotPool | None = None
+        self._empty: dict[int, torch.Tensor] = {}  # id(slot) -> its storage-less tensor (bound when not resident)
+        self._slot_stats = {"slots": 0, "max_in_use": 0, "overflows": 0, "bytes": 0}
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mobius-upload-{name}")
+        self.compute_stream: Any = None
+        self.upload_stream: Any = None
+        self.download_stream: Any = None
+        self.copy_stream: Any = None
+
+    # ------------------------------------------------------------------ backend
+    def _event(self) -> Any:
+        raise NotImplementedError
+
+    def _region(self, n: int) -> torch.Tensor:
+        """A new slot region of `n` bytes (uint8) on this GPU."""
+        raise NotImplementedError
+
+    def _issue_copy(self, stream: Any, value: torch.Tensor, device: torch.device, dtype: torch.dtype | None,
+                    src_stream: Any = None) -> torch.Tensor:
+        """A copy of `value` on `device` (cast to `dtype`), issued on `stream` (`src_stream`: the
+        source GPU's stream, for a copy between two CUDA devices); the result is allocated now
+        and written when the stream gets to it. A copy to the host lands in pinned memory."""
+        raise NotImplementedError
+
+    def _sources(self, targets: list[torch.Tensor], masters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        """What a slot is uploaded from (upload worker); and a callback given the upload's event."""
+        return masters, None
+
+    def _copy_in(self, targets: list[torch.Tensor], sources: list[torch.Tensor], last: list[Any]) -> None:
+        """Copy `sources` into the slot views `targets` on the upload stream (upload worker)."""
+        raise NotImplementedError
+
+    def _differentiable(self, value: torch.Tensor, there: Any, back: Any) -> torch.Tensor:
+        """`there(value)`, differentiable: its gradient goes back by `back` (CUDA: torch's own)."""
+        raise NotImplementedError
+
+    def _used_by(self, t: torch.Tensor, stream: Any) -> None:
+        """`t`'s memory is read or written on `stream`: not reused before that stream is done."""
+
+    def _streams(self) -> tuple[Any, ...]:
+        return tuple(s for s in (self.compute_stream, self.upload_stream, self.download_stream, self.copy_stream)
+                     if s is not None)
+
+    def check(self) -> None:
+        """Raise the first error a stream's worker met (the stand-in's sanitizer, a failed copy)."""
+        for s in self._streams():
+            errors = getattr(s, "errors", None)
+            if errors:
+                raise errors[0]
+
+    def new_step(self) -> None:
+        self.waits.clear()  # the log covers the step now running (it would grow without end)
+
+    # ------------------------------------------------------------------ slots
+    def plan_slots(self, sizes: Sequence[int]) -> None:
+        n = max(len(sizes), len(self._sizes))
+        old = self._sizes + [0] * (n - len(self._sizes))
+        new = list(sizes) + [0] * (n - len(sizes))
+        self._sizes = [max(a, int(b)) for a, b in zip(old, new)]
+
+    def slot_bytes(self, slots: Sequence[torch.Tensor]) -> int:
+        return layout(slots, self.align)[1]
+
+    def slot_stats(self) -> dict[str, int]:
+        """slots: the pool's slots; max_in_use: the most stages resident at once; overflows:
+        slots added or grown beyond the plan; bytes: the pool's bytes (the largest it was)."""
+        pool = self._pool
+        out = dict(self._slot_stats)
+        if pool is not None:
+            out = {"slots": max(out["slots"], len(pool.regions)), "max_in_use": max(out["max_in_use"], pool.max_in_use),
+                   "overflows": out["overflows"] + pool.overflows, "bytes": max(out["bytes"], pool.bytes)}
+        return out
+
+    def _open(self) -> SlotPool:
+        if self._pool is None:
+            sizes = list(self._sizes)
+            self.alloc(sum(sizes), "the weight slots of its stages")
+            try:
+                self._pool = SlotPool(sizes, self._region)
+            except BaseException:
+                self.free(sum(sizes))
+                raise
+        return self._pool
+
+    def _close_if_empty(self) -> None:
+        pool = self._pool
+        if pool is None or pool.in_use:
+            return
+        self._pool = None
+        self._slot_stats = {"slots": max(self._slot_stats["slots"], len(pool.regions)),
+                            "max_in_use": max(self._slot_stats["max_in_use"], pool.max_in_use),
+                            "overflows": self._slot_stats["overflows"] + pool.overflows,
+                            "bytes": max(self._slot_stats["bytes"], pool.bytes)}
+        self.free(pool.bytes)
+
+    def fill(self, stage, slots, masters, nbytes_, prefer=None):
+        """Give stage `stage` a slot of the pool and upload its masters into it (see `SlotPool`):
+        the upload worker waits for the slot's last use to end, then issues the copies on the
+        upload stream after the same events; returns the token `ready` waits for."""
+        slots, masters = list(slots), list(masters)
+        pool = self._open()
+        offsets, need = layout(slots, self.align)
+        try:
+            region = pool.take(stage, need, prefer, lambda n: self.alloc(n, f"stage {stage}'s weights (beyond the "
+                                                                            f"slots the schedule planned)"))
+        except BaseException:
+            self._close_if_empty()
+            raise
+        targets = views(region.tensor, slots, offsets)
+        for s, v in zip(slots, targets):
+            self._empty.setdefault(id(s), s.data)
+            s.data = v
+        last = list(region.last_use)
+
+        def work() -> Any:
+            for ev in last:  # the host may not refill a slot before its last use has ended
+                ev.synchronize()
+            sources, uploaded = self._sources(targets, masters)
+            for ev in last:
+                self.upload_stream.wait_event(ev)
+            self._copy_in(targets, sources, last)
+            done = self._event()
+            done.record(self.upload_stream)
+            region.filled = done
+            if uploaded is not None:
+                uploaded(done)
+            return done
+
+        self.log.add("weight", "h2d", sum(nbytes(s) for s in slots), len(slots))
+        return self._worker.submit(work)
+
+    def ready(self, token, slots):
+        if token is None:
+            return
+        if not token.done():
+            self.waits.add("flow", "a stage's upload to be issued (after its slot's last use)")
+        done = token.result()
+        self.compute_stream.wait_event(done)
+        self.check()
+
+    def cancel(self, token):
+        if token is not None:
+            try:
+                token.result()
+            except BaseException:  # the upload's own error was reported where it was awaited
+                pass
+
+    def vacate(self, stage, slots, nbytes_):
+        """Unbind the stage's slot views and give its slot back; its last use is what the
+        compute and download streams have been given so far (a refill waits for both)."""
+        for s in slots:
+            empty = self._empty.get(id(s))
+            if empty is not None:
+                s.data = empty
+        pool = self._pool
+        if pool is None or stage not in pool.by_stage:
+            return
+        used = self._event()
+        used.record(self.compute_stream)
+        read = self._event()
+        read.record(self.download_stream)
+        pool.give_back(stage, [used, read])
+        self._close_if_empty()
+
+    # ------------------------------------------------------------------ activations
+    def _receive_raw(self, value: torch.Tensor, src: "StreamDevice | None", dtype: torch.dtype | None) -> torch.Tensor:
+        """`value` from `src` (None: the host) onto this GPU, on its copy stream: after the
+        source's compute (another GPU) or the host buffer's event (a pending host copy); this
+        GPU's compute waits for the copy on its stream, not on the host."""
+        if src is None:
+            pending = PENDING.event(value)
+            if pending is not None:
+                self.copy_stream.wait_event(pending)
+            out = self._issue_copy(self.copy_stream, value, self.torch_device, dtype)
+        else:
+            made = src._event()
+            made.record(src.compute_stream)
+            self.copy_stream.wait_event(made)
+            cross = src.torch_device != self.torch_device
+            if cross:
+                src.copy_stream.wait_event(made)
+            out = self._issue_copy(self.copy_stream, value, self.torch_device, dtype,
+                                   src.copy_stream if cross else None)
+            self._used_by(value, src.copy_stream if cross else self.copy_stream)
+        done = self._event()
+        done.record(self.copy_stream)
+        self.compute_stream.wait_event(done)
+        self._used_by(out, self.compute_stream)
+        return out
+
+    def _to_host_raw(self, value: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """`value` into a pinned host buffer on the download stream, after the compute that made
+        it; the buffer is pending (streams.PENDING) until the returned event."""
+        made = self._event()
+        made.record(self.compute_stream)
+        self.download_stream.wait_event(made)
+        host = self._issue_copy(self.download_stream, value, torch.device("cpu"), None)
+        self._used_by(value, self.download_stream)
+        done = self._event()
+        done.record(self.download_stream)
+        PENDING.add(host, done, self.waits)
+        return host, done
+
+    def _grad_back(self, grad: torch.Tensor, frm: "StreamDevice | None", dtype: torch.dtype) -> torch.Tensor:
+        """The gradient of a copy onto `frm` (None: the host), back onto this GPU."""
+        out = self._receive_raw(grad, frm, dtype if dtype != grad.dtype else None)
+        self.track(out, "gradient")
+        return out
+
+    def _grad_to_host(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The gradient of a copy from the host, back to the host: autograd sums it there, so
+        the host waits for it (a blocking copy, logged)."""
+        host, _ = self._to_host_raw(grad)
+        PENDING.settle(host, "the gradient of a value sent from the host")
+        return host if host.dtype == dtype else host.to(dtype)
+
+    def receive(self, value, src, dtype=None, kind="activation"):
+        assert src is None or isinstance(src, StreamDevice)
+        orig = value.dtype
+
+        def there(v: torch.Tensor) -> torch.Tensor:
+            return self._receive_raw(v, src, dtype)
+
+        def back(g: torch.Tensor) -> torch.Tensor:
+            return src._grad_back(g, self, orig) if src is not None else self._grad_to_host(g, orig)
+
+        out = self._differentiable(value, there, back)
+        self.log.add(kind, "h2d" if src is None else "d2d", nbytes(out))
+        return out
+
+    def to_host(self, value):
+        orig = value.dtype
+        out = self._differentiable(value, lambda v: self._to_host_raw(v)[0], lambda g: self._grad_back(g, None, orig))
+        self.log.add("activation", "d2h", nbytes(out))
+        return out
+
+    def offload(self, t):
+        # The input, while it lives, tells whether it was changed in place before backward: an
+        # error, as in eager checkpointing.
+        with self.untracked():
+            host, done = self._to_host_raw(t.detach())
+        self.log.add("input", "d2h", nbytes(t))
+        return SavedInput(host, (done, weakref.ref(t), t._version))
+
+    def restore(self, saved):
+        _, ref, version = saved.event
+        t = ref()
+        if t is not None and t._version != version:
+            raise MobiusError(
+                f"an input saved for backward on {self.name} was modified in place after the forward used it "
+                f"(version {version} -> {t._version}); a stage must not change its inputs in place "
+                f"(use the out-of-place op, e.g. relu instead of relu_)")
+        out = self._receive_raw(saved.host, None, None)  # waits for the offload's event on the copy stream
+        self.log.add("input", "h2d", nbytes(out))
+        return out
+
+    def download(self, t, kind):
+        host, _ = self._to_host_raw(t.detach())
+        self.log.add(kind, "d2h", nbytes(t))
+
+        def wait() -> torch.Tensor:
+            PENDING.settle(host, kind)
+            self.check()
+            return host
+
+        return wait
+
+    def synchronize(self):
+        for s in self._streams():
+            s.synchronize()
+        self.check()
+
+
+class CudaDevice(StreamDevice):
     """A real GPU (one pipeline GPU; several may share one CUDA device, each with its streams).
 
     Weights upload from pinned host copies of the masters in the streamed dtype. A copy is
     refreshed once per step (masters change in the optimizer step, and writes through `.data`
-    do not bump version counters), by a worker thread that also issues the upload, so the
-    host-side refresh overlaps the stage the GPU is running.
+    do not bump version counters), by the upload worker, so the host-side refresh overlaps the
+    stage the GPU is running.
     """
 
     kind = "cuda"
     granule = 512  # CUDACachingAllocator rounds every block up to 512 bytes (memory_allocated counts blocks)
+    align = 512
 
     def __init__(self, name: str, budget: int | None, index: int) -> None:
         super().__init__(name, budget, torch.device("cuda", index))
         least, greatest = torch.cuda.Stream.priority_range()
         with torch.cuda.device(index):
+            # Compute and activation copies carry the critical path; the next stage's weights come
+            # next; gradients and offloads, needed last, go at the lowest priority.
             self.compute_stream = torch.cuda.Stream(priority=greatest)
+            self.copy_stream = torch.cuda.Stream(priority=greatest)
             self.upload_stream = torch.cuda.Stream(priority=(least + greatest) // 2)
             self.download_stream = torch.cuda.Stream(priority=least)
         # id(master) -> [master, step of the last refresh, pinned copy, event of its last upload]
         self._pinned: dict[int, list[Any]] = {}
         self._epoch = 0
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mobius-upload-{name}")
 
     @contextlib.contextmanager
     def compute(self):
@@ -169,7 +465,34 @@ class CudaDevice(Device):
         return empty_slot(like, dtype, parameter, self.torch_device)
 
     def new_step(self):
+        super().new_step()
         self._epoch += 1
+
+    def _event(self):
+        return torch.cuda.Event()
+
+    def _region(self, n):
+        with torch.cuda.stream(self.upload_stream):
+            t = torch.empty(n, dtype=torch.uint8, device=self.torch_device)
+        for s in (self.compute_stream, self.download_stream, self.copy_stream):
+            t.record_stream(s)  # freed (end of step) only after the work queued on them
+        return t
+
+    def _issue_copy(self, stream, value, device, dtype, src_stream=None):
+        outer = torch.cuda.stream(src_stream) if src_stream is not None else contextlib.nullcontext()
+        with outer, torch.cuda.stream(stream):
+            if device.type == "cpu":  # non_blocking: ATen pins the destination and copies asynchronously
+                return value.to("cpu", dtype=dtype or value.dtype, non_blocking=True)
+            if value.device == device:
+                return value.to(dtype) if dtype is not None and dtype != value.dtype else value.clone()
+            return value.to(device, dtype=dtype or value.dtype, non_blocking=True)
+
+    def _used_by(self, t, stream):
+        if t.is_cuda:
+            t.record_stream(stream)
+
+    def _differentiable(self, value, there, back):
+        return there(value)  # torch's copies are differentiable (their backward copies back)
 
     def _staged(self, master: torch.Tensor, dtype: torch.dtype) -> list[Any]:
         """The pinned copy of `master` in `dtype`, refreshed once per step (worker thread only)."""
@@ -184,107 +507,25 @@ class CudaDevice(Device):
             entry[1] = self._epoch
         return entry
 
-    def upload(self, slots, masters):
-        slots, masters = list(slots), list(masters)
+    def _sources(self, targets, masters):
+        entries = [self._staged(m, t.dtype) for t, m in zip(targets, masters)]
 
-        def work() -> torch.cuda.Event:
-            with torch.cuda.stream(self.upload_stream), torch.no_grad():
-                entries = [self._staged(m, s.dtype) for s, m in zip(slots, masters)]
-                for s, e in zip(slots, entries):
-                    s.untyped_storage().resize_(nbytes(s))  # allocated on the upload stream
-                    s.copy_(e[2], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.upload_stream)
+        def uploaded(event: Any) -> None:
             for e in entries:
                 e[3] = event
-            return event
 
-        self.log.add("weight", "h2d", sum(nbytes(s) for s in slots), len(slots))
-        return self._worker.submit(work)
+        return [e[2] for e in entries], uploaded
 
-    def ready(self, token, slots):
-        if token is None:
-            return
-        self.compute_stream.wait_event(token.result())
-        for s in slots:
-            s.record_stream(self.compute_stream)  # its memory is reused only after compute is done with it
-
-    def cancel(self, token):
-        if token is not None:
-            try:
-                token.result()
-            except BaseException:  # the upload's own error was reported where it was awaited
-                pass
-
-    def release(self, slots):
-        with torch.cuda.device(self.torch_device):
-            super().release(slots)
-
-    def receive(self, value, src, dtype=None, kind="activation"):
-        if src is None:
-            with self.compute():
-                out = value.to(self.torch_device, dtype=dtype or value.dtype, non_blocking=True)
-            self.log.add(kind, "h2d", nbytes(out))
-            return out
-        assert isinstance(src, CudaDevice)
-        if src.torch_device == self.torch_device:
-            self.compute_stream.wait_stream(src.compute_stream)
-            with self.compute():
-                out = value.to(dtype) if dtype is not None and dtype != value.dtype else value.clone()
-            value.record_stream(self.compute_stream)
-        else:
-            # Current streams: the source's compute on its device, ours on ours; the copy runs on
-            # the source stream and is fenced both ways (ATen copy_device_to_device).
-            with torch.cuda.stream(src.compute_stream), torch.cuda.stream(self.compute_stream):
-                out = value.to(self.torch_device, dtype=dtype or value.dtype, non_blocking=True)
-        self.log.add("activation", "d2d", nbytes(out))
-        return out
-
-    def to_host(self, value):
-        with self.compute():
-            out = value.to("cpu")  # blocking: the host reads it next
-        self.log.add("activation", "d2h", nbytes(out))
-        return out
+    def _copy_in(self, targets, sources, last):
+        with torch.cuda.stream(self.upload_stream), torch.no_grad():
+            for t, s in zip(targets, sources):
+                t.copy_(s, non_blocking=True)
 
     def _arrive(self, t):
         if t.device == self.torch_device:  # autograd copied it here (the backward of a send)
             self.track(t, "gradient")
             return t
         return t.to(self.torch_device, non_blocking=True)
-
-    def _to_pinned(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Copy `t` into a new pinned host tensor on the download stream, after the compute
-        that produced it; returns the host tensor and the event that marks the copy done."""
-        self.download_stream.wait_stream(self.compute_stream)
-        with torch.cuda.stream(self.download_stream):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.download_stream)
-        t.record_stream(self.download_stream)
-        return host, event
-
-    def offload(self, t):
-        host, event = self._to_pinned(t)
-        self.log.add("input", "d2h", nbytes(t))
-        return SavedInput(host, event)
-
-    def restore(self, saved):
-        self.compute_stream.wait_event(saved.event)
-        with self.compute():
-            out = saved.host.to(self.torch_device, non_blocking=True)
-        self.log.add("input", "h2d", nbytes(out))
-        return out
-
-    def download(self, t, kind):
-        host, event = self._to_pinned(t)
-        self.log.add(kind, "d2h", nbytes(t))
-
-        def wait() -> torch.Tensor:
-            event.synchronize()
-            return host
-
-        return wait
 
     def rng_state(self):
         return torch.cuda.get_rng_state(self.torch_device)
@@ -298,15 +539,153 @@ class CudaDevice(Device):
         finally:
             torch.cuda.set_rng_state(now, self.torch_device)
 
-    def synchronize(self):
-        for s in (self.compute_stream, self.upload_stream, self.download_stream):
-            s.synchronize()
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s memory as a tensor with a version counter of its own."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(),
+                                                               t.stride())
+
+
+class _Streamed(torch.autograd.Function):
+    """The stand-in's differentiable copy: `there(value)` issues it on thread streams; the
+    gradient goes back by `back`, the same choreography the other way."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, there: Any, back: Any) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
+        ctx.back = back
+        return there(value.detach())
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return (None if grad is None else ctx.back(grad)), None, None
+
+
+class VirtualAsyncDevice(StreamDevice):
+    """The CPU stand-in of a CUDA GPU (`device="virtual-async"`): `StreamDevice`'s streams,
+    events and slot pool on threads (mobius_fx/streams.py), each queued item delayed at random
+    (`seed`; `delay` seconds at most, `chance` of delaying an item), stage work on the issuing
+    thread. A refill of a slot whose last use has not completed raises `RaceError` (and is
+    listed in `races`); a copy read before its event gives wrong values, which the tests see."""
+
+    kind = "virtual-async"
+
+    def __init__(self, name: str, budget: int | None, *, seed: int = 0, delay: float = 2e-4,
+                 chance: float = 0.5) -> None:
+        super().__init__(name, budget, torch.device("cpu"))
+        self.seed = seed
+
+        def stream(role: str, inline: bool = False) -> ThreadStream:
+            return ThreadStream(f"{name}-{role}", seed=seed, delay=delay, chance=chance, waits=self.waits,
+                                inline=inline)
+
+        self.compute_stream = stream("compute", inline=True)
+        self.copy_stream = stream("copy")
+        self.upload_stream = stream("upload")
+        self.download_stream = stream("download")
+
+    def compute(self) -> contextlib.AbstractContextManager:
+        return self.books()
+
+    def new_slot(self, like, dtype, parameter):
+        return empty_slot(like, dtype, parameter, self.torch_device)
+
+    def _event(self):
+        return ThreadEvent(self.waits)
+
+    def _region(self, n):
+        return torch.empty(n, dtype=torch.uint8)
+
+    def _issue_copy(self, stream, value, device, dtype, src_stream=None):
+        # A host buffer still pending is read only by a stream made to wait for its event (a host
+        # read settles it first); weights, only by a compute stream that waited for their upload
+        # (`working`); a slot is refilled only after its last use (`_copy_in`).
+        v = value.detach()
+        pending = PENDING.event(v)
+        if pending is not None and not pending.ordered_before(stream, strict=True):
+            self._race(f"{self.name}: a copy on {stream.name} reads a host buffer before the event that marks it "
+                       f"written (the stream did not wait for it)")
+        out = torch.empty_like(v, dtype=dtype or v.dtype)
+        into = _alias(out)  # written later, by the stream's thread: not a version bump autograd would see
+        stream.submit(lambda: into.copy_(v))
+        region = self._region_of(v)
+        if region is not None:  # a slot read on another stream (a buffer's download): its refill must wait for it
+            mark = ThreadEvent()
+            mark.record(stream)
+            region.readers.append(mark._at)
+        return out
+
+    def _region_of(self, t: torch.Tensor) -> Any:
+        if self._pool is None:
+            return None
+        ptr = t.untyped_storage().data_ptr()
+        if not ptr:  # no bytes: nothing to order
+            return None
+        return next((r for r in self._pool.regions if r.tensor.untyped_storage().data_ptr() == ptr), None)
+
+    def _race(self, msg: str) -> None:
+        self.races.append(msg)
+        raise RaceError(msg)
+
+    def _copy_in(self, targets, sources, last):
+        # Checked when issued (the upload stream was made to wait for the last use: what a GPU's
+        # order rests on, whatever the host waited for) and when run (the last use completed).
+        if not all(ev.ordered_before(self.upload_stream, strict=True) for ev in last):
+            self._race(f"{self.name}: a slot's refill was issued without the upload stream waiting for the events "
+                       f"of its last use")
+        region = self._region_of(targets[0]) if targets else None
+        if region is not None:
+            missed = [read for read in region.readers if not any(ev.covers(read) for ev in last)]
+            region.readers = []
+            if missed:
+                self._race(f"{self.name}: a slot was refilled without waiting for a read of it on "
+                           f"{missed[0][0].name} (its last use left that stream out)")
+
+        def copy() -> None:
+            if not all(ev.query() for ev in last):
+                self._race(f"{self.name}: a slot was refilled before the events of its last use completed")
+            for t, s in zip(targets, sources):
+                t.copy_(s)
+
+        self.upload_stream.submit(copy)
+
+    def working(self, stage, others=0):
+        # The stage's weights are read by this work: its compute must have waited for their upload.
+        region = self._pool.by_stage.get(stage) if self._pool is not None else None
+        if region is not None and (region.filled is None
+                                   or not region.filled.ordered_before(self.compute_stream, strict=True)):
+            self._race(f"{self.name}: stage {stage} computes on its slot before the compute stream waited for the "
+                       f"slot's upload")
+        return super().working(stage, others)
+
+    def _differentiable(self, value, there, back):
+        if value.requires_grad and torch.is_grad_enabled():
+            return _Streamed.apply(value, there, back)
+        return there(value)
+
+    def _arrive(self, t):
+        return t.clone()  # the copy a GPU receives (charged to it inside compute())
+
+    def rng_state(self):
+        return torch.get_rng_state()
+
+    @contextlib.contextmanager
+    def rng(self, state):
+        now = torch.get_rng_state()
+        torch.set_rng_state(state)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(now)
 
 
 def make_devices(budgets: Mapping[str, int | None], *, device: "str | Mapping[str, Device]" = "auto",
-                 indices: Mapping[str, int] | None = None) -> dict[str, Device]:
-    """One `Device` per GPU name. device: "virtual", "cuda", "auto" (CUDA when available), or
-    your own `{gpu name: Device}` (it must name every GPU of `budgets`).
+                 indices: Mapping[str, int] | None = None, seed: int = 0) -> dict[str, Device]:
+    """One `Device` per GPU name. device: "virtual", "virtual-async" (the CPU stand-in of the CUDA
+    path: streams on threads with random delays, seeded by `seed` plus the GPU's position), "cuda",
+    "auto" (CUDA when available), or your own `{gpu name: Device}` (it must name every GPU of
+    `budgets`).
 
     `indices` maps a GPU name to its CUDA index (default: the order of `budgets`, modulo the
     number of CUDA devices, so a 4-GPU topology also runs on one real GPU).
@@ -316,12 +695,15 @@ def make_devices(budgets: Mapping[str, int | None], *, device: "str | Mapping[st
         if missing:
             raise MobiusError(f"no Device given for GPU(s) {missing}; pass one Device per GPU name the stages use")
         return {name: device[name] for name in budgets}
-    if device not in ("auto", "virtual", "cuda"):
-        raise MobiusError(f"device={device!r}; use 'auto', 'virtual' (GPUs played by the CPU) or 'cuda'")
+    if device not in DEVICES:
+        raise MobiusError(f"device={device!r}; use 'auto', 'virtual' (GPUs played by the CPU), 'virtual-async' (the "
+                          f"CPU stand-in of the CUDA path's streams) or 'cuda'")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "virtual"
     if device == "virtual":
         return {name: VirtualDevice(name, b) for name, b in budgets.items()}
+    if device == "virtual-async":
+        return {name: VirtualAsyncDevice(name, b, seed=seed + i) for i, (name, b) in enumerate(budgets.items())}
     if not torch.cuda.is_available():
         raise MobiusError("device='cuda' but torch.cuda.is_available() is False; use device='virtual' to run the "
                           "pipeline on the CPU with virtual GPUs")

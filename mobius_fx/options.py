@@ -31,7 +31,7 @@ __all__ = ["CompileOptions", "CompileContext", "default_microbatches", "divisors
 _COSTS = ("auto", "model", "measure")
 _SOLVERS = ("auto", "highs", "cbc")
 _CROSS_MAPS = ("contention", "paper", "identity")
-_DEVICES = ("auto", "virtual", "cuda")
+_DEVICES = ("auto", "virtual", "virtual-async", "cuda")
 
 
 def _positive_int(name: str, value: Any, what: str) -> int:
@@ -137,8 +137,9 @@ class CompileOptions:
     masters stay in DRAM). `memory_fraction`: the share of each GPU a plan may use. `solver`:
     "auto" | "highs" | "cbc". `time_limit`: the MIP's whole budget in seconds. `cross_map`:
     "contention" | "paper" | "identity". `cache_dir`: where solved partitions are kept.
-    `device`: "auto" | "virtual" | "cuda" or `{gpu name: Device}` (compile only). `device_spec`:
-    the cost model's device (default: the topology's first GPU). `verbose`: progress on stderr.
+    `device`: "auto" | "virtual" | "virtual-async" (the CPU stand-in of the CUDA path) | "cuda" or
+    `{gpu name: Device}` (compile only). `device_spec`: the cost model's device (default: the
+    topology's first GPU). `verbose`: progress on stderr.
     `max_variants` (compile only): how many call signatures a pipeline compiles a variant for
     (other keyword arguments, or shapes its graph does not hold for: mobius_fx/signatures.py);
     1 keeps the compiled signature fixed and refuses any other call with a MobiusError.

@@ -75,8 +75,9 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     and activations are copied to the GPUs in, and the stages run under autocast to it; fp32
     masters and gradients stay on the host (for fp16, scale the loss with
     `torch.amp.GradScaler("cpu")`).
-    `device`: "virtual" (GPUs played by the CPU), "cuda", "auto" (virtual for a virtual
-    topology or without CUDA, else CUDA) or a `{gpu name: Device}` of your own; `gpu_indices`
+    `device`: "virtual" (GPUs played by the CPU), "virtual-async" (the CPU stand-in of the CUDA
+    path's streams, events and slot pool: mobius_fx.devices.VirtualAsyncDevice), "cuda", "auto"
+    (virtual for a virtual topology or without CUDA, else CUDA) or a `{gpu name: Device}` of your own; `gpu_indices`
     maps GPU names to CUDA indices. The model is left as it was. Given example inputs, the
     pipeline (a `signatures.VariantPipeline`) serves calls like them: a call with other keyword
     arguments, or shapes the traced graph does not hold for, is refused with a MobiusError

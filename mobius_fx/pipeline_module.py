@@ -111,7 +111,8 @@ class Pipeline(nn.Module):
         """The step this pipeline runs, as the schedule IR (mobius_fx/schedule.py): weight and
         gradient bytes from its GPU slots; activation bytes from `values`, one micro-batch's
         tensor (real or meta) per value name of the traced graph (absent: 0 bytes). A value's
-        gradient flows back when it is floating and not a model input. `transfer_stats(
+        gradient flows back when it is floating, not a model input, and a floating input or
+        parameter of the stage that makes it reaches it (`Runtime.carries_grad`). `transfer_stats(
         last_step=True, by_stage=True)` after a training step equals `ir.bytes_moved()`.
         """
         from .schedule import StageInput, StageIO, build_schedule
@@ -139,9 +140,11 @@ class Pipeline(nn.Module):
             grads = sum(nbytes(s) for j, s in enumerate(st.slots) if st.is_param[j] and st.masters[j].requires_grad)
             ios.append(StageIO(
                 gpu=spec.gpu, weight_bytes=st.weight_bytes, grad_bytes=grads,
-                inputs=tuple(StageInput(ref.stage, size(value(ref)), needs_grad=ref.stage >= 0 and floating(value(ref)))
+                inputs=tuple(StageInput(ref.stage, size(value(ref)), needs_grad=ref.stage >= 0 and floating(value(ref))
+                                        and self._rt.carries_grad(ref.stage, ref.index))
                              for ref in spec.inputs),
-                host_outputs=tuple(size(spec.outputs[j]) for j in self.schedule.to_host[spec.index])))
+                host_outputs=tuple(size(spec.outputs[j]) for j in self.schedule.to_host[spec.index]),
+                host_grads=tuple(self._rt.carries_grad(spec.index, j) for j in self.schedule.to_host[spec.index])))
         return build_schedule(ios, self.schedule.microbatches, optimizer=optimizer)
 
     def overlap(self, optimizer: torch.optim.Optimizer, mode: str = "sync", *,

@@ -16,7 +16,11 @@ How a step runs:
 - Master weights stay in the user's model on the CPU; the model is never moved or modified
   (gradients land in `param.grad`, buffer updates such as BatchNorm statistics are copied
   back once per forward). Each stage owns GPU *slots* for its weights; `prefetch` gives them
-  storage and copies the masters in, `evict` frees the storage again.
+  storage and copies the masters in, `evict` frees the storage again. On stream devices (CUDA
+  and its CPU stand-in, mobius_fx/devices.py `StreamDevice`) that storage is a slot of a fixed
+  per-GPU pool: as many slots as the schedule IR has stages resident on the GPU at once, each
+  sized for the largest stage the IR's order puts in it (`_plan_slots`), refilled only after
+  the events of its last use.
 - Each `run_stage` call with autograd on is one `torch.autograd.Function`. Its forward runs the
   stage without building a graph, offloads its boundary inputs to host memory and saves the RNG
   state. Its backward re-fetches the stage if it was evicted (the stage the same GPU runs next
@@ -54,7 +58,8 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from .devices import HOST, Device, nbytes
 from .errors import BudgetError, MobiusError
-from .stage_calls import StageCalls, StageState, Step, logged_grad
+from .stage_calls import StageCall, StageCalls, StageState, Step, logged_grad
+from .streams import PENDING, tick
 
 __all__ = ["Runtime", "batch_rows"]
 
@@ -99,6 +104,8 @@ class Runtime(StageCalls):
         for o in ir.select(kind="prefetch", phase="backward"):
             waits = [ir.ops[d].stage for d in o.deps if ir.ops[d].kind == "wait"]
             self._bwd_prefetch.setdefault(waits[0], []).append(o.stage)
+        self._diff_outputs: dict[int, list[bool] | None] = {}  # stage -> per output: may carry a gradient
+        self._slot_home = self._plan_slots(ir)  # (stage, phase) -> the slot the IR's order gives it on its GPU
         self.planned_rows = 0  # rows of the example batch the plan was made for (0: unknown)
         self._from_host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # GPU copy -> its host original
         self._lock = threading.RLock()
@@ -107,27 +114,47 @@ class Runtime(StageCalls):
         # What this step executed, in order: (kind, gpu, stage, phase, micro-batch or None) for
         # each prefetch, wait, run and evict that acted (`Pipeline.executed_ops`).
         self.executed: list[tuple[str, str, int, str, int | None]] = []
+        self.stamps: list[int] = []  # streams.tick() of each executed op: orders them with the devices' host waits
 
     def _did(self, kind: str, k: int, i: int | None = None) -> None:
         phase = "backward" if self.step is not None and self.step.state == "backward" else "forward"
         self.executed.append((kind, self.stages[k].device.name, k, phase, i))
+        self.stamps.append(tick())
+
+    def _plan_slots(self, ir: Any) -> dict[tuple[int, str], int]:
+        """Walk each GPU's ops in the IR's order, giving each prefetched stage the first slot
+        free then: the slots' count is the IR's resident stages on the GPU, each sized for the
+        largest stage it takes; tell each device (`Device.plan_slots`) and return the slot of
+        each (stage, phase)."""
+        home: dict[tuple[int, str], int] = {}
+        for gpu in ir.gpus:
+            dev = self.devices[gpu]
+            sizes: list[int] = []
+            on: dict[int, int] = {}
+            for o in ir.place(gpu):
+                if o.kind == "prefetch":
+                    used = set(on.values())
+                    slot = next(i for i in range(len(sizes) + 1) if i not in used)
+                    if slot == len(sizes):
+                        sizes.append(0)
+                    sizes[slot] = max(sizes[slot], dev.slot_bytes(self.stages[o.stage].slots))
+                    on[o.stage] = home[(o.stage, o.phase)] = slot
+                elif o.kind == "evict":
+                    on.pop(o.stage, None)
+            dev.plan_slots(sizes)
+        return home
 
     # ------------------------------------------------------------------ weights
     def prefetch(self, k: int) -> None:
         st = self.stages[k]
         if st.resident:
             return
-        st.device.alloc(st.weight_bytes, f"stage {k}'s weights")
-        try:
-            for j, master in enumerate(st.masters):
-                if st.is_param[j]:
-                    st.slots[j].requires_grad_(master.requires_grad)
-            with st.device.log.stage(k):
-                st.token = st.device.upload(st.slots, st.masters)
-        except BaseException:
-            st.device.release(st.slots)
-            st.device.free(st.weight_bytes)
-            raise
+        for j, master in enumerate(st.masters):
+            if st.is_param[j]:
+                st.slots[j].requires_grad_(master.requires_grad)
+        phase = "backward" if self.step is not None and self.step.state == "backward" else "forward"
+        with st.device.log.stage(k):
+            st.token = st.device.fill(k, st.slots, st.masters, st.weight_bytes, self._slot_home.get((k, phase)))
         st.resident = True
         self._did("prefetch", k)
         if st.token is None:
@@ -154,8 +181,7 @@ class Runtime(StageCalls):
         if st.token is not None:
             st.device.ready(st.token, st.slots)
             st.token = None
-        st.device.release(st.slots)
-        st.device.free(st.weight_bytes)
+        st.device.vacate(k, st.slots, st.weight_bytes)
         st.resident = False
         self._did("evict", k)
 
@@ -182,6 +208,8 @@ class Runtime(StageCalls):
         in backward, the gradient coming back are logged under that stage (a push to the next
         stage's GPU sends its gradient back to the producer, stage - 1)."""
         src = self._where(t)
+        if t.requires_grad and not self._carries_grad(t):
+            t = t.detach()  # no gradient can flow back through it: none is computed, copied or waited for
         if gpu == HOST:
             if src is None:
                 return t
@@ -201,6 +229,63 @@ class Runtime(StageCalls):
             out = logged_grad(raw, src, "d2d", None if stage is None else stage - 1)
         dst.track(out)
         return out
+
+    def carries_grad(self, stage: int, index: int) -> bool:
+        """Whether output `index` of stage `stage` may carry a gradient back (see `_carries_grad`);
+        the schedule IR's `StageInput.needs_grad` for a value made by a stage."""
+        flags = self._differentiable_outputs(stage)
+        return True if flags is None or index >= len(flags) else flags[index]
+
+    def _carries_grad(self, t: torch.Tensor) -> bool:
+        """Whether a stage output may carry a gradient back. A stage call's outputs all require
+        grad to autograd (it is one Function), but one that no floating input and no parameter
+        of the stage reaches (a causal mask built from token ids, rotary tables from a buffer)
+        gets none in eager: sent on as is, its receivers would compute and send back a gradient
+        nobody uses -- through the host, with a wait, when it skips stages."""
+        call = getattr(t.grad_fn, "call", None)
+        if not isinstance(call, StageCall):
+            return True
+        flags = self._differentiable_outputs(call.stage)
+        if flags is None or len(call.out_leaves) != len(flags) or t.output_nr >= len(call.out_pos):
+            return True
+        return flags[call.out_pos[t.output_nr]]
+
+    def _differentiable_outputs(self, k: int) -> list[bool] | None:
+        """Per output of stage k's graph: whether a floating input or a floating parameter of
+        the stage reaches it (None: not a flat tuple of values, no answer)."""
+        if k in self._diff_outputs:
+            return self._diff_outputs[k]
+        module = self.stages[k].module
+        graph = getattr(module, "graph", None)
+        flags = None
+        if graph is not None:
+            reach: dict[Any, bool] = {}
+
+            def floating(node: Any) -> bool | None:
+                val = node.meta.get("val", node.meta.get("tensor_meta"))
+                dtype = getattr(val, "dtype", None)
+                return None if dtype is None else (dtype.is_floating_point or dtype.is_complex)
+
+            for node in graph.nodes:
+                if node.op == "placeholder":
+                    reach[node] = floating(node) is not False
+                elif node.op == "get_attr":
+                    try:
+                        obj = module.get_parameter(str(node.target))
+                    except (AttributeError, TypeError):
+                        obj = None
+                    reach[node] = isinstance(obj, nn.Parameter) and (obj.is_floating_point() or obj.is_complex())
+                elif node.op == "output":
+                    out = node.args[0]
+                    if isinstance(out, (tuple, list)):
+                        flags = [reach.get(a, False) if isinstance(a, torch.fx.Node) else False for a in out]
+                else:
+                    r = any(reach.get(a, True) for a in node.all_input_nodes)
+                    if node.op == "call_module":
+                        r = r or any(p.is_floating_point() for p in module.get_submodule(str(node.target)).parameters())
+                    reach[node] = r and floating(node) is not False
+        self._diff_outputs[k] = flags
+        return flags
 
     def split(self, inputs: tuple, m: int) -> tuple:
         rows = batch_rows(inputs, m)
@@ -231,6 +316,8 @@ class Runtime(StageCalls):
         return tuple(out)
 
     def merge(self, outputs: list) -> Any:
+        for t in pytree.tree_leaves(outputs):  # values sent to the host asynchronously: the host reads them now
+            PENDING.settle(t, "a model output")
         outputs = [_thaw(o) for o in outputs]
         if len(outputs) == 1:
             return outputs[0]
@@ -292,6 +379,7 @@ class Runtime(StageCalls):
                     self.evict(k)
             self._from_host.clear()
             self.executed.clear()
+            self.stamps.clear()
             for dev in self.devices.values():
                 dev.new_step()
                 dev.log.mark()
@@ -337,8 +425,7 @@ class Runtime(StageCalls):
                 if st.resident:
                     st.device.cancel(st.token)
                     st.token = None
-                    st.device.release(st.slots)
-                    st.device.free(st.weight_bytes)
+                    st.device.vacate(k, st.slots, st.weight_bytes)
                     st.resident = False
             for dev in self.devices.values():
                 dev.untrack_all()

@@ -65,6 +65,8 @@ class StageIO:
     inputs: tuple[StageInput, ...] = ()
     host_outputs: tuple[int, ...] = ()  # bytes per micro-batch of each output copied to the host
     #                                     (model outputs, values read two or more stages later)
+    host_grads: tuple[bool, ...] = ()  # per host output: whether a gradient comes back for it
+    #                                    (empty: all do; a causal mask built from token ids does not)
 
 
 @dataclass(frozen=True)
@@ -308,7 +310,9 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
                 else:
                     deps.append(op("send", g, k, "backward", [wait], microbatch=i, src=HOST, dst=g, what="input",
                                    bytes=inp.bytes, value=j))
-            for b in st.host_outputs:  # the gradient of what went to the host (the loss, long skips)
+            for p, b in enumerate(st.host_outputs):  # the gradient of what went to the host (the loss, long skips)
+                if st.host_grads and not st.host_grads[p]:
+                    continue
                 deps.append(op("send", g, k, "backward", hosted_all[(k, i)], microbatch=i, src=HOST, dst=g,
                                what="activation", bytes=b))
             r = op("run", g, k, "backward", deps, microbatch=i)

@@ -137,7 +137,7 @@ def test_a_non_floating_dtype_is_refused_at_plan_time(no_tracing, dtype):
 
 
 def test_compile_refuses_an_unknown_device(no_tracing):
-    with pytest.raises(MobiusError, match=r"device='tpu' is not one of 'auto', 'virtual', 'cuda'"):
+    with pytest.raises(MobiusError, match=r"device='tpu' is not one of 'auto', 'virtual', 'virtual-async', 'cuda'"):
         _compile(device="tpu")
 
 

@@ -631,15 +631,15 @@ def test_bfloat16_streaming_equals_bf16_eager_is_close_to_fp32_eager_and_keeps_f
 
 
 def test_uploads_in_flight_are_awaited_before_use_and_before_freeing():
-    # Asynchronous virtual GPUs hand out futures for uploads, as CUDA devices do.
-    from mobius_fx.devices import VirtualDevice
+    # The CPU stand-in of CUDA devices hands out futures for uploads, as CUDA devices do.
+    from mobius_fx.devices import VirtualAsyncDevice
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(),
                           nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
     eager = copy.deepcopy(model)
     x = torch.randn(8, 8)
-    devices = {g: VirtualDevice(g, None, asynchronous=True) for g in ("gpu0", "gpu1")}
+    devices = {g: VirtualAsyncDevice(g, None, seed=i) for i, g in enumerate(("gpu0", "gpu1"))}
     gm = fx.symbolic_trace(model)
     pipe = build_pipeline(model, gm, stage_nodes=cut(gm, 4), stage_gpus=["gpu0", "gpu1"] * 2, microbatches=1,
                           example_inputs=(x,), device=devices)
