@@ -164,6 +164,14 @@ class StreamDevice(Device):
         self.upload_stream: Any = None
         self.download_stream: Any = None
         self.copy_stream: Any = None
+        # The streamed copies of the masters the slots upload from (`_staged`): id(master) ->
+        # [master, step it was last used in, host copy in the slot's dtype, event of its last
+        # upload, (master's storage pointer, version) when `refresh` wrote it]. Kept across steps;
+        # `refresh` (the optimizer overlap) writes a stepped stage's new values right after its
+        # step, so the next step's upload copies nothing.
+        self._pinned: dict[int, list[Any]] = {}
+        self._epoch = 0
+        self.staging = {"copies": 0, "bytes": 0, "refreshed_copies": 0, "refreshed_bytes": 0}
 
     # ------------------------------------------------------------------ backend
     def _event(self) -> Any:
@@ -179,10 +187,6 @@ class StreamDevice(Device):
         source GPU's stream, for a copy between two CUDA devices); the result is allocated now
         and written when the stream gets to it. A copy to the host lands in pinned memory."""
         raise NotImplementedError
-
-    def _sources(self, targets: list[torch.Tensor], masters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-        """What a slot is uploaded from (upload worker); and a callback given the upload's event."""
-        return masters, None
 
     def _copy_in(self, targets: list[torch.Tensor], sources: list[torch.Tensor], last: list[Any]) -> None:
         """Copy `sources` into the slot views `targets` on the upload stream (upload worker)."""
@@ -208,6 +212,59 @@ class StreamDevice(Device):
 
     def new_step(self) -> None:
         self.waits.clear()  # the log covers the step now running (it would grow without end)
+        self._epoch += 1
+
+    # ------------------------------------------------------------------ the streamed copies of the masters
+    def _host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor the upload stream copies from (CUDA: pinned)."""
+        return torch.empty(shape, dtype=dtype)
+
+    def _staged(self, master: torch.Tensor, dtype: torch.dtype) -> list[Any]:
+        """The streamed copy of `master` in `dtype` (upload worker only): written at the
+        master's first upload of each step -- unless `refresh` (the optimizer overlap, right after
+        the master's step) already wrote it and the master has not changed since (same storage,
+        same version). Masters nothing refreshed are copied every step: a write through `.data`
+        bumps no version counter, so only the optimizer that made the change can vouch for it."""
+        entry = self._pinned.get(id(master))
+        if entry is None or entry[0] is not master or entry[2].dtype != dtype or entry[2].shape != master.shape:
+            entry = [master, None, self._host_buffer(master.shape, dtype), None, None]
+            self._pinned[id(master)] = entry
+        now = (master.untyped_storage().data_ptr(), master._version)
+        if entry[1] is None or (entry[1] != self._epoch and entry[4] != now):
+            if entry[3] is not None:
+                entry[3].synchronize()  # an earlier upload may still read the old copy
+            with torch.no_grad():
+                entry[2].copy_(master.detach())
+            self.staging["copies"] += 1
+            self.staging["bytes"] += nbytes(entry[2])
+            entry[4] = None  # fresh for this step only
+        entry[1] = self._epoch
+        return entry
+
+    def refresh(self, masters: Sequence[torch.Tensor]) -> None:
+        """The optimizer stepped `masters` (pipe.overlap, on its worker, after a stage's last
+        backward): write their new values into the streamed copies now, so the next step's
+        uploads need no copy of their own."""
+        for m in masters:
+            entry = self._pinned.get(id(m))
+            if entry is None or entry[0] is not m:
+                continue
+            if entry[3] is not None:
+                entry[3].synchronize()  # the stage's last upload has been read (it ran its backward)
+            with torch.no_grad():
+                entry[2].copy_(m.detach())
+            entry[4] = (m.untyped_storage().data_ptr(), m._version)
+            self.staging["refreshed_copies"] += 1
+            self.staging["refreshed_bytes"] += nbytes(entry[2])
+
+    def _sources(self, targets: list[torch.Tensor], masters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        entries = [self._staged(m, t.dtype) for t, m in zip(targets, masters)]
+
+        def uploaded(event: Any) -> None:
+            for e in entries:
+                e[3] = event
+
+        return [e[2] for e in entries], uploaded
 
     # ------------------------------------------------------------------ slots
     def plan_slots(self, sizes: Sequence[int]) -> None:
@@ -432,10 +489,9 @@ class StreamDevice(Device):
 class CudaDevice(StreamDevice):
     """A real GPU (one pipeline GPU; several may share one CUDA device, each with its streams).
 
-    Weights upload from pinned host copies of the masters in the streamed dtype. A copy is
-    refreshed once per step (masters change in the optimizer step, and writes through `.data`
-    do not bump version counters), by the upload worker, so the host-side refresh overlaps the
-    stage the GPU is running.
+    Weights upload from pinned host copies of the masters in the streamed dtype, kept across
+    steps (`StreamDevice._staged`): made again by the upload worker only for masters that
+    changed, or written by the optimizer overlap right after a stage's step (`refresh`).
     """
 
     kind = "cuda"
@@ -452,9 +508,6 @@ class CudaDevice(StreamDevice):
             self.copy_stream = torch.cuda.Stream(priority=greatest)
             self.upload_stream = torch.cuda.Stream(priority=(least + greatest) // 2)
             self.download_stream = torch.cuda.Stream(priority=least)
-        # id(master) -> [master, step of the last refresh, pinned copy, event of its last upload]
-        self._pinned: dict[int, list[Any]] = {}
-        self._epoch = 0
 
     @contextlib.contextmanager
     def compute(self):
@@ -463,10 +516,6 @@ class CudaDevice(StreamDevice):
 
     def new_slot(self, like, dtype, parameter):
         return empty_slot(like, dtype, parameter, self.torch_device)
-
-    def new_step(self):
-        super().new_step()
-        self._epoch += 1
 
     def _event(self):
         return torch.cuda.Event()
@@ -494,27 +543,8 @@ class CudaDevice(StreamDevice):
     def _differentiable(self, value, there, back):
         return there(value)  # torch's copies are differentiable (their backward copies back)
 
-    def _staged(self, master: torch.Tensor, dtype: torch.dtype) -> list[Any]:
-        """The pinned copy of `master` in `dtype`, refreshed once per step (worker thread only)."""
-        entry = self._pinned.get(id(master))
-        if entry is None or entry[0] is not master or entry[2].dtype != dtype:
-            entry = [master, None, torch.empty(master.shape, dtype=dtype, pin_memory=True), None]
-            self._pinned[id(master)] = entry
-        if entry[1] != self._epoch:
-            if entry[3] is not None:
-                entry[3].synchronize()  # an earlier upload may still read the old copy
-            entry[2].copy_(master.detach())
-            entry[1] = self._epoch
-        return entry
-
-    def _sources(self, targets, masters):
-        entries = [self._staged(m, t.dtype) for t, m in zip(targets, masters)]
-
-        def uploaded(event: Any) -> None:
-            for e in entries:
-                e[3] = event
-
-        return [e[2] for e in entries], uploaded
+    def _host_buffer(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def _copy_in(self, targets, sources, last):
         with torch.cuda.stream(self.upload_stream), torch.no_grad():

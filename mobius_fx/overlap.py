@@ -26,6 +26,11 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   `backward(inputs=...)` only overlap for the tensors they accumulate into `.grad`.
   While backward runs, `.grad` and weights are in flux; once `loss.backward()` returns, every
   `.grad` is final (read or log them freely), weights are final after `opt.step()`.
+  On CUDA (and its stand-in, `device="virtual-async"`), the stage's step also writes the new
+  weights into the streamed (pinned, half-precision when `dtype=` says so) copy the next step
+  uploads from, so no separate copy-and-cast pass over the weights is made; change weights
+  between steps in place through the tensor (`with torch.no_grad(): p.copy_(...)`), not through
+  `.data`, whose writes no version counter sees.
 
 - `mode="async"` — RoundPipe's staleness-1 update. `opt.step()` hands step t's gradients to a
   CPU worker and returns at once; step t+1's forward and backward run on the weights of step t
@@ -340,6 +345,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
             added.result()
             if not self._nonfinite and all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params):
                 self._step_only(params, hp)
+                for dev in self._pipeline._rt.devices.values():  # the streamed copies the next step uploads
+                    refresh = getattr(dev, "refresh", None)
+                    if refresh is not None:
+                        refresh(params)
                 return
             # a non-finite gradient: step nothing more during this backward; opt.step() steps the
             # rest serially if the loop takes the step (a loop that skips it then changed nothing)

@@ -166,8 +166,14 @@ class Plan:
                          " > ".join(t.route), fmt_time(t.time)])
         return tabulate(rows, headers=["kind", "phase", "stage", "from -> to", "size", "route", "time"])
 
+    def host_memory(self) -> str:
+        """What the pipeline keeps in host memory besides the model's fp32 masters (and what
+        the optimizer holds): the streamed copy of the weights the uploads read."""
+        return (f"host memory besides the masters: {fmt_bytes(sum(s.param_bytes for s in self.stages))} streamed copy "
+                f"of the weights ({self.dtype}; pinned on CUDA, kept across steps, written by pipe.overlap's step)")
+
     def __str__(self) -> str:
-        return "\n\n".join([self.summary(), self.stage_table(), self.transfer_table()])
+        return "\n\n".join([self.summary() + "\n" + self.host_memory(), self.stage_table(), self.transfer_table()])
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:

@@ -347,3 +347,35 @@ def test_a_scheduler_still_reaches_the_optimizer_after_load_state_dict(tmp_path)
 
     opt = _lockstep(tmp_path, loop)
     assert opt.param_groups[0]["lr"] == opt.inner.param_groups[0]["lr"] == 0.1 * 0.5 ** 4
+
+
+def test_on_the_cuda_stand_in_the_step_refreshes_the_streamed_copies(tmp_path):
+    """device="virtual-async" stages the masters into host copies the uploads read (pinned on
+    CUDA). Under pipe.overlap(mode="sync") a stage's step writes its new weights there, so later
+    steps copy only what nothing stepped (here: nothing), and the weights still equal serial
+    stepping on plain virtual GPUs bit for bit (a copy left stale would show)."""
+    model = _model("gpt")
+    twin = copy.deepcopy(model)
+    data = _batches(model, "gpt", 6)
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    topo = Topology.virtual(gpus=2, memory=8 * nbytes)
+    kw = dict(example_inputs=data[0], microbatches=2, cuts=[1, 2, 3], cache_dir=str(tmp_path), verbose=False)
+    pipe = mobius_fx.compile(model, topo, device="virtual-async", **kw)
+    ref_pipe = mobius_fx.compile(twin, topo, device="virtual", **kw)
+    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="sync")
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    devs = list(pipe.devices.values())
+    copies = []
+    for (x,) in data:
+        before = sum(d.staging["copies"] for d in devs)
+        for p_, o in ((pipe, opt), (ref_pipe, ref)):
+            _loss(p_(x), x).backward()
+            o.step()
+            o.zero_grad()
+        copies.append(sum(d.staging["copies"] for d in devs) - before)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+    streamed = sum(len(d._pinned) for d in devs)
+    assert copies[0] == copies[1] == streamed  # the first step is serial: every copy made at upload
+    assert copies[2:] == [0] * (len(data) - 2)  # then the optimizer's step writes them all
+    assert sum(d.staging["refreshed_copies"] for d in devs) >= (len(data) - 2) * streamed
