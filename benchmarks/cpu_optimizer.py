@@ -5,7 +5,9 @@ and the CLI charge it as `bytes touched / bandwidth` (`mobius_fx.sim_tasks.TOUCH
 28 B per parameter for Adam/AdamW — read the parameter, its gradient and both moments, write
 the parameter and both moments). This script measures that bandwidth for torch's AdamW in its
 three implementations (the per-tensor loop, `foreach`, `fused`) and for DeepSpeed's CPU Adam
-when it happens to be installed (it is not a dependency), over GPT-like tensors totalling
+when it happens to be installed (it is not a dependency), and the host-side copies around a
+step with half-precision streaming (the refresh of the streamed copy, the gradient hand-over)
+against it, over GPT-like tensors totalling
 `--params` parameters (default 64M, 1.8 GB of state), with gradients set once. Each figure is
 the median of `--steps` timed steps after one warm-up step, all variants interleaved in one run.
 
@@ -20,7 +22,7 @@ import time
 
 import torch
 
-from mobius_fx.sim_tasks import CPU_ADAM_BANDWIDTH, TOUCHED_BYTES
+from mobius_fx.sim_tasks import CPU_ADAM_BANDWIDTH, HOST_COPY_SPEED, TOUCHED_BYTES
 
 
 def gpt_like(total: float, hidden: int = 1024) -> list[torch.Tensor]:
@@ -85,6 +87,44 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {name:20s} {t * 1e3:8.1f} ms per step  {bw / 1e9:6.2f} GB/s  (median of {len(ts)})")
     print(f"fastest here: {best[1]} at {best[0] / 1e9:.2f} GB/s; the simulator and CLI default to "
           f"{CPU_ADAM_BANDWIDTH / 1e9:.0f} GB/s (sim_tasks.CPU_ADAM_BANDWIDTH, pass your figure as --adam-gbps)")
+    copies(params, best[0], args.steps)
+
+
+def copies(params: list[torch.Tensor], adam_bw: float, steps: int) -> None:
+    """The host-side copies around a step with bf16-streamed weights (sim_tasks.host_copy_bytes),
+    each against the fastest AdamW's bytes/s (sim_tasks.HOST_COPY_SPEED is that ratio)."""
+    n = sum(p.numel() for p in params)
+    kept16 = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
+    grads16 = [torch.randn(p.shape, dtype=torch.bfloat16) for p in params]
+    kept32 = [torch.zeros(p.shape) for p in params]
+
+    def refresh() -> None:  # the streamed copy written from the new masters
+        for b, p in zip(kept16, params):
+            b.copy_(p.detach())
+
+    def fresh() -> None:  # a downloaded gradient made a new fp32 .grad (zero_grad(set_to_none=True))
+        for g in grads16:
+            g.to(torch.float32)
+
+    def into() -> None:  # ... added into a kept fp32 .grad (zero_grad(set_to_none=False))
+        for a, g in zip(kept32, grads16):
+            a.add_(g)
+
+    cases = {"refresh: fp32 -> kept bf16 copy": (refresh, 6), "hand-over: bf16 -> new fp32 tensor": (fresh, 6),
+             "hand-over: bf16 added into kept fp32": (into, 10)}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for f, _ in cases.values():
+        f()
+    for _ in range(steps):
+        for name, (f, _) in cases.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    print(f"host copies around a bf16-streamed step (simulated at sim_tasks.HOST_COPY_SPEED = {HOST_COPY_SPEED} x the "
+          f"optimizer's bytes/s):")
+    for name, (_, per) in cases.items():
+        bw = per * n / statistics.median(times[name])
+        print(f"  {name:38s} {per:2d} B/param  {bw / 1e9:6.2f} GB/s  {bw / adam_bw:.2f}x the fastest AdamW's")
 
 
 if __name__ == "__main__":

@@ -113,7 +113,8 @@ def zero3_offload(ctx: Context) -> None:
         slots += [Slot("backward", k, gpu) for k in reversed(range(len(u.f)))]
         looped_pipeline(ctx, c, slots, 1, offload_activations=False, activations=False, sharded=True,
                         host_collectives=routed)
-    cpu_optimizer(ctx, sum(u.master), ctx.deepspeed_adam_bw, overlap="none")  # DeepSpeed steps after the step
+    # DeepSpeed steps after the step, writing the fp16 copy in its kernel
+    cpu_optimizer(ctx, sum(u.master), ctx.deepspeed_adam_bw, overlap="none", fused_refresh=True)
 
 
 def _units(ctx: Context) -> Costs:

@@ -224,12 +224,13 @@ class StreamDevice(Device):
         master's first upload of each step -- unless `refresh` (the optimizer overlap, right after
         the master's step) already wrote it and the master has not changed since (same storage,
         same version). Masters nothing refreshed are copied every step: a write through `.data`
-        bumps no version counter, so only the optimizer that made the change can vouch for it."""
+        bumps no version counter, so only the optimizer that made the change can vouch for it
+        (`pipe.overlap(..., refresh_copies=True)` is the user's promise that nothing else does)."""
         entry = self._pinned.get(id(master))
         if entry is None or entry[0] is not master or entry[2].dtype != dtype or entry[2].shape != master.shape:
             entry = [master, None, self._host_buffer(master.shape, dtype), None, None]
             self._pinned[id(master)] = entry
-        now = (master.untyped_storage().data_ptr(), master._version)
+        now = (master.data_ptr(), master._version)  # the offset counts (a view into a flat buffer)
         if entry[1] is None or (entry[1] != self._epoch and entry[4] != now):
             if entry[3] is not None:
                 entry[3].synchronize()  # an earlier upload may still read the old copy
@@ -253,7 +254,7 @@ class StreamDevice(Device):
                 entry[3].synchronize()  # the stage's last upload has been read (it ran its backward)
             with torch.no_grad():
                 entry[2].copy_(m.detach())
-            entry[4] = (m.untyped_storage().data_ptr(), m._version)
+            entry[4] = (m.data_ptr(), m._version)
             self.staging["refreshed_copies"] += 1
             self.staging["refreshed_bytes"] += nbytes(entry[2])
 

@@ -26,11 +26,15 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   `backward(inputs=...)` only overlap for the tensors they accumulate into `.grad`.
   While backward runs, `.grad` and weights are in flux; once `loss.backward()` returns, every
   `.grad` is final (read or log them freely), weights are final after `opt.step()`.
-  On CUDA (and its stand-in, `device="virtual-async"`), the stage's step also writes the new
-  weights into the streamed (pinned, half-precision when `dtype=` says so) copy the next step
-  uploads from, so no separate copy-and-cast pass over the weights is made; change weights
-  between steps in place through the tensor (`with torch.no_grad(): p.copy_(...)`), not through
-  `.data`, whose writes no version counter sees.
+  With `refresh_copies=True`, on CUDA (and its stand-in, `device="virtual-async"`) the stage's
+  step also writes the new weights into the streamed (pinned, half-precision when `dtype=` says
+  so) copy the next step uploads from, so the next step makes no copy-and-cast pass over them.
+  It is a promise: weights change only through this optimizer or in place through the tensor
+  (`with torch.no_grad(): p.copy_(...)`, `load_state_dict`), never through `.data` (a WGAN's
+  `p.data.clamp_()`), whose writes no version counter sees -- the pipeline would run on the old
+  values. Off by default: every step then copies every weight again at its first upload.
+  A forward between `loss.backward()` and `opt.step()` is refused once stages were stepped
+  (it would see some stages' new weights and others' old ones).
 
 - `mode="async"` — RoundPipe's staleness-1 update. `opt.step()` hands step t's gradients to a
   CPU worker and returns at once; step t+1's forward and backward run on the weights of step t
@@ -143,7 +147,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, pipeline: Any, optimizer: torch.optim.Optimizer, mode: str,  # noqa: D107
-                 shard: bool = False) -> None:
+                 shard: bool = False, refresh_copies: bool = False) -> None:
         # Optimizer.__init__ is not called: this object owns no parameters of its own.
         if mode not in ("sync", "async"):
             raise MobiusError(f"overlap mode={mode!r}; use 'sync' (exact: stages stepped during backward), 'async' "
@@ -166,6 +170,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.inner = optimizer
         self.mode = mode
         self.shard = shard
+        self.refresh_copies = refresh_copies and mode == "sync"
         self._reducer = reducer
         self.owned = 0  # parameters this rank steps (shard=True; else all)
         self._optimizer_step_pre_hooks: dict = {}
@@ -243,6 +248,16 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.inner.add_param_group(param_group)
 
     # ------------------------------------------------------------------ the pipeline's side (sync)
+    def before_forward(self) -> None:
+        """A forward of the pipeline begins: refused between a backward that stepped stages and
+        the opt.step() that completes the update."""
+        self._check_dirty()
+        if self._stepped:
+            raise MobiusError(f"a forward ran between loss.backward() and opt.step() under pipe.overlap(mode='sync'), "
+                              f"after {len(self._stepped)} parameters were already stepped: it would run on some "
+                              f"stages' new weights and others' old ones. Call opt.step() before the next forward "
+                              f"(evaluate after it), or use mode='none'")
+
     def backward_started(self) -> None:
         """A backward pass of the pipeline begins (first stage backward of a step)."""
         self._check_dirty()
@@ -345,10 +360,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
             added.result()
             if not self._nonfinite and all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params):
                 self._step_only(params, hp)
-                for dev in self._pipeline._rt.devices.values():  # the streamed copies the next step uploads
-                    refresh = getattr(dev, "refresh", None)
-                    if refresh is not None:
-                        refresh(params)
+                if self.refresh_copies:  # the streamed copies the next step uploads (opt-in: see refresh_copies)
+                    for dev in self._pipeline._rt.devices.values():
+                        refresh = getattr(dev, "refresh", None)
+                        if refresh is not None:
+                            refresh(params)
                 return
             # a non-finite gradient: step nothing more during this backward; opt.step() steps the
             # rest serially if the loop takes the step (a loop that skips it then changed nothing)

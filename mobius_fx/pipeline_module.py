@@ -148,7 +148,7 @@ class Pipeline(nn.Module):
         return build_schedule(ios, self.schedule.microbatches, optimizer=optimizer)
 
     def overlap(self, optimizer: torch.optim.Optimizer, mode: str = "sync", *,
-                shard: bool = False) -> torch.optim.Optimizer:
+                shard: bool = False, refresh_copies: bool = False) -> torch.optim.Optimizer:
         """The optimizer to use in the training loop instead of `optimizer`, stepped off the
         pipeline's critical path (mobius_fx/overlap.py): "sync" steps each stage's parameters on a
         CPU worker as soon as its gradients are complete during backward (bit-identical to a serial
@@ -160,7 +160,11 @@ class Pipeline(nn.Module):
         only its share of the parameters (balanced by bytes), their gradients reduced to it
         alone, and the new weights are broadcast from their owners at `step()` (ZeRO-1): R ranks
         divide the CPU optimizer's time and state by R; `.grad` is None on the other ranks, and
-        `state_dict()` holds this rank's share (save one per rank).
+        `state_dict()` holds this rank's share (save one per rank). `refresh_copies=True`
+        (mode "sync"; CUDA and virtual-async): each stage's step writes its new weights into the
+        streamed copy the next step uploads, which then copies nothing -- your promise that
+        weights change only through this optimizer or in place through the tensor, never through
+        `.data` (see mobius_fx/overlap.py).
 
             opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4), mode="sync")
             for x, y in data:
@@ -186,7 +190,7 @@ class Pipeline(nn.Module):
             return optimizer
         if self._rt.reducer is not None:
             self._rt.reducer.owners = None
-        opt = OverlapOptimizer(self, optimizer, mode, shard=shard)
+        opt = OverlapOptimizer(self, optimizer, mode, shard=shard, refresh_copies=refresh_copies)
         object.__setattr__(self, "_overlap", opt)
         if mode == "sync":
             self._rt.overlap = opt

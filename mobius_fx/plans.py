@@ -170,7 +170,7 @@ class Plan:
         """What the pipeline keeps in host memory besides the model's fp32 masters (and what
         the optimizer holds): the streamed copy of the weights the uploads read."""
         return (f"host memory besides the masters: {fmt_bytes(sum(s.param_bytes for s in self.stages))} streamed copy "
-                f"of the weights ({self.dtype}; pinned on CUDA, kept across steps, written by pipe.overlap's step)")
+                f"of the weights ({self.dtype}; pinned on CUDA, kept across steps)")
 
     def __str__(self) -> str:
         return "\n\n".join([self.summary() + "\n" + self.host_memory(), self.stage_table(), self.transfer_table()])

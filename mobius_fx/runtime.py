@@ -369,6 +369,8 @@ class Runtime(StageCalls):
                 st.masters[j] = now
 
     def begin_step(self) -> None:
+        if self.overlap is not None:
+            self.overlap.before_forward()
         self.follow()
         with self._lock:
             old = self.step

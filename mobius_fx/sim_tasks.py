@@ -21,7 +21,8 @@ from .schedule import HOST
 
 __all__ = ["Costs", "Slot", "Context", "looped_pipeline", "cpu_optimizer", "optimizer_bytes_touched", "OVERLAPS",
            "ring_allreduce_time", "gradient_allreduce", "NETWORK_LATENCY", "TOUCHED_BYTES", "STATE_BYTES",
-           "CPU_ADAM_BANDWIDTH", "DEEPSPEED_CPU_ADAM_SPEEDUP", "DEEPSPEED_CPU_ADAM_BANDWIDTH", "MASTERS"]
+           "CPU_ADAM_BANDWIDTH", "DEEPSPEED_CPU_ADAM_SPEEDUP", "DEEPSPEED_CPU_ADAM_BANDWIDTH", "MASTERS",
+           "HOST_COPY_SPEED", "host_copy_bytes"]
 
 # Bytes of memory traffic per fp32 master parameter in one optimizer step. Adam reads the
 # parameter, its gradient and both moments (4 x 4 B) and writes the parameter and both moments
@@ -49,6 +50,32 @@ CPU_ADAM_BANDWIDTH = 20e9
 # `cpu_adam_bandwidth` (the user's torch optimizer).
 DEEPSPEED_CPU_ADAM_SPEEDUP = 6.0
 DEEPSPEED_CPU_ADAM_BANDWIDTH = CPU_ADAM_BANDWIDTH * DEEPSPEED_CPU_ADAM_SPEEDUP
+
+# The host-side copies around the optimizer's step (`host_copy_bytes`), charged on the
+# optimizer's host resource at HOST_COPY_SPEED x its bandwidth (bytes/s counted the same way:
+# read + written). Measured by benchmarks/cpu_optimizer.py on this project's 2-core VM, against
+# fused AdamW in the same run: casting fp32 masters into the kept bf16 copy 0.63x, a bf16
+# gradient made a new fp32 tensor 1.17x, added into a kept fp32 one 0.79x; the slowest, 0.6,
+# is the default. (A first step, whose fresh pages fault in, was ~10x slower in a separate run.)
+HOST_COPY_SPEED = 0.6
+
+
+def host_copy_bytes(optimizer: str, streamed: float, fused_refresh: bool = False) -> float:
+    """Bytes of host memory traffic per fp32 master parameter around one optimizer step, besides
+    the step's own (TOUCHED_BYTES), with weights streamed at `streamed` bytes per element: the
+    gradient hand-over -- a gradient downloaded in the streamed dtype made into the fp32 `.grad`
+    (read `streamed`, write 4; nothing when gradients stream in fp32: the download is the
+    gradient) -- and the refresh of the streamed copy the next step uploads from (read the new
+    master, write `streamed`; a kernel that writes the copy as it steps, as DeepSpeed's CPU Adam
+    does, only writes it: `fused_refresh`). 0 without an optimizer.
+
+    >>> host_copy_bytes("adam", 2), host_copy_bytes("adam", 4), host_copy_bytes("adam", 2, fused_refresh=True)
+    (12, 8, 8)
+    """
+    if TOUCHED_BYTES.get(optimizer, 0) == 0:
+        return 0
+    handover = 0 if streamed >= 4 else streamed + 4
+    return handover + (streamed if fused_refresh else 4 + streamed)
 
 # Where host memory (a stage's fp32 masters, its gradients, its saved inputs) lives, per socket:
 # "local": in the DRAM of the socket of the GPU that first moves it (first touch by that GPU's
@@ -361,7 +388,8 @@ def gradient_allreduce(ctx: Context, per_stage: dict[int, float]) -> dict[int, i
 
 
 def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = None, *,
-                  per_stage: dict[int, float] | None = None, overlap: str | None = None) -> None:
+                  per_stage: dict[int, float] | None = None, overlap: str | None = None,
+                  fused_refresh: bool = False) -> None:
     """The optimizer step over `master_bytes` of fp32 masters on the CPU, at `bandwidth` bytes/s
     (default: the context's `cpu_bw`, the user's torch optimizer), on one host resource.
 
@@ -371,13 +399,17 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
     (without `per_stage`, as "none"); "async" is the steady state of a staleness-1 update (step
     t's update runs while step t+1 computes): the step starts at 0 with the pipeline, so the
     step takes max(pipeline, optimizer). The update's DRAM traffic is not charged to the links.
+    Each step also pays the host-side copies around it (`host_copy_bytes`: the gradients made
+    fp32 `.grad`, the streamed copy of the weights refreshed) at HOST_COPY_SPEED x `bandwidth`.
 
     With `ctx.servers` > 1 (and `per_stage`), each stage's gradients are first all-reduced
     across the servers (`gradient_allreduce`): "sync" steps a stage once its all-reduce has
     ended, "none" after every all-reduce; "async" still starts at 0 (it steps the previous
     step's gradients, averaged within that step).
     """
-    per_byte = TOUCHED_BYTES[ctx.optimizer] / 4.0 / (bandwidth or ctx.cpu_bw)  # seconds per master byte
+    bw = bandwidth or ctx.cpu_bw
+    copies = host_copy_bytes(ctx.optimizer, 4.0 * ctx.scale, fused_refresh)
+    per_byte = TOUCHED_BYTES[ctx.optimizer] / 4.0 / bw + copies / 4.0 / (HOST_COPY_SPEED * bw)  # s per master byte
     mode = ctx.overlap if overlap is None else overlap
     reduced = gradient_allreduce(ctx, per_stage) if per_stage else {}
     if mode == "sync" and per_stage:

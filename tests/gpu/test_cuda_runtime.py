@@ -301,3 +301,35 @@ def test_the_books_match_what_the_cuda_allocator_holds():
     torch.cuda.synchronize()
     assert pipe.memory_stats()["gpu0"]["current_bytes"] == 0
     assert torch.cuda.memory_allocated(0) <= base_alloc + 2**20  # nothing the books forgot stays behind
+
+
+def test_peak_gpu_memory_stays_within_the_plan():
+    """The slot pool bounds a GPU by construction: whatever the host's speed, the caching
+    allocator's peak over a training step stays within what the plan budgets for the GPU -- the
+    largest pair of consecutive stages' footprints on it (the double buffer the partitioner keeps
+    under its memory) -- and within the topology's memory."""
+    import mobius_fx
+    from mobius_fx import Topology
+
+    torch.manual_seed(0)
+    model = gpt(hidden=256, blocks=6, vocab=512, seq=128)
+    (x,) = gpt_inputs(model, batch=8, device="cpu")
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    topo = Topology.virtual(gpus=1, memory=3 * weights)  # too small for the model resident with its work: 8 stages
+    pipe = mobius_fx.compile(model, topo, example_inputs=(x,), microbatches=4, device="cuda", verbose=False)
+    stages = pipe.plan.stages
+    assert len(stages) > 2
+    planned = max(a.peak_bytes + b.peak_bytes for a, b in zip(stages, stages[1:]))
+    loss = torch.nn.functional.cross_entropy(pipe(x).flatten(0, 1), x.flatten())
+    loss.backward()  # warm up: cuBLAS workspaces, the allocator's pools
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(0)
+    torch.cuda.reset_peak_memory_stats(0)
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(pipe(x).flatten(0, 1), x.flatten()).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(0) - base
+    assert peak <= planned + 2**20, (peak, planned)
+    assert peak <= topo.gpus[0].memory, (peak, topo.gpus[0].memory)

@@ -362,7 +362,7 @@ def test_on_the_cuda_stand_in_the_step_refreshes_the_streamed_copies(tmp_path):
     kw = dict(example_inputs=data[0], microbatches=2, cuts=[1, 2, 3], cache_dir=str(tmp_path), verbose=False)
     pipe = mobius_fx.compile(model, topo, device="virtual-async", **kw)
     ref_pipe = mobius_fx.compile(twin, topo, device="virtual", **kw)
-    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="sync")
+    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="sync", refresh_copies=True)
     ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
     devs = list(pipe.devices.values())
     copies = []
@@ -379,3 +379,25 @@ def test_on_the_cuda_stand_in_the_step_refreshes_the_streamed_copies(tmp_path):
     assert copies[0] == copies[1] == streamed  # the first step is serial: every copy made at upload
     assert copies[2:] == [0] * (len(data) - 2)  # then the optimizer's step writes them all
     assert sum(d.staging["refreshed_copies"] for d in devs) >= (len(data) - 2) * streamed
+
+
+def test_by_default_weights_written_through_data_are_streamed_and_a_forward_before_step_is_refused(tmp_path):
+    """Without refresh_copies the streamed copies are made again every step, so an in-place
+    write through `.data` (which bumps no version counter; a WGAN's clipping) reaches the GPUs."""
+    model = _model("gpt")
+    data = _batches(model, "gpt", 4)
+    topo = Topology.virtual(gpus=2, memory=8 * sum(p.numel() * 4 for p in model.parameters()))
+    pipe = mobius_fx.compile(model, topo, example_inputs=data[0], microbatches=2, cuts=[1, 2, 3],
+                             cache_dir=str(tmp_path), device="virtual-async", verbose=False)
+    opt = pipe.overlap(torch.optim.SGD(model.parameters(), lr=0.1), mode="sync")
+    for (x,) in data[:3]:
+        _loss(pipe(x), x).backward()
+        if opt.stepped_in_backward or opt._stepped:
+            with pytest.raises(MobiusError, match="between loss.backward"):
+                pipe(x)
+        opt.step()
+        opt.zero_grad()
+        for p in model.parameters():
+            p.data.mul_(0.5)
+        with torch.no_grad():
+            assert torch.equal(pipe(x), model(x))  # the pipeline runs on the weights the model holds

@@ -356,10 +356,16 @@ def test_every_schedule_is_bounded_by_its_own_work(testbed_plan, schedule):
 
 # ---------------------------------------------------------------------- optimizer, results
 def test_optimizer_time_is_master_bytes_times_adam_traffic_over_bandwidth(testbed_plan):
+    from mobius_fx.costs import dtype_bytes
+    from mobius_fx.sim_tasks import HOST_COPY_SPEED, host_copy_bytes
+
     masters = sum(l.grad_bytes for l in testbed_plan.layers)  # fp32, traced
-    r = simulate(testbed_plan, cpu_adam_bandwidth=10 * GB)
-    assert r.optimizer_time == pytest.approx(masters / 4 * 28 / (10 * GB))
-    assert simulate(testbed_plan).optimizer_time == pytest.approx(masters / 4 * 28 / CPU_ADAM_BANDWIDTH)
+    copies = host_copy_bytes("adam", dtype_bytes(testbed_plan.dtype))  # the .grad hand-over and the refresh
+    assert copies == (8 if dtype_bytes(testbed_plan.dtype) == 4 else 12)
+    for bw in (10 * GB, CPU_ADAM_BANDWIDTH):
+        r = simulate(testbed_plan, cpu_adam_bandwidth=bw) if bw != CPU_ADAM_BANDWIDTH else simulate(testbed_plan)
+        assert r.optimizer_time == pytest.approx(masters / 4 * (28 / bw + copies / (HOST_COPY_SPEED * bw)))
+    assert simulate(testbed_plan, optimizer="none").optimizer_time == 0
 
 
 def test_step_time_is_pipeline_then_optimizer(testbed_plan):
