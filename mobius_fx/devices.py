@@ -57,7 +57,34 @@ __all__ = ["HOST", "Device", "VirtualDevice", "StreamDevice", "CudaDevice", "Vir
 DEVICES = ("auto", "virtual", "virtual-async", "cuda")
 
 
-class VirtualDevice(Device):
+def _unchanged(gpu: str, ref: "weakref.ref[torch.Tensor]", version: int) -> None:
+    """A stage input saved for backward must be as the forward used it when it is restored."""
+    t = ref()
+    if t is not None and t._version != version:
+        raise MobiusError(
+            f"an input saved for backward on {gpu} was modified in place after the forward used it "
+            f"(version {version} -> {t._version}); a stage must not change its inputs in place "
+            f"(use the out-of-place op, e.g. relu instead of relu_)")
+
+
+class _CpuRng:
+    """The RNG of a GPU played by the CPU: the CPU generator (saved per stage call, replayed by
+    the backward's recompute)."""
+
+    def rng_state(self):
+        return torch.get_rng_state()
+
+    @contextlib.contextmanager
+    def rng(self, state):
+        now = torch.get_rng_state()
+        torch.set_rng_state(state)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(now)
+
+
+class VirtualDevice(_CpuRng, Device):
     """A GPU played by the CPU: real copies made at once, a byte budget, freed storage after
     eviction. (`VirtualAsyncDevice` plays the CUDA path's streams, events and slot pool.)"""
 
@@ -112,13 +139,7 @@ class VirtualDevice(Device):
         return SavedInput(host, (weakref.ref(t), t._version))
 
     def restore(self, saved):
-        ref, version = saved.event
-        t = ref()
-        if t is not None and t._version != version:
-            raise MobiusError(
-                f"an input saved for backward on {self.name} was modified in place after the forward used it "
-                f"(version {version} -> {t._version}); a stage must not change its inputs in place "
-                f"(use the out-of-place op, e.g. relu instead of relu_)")
+        _unchanged(self.name, *saved.event)
         self.log.add("input", "h2d", nbytes(saved.host))
         return saved.host.clone()  # the copy on this GPU (charged to it inside compute())
 
@@ -127,17 +148,6 @@ class VirtualDevice(Device):
         host = t.detach().clone() if kind == "buffer" else t.detach()
         return lambda: host
 
-    def rng_state(self):
-        return torch.get_rng_state()
-
-    @contextlib.contextmanager
-    def rng(self, state):
-        now = torch.get_rng_state()
-        torch.set_rng_state(state)
-        try:
-            yield
-        finally:
-            torch.set_rng_state(now)
 
 
 class StreamDevice(Device):
@@ -459,13 +469,7 @@ class StreamDevice(Device):
         return SavedInput(host, (done, weakref.ref(t), t._version))
 
     def restore(self, saved):
-        _, ref, version = saved.event
-        t = ref()
-        if t is not None and t._version != version:
-            raise MobiusError(
-                f"an input saved for backward on {self.name} was modified in place after the forward used it "
-                f"(version {version} -> {t._version}); a stage must not change its inputs in place "
-                f"(use the out-of-place op, e.g. relu instead of relu_)")
+        _unchanged(self.name, *saved.event[1:])
         out = self._receive_raw(saved.host, None, None)  # waits for the offload's event on the copy stream
         self.log.add("input", "h2d", nbytes(out))
         return out
@@ -593,7 +597,7 @@ class _Streamed(torch.autograd.Function):
         return (None if grad is None else ctx.back(grad)), None, None
 
 
-class VirtualAsyncDevice(StreamDevice):
+class VirtualAsyncDevice(_CpuRng, StreamDevice):
     """The CPU stand-in of a CUDA GPU (`device="virtual-async"`): `StreamDevice`'s streams,
     events and slot pool on threads (mobius_fx/streams.py), each queued item delayed at random
     (`seed`; `delay` seconds at most, `chance` of delaying an item), stage work on the issuing
@@ -698,17 +702,6 @@ class VirtualAsyncDevice(StreamDevice):
     def _arrive(self, t):
         return t.clone()  # the copy a GPU receives (charged to it inside compute())
 
-    def rng_state(self):
-        return torch.get_rng_state()
-
-    @contextlib.contextmanager
-    def rng(self, state):
-        now = torch.get_rng_state()
-        torch.set_rng_state(state)
-        try:
-            yield
-        finally:
-            torch.set_rng_state(now)
 
 
 def make_devices(budgets: Mapping[str, int | None], *, device: "str | Mapping[str, Device]" = "auto",

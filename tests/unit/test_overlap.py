@@ -152,13 +152,19 @@ def test_gradient_accumulation_falls_back(tmp_path):
             assert torch.equal(p, q)
 
 
-def test_a_loop_that_starts_clipping_later_is_refused(tmp_path):
-    model, _, data, pipe, _ = _pair("gpt", tmp_path)
+def _overlapping(tmp_path):
+    """A GPT pipeline whose sync overlap has left its serial first step: stages now step during backward."""
+    model, twin, data, pipe, _ = _pair("gpt", tmp_path)
     opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="sync")
     for (x,) in data[:2]:
         _loss(pipe(x), x).backward()
         opt.step()
         opt.zero_grad()
+    return model, data, pipe, opt
+
+
+def test_a_loop_that_starts_clipping_later_is_refused(tmp_path):
+    model, data, pipe, opt = _overlapping(tmp_path)
     x, = data[2]
     _loss(pipe(x), x).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
@@ -167,12 +173,7 @@ def test_a_loop_that_starts_clipping_later_is_refused(tmp_path):
 
 
 def test_autograd_grad_does_not_step(tmp_path):
-    model, twin, data, pipe, _ = _pair("gpt", tmp_path)
-    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="sync")
-    for (x,) in data[:2]:
-        _loss(pipe(x), x).backward()
-        opt.step()
-        opt.zero_grad()
+    model, data, pipe, opt = _overlapping(tmp_path)
     before = [p.detach().clone() for p in model.parameters()]
     x, = data[2]
     grads = torch.autograd.grad(_loss(pipe(x), x), [p for p in model.parameters() if p.requires_grad])
