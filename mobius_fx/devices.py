@@ -388,6 +388,21 @@ class StreamDevice(Device):
         pool.give_back(stage, [used, read])
         self._close_if_empty()
 
+    def _region_of(self, t: torch.Tensor) -> Any:
+        """The pool slot `t` lives in (a view of a stage's weights), or None."""
+        if self._pool is None:
+            return None
+        ptr = t.untyped_storage().data_ptr()
+        if not ptr:  # no bytes: nothing to order
+            return None
+        return next((r for r in self._pool.regions if r.tensor.untyped_storage().data_ptr() == ptr), None)
+
+    def _read_on(self, region: Any, stream: Any) -> None:
+        """`region` (one of this GPU's slots) is read on `stream`: its refill waits for that too."""
+        ev = self._event()
+        ev.record(stream)
+        region.reads.append(ev)
+
     # ------------------------------------------------------------------ activations
     def _receive_raw(self, value: torch.Tensor, src: "StreamDevice | None", dtype: torch.dtype | None) -> torch.Tensor:
         """`value` from `src` (None: the host) onto this GPU, on its copy stream: after the
@@ -405,9 +420,13 @@ class StreamDevice(Device):
             cross = src.torch_device != self.torch_device
             if cross:
                 src.copy_stream.wait_event(made)
+            reader = src.copy_stream if cross else self.copy_stream
             out = self._issue_copy(self.copy_stream, value, self.torch_device, dtype,
                                    src.copy_stream if cross else None)
-            self._used_by(value, src.copy_stream if cross else self.copy_stream)
+            self._used_by(value, reader)
+            region = src._region_of(value)
+            if region is not None:  # a view of the source's weights (a stage output that is a slice of one)
+                src._read_on(region, reader)
         done = self._event()
         done.record(self.copy_stream)
         self.compute_stream.wait_event(done)
@@ -651,13 +670,11 @@ class VirtualAsyncDevice(_CpuRng, StreamDevice):
             region.readers.append(mark._at)
         return out
 
-    def _region_of(self, t: torch.Tensor) -> Any:
-        if self._pool is None:
-            return None
-        ptr = t.untyped_storage().data_ptr()
-        if not ptr:  # no bytes: nothing to order
-            return None
-        return next((r for r in self._pool.regions if r.tensor.untyped_storage().data_ptr() == ptr), None)
+    def _read_on(self, region, stream):
+        super()._read_on(region, stream)
+        mark = ThreadEvent()  # for the sanitizer: a refill not ordered after this read is a race
+        mark.record(stream)
+        region.readers.append(mark._at)
 
     def _race(self, msg: str) -> None:
         self.races.append(msg)

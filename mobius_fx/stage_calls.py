@@ -87,6 +87,15 @@ class StageState:
         self.train: list[int] = []  # slots that take gradients (set at each prefetch)
 
 
+def _own(st: StageState, t: torch.Tensor) -> torch.Tensor:
+    """A stage output that is a view of the stage's own weights (`layer.weight[0]`) would be
+    read after the stage is evicted and its slot refilled: give it storage of its own."""
+    ptr = t.untyped_storage().data_ptr()
+    if ptr and any(s.untyped_storage().data_ptr() == ptr for s in st.slots):
+        return t.clone()
+    return t
+
+
 def bind(module: nn.Module, path: str, attr: str, value: torch.Tensor) -> None:
     owner = module.get_submodule(path) if path else module
     if attr in owner._parameters:
@@ -260,7 +269,7 @@ class StageCalls:
                 step.fwd_calls[k] += 1
             else:
                 with torch.no_grad(), self._working(k), autocast_for(self.amp_state(dev)):
-                    result = st.module(*args)
+                    result = pytree.tree_map_only(torch.Tensor, lambda t: _own(st, t), st.module(*args))
         except Exception as e:
             if hasattr(e, "add_note"):
                 hint = ""
@@ -329,7 +338,7 @@ class StageCalls:
         leaves, spec = pytree.tree_flatten(out)
         pos = [j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         ids = {id(t) for t in tensors}
-        outs = tuple(leaves[j].detach() if id(leaves[j]) in ids else leaves[j] for j in pos)
+        outs = tuple(_own(st, leaves[j].detach() if id(leaves[j]) in ids else leaves[j]) for j in pos)
         call.out_spec, call.out_pos = spec, pos
         call.out_leaves = [None if j in pos else x for j, x in enumerate(leaves)]
         return outs, [o for o in outs if not (o.is_floating_point() or o.is_complex())]

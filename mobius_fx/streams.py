@@ -282,7 +282,7 @@ PENDING = Pending()
 class Region:
     """One stage slot: a byte region on the GPU, the stage it holds and its last use."""
 
-    __slots__ = ("index", "bytes", "tensor", "stage", "last_use", "filled", "readers")
+    __slots__ = ("index", "bytes", "tensor", "stage", "last_use", "filled", "readers", "reads")
 
     def __init__(self, index: int, nbytes: int, tensor: torch.Tensor) -> None:
         self.index = index
@@ -292,6 +292,7 @@ class Region:
         self.last_use: list[Any] = []  # events: refill only after all have completed
         self.filled: Any = None  # the event of its last upload (compute waits for it)
         self.readers: list[tuple[Any, int]] = []  # the stand-in's copies that read it: (stream, recording)
+        self.reads: list[Any] = []  # events of reads on other streams while resident (part of its last use)
 
 
 class SlotPool:
@@ -344,7 +345,8 @@ class SlotPool:
         if region is None:
             return None
         region.stage = None
-        region.last_use = last_use
+        region.last_use = list(last_use) + region.reads  # and what other streams read of it meanwhile
+        region.reads = []
         self.in_use -= 1
         return region
 
