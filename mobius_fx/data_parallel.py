@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import MobiusError
+from .stage_calls import host_gradient
 
 __all__ = ["GradientReducer", "default_group"]
 
@@ -102,13 +103,7 @@ class GradientReducer:
         return [(m, [take(i)]) for i, (m, _) in enumerate(groups)]
 
     def _reduce(self, groups: list[tuple[torch.Tensor, list[Callable[[], torch.Tensor]]]]) -> list[torch.Tensor | None]:
-        totals: list[torch.Tensor | None] = []
-        for m, thunks in groups:
-            total = None
-            for thunk in thunks:
-                g = thunk()
-                total = g.to(device=m.device, dtype=m.dtype) if total is None else total.add_(g.to(m.dtype))
-            totals.append(total)
+        totals = [host_gradient(m, thunks) for m, thunks in groups]
         out: list[torch.Tensor | None] = [None] * len(groups)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, (m, _) in enumerate(groups):

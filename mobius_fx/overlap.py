@@ -53,10 +53,8 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
 
 from __future__ import annotations
 
-import copy
 import logging
 import sys
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -64,6 +62,7 @@ import torch
 from torch import nn
 
 from .errors import MobiusError
+from .stage_calls import host_gradient
 
 __all__ = ["OverlapOptimizer", "MODES"]
 
@@ -135,6 +134,11 @@ def _called_by_grad_scaler() -> bool:
     return False
 
 
+def _inner(name: str) -> property:
+    """An attribute of the OverlapOptimizer that is its wrapped optimizer's."""
+    return property(lambda self: getattr(self.inner, name), lambda self, v: setattr(self.inner, name, v))
+
+
 def _hooked(p: torch.Tensor) -> bool:
     return bool(getattr(p, "_backward_hooks", None)) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
 
@@ -173,14 +177,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.refresh_copies = refresh_copies and mode == "sync"
         self._reducer = reducer
         self.owned = 0  # parameters this rank steps (shard=True; else all)
-        self._optimizer_step_pre_hooks: dict = {}
-        self._optimizer_step_post_hooks: dict = {}
-        self._optimizer_state_dict_pre_hooks: dict = {}
-        self._optimizer_state_dict_post_hooks: dict = {}
-        self._optimizer_load_state_dict_pre_hooks: dict = {}
-        self._optimizer_load_state_dict_post_hooks: dict = {}
         self._pipeline = pipeline
-        self._lock = threading.Lock()
         self._error: BaseException | None = None
         # sync: a worker adds downloaded gradients into .grad, another steps the parameters.
         self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mobius-grads")
@@ -216,10 +213,17 @@ class OverlapOptimizer(torch.optim.Optimizer):
     # Read through to the wrapped optimizer (its load_state_dict replaces param_groups and state):
     # schedulers and user edits reach the groups its step reads. Workers step a shallow copy of it
     # with groups of their own (`_step_only`), so these are never rebound while work is in flight.
-    param_groups = property(lambda self: self.inner.param_groups,
-                            lambda self, v: setattr(self.inner, "param_groups", v))
-    state = property(lambda self: self.inner.state, lambda self, v: setattr(self.inner, "state", v))
-    defaults = property(lambda self: self.inner.defaults, lambda self, v: setattr(self.inner, "defaults", v))
+    param_groups = _inner("param_groups")
+    state = _inner("state")
+    defaults = _inner("defaults")
+    # Hooks registered here are the wrapped optimizer's: its step runs them (once per stage
+    # stepped during backward, or per step), its state_dict and load_state_dict theirs.
+    _optimizer_step_pre_hooks = _inner("_optimizer_step_pre_hooks")
+    _optimizer_step_post_hooks = _inner("_optimizer_step_post_hooks")
+    _optimizer_state_dict_pre_hooks = _inner("_optimizer_state_dict_pre_hooks")
+    _optimizer_state_dict_post_hooks = _inner("_optimizer_state_dict_post_hooks")
+    _optimizer_load_state_dict_pre_hooks = _inner("_optimizer_load_state_dict_pre_hooks")
+    _optimizer_load_state_dict_post_hooks = _inner("_optimizer_load_state_dict_post_hooks")
 
     def __repr__(self) -> str:
         return f"OverlapOptimizer(mode={self.mode!r}, {self.inner!r})"
@@ -338,15 +342,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         def add() -> None:
             with torch.no_grad():
                 for p, thunks in groups:
-                    total = None
-                    for thunk in thunks:
-                        g = thunk()
-                        if g is None:  # data parallel: no rank had a gradient for it
-                            continue
-                        if total is None:
-                            total = g.to(device=p.device, dtype=p.dtype)
-                        else:
-                            total.add_(g.to(p.dtype))
+                    total = host_gradient(p, thunks)
                     if total is None:
                         continue
                     if p.grad is None:
@@ -418,7 +414,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
         of `groups`, a snapshot of param_groups taken when the step was launched)."""
         want = {id(p) for p in params}
         source = groups if groups is not None else self.inner.param_groups
-        sub = copy.copy(self.inner)  # shares state (and hooks) with the optimizer; groups of its own
+        # A shallow copy sharing every attribute -- state, hooks, whatever the optimizer keeps --
+        # with groups of its own (copy.copy would go through Optimizer.__getstate__, which keeps
+        # only defaults, state and param_groups: the hooks and other attributes would be lost).
+        sub = object.__new__(type(self.inner))
+        sub.__dict__.update(self.inner.__dict__)
         sub.__dict__.pop("step", None)  # an LR scheduler's wrapper of the optimizer's bound step
         sub.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in want]} for g in source]
         type(self.inner).step(sub)

@@ -183,7 +183,7 @@ class Pipeline(nn.Module):
                               f"build it over the compiled model's parameters (model.parameters() or pipe.parameters())")
         old = object.__getattribute__(self, "_overlap") if "_overlap" in self.__dict__ else None
         if old is not None:
-            old.synchronize()
+            old.close()  # its work finished, its worker threads ended
         self._rt.overlap = None
         object.__setattr__(self, "_overlap", None)
         if mode == "none" and not shard:

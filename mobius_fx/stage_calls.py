@@ -50,7 +50,7 @@ from .devices import Device, nbytes
 from .errors import MobiusError
 
 __all__ = ["StageCalls", "StageState", "Step", "StageCall", "StageFunction", "Masters", "GradLog", "OnHost",
-           "bind", "rebuild", "autocast_for", "logged_grad"]
+           "bind", "rebuild", "autocast_for", "logged_grad", "host_gradient"]
 
 
 class StageState:
@@ -85,6 +85,23 @@ class StageState:
         self.token: Any = None
         self.versions: list[int] = []
         self.train: list[int] = []  # slots that take gradients (set at each prefetch)
+
+
+def host_gradient(master: torch.Tensor, thunks: Sequence[Any]) -> torch.Tensor | None:
+    """A master's host gradient: the downloads of every stage that holds it (each thunk gives
+    one, in the streamed dtype, or None), summed in order in the master's dtype on its device;
+    None when there is none. The runtime (`_gradients`), the optimizer overlap and the
+    data-parallel reducer all sum this one way, so their results are bit for bit the same."""
+    total = None
+    for thunk in thunks:
+        g = thunk()
+        if g is None:  # data parallel: no rank had a gradient for it
+            continue
+        if total is None:
+            total = g.to(device=master.device, dtype=master.dtype)
+        else:
+            total.add_(g.to(master.dtype))
+    return total
 
 
 def _own(st: StageState, t: torch.Tensor) -> torch.Tensor:
@@ -520,15 +537,14 @@ class StageCalls:
                 for k, st in enumerate(self.stages):
                     if st.resident:
                         self.evict(k)
-                staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+                by_master: dict[int, tuple[torch.Tensor, list]] = {}
                 for master, thunk in step.pending:
-                    g = thunk()
-                    if g is None:  # data parallel: no rank had a gradient for it
-                        continue
-                    if id(master) in staged:
-                        staged[id(master)][1].add_(g.to(master.dtype))
-                    else:
-                        staged[id(master)] = (master, g.to(device=master.device, dtype=master.dtype))
+                    by_master.setdefault(id(master), (master, []))[1].append(thunk)
+                staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+                for i, (master, thunks) in by_master.items():
+                    g = host_gradient(master, thunks)
+                    if g is not None:
+                        staged[i] = (master, g)
                 step.pending.clear()
                 step.state = "done"
                 if self.overlap is not None:

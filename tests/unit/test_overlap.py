@@ -322,6 +322,7 @@ def test_async_zero_grad_and_a_scheduler_on_the_wrapped_optimizer_do_not_touch_t
         for (x,) in data[:5]:
             _loss(pipe(x), x).backward()
             opt.step()
+            time.sleep(0.02)  # the loop logs ...: the worker is inside its step now
             sched.step()
             if zero:
                 opt.zero_grad(set_to_none=set_to_none)
@@ -402,3 +403,14 @@ def test_by_default_weights_written_through_data_are_streamed_and_a_forward_befo
             p.data.mul_(0.5)
         with torch.no_grad():
             assert torch.equal(pipe(x), model(x))  # the pipeline runs on the weights the model holds
+
+
+def test_hooks_registered_on_the_overlapped_optimizer_run(tmp_path):
+    model, data, pipe, opt = _overlapping(tmp_path)
+    seen = []
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append(len(o.param_groups[0]["params"])))
+    x, = data[2]
+    _loss(pipe(x), x).backward()
+    opt.step()
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    assert seen and sum(seen) == trainable  # once per stage stepped during backward, every parameter once
