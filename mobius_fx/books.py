@@ -356,6 +356,14 @@ class Device:
         """The bytes of each stage slot the schedule holds at once on this GPU (a device with a
         fixed slot pool sizes it from them; here: nothing to do)."""
 
+    def open_pool(self) -> None:
+        """Allocate the slot pool `plan_slots` sized, kept from now on (when compiling; a device
+        without a pool books each stage's weights as it fills them: nothing to do)."""
+
+    def close_pool(self) -> bool:
+        """Free the slot pool if no stage is resident; whether there was one to free."""
+        return False
+
     def slot_bytes(self, slots: Sequence[torch.Tensor]) -> int:
         """The bytes a stage with these slots takes in a slot."""
         return sum(nbytes(s) for s in slots)
@@ -399,6 +407,18 @@ class Device:
     def restore(self, saved: Any) -> torch.Tensor:
         """The saved input back on this device."""
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[list]:
+        """Copies onto this device issued inside do not order its compute after them yet: they
+        add their completion events to the list yielded, and `join(events)` orders compute after
+        them when their result is used (a stage's saved inputs, restored for all its micro-batches
+        when its backward starts, each waited for by its own micro-batch). Devices that copy at
+        once have no events."""
+        yield []
+
+    def join(self, events: Sequence[Any]) -> None:
+        """Order this device's compute after `events` (from `deferred`)."""
 
     def download(self, t: torch.Tensor, kind: str) -> Callable[[], torch.Tensor]:
         """Start copying `t` to the host; the returned thunk waits and gives the host tensor."""

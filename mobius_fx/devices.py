@@ -9,7 +9,8 @@ Everything above this module (runtime.py) is one code path; only the copies diff
   stream, an upload stream (weights), a download stream (gradients, offloaded inputs, values sent
   to the host) and a copy stream (activations from other GPUs and from the host), ordered by
   events (mobius_fx/streams.py). Weights live in a fixed pool of stage slots (`SlotPool`: as many
-  as the schedule IR has stages resident on the GPU, each a region sized from the plan); a slot is
+  as the schedule IR has stages resident on the GPU, each a region sized from the plan, allocated
+  when the pipeline is compiled and kept until `Pipeline.release_slots()`); a slot is
   refilled only after the events of its last use completed, and the upload worker waits for them
   before it issues the refill, so the host cannot run further ahead of a GPU than the IR allows
   (its `wait` for the stage waits for the worker). No copy blocks the host in the steady state:
@@ -167,6 +168,7 @@ class StreamDevice(Device):
         self.races: list[str] = []  # what the stand-in's sanitizer saw (always empty on CUDA)
         self._sizes: list[int] = []
         self._pool: SlotPool | None = None
+        self._defer: list | None = None  # the events of copies whose compute wait is deferred (`deferred`)
         self._empty: dict[int, torch.Tensor] = {}  # id(slot) -> its storage-less tensor (bound when not resident)
         self._slot_stats = {"slots": 0, "max_in_use": 0, "overflows": 0, "bytes": 0}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mobius-upload-{name}")
@@ -287,6 +289,11 @@ class StreamDevice(Device):
     def slot_bytes(self, slots: Sequence[torch.Tensor]) -> int:
         return layout(slots, self.align)[1]
 
+    def stats(self):
+        out = super().stats()
+        out["slot_pool_bytes"] = self._pool.bytes if self._pool is not None else 0
+        return out
+
     def slot_stats(self) -> dict[str, int]:
         """slots: the pool's slots; max_in_use: the most stages resident at once; overflows:
         slots added or grown beyond the plan; bytes: the pool's bytes (the largest it was)."""
@@ -308,16 +315,20 @@ class StreamDevice(Device):
                 raise
         return self._pool
 
-    def _close_if_empty(self) -> None:
+    def open_pool(self):
+        self._open()
+
+    def close_pool(self):
         pool = self._pool
         if pool is None or pool.in_use:
-            return
+            return False
         self._pool = None
         self._slot_stats = {"slots": max(self._slot_stats["slots"], len(pool.regions)),
                             "max_in_use": max(self._slot_stats["max_in_use"], pool.max_in_use),
                             "overflows": self._slot_stats["overflows"] + pool.overflows,
                             "bytes": max(self._slot_stats["bytes"], pool.bytes)}
         self.free(pool.bytes)
+        return True
 
     def fill(self, stage, slots, masters, nbytes_, prefer=None):
         """Give stage `stage` a slot of the pool and upload its masters into it (see `SlotPool`):
@@ -326,12 +337,8 @@ class StreamDevice(Device):
         slots, masters = list(slots), list(masters)
         pool = self._open()
         offsets, need = layout(slots, self.align)
-        try:
-            region = pool.take(stage, need, prefer, lambda n: self.alloc(n, f"stage {stage}'s weights (beyond the "
-                                                                            f"slots the schedule planned)"))
-        except BaseException:
-            self._close_if_empty()
-            raise
+        region = pool.take(stage, need, prefer, lambda n: self.alloc(n, f"stage {stage}'s weights (beyond the "
+                                                                        f"slots the schedule planned)"))
         targets = views(region.tensor, slots, offsets)
         for s, v in zip(slots, targets):
             self._empty.setdefault(id(s), s.data)
@@ -386,7 +393,6 @@ class StreamDevice(Device):
         read = self._event()
         read.record(self.download_stream)
         pool.give_back(stage, [used, read])
-        self._close_if_empty()
 
     def _region_of(self, t: torch.Tensor) -> Any:
         """The pool slot `t` lives in (a view of a stage's weights), or None."""
@@ -429,9 +435,24 @@ class StreamDevice(Device):
                 src._read_on(region, reader)
         done = self._event()
         done.record(self.copy_stream)
-        self.compute_stream.wait_event(done)
+        if self._defer is not None:  # deferred(): compute waits when the result is used (join)
+            self._defer.append(done)
+        else:
+            self.compute_stream.wait_event(done)
         self._used_by(out, self.compute_stream)
         return out
+
+    @contextlib.contextmanager
+    def deferred(self):
+        outer, self._defer = self._defer, []
+        try:
+            yield self._defer
+        finally:
+            self._defer = outer
+
+    def join(self, events):
+        for ev in events:
+            self.compute_stream.wait_event(ev)
 
     def _to_host_raw(self, value: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """`value` into a pinned host buffer on the download stream, after the compute that made

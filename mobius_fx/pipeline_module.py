@@ -200,7 +200,9 @@ class Pipeline(nn.Module):
         """Bytes each GPU of the topology holds now and held at peak, one entry per GPU, used by a
         stage or not. The books see every byte: weight slots, gradient sums, and every tensor a
         stage's work creates on the GPU (forward intermediates, recompute, activation and fresh
-        weight gradients, temporaries) while it lives, each storage counted once."""
+        weight gradients, temporaries) while it lives, each storage counted once. On CUDA and
+        "virtual-async" the weight-slot pool is held from compile time on (`slot_pool_bytes`,
+        part of `current_bytes` between steps; `release_slots()` frees it)."""
         return {name: dev.stats() for name, dev in self._rt.devices.items()}
 
     def stage_peaks(self) -> list[int]:
@@ -208,6 +210,18 @@ class Pipeline(nn.Module):
         calls), less what the GPU held for other stages meanwhile (their weights and gradient
         sums): what the plan's `Stage.peak_bytes` predicts (0 for a stage that has not run)."""
         return [st.device.stage_peaks.get(k, 0) for k, st in enumerate(self._rt.stages)]
+
+    def release_slots(self) -> None:
+        """Free the weight-slot pool each GPU keeps from compile time on (CUDA and
+        "virtual-async"), e.g. before evaluating something else on the GPUs; the next step
+        allocates it again. Refused while a step holds stages (between forward and backward)."""
+        rt = self._rt
+        if any(st.resident for st in rt.stages):
+            held = [k for k, st in enumerate(rt.stages) if st.resident]
+            raise MobiusError(f"stages {held} are resident (a forward whose backward has not run); run its "
+                              f"backward before release_slots()")
+        for dev in rt.devices.values():
+            dev.close_pool()
 
     def reset_peak_memory_stats(self) -> None:
         for dev in self._rt.devices.values():

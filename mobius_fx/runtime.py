@@ -106,6 +106,8 @@ class Runtime(StageCalls):
             self._bwd_prefetch.setdefault(waits[0], []).append(o.stage)
         self._diff_outputs: dict[int, list[bool] | None] = {}  # stage -> per output: may carry a gradient
         self._slot_home = self._plan_slots(ir)  # (stage, phase) -> the slot the IR's order gives it on its GPU
+        for gpu in ir.gpus:  # the pools are allocated once, now, and reused step after step
+            devices[gpu].open_pool()
         self.planned_rows = 0  # rows of the example batch the plan was made for (0: unknown)
         self._from_host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # GPU copy -> its host original
         self._lock = threading.RLock()
@@ -404,6 +406,7 @@ class Runtime(StageCalls):
             for g in acc.values():
                 self.stages[k].device.free(nbytes(g))
         step.acc.clear()
+        self._forget_restored(step)
         step.pending.clear()
         step.buffers.clear()
         step.state = "aborted"

@@ -38,6 +38,7 @@ with M > 1 says so once in the log (a warning) when the model has a BatchNorm la
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -130,6 +131,7 @@ class Step:
         self.fwd_calls = [0] * num_stages
         self.bwd_calls = [0] * num_stages
         self.acc: dict[int, dict[int, torch.Tensor]] = {}  # stage -> slot -> gradient on its GPU
+        self.calls: dict[int, list[weakref.ref]] = {}  # stage -> its calls that saved inputs (weak: autograd owns them)
         self.pending: list[tuple[torch.Tensor, Any]] = []  # (master, thunk giving the host gradient)
         self.buffers: list[tuple[torch.Tensor, Any]] = []  # (master buffer, thunk giving its new value)
         self.state = "forward"  # forward | backward | done | aborted
@@ -148,7 +150,7 @@ class StageCall:
     """One stage call of one micro-batch, as the autograd Function sees it."""
 
     __slots__ = ("rt", "step", "stage", "mb", "in_leaves", "in_spec", "in_pos", "out_leaves", "out_spec",
-                 "out_pos", "saved", "rng", "amp", "state")
+                 "out_pos", "saved", "restored", "rng", "amp", "state", "__weakref__")
 
     def __init__(self, rt: Any, step: Step, stage: int, mb: int, leaves: list, spec: Any, pos: list[int]):
         self.rt, self.step, self.stage, self.mb = rt, step, stage, mb
@@ -158,6 +160,7 @@ class StageCall:
         self.out_spec: Any = None
         self.out_pos: list[int] = []
         self.saved: list = []
+        self.restored: tuple[list, list] | None = None  # (inputs back on the GPU, their copies' events)
         self.rng: Any = None
         self.amp: tuple[str, bool, torch.dtype] = rt.amp_state(rt.stages[stage].device)
         self.state: list[tuple[int, torch.Tensor]] = []  # (buffer slot, its value before the forward changed it)
@@ -276,6 +279,7 @@ class StageCalls:
         try:
             if torch.is_grad_enabled() and (st.train or any(t.requires_grad for t in tensors)):
                 call = StageCall(self, step, k, i, leaves, spec, pos)
+                step.calls.setdefault(k, []).append(weakref.ref(call))
                 if step.hub is None:
                     trainable = {id(m): m for s in self.stages for m, p in zip(s.masters, s.is_param)
                                  if p and m.requires_grad}
@@ -377,6 +381,32 @@ class StageCalls:
         cast = self.dtype if (self.dtype is not None and saved.host.is_floating_point()) else None
         return dev.receive(saved.host.detach(), None, cast, kind="input")
 
+    def _restore_ahead(self, k: int, step: Step) -> None:
+        """Stage k's backward starts (its weights waited for): restore the saved inputs of all its
+        micro-batches now, in the order backward uses them, as the schedule IR's restores depend
+        on the stage's wait alone. The copies run on the copy stream while earlier micro-batches
+        compute; each micro-batch's compute waits only for its own (`Device.deferred`)."""
+        dev = self.stages[k].device
+        calls = [c for c in (r() for r in step.calls.get(k, ())) if c is not None and c.saved]
+        with dev.log.stage(k):
+            for call in reversed(calls):
+                with dev.deferred() as events:
+                    inputs = [self._restore(dev, s) for s in call.saved]
+                call.restored = (inputs, list(events))
+
+    def _forget_restored(self, step: Step, k: int | None = None) -> None:
+        """Drop restored inputs no backward call used (stage k, or all)."""
+        for j, refs in step.calls.items():
+            if k is None or j == k:
+                for r in refs:
+                    c = r()
+                    if c is not None:
+                        c.restored = None
+        if k is None:
+            step.calls.clear()
+        else:
+            step.calls.pop(k, None)
+
     def _backward(self, call: StageCall, grads: tuple, needs: Sequence[bool]) -> list:
         with self._lock:
             step = call.step
@@ -412,6 +442,8 @@ class StageCalls:
         # accumulation -- is charged to its GPU while it lives (Device.working).
         self._did("run", k, call.mb)
         with self._working(k):
+            if step.bwd_calls[k] == 0:
+                self._restore_ahead(k, step)
             in_grads = self._recompute(call, st, step, grads, needs)
         step.bwd_calls[k] += 1
         if step.bwd_calls[k] >= step.fwd_calls[k]:
@@ -425,8 +457,12 @@ class StageCalls:
         returns."""
         k, dev = call.stage, st.device
         grads = [dev.accept(g) for g in grads]  # the copies that arrive on this GPU
-        with dev.log.stage(k):
-            inputs = [self._restore(dev, s) for s in call.saved]
+        if call.restored is not None:
+            (inputs, events), call.restored = call.restored, None
+            dev.join(events)
+        else:
+            with dev.log.stage(k):
+                inputs = [self._restore(dev, s) for s in call.saved]
         for t, need in zip(inputs, needs):
             if need:
                 t.requires_grad_(True)
@@ -467,6 +503,7 @@ class StageCalls:
     def _flush(self, k: int, step: Step) -> None:
         """Send stage k's weight gradients to the host and evict the stage."""
         st = self.stages[k]
+        self._forget_restored(step, k)
         for j, g in step.acc.pop(k, {}).items():
             with st.device.log.stage(k):
                 step.pending.append((st.masters[j], st.device.download(g, "gradient")))
@@ -534,6 +571,7 @@ class StageCalls:
             try:
                 for k in list(step.acc):
                     self._flush(k, step)
+                self._forget_restored(step)
                 for k, st in enumerate(self.stages):
                     if st.resident:
                         self.evict(k)

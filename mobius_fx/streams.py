@@ -25,9 +25,9 @@ asynchronously to the event that marks it written: a copy up waits for it on its
 read (`settle`) waits for it on the host.
 
 `SlotPool`: a GPU's fixed pool of stage slots, as many as the schedule IR has stages resident on
-that GPU at once, each a byte region sized from the plan. A stage's weights are views into one
-region; a region is refilled only after the events of its last use (compute, and downloads of
-buffers it holds) have completed.
+that GPU at once, each a byte region sized from the plan, allocated once when the pipeline is
+built. A stage's weights are views into one region; a region is refilled only after the events
+of its last use (compute, and downloads of buffers it holds) have completed.
 """
 
 from __future__ import annotations
@@ -296,8 +296,8 @@ class Region:
 
 
 class SlotPool:
-    """A GPU's stage slots: `sizes[i]` bytes for slot i, allocated together on first use and
-    returned when no stage is resident (the end of a step). `take` gives a stage a free slot
+    """A GPU's stage slots: `sizes[i]` bytes for slot i, allocated together when the pipeline is
+    built and kept step after step. `take` gives a stage a free slot
     (the one the plan assigned it when free and large enough, else the smallest that fits);
     with none free or none large enough -- a backward in an order the IR did not plan -- it
     grows or adds one and counts an overflow."""

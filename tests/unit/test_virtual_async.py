@@ -7,8 +7,11 @@ tests pin down:
 - compile and build_pipeline accept it, and it trains bit-equal to the synchronous virtual GPUs;
 - thread streams and events keep CUDA's semantics (in order, record/wait/query/synchronize,
   an event never recorded counts as done);
-- the slot pool: the IR's resident count of slots per GPU, reused stage after stage, returned
-  at the end of a step; a refill before the last use completed is reported (the sanitizer);
+- the slot pool: the IR's resident count of slots per GPU, allocated when the pipeline is built,
+  reused stage after stage and step after step; a refill before the last use completed is
+  reported (the sanitizer);
+- a stage's saved inputs are restored for all its micro-batches as its backward starts, each
+  micro-batch's compute ordered after its own copies only;
 - no blocking host copy in the steady state of the HF Llama, HF GPT-2 and nanoGPT zoo models
   (`steady_state_waits` says exactly what "steady state" means).
 """
@@ -96,7 +99,7 @@ def test_compile_with_virtual_async_trains_like_the_synchronous_virtual_gpus(tmp
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
     for name, g in outs[1][1].items():
         torch.testing.assert_close(outs[0][1][name], g, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
-    assert all(s["current_bytes"] == 0 for s in pipes[0].memory_stats().values())
+    assert all(s["current_bytes"] == s["slot_pool_bytes"] for s in pipes[0].memory_stats().values())
 
 
 def test_the_options_and_make_devices_know_virtual_async():
@@ -195,25 +198,73 @@ def test_the_pool_has_the_irs_resident_count_of_slots_reused_stage_after_stage()
     for name, dev in pipe.devices.items():
         stats = dev.slot_stats()
         assert stats["slots"] == stats["max_in_use"] == resident[name] == 2 and stats["overflows"] == 0
-        assert dev.current_bytes == 0 and dev.races == []
-    # gpu0 runs stages 0, 2, 4: forward 0, 2, 4 (held), backward 2, 0: five fills into two slots
-    step = regions[len(regions) // 2:]
+        assert dev.current_bytes == dev.stats()["slot_pool_bytes"] and dev.races == []
+    # gpu0 runs stages 0, 2, 4: forward 0, 2, 4 (held), backward 2, 0: five fills into two slots,
+    # the same two in both steps (allocated once, when the pipeline was built)
+    first, step = regions[:len(regions) // 2], regions[len(regions) // 2:]
     assert [k for k, _ in step] == [0, 2, 4, 2, 0]
-    assert len({p for _, p in step}) == 2
+    assert len({p for _, p in step}) == 2 and {p for _, p in first} == {p for _, p in step}
+    assert dev0.stats()["slot_pool_bytes"] == sum(r.bytes for r in dev0._pool.regions) > 0
 
 
-def test_a_budget_below_the_pool_raises_and_the_pipeline_recovers():
+def test_the_pool_is_allocated_when_the_pipeline_is_built_and_released_on_request():
     torch.manual_seed(0)
     model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
     x = torch.randn(8, 8)
-    pipe = stand_in(model, (x,), gm=fx.symbolic_trace(model), budget=1024)
-    with pytest.raises(BudgetError, match="weight slots"):
-        pipe(x)
-    assert all(s["current_bytes"] == 0 for s in pipe.memory_stats().values())
+    with pytest.raises(BudgetError, match="weight slots"):  # at build time, not in the first step
+        stand_in(model, (x,), gm=fx.symbolic_trace(model), budget=1024)
+    pipe = stand_in(model, (x,), gm=fx.symbolic_trace(model))
+    held = {name: s["slot_pool_bytes"] for name, s in pipe.memory_stats().items()}
+    assert all(n > 0 for n in held.values())
+    assert all(s["current_bytes"] == held[name] for name, s in pipe.memory_stats().items())
+    out = pipe(x)
+    with pytest.raises(MobiusError, match="resident"):  # the last stage is held for backward
+        pipe.release_slots()
+    out.pow(2).sum().backward()
+    pipe.release_slots()
+    assert all(s["current_bytes"] == s["slot_pool_bytes"] == 0 for s in pipe.memory_stats().values())
+    pipe(x).pow(2).sum().backward()  # taken again by the next step
+    assert {name: s["slot_pool_bytes"] for name, s in pipe.memory_stats().items()} == held
+
+
+def test_saved_inputs_are_restored_as_the_stages_backward_starts_and_each_waited_for_by_its_call():
+    """The IR's restores depend on the stage's wait alone: the runtime issues all of a stage's
+    restores with its first backward call (in the order backward uses them), not one per call,
+    and a call's compute waits for its own copies (`join`): skipping that wait computes on
+    buffers the copy stream has not written yet, which the equality with eager catches."""
+    from mobius_fx.streams import tick
+
+    torch.manual_seed(0)
+    model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    m = 4
+    pipe = stand_in(model, (x,), gm=fx.symbolic_trace(model), stages=4, gpus=2, microbatches=m, seed=5)
+    restores = []  # (tick, stage)
     for dev in pipe.devices.values():
-        dev.budget = None
-    pipe(x).pow(2).sum().backward()
-    assert all(s["current_bytes"] == 0 for s in pipe.memory_stats().values())
+        def spy(saved, _dev=dev, _restore=dev.restore):
+            restores.append((tick(), _dev.log._stage.k))
+            return _restore(saved)
+        dev.restore = spy
+    out = pipe(x)
+    out.pow(2).sum().backward()
+    eager(x).pow(2).sum().backward()
+    rt = pipe._rt
+    runs = {}
+    for e, stamp in zip(rt.executed, rt.stamps):
+        if e[0] == "run" and e[3] == "backward":
+            runs.setdefault(e[2], []).append(stamp)
+    restored = {k for _, k in restores}
+    assert restored == set(range(1, 4))  # stage 0's input is the model's, kept on the host
+    for k in restored:
+        ticks = [t for t, j in restores if j == k]
+        assert len(ticks) == m and len(runs[k]) == m
+        assert runs[k][0] < min(ticks) and max(ticks) < runs[k][1]  # all with its first backward call
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, dict(eager.named_parameters())[n].grad, rtol=1e-5, atol=1e-6)
+    for dev in pipe.devices.values():
+        dev.synchronize()
+        assert dev.races == [] and dev.current_bytes == dev.stats()["slot_pool_bytes"]
 
 
 def test_values_skipping_stages_go_through_pending_host_buffers_without_a_host_wait():
@@ -275,7 +326,7 @@ def test_no_blocking_host_copy_in_the_steady_state_of_the_zoo_models(name):
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
     for dev in pipe.devices.values():
         dev.synchronize()
-        assert dev.races == [] and dev.slot_stats()["overflows"] == 0 and dev.current_bytes == 0
+        assert dev.races == [] and dev.slot_stats()["overflows"] == 0 and dev.current_bytes == dev.stats()["slot_pool_bytes"]
 
 
 def test_the_pool_takes_the_planned_slot_and_counts_what_it_adds_beyond_the_plan():
