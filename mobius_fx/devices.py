@@ -183,6 +183,9 @@ class StreamDevice(Device):
         # step, so the next step's upload copies nothing.
         self._pinned: dict[int, list[Any]] = {}
         self._epoch = 0
+        # pipe.overlap(..., refresh_copies=True): the user's promise that masters change only in
+        # ways their version counters see, so an unchanged (storage, version) needs no new copy
+        self.trust_versions = False
         self.staging = {"copies": 0, "bytes": 0, "refreshed_copies": 0, "refreshed_bytes": 0}
 
     # ------------------------------------------------------------------ backend
@@ -237,7 +240,8 @@ class StreamDevice(Device):
         the master's step) already wrote it and the master has not changed since (same storage,
         same version). Masters nothing refreshed are copied every step: a write through `.data`
         bumps no version counter, so only the optimizer that made the change can vouch for it
-        (`pipe.overlap(..., refresh_copies=True)` is the user's promise that nothing else does)."""
+        (`pipe.overlap(..., refresh_copies=True)` is the user's promise that nothing else does;
+        under it, `trust_versions`, a master nothing changed -- a frozen weight -- is copied once)."""
         entry = self._pinned.get(id(master))
         if entry is None or entry[0] is not master or entry[2].dtype != dtype or entry[2].shape != master.shape:
             entry = [master, None, self._host_buffer(master.shape, dtype), None, None]
@@ -250,7 +254,9 @@ class StreamDevice(Device):
                 entry[2].copy_(master.detach())
             self.staging["copies"] += 1
             self.staging["bytes"] += nbytes(entry[2])
-            entry[4] = None  # fresh for this step only
+            # fresh for this step only -- or, under the promise (`trust_versions`), for as long
+            # as the master keeps its storage and version (a frozen weight: staged once)
+            entry[4] = now if self.trust_versions else None
         entry[1] = self._epoch
         return entry
 

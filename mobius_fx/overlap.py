@@ -28,7 +28,9 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   `.grad` is final (read or log them freely), weights are final after `opt.step()`.
   With `refresh_copies=True`, on CUDA (and its stand-in, `device="virtual-async"`) the stage's
   step also writes the new weights into the streamed (pinned, half-precision when `dtype=` says
-  so) copy the next step uploads from, so the next step makes no copy-and-cast pass over them.
+  so) copy the next step uploads from, so the next step makes no copy-and-cast pass over them;
+  weights it does not step (frozen ones: a LoRA model's base) are copied once, at their first
+  upload, and again only when their storage or version changes.
   It is a promise: weights change only through this optimizer or in place through the tensor
   (`with torch.no_grad(): p.copy_(...)`, `load_state_dict`), never through `.data` (a WGAN's
   `p.data.clamp_()`), whose writes no version counter sees -- the pipeline would run on the old

@@ -162,7 +162,8 @@ class Pipeline(nn.Module):
         divide the CPU optimizer's time and state by R; `.grad` is None on the other ranks, and
         `state_dict()` holds this rank's share (save one per rank). `refresh_copies=True`
         (mode "sync"; CUDA and virtual-async): each stage's step writes its new weights into the
-        streamed copy the next step uploads, which then copies nothing -- your promise that
+        streamed copy the next step uploads, which then copies nothing (nor, after their first
+        upload, the weights it does not step: frozen ones) -- your promise that
         weights change only through this optimizer or in place through the tensor, never through
         `.data` (see mobius_fx/overlap.py).
 
@@ -186,12 +187,14 @@ class Pipeline(nn.Module):
             old.close()  # its work finished, its worker threads ended
         self._rt.overlap = None
         object.__setattr__(self, "_overlap", None)
+        self._trust_versions(False)
         if mode == "none" and not shard:
             return optimizer
         if self._rt.reducer is not None:
             self._rt.reducer.owners = None
         opt = OverlapOptimizer(self, optimizer, mode, shard=shard, refresh_copies=refresh_copies)
         object.__setattr__(self, "_overlap", opt)
+        self._trust_versions(opt.refresh_copies)
         if mode == "sync":
             self._rt.overlap = opt
         return opt
@@ -210,6 +213,12 @@ class Pipeline(nn.Module):
         calls), less what the GPU held for other stages meanwhile (their weights and gradient
         sums): what the plan's `Stage.peak_bytes` predicts (0 for a stage that has not run)."""
         return [st.device.stage_peaks.get(k, 0) for k, st in enumerate(self._rt.stages)]
+
+    def _trust_versions(self, on: bool) -> None:
+        """refresh_copies: masters whose storage and version are unchanged keep their streamed copy."""
+        for dev in self._rt.devices.values():
+            if hasattr(dev, "trust_versions"):
+                dev.trust_versions = on
 
     def release_slots(self) -> None:
         """Free the weight-slot pool each GPU keeps from compile time on (CUDA and

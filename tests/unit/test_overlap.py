@@ -383,6 +383,42 @@ def test_on_the_cuda_stand_in_the_step_refreshes_the_streamed_copies(tmp_path):
     assert sum(d.staging["refreshed_copies"] for d in devs) >= (len(data) - 2) * streamed
 
 
+def test_under_refresh_copies_frozen_weights_are_staged_once_and_again_only_when_changed(tmp_path):
+    """refresh_copies=True promises that weights change only in ways version counters see; then
+    a weight the optimizer does not step (frozen: a LoRA model's base) keeps its streamed copy
+    from step to step, and an in-place change to it (`torch.no_grad(): p.mul_`) is copied again
+    -- the pipeline's outputs stay those of the model it holds."""
+    model = _model("gpt")
+    frozen = [p for n, p in model.named_parameters() if ".0." in n or ".1." in n]  # blocks 0 and 1
+    for p in frozen:
+        p.requires_grad_(False)
+    data = _batches(model, "gpt", 5)
+    topo = Topology.virtual(gpus=2, memory=8 * sum(p.numel() * 4 for p in model.parameters()))
+    pipe = mobius_fx.compile(model, topo, example_inputs=data[0], microbatches=2, cuts=[1, 2, 3],
+                             cache_dir=str(tmp_path), device="virtual-async", verbose=False)
+    opt = pipe.overlap(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+                       mode="sync", refresh_copies=True)
+    devs = list(pipe.devices.values())
+    copies = []
+    for j, (x,) in enumerate(data):
+        before = sum(d.staging["copies"] for d in devs)
+        if j == 4:
+            with torch.no_grad():
+                frozen[0].mul_(0.5)  # a version counter sees it
+        out = pipe(x)
+        with torch.no_grad():
+            assert torch.equal(out, model(x))
+        _loss(out, x).backward()
+        opt.step()
+        opt.zero_grad()
+        copies.append(sum(d.staging["copies"] for d in devs) - before)
+    streamed = sum(len(d._pinned) for d in devs)
+    assert copies[0] == streamed and copies[2:4] == [0, 0]  # frozen ones too, after their first copy
+    assert copies[4] == 1  # the one frozen weight that changed
+    pipe.overlap(opt.inner, mode="none")  # the promise ends with the overlap
+    assert not any(d.trust_versions for d in devs)
+
+
 def test_by_default_weights_written_through_data_are_streamed_and_a_forward_before_step_is_refused(tmp_path):
     """Without refresh_copies the streamed copies are made again every step, so an in-place
     write through `.data` (which bumps no version counter; a WGAN's clipping) reaches the GPUs."""
