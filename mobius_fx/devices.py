@@ -255,10 +255,17 @@ class StreamDevice(Device):
             self.staging["copies"] += 1
             self.staging["bytes"] += nbytes(entry[2])
             # fresh for this step only -- or, under the promise (`trust_versions`), for as long
-            # as the master keeps its storage and version (a frozen weight: staged once)
-            entry[4] = now if self.trust_versions else None
+            # as a parameter keeps its storage and version (a frozen weight: staged once). Not a
+            # buffer: modules update theirs in place unseen (BatchNorm's running statistics
+            # bump no version counter).
+            entry[4] = now if self.trust_versions and isinstance(master, torch.nn.Parameter) else None
         entry[1] = self._epoch
         return entry
+
+    def forget_staged(self) -> None:
+        """Every streamed copy is made again at its next upload (a promise about them ended)."""
+        for entry in self._pinned.values():
+            entry[4] = None
 
     def refresh(self, masters: Sequence[torch.Tensor]) -> None:
         """The optimizer stepped `masters` (pipe.overlap, on its worker, after a stage's last
@@ -322,6 +329,10 @@ class StreamDevice(Device):
         return self._pool
 
     def open_pool(self):
+        pool = self._pool
+        if pool is not None and not pool.in_use and (len(pool.regions) < len(self._sizes) or any(
+                r.bytes < n for r, n in zip(pool.regions, self._sizes))):
+            self.close_pool()  # another pipeline on these devices planned larger slots: sized again, now
         self._open()
 
     def close_pool(self):

@@ -566,4 +566,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.synchronize()
         self._adder.shutdown()
         self._stepper.shutdown()
+        if self.refresh_copies and self._pipeline.__dict__.get("_overlap") is self:
+            self._pipeline._trust_versions(False)  # the promise ends with the overlap
 

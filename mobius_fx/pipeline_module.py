@@ -215,16 +215,26 @@ class Pipeline(nn.Module):
         return [st.device.stage_peaks.get(k, 0) for k, st in enumerate(self._rt.stages)]
 
     def _trust_versions(self, on: bool) -> None:
-        """refresh_copies: masters whose storage and version are unchanged keep their streamed copy."""
+        """refresh_copies: masters whose storage and version are unchanged keep their streamed copy.
+        Ending the promise forgets what it vouched for: every master is copied again."""
         for dev in self._rt.devices.values():
             if hasattr(dev, "trust_versions"):
                 dev.trust_versions = on
+                if not on:
+                    dev.forget_staged()
 
     def release_slots(self) -> None:
         """Free the weight-slot pool each GPU keeps from compile time on (CUDA and
         "virtual-async"), e.g. before evaluating something else on the GPUs; the next step
         allocates it again. Refused while a step holds stages (between forward and backward)."""
         rt = self._rt
+        step = rt.step
+        if step is not None and step.state == "forward" and not any(r() is not None for refs in step.calls.values()
+                                                                     for r in refs):
+            with rt._lock:  # its graph is gone (a loss computed with grad, then dropped): no backward can come
+                for k, st in enumerate(rt.stages):
+                    if st.resident:
+                        rt.evict(k)
         if any(st.resident for st in rt.stages):
             held = [k for k, st in enumerate(rt.stages) if st.resident]
             raise MobiusError(f"stages {held} are resident (a forward whose backward has not run); run its "

@@ -15,6 +15,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import mobius_fx
 from mobius_fx import MobiusError, Topology
@@ -415,8 +416,56 @@ def test_under_refresh_copies_frozen_weights_are_staged_once_and_again_only_when
     streamed = sum(len(d._pinned) for d in devs)
     assert copies[0] == streamed and copies[2:4] == [0, 0]  # frozen ones too, after their first copy
     assert copies[4] == 1  # the one frozen weight that changed
-    pipe.overlap(opt.inner, mode="none")  # the promise ends with the overlap
-    assert not any(d.trust_versions for d in devs)
+    # The promise ends with the overlap (replaced, or closed): a write through .data reaches the GPUs again.
+    matrix = next(p for p in frozen[1:] if p.dim() == 2)
+    for end in ("replace", "close"):
+        opt = pipe.overlap(opt.inner if end == "replace" else torch.optim.SGD(opt.param_groups[0]["params"]),
+                           mode="sync", refresh_copies=True)
+        for (x,) in data[:2]:
+            _loss(pipe(x), x).backward()
+            opt.step()
+            opt.zero_grad()
+        if end == "replace":
+            pipe.overlap(opt.inner, mode="none")
+        else:
+            opt.close()
+        assert not any(d.trust_versions for d in devs)
+        matrix.data.mul_(0.5)
+        with torch.no_grad():
+            assert torch.equal(pipe(x), model(x)), end
+
+
+def test_under_refresh_copies_buffers_a_module_updates_unseen_are_still_copied_every_step():
+    """BatchNorm's forward updates its running statistics in place inside its kernel, which
+    bumps no version counter: the promise covers parameters only, so an eager re-estimate of
+    the statistics (torch.optim.swa_utils.update_bn) reaches the pipeline's next evaluation."""
+    from mobius_fx.devices import VirtualAsyncDevice
+    from mobius_fx.pipeline import build_pipeline
+    from tests.unit.test_virtual_async import even_cut
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16),
+                          nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(8, 8)
+    gm = torch.fx.symbolic_trace(model)
+    devices = {f"gpu{i}": VirtualAsyncDevice(f"gpu{i}", None, seed=i) for i in range(2)}
+    pipe = build_pipeline(model, gm, stage_nodes=even_cut(gm, 4), stage_gpus=["gpu0", "gpu1"] * 2, gpu_budgets={},
+                          microbatches=2, example_inputs=(x,), device=devices)
+    opt = pipe.overlap(torch.optim.SGD(model.parameters(), lr=1e-2), mode="sync", refresh_copies=True)
+    for _ in range(3):
+        pipe(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        pipe(x)  # stages the buffers
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(64, 8) * 3 + 1)  # new running statistics, no version bump
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=0)
 
 
 def test_by_default_weights_written_through_data_are_streamed_and_a_forward_before_step_is_refused(tmp_path):

@@ -267,6 +267,44 @@ def test_saved_inputs_are_restored_as_the_stages_backward_starts_and_each_waited
         assert dev.races == [] and dev.current_bytes == dev.stats()["slot_pool_bytes"]
 
 
+def test_a_second_pipeline_on_the_same_devices_sizes_their_pool_for_its_stages_when_built():
+    """compile's variants build another runtime on the pipeline's devices: larger stages get a
+    pool sized for them when built (a budget error then, not in a step), not overflows mid-step."""
+    torch.manual_seed(0)
+    model = ResidualMLP(d_in=8, width=32, depth=6, d_out=4)
+    x = torch.randn(8, 8)
+    gm = fx.symbolic_trace(model)
+    devices = {f"gpu{i}": VirtualAsyncDevice(f"gpu{i}", None, seed=i) for i in range(2)}
+
+    def build(stages):
+        return build_pipeline(model, gm, stage_nodes=even_cut(gm, stages),
+                              stage_gpus=[f"gpu{k % 2}" for k in range(stages)], gpu_budgets={}, microbatches=2,
+                              example_inputs=(x,), device=devices)
+
+    a = build(8)
+    a(x).pow(2).sum().backward()
+    small = {n: d.stats()["slot_pool_bytes"] for n, d in devices.items()}
+    b = build(2)
+    built = {n: d.stats()["slot_pool_bytes"] for n, d in devices.items()}
+    assert all(built[n] > small[n] for n in devices)
+    for pipe in (b, a):
+        pipe(x).pow(2).sum().backward()
+    assert all(d.slot_stats()["overflows"] == 0 and d.stats()["slot_pool_bytes"] == built[n]
+               for n, d in devices.items())
+
+
+def test_release_slots_after_a_forward_whose_graph_was_dropped():
+    torch.manual_seed(0)
+    model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
+    x = torch.randn(8, 8)
+    pipe = stand_in(model, (x,), gm=fx.symbolic_trace(model))
+    loss = pipe(x).pow(2).sum()  # a validation loss computed with grad on, then dropped
+    del loss
+    pipe.release_slots()  # no backward can come: what was held for it is let go
+    assert all(s["current_bytes"] == s["slot_pool_bytes"] == 0 for s in pipe.memory_stats().values())
+    pipe(x).pow(2).sum().backward()
+
+
 def test_values_skipping_stages_go_through_pending_host_buffers_without_a_host_wait():
     torch.manual_seed(0)
     model = SkipNet(d_in=8, width=16, depth=4, d_out=4)
