@@ -360,6 +360,11 @@ class Device:
         """Allocate the slot pool `plan_slots` sized, kept from now on (when compiling; a device
         without a pool books each stage's weights as it fills them: nothing to do)."""
 
+    def pool_bytes(self) -> int | None:
+        """The bytes of the slot pool, held whichever stages are resident (None: no pool, each
+        resident stage's weights are booked as it fills them)."""
+        return None
+
     def close_pool(self) -> bool:
         """Free the slot pool if no stage is resident; whether there was one to free."""
         return False

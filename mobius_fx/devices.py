@@ -335,6 +335,9 @@ class StreamDevice(Device):
             self.close_pool()  # another pipeline on these devices planned larger slots: sized again, now
         self._open()
 
+    def pool_bytes(self):
+        return self._pool.bytes if self._pool is not None else None
+
     def close_pool(self):
         pool = self._pool
         if pool is None or pool.in_use:

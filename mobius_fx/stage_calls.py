@@ -313,7 +313,11 @@ class StageCalls:
         (their weights, their gradient accumulators) is left out of stage k's measured peak."""
         st = self.stages[k]
         dev = st.device
-        others = sum(o.weight_bytes for j, o in enumerate(self.stages) if j != k and o.device is dev and o.resident)
+        pool = dev.pool_bytes()
+        if pool is not None:  # a fixed slot pool: all of it but this stage's weights is held for others
+            others = max(0, pool - (st.weight_bytes if st.resident else 0))
+        else:
+            others = sum(o.weight_bytes for j, o in enumerate(self.stages) if j != k and o.device is dev and o.resident)
         if self.step is not None:
             others += sum(nbytes(g) for j, acc in self.step.acc.items() if j != k and self.stages[j].device is dev
                           for g in acc.values())
