@@ -12,7 +12,7 @@ Every encoding of the model reads it from here, so they cannot drift apart:
   `layer_runs`, the runs of layers the model cannot tell apart (the MIP decides over runs);
 * shared links: `SharedLink` / `shared_links`, a switch uplink several GPUs' weight uploads or
   gradient downloads cross, which carries `servers` of them at a time in the order the pipeline
-  needs them (`queue_before`; in step_timeline.py, re-exported);
+  needs them (`queue_before`, `queue_window`; in step_timeline.py, re-exported);
 * tied weights: `TiedWeight` / `tied_weights`, the extra copy (and gradient) a stage keeps of
   a parameter another stage's layer owns, `tied_copy_bytes` its bytes (`plans.build_plan` too);
 * the timeline: `memory_violation` (the memory rules) and `timeline` (least start times; its
@@ -47,11 +47,11 @@ from typing import Any, Sequence
 
 from .costs import LayerCost, dtype_bytes
 from .errors import PlanError
-from .step_timeline import Evaluation, SharedLink, Timeline, queue_before, shared_links, timeline
+from .step_timeline import Evaluation, SharedLink, Timeline, freed, queue_before, queue_window, shared_links, timeline
 
 __all__ = [
     "MEMORY_TOLERANCE", "SolverInfo", "MemoryModel", "stage_memory", "TiedWeight", "tied_weights", "tied_copy_bytes", "SharedLink",
-    "shared_links", "queue_before",
+    "shared_links", "queue_before", "queue_window", "freed",
     "PartitionProblem", "Evaluation",
     "StageTotals", "PrefixSums", "layer_runs", "memory_violation", "Timeline", "timeline", "evaluate",
 ]

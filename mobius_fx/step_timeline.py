@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["Evaluation", "Timeline", "timeline", "SharedLink", "shared_links", "queue_before"]
+__all__ = ["Evaluation", "Timeline", "timeline", "SharedLink", "shared_links", "queue_before", "queue_window",
+           "freed", "OVERLAPS"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,36 @@ def queue_before(links: Sequence[Any], slot_of: Sequence[int], order: Sequence[i
     return before
 
 
+# How many of a GPU's backward uploads (stages k-N, k-2N, ...) a gradient download's rows
+# count overlapping it (`timeline`'s D): in the benchmarks a download outlasts at most two; more
+# rows only grow the MIP (O(S^2 / N) of them).
+OVERLAPS = 2
+
+
+def queue_window(links: Sequence[Any], slot_of: Sequence[int], order: Sequence[int]) -> list[list[tuple[int, list[int]]]]:
+    """For each stage k, per shared link k's slot is behind: (servers c, the last c + 1 stages
+    before k in `order` behind that link), when c or more come before it. The simulator serves
+    a link's flows in need order, each at its own link's speed, c at a time: stage k's copy
+    starts when one of the c running frees, at the c-th latest end of the copies before it
+    (`freed`), not at the end of the one c places before it (`queue_before`) -- with uneven
+    stages the next copy takes whichever server frees first. The model reads the c-th latest
+    among the last c + 1 only (fewer when fewer precede it): a lower bound of the full queue's,
+    equal to it unless an older copy still runs, and one binary per end in the MIP."""
+    out: list[list[tuple[int, list[int]]]] = [[] for _ in slot_of]
+    for link in links:
+        queue = [k for k in order if slot_of[k] in link.slots]
+        for j, k in enumerate(queue):
+            if j >= link.servers:
+                out[k].append((link.servers, queue[max(0, j - link.servers - 1):j]))
+    return out
+
+
+def freed(ends: Sequence[float], windows: Sequence[tuple[int, list[int]]]) -> float:
+    """When a server of every shared link in `windows` (`queue_window`) is free: the c-th
+    latest of the `ends` of its window; -inf with none."""
+    return max((sorted((ends[j] for j in w), reverse=True)[c - 1] for c, w in windows), default=-math.inf)
+
+
 def timeline(problem: Any, st: Any, full: bool = False):
     """Least start times of docs/schedule.md for fixed stages (exact: see the module docstring).
 
@@ -147,13 +178,16 @@ def timeline(problem: Any, st: Any, full: bool = False):
     # output to the host (h) and gets its gradient back (e).
     in0 = problem.input_bytes / m
     inp = [in0, *st.out[:s - 1]]
-    # A GPU behind a switch link that loses bandwidth with both directions busy (duplex < 1)
-    # fetches stage k's weights again for backward while stage k+N's gradients leave, and sends
-    # stage k's gradients (k >= N) while stage k-N's weights come back: those copies run at the
-    # duplex share; the forward's are one-way.
+    # A GPU behind a switch link that loses bandwidth with both directions busy (duplex d < 1)
+    # fetches stage k-N's weights again for backward, and restores its inputs, while stage k's
+    # gradients leave. The simulator serves the copy needed first first: the uploads keep their
+    # full speed, the gradient download gets what the link's duplex budget leaves, 2d - 1 of
+    # its speed (0.44 at a switch), and all of it once the uploads are done. So each second the
+    # GPU's upload stream is busy while a download waits costs that download 2(1-d) seconds:
+    # see D below. (Both at the duplex share d, as before, put the backward weights late and
+    # the gradients early: memory-tight in benchmarks/plan_quality.py picked a partition 5%
+    # slower than the best.)
     dx = problem.duplex or (1.0,) * n
-    up_b = [up[i] * dx[i] for i in range(n)]
-    down_g = [down[k % n] * (dx[k % n] if k >= n else 1.0) for k in range(s)]
     r = [inp[k] / up[k % n] if live[k] else 0.0 for k in range(s)]
     # The last stage's copies to the host (its offloads, its outputs) leave while the outputs'
     # gradients come back (with several micro-batches, the gradient of one while the next goes):
@@ -163,10 +197,11 @@ def timeline(problem: Any, st: Any, full: bool = False):
     out_down = st.out[s - 1] / (down[(s - 1) % n] * last_dx)
     out_up = st.out[s - 1] / up[(s - 1) % n] if live[s - 1] else 0.0
     # Weight uploads (forward in stage order, backward in reverse) and gradient downloads
-    # (reverse) of the slots behind a shared link queue on it (`queue_before`): one starts
-    # when its release time has come and the one `servers` places before it has ended.
+    # (reverse) of the slots behind a shared link queue on it: one starts when its release time
+    # has come and a server is free -- forward, the first that frees (`queue_window`); backward
+    # and down, the one `servers` places before it (`queue_before`).
     slot = [k % n for k in range(s)]
-    up_fwd = queue_before(problem.shared_up, slot, range(s))
+    up_fwd = queue_window(problem.shared_up, slot, range(s))
     up_bwd = queue_before(problem.shared_up, slot, range(s - n - 1, -1, -1))
     down_q = queue_before(problem.shared_down, slot, range(s - 1, -1, -1))
     F: list[list[float]] = []
@@ -175,8 +210,7 @@ def timeline(problem: Any, st: Any, full: bool = False):
     for k in range(s):
         sl = k % n
         start = 0.0 if k < n else F[k - n][0]  # the prefetch starts with stage k-N
-        for j in up_fwd[k]:
-            start = max(start, U[j])
+        start = max(start, freed(U, up_fwd[k]))
         U[k] = start + w[k] / up[sl]
         if k < n:
             t0 = U[k]
@@ -251,9 +285,9 @@ def timeline(problem: Any, st: Any, full: bool = False):
             nxt = B[k + n]
             end = nxt[m - 1] + b[k + n]
             start = max([nxt[0], *(A[j] for j in up_bwd[k])])
-            q[k] = max(0.0, min(wb[k], up_b[sl] * (end - start), cap[sl] - st.bmem[k + n]))
-            t0 = max(end, start) + (wb[k] - q[k]) / up_b[sl]
-            A[k] = max(R[k + n], start) + wb[k] / up_b[sl]
+            q[k] = max(0.0, min(wb[k], up[sl] * (end - start), cap[sl] - st.bmem[k + n]))
+            t0 = max(end, start) + (wb[k] - q[k]) / up[sl]
+            A[k] = max(R[k + n], start) + wb[k] / up[sl]
             R[k] = last = A[k] + m * r[k]
             if A[k] + r[k] > t0:
                 t0 = A[k] + r[k]
@@ -282,13 +316,25 @@ def timeline(problem: Any, st: Any, full: bool = False):
                 t += bk
         if last > row[m - 1]:  # the last run waits for all M restores
             row[m - 1] = last
-    D = [0.0] * s  # gradient downloads queue per GPU: stage k's after stage k+N's
+    # Gradient downloads queue per GPU: stage k's after stage k+N's. From its start, stage k's
+    # (k >= N) overlaps the GPU's uploads for stage k-N (busy until R[k-N]) and, if it lasts,
+    # those of k-2N (its weights and M restores back to back; OVERLAPS of them at most): one
+    # row per how many of them it outlasts, each charging 2(1-d) x the upload time. A row that
+    # assumes more overlap than there is overshoots, but never past that upload's end (a
+    # download that ends before it is charged at most 2(1-d) of the time left to it).
+    busy = [wb[j] / up[j % n] + m * r[j] for j in range(s)]  # stage j's backward uploads
+    D = [0.0] * s
     for k in range(s - 1, -1, -1):
         done = B[k][m - 1] + b[k]
         if k + n < s and D[k + n] > done:
             done = D[k + n]
         for j in down_q[k]:
             done = max(done, D[j])
-        D[k] = done + st.g[k] / down_g[k]
+        D[k] = done + st.g[k] / down[k % n]
+        if k >= n and dx[k % n] < 1:
+            overlap = R[k - n] - done
+            for j in range(k - n, max(-1, k - (OVERLAPS + 1) * n), -n):
+                overlap += busy[j] if j < k - n else 0.0
+                D[k] = max(D[k], done + st.g[k] / down[k % n] + 2 * (1 - dx[k % n]) * overlap)
     makespan = max(D)
     return Timeline(makespan, p, q, F, B, D, V, E, A, R, U) if full else makespan

@@ -22,7 +22,8 @@ from typing import Any
 
 import pulp
 
-from mobius_fx.step_model import Evaluation, PartitionProblem, PrefixSums, queue_before
+from mobius_fx.step_timeline import OVERLAPS
+from mobius_fx.step_model import Evaluation, PartitionProblem, PrefixSums, queue_before, queue_window
 
 from .mip_solver import run_solver, solve_relaxation
 
@@ -53,6 +54,7 @@ class Mip:
     tied: dict = field(default_factory=dict)  # "holds_{i}_{k}" / "tied_{j}_{k}" -> var: `_tied_copies`
     tied_weights: tuple = ()  # the problem's TiedWeights (j indexes them)
     U: dict = field(default_factory=dict)  # k -> end of stage k's forward upload (shared uplinks only)
+    skips: list = field(default_factory=list)  # (k, c, {j: binary}): U_k's row after U_j off (`queue_window`)
 
 
 def _var(lp: pulp.LpProblem, name: str, lo: float | None = None, hi: float | None = None,
@@ -140,8 +142,7 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     hop = [inv(problem.hop[k % n]) for k in range(s)]  # activation k -> k+1
     hop_back = [inv(problem.backward_hop[k % n]) for k in range(s)]  # gradient k+1 -> k
     up = [1 / (problem.up[k % n] * scale) for k in range(s)]  # seconds per byte, in units
-    dx = problem.duplex or (1.0,) * n  # step_model.timeline: backward weights and gradients at the duplex share
-    up_b = [up[k] / dx[k % n] for k in range(s)]
+    dx = problem.duplex or (1.0,) * n  # step_model.timeline: gradients slowed by the uploads they overlap
     down = [1 / (problem.down[k % n] * scale) for k in range(s)]
     F = [{i: _var(lp, f"F_{k}_{i}", 0) for i in mbs} for k in range(s)]
     B = [{i: _var(lp, f"B_{k}_{i}", 0) for i in mbs} for k in range(s)]
@@ -162,16 +163,31 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     # `queue_before`): U_k, the end of stage k's forward upload, after the one `servers`
     # places before it; the backward uploads (A) and the downloads (D) below likewise.
     slot = [k % n for k in range(s)]
-    up_fwd = queue_before(problem.shared_up, slot, range(s))
+    up_fwd = queue_window(problem.shared_up, slot, range(s))
     up_bwd = queue_before(problem.shared_up, slot, range(s - n - 1, -1, -1))
     down_q = queue_before(problem.shared_down, slot, range(s - 1, -1, -1))
-    U = {}
+    U, skips = {}, []
+    # An upper bound of every forward upload's end in the least schedule (all the forward's
+    # work one after another), the big-M of the rows a queue's binary switches off.
+    acts = sum(fast.out) * max(hop) + (in0 * max(up) if in0 > 0 else 0.0)
+    horizon = 2 * ((fast.w[L] + sum(t.nbytes for t in problem.tied) * fast.mm.weight_scale) * max(up)
+                   + m * (fast.f[L] / scale + acts))
     if problem.shared_up:
         for k in range(s):
             U[k] = _var(lp, f"U_{k}", 0)
             lp += U[k] >= (F[k - n][0] if k >= n else 0) + w[k] * up[k], f"upload_end_{k}"
-            for j in up_fwd[k]:
-                lp += U[k] >= U[j] + w[k] * up[k], f"upload_queue_{k}_{j}"
+            for c, window in up_fwd[k]:  # after the c-th latest end of its window: all but c-1 of them
+                if c == 1:
+                    for j in window:
+                        lp += U[k] >= U[j] + w[k] * up[k], f"upload_queue_{k}_{j}"
+                    continue
+                # continuous in the bound's LP (solve_relaxation relaxes only the cut columns)
+                skip = {j: _var(lp, f"upload_skip_{k}_{j}", 0, 1, pulp.LpContinuous if bound_only else pulp.LpBinary)
+                        for j in window}
+                skips.append((k, c, skip))
+                lp += pulp.lpSum(skip.values()) <= c - 1, f"upload_servers_{k}_{window[-1]}"
+                for j, e in skip.items():
+                    lp += U[k] >= U[j] + w[k] * up[k] - horizon * e, f"upload_queue_{k}_{j}"
             lp += F[k][0] >= U[k], f"uploaded_{k}"
     # Copies to the host (step_model.timeline's V and E): micro-batch i's offload, then (last
     # stage) its output, after its forward run, in stage and micro-batch order per GPU. V per
@@ -183,6 +199,7 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
               for k in range(s)]
     copy = [(saved[k] * down_c[k] if k else 0.0) + (out_last * down_c[k] if k == s - 1 else 0.0) for k in range(s)]
     V, E, A, R = {}, {}, {}, {}
+    uploads_end = {}  # k < S-N: its weights and restores back for backward (timeline's R[k])
     for k in range(1 if s > 1 else 0, s):
         if k >= s - n:
             V[k] = {i: _var(lp, f"V_{k}_{i}", 0) for i in mbs}
@@ -219,14 +236,15 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
                     lp += R[k] >= V[k][i] + dk + (m - i) * rk, f"restores_{k}_{i}"
         else:  # the prefetch starts with stage k+N's backward and queues after its restores
             A[k] = _var(lp, f"A_{k}", 0)
-            lp += A[k] >= B[k + n][0] + wb[k] * up_b[k], f"prefetch_b{k}"
-            lp += A[k] >= R[k + n] + wb[k] * up_b[k], f"upload_queue_b{k}"
+            lp += A[k] >= B[k + n][0] + wb[k] * up[k], f"prefetch_b{k}"
+            lp += A[k] >= R[k + n] + wb[k] * up[k], f"upload_queue_b{k}"
             for j in up_bwd[k]:
-                lp += A[k] >= A[j] + wb[k] * up_b[k], f"shared_upload_b{k}_{j}"
+                lp += A[k] >= A[j] + wb[k] * up[k], f"shared_upload_b{k}_{j}"
             lp += B[k][0] >= A[k] + rk, f"restore_b{k}_first"
             lp += B[k][m - 1] >= A[k] + m * rk, f"restore_b{k}_last"
+            uploads_end[k] = A[k] + m * rk
             if k >= n:
-                R[k] = A[k] + m * rk
+                R[k] = uploads_end[k]
         for i in mbs:
             if i:
                 lp += B[k][i] >= B[k][prev[i]] + (i - prev[i]) * b[k], f"mb_b{k}_{i}"
@@ -236,19 +254,29 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     # makespan is max_k D_k; D_k >= D_{k+N} (G >= 0), so T >= D_k for the first N stages covers it.
     D = [_var(lp, f"D_{k}", 0) for k in range(s)]
     T = _var(lp, "makespan", 0)
+    # Stage k's download (k >= N) also loses 2(1-d) of each second the GPU's uploads for
+    # stages k-N, k-2N, ... run after it starts (timeline's rows): D_k >= X + grads + 2(1-d) x
+    # (R_{k-N} - X + the later uploads' busy times) for each X the start is the max of.
+    busy = [wb[j] * up[j] + m * saved[j] * up[j] for j in range(s)]
     for k in range(s - 1, -1, -1):
-        grads = g[k] * down[k] / (dx[k % n] if k >= n else 1.0)
-        lp += D[k] >= B[k][m - 1] + b[k] + grads, f"download_{k}"
+        grads = g[k] * down[k]
+        starts = [(B[k][m - 1] + b[k], f"download_{k}")]
         if k + n < s:
-            lp += D[k] >= D[k + n] + grads, f"download_queue_{k}"
-        for j in down_q[k]:
-            lp += D[k] >= D[j] + grads, f"shared_download_{k}_{j}"
+            starts.append((D[k + n], f"download_queue_{k}"))
+        starts += [(D[j], f"shared_download_{k}_{j}") for j in down_q[k]]
+        for x, name in starts:
+            lp += D[k] >= x + grads, name
+            if k >= n and dx[k % n] < 1:
+                lost, overlap = 2 * (1 - dx[k % n]), uploads_end[k - n]
+                for j in range(k - n, max(-1, k - (OVERLAPS + 1) * n), -n):
+                    overlap = overlap + (busy[j] if j < k - n else 0.0)
+                    lp += D[k] >= (1 - lost) * x + lost * overlap + grads, f"{name}_overlap_{j}"
         if k < n:
             lp += T >= D[k], f"end_{k}"
     lp += T
     prefix = problem.frozen_prefix
     return Mip(lp, s, scale, z, t, F, B, D, T, infeasible, frozen, prefix, L, V, E, A,
-               {k: v for k, v in R.items() if isinstance(v, pulp.LpVariable)}, aux, problem.tied, U)
+               {k: v for k, v in R.items() if isinstance(v, pulp.LpVariable)}, aux, problem.tied, U, skips)
 
 
 def _tied_copies(lp: pulp.LpProblem, problem: PartitionProblem, at: list, s: int, aux: dict) -> tuple[list, list]:
@@ -405,6 +433,9 @@ def warm_start(mip: Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
                              (ev.upload_done, mip.U)):
         for k, v in variables.items():
             v.setInitialValue(times[k] / mip.scale)
+    for k, c, skip in mip.skips:  # the c-1 latest ends of U_k's window switched off
+        for j in sorted(skip, key=lambda j: -ev.upload_done[j])[:c - 1]:
+            skip[j].setInitialValue(1)
     mip.T.setInitialValue(ev.makespan / mip.scale)
 
 

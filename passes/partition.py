@@ -119,8 +119,8 @@ def stage_count_bound(problem: PartitionProblem, s: int, fast: PrefixSums | None
       run precedes). Forward adds stage 0's first upload (weights and model input).
     * links: the copies of a phase cross the GPUs' host links, at most `servers` at a time on
       a shared uplink and one at a time per GPU otherwise: forward all weights, backward the
-      layers certainly re-fetched (i < S-N, past the frozen prefix) at the duplex share, and
-      all gradients down.
+      layers certainly re-fetched (i < S-N, past the frozen prefix; at full speed, they go
+      before the gradients), and all gradients down.
     Memory is ignored (`lp_bound` sees it). Exact for nothing; valid for every cut set, which
     tests/property/test_partition_props.py checks against brute force.
     """
@@ -144,10 +144,9 @@ def stage_count_bound(problem: PartitionProblem, s: int, fast: PrefixSums | None
     # Link capacity in "GPU links' worth": a shared link counts `servers`, a GPU on none 1.
     servers = lambda links: _servers(links, n)
     up_max, down_max = max(problem.up), max(problem.down)
-    dx = max(problem.duplex) if problem.duplex else 1.0
     fwd_link = fast.w[L] / (up_max * servers(problem.shared_up)) + m * min(f)
     refetched = sum(fast.w[i + 1] - fast.w[i] for i in range(P, max(P, s - n)))
-    bwd_link = max(refetched / (up_max * dx * servers(problem.shared_up)),
+    bwd_link = max(refetched / (up_max * servers(problem.shared_up)),
                    fast.g[L] / (down_max * servers(problem.shared_down)))
     return max(fwd_compute, fwd_link) + max(bwd_compute, bwd_link)
 
@@ -365,8 +364,14 @@ def _explain_infeasible(problem: PartitionProblem, cands: Sequence[int], unknown
 
 
 # ------------------------------------------------------------------------------ solve
+# The timing model's revision: part of the cache key, so a plan solved under an older model (a
+# different program for the same numbers) is not reused. Bump it with any change to the program.
+MODEL_REVISION = "2026-12-03: duplex share by priority, uploads on a shared uplink take the first server"
+
+
 def _cache_key(problem: PartitionProblem, settings: dict) -> str:
-    blob = json.dumps({"problem": asdict(problem), "settings": settings}, sort_keys=True, default=str)
+    blob = json.dumps({"problem": asdict(problem), "settings": settings, "model": MODEL_REVISION}, sort_keys=True,
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

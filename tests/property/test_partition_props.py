@@ -222,9 +222,11 @@ def test_the_makespan_is_the_last_gradient_download(p):
         for j in shared[k]:  # and the download `servers` places before it on a shared uplink
             ready = max(ready, ev.grad_done[j])
         tied = p.tied_bytes(edges[k], edges[k + 1])[1]  # its tied copies' gradient
-        share = p.duplex[k % n] if p.duplex and k >= n else 1.0  # while stage k-N's weights come back
-        took = (sum(l.grad_bytes for l in part) * p.memory.weight_scale + tied) / (p.down[k % n] * share)
-        assert ev.grad_done[k] == pytest.approx(ready + took, rel=1e-9, abs=1e-12)
+        took = (sum(l.grad_bytes for l in part) * p.memory.weight_scale + tied) / p.down[k % n]
+        if p.duplex and k >= n and p.duplex[k % n] < 1:  # slowed by the GPU's uploads it overlaps, if any
+            assert ev.grad_done[k] >= ready + took - 1e-12
+        else:
+            assert ev.grad_done[k] == pytest.approx(ready + took, rel=1e-9, abs=1e-12)
     assert ev.makespan == max(ev.grad_done)
 
 

@@ -93,7 +93,7 @@ def test_prefetching_never_makes_mobius_slower(plan):
 
 
 @given(plans(shared=False))
-def test_mobius_is_never_faster_than_the_partitioners_model(plan):
+def test_mobius_is_never_faster_than_the_partitioners_model_and_within_10_percent_of_it(plan):
     # docs/schedule.md is a relaxation of what the simulator replays (each row a lower bound of
     # what the IR's order forces), so on a topology without shared links the simulation can
     # only be slower.
@@ -107,4 +107,8 @@ def test_mobius_is_never_faster_than_the_partitioners_model(plan):
                                              input_bytes=1000)  # as `plans()` builds them
     ev = evaluate(problem, cuts)
     if ev is not None:
-        assert simulate(plan).pipeline_time >= ev.makespan * (1 - 1e-6)  # the model keeps fractional bytes
+        sim = simulate(plan).pipeline_time
+        assert sim >= ev.makespan * (1 - 1e-6)  # the model keeps fractional bytes
+        # ... and, without contention to leave out, agrees with it within 10% (at most 1.0001
+        # over 300 random plans when written)
+        assert sim <= ev.makespan * 1.10

@@ -16,7 +16,8 @@ from mobius_fx.costs import LayerCost
 from mobius_fx.passes import _partition_mip as M
 from mobius_fx.passes import partition as P
 from mobius_fx.step_model import (
-    MEMORY_TOLERANCE, MemoryModel, PrefixSums, SharedLink, SolverInfo, TiedWeight, layer_runs, stage_memory,
+    MEMORY_TOLERANCE, MemoryModel, PrefixSums, SharedLink, SolverInfo, TiedWeight, layer_runs, queue_before,
+    stage_memory,
 )
 from mobius_fx.passes.partition import (
     PartitionProblem, brute_force, evaluate, heuristic, plan_stage_count_candidates, solve,
@@ -227,6 +228,42 @@ def test_the_mip_times_the_last_stages_copies_at_the_duplex_share_like_evaluate(
             slower += evaluate(p, cuts).makespan > evaluate(full, cuts).makespan + 1e-9
             assert mip_makespan(p, cuts) == pytest.approx(evaluate(p, cuts).makespan, rel=1e-7)
     assert slower >= 10  # of 16
+
+
+def test_the_mip_takes_the_first_free_server_on_a_shared_uplink_like_evaluate():
+    # Uneven stages behind an uplink that carries two uploads at a time: a stage's upload takes
+    # whichever server frees first (the c-th latest end of the ones before it, one binary per
+    # end). The MIP with the cuts fixed equals evaluate, including where that differs from the
+    # end of the upload two places before it.
+    ls = [layer(c, fwd=0.05, bwd=0.1, params=p, out=5) for c, p in zip("abcdefgh", (50, 40, 10, 20, 60, 5, 30, 10))]
+    earlier = 0
+    for gpus, m in ((4, 1), (4, 2), (3, 2)):
+        p = replace(problem(ls, gpus=gpus, m=m, hop=50.0), shared_up=(SharedLink("sw", tuple(range(gpus)), 2),))
+        for cuts in ((0, 1, 2, 3, 4, 5, 6, 7), (0, 1, 2, 3), (0, 2, 3, 5, 6), (0, 1, 3, 4, 5, 7)):
+            ev = evaluate(p, cuts)
+            queue = queue_before(p.shared_up, [k % gpus for k in range(len(cuts))], range(len(cuts)))
+            w = PrefixSums(p).stages(cuts).w
+            earlier += any(ev.upload_done[k] - w[k] / 10.0 < ev.upload_done[j] - 1e-9  # started before j ended
+                           for k, js in enumerate(queue) for j in js)
+            # rel 1e-6: a binary within the solver's integrality tolerance of 1 leaves its row
+            # that tolerance x the row's big-M short
+            assert mip_makespan(p, cuts) == pytest.approx(ev.makespan, rel=1e-6)
+    assert earlier >= 3
+
+
+def test_the_mip_slows_gradient_downloads_by_the_uploads_they_overlap_like_evaluate():
+    # With a duplex share below 1 a GPU's gradient download loses 2(1-d) of each second its
+    # uploads for the stages before (weights back for backward, restores) run meanwhile: the
+    # MIP with the cuts fixed equals evaluate, and the overlap costs time in most cases.
+    ls = [layer(c, fwd=0.05, bwd=0.1, params=30, out=5) for c in "abcdef"]
+    slower = 0
+    for gpus, m, d in ((1, 1, 0.5), (1, 2, 0.72), (2, 2, 0.72), (2, 3, 0.5)):
+        full = problem(ls, gpus=gpus, m=m, hop=50.0, input_bytes=8.0)
+        p = replace(full, duplex=(d,) * gpus)
+        for cuts in ((0, 2, 4), (0, 1, 2, 3, 4, 5), (0, 1, 3, 4), (0, 3)):
+            slower += evaluate(p, cuts).makespan > evaluate(full, cuts).makespan + 1e-9
+            assert mip_makespan(p, cuts) == pytest.approx(evaluate(p, cuts).makespan, rel=1e-7)
+    assert slower >= 8  # of 16
 
 
 def test_the_mip_places_a_tied_head_where_brute_force_does():
@@ -499,6 +536,16 @@ def test_changed_numbers_miss_the_cache(tmp_path):
     solve(problem([layer(n) for n in "abcd"], gpus=2, m=2), cache_dir=tmp_path)
     other = solve(problem([layer(n) for n in "abcd"], gpus=2, m=2, up=11.0), cache_dir=tmp_path)
     assert not other.solver.cached
+
+
+def test_a_plan_solved_under_another_timing_model_misses_the_cache(tmp_path, monkeypatch):
+    """Same numbers, another program (partition.MODEL_REVISION): solved again, not reused."""
+    import mobius_fx.passes.partition as partition
+
+    p = problem([layer(n) for n in "abcd"], gpus=2, m=2)
+    solve(p, cache_dir=tmp_path)
+    monkeypatch.setattr(partition, "MODEL_REVISION", partition.MODEL_REVISION + " (changed)")
+    assert not solve(p, cache_dir=tmp_path).solver.cached
 
 
 def test_the_cache_dir_defaults_to_the_environment_variable(tmp_path, monkeypatch):

@@ -352,6 +352,15 @@ def test_uploads_behind_a_switch_queue_two_at_a_time_in_stage_order():
     assert evaluate(one, (0, 1, 2, 3)).upload_done == pytest.approx((1, 2, 3, 4))
 
 
+def test_uploads_behind_a_switch_take_the_first_server_that_frees():
+    # Two servers, stages of 50, 40, 10 and 20 B at 10 B/s: stages 0 and 1 upload first; stage
+    # 2 takes the server stage 1 frees at 4 s (ends 5 s), stage 3 the one stage 2 frees at 5 s
+    # (ends 7 s), not the one stage 1 freed (positionally two places before it: 6 s).
+    ls = [layer(c, fwd=0.01, bwd=0.02, params=p) for c, p in zip("abcd", (50, 40, 10, 20))]
+    shared = replace(problem(ls, gpus=4, hop=math.inf, cap=1e4), shared_up=(SharedLink("sw", (0, 1, 2, 3), 2),))
+    assert evaluate(shared, (0, 1, 2, 3)).upload_done == pytest.approx((5, 4, 5, 7))
+
+
 def test_gradient_downloads_behind_a_switch_queue_in_backward_order():
     # Gradients leave in reverse stage order; one 10 B/s download at a time through the
     # uplink: stage 3's first, then 2, 1, 0, each 1 s after the one before it at the latest.
@@ -363,20 +372,30 @@ def test_gradient_downloads_behind_a_switch_queue_in_backward_order():
     assert ev.makespan == ends[0] > evaluate(free, (0, 1, 2, 3)).makespan + 2.9
 
 
-def test_backward_copies_run_at_the_duplex_share():
-    # One GPU, two stages of 10 B at 10 B/s each way, a route that keeps half of each direction
-    # while both are busy: stage 0's weights come back for backward while stage 1's gradients
-    # leave (stage 1 is not the GPU's first stage), both at 5 B/s. Stage 0's gradients, the
-    # GPU's last copy, leave alone at full speed.
-    ls = [layer("a"), layer("b")]
+def test_a_gradient_download_gets_what_the_uploads_it_overlaps_leave_of_the_duplex_budget():
+    # One GPU, two stages of 10 B at 10 B/s each way. Stage 0's weights come back for backward
+    # from stage 1's backward start (B1) to B1 + 1 s, at full speed: the simulator serves the
+    # copy needed first first. Stage 1's backward takes 0.5 s, so its gradients start leaving
+    # 0.5 s before the upload ends and get 2d - 1 of the link meanwhile (the duplex budget
+    # 2d x 10 B/s less the upload's 10 B/s), all of it after: at d = 0.75, 2.5 B in the first
+    # 0.5 s, 7.5 B in 0.75 s more. At d = 0.5 nothing moves until the upload is done.
+    ls = [layer("a"), layer("b", bwd=0.5)]
     full = problem(ls, cap=1e4)
-    half = replace(full, duplex=(0.5,))
-    a, b = evaluate(full, (0, 1)), evaluate(half, (0, 1))
-    end1 = b.bwd_start[1][0] + 2.0  # stage 1's backward: one micro-batch of 2 s
-    assert b.grad_done[1] == pytest.approx(end1 + 10 / 5)
-    assert a.grad_done[1] == pytest.approx(a.bwd_start[1][0] + 2.0 + 10 / 10)
-    assert b.weights_back[0] - a.weights_back[0] == pytest.approx(10 / 5 - 10 / 10)
-    assert b.grad_done[0] - b.grad_done[1] >= 10 / 10 - 1e-12  # stage 0's own download: full speed
+    for d, took in ((1.0, 1.0), (0.75, 1.25), (0.5, 1.5)):
+        ev = evaluate(replace(full, duplex=(d,)), (0, 1))
+        b1 = ev.bwd_start[1][0]
+        assert ev.weights_back[0] == pytest.approx(b1 + 1.0)  # the upload at full speed
+        assert ev.grad_done[1] == pytest.approx(b1 + 0.5 + took)
+        assert ev.grad_done[0] - ev.grad_done[1] >= 10 / 10 - 1e-12  # stage 0's own download: nothing to overlap
+    # A download that outlasts the upload of stage k-N overlaps stage k-2N's too: one GPU, three
+    # stages, stage 2's gradients (100 B) leave from its backward's end; stage 1's weights and
+    # then stage 0's come back meanwhile (1 s each, from B2 and from B1), each costing
+    # 2(1 - 0.75) = 0.5 s of the download's time.
+    ls = [layer("a", bwd=0.1), layer("b", bwd=0.1), layer("c", bwd=0.1, params=100)]
+    ev = evaluate(replace(problem(ls, cap=1e4), duplex=(0.75,)), (0, 1, 2))
+    b2_end = ev.bwd_start[2][0] + 0.1
+    up1 = ev.weights_back[1] - b2_end  # what is left of stage 1's upload when the download starts
+    assert ev.grad_done[2] == pytest.approx(b2_end + 100 / 10 + 0.5 * (up1 + 1.0))
     with pytest.raises(PlanError, match=r"duplex=\(0.4,\); give one share in \[0.5, 1\]"):
         replace(full, duplex=(0.4,))
 
