@@ -226,7 +226,8 @@ class Pipeline(nn.Module):
     def release_slots(self) -> None:
         """Free the weight-slot pool each GPU keeps from compile time on (CUDA and
         "virtual-async"), e.g. before evaluating something else on the GPUs; the next step
-        allocates it again. Refused while a step holds stages (between forward and backward)."""
+        allocates it again. Refused while a backward is still to come for the stages a forward
+        holds (between forward and backward); a forward whose graph was dropped lets them go."""
         rt = self._rt
         step = rt.step
         if step is not None and step.state == "forward" and not any(r() is not None for refs in step.calls.values()
