@@ -366,7 +366,7 @@ def _explain_infeasible(problem: PartitionProblem, cands: Sequence[int], unknown
 # ------------------------------------------------------------------------------ solve
 # The timing model's revision: part of the cache key, so a plan solved under an older model (a
 # different program for the same numbers) is not reused. Bump it with any change to the program.
-MODEL_REVISION = "2026-12-03: duplex share by priority, uploads on a shared uplink take the first server"
+MODEL_REVISION = "2026-12-03b: duplex share by priority, uploads on a shared uplink take the first server"
 
 
 def _cache_key(problem: PartitionProblem, settings: dict) -> str:

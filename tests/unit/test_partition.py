@@ -20,7 +20,7 @@ from mobius_fx.step_model import (
     stage_memory,
 )
 from mobius_fx.passes.partition import (
-    PartitionProblem, brute_force, evaluate, heuristic, plan_stage_count_candidates, solve,
+    PartitionProblem, brute_force, evaluate, heuristic, plan_stage_count_candidates, solve, stage_count_bound,
 )
 from tests.unit.test_step_model import layer, problem, unshared_topology
 
@@ -520,6 +520,24 @@ def test_problem_validation_names_the_bad_value():
         problem([layer("a")], gpus=2, hop_back=-1.0)
     with pytest.raises(PlanError, match="microbatches=0"):
         PartitionProblem((layer("a"),), 0, ("gpu0",), (1,), (1.0,), (1.0,), (1.0,), MemoryModel(1))
+
+
+def test_the_closed_form_bound_holds_with_more_gpus_behind_an_uplink_than_its_servers_plus_one():
+    """5 GPUs behind a 2-server uplink (found by review): with the upload queue read among the
+    last 3 copies only, an older copy still running was not counted, 3 uploads ran at once and
+    the optimum of S = 5 fell to 0.84x the closed-form bound, which counts 2 at a time."""
+    spec = [(0.0997, 0.0418, 60, 7, 3, 1), (0.0160, 0.0616, 5, 3, 2, 3), (0.1061, 0.1151, 200, 1, 4, 2),
+            (0.1697, 0.1495, 1, 0, 1, 5), (0.0482, 0.1697, 1, 1, 1, 0), (0.0260, 0.0327, 200, 7, 5, 5),
+            (0.1944, 0.1535, 200, 9, 5, 3)]
+    layers = tuple(LayerCost(f"l{i}", (f"n{i}",), 0.0, 0.0, f, b, w, g, out, peak)
+                   for i, (f, b, w, g, out, peak) in enumerate(spec))
+    n, m = 5, 3
+    p = PartitionProblem(layers, m, tuple(f"g{i}" for i in range(n)), (1482,) * n, (20.0, 5.0, 10.0, 20.0, 20.0),
+                         (1000.0,) * n, (1000.0,) * n, MemoryModel.for_layers(layers, m), input_bytes=0,
+                         shared_up=(SharedLink("up", tuple(range(n)), 2),))
+    best = min(e.makespan for inner in itertools.combinations(range(1, len(layers)), 4)
+               if (e := evaluate(p, (0, *inner))) is not None)
+    assert stage_count_bound(p, 5) <= best * (1 + 1e-9)
 
 
 # ---------------------------------------------------------------------------------- cache
