@@ -27,7 +27,7 @@ BANDWIDTH = st.floats(5.0, 100.0, allow_nan=False)
 
 @st.composite
 def problems(draw) -> PartitionProblem:
-    """2-8 layers drawn from <= 3 kinds (so runs of identical layers occur), <= 3 GPUs,
+    """2-8 layers drawn from <= 3 kinds (so runs of identical layers occur), <= 5 GPUs,
     <= 3 micro-batches; capacities from "the largest layer alone does not fit" to "the whole
     model fits on one GPU"; backward hops the same as forward ones or drawn apart; a model
     input (sent to stage 0 in forward and again in backward) of 0-60 B; half of them with a
@@ -39,7 +39,7 @@ def problems(draw) -> PartitionProblem:
     seq = draw(st.lists(st.integers(0, len(kinds) - 1), min_size=2, max_size=8))
     layers = tuple(LayerCost(name=f"layer{i}", nodes=(f"n{i}",), fwd_flops=0.0, bwd_flops=0.0, **kinds[k])
                    for i, k in enumerate(seq))
-    n, m = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    n, m = draw(st.integers(1, 5)), draw(st.integers(1, 3))
     mm = MemoryModel.for_layers(layers, m)
     alone = max(stage_memory([l], prev, mm)[1] for l, prev in zip(layers, (None,) + layers))
     total = stage_memory(layers, None, mm)[1]
