@@ -262,7 +262,7 @@ class PeakRow:
     plan_bytes: int  # sum of the plan's peaks of the names on it
     budget_bytes: int  # sum of their budgets
     books_bytes: int  # sum of the runtime books' peaks of the names on it
-    allocator_bytes: int | None = None  # torch.cuda.max_memory_allocated, less what was there before
+    allocator_bytes: int | None = None  # torch.cuda.max_memory_allocated, less what was there before but the slot pool
 
 
 @dataclass
@@ -336,7 +336,8 @@ def format_run(r: RunFigures) -> str:
                  "Stage.peak_bytes on it, the double buffer it is planned for; summed over the GPUs sharing a device)")
     if trained:
         for p in r.peaks:
-            alloc = (f"[measured] {fmt_bytes(p.allocator_bytes)} (max_memory_allocated less the bytes held before)"
+            alloc = (f"[measured] {fmt_bytes(p.allocator_bytes)} (max_memory_allocated less the bytes held before, "
+                     f"the slot pool kept since compile counted in)"
                      if p.allocator_bytes is not None else "[measured] n/a (no CUDA allocator)")
             lines.append(f"    {p.device} ({', '.join(p.names)}): {alloc} vs [planned] {fmt_bytes(p.plan_bytes)}  "
                          f"ratio {ratio(p.allocator_bytes, p.plan_bytes)}; [books] {fmt_bytes(p.books_bytes)} "
@@ -552,7 +553,9 @@ def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidt
             device=f"cuda:{i}" if cuda else f"virtual {ns[0]}", names=tuple(ns),
             plan_bytes=sum(fig.plan_peaks.get(n, 0) for n in ns), budget_bytes=sum(fig.budgets[n] for n in ns),
             books_bytes=sum(books[n]["peak_bytes"] for n in ns),
-            allocator_bytes=torch.cuda.max_memory_allocated(i) - base[i] if cuda else None))
+            # the slot pools were allocated when compiled, so `base` holds them: count them in again
+            allocator_bytes=(torch.cuda.max_memory_allocated(i) - base[i]
+                             + sum(books[n].get("slot_pool_bytes", 0) for n in ns)) if cuda else None))
     return fig
 
 

@@ -294,8 +294,9 @@ def test_the_books_match_what_the_cuda_allocator_holds():
     pipe(x).pow(2).mean().backward()
     torch.cuda.synchronize()
     stats = torch.cuda.memory_stats(0)
-    allocated = stats["allocated_bytes.all.peak"] - base_alloc
-    requested = stats.get("requested_bytes.all.peak", stats["allocated_bytes.all.peak"]) - base_req
+    pool = pipe.memory_stats()["gpu0"]["slot_pool_bytes"]  # held since compile: in the base, and in the books
+    allocated = stats["allocated_bytes.all.peak"] - base_alloc + pool
+    requested = stats.get("requested_bytes.all.peak", stats["allocated_bytes.all.peak"]) - base_req + pool
     books = pipe.memory_stats()["gpu0"]["peak_bytes"]
     assert 0.98 * requested <= books <= 1.02 * allocated + 2**20, (requested, books, allocated)
     gc.collect()
@@ -332,6 +333,7 @@ def test_peak_gpu_memory_stays_within_the_plan():
     for _ in range(2):
         torch.nn.functional.cross_entropy(pipe(x).flatten(0, 1), x.flatten()).backward()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated(0) - base
+    # the slot pool, allocated when compiled and kept, is in `base`: count it in again
+    peak = torch.cuda.max_memory_allocated(0) - base + pipe.memory_stats()["gpu0"]["slot_pool_bytes"]
     assert peak <= planned + 2**20, (peak, planned)
     assert peak <= topo.gpus[0].memory, (peak, topo.gpus[0].memory)
