@@ -304,7 +304,7 @@ class StreamDevice(Device):
 
     def stats(self):
         out = super().stats()
-        out["slot_pool_bytes"] = self._pool.bytes if self._pool is not None else 0
+        out["slot_pool_bytes"] = self.pool_bytes() or 0
         return out
 
     def slot_stats(self) -> dict[str, int]:

@@ -132,16 +132,16 @@ OVERLAPS = 2
 def queue_window(links: Sequence[Any], slot_of: Sequence[int], order: Sequence[int]) -> list[list[tuple[int, list[int]]]]:
     """For each stage k, per shared link k's slot is behind: (servers c, the last
     max(c + 1, slots - 1) stages before k in `order` behind that link), when c or more come
-    before it. The simulator serves
-    a link's flows in need order, each at its own link's speed, c at a time: stage k's copy
-    starts when one of the c running frees, at the c-th latest end of the copies before it
-    (`freed`), not at the end of the one c places before it (`queue_before`) -- with uneven
-    stages the next copy takes whichever server frees first. The model reads the c-th latest
-    among that window only (fewer when fewer precede it): a lower bound of the full queue's,
-    equal to it unless an older copy still runs, and one binary per end in the MIP. The window
-    holds the latest copy of every other GPU behind the link (stages take the GPUs in turn):
-    with only the last c + 1 on a link of more slots, more than c copies could run at once and
-    `stage_count_bound`, which counts c, was not a bound (5 GPUs behind a 2-server uplink)."""
+    before it. The simulator serves a link's flows in need order, each at its own link's speed,
+    c at a time: stage k's copy starts when one of the c running frees, at the c-th latest end
+    of the copies before it (`freed`), not at the end of the one c places before it
+    (`queue_before`) -- with uneven stages the next copy takes whichever server frees first.
+    The model reads the c-th latest among that window only (fewer when fewer precede it): a
+    lower bound of the full queue's, equal to it unless an older copy still runs, and one
+    binary per end in the MIP. The window holds the latest copy of every other GPU behind the
+    link (stages take the GPUs in turn): with only the last c + 1 on a link of more slots,
+    more than c copies could run at once and `stage_count_bound`, which counts c, was not a
+    bound (5 GPUs behind a 2-server uplink)."""
     out: list[list[tuple[int, list[int]]]] = [[] for _ in slot_of]
     for link in links:
         queue = [k for k in order if slot_of[k] in link.slots]
