@@ -10,6 +10,7 @@ small part of it.
 
 from __future__ import annotations
 
+import os
 import argparse
 import sys
 import time
@@ -21,6 +22,8 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from models import gpt, gpt_inputs  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
 from mobius_fx.passes.annotate import annotate  # noqa: E402
 from mobius_fx.tracing import trace  # noqa: E402

@@ -16,11 +16,15 @@ the median of `--steps` timed steps after one warm-up step, all variants interle
 
 from __future__ import annotations
 
+import os
+import sys
 import argparse
 import statistics
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
 from mobius_fx.sim_tasks import CPU_ADAM_BANDWIDTH, HOST_COPY_SPEED, TOUCHED_BYTES
 

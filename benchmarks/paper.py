@@ -29,6 +29,8 @@ It also shows the step with the CPU optimizer overlapped (`simulate(optimizer_ov
 
 from __future__ import annotations
 
+import os
+import sys
 import argparse
 import dataclasses
 import tempfile
@@ -36,6 +38,8 @@ import time
 
 import torch
 from tabulate import tabulate
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
 import mobius_fx
 from mobius_fx import Topology, zoo

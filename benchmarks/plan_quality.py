@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from tabulate import tabulate
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
+
 import mobius_fx
 from mobius_fx import PlanError, Topology
 from mobius_fx.compiler import CompileContext, PassPipeline, default_pipeline

@@ -9,12 +9,16 @@ micro-batches. Every figure is measured in this run.
 
 from __future__ import annotations
 
+import os
+import sys
 import argparse
 import tempfile
 import time
 
 import torch
 from tabulate import tabulate
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
 from mobius_fx import Topology
 from mobius_fx.compiler import CompileContext, default_pipeline

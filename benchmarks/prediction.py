@@ -12,12 +12,16 @@ predicted / simulated and predicted / `plan.lower_bound()`. Simulated, not measu
 
 from __future__ import annotations
 
+import os
+import sys
 import argparse
 import tempfile
 import time
 
 import torch
 from tabulate import tabulate
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
 import mobius_fx
 from mobius_fx import Topology, zoo

@@ -30,6 +30,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
+
 import mobius_fx  # noqa: E402
 from corpus import load_text  # noqa: E402
 from mobius_fx import Topology  # noqa: E402

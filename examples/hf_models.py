@@ -9,10 +9,14 @@ against eager PyTorch on an identical copy. Nothing is downloaded.
 
 from __future__ import annotations
 
+import os
+import sys
 import copy
 
 import torch
 import transformers as tf
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
 import mobius_fx
 from mobius_fx import Topology

@@ -8,9 +8,13 @@ but never sends a gradient back; only the adapters get `.grad` and optimizer ste
 
 from __future__ import annotations
 
+import os
+import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
 import mobius_fx
 from mobius_fx import Topology

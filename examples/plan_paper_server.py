@@ -9,9 +9,13 @@ the simulator replays one training step under every schedule.
 
 from __future__ import annotations
 
+import os
+import sys
 import argparse
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
 import mobius_fx
 from mobius_fx import Topology, zoo
