@@ -44,6 +44,7 @@ def _passes_from_checkout() -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+    globals()["passes"] = module  # as the import system binds a subpackage on its parent
 
 
 _passes_from_checkout()
