@@ -17,7 +17,8 @@ from torch import nn
 from .devices import Device, nbytes
 from .errors import MobiusError
 from .ops import running
-from .runtime import Runtime, batch_rows
+from .microbatch import batch_rows, declared
+from .runtime import Runtime
 
 __all__ = ["Pipeline"]
 
@@ -69,9 +70,11 @@ class Pipeline(nn.Module):
         if traced.front_end == "export" and traced.modes:
             self._check_modes(traced.modes)
         flat = flatten_inputs(self._gm, args, kwargs)
-        rows = batch_rows(flat, self.schedule.microbatches)  # refuses an empty batch before anything runs
         rt = self._rt
+        marks = declared(self.model, args, kwargs, rt.batch_dims)
+        rows = batch_rows(flat, self.schedule.microbatches, marks)  # refuses an empty batch before anything runs
         rt.begin_step()
+        rt.step.marks = marks
         rt.step.mb_rows = (rows or 0) // self.schedule.microbatches
         try:
             with running(rt):

@@ -136,6 +136,7 @@ class Step:
         self.buffers: list[tuple[torch.Tensor, Any]] = []  # (master buffer, thunk giving its new value)
         self.state = "forward"  # forward | backward | done | aborted
         self.mb_rows = 0
+        self.marks: dict[int, bool] = {}  # id(input tensor) -> batched, from batch_dims (mobius_fx/microbatch.py)
         self.hub: torch.Tensor | None = None  # Masters' output: every stage call hangs off it
         # pipe.overlap(mode="sync"): whether this backward hands complete gradients to the
         # optimizer (decided at its first flush), the stages flushed, the masters handed over
