@@ -120,6 +120,14 @@ class Pipeline(nn.Module):
         """
         from .schedule import StageInput, StageIO, build_schedule
 
+        if values is not None and not isinstance(values, Mapping):
+            raise MobiusError(f"schedule_ir(values={values!r}): values is a {type(values).__name__}; pass a dict of "
+                              f"the traced graph's value names to one micro-batch's tensor (real or meta), or None "
+                              f"for 0 activation bytes")
+        bad = [k for k, t in (values or {}).items() if not isinstance(t, torch.Tensor)]
+        if bad:
+            raise MobiusError(f"schedule_ir(values=...): values[{bad[0]!r}] is a {type(values[bad[0]]).__name__}, "
+                              f"not a tensor; give one micro-batch's tensor (real or meta) per value name")
         values = dict(values or {})
 
         def size(name: str) -> int:

@@ -42,7 +42,8 @@ from .plans import Plan
 from .schedule import HOST, ScheduleIR, build_schedule
 from .sim_tasks import (CPU_ADAM_BANDWIDTH, DEEPSPEED_CPU_ADAM_BANDWIDTH, MASTERS, NETWORK_LATENCY, OVERLAPS, Context,
                         cpu_optimizer, optimizer_bytes_touched, ring_allreduce_time)
-from .units import fmt_bytes, fmt_time, parse_network
+from .topology import PRESETS, Topology
+from .units import check_positive, fmt_bytes, fmt_time, parse_network
 
 __all__ = ["simulate", "SimResult", "SimEvent", "SCHEDULES", "CPU_ADAM_BANDWIDTH", "DEEPSPEED_CPU_ADAM_BANDWIDTH",
            "optimizer_bytes_touched", "ring_allreduce_time", "NETWORK_LATENCY"]
@@ -230,19 +231,28 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     simulate(plan, schedule="roundpipe").step_time
     simulate(plan, schedule="mobius-identity-map", masters="cpu0").step_time
     """
+    if not isinstance(plan, Plan):
+        raise MobiusError(f"simulate needs a Plan, got {plan!r} (a {type(plan).__name__}); pass the result of "
+                          f"mobius_fx.plan(model, topology, example_inputs=...)")
+    if topology is not None and not isinstance(topology, Topology):
+        if not isinstance(topology, str):
+            raise MobiusError(f"topology={topology!r} is a {type(topology).__name__}; pass a Topology, a preset name "
+                              f"({', '.join(PRESETS)}) or a JSON file path, or None for the plan's")
+        from .api import _topology
+
+        topology = _topology(topology)
     topo = topology if topology is not None else plan.topology
     if topo is None:
         raise MobiusError("the plan carries no topology; pass simulate(plan, topology=Topology.preset(...))")
     if schedule not in _BUILDERS:
         raise MobiusError(f"unknown schedule {schedule!r}; valid schedules: {', '.join(SCHEDULES)}")
     optimizer_bytes_touched(optimizer)
-    bw = CPU_ADAM_BANDWIDTH if cpu_adam_bandwidth is None else float(cpu_adam_bandwidth)
-    if not bw > 0:
-        raise MobiusError(f"cpu_adam_bandwidth={cpu_adam_bandwidth}; give the optimizer's bytes/s (> 0)")
-    ds_bw = DEEPSPEED_CPU_ADAM_BANDWIDTH if deepspeed_adam_bandwidth is None else float(deepspeed_adam_bandwidth)
-    if not ds_bw > 0:
-        raise MobiusError(f"deepspeed_adam_bandwidth={deepspeed_adam_bandwidth}; give DeepSpeedCPUAdam's bytes/s "
-                          f"(> 0), e.g. {DEEPSPEED_CPU_ADAM_BANDWIDTH:.3g}")
+    bw = CPU_ADAM_BANDWIDTH if cpu_adam_bandwidth is None else check_positive(
+        cpu_adam_bandwidth, "cpu_adam_bandwidth",
+        f"give the optimizer's bytes/s, e.g. {CPU_ADAM_BANDWIDTH:.3g}, or None for that default")
+    ds_bw = DEEPSPEED_CPU_ADAM_BANDWIDTH if deepspeed_adam_bandwidth is None else check_positive(
+        deepspeed_adam_bandwidth, "deepspeed_adam_bandwidth",
+        f"give DeepSpeedCPUAdam's bytes/s, e.g. {DEEPSPEED_CPU_ADAM_BANDWIDTH:.3g}, or None for that default")
     if optimizer_overlap not in OVERLAPS:
         raise MobiusError(f"optimizer_overlap={optimizer_overlap!r}; use one of {', '.join(map(repr, OVERLAPS))}: "
                           f"the optimizer after the step, per stage as gradients land, or a step late")

@@ -91,7 +91,12 @@ class Topology:
 
     def __init__(self, graph: nx.DiGraph, *, name: str = "custom", p2p: bool = False,
                  virtual: bool = False):
-        self.name = str(name)
+        if not isinstance(name, str) or not name:
+            raise TopologyError(f"topology name {name!r} is not a non-empty string; name it, e.g. name='my-server'")
+        for flag, value in (("p2p", p2p), ("virtual", virtual)):
+            if not isinstance(value, bool):
+                raise TopologyError(f"{flag}={value!r}; it must be True or False")
+        self.name = name
         self.p2p = bool(p2p)
         # An instance attribute: `topo.virtual` is this flag, `Topology.virtual(...)` the factory.
         self.virtual = bool(virtual)
