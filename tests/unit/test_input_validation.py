@@ -253,3 +253,22 @@ def test_example_inputs_the_pipeline_cannot_split_are_refused_at_compile():
     with pytest.raises(MobiusError, match=r"does not run on one micro-batch.*shapes \(8, 3\).*microbatches=1"):
         _compile(Mix(), torch.randn(8, 3))
     assert _compile(Mix(), torch.randn(8, 3), microbatches=1)(torch.randn(8, 3)).shape == (8, 3)
+
+
+def test_a_wrongly_shaped_example_input_says_so_without_torchs_fake_tensor_log():
+    """It printed ~60 lines of fake-tensor tracebacks (torch's logger), then a remedy about
+    control flow."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(mobius_fx.TraceError) as e:
+            _compile(x=torch.randn(4, 5))
+    finally:
+        logger.removeHandler(handler)
+    text = str(e.value)
+    assert "does not run on these example inputs" in text and "args[0] (4, 5) float32" in text
+    assert "control flow" not in text
+    assert records == []
