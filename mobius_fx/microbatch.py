@@ -88,15 +88,20 @@ def declared(model: torch.nn.Module | None, args: tuple, kwargs: dict, batch_dim
     (an unknown name is refused, listing forward's arguments)."""
     if not batch_dims or model is None:
         return {}
-    from .signatures import bind_call
-
-    values = bind_call(model, tuple(args), dict(kwargs)).values
-    import inspect as _inspect
-
     try:
-        names = list(_inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        names = list(values)
+        sig = inspect.signature(model.forward)
+        bound = sig.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # a call forward does not take is refused by signatures.bind_call
+        sig, bound = None, {f"args[{i}]": a for i, a in enumerate(args)} | dict(kwargs)
+    values: dict[str, Any] = {}
+    for name, value in bound.items():
+        kind = sig.parameters[name].kind if sig is not None else None
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            values.update(value)
+        else:
+            values[name] = value
+    names = [n for n, p in sig.parameters.items() if p.kind is not p.VAR_KEYWORD] if sig is not None else []
+    names += [n for n in values if n not in names]
     unknown = [k for k in batch_dims if k not in names and k not in values]
     if unknown:
         raise MobiusError(f"batch_dims names {', '.join(map(repr, unknown))}, which {type(model).__name__}.forward "

@@ -238,9 +238,9 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
         if not isinstance(topology, str):
             raise MobiusError(f"topology={topology!r} is a {type(topology).__name__}; pass a Topology, a preset name "
                               f"({', '.join(PRESETS)}) or a JSON file path, or None for the plan's")
-        from .api import _topology
-
-        topology = _topology(topology)
+        text = topology.strip()
+        topology = Topology.from_json(topology) if text.endswith(".json") or text.startswith("{") else \
+            Topology.preset(topology)
     topo = topology if topology is not None else plan.topology
     if topo is None:
         raise MobiusError("the plan carries no topology; pass simulate(plan, topology=Topology.preset(...))")
