@@ -59,6 +59,8 @@ _CASTS = {"float", "double", "half", "bfloat16", "to", "type_as", "_to_copy", "c
           "alias", "_assert_tensor_metadata"}
 _ADD = {"add", "sub", "iadd", "isub", "rsub"}
 _MUL = {"mul", "truediv", "div", "imul", "itruediv"}
+_META_ONLY = {"new_ones", "new_zeros", "new_full", "new_empty", "new_tensor", "zeros_like", "ones_like", "empty_like",
+              "full_like", "size", "dim", "numel"}  # read a tensor's shape, dtype or device, not its values
 _ALONG = {"softmax", "log_softmax", "_softmax", "_log_softmax", "cumsum", "cumprod", "cummax", "cummin",
           "logcumsumexp", "sort", "argsort", "topk", "normalize", "flip", "roll", "Softmax", "LogSoftmax"}
 
@@ -346,16 +348,17 @@ def analyse(gm: fx.GraphModule, flat: list, m: int, marks: Mapping[int, bool]) -
             dep.add(ph)
     kinds: dict[fx.Node, str] = {}
     exempt = _state_updates(gm)
+    free: set[fx.Node] = set()  # values the batch reaches whose shape does not scale
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output", "get_attr"):
             continue
         v = whole.get(n)
         if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(v)):
             continue
-        if not any(a in dep for a in n.all_input_nodes):
+        name = _name(n, gm)
+        if not any(a in dep for a in n.all_input_nodes) or name in _META_ONLY:
             continue
         dep.add(n)
-        name = _name(n, gm)
         scaled = _scaled(v, part.get(n))
         if name in _ALONG and n.all_input_nodes:
             src = n.all_input_nodes[0]
@@ -372,9 +375,14 @@ def analyse(gm: fx.GraphModule, flat: list, m: int, marks: Mapping[int, bool]) -
         if "batch_norm" in name.lower() or any(a in exempt for a in n.all_input_nodes) and scaled == []:
             exempt.add(n)  # BatchNorm's statistics (warned about by build_pipeline), a buffer's update
             continue
+        if scaled is not None and len(scaled) > 1:  # (B, B): pairs of rows, e.g. h @ h.T
+            raise MobiusError(f"`{n.format_node()}` has {len(scaled)} dims that grow with the batch (shape "
+                              f"{_shape(v)} for the whole batch, {_shape(part.get(n))} for one of microbatches={m}): it pairs "
+                              f"rows of the batch, which micro-batches cannot see together; {REMEDY}")
         if scaled is None or scaled:
             continue
-        kind = _kind(n, gm, kinds, dep)
+        free.add(n)
+        kind = _kind(n, gm, kinds, dep, free)
         if kind is not None:
             kinds[n] = kind
     for n in reversed(list(gm.graph.nodes)):  # values that only feed buffer updates: state, as BatchNorm's
@@ -393,11 +401,8 @@ def analyse(gm: fx.GraphModule, flat: list, m: int, marks: Mapping[int, bool]) -
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = []
     for leaf in pytree.tree_leaves(out_node.args[0]):
-        if not isinstance(leaf, fx.Node) or leaf not in dep:
-            outputs.append("same")
-            continue
-        scaled = _scaled(whole.get(leaf), part.get(leaf))
-        if scaled is None:
+        scaled = _scaled(whole.get(leaf), part.get(leaf)) if isinstance(leaf, fx.Node) else None
+        if scaled is None or (not scaled and leaf not in dep):  # not a tensor, or not reached by the batch
             outputs.append("same")
         elif len(scaled) == 1 and scaled[0] >= 0 and whole[leaf].shape[scaled[0]] == part[leaf].shape[scaled[0]] * m:
             outputs.append(("cat", scaled[0]))
@@ -445,11 +450,20 @@ def _refuse(n: fx.Node, src: fx.Node, gm: fx.GraphModule, m: int) -> None:
                       f"are combined across micro-batches (README \"Micro-batch semantics\"); {REMEDY}")
 
 
-def _kind(n: fx.Node, gm: fx.GraphModule, kinds: Mapping[fx.Node, str], dep: set) -> str | None:
+def _kind(n: fx.Node, gm: fx.GraphModule, kinds: Mapping[fx.Node, str], dep: set, free: set) -> str | None:
     """How micro-batch values of `n` (a value the batch reaches, whose shape does not scale)
     combine into the whole batch's, or None when no rule says."""
     name = _name(n, gm)
     tensors = [a for a in n.all_input_nodes]
+    if tensors and tensors[0] in free and name in _SUM | _MEAN | _MAX | _MIN | _LOSSES:
+        # reducing a value already reduced over the batch (h.mean(0).sum()): linear reductions keep
+        # its kind, max of a max stays a max; anything else has no rule
+        inner = kinds.get(tensors[0])
+        if name in _SUM | _MEAN and name != "count_nonzero" and inner in ("sum", "mean"):
+            return inner
+        if (name in _MAX and inner == "max") or (name in _MIN and inner == "min"):
+            return inner
+        return None
     if name in _SUM:
         return "sum"
     if name in _MEAN:

@@ -36,11 +36,15 @@ OUTPUTS = {
     "amin": lambda h, y: torch.amin(h, dim=(0, 1)),
     "count": lambda h, y: (h > 0).sum(),
     "mean0": lambda h, y: h.mean(0),
+    "mean0_sum": lambda h, y: h.mean(0).sum(),
+    "sum0_mean": lambda h, y: h.sum(0).mean(),
+    "amax0_max": lambda h, y: h.amax(0).max(),
     "sum0": lambda h, y: h.sum(dim=0),
     "scaled": lambda h, y: 0.5 * h.sum() - h.sum() / 4,
     "mean_plus": lambda h, y: h.mean() + F.mse_loss(h, y) + 1.0,
     "cast": lambda h, y: h.sum().double(),
     "weight": lambda h, y: h.new_ones(3) * 0 + 0,  # not reached by the batch: micro-batch 0's
+    "zeros_like": lambda h, y: torch.zeros_like(h) + 1,  # shape from the batch, values from none
 }
 
 
@@ -98,6 +102,16 @@ def test_outputs_and_gradients_equal_eager_for_any_mix_of_output_kinds(kinds, mi
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("kind", sorted(OUTPUTS))
+def test_each_output_kind_alone_equals_eager_with_two_microbatches(kind):
+    torch.manual_seed(0)
+    model = Heads([kind])
+    x, y = torch.randn(8, 3), torch.randn(8, 4)
+    got, want = _compile(model, x, y, microbatches=2)(x, y), model(x, y)
+    assert got[kind].shape == want[kind].shape and got[kind].dtype == want[kind].dtype
+    torch.testing.assert_close(got[kind], want[kind])
+
+
 class Mixer(nn.Module):
     def __init__(self, fn):
         super().__init__()
@@ -115,6 +129,8 @@ MIXING = {
     "softmax_over_batch": (lambda h: h.softmax(0), "softmax"),
     "cumsum_over_batch": (lambda h: torch.cumsum(h, dim=0), "cumsum"),
     "std": (lambda h: h.std(), "std"),
+    "max_of_means": (lambda h: h.mean(0).max(), "max"),
+    "pairs_of_rows": (lambda h: (h @ h.T) @ h, "matmul"),
     "max_with_indices": (lambda h: h.max(0).values, "getattr"),
     "mean_then_rows": (lambda h: h * h.mean(), "mul"),
     "std_then_rows": (lambda h: h * h.std(), "std"),
