@@ -40,7 +40,7 @@ import torch.utils._pytree as pytree
 
 from .errors import MobiusError
 
-__all__ = ["Semantics", "analyse", "batch_rows", "check_batch_dims", "combine", "declared", "split"]
+__all__ = ["Semantics", "analyse", "batch_rows", "check_batch_dims", "combine", "declared", "prepare", "split"]
 
 log = logging.getLogger("mobius_fx")
 
@@ -195,6 +195,28 @@ def ambiguous(inputs: Any, rows: int, marks: Mapping[int, bool]) -> list[tuple[i
     clash = rows in tuple(first.shape[1:])
     return [tuple(x.shape) for x in leaves[1:] if id(x) not in marks and x.size(0) == rows
             and (clash or rows in tuple(x.shape[1:]))]
+
+
+def prepare(runtime: Any, gm: fx.GraphModule, flat: list, m: int, marks: Mapping[int, bool]) -> None:
+    """Analyse the graph for `runtime` (its `output_kinds`) on the call `flat`, once: at compile
+    with the example inputs, or at the first call of a pipeline built without them. Warns when
+    the split guess is ambiguous, or when the graph cannot be analysed (outputs then guessed)."""
+    rows = batch_rows(tuple(flat), m, marks)
+    if m <= 1 or rows is None:
+        runtime.analysed = True
+        return
+    for shape in ambiguous(flat, rows, marks)[:1]:
+        log.warning("an input of shape %s is split into micro-batches because its dim 0 equals the batch (%d rows), "
+                    "but the batch size also matches another of its dimensions: if it is not batched (a mask, a "
+                    "table), say so with compile(..., batch_dims={'<its argument>': None}), or use microbatches=1 "
+                    "(README \"Micro-batch semantics\")", shape, rows)
+    sem = analyse(gm, flat, m, marks)  # a refusal leaves `analysed` False: every call refuses
+    runtime.output_kinds, runtime.analysed = sem.outputs, True
+    if sem.outputs is None:
+        log.warning("the graph could not be run on fake tensors (%s), so how its outputs combine across the %d "
+                    "micro-batches is guessed: dim 0 of a micro-batch's size concatenated, other floating outputs "
+                    "averaged, others taken from micro-batch 0; use microbatches=1 for eager's results (README "
+                    "\"Micro-batch semantics\")", sem.why, m)
 
 
 # ----------------------------------------------------------------------------- combining outputs

@@ -139,18 +139,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
         runtime.planned_rows = rows or 0
         if m > 1 and flat:
             microbatch.split(tuple(flat), m, marks)  # raises early when the batch does not split
-            for shape in microbatch.ambiguous(flat, rows, marks)[:1]:
-                log.warning("an input of shape %s is split into micro-batches because its dim 0 equals the batch (%d "
-                            "rows), but the batch size also matches another of its dimensions: if it is not batched "
-                            "(a mask, a table), say so with compile(..., batch_dims={'<its argument>': None}), or use "
-                            "microbatches=1 (README \"Micro-batch semantics\")", shape, rows)
-            sem = microbatch.analyse(gm, flat, m, marks)
-            runtime.output_kinds = sem.outputs
-            if sem.outputs is None:
-                log.warning("the graph could not be run on fake tensors (%s), so how its outputs combine across the %d "
-                            "micro-batches is guessed: dim 0 of a micro-batch's size concatenated, other floating "
-                            "outputs averaged, others taken from micro-batch 0; use microbatches=1 for eager's "
-                            "results (README \"Micro-batch semantics\")", sem.why, m)
+            microbatch.prepare(runtime, gm, flat, m, marks)
     if schedule.microbatches > 1:
         norms = [n for n, mod in model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
         if norms:

@@ -17,7 +17,7 @@ from torch import nn
 from .devices import Device, nbytes
 from .errors import MobiusError
 from .ops import running
-from .microbatch import batch_rows, declared
+from .microbatch import batch_rows, declared, prepare
 from .runtime import Runtime
 
 __all__ = ["Pipeline"]
@@ -73,6 +73,8 @@ class Pipeline(nn.Module):
         rt = self._rt
         marks = declared(self.model, args, kwargs, rt.batch_dims)
         rows = batch_rows(flat, self.schedule.microbatches, marks)  # refuses an empty batch before anything runs
+        if not rt.analysed:  # built without example inputs: how outputs combine is found on this first call
+            prepare(rt, self._gm, flat, self.schedule.microbatches, marks)
         rt.begin_step()
         rt.step.marks = marks
         rt.step.mb_rows = (rows or 0) // self.schedule.microbatches

@@ -89,6 +89,7 @@ class Runtime(StageCalls):
             devices[gpu].open_pool()
         self.planned_rows = 0  # rows of the example batch the plan was made for (0: unknown)
         self.batch_dims: dict | None = None  # compile's batch_dims= (mobius_fx/microbatch.py)
+        self.analysed = False  # whether microbatch.prepare ran (at compile, or at the first call)
         self.output_kinds: list | None = None  # how each output leaf combines (microbatch.analyse); None: guess
         self._from_host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # GPU copy -> its host original
         self._lock = threading.RLock()

@@ -235,3 +235,27 @@ def test_batchnorm_keeps_its_warning_and_is_not_refused(caplog):
         pipe = _compile(model, torch.randn(4, 3), microbatches=2)
     assert "normalised by its own statistics" in caplog.text
     assert pipe(torch.randn(4, 3)).shape == (4, 2)
+
+
+def test_a_pipeline_built_without_example_inputs_finds_the_rule_at_its_first_call():
+    """build_pipeline without examples cannot analyse at build time: the first call does it."""
+    import torch.fx as fx
+
+    from mobius_fx.pipeline import build_pipeline
+
+    def build(model):
+        gm = fx.symbolic_trace(model)
+        nodes = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+        return build_pipeline(model, gm, stage_nodes=[nodes], stage_gpus=["gpu0"], gpu_budgets={"gpu0": None},
+                              microbatches=2, device="virtual")
+
+    torch.manual_seed(0)
+    model = Heads(["mse_sum", "count"])
+    x, y = torch.randn(8, 3), torch.randn(8, 4)
+    got, want = build(model)(x, y), model(x, y)
+    torch.testing.assert_close(got["mse_sum"], want["mse_sum"])
+    assert int(got["count"]) == int(want["count"])
+    pipe = build(Mixer(MIXING["centre"][0]))
+    for _ in range(2):  # refused at every call, not only the first
+        with pytest.raises(MobiusError, match="mixes the rows of the batch"):
+            pipe(torch.randn(4, 3))
