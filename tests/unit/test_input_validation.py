@@ -205,6 +205,8 @@ def _plan():
     ({"cpu_adam_bandwidth": True}, "cpu_adam_bandwidth is True (type bool)"),
     ({"deepspeed_adam_bandwidth": False}, "deepspeed_adam_bandwidth is False (type bool)"),
     ({"cpu_adam_bandwidth": 0}, "cpu_adam_bandwidth is 0"),
+    ({"cpu_adam_bandwidth": 1e-300}, "cpu_adam_bandwidth=1e-300 is 1e-300 bytes/s; a rate must be at least 1 MB/s"),
+    ({"network": 1e-300}, "network=1e-300 is 1e-300 bytes/s; a rate must be at least 1 MB/s"),
     ({"topology": 5}, "topology=5 is a int; pass a Topology, a preset name"),
     ({"topology": "no-such-server"}, "unknown topology preset 'no-such-server'"),
 ])
