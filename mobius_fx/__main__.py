@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from .errors import MobiusError
 
@@ -48,10 +49,29 @@ def _out_path(text: str) -> str:
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {str(path if path.exists() else parent)!r} is not "
                                          f"writable; give a path in a directory you can write to")
+    existed = path.exists()
+    try:  # what access() cannot tell (/proc, read-only mounts): open it as the write will, then undo
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r} ({e.strerror or e}); give a path to a regular file "
+                                         f"in a directory you can write to") from None
+    if not existed and path.is_file():
+        path.unlink()
     return text
 
 
+def _write(what: str, path: str, write: Callable[[], Any]) -> None:
+    """Run `write` (the file at `path`); an OSError (a full disk, /dev/full) becomes a MobiusError."""
+    try:
+        write()
+    except OSError as e:
+        raise MobiusError(f"could not write the {what} to {path!r} ({e.strerror or e}); the planning itself "
+                          f"succeeded: give another --json/--trace path with space to write to") from None
+
+
 _POSITIVE_INT = _checked(int, lambda v: v > 0, "a positive integer")
+_SIZE = _checked(int, lambda v: 0 < v < 2**31, "a positive integer below 2**31")
 
 
 def _network(text: str) -> float:
@@ -103,8 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--cuts", type=_cuts, default=None, metavar="I,J,...",
                     help="plan this partition instead of solving for one: the first layer index of every stage "
                          "after the first, e.g. 1,5 (stages [0,1), [1,5), [5,L)); 'none' is one stage")
-    pl.add_argument("--batch", type=_POSITIVE_INT, default=8, help="sequences per step (default 8)")
-    pl.add_argument("--seq", type=_POSITIVE_INT, default=1024, help="tokens per sequence (default 1024)")
+    pl.add_argument("--batch", type=_SIZE, default=8, help="sequences per step (default 8)")
+    pl.add_argument("--seq", type=_SIZE, default=1024, help="tokens per sequence (default 1024)")
     pl.add_argument("--dtype", default="fp16", choices=sorted(_DTYPES),
                     help="dtype streamed to and computed on the GPUs; masters stay fp32 (default fp16, as the paper)")
     pl.add_argument("--memory-fraction", type=_checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
@@ -197,10 +217,10 @@ def _cmd_plan(args) -> int:
         print("scaling efficiency = throughput_R / (R x throughput_1); step = pipeline + all-reduce exposed + "
               "optimizer")
     if args.json:
-        p.to_json(args.json)
+        _write("plan", args.json, lambda: p.to_json(args.json))
         print(f"plan written to {args.json}")
     if args.trace:
-        cmp.results["mobius"].save_chrome_trace(args.trace)
+        _write("trace", args.trace, lambda: cmp.results["mobius"].save_chrome_trace(args.trace))
         print(f"Chrome trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
     print(f"planned in {time.perf_counter() - t0:.1f} s")
     return 0
@@ -220,8 +240,11 @@ def _cmd_topology(args) -> int:
                           + ", ".join(Topology.PRESETS))
     print(topo.tree())
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(topo.to_json())
+        def write() -> None:
+            with open(args.json, "w") as f:
+                f.write(topo.to_json())
+
+        _write("topology", args.json, write)
         print(f"topology written to {args.json}")
     return 0
 

@@ -149,16 +149,19 @@ def _check_batch(ctx: CompileContext) -> None:
     for `plan` and `compile` alike, meta tensors or real ones."""
     from torch.utils._pytree import tree_leaves
 
+    from .microbatch import batch_rows, declared
     from .options import divisors_near
-    from .runtime import batch_rows
 
     inputs = (ctx.example_inputs, ctx.example_kwargs)
+    marks = declared(ctx.model, ctx.example_inputs, ctx.example_kwargs, ctx.settings.batch_dims)
     if ctx.settings.microbatches is None:
-        leaves = [x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
-        batched = leaves and any(x.dim() > 1 for x in leaves)  # all 1-D: dim 0 is features, not a batch
-        ctx.settings = ctx.settings.resolved(batch_rows(inputs, 1) if batched else None, len(ctx.topology.gpus))
+        leaves = [x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0
+                  and marks.get(id(x), True)]
+        batched = leaves and (any(x.dim() > 1 for x in leaves) or any(marks.values()))  # all 1-D: features
+        ctx.settings = ctx.settings.resolved(batch_rows(inputs, 1, marks) if batched else None,
+                                             len(ctx.topology.gpus))
     m = ctx.settings.microbatches
-    rows = batch_rows(inputs, m)
+    rows = batch_rows(inputs, m, marks)
     if rows is not None and rows % m:
         near = " or ".join(f"microbatches={d}" for d in divisors_near(rows, m))
         raise PlanError(f"the example batch has {rows} rows (dim 0 of the first batched input) and does not split "
@@ -223,7 +226,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             memory_fraction: float = _D.memory_fraction, solver: str = _D.solver, time_limit: float = _D.time_limit,
             cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, device: str = _D.device,
             verbose: bool = _D.verbose, max_variants: int = _D.max_variants, pipeline: PassPipeline | None = None,
-            process_group: Any = None):
+            process_group: Any = None, batch_dims: dict | None = _D.batch_dims):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -249,6 +252,10 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     this plan on its own slice of the batch and gradients are averaged across the group as each
     stage's are complete; default: the world group when torch.distributed is initialised with
     more than one rank; `False`: none.
+    `batch_dims`: which forward arguments carry the batch, {name: 0 or None} (None: not batched,
+    every micro-batch gets it whole); by default dim 0 of the first batched input is the batch and
+    every input with a dim 0 of its size is split. How outputs are combined across micro-batches,
+    and what is refused: README "Micro-batch semantics" (mobius_fx/microbatch.py).
     """
     if isinstance(model, torch.nn.Module) and not isinstance(example_inputs, (str, bytes)):
         inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
@@ -261,7 +268,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     ctx = _run(passes, model=model, topology=topology, example_inputs=example_inputs, example_kwargs=example_kwargs,
                microbatches=microbatches, cuts=cuts, verbose=verbose, costs=costs, dtype=dtype,
                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
-               cache_dir=cache_dir, device=device, max_variants=max_variants)
+               cache_dir=cache_dir, device=device, max_variants=max_variants, batch_dims=batch_dims)
     pipe = ctx.pipeline
     group = default_group(process_group)
     if group is not None:

@@ -79,7 +79,7 @@ def split_microbatches(inputs: tuple, microbatches: int) -> tuple:
 
 
 def merge_microbatches(outputs: list) -> Any:
-    """Concatenate (or average) the micro-batches' outputs back into one output."""
+    """The micro-batches' outputs as one output, each combined as mobius_fx/microbatch.py says."""
     return _runtime().merge(outputs)
 
 

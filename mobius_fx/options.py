@@ -143,6 +143,8 @@ class CompileOptions:
     `max_variants` (compile only): how many call signatures a pipeline compiles a variant for
     (other keyword arguments, or shapes its graph does not hold for: mobius_fx/signatures.py);
     1 keeps the compiled signature fixed and refuses any other call with a MobiusError.
+    `batch_dims`: None (guess: README "Micro-batch semantics") or {forward argument name: 0 (batched
+    along dim 0, split into micro-batches) or None (not batched: whole to every micro-batch)}.
     """
 
     microbatches: int | None = None
@@ -158,6 +160,7 @@ class CompileOptions:
     device_spec: Any = None
     verbose: bool = True
     max_variants: int = 8
+    batch_dims: Any = None
     microbatches_rule: str = ""  # why microbatches is what it is, when plan/compile chose it (`resolved`)
 
     def __post_init__(self) -> None:
@@ -181,6 +184,9 @@ class CompileOptions:
             raise MobiusError(f"verbose={self.verbose!r}; it must be True or False")
         _positive_int("max_variants", self.max_variants,
                       "compiled variants per pipeline, one per call signature; 1 = a fixed signature")
+        from .microbatch import check_batch_dims
+
+        set_("batch_dims", check_batch_dims(self.batch_dims))
         if not isinstance(self.microbatches_rule, str):
             raise MobiusError(f"microbatches_rule={self.microbatches_rule!r}; it must be a str (set by `resolved`)")
 

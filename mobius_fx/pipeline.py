@@ -18,7 +18,8 @@ from torch import nn
 from .devices import Device, make_devices
 from .errors import MobiusError
 from .pipeline_module import Pipeline
-from .runtime import Runtime, batch_rows
+from . import microbatch
+from .runtime import Runtime
 from .signatures import VariantPipeline
 
 __all__ = ["build_pipeline"]
@@ -64,7 +65,8 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
                    stage_gpus: Sequence[str] | None = None, gpu_budgets: Mapping[str, int | None] | None = None,
                    microbatches: int | None = None, example_inputs: tuple = (), example_kwargs: dict | None = None,
                    plan: Any = None, device: str | Mapping[str, Device] = "auto", dtype: Any = None,
-                   gpu_indices: Mapping[str, int] | None = None, schedule: Any = None) -> Pipeline:
+                   gpu_indices: Mapping[str, int] | None = None, schedule: Any = None,
+                   batch_dims: Mapping[str, int | None] | None = None) -> Pipeline:
     """Build the runnable Mobius pipeline of `model` from its traced graph `gm`.
 
     Give the stages explicitly (`stage_nodes[k]`: gm's compute nodes of stage k, in graph order;
@@ -82,6 +84,9 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     pipeline (a `signatures.VariantPipeline`) serves calls like them: a call with other keyword
     arguments, or shapes the traced graph does not hold for, is refused with a MobiusError
     naming the argument or dimension (`mobius_fx.compile` traces a variant for it instead).
+    `batch_dims` ({forward argument: 0 or None}) says which inputs carry the batch; with several
+    micro-batches the example call's graph is analysed (mobius_fx/microbatch.py: how each output
+    combines; row-mixing values refused) — README "Micro-batch semantics".
 
     gm = torch.fx.symbolic_trace(model)
     pipe = build_pipeline(model, gm, stage_nodes=[["fc1", "relu"], ["fc2"]], stage_gpus=["gpu0", "gpu1"],
@@ -123,13 +128,18 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     devices = make_devices({g: budgets.get(g) for g in names}, device=device, indices=gpu_indices)
     masters = [_masters(model, gm, spec) for spec in schedule.stages]
     runtime = Runtime(schedule, devices, masters, _torch_dtype(dtype))
+    runtime.batch_dims = microbatch.check_batch_dims(batch_dims)
     if example_inputs or example_kwargs:
         from .tracing import flatten_inputs
 
+        m = schedule.microbatches
+        marks = microbatch.declared(model, tuple(example_inputs), dict(example_kwargs or {}), runtime.batch_dims)
         flat = flatten_inputs(gm, tuple(example_inputs), dict(example_kwargs or {}))
-        runtime.planned_rows = batch_rows(flat, schedule.microbatches) or 0
-        if schedule.microbatches > 1 and flat:
-            runtime.split(tuple(flat), schedule.microbatches)  # raises early when the batch does not split
+        rows = microbatch.batch_rows(flat, m, marks)
+        runtime.planned_rows = rows or 0
+        if m > 1 and flat:
+            microbatch.split(tuple(flat), m, marks)  # raises early when the batch does not split
+            microbatch.prepare(runtime, gm, flat, m, marks)
     if schedule.microbatches > 1:
         norms = [n for n, mod in model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
         if norms:

@@ -17,7 +17,8 @@ from torch import nn
 from .devices import Device, nbytes
 from .errors import MobiusError
 from .ops import running
-from .runtime import Runtime, batch_rows
+from .microbatch import batch_rows, declared, prepare
+from .runtime import Runtime
 
 __all__ = ["Pipeline"]
 
@@ -69,9 +70,13 @@ class Pipeline(nn.Module):
         if traced.front_end == "export" and traced.modes:
             self._check_modes(traced.modes)
         flat = flatten_inputs(self._gm, args, kwargs)
-        rows = batch_rows(flat, self.schedule.microbatches)  # refuses an empty batch before anything runs
         rt = self._rt
+        marks = declared(self.model, args, kwargs, rt.batch_dims)
+        rows = batch_rows(flat, self.schedule.microbatches, marks)  # refuses an empty batch before anything runs
+        if not rt.analysed:  # built without example inputs: how outputs combine is found on this first call
+            prepare(rt, self._gm, flat, self.schedule.microbatches, marks)
         rt.begin_step()
+        rt.step.marks = marks
         rt.step.mb_rows = (rows or 0) // self.schedule.microbatches
         try:
             with running(rt):
@@ -117,6 +122,14 @@ class Pipeline(nn.Module):
         """
         from .schedule import StageInput, StageIO, build_schedule
 
+        if values is not None and not isinstance(values, Mapping):
+            raise MobiusError(f"schedule_ir(values={values!r}): values is a {type(values).__name__}; pass a dict of "
+                              f"the traced graph's value names to one micro-batch's tensor (real or meta), or None "
+                              f"for 0 activation bytes")
+        bad = [k for k, t in (values or {}).items() if not isinstance(t, torch.Tensor)]
+        if bad:
+            raise MobiusError(f"schedule_ir(values=...): values[{bad[0]!r}] is a {type(values[bad[0]]).__name__}, "
+                              f"not a tensor; give one micro-batch's tensor (real or meta) per value name")
         values = dict(values or {})
 
         def size(name: str) -> int:

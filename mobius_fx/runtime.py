@@ -59,34 +59,13 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from .devices import HOST, Device, nbytes
 from .errors import BudgetError, MobiusError
 from .stage_calls import StageCall, StageCalls, StageState, Step, logged_grad
+from .microbatch import batch_rows, combine, guess_kind
+from .microbatch import split as split_inputs
 from .streams import PENDING, tick
 
 __all__ = ["Runtime", "batch_rows"]
 
 log = logging.getLogger("mobius_fx")
-
-def batch_rows(inputs: Any, microbatches: int) -> int | None:
-    """The rows of the batch that micro-batches split: dim 0 of the first tensor input that has
-    a dimension (None when no input has one).
-
-    Refused with a MobiusError: an empty batch (dim 0 of size 0), and, with several
-    micro-batches, inputs that are all 1-D — an unbatched example whose dim 0 is its features,
-    which splitting would cut apart.
-    """
-    leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
-    if not leaves:
-        return None
-    rows = leaves[0].size(0)
-    if rows == 0:
-        raise MobiusError(f"the batch is empty (an input of shape {tuple(leaves[0].shape)}: dim 0, the batch, is 0); "
-                          f"call the pipeline with at least one row per micro-batch")
-    if microbatches > 1 and all(x.dim() == 1 for x in leaves):
-        raise MobiusError(f"microbatches={microbatches} splits dim 0 of the inputs, but every tensor input is 1-D "
-                          f"(shape {tuple(leaves[0].shape)}), so dim 0 is not a batch: add a batch dimension "
-                          f"(x.unsqueeze(0)) and use a batch of at least {microbatches} rows, or use microbatches=1; "
-                          f"if dim 0 is a batch of scalars, give them a feature dimension (x.unsqueeze(-1))")
-    return rows
-
 
 class Runtime(StageCalls):
     """Executes the schedule ops on the devices, for one Pipeline."""
@@ -109,6 +88,9 @@ class Runtime(StageCalls):
         for gpu in ir.gpus:  # the pools are allocated once, now, and reused step after step
             devices[gpu].open_pool()
         self.planned_rows = 0  # rows of the example batch the plan was made for (0: unknown)
+        self.batch_dims: dict | None = None  # compile's batch_dims= (mobius_fx/microbatch.py)
+        self.analysed = False  # whether microbatch.prepare ran (at compile, or at the first call)
+        self.output_kinds: list | None = None  # how each output leaf combines (microbatch.analyse); None: guess
         self._from_host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # GPU copy -> its host original
         self._lock = threading.RLock()
         self._anchor = torch.zeros((), requires_grad=True)
@@ -290,34 +272,18 @@ class Runtime(StageCalls):
         return flags
 
     def split(self, inputs: tuple, m: int) -> tuple:
-        rows = batch_rows(inputs, m)
-        if rows is None:
-            raise MobiusError(f"microbatches={m} but no input is a tensor with a batch dimension to split; pass "
-                              f"batched tensors or use microbatches=1")
-        if rows % m:
-            raise MobiusError(f"the batch has {rows} rows (dim 0 of the first batched input) and does not split into "
-                              f"{m} equal micro-batches; micro-batches must divide the batch: use a batch size that "
-                              f"is a multiple of {m}, or microbatches that divide {rows}")
-        mb = rows // m
+        """Split the call's inputs into micro-batches (mobius_fx/microbatch.py: the batch is dim
+        0 of the first batched input; `batch_dims` marks inputs batched or not)."""
+        marks = self.step.marks if self.step is not None else {}
+        out, mb = split_inputs(inputs, m, marks)
         if self.step is not None:
             self.step.mb_rows = mb
-
-        def parts(x: Any) -> list:
-            if isinstance(x, torch.Tensor) and x.dim() > 0 and x.size(0) == rows:
-                return list(x.split(mb))
-            return [x] * m
-
-        out: list = []
-        for x in inputs:
-            if isinstance(x, torch.Tensor):
-                out.extend(parts(x))
-                continue
-            flat, spec = pytree.tree_flatten(x)
-            chunks = [parts(leaf) for leaf in flat]
-            out.extend(pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(m))
-        return tuple(out)
+        return out
 
     def merge(self, outputs: list) -> Any:
+        """One output from the micro-batches' outputs, each leaf combined as compile's analysis
+        of the graph says (mobius_fx/microbatch.py `analyse`: concatenated, summed, averaged,
+        max, min or micro-batch 0's); without an analysis, guessed (warned once at compile)."""
         for t in pytree.tree_leaves(outputs):  # values sent to the host asynchronously: the host reads them now
             PENDING.settle(t, "a model output")
         outputs = [_thaw(o) for o in outputs]
@@ -326,17 +292,11 @@ class Runtime(StageCalls):
         flats = [pytree.tree_flatten(o) for o in outputs]
         spec = flats[0][1]
         rows = self.step.mb_rows if self.step is not None else -1
+        kinds = self.output_kinds
         merged = []
-        for leaves in zip(*(f[0] for f in flats)):
-            x = leaves[0]
-            if not isinstance(x, torch.Tensor):
-                merged.append(x)
-            elif x.dim() > 0 and x.size(0) == rows:
-                merged.append(torch.cat(leaves))
-            elif x.is_floating_point() or x.is_complex():
-                merged.append(torch.stack(leaves).mean(0))
-            else:
-                merged.append(x)
+        for j, leaves in enumerate(zip(*(f[0] for f in flats))):
+            kind = kinds[j] if kinds is not None and j < len(kinds) else guess_kind(leaves[0], rows)
+            merged.append(combine(kind, list(leaves)))
         return pytree.tree_unflatten(merged, spec)
 
     # ------------------------------------------------------------------ steps

@@ -43,7 +43,7 @@ import torch.utils._pytree as pytree
 
 from .errors import MobiusError, PlanError, TraceError
 from .pipeline_module import Pipeline
-from .runtime import batch_rows
+from .microbatch import batch_rows, declared
 from .tracing import flatten_inputs, forward_signature, input_guards, trace_info
 
 __all__ = ["Call", "CallForm", "Variant", "VariantPipeline", "bind_call", "check_shapes"]
@@ -417,7 +417,7 @@ class VariantPipeline(Pipeline):
 
     def _select(self, call: Call) -> Variant:
         m = self.schedule.microbatches
-        rows = batch_rows((call.args, call.kwargs), m)
+        rows = batch_rows((call.args, call.kwargs), m, declared(self.model, call.args, call.kwargs, self._rt.batch_dims))
         if rows is not None and m > 1 and rows % m:
             rule = getattr(self.plan, "microbatches_rule", "")
             chosen = (f"; microbatches={m} was not given but chosen ({rule}): compile with a microbatches= that "

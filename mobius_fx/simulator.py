@@ -42,7 +42,9 @@ from .plans import Plan
 from .schedule import HOST, ScheduleIR, build_schedule
 from .sim_tasks import (CPU_ADAM_BANDWIDTH, DEEPSPEED_CPU_ADAM_BANDWIDTH, MASTERS, NETWORK_LATENCY, OVERLAPS, Context,
                         cpu_optimizer, optimizer_bytes_touched, ring_allreduce_time)
-from .units import fmt_bytes, fmt_time, parse_network
+from .topology import PRESETS, Topology
+from .topology_schema import MIN_BANDWIDTH
+from .units import check_positive, fmt_bytes, fmt_time, parse_network
 
 __all__ = ["simulate", "SimResult", "SimEvent", "SCHEDULES", "CPU_ADAM_BANDWIDTH", "DEEPSPEED_CPU_ADAM_BANDWIDTH",
            "optimizer_bytes_touched", "ring_allreduce_time", "NETWORK_LATENCY"]
@@ -230,19 +232,30 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     simulate(plan, schedule="roundpipe").step_time
     simulate(plan, schedule="mobius-identity-map", masters="cpu0").step_time
     """
+    if not isinstance(plan, Plan):
+        raise MobiusError(f"simulate needs a Plan, got {plan!r} (a {type(plan).__name__}); pass the result of "
+                          f"mobius_fx.plan(model, topology, example_inputs=...)")
+    if topology is not None and not isinstance(topology, Topology):
+        if not isinstance(topology, str):
+            raise MobiusError(f"topology={topology!r} is a {type(topology).__name__}; pass a Topology, a preset name "
+                              f"({', '.join(PRESETS)}) or a JSON file path, or None for the plan's")
+        text = topology.strip()
+        topology = Topology.from_json(topology) if text.endswith(".json") or text.startswith("{") else \
+            Topology.preset(topology)
     topo = topology if topology is not None else plan.topology
     if topo is None:
         raise MobiusError("the plan carries no topology; pass simulate(plan, topology=Topology.preset(...))")
     if schedule not in _BUILDERS:
         raise MobiusError(f"unknown schedule {schedule!r}; valid schedules: {', '.join(SCHEDULES)}")
     optimizer_bytes_touched(optimizer)
-    bw = CPU_ADAM_BANDWIDTH if cpu_adam_bandwidth is None else float(cpu_adam_bandwidth)
-    if not bw > 0:
-        raise MobiusError(f"cpu_adam_bandwidth={cpu_adam_bandwidth}; give the optimizer's bytes/s (> 0)")
-    ds_bw = DEEPSPEED_CPU_ADAM_BANDWIDTH if deepspeed_adam_bandwidth is None else float(deepspeed_adam_bandwidth)
-    if not ds_bw > 0:
-        raise MobiusError(f"deepspeed_adam_bandwidth={deepspeed_adam_bandwidth}; give DeepSpeedCPUAdam's bytes/s "
-                          f"(> 0), e.g. {DEEPSPEED_CPU_ADAM_BANDWIDTH:.3g}")
+    bw = CPU_ADAM_BANDWIDTH if cpu_adam_bandwidth is None else _rate(check_positive(
+        cpu_adam_bandwidth, "cpu_adam_bandwidth",
+        f"give the optimizer's bytes/s, e.g. {CPU_ADAM_BANDWIDTH:.3g}, or None for that default"),
+        "cpu_adam_bandwidth", cpu_adam_bandwidth)
+    ds_bw = DEEPSPEED_CPU_ADAM_BANDWIDTH if deepspeed_adam_bandwidth is None else _rate(check_positive(
+        deepspeed_adam_bandwidth, "deepspeed_adam_bandwidth",
+        f"give DeepSpeedCPUAdam's bytes/s, e.g. {DEEPSPEED_CPU_ADAM_BANDWIDTH:.3g}, or None for that default"),
+        "deepspeed_adam_bandwidth", deepspeed_adam_bandwidth)
     if optimizer_overlap not in OVERLAPS:
         raise MobiusError(f"optimizer_overlap={optimizer_overlap!r}; use one of {', '.join(map(repr, OVERLAPS))}: "
                           f"the optimizer after the step, per stage as gradients land, or a step late")
@@ -263,9 +276,9 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
             raise MobiusError(f"servers={servers} simulates data parallel over the schedules that step a CPU optimizer "
                               f"per stage ({', '.join(DATA_PARALLEL)}), not {schedule!r}; simulate {schedule!r} with "
                               f"servers=1")
-        net = math.inf if _ideal(network) else parse_network(network, "network")
+        net = math.inf if _ideal(network) else _rate(parse_network(network, "network"), "network", network)
     elif network is not None and not _ideal(network):
-        parse_network(network, "network")  # checked; one server sends nothing
+        _rate(parse_network(network, "network"), "network", network)  # checked; one server sends nothing
     alpha = NETWORK_LATENCY if network_latency is None else network_latency
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha < math.inf:
         raise MobiusError(f"network_latency={network_latency!r}; give the seconds one ring step adds (>= 0, "
@@ -280,6 +293,15 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
                   network_latency=float(alpha))
     _BUILDERS[schedule](ctx)
     return _run(ctx, schedule)
+
+
+def _rate(x: float, name: str, given: Any) -> float:
+    """A bandwidth in bytes/s of at least 1 MB/s (topology_schema.MIN_BANDWIDTH): slower is a unit
+    mistake (GB/s given as bytes/s) that would simulate hour-long steps."""
+    if x < MIN_BANDWIDTH:
+        raise MobiusError(f"{name}={given!r} is {x:.3g} bytes/s; a rate must be at least 1 MB/s (1e6 bytes/s), "
+                          f"slower is a unit mistake: give bytes/s, e.g. 2e10")
+    return x
 
 
 def _ideal(network: Any) -> bool:

@@ -20,12 +20,9 @@ CPU fp32 gradients and skips the step on inf/NaN. With `dtype=None` weights stay
 stage runs under whatever autocast the caller has on; that state is saved per call and
 replayed by the backward recomputation (as torch.utils.checkpoint does).
 
-Micro-batches: tensor inputs whose dim 0 is the batch size (dim 0 of the first batched input)
-are split into M equal micro-batches; other inputs go to every micro-batch. Output tensors whose
-dim 0 is the micro-batch size are concatenated back; other tensors (a 0-dim loss) are averaged
-over micro-batches, which equals the full-batch value for a mean over equal-sized micro-batches
-(HF losses with `labels`; with `ignore_index` tokens spread unevenly it is the mean of
-micro-batch means); non-tensor outputs come from the first micro-batch.
+Micro-batches: what is split and how outputs are combined (concatenated, summed, averaged, max,
+min) is mobius_fx/microbatch.py's rule (README "Micro-batch semantics"); HF losses with `labels`
+whose `ignore_index` tokens are spread unevenly are the mean of micro-batch means (warned).
 
 Batch statistics are per micro-batch: in training mode a BatchNorm (or any layer that
 normalises over the batch) sees one micro-batch at a time, so with M > 1 micro-batches it
@@ -136,6 +133,7 @@ class Step:
         self.buffers: list[tuple[torch.Tensor, Any]] = []  # (master buffer, thunk giving its new value)
         self.state = "forward"  # forward | backward | done | aborted
         self.mb_rows = 0
+        self.marks: dict[int, bool] = {}  # id(input tensor) -> batched, from batch_dims (mobius_fx/microbatch.py)
         self.hub: torch.Tensor | None = None  # Masters' output: every stage call hangs off it
         # pipe.overlap(mode="sync"): whether this backward hands complete gradients to the
         # optimizer (decided at its first flush), the stages flushed, the masters handed over

@@ -122,10 +122,22 @@ def _check_indices(graph: nx.DiGraph, gpus: list[str]) -> dict[str, int]:
     return {n: i for i, n in seen.items()}
 
 
+MIN_BANDWIDTH = 1e6  # bytes/s: below 1 MB/s a link is a typo (GB/s given as bytes/s), not a machine
+
+
+def check_bandwidth(value: Any, what: str, remedy: str, *, scale: float = 1.0) -> float:
+    """`value` * `scale` as bytes/s when it is a positive finite number of at least 1 MB/s
+    (`MIN_BANDWIDTH`); TopologyError otherwise (a link of 1e-300 GB/s would plan hour-long steps)."""
+    x = check_positive(value, what, remedy, TopologyError) * scale
+    if x < MIN_BANDWIDTH:
+        raise TopologyError(f"{what} is {value!r} = {x:.3g} bytes/s; a link must carry at least 1 MB/s "
+                            f"({MIN_BANDWIDTH / GB:g} GB/s), slower is a unit mistake; {remedy}")
+    return x
+
+
 def _check_edge(graph: nx.DiGraph, u: str, v: str, d: Mapping[str, Any]) -> None:
     link = d.get("name") or f"{u}-{v}"
-    check_positive(d.get("bandwidth"), f"link {link} ({u} -> {v}): bandwidth", "give bytes/s (GB/s in JSON)",
-                   TopologyError)
+    check_bandwidth(d.get("bandwidth"), f"link {link} ({u} -> {v}): bandwidth", "give bytes/s (GB/s in JSON)")
     kind = d.get("kind")
     if kind not in LINK_KINDS:
         raise TopologyError(f"link {link} ({u} -> {v}) has kind {kind!r}; give one of {', '.join(LINK_KINDS)}")
@@ -160,7 +172,9 @@ def _canonical(graph: nx.DiGraph, parent: dict[str, str | None], index: dict[str
             attrs.update(memory=d["memory"], spec=d["spec"], index=index[n])
         out.add_node(n, **attrs)
     rank = {n: i for i, n in enumerate(out)}
-    for u, v in sorted(graph.edges, key=lambda e: (rank[e[0]], rank[e[1]])):
+    # edges by (rank[u], rank[v]): each node's successors sorted on their own (a sort of degree
+    # size per node, not one of every edge: loading stays linear in the GPUs)
+    for u, v in ((u, v) for u in out for v in sorted(graph.successors(u), key=rank.__getitem__)):
         d = graph.edges[u, v]
         a, b = (v, u) if parent.get(u) == v or (d["kind"] != "pcie" and rank[v] < rank[u]) else (u, v)
         out.add_edge(u, v, bandwidth=float(max(1, round(d["bandwidth"]))), kind=d["kind"],
@@ -200,6 +214,7 @@ def graph_from_dict(data: Any, source: str) -> tuple[nx.DiGraph, dict[str, Any]]
             raise fail(key, f"expected a list, got {type(data.get(key)).__name__}")
     graph = nx.DiGraph()
     where_of: dict[str, str] = {}
+    gpus = 0  # GPU nodes so far: the default index of the next (counted as they come: linear in the file)
     for i, nd in enumerate(data["nodes"]):
         where = f"nodes[{i}]"
         if not isinstance(nd, Mapping):
@@ -223,7 +238,8 @@ def graph_from_dict(data: Any, source: str) -> tuple[nx.DiGraph, dict[str, Any]]
         spec = parse_spec(nd.get("spec"), f"{source}: {where}")
         mem = parse_memory(nd["memory"], f"{source}: {where}") if "memory" in nd else spec.memory
         attrs = {"kind": "gpu", "memory": mem, "spec": spec}
-        attrs["index"] = nd["index"] if "index" in nd else sum(1 for _, k in graph.nodes(data="kind") if k == "gpu")
+        attrs["index"] = nd["index"] if "index" in nd else gpus
+        gpus += 1
         graph.add_node(name, **attrs)
     seen: dict[frozenset, str] = {}
     for i, ln in enumerate(data["links"]):
@@ -247,9 +263,9 @@ def graph_from_dict(data: Any, source: str) -> tuple[nx.DiGraph, dict[str, Any]]
         kind = ln.get("kind", "upi" if ka == kb == "root_complex" else "nvlink" if ka == kb == "gpu" else "pcie")
         gbps = ln.get("bandwidth_gbps")
         both = isinstance(gbps, list) and len(gbps) == 2
-        ab, ba = (GB * check_positive(x, f"{source}: {where}: bandwidth_gbps{f'[{k}]' if both else ''}",
-                                      "give GB/s per direction: one number, or [a_to_b, b_to_a]",
-                                      TopologyError) for k, x in enumerate(gbps if both else (gbps, gbps)))
+        ab, ba = (check_bandwidth(x, f"{source}: {where}: bandwidth_gbps{f'[{k}]' if both else ''}",
+                                  "give GB/s per direction: one number, or [a_to_b, b_to_a]", scale=GB)
+                  for k, x in enumerate(gbps if both else (gbps, gbps)))
         duplex = ln.get("duplex")
         if duplex is not None and (isinstance(duplex, bool) or not isinstance(duplex, (int, float))
                                    or not 0.5 <= duplex <= 1):
@@ -262,7 +278,9 @@ def graph_from_dict(data: Any, source: str) -> tuple[nx.DiGraph, dict[str, Any]]
     for key in ("p2p", "virtual"):
         if not isinstance(data.get(key, False), bool):
             raise fail(key, f"expected true or false, got {data[key]!r}")
-    return graph, {"name": str(data.get("name", "custom")), "p2p": data.get("p2p", False),
+    if not isinstance(data.get("name", "custom"), str) or not data.get("name", "custom"):
+        raise fail("name", f"expected a non-empty string naming the topology, got {data['name']!r}")
+    return graph, {"name": data.get("name", "custom"), "p2p": data.get("p2p", False),
                    "virtual": data.get("virtual", False)}
 
 

@@ -130,16 +130,21 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
         if gm is None:
             if front_end == "auto":
                 _report(progress, f"symbolic_trace failed ({fx_error}); trying torch.export (strict=False)")
-            with _autograd_functions(as_calls=False) as applied:
+            with _autograd_functions(as_calls=False) as applied, _quiet_fake_tensors():
                 gm, export_error, dynamic = try_export(model, args, kwargs, dynamic_batch)
             used = "export"
             if gm is None:
+                with _quiet_fake_tensors():
+                    eager_error = _run_on_copies(model, args, kwargs)[0]
                 raise TraceError(
                     f"could not trace {type(model).__name__} with "
                     f"{'either front end' if front_end == 'auto' else 'torch.export'}:\n"
                     f"  torch.fx.symbolic_trace: {fx_error}\n"
                     f"  torch.export.export(strict=False): {export_error}\n"
-                    f"To make it traceable, {_REMEDY}."
+                    + (f"The model itself does not run on these example inputs ({eager_error}): check their shapes "
+                       f"and dtypes against what forward expects (given: {_shapes(args, kwargs)}); "
+                       f"model(*example_inputs) shows the same error eagerly."
+                       if eager_error else f"To make it traceable, {_REMEDY}.")
                 )
         _check_semantics(model, gm, args, kwargs, applied, fx_error)
     _place_get_attrs(gm)
@@ -248,6 +253,29 @@ def _restore_concrete_defaults(gm: fx.GraphModule, concrete: dict[str, Any]) -> 
             changed = True
     if changed:
         gm.recompile()
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """Silence torch's fake-tensor logger while a front end tries the model: a failing export
+    logs each failed meta kernel with its traceback (~60 lines) before the error we report."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    was, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = was
+
+
+def _shapes(args: tuple, kwargs: dict) -> str:
+    """The example inputs' tensors as `name: shape dtype`, for error messages."""
+    parts = [f"args[{i}]" for i in range(len(args))] + list(kwargs)
+    out = []
+    for name, v in zip(parts, (*args, *kwargs.values())):
+        for t in pytree.tree_leaves(v):
+            if isinstance(t, torch.Tensor):
+                out.append(f"{name} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}")
+    return ", ".join(out) or "no tensors"
 
 
 def _check_runs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> str:

@@ -194,3 +194,44 @@ def test_topology_without_a_source_is_a_one_line_error(capsys):
 def test_topology_refuses_a_source_and_detect_together(capsys):
     assert main(["topology", "rtx4090x8", "--detect"]) == 2
     assert "give one of them, not both" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- issue 28
+
+_REAL_PLAN = api.plan
+
+
+def test_plan_refuses_a_batch_beyond_int64_as_a_usage_error(no_planning, capsys):
+    """`--batch 99999999999999999999` once reached torch and died with a raw TypeError."""
+    err = _usage_error([*PLAN, "--batch", "99999999999999999999"], capsys)
+    assert "argument --batch: invalid value '99999999999999999999'" in err and "below 2**31" in err
+    assert no_planning == []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self"), reason="needs /proc")
+@pytest.mark.parametrize("flag", ["--json", "--trace"])
+def test_plan_refuses_an_output_path_that_cannot_be_opened_before_planning(flag, no_planning, capsys):
+    """/proc/x passes the directory checks (it exists, access() says writable) but cannot be created."""
+    err = _usage_error([*PLAN, flag, "/proc/mobius-x"], capsys)
+    assert f"argument {flag}: cannot write '/proc/mobius-x'" in err
+    assert no_planning == []
+
+
+def test_the_output_path_check_leaves_no_file_behind(tmp_path, no_planning):
+    out = tmp_path / "plan.json"
+    with pytest.raises(_Reached):
+        main([*PLAN, "--json", str(out)])
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("flag", ["--json", "--trace"])
+def test_a_write_that_fails_after_planning_is_a_one_line_error(flag, monkeypatch, capsys):
+    """/dev/full opens fine and fails on write: a MobiusError line, exit 2, no traceback."""
+    monkeypatch.setattr(api, "plan", _REAL_PLAN)
+    monkeypatch.setattr(zoo, "build", lambda *a, **kw: (nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),
+                                                         (torch.zeros(4, 8, device="meta"),)))
+    assert main([*PLAN, "--batch", "4", "--time-limit", "2", flag, "/dev/full"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mobius-fx: error: could not write the ") and "'/dev/full' (No space left on device)" in err
+    assert "Traceback" not in err

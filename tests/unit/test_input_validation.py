@@ -5,6 +5,7 @@ import copy
 import io
 import logging
 import pickle
+import re
 
 import pytest
 import torch
@@ -192,3 +193,84 @@ def test_batchnorm_with_several_microbatches_is_logged_once(caplog):
     with caplog.at_level(logging.WARNING, logger="mobius_fx"):
         _compile(model, torch.randn(4, 8), microbatches=1)
     assert not [r for r in caplog.records if "normalise" in r.getMessage()]
+
+
+# ----------------------------------------------------------------------------- issue 28
+
+def _plan():
+    return mobius_fx.plan(_mlp(), _topo(), example_inputs=(torch.randn(4, 8),), microbatches=2, verbose=False)
+
+
+@pytest.mark.parametrize("kw, phrase", [
+    ({"cpu_adam_bandwidth": True}, "cpu_adam_bandwidth is True (type bool)"),
+    ({"deepspeed_adam_bandwidth": False}, "deepspeed_adam_bandwidth is False (type bool)"),
+    ({"cpu_adam_bandwidth": 0}, "cpu_adam_bandwidth is 0"),
+    ({"cpu_adam_bandwidth": 1e-300}, "cpu_adam_bandwidth=1e-300 is 1e-300 bytes/s; a rate must be at least 1 MB/s"),
+    ({"network": 1e-300}, "network=1e-300 is 1e-300 bytes/s; a rate must be at least 1 MB/s"),
+    ({"topology": 5}, "topology=5 is a int; pass a Topology, a preset name"),
+    ({"topology": "no-such-server"}, "unknown topology preset 'no-such-server'"),
+])
+def test_simulate_refuses_bad_arguments(kw, phrase):
+    """`cpu_adam_bandwidth=True` was read as 1 B/s; a bool is not a number anywhere."""
+    with pytest.raises(MobiusError, match=re.escape(phrase)):
+        mobius_fx.simulate(_plan(), **kw)
+
+
+def test_simulate_refuses_something_that_is_not_a_plan():
+    with pytest.raises(MobiusError, match=r"simulate needs a Plan, got None"):
+        mobius_fx.simulate(None)
+
+
+def test_simulate_reads_a_preset_name_as_the_topology():
+    plan = _plan()
+    assert mobius_fx.simulate(plan, topology="rtx4090x8").step_time > 0
+
+
+@pytest.mark.parametrize("values, phrase", [(5, "values is a int; pass a dict"),
+                                            ({"x": 3}, "values['x'] is a int, not a tensor")])
+def test_schedule_ir_refuses_values_that_are_not_tensors_by_name(values, phrase):
+    with pytest.raises(MobiusError, match=re.escape(phrase)):
+        _compile().schedule_ir(values=values)
+
+
+@pytest.mark.parametrize("name", [[1, 2], "", None])
+def test_a_topology_name_must_be_a_string(name):
+    graph = _topo().graph
+    with pytest.raises(MobiusError, match=r"topology name .* is not a non-empty string"):
+        Topology(graph, name=name)
+
+
+def test_example_inputs_the_pipeline_cannot_split_are_refused_at_compile():
+    """An unbatched matrix first: (8, 3) read as 8 rows; each micro-batch's (4, 3) cannot
+    multiply the (8, 8) weight, so the call would fail with a raw shape error."""
+
+    class Mix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return self.w @ x
+
+    with pytest.raises(MobiusError, match=r"does not run on one micro-batch.*shapes \(8, 3\).*microbatches=1"):
+        _compile(Mix(), torch.randn(8, 3))
+    assert _compile(Mix(), torch.randn(8, 3), microbatches=1)(torch.randn(8, 3)).shape == (8, 3)
+
+
+def test_a_wrongly_shaped_example_input_says_so_without_torchs_fake_tensor_log():
+    """It printed ~60 lines of fake-tensor tracebacks (torch's logger), then a remedy about
+    control flow."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(mobius_fx.TraceError) as e:
+            _compile(x=torch.randn(4, 5))
+    finally:
+        logger.removeHandler(handler)
+    text = str(e.value)
+    assert "does not run on these example inputs" in text and "args[0] (4, 5) float32" in text
+    assert "control flow" not in text
+    assert records == []

@@ -292,3 +292,65 @@ def test_a_links_duplex_is_read_from_json_and_written_back():
 def test_a_duplex_outside_half_to_one_is_refused_with_its_location(bad):
     with pytest.raises(TopologyError, match=r"links\[1\] \(sw0-gpu0\): duplex is .*from 0.5 to 1"):
         Topology.from_dict(_two_gpus(bad))
+
+
+# ----------------------------------------------------------------------------- issue 28
+
+@pytest.mark.parametrize("name", [[1, 2], 3, "", {"a": 1}, None])
+def test_json_topology_name_that_is_not_a_string_is_refused(name):
+    with pytest.raises(TopologyError, match=r"name: expected a non-empty string"):
+        from_text({**server(), "name": name})
+
+
+@pytest.mark.parametrize("gbps", [1e-300, 1e-4, [13.0, 1e-6]])
+def test_json_link_slower_than_one_megabyte_per_second_is_refused(gbps):
+    """A 1e-300 GB/s link once planned a 3921 s step; below 1 MB/s is a unit mistake."""
+    with pytest.raises(TopologyError, match=r"links\[1\] \(sw0-gpu0\): bandwidth_gbps.*at least 1 MB/s"):
+        from_text(server(gbps=gbps))
+
+
+def test_graph_edge_slower_than_one_megabyte_per_second_is_refused():
+    topo = Topology.from_json(json.dumps(server()))
+    graph = topo.graph.copy()
+    for u, v in (("sw0", "gpu0"), ("gpu0", "sw0")):
+        graph.edges[u, v]["bandwidth"] = 999_999.0
+    with pytest.raises(TopologyError, match=r"bandwidth is 999999.0.*at least 1 MB/s"):
+        Topology(graph)
+
+
+def test_a_link_of_exactly_one_megabyte_per_second_is_accepted():
+    assert Topology.from_json(json.dumps(server(gbps=1e-3))).graph.edges["sw0", "gpu0"]["bandwidth"] == 1e6
+
+
+def _flat_server(gpus: int) -> str:
+    """cpu0 > 8-GPU switches, GPU nodes without an index (the default index is counted)."""
+    nodes = [{"name": "cpu0", "kind": "root_complex"}]
+    links = []
+    for s in range(gpus // 8):
+        nodes.append({"name": f"sw{s}", "kind": "switch"})
+        links.append({"a": "cpu0", "b": f"sw{s}", "bandwidth_gbps": 13.0})
+        for g in range(8 * s, 8 * s + 8):
+            nodes.append({"name": f"gpu{g}", "kind": "gpu", "memory": "24GiB", "spec": "rtx3090"})
+            links.append({"a": f"sw{s}", "b": f"gpu{g}", "bandwidth_gbps": 13.0})
+    return json.dumps({"nodes": nodes, "links": links})
+
+
+def test_from_json_is_linear_in_the_number_of_gpus():
+    """A 16x larger file loads in <= 20x the time (it was quadratic: every GPU recounted all
+    the GPU nodes before it for its default index; 85k GPUs did not load in 150 s). CPU time of
+    this process, so that other processes sharing the machine do not count."""
+    import gc
+    import time
+
+    def best(text: str, runs: int) -> float:
+        times = []
+        for _ in range(runs):
+            gc.collect()  # each run starts from the same heap: the last run's garbage is not charged to it
+            start = time.process_time()
+            Topology.from_json(text)
+            times.append(time.process_time() - start)
+        return min(times)
+
+    small, large = _flat_server(256), _flat_server(4096)
+    assert Topology.from_json(small).gpus[-1].index == 255
+    assert best(large, 3) <= 20 * best(small, 5)
