@@ -11,9 +11,12 @@ factory calls that give none (`torch.ones(t, t)`, made on the CPU). Run as is on
 - `place_stage` (called by `build_pipeline` as it binds each stage to its device) rewrites the
   stage's graph: every device constant equal to the traced device becomes the stage's device,
   factory calls without a device whose result meets a tensor of the stage get the stage's
-  device, and tensor constants that are not weights (weights are uploaded by the runtime
-  anyway) move to it. On virtual devices (the CPU) the rewrite maps cpu to cpu: numerics are
-  unchanged.
+  device, export's autocast regions name the stage's device type, the bodies of export's
+  higher-order ops (`torch.no_grad()`, autocast regions) are rewritten alike (as copies: the
+  traced graph's are shared), and tensor constants that are not weights (weights are uploaded
+  by the runtime anyway) move to it. A device value one stage hands another (`x.device`)
+  names the receiving stage's device (`sent_device`, used by the runtime's send). On virtual
+  devices (the CPU) the rewrite maps cpu to cpu: numerics are unchanged.
 - `check_placement` replays every stage graph, rewritten as `place_stage` would for the target
   device, under `torch._subclasses.FakeTensorMode` (which fakes CUDA tensors on a machine
   without CUDA), with the runtime's own transfers: each tensor input on the stage's device (the
@@ -42,7 +45,7 @@ import torch.utils._pytree as pytree
 from .errors import MobiusError
 
 __all__ = ["traced_device", "rewrite_graph", "place_stage", "check_placement", "example_spec", "Placement",
-           "target_devices"]
+           "target_devices", "sent_device"]
 
 log = logging.getLogger("mobius_fx")
 
@@ -50,9 +53,7 @@ log = logging.getLogger("mobius_fx")
 _TORCH_FACTORIES = frozenset(getattr(torch, n) for n in (
     "arange", "ones", "zeros", "full", "empty", "empty_strided", "eye", "linspace", "logspace", "rand",
     "randn", "randint", "randperm", "tensor", "as_tensor", "scalar_tensor", "tril_indices", "triu_indices",
-    "zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
 ) if hasattr(torch, n))
-_LIKE = frozenset(f for f in _TORCH_FACTORIES if f.__name__.endswith("_like"))
 # nodes that read metadata (sizes, dims, the device): a device-ness does not flow through them
 _META_METHODS = frozenset({"size", "dim", "numel", "stride", "element_size", "get_device"})
 _META_FUNCTIONS = frozenset({getattr, len} | {getattr(torch.ops.aten, n).default for n in ("sym_numel", "sym_storage_offset")}
@@ -120,7 +121,7 @@ def _is_factory(node: fx.Node) -> bool:
         return (any(a.name == "device" for a in args)
                 and not any(isinstance(a.type, torch.TensorType) for a in args)
                 and any(isinstance(r.type, torch.TensorType) for r in t._schema.returns))
-    return t in _TORCH_FACTORIES and t not in _LIKE
+    return t in _TORCH_FACTORIES
 
 
 def _device_seeds(graph: fx.Graph, src: torch.device) -> set[fx.Node]:
@@ -199,10 +200,50 @@ def rewrite_graph(graph: fx.Graph, src: torch.device, dst: torch.device) -> list
         if _is_factory(node) and kwargs.get("device") is None and _feeds(node, on):
             kwargs["device"] = dst
             touched = True
+        if _is_autocast(node) and args and isinstance(args[0], str) and args[0] == src.type != dst.type:
+            args[0] = dst.type  # `with torch.autocast("cpu", enabled=False)` guards the GPU's autocast there
+            touched = True
         if touched:
             node.args, node.kwargs = tuple(args), kwargs
             changed.append(node.name)
     return changed
+
+
+def _is_autocast(node: fx.Node) -> bool:
+    """export's autocast region, as a higher-order op or as the enter call: (device_type, ...)."""
+    return node.op == "call_function" and getattr(node.target, "__name__", "") in ("wrap_with_autocast",
+                                                                                   "_enter_autocast")
+
+
+def _rewritten_body(body: fx.GraphModule, src: torch.device, dst: torch.device) -> tuple[fx.GraphModule, list[str]]:
+    """A higher-order op's body (export's `torch.no_grad()` or autocast region) rewritten like
+    its stage, as a new GraphModule over a copy of its graph (bodies nested in it too): the body
+    is shared with the traced graph and the user's other pipelines, so it is never changed."""
+    graph = _copy_graph(body.graph)
+    changed = [f"{body.__class__.__name__}.{c}" for c in rewrite_graph(graph, src, dst)]
+    new = fx.GraphModule(body, graph, class_name=type(body).__name__)
+    for node in graph.nodes:
+        inner = _attr(new, str(node.target)) if node.op == "get_attr" else None
+        if isinstance(inner, fx.GraphModule):
+            sub, more = _rewritten_body(inner, src, dst)
+            _set_module(new, str(node.target), sub)
+            changed += more
+    if changed:
+        new.recompile()
+    return (new if changed else body), changed
+
+
+def _attr(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _set_module(root: torch.nn.Module, target: str, module: torch.nn.Module) -> None:
+    path, _, name = target.rpartition(".")
+    owner = root.get_submodule(path) if path else root
+    owner._modules[name] = module
 
 
 def _weight_places(spec: Any) -> set[str]:
@@ -232,6 +273,13 @@ def place_stage(spec: Any, src: torch.device, dst: torch.device) -> list[str]:
     if changed:
         module.graph.lint()
         module.recompile()
+    for node in module.graph.nodes:
+        body = _attr(module, str(node.target)) if node.op == "get_attr" else None
+        if isinstance(body, fx.GraphModule):
+            new, more = _rewritten_body(body, src, dst)
+            if more:
+                _set_module(module, str(node.target), new)
+                changed += more
     weights = _weight_places(spec)
     for name, t in _tensors(module):
         if name not in weights and t.device != dst and _same(t.device, src):
@@ -239,6 +287,13 @@ def place_stage(spec: Any, src: torch.device, dst: torch.device) -> list[str]:
             bind(module, path, attr, t.detach().to(dst))
             changed.append(name)
     return changed
+
+
+def sent_device(value: torch.device, to: torch.device | None) -> torch.device:
+    """A device value one stage hands another (`x.device`, read where x was) as the runtime
+    sends it to a stage on `to` (None: to the host, kept for a later stage): it named the
+    sender's copy of a tensor, which the receiver holds on its own device, so it names that."""
+    return value if to is None else to
 
 
 def example_spec(flat: Sequence[Any]) -> list[Any]:
@@ -249,10 +304,11 @@ def example_spec(flat: Sequence[Any]) -> list[Any]:
 
 
 def _microbatch(flat: Sequence[Any], m: int) -> list[Any]:
-    """Micro-batch 0 of the inputs, split as the runtime splits them (`Runtime.split`)."""
-    from .runtime import batch_rows
-
-    rows = batch_rows(list(flat), m) if m > 1 else None
+    """Micro-batch 0 of the inputs, split as the runtime splits them (`Runtime.split`: dim 0 of
+    the first tensor input with a dimension is the batch; build_pipeline refused a batch that
+    does not split)."""
+    rows = next((x.size(0) for x in pytree.tree_leaves(list(flat)) if isinstance(x, torch.Tensor) and x.dim() > 0),
+                None) if m > 1 else None
     if not rows or rows % m:
         return list(flat)
     mb = rows // m
@@ -264,6 +320,9 @@ def _microbatch(flat: Sequence[Any], m: int) -> list[Any]:
 
 _DEVICE_ERROR = re.compile(r"same device|device mismatch|different from other tensors|on the same device|"
                            r"found at least two devices|Expected all tensors", re.I)
+
+
+_TWO_DEVICES = re.compile(r"two devices, (\S+) and (\S+?)!")
 
 
 def _is_device_error(e: BaseException) -> bool:
@@ -292,10 +351,20 @@ class _Unreplayable(Exception):
 class _Replay(fx.Interpreter):
     """One stage's graph under fake tensors; names the node of a device clash."""
 
-    def __init__(self, module: fx.GraphModule, graph: fx.Graph, k: int, device: torch.device, mode: Any) -> None:
+    def __init__(self, module: fx.GraphModule, graph: fx.Graph, k: int, device: torch.device,
+                 traced: torch.device) -> None:
         super().__init__(module, garbage_collect_values=False, graph=graph)  # values kept: a clash names their origin
-        self.k, self.device, self.mode, self.count = k, device, mode, 0
+        self.k, self.device, self.traced, self.count = k, device, traced, 0
+        self.bodies: dict[str, fx.GraphModule] = {}
         self.clash: str | None = None  # the message of a clash (fx's Interpreter appends to the error's own)
+
+    def fetch_attr(self, target: str) -> Any:
+        value = super().fetch_attr(target)
+        if isinstance(value, fx.GraphModule):  # a higher-order op's body, rewritten as binding rewrites it
+            if target not in self.bodies:
+                self.bodies[target] = _rewritten_body(value, self.traced, self.device)[0]
+            return self.bodies[target]
+        return value
 
     def run_node(self, n: fx.Node) -> Any:
         try:
@@ -337,6 +406,9 @@ class _Replay(fx.Interpreter):
                 o = self._origin(a)
                 where.append(f"%{a.name} on {v.device}" + (f", made by `{o.format_node()}`" if o is not a else ""))
         first = str(e).strip().splitlines()[0]
+        named = _TWO_DEVICES.search(str(e))
+        if len(devices) < 2 and named:
+            devices = [named.group(1), named.group(2)]
         pair = " and ".join(devices[:2]) if len(devices) >= 2 else first
         return (f"stage {self.k} would run on {self.device} but its node `{n.format_node()}` sees tensors of two "
                 f"devices, {pair}{' (' + '; '.join(where) + ')' if where else ''}: torch refuses that on a GPU "
@@ -401,7 +473,7 @@ def check_placement(schedule: Any, example: Sequence[Any] | None, devices: Mappi
             def to_stage(x: Any) -> Any:  # the runtime's send: every tensor a stage gets is copied to its device
                 if isinstance(x, torch.Tensor):
                     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=dev)
-                return x
+                return sent_device(x, dev) if isinstance(x, torch.device) else x
             args, missing = [], None
             for ref in spec.inputs:
                 if ref.stage < 0:
@@ -422,7 +494,7 @@ def check_placement(schedule: Any, example: Sequence[Any] | None, devices: Mappi
             fakes = {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
                                                device=_moved(name, t, weights, traced, dev))
                      for name, t in _tensors(spec.module)}
-            replay = _Replay(spec.module, graph, spec.index, dev, mode)
+            replay = _Replay(spec.module, graph, spec.index, dev, traced)
             try:
                 with _reparametrize_module(spec.module, fakes):
                     out = replay.run(*args)

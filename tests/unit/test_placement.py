@@ -13,6 +13,7 @@ import functools
 import pytest
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 import mobius_fx.placement as placement
@@ -48,6 +49,23 @@ class Constants(nn.Module):
         return y, torch.full((t,), 3.0)  # no device, meets nothing of the stage
 
 
+class Regions(nn.Module):
+    """`torch.no_grad()` and `torch.autocast("cpu", enabled=False)` regions: torch.export makes
+    them higher-order ops whose bodies (separate GraphModules) hold device constants too."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.no_grad():
+            s = h * 2 + torch.arange(x.shape[1], device=x.device).float()
+        with torch.autocast("cpu", enabled=False):
+            s = s + torch.ones(x.shape[1], device=x.device)
+        return self.b(h + s)
+
+
 def _ids(vocab: int, batch: int = 4, seq: int = 8) -> tuple[torch.Tensor]:
     return (torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)),)
 
@@ -62,6 +80,7 @@ MODELS = {
     "residual_mlp": (lambda: ResidualMLP(depth=3), lambda m: (torch.randn(4, 8),), {}, ("fx", "export")),
     "skipnet": (lambda: SkipNet(depth=3), lambda m: (torch.randn(4, 8),), {}, ("fx", "export")),
     "constants": (Constants, lambda m: _ids(50), {}, ("fx", "export")),
+    "regions": (Regions, lambda m: (torch.randn(4, 8),), {}, ("fx", "export")),
     "zoo_gpt": (_tiny_zoo_gpt, lambda m: _ids(64), {}, ("fx", "export")),
     "gpt": (lambda: gpt(hidden=16, blocks=2, vocab=64, seq=8), lambda m: gpt_inputs(m, batch=4), {}, ("export",)),
     **{name: (HF_ZOO[name], lambda m: hf_inputs(m, batch=4), {}, ("export",))
@@ -145,14 +164,36 @@ def test_binding_a_stage_to_a_gpu_rewrites_every_device_constant_of_the_trace(fr
         assert any(n.op == "call_method" and n.target == "to" and n.args[1] == cuda for n in graph.nodes)
 
 
-def test_virtual_stages_compute_what_eager_computes_after_the_rewrite():
+def test_binding_rewrites_the_bodies_of_higher_order_ops_and_leaves_the_traced_graph_alone():
+    model, x, kw, gm = _traced("regions", "export")
+    pipe = _pipe("regions", "export", stages=1)
+    (spec,) = pipe.schedule.stages
+    cuda = torch.device("cuda", 0)
+
+    def bodies(module):
+        return [getattr(module, str(n.target)) for n in module.graph.nodes if n.op == "get_attr"
+                and isinstance(getattr(module, str(n.target), None), fx.GraphModule)]
+
+    def constants(module):
+        return [a for n in module.graph.nodes for a in (*n.args, *n.kwargs.values()) if isinstance(a, torch.device)]
+
+    before = [constants(b) for b in bodies(gm)]
+    assert any(before) and all(d == torch.device("cpu") for c in before for d in c)
+    placement.place_stage(spec, torch.device("cpu"), cuda)
+    placed = [constants(b) for b in bodies(spec.module)]
+    assert sum(map(len, placed)) == sum(map(len, before)) and all(d == cuda for c in placed for d in c)
+    autocast = [n for n in spec.module.graph.nodes if "autocast" in str(n.target)]
+    assert autocast and all(n.args[0] == "cuda" for n in autocast)
+    assert [constants(b) for b in bodies(gm)] == before  # the user's traced graph (and other pipelines) unchanged
+
+
+@pytest.mark.parametrize("name", ["constants", "regions"])
+def test_virtual_stages_compute_what_eager_computes_after_the_rewrite(name):
     for front_end in ("fx", "export"):
-        model, x, kw, _ = _traced("constants", front_end)
-        pipe = _pipe("constants", front_end)
-        want = model(*x)
-        got = pipe(*x)
-        torch.testing.assert_close(got[0], want[0])
-        torch.testing.assert_close(got[1], want[1])
+        model, x, kw, _ = _traced(name, front_end)
+        pipe = _pipe(name, front_end)
+        for got, want in zip(pytree.tree_leaves(pipe(*x)), pytree.tree_leaves(model(*x))):
+            torch.testing.assert_close(got, want)
 
 
 class _CudaLike(VirtualDevice):
