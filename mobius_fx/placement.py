@@ -357,6 +357,7 @@ class _Replay(fx.Interpreter):
         self.k, self.device, self.traced, self.count = k, device, traced, 0
         self.bodies: dict[str, fx.GraphModule] = {}
         self.clash: str | None = None  # the message of a clash (fx's Interpreter appends to the error's own)
+        self.stuck = ""  # the op fake tensors could not run, if any
 
     def fetch_attr(self, target: str) -> Any:
         value = super().fetch_attr(target)
@@ -430,7 +431,8 @@ class _Replay(fx.Interpreter):
             margs, mkwargs = pytree.tree_map(meta, (args, kwargs))
             out = getattr(self, n.op)(n.target, margs, mkwargs)
         except Exception as again:
-            raise _Unreplayable(f"node `{n.format_node()}`: {str(e).strip().splitlines()[0]}") from again
+            self.stuck = f"node `{n.format_node()}` ({type(e).__name__}: {str(e).strip().splitlines()[0]})"
+            raise _Unreplayable(self.stuck) from again
 
         def back(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and x.device.type == "meta":
@@ -502,8 +504,9 @@ def check_placement(schedule: Any, example: Sequence[Any] | None, devices: Mappi
                 if replay.clash is None:
                     raise
                 raise MobiusError(replay.clash) from e.__cause__
-            except _Unreplayable as e:
-                log.warning("check_placement: stage %d on %s is unchecked from %s on", spec.index, dev, e)
+            except _Unreplayable:
+                log.warning("check_placement: stage %d on %s is unchecked from %s on: fake tensors cannot run it, "
+                            "even on the meta device", spec.index, dev, replay.stuck)
                 out = None
             count += replay.count
             outputs[spec.index] = tuple(out) if out is not None else None

@@ -196,6 +196,52 @@ def test_virtual_stages_compute_what_eager_computes_after_the_rewrite(name):
             torch.testing.assert_close(got, want)
 
 
+class DataDependent(nn.Module):
+    """`nonzero`, whose output size depends on the values (fake tensors on a CUDA-less build run
+    it on the meta device), and a custom autograd Function that branches on a value (no fake
+    tensor can run it)."""
+
+    class Clip(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clamp(0) if x.sum().item() > 0 else x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def __init__(self, branch: bool) -> None:
+        super().__init__()
+        self.branch = branch
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.branch:
+            h = self.Clip.apply(h)
+        return self.b(h * (h > 0).nonzero().shape[0])
+
+
+def test_an_op_with_a_value_dependent_size_is_replayed_on_the_meta_device():
+    model, x = DataDependent(branch=False), (torch.randn(4, 8),)
+    gm = trace(model, example_inputs=x, front_end="fx")
+    pipe = build_pipeline(model, gm, stage_nodes=_cut(gm, 2), stage_gpus=["gpu0", "gpu1"], gpu_budgets={},
+                          microbatches=2, example_inputs=x, device="virtual")
+    assert pipe.check_placement("cuda") == _ops(pipe)
+
+
+def test_an_op_fake_tensors_cannot_run_leaves_its_stage_and_the_stages_after_unchecked_with_a_warning(caplog):
+    model, x = DataDependent(branch=True), (torch.randn(4, 8),)
+    gm = trace(model, example_inputs=x, front_end="fx")
+    pipe = build_pipeline(model, gm, stage_nodes=_cut(gm, 2), stage_gpus=["gpu0", "gpu1"], gpu_budgets={},
+                          microbatches=2, example_inputs=x, device="virtual")
+    with caplog.at_level("WARNING", logger="mobius_fx"):
+        assert pipe.check_placement("cuda") == 1  # the Linear before the Function
+    text = caplog.text
+    assert "stage 0 on cuda:0 is unchecked from node `%clip_apply" in text and "data-dependent" in text
+    assert "While executing" not in text and "stage 1 was not replayed: it needs outputs of stage 0" in text
+
+
 class _CudaLike(VirtualDevice):
     """A virtual GPU that says it is cuda:0 and records any allocation."""
 
