@@ -56,8 +56,9 @@ _TORCH_FACTORIES = frozenset(getattr(torch, n) for n in (
 ) if hasattr(torch, n))
 # nodes that read metadata (sizes, dims, the device): a device-ness does not flow through them
 _META_METHODS = frozenset({"size", "dim", "numel", "stride", "element_size", "get_device"})
-_META_FUNCTIONS = frozenset({getattr, len} | {getattr(torch.ops.aten, n).default for n in ("sym_numel", "sym_storage_offset")}
+_META_FUNCTIONS = frozenset({len} | {getattr(torch.ops.aten, n).default for n in ("sym_numel", "sym_storage_offset")}
                             | {getattr(torch.ops.aten, n).int for n in ("sym_size", "sym_stride")})
+_META_ATTRS = frozenset({"shape", "device", "dtype", "ndim", "layout", "is_cuda", "requires_grad"})  # not `x.T`
 _COMPUTE = ("call_function", "call_method", "call_module")
 
 
@@ -147,6 +148,8 @@ def _device_seeds(graph: fx.Graph, src: torch.device) -> set[fx.Node]:
 def _reads_metadata(n: fx.Node) -> bool:
     if n.op == "call_method":
         return n.target in _META_METHODS
+    if n.op == "call_function" and n.target is getattr:
+        return len(n.args) > 1 and n.args[1] in _META_ATTRS
     return n.op == "call_function" and n.target in _META_FUNCTIONS
 
 

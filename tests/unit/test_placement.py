@@ -127,9 +127,9 @@ def test_without_the_rewrite_gpt2_fails_the_check_naming_stage_node_and_devices(
     """The mutation the check exists for: the issue's GPU failure, found on the CPU."""
     pipe = _pipe("gpt2", "export")
     monkeypatch.setattr(placement, "rewrite_graph", lambda graph, src, dst: [])
-    with pytest.raises(MobiusError, match=r"stage 0 would run on cuda:0 but its node `%embedding\S* .*aten\.embedding"
-                                          r".*` sees tensors of two devices, cuda:0 and cpu \(%\w+ on cpu, made by `%arange\w* .*"
-                                          r"aten\.arange.*device: cpu.*`\)"):
+    with pytest.raises(MobiusError, match=r"stage 0 would run on cuda:0 but its node `%embedding\S* .*aten\."
+                                          r"embedding.*` sees tensors of two devices, cuda:0 and cpu \(%\w+ on cpu, "
+                                          r"made by `%arange\w* .*aten\.arange.*device: cpu.*`\)"):
         pipe.check_placement("cuda")
 
 
@@ -142,8 +142,9 @@ def test_the_check_names_a_later_stage_and_the_device_of_a_clash_on_another_gpu(
     monkeypatch.setattr(placement, "rewrite_graph", lambda graph, src, dst: rewrite(graph, src, dst)
                         if any(n.name.startswith("arange") for n in graph.nodes) else [])
     with pytest.raises(MobiusError, match=r"stage [12] would run on cuda:1 but its node `%\w+ .*` sees tensors of "
-                                          r"two devices, cuda:1 and cpu \(%\w+ on cpu, made by `%ones\w* .*aten\.ones.*`\): torch "
-                                          r"refuses that on a GPU \([^)]*\)\. A device fixed by the trace [^\n]*$"):
+                                          r"two devices, cuda:1 and cpu \(%\w+ on cpu, made by `%ones\w* .*aten\."
+                                          r"ones.*`\): torch refuses that on a GPU \([^)]*\)\. A device fixed by the "
+                                          r"trace [^\n]*$"):
         pipe.check_placement("cuda:1")
 
 
@@ -185,6 +186,18 @@ def test_binding_rewrites_the_bodies_of_higher_order_ops_and_leaves_the_traced_g
     autocast = [n for n in spec.module.graph.nodes if "autocast" in str(n.target)]
     assert autocast and all(n.args[0] == "cuda" for n in autocast)
     assert [constants(b) for b in bodies(gm)] == before  # the user's traced graph (and other pipelines) unchanged
+
+
+def test_a_factory_meeting_an_input_through_an_attribute_gets_the_stage_device_and_one_of_a_size_does_not():
+    class Transposed(nn.Module):
+        def forward(self, x):  # x.T is a tensor of the stage; x.shape only sizes
+            return torch.ones(x.shape[::-1]) + x.T, torch.zeros(x.shape)
+
+    gm = fx.symbolic_trace(Transposed())
+    cuda = torch.device("cuda", 0)
+    placement.rewrite_graph(gm.graph, torch.device("cpu"), cuda)
+    made = {n.target: n.kwargs.get("device") for n in gm.graph.nodes if n.op == "call_function"}
+    assert made[torch.ones] == cuda and made[torch.zeros] is None
 
 
 @pytest.mark.parametrize("name", ["constants", "regions"])
