@@ -302,8 +302,11 @@ def sent_device(value: torch.device, to: torch.device | None) -> torch.device:
 def example_spec(flat: Sequence[Any]) -> list[Any]:
     """The example inputs as `check_placement` needs them: shapes, strides and dtypes on the
     meta device (no memory held), non-tensors as they are."""
-    return [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor)
-            else x for x in flat]
+    def meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        return x
+    return [pytree.tree_map(meta, x) for x in flat]
 
 
 def _microbatch(flat: Sequence[Any], m: int) -> list[Any]:
