@@ -286,3 +286,11 @@ def test_check_placement_refuses_a_name_that_is_no_device():
     pipe = _pipe("mlp", "fx", stages=2)
     with pytest.raises(MobiusError, match="not a torch device"):
         pipe.check_placement("gpu")
+
+
+def test_check_placement_needs_the_example_a_pipeline_was_built_with():
+    model, x, kw, gm = _traced("mlp", "fx")
+    pipe = build_pipeline(model, gm, stage_nodes=_cut(gm, 2), stage_gpus=["gpu0", "gpu1"], gpu_budgets={},
+                          microbatches=1, device="virtual")
+    with pytest.raises(MobiusError, match="built without example inputs; build it with example_inputs="):
+        pipe.check_placement("cuda")
