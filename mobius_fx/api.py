@@ -239,7 +239,9 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     `device`: "auto" (CUDA when the topology is real and CUDA is present, else virtual GPUs on
     the CPU), "virtual", "virtual-async" (the CPU stand-in of the CUDA path: its streams, events and
     slot pool on threads with seeded random delays, so races and host syncs show up without a
-    GPU) or "cuda". A model or inputs on the meta device are refused: `plan` them.
+    GPU) or "cuda". On CUDA, every stage is first replayed on fake CUDA tensors
+    (`Pipeline.check_placement`): an op that would see two devices is named before anything is
+    allocated. A model or inputs on the meta device are refused: `plan` them.
     Call the pipeline as you call the model: every argument a call passes is honoured. A call
     with keyword arguments the example did not have (`attention_mask=`, `labels=`), or without
     some it had, or with shapes its graph does not hold for (export keeps sequence lengths and

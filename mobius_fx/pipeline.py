@@ -61,6 +61,29 @@ def _masters(model: nn.Module, gm: fx.GraphModule, spec: Any) -> list[torch.Tens
     return out
 
 
+def _place(gm: fx.GraphModule, schedule: Any, devices: Mapping[str, Device], flat: list | None,
+           gpu_indices: Mapping[str, int] | None) -> Any:
+    """Bind each stage's graph to its device (`placement.place_stage`: the device constants the
+    trace fixed follow the stage); on CUDA devices, first replay the stages under fake tensors
+    (`placement.check_placement`), so a placement error is named before anything is allocated."""
+    from .placement import Placement, check_placement, example_spec, place_stage, traced_device
+
+    placement = Placement(example_spec(flat) if flat is not None else None, traced_device(gm),
+                          {g: int(i) for g, i in (gpu_indices or {}).items() if i is not None})
+    targets = {spec.gpu: devices[spec.gpu].torch_device for spec in schedule.stages}
+    if placement.example is not None and any(d.type == "cuda" for d in targets.values()):
+        ops = check_placement(schedule, placement.example, targets, placement.traced)
+        log.debug("placement checked: %d ops of %d stages replayed on %s", ops, len(schedule.stages),
+                  sorted({str(d) for d in targets.values()}))
+    for spec in schedule.stages:
+        if not getattr(spec.module, "_mobius_bound", False):  # bound: the Runtime refuses it below
+            changed = place_stage(spec, placement.traced, targets[spec.gpu])
+            if changed and placement.traced != targets[spec.gpu]:
+                log.debug("stage %d: device constants moved from %s to %s: %s", spec.index, placement.traced,
+                          targets[spec.gpu], ", ".join(changed))
+    return placement
+
+
 def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]] | None = None,
                    stage_gpus: Sequence[str] | None = None, gpu_budgets: Mapping[str, int | None] | None = None,
                    microbatches: int | None = None, example_inputs: tuple = (), example_kwargs: dict | None = None,
@@ -126,19 +149,24 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     if isinstance(device, Mapping):  # your own Devices: those you gave, and every GPU a stage uses
         names = [g for g in names if g in device or g in schedule.gpus]
     devices = make_devices({g: budgets.get(g) for g in names}, device=device, indices=gpu_indices)
-    masters = [_masters(model, gm, spec) for spec in schedule.stages]
-    runtime = Runtime(schedule, devices, masters, _torch_dtype(dtype))
-    runtime.batch_dims = microbatch.check_batch_dims(batch_dims)
+    flat, marks = None, None
+    batch_dims = microbatch.check_batch_dims(batch_dims)
+    m = schedule.microbatches
     if example_inputs or example_kwargs:
         from .tracing import flatten_inputs
 
-        m = schedule.microbatches
-        marks = microbatch.declared(model, tuple(example_inputs), dict(example_kwargs or {}), runtime.batch_dims)
+        marks = microbatch.declared(model, tuple(example_inputs), dict(example_kwargs or {}), batch_dims)
         flat = flatten_inputs(gm, tuple(example_inputs), dict(example_kwargs or {}))
-        rows = microbatch.batch_rows(flat, m, marks)
-        runtime.planned_rows = rows or 0
         if m > 1 and flat:
-            microbatch.split(tuple(flat), m, marks)  # raises early when the batch does not split
+            microbatch.split(tuple(flat), m, marks)  # raises early (before any allocation) when the batch does not split
+    placement = _place(gm, schedule, devices, flat, gpu_indices)  # checked on CUDA before the Runtime allocates
+    masters = [_masters(model, gm, spec) for spec in schedule.stages]
+    runtime = Runtime(schedule, devices, masters, _torch_dtype(dtype))
+    runtime.placement = placement
+    runtime.batch_dims = batch_dims
+    if flat is not None:
+        runtime.planned_rows = microbatch.batch_rows(flat, m, marks) or 0
+        if m > 1 and flat:
             microbatch.prepare(runtime, gm, flat, m, marks)
     if schedule.microbatches > 1:
         norms = [n for n, mod in model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]

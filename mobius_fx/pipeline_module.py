@@ -212,6 +212,33 @@ class Pipeline(nn.Module):
             self._rt.overlap = opt
         return opt
 
+    def check_placement(self, device: str = "cuda") -> int:
+        """Replay every stage graph as it would run on `device` ("cuda": each GPU at its CUDA
+        index; "cuda:1": all on that one) with fake tensors, and return the number of ops
+        replayed: no memory and no GPU are needed, so a CPU-only machine checks a CUDA run.
+        The stages are rewritten as binding them to that device rewrites them (device
+        constants follow the stage, mobius_fx/placement.py) and get their inputs as the
+        runtime hands them (every tensor input copied to the stage's device, non-tensors as
+        they are, weights and buffers uploaded there). Raises a MobiusError naming the stage,
+        the node and the two devices when one op would see tensors of two devices (a 0-dim
+        CPU tensor is allowed, as torch allows it). Every compiled variant is checked.
+        `compile(..., device="cuda")` runs it before allocating anything.
+
+        pipe = mobius_fx.compile(model, topology, example_inputs=(x,), device="virtual")
+        pipe.check_placement("cuda")   # e.g. 412
+        """
+        from .placement import check_placement, target_devices
+
+        variants = getattr(self, "_variants", None) or [None]
+        total = 0
+        for v in variants:
+            schedule, rt = (self.schedule, self._rt) if v is None else (v.schedule, v.runtime)
+            placement = rt.placement
+            given = {g: d.torch_device for g, d in rt.devices.items()}
+            targets = target_devices(schedule.gpus, given, placement.indices, device)
+            total += check_placement(schedule, placement.example, targets, placement.traced)
+        return total
+
     def memory_stats(self) -> dict[str, dict[str, int]]:
         """Bytes each GPU of the topology holds now and held at peak, one entry per GPU, used by a
         stage or not. The books see every byte: weight slots, gradient sums, and every tensor a

@@ -58,6 +58,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from .devices import HOST, Device, nbytes
 from .errors import BudgetError, MobiusError
+from .placement import sent_device
 from .stage_calls import StageCall, StageCalls, StageState, Step, logged_grad
 from .microbatch import batch_rows, combine, guess_kind
 from .microbatch import split as split_inputs
@@ -185,7 +186,9 @@ class Runtime(StageCalls):
             return self._send(value, gpu, stage)
         if isinstance(value, (int, float, bool, str, type(None))):
             return value
-        return pytree.tree_map_only(torch.Tensor, lambda t: self._send(t, gpu, stage), value)
+        where = None if gpu == HOST else self.devices[gpu].torch_device
+        return pytree.tree_map_only((torch.Tensor, torch.device), lambda t: self._send(t, gpu, stage)
+                                    if isinstance(t, torch.Tensor) else sent_device(t, where), value)
 
     def _send(self, t: torch.Tensor, gpu: str, stage: int | None) -> torch.Tensor:
         """Copy `t` to `gpu` (or the host) for `stage`, as the schedule IR says: the copy and,

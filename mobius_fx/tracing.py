@@ -65,6 +65,9 @@ class TraceInfo:
     # `training` of each of the model's modules (model.modules() order) when traced: an export
     # graph computes in these modes whatever train()/eval() says later
     modes: tuple[bool, ...] = ()
+    # the device the example inputs were on (the model's when no input is a tensor): what the
+    # trace baked into factory ops and `.to` calls (mobius_fx/placement.py rewrites it per stage)
+    device: str | None = None
 
     def model_name(self, gm_name: str) -> str:
         """The user model's name for a GraphModule parameter/buffer name."""
@@ -151,10 +154,20 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
     names, constants = _name_map(gm, model)
     gm.meta["mobius_trace"] = TraceInfo(front_end=used, names=names, constants=constants,
                                         fx_error=fx_error, dynamic_batch=dynamic,
-                                        seconds=time.perf_counter() - t0, modes=modes)
+                                        seconds=time.perf_counter() - t0, modes=modes,
+                                        device=_input_device(model, args, kwargs))
     _report(progress, f"traced {type(model).__name__} with {used}: {len(gm.graph.nodes)} nodes "
                       f"in {time.perf_counter() - t0:.2f} s")
     return gm
+
+
+def _input_device(model: nn.Module, args: tuple, kwargs: dict) -> str:
+    for x in pytree.tree_leaves((args, kwargs)):
+        if isinstance(x, torch.Tensor):
+            return str(x.device)
+    for t in (*model.parameters(), *model.buffers()):
+        return str(t.device)
+    return "cpu"
 
 
 def trace_info(gm: fx.GraphModule) -> TraceInfo:
