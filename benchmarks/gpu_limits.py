@@ -322,7 +322,7 @@ def format_limits(lim: Limits, *, fwd_bwd: float | None, step: float | None, opt
     simulator's fwd+bwd, held to the same limits."""
     lines = ["  limits of this model and batch (fwd+bwd)"]
     res = lim.resident
-    if res is not None and res.time is not None:
+    if res is not None and res.time is not None and not res.skipped:
         peak = f"; peak {fmt_bytes(res.peak_bytes)}" if res.peak_bytes is not None else ""
         lines.append(f"    compute: resident on one GPU, bf16 [measured] {_t(res.time):>9}  (median of the last "
                      f"{max(1, len(res.times) - 1)} of {len(res.times)} steps{peak})")
