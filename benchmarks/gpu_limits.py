@@ -201,28 +201,46 @@ def adamw_kind(opt: torch.optim.Optimizer) -> str:
 
 
 def run_peer(model: nn.Module, units: Sequence[nn.Module], inputs: Sequence[torch.Tensor], *, steps: int, kind: str,
-             lr: float, index: int = 0) -> PeerFigures:
+             lr: float, device: str = "cuda", index: int = 0) -> PeerFigures:
     """Train `model` (fp32 on the CPU; `model(*inputs)` returns the loss) `steps` steps under FSDP2
     on cuda:index: each of `units` (the blocks) and then the root sharded with `CPUOffloadPolicy`
     (pinned), bf16 parameters and fp32 reduction, one rank (a file store, so no port is taken).
     AdamW of `kind` over the sharded (CPU) parameters, falling back along ADAMW_KINDS when torch
     refuses one for DTensor parameters, as the peer's user would. The model is sharded in place:
-    it is not usable as a plain module afterwards."""
+    it is not usable as a plain module afterwards. `device="cpu"` runs the same loop on the CPU
+    without offload (nothing to offload to), which checks its structure where there is no GPU
+    (tests/unit/test_gpu_check.py); its figures describe the CPU."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    dev = torch.device("cuda", index)
+    cuda = device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise RuntimeError("the FSDP2 peer with CPU offload needs CUDA (torch.cuda.is_available() is False); pass "
+                           "device='cpu' for a structure check")
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group is already initialised; the peer runs as one rank "
+                           "of a group of its own")
+    dev = torch.device("cuda", index) if cuda else torch.device("cpu")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
     fig = PeerFigures()
     store = tempfile.NamedTemporaryFile(prefix="gpu_check-fsdp-", delete=False)
     store.close()
     os.unlink(store.name)  # the file store creates it
-    torch.cuda.set_device(dev)
-    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{store.name}", rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=f"file://{store.name}", rank=0,
+                            world_size=1)
     try:
-        mesh = init_device_mesh("cuda", (1,))
-        kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                  offload_policy=CPUOffloadPolicy(pin_memory=True))
+        mesh = init_device_mesh(dev.type, (1,))
+        kw: dict[str, Any] = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                            reduce_dtype=torch.float32))
+        if cuda:
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
         t0 = time.perf_counter()
         for unit in units:
             fully_shard(unit, **kw)
@@ -232,21 +250,24 @@ def run_peer(model: nn.Module, units: Sequence[nn.Module], inputs: Sequence[torc
         kinds = list(ADAMW_KINDS[ADAMW_KINDS.index(kind):])
         opt = None
         gc.collect()
-        torch.cuda.synchronize(dev)
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
+        sync()
+        base = torch.cuda.memory_allocated(dev) if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
         for _ in range(steps):
             while opt is None:
                 try:
                     opt = adamw(list(model.parameters()), kinds[0], lr)
                 except (RuntimeError, ValueError, TypeError) as e:
                     fig.notes.append(f"AdamW({kinds.pop(0)}) refused: {str(e).splitlines()[0][:100]}")
+                    if not kinds:
+                        raise
             opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize(dev)
+            sync()
             t0 = time.perf_counter()
             loss = model(*args)
             loss.backward()
-            torch.cuda.synchronize(dev)
+            sync()
             t1 = time.perf_counter()
             while True:
                 try:
@@ -257,7 +278,7 @@ def run_peer(model: nn.Module, units: Sequence[nn.Module], inputs: Sequence[torc
                     if not kinds:
                         raise
                     opt = adamw(list(model.parameters()), kinds[0], lr)
-            torch.cuda.synchronize(dev)
+            sync()
             t2 = time.perf_counter()
             fig.pipeline_times.append(t1 - t0)
             fig.optimizer_times.append(t2 - t1)
@@ -265,12 +286,13 @@ def run_peer(model: nn.Module, units: Sequence[nn.Module], inputs: Sequence[torc
             print(f"  peer step {len(fig.losses) - 1}: fwd+bwd {t1 - t0:.2f} s, AdamW {t2 - t1:.2f} s, loss "
                   f"{fig.losses[-1]:.4f}", flush=True)
         fig.optimizer = f"AdamW({adamw_kind(opt)})" if opt is not None else ""
-        fig.peak_bytes = torch.cuda.max_memory_allocated(dev) - base
+        fig.peak_bytes = torch.cuda.max_memory_allocated(dev) - base if cuda else None
         del opt
     finally:
         dist.destroy_process_group()
         gc.collect()
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     return fig
 
 
