@@ -114,17 +114,25 @@ def resident_fits(params: int, free_bytes: int) -> str:
 
 
 def measure_resident(build: Callable[[], nn.Module], inputs: Sequence[torch.Tensor], *, params: int, steps: int,
-                     index: int = 0) -> ResidentFigures:
-    """`build()` (on the CPU's default device, called under `torch.device(cuda:index)` with bf16
-    as the default dtype) trained fwd+bwd `steps` times on `inputs` moved to the GPU; times after
-    `torch.cuda.synchronize`. Out of memory is reported, not raised."""
-    dev = torch.device("cuda", index)
-    torch.cuda.synchronize(dev)
+                     device: str = "cuda", index: int = 0) -> ResidentFigures:
+    """`build()` (called under `torch.device(cuda:index)` with bf16 as the default dtype, so the
+    weights are made there in bf16) trained fwd+bwd `steps` times on `inputs` moved to the GPU;
+    times after `torch.cuda.synchronize`. Out of memory is reported, not raised. `device="cpu"`
+    runs the same loop on the CPU (a structure check where there is no GPU; no peak)."""
+    cuda = device == "cuda"
+    dev = torch.device("cuda", index) if cuda else torch.device("cpu")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    sync()
     gc.collect()
-    torch.cuda.empty_cache()
-    why = resident_fits(params, torch.cuda.mem_get_info(dev)[0])
-    if why:
-        return ResidentFigures(skipped=why)
+    if cuda:
+        torch.cuda.empty_cache()
+        why = resident_fits(params, torch.cuda.mem_get_info(dev)[0])
+        if why:
+            return ResidentFigures(skipped=why)
     fig = ResidentFigures()
     model = None
     try:
@@ -136,24 +144,26 @@ def measure_resident(build: Callable[[], nn.Module], inputs: Sequence[torch.Tens
         finally:
             torch.set_default_dtype(dtype)
         args = [t.to(dev) for t in inputs]
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev) if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
         for _ in range(steps):
-            torch.cuda.synchronize(dev)
+            sync()
             t0 = time.perf_counter()
             model(*args).backward()
-            torch.cuda.synchronize(dev)
+            sync()
             fig.times.append(time.perf_counter() - t0)
             model.zero_grad(set_to_none=True)
-        # the weights were there before the first step: count them in again
-        fig.peak_bytes = torch.cuda.max_memory_allocated(dev) - base + sum(
-            p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+        if cuda:  # the weights were there before the first step: count them in again
+            fig.peak_bytes = torch.cuda.max_memory_allocated(dev) - base + sum(
+                p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     except torch.OutOfMemoryError as e:
         fig.skipped = f"does not fit: out of memory ({str(e).splitlines()[0][:120]})"
     finally:
         del model
         gc.collect()
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     return fig
 
 

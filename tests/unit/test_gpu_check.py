@@ -378,3 +378,22 @@ def test_the_peer_falls_back_to_the_next_adamw_when_torch_refuses_one(one_thread
     model, inputs = _tiny_gpt()
     fig = gl.run_peer(model, list(model.gpt.h), inputs, steps=1, kind="fused", lr=1e-2, device="cpu")
     assert fig.optimizer == "AdamW(foreach)" and any("AdamW(fused) refused" in n for n in fig.notes)
+
+
+def test_the_resident_loop_builds_in_bf16_and_times_every_step_on_the_cpu(one_thread):
+    """measure_resident's loop as a structure check on the CPU: the model is made in bf16 where
+    it runs (no fp32 copy first: 6 bytes a parameter instead of 2 would not fit beside the
+    pipeline's pools), each step timed, the default dtype restored."""
+    cfg = gc.gpt_config(3e5, hidden=64, blocks=2, vocab=128, seq=16)
+    _, inputs = gc.build_model(cfg, batch=2, device="meta")
+    made = []
+
+    def build():
+        made.append(gc.GPTWithLoss(cfg))
+        return made[-1]
+
+    inputs = tuple(torch.zeros(t.shape, dtype=t.dtype) for t in inputs)
+    fig = gl.measure_resident(build, inputs, params=10**5, steps=3, device="cpu")
+    assert len(fig.times) == 3 and fig.time == statistics.median(fig.times[1:]) and not fig.skipped
+    assert {p.dtype for p in made[0].parameters()} == {torch.bfloat16} and fig.peak_bytes is None
+    assert torch.get_default_dtype() == torch.float32
