@@ -858,7 +858,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed = True
         print("GPT phase FAILED:\n" + traceback.format_exc(), flush=True)
     if fig is not None:
-        failed |= limits_phase(args, fig, links if "bandwidth" in report else [], kept, report)
+        try:
+            failed |= limits_phase(args, fig, links if "bandwidth" in report else [], kept, report)
+        except Exception:
+            failed = True
+            print("limits phase FAILED:\n" + traceback.format_exc(), flush=True)
         kept.clear()
         try:
             t0 = time.perf_counter()
