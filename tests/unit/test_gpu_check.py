@@ -397,3 +397,31 @@ def test_the_resident_loop_builds_in_bf16_and_times_every_step_on_the_cpu(one_th
     assert len(fig.times) == 3 and fig.time == statistics.median(fig.times[1:]) and not fig.skipped
     assert {p.dtype for p in made[0].parameters()} == {torch.bfloat16} and fig.peak_bytes is None
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_limits_phase_hands_the_trained_model_to_the_peer_and_reports_both(one_thread, monkeypatch, capsys):
+    """The CUDA phase's glue on the CPU: the GPT phase hands its model back (gradients freed),
+    the resident run and the peer (their CPU structure checks standing in for CUDA) take the
+    same steps, and the report holds the limits and every ratio."""
+    args = _args("--device", "virtual", "--params", "3e5", "--hidden", "128", "--blocks", "2", "--vocab", "256",
+                 "--seq", "32", "--batch", "4", "--memory", "4MiB", "--steps", "2", "--adamw", "foreach",
+                 "--time-limit", "2")
+    links = [gc.LinkFigures(50e9, 50e9)] * 2
+    topo = Topology.from_dict(gc.budget_topology_dict(2, 4 * 2**20, links, spec="cpu"))
+    kept = {}
+    fig = gc.train_gpt(args, topo, device="virtual", bandwidth_source="assumed", hand_back=kept)
+    assert all(p.grad is None for p in kept["model"].parameters()) and len(kept["inputs"]) == 2
+    resident = gl.measure_resident
+    peer = gl.run_peer_reported
+    monkeypatch.setattr(gl, "measure_resident", lambda *a, **k: resident(*a, **k, device="cpu"))
+    monkeypatch.setattr(gl, "run_peer_reported", lambda *a, **k: peer(*a, **k, device="cpu"))
+    report = {}
+    assert gc.limits_phase(args, fig, links, kept, report) is False
+    lim = report["limits"]
+    assert len(lim.resident.times) == len(lim.peer.pipeline_times) == args.steps == 2
+    slowest = max(fig.moved_by_device.values(), key=lambda m: m["weight h2d"])  # equal links: the most bytes
+    assert lim.link.h2d_bytes == slowest["weight h2d"] and lim.peer.optimizer == "AdamW(foreach)"
+    assert sum(m["weight h2d"] for m in fig.moved_by_device.values()) == fig.moved["weight h2d"]
+    assert "model" not in kept and set(report["phase seconds"]) == {"resident", "peer"}
+    text = capsys.readouterr().out
+    assert "x the compute limit" in _line(text, "FSDP2 step [measured]") and "Mobius / FSDP2" in text
