@@ -40,7 +40,7 @@ Without CUDA it prints that it found no GPU and what it would do, and exits 0.
 device, no GPU needed; `--device virtual` runs step 3 for real on virtual GPUs (the CPU), a
 smoke test of the measuring code for small `--params`.
 
-    python benchmarks/gpu_check.py [--out DIR]                 # on the GPU machine (under 5 min)
+    python benchmarks/gpu_check.py [--out DIR]                 # on the GPU machine (sized for < 5 min)
     python benchmarks/gpu_check.py --dry-run                   # anywhere: plan + simulate only
     python benchmarks/gpu_check.py --skip-tests --params 1e9 --steps 4 --memory 2GiB
 
