@@ -11,7 +11,13 @@ against it, over GPT-like tensors totalling
 `--params` parameters (default 64M, 1.8 GB of state), with gradients set once. Each figure is
 the median of `--steps` timed steps after one warm-up step, all variants interleaved in one run.
 
-    python benchmarks/cpu_optimizer.py [--params 64e6] [--steps 5] [--threads N]
+    python benchmarks/cpu_optimizer.py [--params 64e6] [--steps 5] [--threads N] [--topology-out server.json]
+
+With `--topology-out PATH` it writes what it measured into the "host" section of the topology
+JSON at PATH (`mobius_fx.topology.HostFigures`: the fastest torch AdamW's bytes/s and kernel,
+the slowest host copy's bytes/s, the cores), keeping the rest of the file, for the simulator.
+PATH must hold a topology already (`benchmarks/gpu_check.py` writes one of the machine; or your
+own, see mobius_fx.topology).
 """
 
 from __future__ import annotations
@@ -26,7 +32,34 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
+from mobius_fx import Topology
+from mobius_fx.errors import TopologyError
 from mobius_fx.sim_tasks import CPU_ADAM_BANDWIDTH, HOST_COPY_SPEED, TOUCHED_BYTES
+from mobius_fx.topology import HostFigures
+
+
+def write_host(path: str | os.PathLike, host: HostFigures) -> Topology:
+    """Put `host` into the topology JSON at `path` (the rest kept) and return the topology;
+    TopologyError (a MobiusError) when `path` holds no topology."""
+    if not os.path.exists(path):
+        raise TopologyError(f"--topology-out {str(path)!r} does not exist; the host figures go into a topology "
+                            f"already written: run benchmarks/gpu_check.py on the machine (it writes OUT/topology.json) "
+                            f"or describe the server in JSON (see mobius_fx.topology), then pass its path")
+    topo = Topology.from_json(os.fspath(path)).with_host(host)
+    with open(path, "w") as f:
+        f.write(topo.to_json())
+    return topo
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+_IMPLEMENTATION = {"AdamW (per tensor)": "for-loop", "AdamW (foreach)": "foreach", "AdamW (fused)": "fused"}
 
 
 def gpt_like(total: float, hidden: int = 1024) -> list[torch.Tensor]:
@@ -66,10 +99,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--params", type=float, default=64e6, help="parameters to step (at least 50M for the issue)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per optimizer (median reported)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden size of the GPT-like tensors (default 1024)")
+    ap.add_argument("--topology-out", default=None,
+                    help="a topology JSON to write the host figures into (its 'host' section; the file must exist)")
     args = ap.parse_args(argv)
+    if args.topology_out and not os.path.exists(args.topology_out):  # refused before minutes of measuring
+        try:
+            write_host(args.topology_out, HostFigures())
+        except TopologyError as e:
+            raise SystemExit(f"cpu_optimizer: {e}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
-    params = gpt_like(args.params)
+    params = gpt_like(args.params, hidden=args.hidden)
     n = sum(p.numel() for p in params)
     touched = TOUCHED_BYTES["adamw"] * n
     opts = variants(params)
@@ -91,12 +132,36 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {name:20s} {t * 1e3:8.1f} ms per step  {bw / 1e9:6.2f} GB/s  (median of {len(ts)})")
     print(f"fastest here: {best[1]} at {best[0] / 1e9:.2f} GB/s; the simulator and CLI default to "
           f"{CPU_ADAM_BANDWIDTH / 1e9:.0f} GB/s (sim_tasks.CPU_ADAM_BANDWIDTH, pass your figure as --adam-gbps)")
-    copies(params, best[0], args.steps)
+    speeds = copies(params, best[0], args.steps)
+    if args.topology_out:
+        # the user's torch optimizer, not DeepSpeed's: that is what a Mobius step runs
+        bw, name = max((touched / statistics.median(ts), n) for n, ts in times.items() if n in _IMPLEMENTATION)
+        host = HostFigures(optimizer="adamw", implementation=_IMPLEMENTATION[name], optimizer_bytes_per_s=bw,
+                           host_copy_bytes_per_s=min(speeds.values()), cores=cores())
+        write_host(args.topology_out, host)
+        print(f"host figures written to {args.topology_out}: {host.to_dict()}")
 
 
-def copies(params: list[torch.Tensor], adam_bw: float, steps: int) -> None:
+def copies(params: list[torch.Tensor], adam_bw: float, steps: int) -> dict[str, float]:
     """The host-side copies around a step with bf16-streamed weights (sim_tasks.host_copy_bytes),
-    each against the fastest AdamW's bytes/s (sim_tasks.HOST_COPY_SPEED is that ratio)."""
+    each against the fastest AdamW's bytes/s (sim_tasks.HOST_COPY_SPEED is that ratio); returns
+    each one's bytes/s (read + written)."""
+    speeds = copy_speeds(params, steps)
+    print(f"host copies around a bf16-streamed step (simulated at sim_tasks.HOST_COPY_SPEED = {HOST_COPY_SPEED} x the "
+          f"optimizer's bytes/s):")
+    for name, bw in speeds.items():
+        print(f"  {name:38s} {_COPY_BYTES[name]:2d} B/param  {bw / 1e9:6.2f} GB/s  {bw / adam_bw:.2f}x the fastest "
+              f"AdamW's")
+    return speeds
+
+
+_COPY_BYTES = {"refresh: fp32 -> kept bf16 copy": 6, "hand-over: bf16 -> new fp32 tensor": 6,
+               "hand-over: bf16 added into kept fp32": 10}
+
+
+def copy_speeds(params: list[torch.Tensor], steps: int) -> dict[str, float]:
+    """Bytes/s (read + written, `_COPY_BYTES` a parameter) of each host copy around a step with
+    bf16-streamed weights: median of `steps` after one warm-up."""
     n = sum(p.numel() for p in params)
     kept16 = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
     grads16 = [torch.randn(p.shape, dtype=torch.bfloat16) for p in params]
@@ -114,21 +179,16 @@ def copies(params: list[torch.Tensor], adam_bw: float, steps: int) -> None:
         for a, g in zip(kept32, grads16):
             a.add_(g)
 
-    cases = {"refresh: fp32 -> kept bf16 copy": (refresh, 6), "hand-over: bf16 -> new fp32 tensor": (fresh, 6),
-             "hand-over: bf16 added into kept fp32": (into, 10)}
+    cases = dict(zip(_COPY_BYTES, (refresh, fresh, into)))
     times: dict[str, list[float]] = {k: [] for k in cases}
-    for f, _ in cases.values():
+    for f in cases.values():
         f()
     for _ in range(steps):
-        for name, (f, _) in cases.items():
+        for name, f in cases.items():
             t0 = time.perf_counter()
             f()
             times[name].append(time.perf_counter() - t0)
-    print(f"host copies around a bf16-streamed step (simulated at sim_tasks.HOST_COPY_SPEED = {HOST_COPY_SPEED} x the "
-          f"optimizer's bytes/s):")
-    for name, (_, per) in cases.items():
-        bw = per * n / statistics.median(times[name])
-        print(f"  {name:38s} {per:2d} B/param  {bw / 1e9:6.2f} GB/s  {bw / adam_bw:.2f}x the fastest AdamW's")
+    return {name: _COPY_BYTES[name] * n / statistics.median(times[name]) for name in cases}
 
 
 if __name__ == "__main__":

@@ -26,13 +26,21 @@ the partitioner, counted by the runtime's books, or [assumed]):
    and the runtime books' peak; weight and gradient bytes moved in the last step
    (`pipe.transfer_stats(last_step=True)`) against the pipeline's schedule IR
    (`pipe.schedule_ir().bytes_moved()`) and the plan's IR. Each as a ratio measured / other.
+4. The limits (benchmarks/gpu_limits.py): the same model resident on one GPU (fwd+bwd, bf16,
+   when it fits: the compute limit) and the link bound (bytes moved each way / the measured
+   bandwidth that way); Mobius's measured fwd+bwd and step as a ratio to both. The peer a user
+   would pick instead, on the same GPU: the same model (the masters the GPT phase trained),
+   batch and AdamW under PyTorch FSDP2 (`fully_shard` + `CPUOffloadPolicy`, one rank),
+   `--steps` steps; its fwd+bwd, optimizer, step and GPU peak beside Mobius's (`--skip-peer`
+   leaves it out). The host's own figures (the AdamW bytes/s of the GPT phase, the host copy
+   bytes/s, the cores) go into the topology JSON's "host" section.
 
 Without CUDA it prints that it found no GPU and what it would do, and exits 0.
 `--dry-run` plans and simulates step 3 with assumed bandwidths (`--assume-gbps`) on the meta
 device, no GPU needed; `--device virtual` runs step 3 for real on virtual GPUs (the CPU), a
 smoke test of the measuring code for small `--params`.
 
-    python benchmarks/gpu_check.py [--out DIR]                 # on the GPU machine (~3-6 min)
+    python benchmarks/gpu_check.py [--out DIR]                 # on the GPU machine (sized for < 5 min)
     python benchmarks/gpu_check.py --dry-run                   # anywhere: plan + simulate only
     python benchmarks/gpu_check.py --skip-tests --params 1e9 --steps 4 --memory 2GiB
 
@@ -64,6 +72,7 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # gpu_limits, cpu_optimizer
 
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
@@ -71,6 +80,10 @@ from mobius_fx.costs import DEVICE_SPECS  # noqa: E402
 from mobius_fx.links import GB  # noqa: E402
 from mobius_fx.units import fmt_bytes, fmt_time, parse_bytes  # noqa: E402
 from mobius_fx.zoo import GPT, GPTConfig  # noqa: E402
+
+import cpu_optimizer  # noqa: E402
+import gpu_limits  # noqa: E402
+from gpu_limits import Limits, LinkBound  # noqa: E402
 
 NO_GPU = "gpu_check: no CUDA GPU here (torch.cuda.is_available() is False)"
 HEAD_DIM = 128  # hidden = heads x 128, as GPT-3's larger models
@@ -294,6 +307,8 @@ class RunFigures:
     plan_ir: dict[str, int] = field(default_factory=dict)  # same keys: the plan's schedule IR
     timings: dict[str, float] = field(default_factory=dict)
     note: str = ""  # how the measurement differs from what was simulated
+    adamw: str = ""  # the AdamW kernel that stepped ("fused", "foreach", "for-loop")
+    moved_by_device: dict[int, dict[str, int]] = field(default_factory=dict)  # CUDA device -> moved, as `moved`
 
 
 def _median_after_first(xs: Sequence[float]) -> float | None:
@@ -485,9 +500,12 @@ def _adamw(params: list[nn.Parameter], kind: str, lr: float) -> torch.optim.Opti
     return torch.optim.AdamW(params, lr=lr, foreach=kind == "foreach")
 
 
-def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidth_source: str) -> RunFigures:
+def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidth_source: str,
+              hand_back: dict[str, Any] | None = None) -> RunFigures:
     """Build the GPT's fp32 masters on the CPU, compile it onto `topo` (`device`: "cuda" or
-    "virtual"), train `args.steps` steps and gather the measured, simulated and planned figures."""
+    "virtual"), train `args.steps` steps and gather the measured, simulated and planned figures.
+    With `hand_back`, the model (its masters, gradients freed) and inputs are put there once the
+    pipeline and the optimizer are gone, for the peer to train without building them again."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     config = gpt_config(args.params, vocab=args.vocab, seq=args.seq, hidden=args.hidden, blocks=args.blocks)
@@ -511,6 +529,7 @@ def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidt
     fig = _figures(config, model, topo, pipe.plan, device=device, bandwidth_source=bandwidth_source, timings=timings,
                    note=sharing_note(where) if cuda else "virtual GPUs: every figure measured here describes the CPU")
     opt = _adamw(list(model.parameters()), args.adamw, args.lr)
+    fig.adamw = gpu_limits.adamw_kind(opt)
 
     def sync() -> None:
         if cuda:
@@ -549,6 +568,8 @@ def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidt
     for n, i in zip(names, where):
         groups.setdefault(i, []).append(n)
     for i, ns in groups.items():
+        fig.moved_by_device[i] = {k: sum(stats[n].get(k, {}).get("bytes", 0) for n in ns)
+                                  for k in ("weight h2d", "gradient d2h")}
         fig.peaks.append(PeakRow(
             device=f"cuda:{i}" if cuda else f"virtual {ns[0]}", names=tuple(ns),
             plan_bytes=sum(fig.plan_peaks.get(n, 0) for n in ns), budget_bytes=sum(fig.budgets[n] for n in ns),
@@ -556,7 +577,105 @@ def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidt
             # the slot pools were allocated when compiled, so `base` holds them: count them in again
             allocator_bytes=(torch.cuda.max_memory_allocated(i) - base[i]
                              + sum(books[n].get("slot_pool_bytes", 0) for n in ns)) if cuda else None))
+    if hand_back is not None:
+        del pipe, opt  # the slot pools and the AdamW state
+        model.zero_grad(set_to_none=True)
+        hand_back.update(model=model, inputs=(idx, targets))
     return fig
+
+
+# ------------------------------------------------------------------ the limits
+def device_link_bound(moved_by_device: dict[int, dict[str, int]], links: Sequence[LinkFigures]) -> LinkBound | None:
+    """The link bound of a step (gpu_limits.link_bound): per CUDA device, the weight bytes it
+    received and the gradient bytes it sent over its own link; the slowest device's. None when
+    nothing was moved or no link is known."""
+    bounds = [gpu_limits.link_bound(m.get("weight h2d", 0), m.get("gradient d2h", 0), links[i].h2d, links[i].d2h)
+              for i, m in sorted(moved_by_device.items()) if i < len(links)]
+    return max(bounds, key=lambda b: b.time, default=None)
+
+
+def mobius_gpu_peak(fig: RunFigures) -> int | None:
+    """The allocator's peak summed over the CUDA devices the pipeline used (None off CUDA)."""
+    got = [p.allocator_bytes for p in fig.peaks]
+    return sum(got) if got and all(b is not None for b in got) else None  # type: ignore[misc]
+
+
+def format_limits(fig: RunFigures, lim: Limits) -> str:
+    """gpu_limits.format_limits with this run's Mobius medians (none for a plan only)."""
+    return gpu_limits.format_limits(
+        lim, fwd_bwd=_median_after_first(fig.pipeline_times), step=_median_after_first(fig.step_times),
+        optimizer=_median_after_first(fig.optimizer_times), gpu_peak=mobius_gpu_peak(fig),
+        budget=sum(fig.budgets.values()) if fig.step_times else None, steps=len(fig.step_times),
+        simulated=fig.sim_pipeline)
+
+
+def peer_reason(args: argparse.Namespace, where: str) -> str:
+    """Why the peer does not run: --skip-peer, or `where` cannot run it."""
+    return "--skip-peer" if args.skip_peer else where
+
+
+def measure_host(args: argparse.Namespace, fig: RunFigures) -> gpu_limits.HostFigures:
+    """The host section: the GPT phase's AdamW over its masters, the slowest host copy around a
+    bf16-streamed step (cpu_optimizer.copy_speeds over --host-copy-params), the cores."""
+    params = cpu_optimizer.gpt_like(args.host_copy_params, hidden=min(1024, max(16, int((args.host_copy_params / 12) ** 0.5))))
+    copy = min(cpu_optimizer.copy_speeds(params, steps=3).values())
+    del params
+    return gpu_limits.host_figures(params=fig.params, optimizer_times=fig.optimizer_times, implementation=fig.adamw,
+                                   host_copy_bps=copy, cores=gpu_limits.cores())
+
+
+def format_host(host: gpu_limits.HostFigures) -> str:
+    opt = host.optimizer_bytes_per_s
+    copy = host.host_copy_bytes_per_s
+    return (f"host [measured]: {host.optimizer} ({host.implementation}) "
+            f"{'n/a' if opt is None else f'{opt / GB:.1f} GB/s'} over the masters (28 B a parameter), slowest host "
+            f"copy {'n/a' if copy is None else f'{copy / GB:.1f} GB/s'}, {host.cores} cores")
+
+
+def write_topology(path: Path, machine: dict[str, Any], host: gpu_limits.HostFigures | None) -> Topology:
+    """Write the machine's topology (with the host section when given) to `path`; checks that
+    `Topology.from_json` reads it back equal."""
+    topo = Topology.from_dict(machine).with_host(host)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(topo.to_json())
+    back = Topology.from_json(path)
+    if back != topo:  # pragma: no cover - a schema bug
+        raise RuntimeError(f"{path}: Topology.from_json does not read back what was written")
+    return topo
+
+
+def limits_phase(args: argparse.Namespace, fig: RunFigures, links: Sequence[LinkFigures], kept: dict[str, Any],
+                 report: dict[str, Any]) -> bool:
+    """On CUDA after the GPT phase: the resident model, the link bound and the peer, printed
+    and put in `report`; True when a part failed."""
+    failed = False
+    lim = Limits(link=device_link_bound(fig.moved_by_device, links),
+                 why={"link": "the bandwidth phase failed"} if not links else {})
+    t0 = time.perf_counter()
+    try:
+        lim.resident = gpu_limits.measure_resident(lambda: GPTWithLoss(fig.config), kept["inputs"], params=fig.params,
+                                                   steps=args.steps)
+    except Exception:
+        failed = True
+        lim.why["resident"] = "failed (traceback above)"
+        print("resident phase FAILED:\n" + traceback.format_exc(), flush=True)
+    report.setdefault("phase seconds", {})["resident"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if args.skip_peer:
+        lim.why["peer"] = "--skip-peer"
+    else:
+        model = kept.pop("model")
+        lim.peer, err = gpu_limits.run_peer_reported(model, list(model.gpt.h), kept["inputs"], steps=args.steps,
+                                                      kind=fig.adamw or args.adamw, lr=args.lr)
+        del model
+        if lim.peer is None:
+            failed = True
+            lim.why["peer"] = "failed (traceback above)"
+            print("peer phase FAILED:\n" + err, flush=True)
+        report["phase seconds"]["peer"] = time.perf_counter() - t0
+    print(format_limits(fig, lim), flush=True)
+    report["limits"] = lim
+    return failed
 
 
 # -------------------------------------------------------------------- main
@@ -574,6 +693,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="where the GPT trains: 'cuda' (default), or 'virtual' (GPUs played by the CPU, a smoke test "
                          "of the measuring code for a small --params; no tests, no bandwidth)")
     ap.add_argument("--skip-tests", action="store_true", help="do not run tests/gpu")
+    ap.add_argument("--skip-peer", action="store_true",
+                    help="do not run the peer (the same model under PyTorch FSDP2 with CPUOffloadPolicy)")
+    ap.add_argument("--host-copy-params", type=float, default=64e6,
+                    help="parameters of the timed host copies recorded in the topology's host section (default 64e6)")
     ap.add_argument("--pytest-timeout", type=float, default=180.0,
                     help="seconds tests/gpu may take before it is stopped and reported as timed out (default 180)")
     ap.add_argument("--copy-mib", type=int, default=256, help="MiB per timed host<->device copy (default 256)")
@@ -623,7 +746,10 @@ def _plan_of_work(args: argparse.Namespace) -> str:
             f"{fmt_params(n)}-parameter GPT (hidden {config.hidden}, {config.blocks} blocks; "
             f"{fmt_bytes(2 * n)} in bf16) on {args.gpus} pipeline GPUs of {args.memory} for {args.steps} steps and "
             f"print measured step time, peak memory and bytes moved against the simulator, the plan and the schedule "
-            f"IR. Run with --dry-run to plan and simulate that GPT here.")
+            f"IR; (4) time the same GPT resident on the GPU (the compute limit) and, unless --skip-peer, under PyTorch "
+            f"FSDP2 with CPU offload (the peer), print each time against the compute limit and the link bound, and "
+            f"write the host's figures (AdamW and host copy bytes/s, cores) into the topology JSON. Run with --dry-run "
+            f"to plan and simulate that GPT here.")
 
 
 def _json_default(x: Any) -> Any:
@@ -646,7 +772,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         topo = Topology.from_dict(budget_topology_dict(args.gpus, memory, [assumed], spec=spec, name="gpu-check-dry"))
         print(f"gpu_check --dry-run: planning and simulating only (no GPU used; {args.assume_gbps:g} GB/s each way "
               f"[assumed], spec {spec}, {args.gpus} pipeline GPUs of {fmt_bytes(memory)} on one device)", flush=True)
-        print(format_run(plan_only(args, topo, bandwidth_source=f"assumed {args.assume_gbps:g} GB/s")))
+        fig = plan_only(args, topo, bandwidth_source=f"assumed {args.assume_gbps:g} GB/s")
+        print(format_run(fig))
+        lim = Limits(link=gpu_limits.link_bound(fig.plan_ir["weight h2d"], fig.plan_ir["gradient d2h"], assumed.h2d,
+                                                assumed.d2h), link_source=f"planned, {args.assume_gbps:g} GB/s assumed",
+                     why={"resident": "a dry run measures nothing", "peer": peer_reason(args, "a dry run runs nothing")})
+        print(format_limits(fig, lim))
         return 0
     if args.device == "virtual":
         out = _out_dir(args)
@@ -656,7 +787,19 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
         fig = train_gpt(args, topo, device="virtual", bandwidth_source=f"assumed {args.assume_gbps:g} GB/s")
         print(format_run(fig))
-        (out / "gpu_check.json").write_text(json.dumps({**report, "gpt": fig}, default=_json_default, indent=1))
+        lim = Limits(link=device_link_bound(fig.moved_by_device, [assumed] * args.gpus),
+                     link_source=f"{args.assume_gbps:g} GB/s assumed",
+                     why={"resident": "virtual GPUs: no CUDA device to be resident on",
+                          "peer": peer_reason(args, "virtual GPUs: FSDP2 with CPU offload needs a CUDA device")})
+        print(format_limits(fig, lim))
+        host = measure_host(args, fig)
+        print(format_host(host))
+        path = Path(args.topology_out) if args.topology_out else out / "topology.json"
+        write_topology(path, budget_topology_dict(args.gpus, memory, [assumed] * args.gpus, spec="cpu",
+                                                  name="gpu-check-virtual"), host)
+        print(f"topology of the virtual GPUs (links assumed) with the host section written to {path}", flush=True)
+        report.update(gpt=fig, limits=lim, host=host.to_dict(), topology=str(path))
+        (out / "gpu_check.json").write_text(json.dumps(report, default=_json_default, indent=1))
         return 0
     if not cuda:
         print(f"{NO_GPU}; torch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}). Nothing measured; "
@@ -671,8 +814,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           flush=True)
     t_all = time.perf_counter()
     if not args.skip_tests:
+        t0 = time.perf_counter()
         counts, rc = run_gpu_tests(out, args.pytest_timeout)
         report["tests"] = {**counts, "exit": rc}
+        report.setdefault("phase seconds", {})["tests"] = time.perf_counter() - t0
         failed |= rc not in (0, 5)
 
     devices = [(torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
@@ -684,13 +829,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         links = [measure_link(i, args.copy_mib * 2**20, args.copy_repeats) for i in range(len(devices))]
         print(format_bandwidth(devices, links, mib=args.copy_mib, repeats=args.copy_repeats), flush=True)
-        machine = Topology.from_dict(machine_topology_dict(devices, links, spec=spec))
+        machine_dict = machine_topology_dict(devices, links, spec=spec)
         path = Path(args.topology_out) if args.topology_out else out / "topology.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(machine.to_json())
-        assert Topology.from_json(path) == machine
-        print(f"topology of this machine written to {path} (Topology.from_json reads it back equal):\n"
-              + machine.tree(), flush=True)
+        machine = write_topology(path, machine_dict, None)
+        print(f"topology of this machine written to {path} (Topology.from_json reads it back equal; its host section "
+              f"after the GPT phase):\n" + machine.tree(), flush=True)
         report["bandwidth"] = [dataclasses.asdict(b) for b in links]
         report["topology"] = str(path)
     except Exception:
@@ -699,18 +842,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         links = [assumed] * len(devices)
         print(f"  the GPT phase assumes {args.assume_gbps:g} GB/s instead", flush=True)
 
+    fig: RunFigures | None = None
+    kept: dict[str, Any] = {}  # the GPT's model and inputs, handed to the peer
     try:
         source = "measured" if "bandwidth" in report else f"assumed {args.assume_gbps:g} GB/s"
         topo = Topology.from_dict(budget_topology_dict(args.gpus, memory, links, spec=spec))
         print(f"GPT phase on {args.gpus} pipeline GPUs of {fmt_bytes(memory)} (topology {topo.name}):\n{topo.tree()}",
               flush=True)
-        fig = train_gpt(args, topo, device="cuda", bandwidth_source=source)
+        t0 = time.perf_counter()
+        fig = train_gpt(args, topo, device="cuda", bandwidth_source=source, hand_back=kept)
         print(format_run(fig), flush=True)
         report["gpt"] = fig
+        report.setdefault("phase seconds", {})["gpt"] = time.perf_counter() - t0
     except Exception:
         failed = True
         print("GPT phase FAILED:\n" + traceback.format_exc(), flush=True)
-    print(f"gpu_check: {'FAILED' if failed else 'done'} in {time.perf_counter() - t_all:.0f} s", flush=True)
+    if fig is not None:
+        try:
+            failed |= limits_phase(args, fig, links if "bandwidth" in report else [], kept, report)
+        except Exception:
+            failed = True
+            print("limits phase FAILED:\n" + traceback.format_exc(), flush=True)
+        kept.clear()
+        try:
+            t0 = time.perf_counter()
+            host = measure_host(args, fig)
+            print(format_host(host), flush=True)
+            report["host"] = host.to_dict()
+            if "topology" in report:
+                write_topology(Path(report["topology"]), machine_dict, host)
+                print(f"  host section written to {report['topology']} (read back equal)", flush=True)
+            report["phase seconds"]["host"] = time.perf_counter() - t0
+        except Exception:
+            failed = True
+            print("host phase FAILED:\n" + traceback.format_exc(), flush=True)
+    phases = ", ".join(f"{k} {v:.0f} s" for k, v in report.get("phase seconds", {}).items())
+    print(f"gpu_check: {'FAILED' if failed else 'done'} in {time.perf_counter() - t_all:.0f} s"
+          + (f" ({phases})" if phases else ""), flush=True)
     (out / "gpu_check.json").write_text(json.dumps(report, default=_json_default, indent=1))
     return 1 if failed else 0
 

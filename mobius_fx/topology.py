@@ -30,6 +30,9 @@ among the GPU nodes::
 `p2p` says whether GPUs may copy to each other directly over PCIe (consumer cards such as
 the RTX 3090/4090 cannot; then GPU-to-GPU traffic is staged through host memory).
 Bandwidths are stored as whole bytes/s, so a topology survives `to_json`/`from_json` exactly.
+An optional top-level "host" object holds the host's own measured figures (the CPU optimizer's
+bytes/s, host copy bytes/s, cores: `HostFigures`, written by `benchmarks/cpu_optimizer.py
+--topology-out` and `benchmarks/gpu_check.py`); `topo.host` is None without one.
 
 The rules a description must meet, and the reading of this schema, live in
 `mobius_fx.topology_schema`; reading the server from the driver (`Topology.from_nvidia_smi`,
@@ -55,11 +58,11 @@ from .errors import TopologyError
 from .links import GB, NVLINK2, PCIE3_X8, PCIE3_X16, PCIE4_X16, SWITCH_DUPLEX, UPI_GOLD6130
 from .schedule import HOST
 from .topology_detect import NoGPUFound, detect_layout, nvidia_smi_layout
-from .topology_schema import (LINK_KINDS, NODE_KINDS, check_graph, graph_from_dict, layout, natural_key,
+from .topology_schema import (LINK_KINDS, NODE_KINDS, HostFigures, check_graph, graph_from_dict, layout, natural_key,
                               parse_bandwidths, parse_memory, parse_spec)
 from .units import fmt_bytes
 
-__all__ = ["GPU", "Topology", "PRESETS", "NODE_KINDS", "LINK_KINDS"]
+__all__ = ["GPU", "Topology", "HostFigures", "PRESETS", "NODE_KINDS", "LINK_KINDS"]
 
 
 
@@ -91,7 +94,7 @@ class Topology:
     PRESETS: tuple[str, ...]  # the preset names, assigned below the preset builders
 
     def __init__(self, graph: nx.DiGraph, *, name: str = "custom", p2p: bool = False,
-                 virtual: bool = False):
+                 virtual: bool = False, host: HostFigures | None = None):
         if not isinstance(name, str) or not name:
             raise TopologyError(f"topology name {name!r} is not a non-empty string; name it, e.g. name='my-server'")
         for flag, value in (("p2p", p2p), ("virtual", virtual)):
@@ -99,6 +102,9 @@ class Topology:
                 raise TopologyError(f"{flag}={value!r}; it must be True or False")
         self.name = name
         self.p2p = bool(p2p)
+        if host is not None and not isinstance(host, HostFigures):
+            raise TopologyError(f"host is {host!r}; give a mobius_fx.topology.HostFigures or None")
+        self.host = host  # the host's measured figures (JSON "host"), None when not measured
         # An instance attribute: `topo.virtual` is this flag, `Topology.virtual(...)` the factory.
         self.virtual = bool(virtual)
         self.graph, self._parent, self._rc = check_graph(graph)
@@ -226,7 +232,7 @@ class Topology:
                              for n, d in self.graph.nodes(data=True)))
         edges = tuple(sorted((u, v, d["bandwidth"], d["kind"], d["name"], d.get("duplex") or 0.0)
                              for u, v, d in self.graph.edges(data=True)))
-        return (self.name, self.p2p, self.virtual, nodes, edges)
+        return (self.name, self.p2p, self.virtual, nodes, edges, self.host)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Topology) and self._key() == other._key()
@@ -304,12 +310,20 @@ class Topology:
             if d.get("duplex") is not None:
                 link["duplex"] = d["duplex"]
             links.append(link)
-        return {"name": self.name, "p2p": self.p2p, "virtual": self.virtual, "nodes": nodes, "links": links}
+        out = {"name": self.name, "p2p": self.p2p, "virtual": self.virtual, "nodes": nodes, "links": links}
+        if self.host is not None:
+            out["host"] = self.host.to_dict()
+        return out
+
+    def with_host(self, host: HostFigures | None) -> "Topology":
+        """This topology with the host's measured figures `host` (None: without any)."""
+        return Topology(self.graph, name=self.name, p2p=self.p2p, virtual=self.virtual, host=host)
 
     def to_json(self) -> str:
         """JSON text that `Topology.from_json` reads back into an equal topology."""
         d = self.to_dict()
-        head = ", ".join(f"{json.dumps(k)}: {json.dumps(d[k])}" for k in ("name", "p2p", "virtual"))
+        keys = ("name", "p2p", "virtual", "host") if "host" in d else ("name", "p2p", "virtual")
+        head = ", ".join(f"{json.dumps(k)}: {json.dumps(d[k])}" for k in keys)
         lists = [f'"{k}": [\n  ' + ",\n  ".join(json.dumps(x) for x in d[k]) + "]" for k in ("nodes", "links")]
         return "{" + head + ",\n " + ",\n ".join(lists) + "}\n"  # one node / link a line
 

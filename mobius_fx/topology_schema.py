@@ -15,6 +15,7 @@ mobius_fx.errors.TopologyError: topology has no GPUs (nodes: cpu0); add nodes of
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import networkx as nx
@@ -24,8 +25,8 @@ from .errors import MobiusError, TopologyError
 from .links import GB
 from .units import check_positive, parse_bandwidth, parse_bytes
 
-__all__ = ["NODE_KINDS", "LINK_KINDS", "check_graph", "graph_from_dict", "layout", "parse_spec", "parse_memory",
-           "parse_bandwidths", "natural_key"]
+__all__ = ["NODE_KINDS", "LINK_KINDS", "HostFigures", "check_graph", "graph_from_dict", "layout", "parse_spec",
+           "parse_memory", "parse_bandwidths", "parse_host", "natural_key"]
 
 NODE_KINDS = ("root_complex", "switch", "gpu")
 LINK_KINDS = ("pcie", "upi", "nvlink")
@@ -190,7 +191,87 @@ def natural_key(name: str) -> tuple:
 
 
 # ------------------------------------------------------------------------ JSON
-_TOP_KEYS = {"name", "p2p", "virtual", "nodes", "links", "comment"}
+_TOP_KEYS = {"name", "p2p", "virtual", "nodes", "links", "comment", "host"}
+_HOST_KEYS = {"optimizer", "implementation", "optimizer_bytes_per_s", "host_copy_bytes_per_s", "cores"}
+# The optimizers whose bytes touched per parameter the simulator knows (sim_tasks.TOUCHED_BYTES;
+# not imported: this module imports no simulator code).
+HOST_OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+@dataclass(frozen=True)
+class HostFigures:
+    """The host's own figures, measured on the machine (`benchmarks/cpu_optimizer.py`,
+    `benchmarks/gpu_check.py`), for the simulator to charge the host as it is instead of assumed.
+
+    Why in the topology: the host is part of the server the plan runs on, and the scripts that
+    measure the links measure it in the same run. JSON: an optional top-level "host" object::
+
+        "host": {"optimizer": "adamw", "implementation": "fused", "optimizer_bytes_per_s": 1.2e11,
+                 "host_copy_bytes_per_s": 4.5e10, "cores": 16}
+
+    `optimizer_bytes_per_s` counts `sim_tasks.TOUCHED_BYTES[optimizer]` bytes per fp32 master
+    parameter per step (28 for Adam/AdamW), so it needs `optimizer`; `implementation` says which
+    kernel ran ("fused", "foreach", "for-loop", "deepspeed"); `host_copy_bytes_per_s` is the
+    slowest host-side copy around a step (the streamed copy's refresh, the gradient hand-over),
+    bytes read + written per second, as `sim_tasks.host_copy_bytes` counts them; `cores` the CPU
+    cores the process may use. Every key is optional."""
+
+    optimizer: str | None = None
+    implementation: str | None = None
+    optimizer_bytes_per_s: float | None = None
+    host_copy_bytes_per_s: float | None = None
+    cores: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_host(self.to_dict(), "HostFigures")  # the same rules as the JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object, keys that are None left out."""
+        return {k: v for k, v in (("optimizer", self.optimizer), ("implementation", self.implementation),
+                                  ("optimizer_bytes_per_s", self.optimizer_bytes_per_s),
+                                  ("host_copy_bytes_per_s", self.host_copy_bytes_per_s), ("cores", self.cores))
+                if v is not None}
+
+
+def parse_host(data: Any, source: str) -> HostFigures:
+    """The "host" object of a topology JSON as `HostFigures`; TopologyError naming the key.
+
+    >>> parse_host({"optimizer": "adamw", "optimizer_bytes_per_s": 1.2e11, "cores": 16}, "x").cores
+    16
+    >>> parse_host({"optimizer_bytes_per_s": 1.2e11}, "x")
+    Traceback (most recent call last):
+        ...
+    mobius_fx.errors.TopologyError: x: host: optimizer_bytes_per_s is given without 'optimizer'; say which optimizer it was measured for (one of adam, adamw, sgd), e.g. "optimizer": "adamw"
+    """
+    return HostFigures(**_check_host(data, source))
+
+
+def _check_host(data: Any, source: str) -> dict[str, Any]:
+    """The host object's figures, checked (rates as float bytes/s); TopologyError naming the key."""
+    where = f"{source}: host"
+    if not isinstance(data, Mapping):
+        raise TopologyError(f"{where}: expected an object with the host's measured figures (keys "
+                            f"{', '.join(sorted(_HOST_KEYS))}), got {data!r}")
+    _no_unknown_keys(data, _HOST_KEYS, "host", lambda w, msg: TopologyError(f"{source}: {w}: {msg}"))
+    opt, impl = data.get("optimizer"), data.get("implementation")
+    if opt is not None and opt not in HOST_OPTIMIZERS:
+        raise TopologyError(f"{where}: optimizer is {opt!r}; give the optimizer the speed was measured for, one of "
+                            f"{', '.join(HOST_OPTIMIZERS)} (its kernel goes in 'implementation')")
+    if impl is not None and (not isinstance(impl, str) or not impl):
+        raise TopologyError(f"{where}: implementation is {impl!r}; give a non-empty string such as 'fused', "
+                            "'foreach', 'for-loop' or 'deepspeed'")
+    rates = {}
+    for key in ("optimizer_bytes_per_s", "host_copy_bytes_per_s"):
+        if data.get(key) is not None:
+            rates[key] = check_positive(data[key], f"{where}: {key}", "give bytes/s, e.g. 1.2e11", TopologyError)
+    if "optimizer_bytes_per_s" in rates and opt is None:
+        raise TopologyError(f"{where}: optimizer_bytes_per_s is given without 'optimizer'; say which optimizer it "
+                            f"was measured for (one of {', '.join(HOST_OPTIMIZERS)}), e.g. \"optimizer\": \"adamw\"")
+    cores = data.get("cores")
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+        raise TopologyError(f"{where}: cores is {cores!r}; give the number of CPU cores, a positive integer")
+    return {"optimizer": opt, "implementation": impl, **rates, "cores": cores}
+
 _NODE_KEYS = {"name", "kind", "memory", "spec", "index"}
 _LINK_KEYS = {"a", "b", "kind", "bandwidth_gbps", "name", "duplex"}
 
@@ -280,8 +361,11 @@ def graph_from_dict(data: Any, source: str) -> tuple[nx.DiGraph, dict[str, Any]]
             raise fail(key, f"expected true or false, got {data[key]!r}")
     if not isinstance(data.get("name", "custom"), str) or not data.get("name", "custom"):
         raise fail("name", f"expected a non-empty string naming the topology, got {data['name']!r}")
-    return graph, {"name": data.get("name", "custom"), "p2p": data.get("p2p", False),
-                   "virtual": data.get("virtual", False)}
+    attrs = {"name": data.get("name", "custom"), "p2p": data.get("p2p", False),
+             "virtual": data.get("virtual", False)}
+    if data.get("host") is not None:
+        attrs["host"] = parse_host(data["host"], source)
+    return graph, attrs
 
 
 def layout(name: str, sockets: list[list[list[int]]], *, spec: Any, memory: Any, gpu_link: float,

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp
 
 from mobius_fx import MobiusError, trace
 from mobius_fx.devices import CudaDevice
@@ -66,15 +67,32 @@ def grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_activations_crossed(pipe, layout):
-    """Every stage hop went between two pipeline GPUs: as a same-device copy between two names'
-    streams, or (cross-device) between two CUDA devices."""
+def graph_values(gm, *mb_inputs):
+    """Each value of `gm` as a meta tensor of its shape for one micro-batch (ShapeProp): what
+    `pipe.schedule_ir` sizes activation copies with."""
+    ShapeProp(gm).propagate(*mb_inputs)
+    return {n.name: torch.empty(tm.shape, dtype=tm.dtype, device="meta") for n in gm.graph.nodes
+            if hasattr(tm := n.meta.get("tensor_meta"), "shape")}
+
+
+def assert_activations_crossed(pipe, layout, gm, mb_inputs):
+    """Every stage hop went between two pipeline GPUs, as a same-device copy between two names'
+    streams or (cross-device) between two CUDA devices, exactly as the schedule IR counts them:
+    each value pushed to the next stage in forward and its gradient sent back in backward, per
+    micro-batch, same copies and bytes per GPU and stage."""
+    ir = pipe.schedule_ir(graph_values(gm, *mb_inputs))
+    want = {(gpu, stage): (count, nbytes) for (gpu, what, direction, stage), (count, nbytes)
+            in ir.bytes_moved().items() if (what, direction) == ("activation", "d2d")}
+    got = {(gpu, stage): (c["count"], c["bytes"]) for gpu, kinds in pipe.transfer_stats(last_step=True,
+                                                                                        by_stage=True).items()
+           for stage, c in kinds.get("activation d2d", {}).items()}
+    assert want and got == want
     stages = pipe.schedule.stages
-    # values a stage pushes straight to the next one (all tensors here), when it runs elsewhere
+    # the IR's forward hops: one per value a stage pushes to the next one on another GPU, per micro-batch
     pushed = sum(ref.stage == st.index - 1 for st in stages[1:] if stages[st.index - 1].gpu != st.gpu
                  for ref in st.inputs)
-    d2d = sum(s.get("activation d2d", {}).get("count", 0) for s in pipe.transfer_stats(last_step=True).values())
-    assert pushed and d2d == pushed * pipe.schedule.microbatches
+    forward = sum(o.direction == "d2d" and o.phase == "forward" for o in ir.copies())
+    assert pushed and forward == pushed * pipe.schedule.microbatches
     devices = {pipe.devices[st.gpu].torch_device for st in stages}
     assert len(devices) == (1 if layout == "one-device" else min(torch.cuda.device_count(), len(pipe.devices)))
     streams = [pipe.devices[name].compute_stream for name in pipe.devices]
@@ -96,7 +114,7 @@ def test_cuda_pipeline_matches_cpu_eager(microbatches, layout):
     out = pipe(x)
     assert out.device.type == "cpu"
     out.pow(2).mean().backward()
-    assert_activations_crossed(pipe, layout)
+    assert_activations_crossed(pipe, layout, fx.symbolic_trace(model), (x[: x.shape[0] // microbatches],))
     torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
     for name, g in grads(model).items():
         assert g.device.type == "cpu"
@@ -232,14 +250,21 @@ def test_an_error_in_a_stage_backward_frees_every_cuda_copy_and_the_pipeline_rec
 
 
 def test_a_budget_smaller_than_a_stage_raises_before_allocating():
+    """The slot pools are allocated when the pipeline is built, so a budget below one stage's
+    weights is refused there, before any CUDA memory is taken (and not at the first call)."""
     model = ResidualMLP(d_in=16, width=64, depth=4, d_out=8)
     x = torch.randn(8, 16)
     gm = fx.symbolic_trace(model)
-    pipe = build_pipeline(model, gm, stage_nodes=even_cut(gm, 4), stage_gpus=["gpu0", "gpu1"] * 2,
-                          gpu_budgets={"gpu0": 1024, "gpu1": 1024}, microbatches=2, example_inputs=(x,),
-                          device="cuda", gpu_indices={"gpu0": 0, "gpu1": 0})
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(0)
     with pytest.raises(MobiusError, match="budget"):
-        pipe(x)
+        build_pipeline(model, gm, stage_nodes=even_cut(gm, 4), stage_gpus=["gpu0", "gpu1"] * 2,
+                       gpu_budgets={"gpu0": 1024, "gpu1": 1024}, microbatches=2, example_inputs=(x,),
+                       device="cuda", gpu_indices={"gpu0": 0, "gpu1": 0})
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated(0) == before
 
 
 def test_adamw_steps_on_cuda_follow_the_cpu_loss_curve():

@@ -4,7 +4,9 @@ plan, the report) and its GPU phase's CPU-computable parts (plan and simulate on
 device; the same training and comparisons on virtual GPUs) work here."""
 
 import importlib.util
+import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import mobius_fx
 from mobius_fx import Topology
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
@@ -205,3 +208,220 @@ def test_the_gpu_phase_on_virtual_gpus_moves_exactly_the_ir_and_stays_in_budget(
         assert p.allocator_bytes is None and 0 < p.books_bytes <= p.plan_bytes <= p.budget_bytes
     text = gc.format_run(fig)
     assert "ratio 1.00x" in next(ln for ln in text.splitlines() if "weight h2d" in ln and "[IR]" in ln)
+
+
+# ------------------------------------------------------------ the limits, the peer, the host
+gl = sys.modules["gpu_limits"]  # imported by gpu_check from benchmarks/
+cpu_opt = sys.modules["cpu_optimizer"]
+
+
+def test_the_link_bound_is_the_slower_direction_of_the_bytes_at_their_bandwidth():
+    b = gl.link_bound(10 * 2**30, 4 * 2**30, 40e9, 50e9)
+    assert b.h2d_time == pytest.approx(10 * 2**30 / 40e9) and b.d2h_time == pytest.approx(4 * 2**30 / 50e9)
+    assert b.time == b.h2d_time
+    assert gl.link_bound(1, 10, 1e9, 1e9).time == pytest.approx(10e-9)  # downloads can be the slower way
+    for bad in [(1, 1, 0, 1e9), (1, 1, 1e9, -1), (-1, 1, 1e9, 1e9)]:
+        with pytest.raises(ValueError):
+            gl.link_bound(*bad)
+    # per CUDA device over its own link: the slowest device's bound
+    links = [gc.LinkFigures(50e9, 50e9), gc.LinkFigures(10e9, 50e9)]
+    moved = {0: {"weight h2d": 100e9, "gradient d2h": 0}, 1: {"weight h2d": 30e9, "gradient d2h": 10e9}}
+    assert gc.device_link_bound(moved, links).time == pytest.approx(3.0)  # device 1: 30 GB at 10 GB/s
+    assert gc.device_link_bound({}, links) is None
+
+
+def test_the_resident_model_fits_when_its_bf16_weights_and_gradients_do():
+    assert gl.resident_fits(10**9, 4 * 10**9) == ""
+    assert "does not fit" in gl.resident_fits(10**9, 4 * 10**9 - 1)
+    assert gl.ResidentFigures(times=[9.0, 2.0, 4.0]).time == 3.0  # the first step left out
+    assert gl.ResidentFigures(skipped="does not fit").time is None
+
+
+def _peer():
+    return gl.PeerFigures(optimizer="AdamW(fused)", pipeline_times=[11.0, 0.6, 0.8], optimizer_times=[2.0, 0.7, 0.9],
+                          losses=[11.0, 10.0, 9.0], peak_bytes=12 * 2**30, notes=["sharded in 3.0 s"])
+
+
+def _line(text, *words):
+    found = [ln for ln in text.splitlines() if all(w in ln for w in words)]
+    assert found, (words, text)
+    return found[0]
+
+
+def test_each_measured_time_is_a_ratio_to_the_compute_limit_and_the_link_bound_and_to_the_peer():
+    lim = gl.Limits(resident=gl.ResidentFigures(times=[5.0, 0.2, 0.2], peak_bytes=20 * 2**30),
+                    link=gl.link_bound(40 * 10**9, 8 * 10**9, 100e9, 80e9), peer=_peer())
+    text = gl.format_limits(lim, fwd_bwd=2.0, step=3.2, optimizer=1.2, gpu_peak=3 * 2**30, budget=6 * 2**30,
+                            steps=3, simulated=0.5)
+    assert "200.0 ms" in _line(text, "compute: resident") and "peak 20.00 GiB" in _line(text, "compute: resident")
+    assert "bound [measured] 400.0 ms" in _line(text, "link:")  # 40 GB at 100 GB/s; 8 GB at 80 GB/s is 100 ms
+    row = _line(text, "Mobius fwd+bwd [measured]")
+    assert "10.00x the compute limit" in row and "5.00x the link bound" in row
+    assert "16.00x the compute limit" in _line(text, "Mobius step [measured]")
+    assert "1.25x the link bound" in _line(text, "Mobius fwd+bwd [simulated]")
+    assert "3.50x the compute limit" in _line(text, "FSDP2 fwd+bwd [measured]")  # median(0.6, 0.8) / 0.2
+    assert "the peer, PyTorch FSDP2" in text and "AdamW(fused)" in text
+    assert "budget 6.00 GiB" in _line(text, "Mobius ", "GiB")
+    ratios = _line(text, "Mobius / FSDP2").split()
+    assert ratios[-4:] == ["2.86x", "1.50x", "2.13x", "0.25x"]  # 2/0.7, 1.2/0.8, 3.2/1.5, 3/12 GiB
+    assert "sharded in 3.0 s" in text
+
+
+def test_without_a_measurement_the_limits_say_why_and_print_no_ratio():
+    lim = gl.Limits(resident=gl.ResidentFigures(skipped="does not fit: 12 GiB"), why={"peer": "--skip-peer"})
+    text = gl.format_limits(lim, fwd_bwd=1.0, step=2.0, optimizer=1.0, gpu_peak=None, budget=None, steps=3)
+    assert "n/a (does not fit: 12 GiB)" in text and "link: n/a" in text and "not run (--skip-peer)" in text
+    assert "n/a the compute limit" in _line(text, "Mobius fwd+bwd") and "FSDP2 fwd+bwd" not in text
+
+
+def test_the_peer_needs_cuda_and_says_so_instead_of_raising():
+    if torch.cuda.is_available():
+        pytest.skip("checks the guard on a machine without CUDA")
+    fig, err = gl.run_peer_reported(torch.nn.Linear(2, 2), [], (torch.zeros(1, 2),), steps=1, kind="fused", lr=1e-3)
+    assert fig is None and "needs CUDA" in err
+
+
+def test_the_host_figures_go_into_the_topology_json_and_read_back(tmp_path):
+    host = gl.host_figures(params=10**9, optimizer_times=[9.0, 0.5, 0.7], implementation="fused",
+                           host_copy_bps=4.5e10, cores=16)
+    assert host.optimizer_bytes_per_s == pytest.approx(28e9 / 0.6) and host.optimizer == "adamw"
+    machine = gc.machine_topology_dict([("NVIDIA H200", 150 * 10**9)], [gc.LinkFigures(35e9, 51e9, 0.92)], spec="h200")
+    path = tmp_path / "topology.json"
+    topo = gc.write_topology(path, machine, host)
+    back = Topology.from_json(path)
+    assert back == topo and back.host == host and back.host.cores == 16
+    assert back.bandwidth("host", "gpu0") == pytest.approx(35e9, abs=1)
+    # cpu_optimizer.py --topology-out writes the same section into an existing file, the rest kept
+    other = gl.HostFigures(optimizer="adamw", implementation="foreach", optimizer_bytes_per_s=1e10, cores=2)
+    assert cpu_opt.write_host(path, other) == topo.with_host(other) == Topology.from_json(path)
+    with pytest.raises(mobius_fx.MobiusError, match="does not exist"):
+        cpu_opt.write_host(tmp_path / "none.json", other)
+
+
+def test_cpu_optimizer_writes_what_it_measured_into_the_topology(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    path.write_text(Topology.from_dict(gc.budget_topology_dict(1, 2**30, [gc.LinkFigures(1e9, 1e9)], spec="h200"))
+                    .to_json())
+    threads = torch.get_num_threads()
+    try:
+        cpu_opt.main(["--params", "2e5", "--hidden", "64", "--steps", "1", "--threads", "1", "--topology-out",
+                      str(path)])
+    finally:
+        torch.set_num_threads(threads)
+    host = Topology.from_json(path).host
+    assert host.optimizer == "adamw" and host.implementation in ("fused", "foreach", "for-loop")
+    assert host.optimizer_bytes_per_s > 0 and host.host_copy_bytes_per_s > 0 and host.cores >= 1
+    with pytest.raises(SystemExit, match="does not exist"):
+        cpu_opt.main(["--params", "2e5", "--hidden", "64", "--topology-out", str(tmp_path / "missing.json")])
+
+
+@pytest.mark.parametrize("skip_peer", [False, True])
+def test_a_dry_run_bounds_the_plan_by_its_link_and_says_why_nothing_else_ran(capsys, skip_peer):
+    args = ["--dry-run", *SMALL, "--memory", "16MiB", "--assume-gbps", "20"] + (["--skip-peer"] if skip_peer else [])
+    assert gc.main(args) == 0
+    text = capsys.readouterr().out
+    link = _line(text, "link: weights h2d")
+    assert "20.0 GB/s" in link and "[planned, 20 GB/s assumed]" in link
+    assert "n/a (a dry run measures nothing)" in text
+    assert "not run (--skip-peer)" in text if skip_peer else "not run (a dry run runs nothing)" in text
+    assert "x the link bound" in _line(text, "Mobius fwd+bwd [simulated]") and "[measured]" not in text
+
+
+def test_a_virtual_run_writes_the_host_section_and_the_limits(tmp_path, capsys):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        rc = gc.main(["--device", "virtual", "--out", str(tmp_path), "--params", "3e5", "--hidden", "128", "--blocks",
+                      "2", "--vocab", "256", "--seq", "32", "--batch", "4", "--memory", "4MiB", "--steps", "2",
+                      "--adamw", "foreach", "--time-limit", "2", "--host-copy-params", "1e5"])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    text = capsys.readouterr().out
+    host = Topology.from_json(tmp_path / "topology.json").host
+    assert host.implementation == "foreach" and host.optimizer_bytes_per_s > 0 and host.host_copy_bytes_per_s > 0
+    assert "x the link bound" in _line(text, "Mobius fwd+bwd [measured]")
+    assert "FSDP2 with CPU offload needs a CUDA device" in text
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["host"] == host.to_dict() and report["limits"]["link"]["h2d_bytes"] > 0
+
+
+def _tiny_gpt():
+    cfg = gc.gpt_config(3e5, hidden=64, blocks=2, vocab=128, seq=16)
+    return gc.build_model(cfg, batch=2, device="cpu")
+
+
+def test_the_peer_loop_shards_steps_and_times_on_the_cpu(one_thread):
+    """The FSDP2 peer's loop as a structure check on the CPU (FSDP2 without offload: no GPU to
+    offload from): every block and the root sharded, each step timed, the loss going down."""
+    model, inputs = _tiny_gpt()
+    fig = gl.run_peer(model, list(model.gpt.h), inputs, steps=3, kind="foreach", lr=1e-2, device="cpu")
+    assert len(fig.pipeline_times) == len(fig.optimizer_times) == len(fig.losses) == 3
+    assert fig.losses[-1] < fig.losses[0] and fig.optimizer == "AdamW(foreach)" and fig.peak_bytes is None
+    assert all(type(p).__name__ == "DTensor" for p in model.parameters())  # every block and the root sharded
+    assert fig.step == pytest.approx(statistics.median([a + b for a, b in zip(fig.pipeline_times[1:],
+                                                                               fig.optimizer_times[1:])]))
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # its group is gone: the next run (or test) starts clean
+
+
+def test_the_peer_falls_back_to_the_next_adamw_when_torch_refuses_one(one_thread, monkeypatch):
+    real = gl.adamw
+
+    def picky(params, kind, lr):
+        if kind == "fused":
+            raise RuntimeError("fused AdamW does not take DTensor parameters here")
+        return real(params, kind, lr)
+
+    monkeypatch.setattr(gl, "adamw", picky)
+    model, inputs = _tiny_gpt()
+    fig = gl.run_peer(model, list(model.gpt.h), inputs, steps=1, kind="fused", lr=1e-2, device="cpu")
+    assert fig.optimizer == "AdamW(foreach)" and any("AdamW(fused) refused" in n for n in fig.notes)
+
+
+def test_the_resident_loop_builds_in_bf16_and_times_every_step_on_the_cpu(one_thread):
+    """measure_resident's loop as a structure check on the CPU: the model is made in bf16 where
+    it runs (no fp32 copy first: 6 bytes a parameter instead of 2 would not fit beside the
+    pipeline's pools), each step timed, the default dtype restored."""
+    cfg = gc.gpt_config(3e5, hidden=64, blocks=2, vocab=128, seq=16)
+    _, inputs = gc.build_model(cfg, batch=2, device="meta")
+    made = []
+
+    def build():
+        made.append(gc.GPTWithLoss(cfg))
+        return made[-1]
+
+    inputs = tuple(torch.zeros(t.shape, dtype=t.dtype) for t in inputs)
+    fig = gl.measure_resident(build, inputs, params=10**5, steps=3, device="cpu")
+    assert len(fig.times) == 3 and fig.time == statistics.median(fig.times[1:]) and not fig.skipped
+    assert {p.dtype for p in made[0].parameters()} == {torch.bfloat16} and fig.peak_bytes is None
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_limits_phase_hands_the_trained_model_to_the_peer_and_reports_both(one_thread, monkeypatch, capsys):
+    """The CUDA phase's glue on the CPU: the GPT phase hands its model back (gradients freed),
+    the resident run and the peer (their CPU structure checks standing in for CUDA) take the
+    same steps, and the report holds the limits and every ratio."""
+    args = _args("--device", "virtual", "--params", "3e5", "--hidden", "128", "--blocks", "2", "--vocab", "256",
+                 "--seq", "32", "--batch", "4", "--memory", "4MiB", "--steps", "2", "--adamw", "foreach",
+                 "--time-limit", "2")
+    links = [gc.LinkFigures(50e9, 50e9)] * 2
+    topo = Topology.from_dict(gc.budget_topology_dict(2, 4 * 2**20, links, spec="cpu"))
+    kept = {}
+    fig = gc.train_gpt(args, topo, device="virtual", bandwidth_source="assumed", hand_back=kept)
+    assert all(p.grad is None for p in kept["model"].parameters()) and len(kept["inputs"]) == 2
+    resident = gl.measure_resident
+    peer = gl.run_peer_reported
+    monkeypatch.setattr(gl, "measure_resident", lambda *a, **k: resident(*a, **k, device="cpu"))
+    monkeypatch.setattr(gl, "run_peer_reported", lambda *a, **k: peer(*a, **k, device="cpu"))
+    report = {}
+    assert gc.limits_phase(args, fig, links, kept, report) is False
+    lim = report["limits"]
+    assert len(lim.resident.times) == len(lim.peer.pipeline_times) == args.steps == 2
+    slowest = max(fig.moved_by_device.values(), key=lambda m: m["weight h2d"])  # equal links: the most bytes
+    assert lim.link.h2d_bytes == slowest["weight h2d"] and lim.peer.optimizer == "AdamW(foreach)"
+    assert sum(m["weight h2d"] for m in fig.moved_by_device.values()) == fig.moved["weight h2d"]
+    assert "model" not in kept and set(report["phase seconds"]) == {"resident", "peer"}
+    text = capsys.readouterr().out
+    assert "x the compute limit" in _line(text, "FSDP2 step [measured]") and "Mobius / FSDP2" in text
