@@ -44,6 +44,7 @@ def try_export(model: nn.Module, args: tuple, kwargs: dict,
                 ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
                 gm = ep.module(check_guards=True)
                 _detach_guards(gm)
+                _drop_metadata_asserts(gm)
                 return gm, "", dims is not None and _has_symbolic_batch(gm)
             except Exception as e:
                 error = first_line(e)
@@ -167,6 +168,24 @@ def _detach_guards(gm: fx.GraphModule) -> None:
         gm.meta["mobius_guards"] = guards
     if calls:
         gm.recompile()
+
+
+def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
+    """Erase export's `aten._assert_tensor_metadata` nodes (in `gm` and the bodies of its
+    higher-order ops). Export writes one before each `.to(...)` with the trace-time dtype and
+    device of its input; the pipeline changes both on purpose (bf16 streaming casts a value as
+    it crosses a stage, autocast makes bf16 activations, a stage runs on its GPU), so the
+    asserts would refuse correct programs ("Tensor dtype mismatch! Expected: Float"). They
+    compute nothing: the `.to` that follows each one is kept."""
+    target = torch.ops.aten._assert_tensor_metadata.default
+    for mod in list(gm.modules()):
+        if not isinstance(mod, fx.GraphModule):
+            continue
+        asserts = [n for n in mod.graph.nodes if n.op == "call_function" and n.target is target and not n.users]
+        for node in asserts:
+            mod.graph.erase_node(node)
+        if asserts:
+            mod.recompile()
 
 
 def input_guards(gm: fx.GraphModule) -> Callable[..., None] | None:
