@@ -5,6 +5,7 @@ program (mobius_fx.ops on a `runtime.Runtime`); `mobius_fx.pipeline.build_pipeli
 from __future__ import annotations
 
 import inspect
+import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -56,6 +57,7 @@ class Pipeline(nn.Module):
         object.__setattr__(self, "_rt", runtime)
         object.__setattr__(self, "_gm", gm)
         object.__setattr__(self, "_warned_modes", None)
+        object.__setattr__(self, "_calling", threading.Lock())  # one forward at a time (see forward)
         runtime.watch(model)
         try:
             self.__signature__ = inspect.signature(model.forward)
@@ -63,8 +65,26 @@ class Pipeline(nn.Module):
             pass
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the schedule on this call's inputs. One call at a time: a pipeline's GPU slots,
+        streams and step book-keeping belong to the step in progress, so a second call from
+        another thread (or from inside the first) is refused, not interleaved with it."""
+        if not self._calling.acquire(blocking=False):
+            raise MobiusError("this pipeline is already running a forward (in another thread, or a hook that calls it "
+                              "from inside its own forward); a pipeline runs one call at a time: call it from one "
+                              "thread (a lock around pipe(...)), or compile one pipeline per thread, each over its "
+                              "own copy of the model")
+        try:
+            return self._forward(args, kwargs)
+        finally:
+            self._calling.release()
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
         from .tracing import flatten_inputs, trace_info
 
+        meta = [tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_meta]
+        if meta:
+            raise MobiusError(f"an input of shape {meta[0]} is on the meta device (no data): a pipeline computes on "
+                              f"real tensors; pass CPU tensors (meta inputs are for mobius_fx.plan, which only plans)")
         traced = trace_info(self._gm)
         if traced.front_end == "export" and traced.modes:
             self._check_modes(traced.modes)
