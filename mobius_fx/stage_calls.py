@@ -217,11 +217,6 @@ class StageFunction(torch.autograd.Function):
     def forward(ctx, call: StageCall, anchor: torch.Tensor, *tensors: torch.Tensor):
         ctx.set_materialize_grads(False)
         ctx.call = call
-        # What the call keeps for backward lives outside autograd (offloaded to the host), so
-        # autograd would let a second backward run it again and double every gradient. Saving
-        # the anchor makes autograd free "the graph" as it does in eager: a second backward
-        # without retain_graph=True raises torch's own "backward through the graph a second time".
-        ctx.save_for_backward(anchor)
         outs, nondiff = call.rt._forward(call, tensors)
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
@@ -229,7 +224,11 @@ class StageFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.saved_tensors  # noqa: B018 -- raises once the graph was freed (see forward)
+        # What a call keeps for backward lives outside autograd (offloaded to the host), so a
+        # second backward would run it again and double every gradient. Reading saved_tensors
+        # asks autograd whether this node's graph was freed (a backward without retain_graph):
+        # then it raises torch's own "Trying to backward through the graph a second time".
+        ctx.saved_tensors  # noqa: B018
         refuse_double_backward()
         return _stage_backward(ctx, *grads)
 
