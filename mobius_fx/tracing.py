@@ -30,6 +30,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from . import grad_modes
 from .errors import TraceError, first_line
 from .export_front import forward_signature, input_guards, try_export
 from .module_paths import module_path, module_stack
@@ -130,7 +131,7 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
         if gm is None:
             if front_end == "auto":
                 _report(progress, f"symbolic_trace failed ({fx_error}); trying torch.export (strict=False)")
-            with _autograd_functions(as_calls=False) as applied:
+            with _autograd_functions(as_calls=False) as applied, grad_modes.recording(set_grad=False):
                 gm, export_error, dynamic = try_export(model, args, kwargs, dynamic_batch)
             used = "export"
             if gm is None:
@@ -199,11 +200,15 @@ def _try_fx(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule
     try:
         concrete = _concrete_args(model, args, kwargs)
         versions = {k: t._version for k, t in _state(model).items()}
-        with _autograd_functions(as_calls=True):  # each Function one node: its backward is kept
-            gm = fx.symbolic_trace(model, concrete_args=concrete or None)
+        with _autograd_functions(as_calls=True), grad_modes.recording() as grad_changes:
+            gm = fx.symbolic_trace(model, concrete_args=concrete or None)  # each Function one node: backward kept
         _restore_concrete_defaults(gm, concrete)
     except Exception as e:  # any failure of the tracer means "try the other front end"
         return None, first_line(e)
+    if grad_changes:  # see mobius_fx/grad_modes.py
+        return None, (f"forward changes the grad mode ({', '.join(grad_changes)}), which symbolic_trace does not "
+                      f"record: its graph would compute gradients inside the region that eager computes without "
+                      f"them; torch.export records grad-mode regions")
     changed = [k for k, t in _state(model).items() if k in versions and t._version != versions[k]]
     if changed:  # e.g. `self.count.add_(1)`: a buffer is a real tensor, not a traced value, to symbolic_trace
         return None, (f"forward changes {_describe(model, changed[0])} in place on the real tensor, which "

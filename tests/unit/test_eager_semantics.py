@@ -121,3 +121,53 @@ def test_a_second_thread_calling_a_running_pipeline_is_refused(tmp_path):
     assert calls and len(errors) == 1 and isinstance(errors[0], MobiusError), errors
     assert "one call at a time" in str(errors[0])
     pipe(x).sum().backward()  # the lock was released
+
+
+# ----------------------------------------------------------------------------- item 1: grad-mode regions
+
+class _Regions(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    @torch.no_grad()
+    def frozen(self, t):
+        return self.a(t)
+
+    def forward(self, t):
+        if self.kind == "no_grad":
+            with torch.no_grad():
+                h = self.a(t)
+        elif self.kind == "set_grad_enabled":
+            with torch.set_grad_enabled(False):
+                h = self.a(t)
+            h = h + self.a(t)  # the same layer again, with grad: only this use trains it
+        elif self.kind == "inference_mode":
+            with torch.inference_mode():
+                h = self.a(t)
+            h = h.clone()  # eager refuses to save an inference tensor for backward
+        else:
+            h = self.frozen(t)
+        return self.c(torch.tanh(self.b(h)))
+
+
+@pytest.mark.parametrize("kind", ["no_grad", "set_grad_enabled", "inference_mode", "decorator"])
+def test_grad_mode_regions_in_forward_compute_as_in_eager(tmp_path, kind):
+    torch.manual_seed(0)
+    model, x = _Regions(kind), torch.randn(4, 4)
+    eager = copy.deepcopy(model)
+    pipe = _compile(model, x, tmp_path)
+    assert torch.is_grad_enabled()  # tracing left the caller's grad mode alone
+    pipe(x).sum().backward()
+    eager(x).sum().backward()
+    _same_grads(model, eager)
+    if kind != "set_grad_enabled":
+        assert model.a.weight.grad is None  # never trained, as in eager
+
+
+def test_symbolic_trace_alone_refuses_a_grad_mode_region_naming_it():
+    from mobius_fx.tracing import trace
+
+    with pytest.raises(mobius_fx.TraceError, match=r"grad mode \(torch.no_grad\(\)"):
+        trace(_Regions("no_grad"), example_inputs=(torch.randn(4, 4),), front_end="fx")
