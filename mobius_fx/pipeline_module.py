@@ -18,6 +18,7 @@ from torch import nn
 from .devices import Device, nbytes
 from .errors import MobiusError
 from .ops import running
+from .python_state import PythonState
 from .runtime import Runtime, batch_rows
 
 __all__ = ["Pipeline"]
@@ -58,6 +59,7 @@ class Pipeline(nn.Module):
         object.__setattr__(self, "_gm", gm)
         object.__setattr__(self, "_warned_modes", None)
         object.__setattr__(self, "_calling", threading.Lock())  # one forward at a time (see forward)
+        object.__setattr__(self, "_python_state", PythonState(model))  # attributes the graph baked in
         runtime.watch(model)
         try:
             self.__signature__ = inspect.signature(model.forward)
@@ -85,6 +87,7 @@ class Pipeline(nn.Module):
         if meta:
             raise MobiusError(f"an input of shape {meta[0]} is on the meta device (no data): a pipeline computes on "
                               f"real tensors; pass CPU tensors (meta inputs are for mobius_fx.plan, which only plans)")
+        self._python_state.check(self._rt.shell_users)
         traced = trace_info(self._gm)
         if traced.front_end == "export" and traced.modes:
             self._check_modes(traced.modes)

@@ -171,3 +171,64 @@ def test_symbolic_trace_alone_refuses_a_grad_mode_region_naming_it():
 
     with pytest.raises(mobius_fx.TraceError, match=r"grad mode \(torch.no_grad\(\)"):
         trace(_Regions("no_grad"), example_inputs=(torch.randn(4, 4),), front_end="fx")
+
+
+# ----------------------------------------------------------------------------- item 8: Python state
+
+class _Scaled(nn.Module):
+    scale = 1.0  # a class attribute forward reads
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 3)
+        self.temperature, self.k = 1.0, 2
+
+    def forward(self, t):
+        h = self.drop(self.a(t)) / self.temperature * self.scale
+        return self.b(h)[:, :self.k]
+
+
+def _force_export(monkeypatch):
+    import mobius_fx.tracing as tracing
+
+    monkeypatch.setattr(tracing, "_try_fx", lambda *a: (None, "forced by the test"))
+
+
+@pytest.mark.parametrize("front_end", ["fx", "export"])
+@pytest.mark.parametrize("attr, value", [("temperature", 0.5), ("k", 1), ("scale", 2.0)])
+def test_a_python_attribute_changed_after_compile_is_refused(tmp_path, monkeypatch, front_end, attr, value):
+    torch.manual_seed(0)
+    model, x = _Scaled(), torch.randn(4, 4)
+    if front_end == "export":
+        _force_export(monkeypatch)
+    pipe = _compile(model, x, tmp_path)
+    assert pipe._gm.meta["mobius_trace"].front_end == front_end
+    pipe(x)
+    old = getattr(model, attr)
+    setattr(model, attr, value)
+    with pytest.raises(MobiusError, match=rf"`{attr}` \(_Scaled\) was {old!r} .* is {value!r} now.*Compile the model"):
+        pipe(x)
+    setattr(model, attr, old)
+    pipe(x).sum().backward()  # back to the compiled value: runs again
+
+
+def test_a_leaf_modules_attribute_changed_after_compile_is_followed_on_the_fx_path(tmp_path):
+    torch.manual_seed(0)
+    model, x = _Scaled(), torch.randn(4, 4)
+    pipe = _compile(model, x, tmp_path)
+    model.drop.p = 0.0  # Dropout is a leaf to torch.fx: its stage calls it with its current p
+    eager = copy.deepcopy(model)
+    out = pipe(x)
+    torch.testing.assert_close(out, eager(x))
+    out.sum().backward()
+    eager(x).sum().backward()
+    _same_grads(model, eager)
+
+
+def test_a_leaf_modules_attribute_baked_by_export_is_refused(tmp_path, monkeypatch):
+    model, x = _Scaled(), torch.randn(4, 4)
+    _force_export(monkeypatch)
+    pipe = _compile(model, x, tmp_path)
+    model.drop.p = 0.0
+    with pytest.raises(MobiusError, match=r"`drop.p` \(Dropout\) was 0.5"):
+        pipe(x)
