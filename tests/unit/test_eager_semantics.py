@@ -232,3 +232,54 @@ def test_a_leaf_modules_attribute_baked_by_export_is_refused(tmp_path, monkeypat
     model.drop.p = 0.0
     with pytest.raises(MobiusError, match=r"`drop.p` \(Dropout\) was 0.5"):
         pipe(x)
+
+
+# ----------------------------------------------------------------------------- item 9: async checkpoints
+
+def _async(tmp_path, seed=0, slow=0.0):
+    import time
+
+    model, x = _mlp(seed), torch.randn(4, 4)
+    pipe = _compile(model, x, tmp_path)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if slow:
+        inner.register_step_pre_hook(lambda *a: time.sleep(slow))  # the update stays in flight meanwhile
+    return model, x, pipe, pipe.overlap(inner, mode="async")
+
+
+def test_an_async_checkpoint_holds_the_weights_of_the_optimizer_state_it_is_saved_with(tmp_path):
+    model, x, pipe, opt = _async(tmp_path, slow=0.05)
+    for _ in range(2):
+        pipe(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    ckpt = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+    opt.synchronize()
+    for name, p in model.named_parameters():  # the weights of the update the optimizer state includes
+        assert torch.equal(ckpt["model"][name], p), name
+    steps = {int(s["step"]) for s in ckpt["opt"]["state"].values()}
+    assert steps == {2}
+
+
+def test_async_grad_after_step_is_the_gradient_the_step_used_and_accumulates_as_in_eager(tmp_path):
+    def run(zero):
+        model, x, pipe, opt = _async(tmp_path, slow=0.2)
+        grads, weights = [], []
+        for _ in range(2):
+            pipe(x).sum().backward()
+            grads.append(_grads(model))
+            opt.step()
+            assert all(torch.equal(a, p.grad) for a, p in zip(grads[-1], model.parameters()))  # eager's .grad
+            weights.append([p.detach().clone() for p in model.parameters()])
+            if zero:
+                opt.zero_grad()
+        opt.close()
+        return grads, weights
+
+    zeroed, accumulated = run(zero=True), run(zero=False)
+    # both ran their two forwards on w(0): without zero_grad the second .grad is the sum, as in eager
+    for a0, a1, b1 in zip(zeroed[0][0], zeroed[0][1], accumulated[0][1]):
+        torch.testing.assert_close(b1, a0 + a1)
+    # and the update in flight read the first gradient untouched: w(1) is the same in both runs
+    for a, b in zip(zeroed[1][1], accumulated[1][1]):
+        assert torch.equal(a, b)
