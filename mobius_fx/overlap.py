@@ -59,6 +59,7 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -217,6 +218,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self._hooks = [m.register_state_dict_pre_hook(self._reading) for m in model.modules()]
             self._hooks += [m.register_load_state_dict_pre_hook(self._reading) for m in model.modules()]
             self._hooks.append(model.register_forward_pre_hook(self._reading))
+            # a gradient arriving for a parameter whose .grad the update in flight reads: unshare it first
+            self._hooks += [p.register_hook(functools.partial(self._arriving, p)) for p in self._params()
+                            if p.requires_grad]
         if shard:
             self._owners = _partition(self._params(), reducer.world)
             reducer.owners = self._owners
@@ -260,11 +264,19 @@ class OverlapOptimizer(torch.optim.Optimizer):
         replaced, so the update in flight lands first."""
         self.synchronize()
 
+    def _arriving(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """A tensor hook on each parameter (async): runs as its gradient arrives, before autograd
+        accumulates it into `.grad`; a loop that zeroed `.grad` (set_to_none) pays nothing."""
+        q = self._shadows.get(id(p))
+        if q is not None and p.grad is not None and p.grad is q.grad:
+            p.grad = p.grad.clone()
+
     def unshare_grads(self, zero: bool = False) -> None:
         """async: after `step()` a parameter's `.grad` is the gradient that step uses, as in eager
         (the update in flight reads the very tensor). Before anything writes into it -- the next
         backward accumulating (a loop without zero_grad, as eager accumulates), zero_grad(
-        set_to_none=False) -- the parameter gets a copy (zeros, for `zero`) of its own."""
+        set_to_none=False) -- the parameter gets a copy (zeros, for `zero`) of its own
+        (`_arriving` does it for backward, only when a gradient arrives)."""
         for p in self._flight_params:
             q = self._shadows.get(id(p))
             if q is not None and p.grad is not None and p.grad is q.grad:

@@ -88,9 +88,6 @@ class Pipeline(nn.Module):
             raise MobiusError(f"an input of shape {meta[0]} is on the meta device (no data): a pipeline computes on "
                               f"real tensors; pass CPU tensors (meta inputs are for mobius_fx.plan, which only plans)")
         self._python_state.check(self._rt.shell_users)
-        overlap = self.__dict__.get("_overlap")
-        if overlap is not None and overlap.mode == "async":
-            overlap.unshare_grads()  # this call's backward may accumulate into .grad (see overlap.py)
         traced = trace_info(self._gm)
         if traced.front_end == "export" and traced.modes:
             self._check_modes(traced.modes)
