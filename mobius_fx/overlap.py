@@ -261,8 +261,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
     def _reading(self, *_: Any) -> None:
         """A (load_)state_dict and forward pre-hook on the model (async): its weights are read or
-        replaced, so the update in flight lands first."""
-        self.synchronize()
+        replaced, so the update in flight lands first. Not while torch.export traces the model (a
+        variant compiled for a new call): it runs on fake tensors then, and a weight swap there
+        would change the trajectory the user chose (staleness 1) for no read of theirs."""
+        if not torch.compiler.is_compiling():
+            self.synchronize()
 
     def _arriving(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """A tensor hook on each parameter (async): runs as its gradient arrives, before autograd
