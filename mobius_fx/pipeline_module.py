@@ -18,7 +18,7 @@ from torch import nn
 from .devices import Device, nbytes
 from .errors import MobiusError
 from .ops import running
-from .python_state import PythonState
+from .python_state import PythonState, reads_training
 from .runtime import Runtime, batch_rows
 
 __all__ = ["Pipeline"]
@@ -89,8 +89,15 @@ class Pipeline(nn.Module):
                               f"real tensors; pass CPU tensors (meta inputs are for mobius_fx.plan, which only plans)")
         self._python_state.check(self._rt.shell_users)
         traced = trace_info(self._gm)
-        if traced.front_end == "export" and traced.modes:
+        if traced.modes and traced.front_end == "export":
             self._check_modes(traced.modes)
+        elif traced.modes:  # fx: only `self.training` reads in modules it traced through are baked in
+            cache = self.__dict__.setdefault("_mode_readers", {})
+            readers = cache.get(id(self._rt))
+            if readers is None:  # per runtime (a variant's stages have their own leaf modules)
+                readers = cache[id(self._rt)] = tuple(id(m) not in self._rt.shell_users and reads_training(m)
+                                                      for m in self.model.modules())
+            self._check_modes(traced.modes, readers)
         flat = flatten_inputs(self._gm, args, kwargs)
         rows = batch_rows(flat, self.schedule.microbatches)  # refuses an empty batch before anything runs
         rt = self._rt
@@ -108,16 +115,27 @@ class Pipeline(nn.Module):
             out = pytree.tree_unflatten(list(out), self.schedule.out_spec)
         return out
 
-    def _check_modes(self, traced: tuple[bool, ...]) -> None:
+    def _check_modes(self, traced: tuple[bool, ...], only: tuple[bool, ...] | None = None) -> None:
         """Warn, once per change, when the model's train/eval modes are not those its export
-        graph was traced in: the graph goes on computing in the traced ones."""
+        graph was traced in: the graph goes on computing in the traced ones. `only` (torch.fx):
+        the modules whose mode the graph baked in (their own code reads `self.training`; the
+        leaf modules the stages call follow train()/eval())."""
         now = tuple(m.training for m in self.model.modules())
+        if only is not None and len(only) == len(now):
+            now = tuple(n if o else t for n, t, o in zip(now, traced, only))
         if now == traced or now == self._warned_modes or len(now) != len(traced):
             return
         object.__setattr__(self, "_warned_modes", now)
-        name, was = next((n or "the model", t) for (n, m), t in zip(self.model.named_modules(), traced)
-                         if m.training != t)
+        name, was, module = next((n or "the model", t, m) for (n, m), t, k in zip(self.model.named_modules(), traced, now)
+                                 if k != t)
         mode, other = ("train", "eval") if was else ("eval", "train")
+        if only is not None:
+            warnings.warn(f"{name} is in {other} mode, but its code reads `self.training` ({type(module).__name__}), "
+                          f"which torch.fx baked into this pipeline's graph in the {mode} mode it was traced in: it "
+                          f"still computes as in {mode} mode there. Compile the model again after model.{other}() to "
+                          f"run it in {other} mode (a pipeline per mode), or make the branch a module of its own "
+                          f"(nn.Dropout follows train()/eval())", stacklevel=3)
+            return
         warnings.warn(f"{name} is in {other} mode, but this pipeline's graph came from torch.export, which fixed the "
                       f"{mode} mode it was traced in: it still computes as in {mode} mode (dropout, batch statistics, "
                       f"`self.training` branches). Compile the model again after model.{other}() to run it in "

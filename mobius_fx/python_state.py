@@ -35,7 +35,7 @@ from torch import nn
 
 from .errors import MobiusError
 
-__all__ = ["PythonState", "plain", "sync_shells"]
+__all__ = ["PythonState", "plain", "reads_training", "sync_shells"]
 
 _MISSING = object()
 _NOT_PLAIN = object()
@@ -79,6 +79,23 @@ def sync_shells(user: nn.Module, shell: nn.Module) -> None:
     for key, value in user.__dict__.items():
         if key not in _TORCH_KEYS and shell.__dict__.get(key, _MISSING) is not value and plain(value) is not _NOT_PLAIN:
             shell.__dict__[key] = value
+
+
+def reads_training(module: nn.Module) -> bool:
+    """Whether code of the module's own classes (not torch's) reads an attribute `training`
+    (`if self.training:`, `dropout_p=self.p if self.training else 0.0`): torch.fx bakes such a
+    read of a module it traces through into its graph, so that train()/eval() no longer reach it."""
+    def names(code: Any) -> bool:
+        return "training" in code.co_names or any(names(c) for c in code.co_consts if hasattr(c, "co_names"))
+
+    for cls in type(module).__mro__:
+        if cls is object or cls.__module__.startswith("torch."):
+            continue
+        for fn in vars(cls).values():
+            code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+            if code is not None and names(code):
+                return True
+    return False
 
 
 class PythonState:

@@ -283,3 +283,29 @@ def test_async_grad_after_step_is_the_gradient_the_step_used_and_accumulates_as_
     # and the update in flight read the first gradient untouched: w(1) is the same in both runs
     for a, b in zip(zeroed[1][1], accumulated[1][1]):
         assert torch.equal(a, b)
+
+
+class _TrainingBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, t):
+        h = self.a(t)
+        if self.training:  # torch.fx bakes this branch into the graph
+            h = h * 2
+        return self.b(h)
+
+
+def test_eval_on_a_module_whose_own_code_reads_training_warns_on_the_fx_path(tmp_path, recwarn):
+    plain, x = _mlp(), torch.randn(4, 4)
+    pipe = _compile(plain, x, tmp_path / "plain")
+    plain.eval()
+    pipe(x)  # only leaf modules, which follow eval(): nothing to say
+    assert not [w for w in recwarn if "self.training" in str(w.message)]
+    model = _TrainingBranch()
+    pipe = _compile(model, x, tmp_path / "branch")
+    assert pipe._gm.meta["mobius_trace"].front_end == "fx"
+    model.eval()
+    with pytest.warns(UserWarning, match=r"reads `self.training` \(_TrainingBranch\).*Compile the model again"):
+        pipe(x)
