@@ -103,6 +103,11 @@ def default_microbatches(rows: int | None, gpus: int) -> tuple[int, str]:
     return best, f"default: the largest divisor of batch {rows} <= {gpus} GPUs"
 
 
+# The dtypes a stage computes in: torch's float8/float4 types are storage formats its ops and
+# autocast do not run in, so they pass `is_floating_point` and would fail at the first call.
+_STREAMED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def streamed_dtype(dtype: Any) -> torch.dtype | None:
     """The dtype weights are streamed and computed in on the GPUs, as a torch dtype (None: the
     masters' own). Strings such as "bf16", "float16" or "torch.float16" are accepted; a
@@ -117,6 +122,11 @@ def streamed_dtype(dtype: Any) -> torch.dtype | None:
     if not isinstance(value, torch.dtype):
         raise MobiusError(f"dtype={dtype!r} is not a torch dtype; use torch.bfloat16, torch.float16, torch.float32 "
                           f"or None (the masters' dtype)")
+    if value.is_floating_point and value not in _STREAMED:
+        raise MobiusError(f"dtype={dtype!r} is a storage format ({value.itemsize * 8} bits) that torch cannot compute in "
+                          f"(matmuls, activations and autocast are defined for float16, bfloat16, float32 and "
+                          f"float64); stream in torch.bfloat16 or torch.float16 (keep float8 weights frozen in the "
+                          f"model if you quantise)")
     if not value.is_floating_point:
         raise MobiusError(f"dtype={dtype!r} is not a floating dtype; weights are trained in the streamed dtype, so it "
                           f"must be torch.bfloat16, torch.float16 or torch.float32 (quantised weights: keep them "

@@ -44,10 +44,14 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   becomes the model's weights at the next `opt.step()` (a pointer swap). So
   w(t+1) = update(w(t), grad at w(t-1)). Not the serial trajectory: a trade-off the user opts
   into for the optimizer's time. Costs one more fp32 copy of the trainable weights (the shadow)
-  and holds one step's gradients while the next accumulates (double buffer). `opt.synchronize()`
-  (also called by `state_dict`, `load_state_dict`, `add_param_group` and `Pipeline.overlap` of
-  another optimizer) waits for the update in flight and puts it in the model: call it before
-  evaluating or saving. Clipping and `GradScaler` work as in a serial loop (they act before
+  and holds one step's gradients while the next accumulates (double buffer). After `opt.step()`
+  `.grad` shows the gradients that step uses, as in eager; a loop without `zero_grad` accumulates
+  onto them, as eager does. `opt.synchronize()` (also called by `state_dict`, `load_state_dict`,
+  `add_param_group`, `Pipeline.overlap` of another optimizer, and -- through hooks on the model
+  -- by `model.state_dict()` of any of its modules and an eager call `model(x)`) waits for the
+  update in flight and puts it in the model: so `{"model": model.state_dict(), "opt":
+  opt.state_dict()}` is one consistent checkpoint. Reading a parameter directly (`p.detach()`)
+  sees the weights the pipeline runs on; call `opt.synchronize()` first for the newest. Clipping and `GradScaler` work as in a serial loop (they act before
   `opt.step()`, on the gradients the update then uses).
 
 - `mode="none"` returns `opt` itself: stepped serially after backward.
@@ -55,6 +59,7 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -204,6 +209,18 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._shadows: dict[int, nn.Parameter] = {}
         self._flight: Future | None = None
         self._flight_params: list[torch.Tensor] = []
+        # async: the model's state_dict() and load_state_dict() (of any of its modules) and an eager call
+        # of the model first finish the update in flight, so `{"model": m.state_dict(), "opt":
+        # opt.state_dict()}` is one step, and a loaded checkpoint is not overwritten by it
+        self._hooks = []
+        if mode == "async":
+            model = pipeline.model
+            self._hooks = [m.register_state_dict_pre_hook(self._reading) for m in model.modules()]
+            self._hooks += [m.register_load_state_dict_pre_hook(self._reading) for m in model.modules()]
+            self._hooks.append(model.register_forward_pre_hook(self._reading))
+            # a gradient arriving for a parameter whose .grad the update in flight reads: unshare it first
+            self._hooks += [p.register_hook(functools.partial(self._arriving, p)) for p in self._params()
+                            if p.requires_grad]
         if shard:
             self._owners = _partition(self._params(), reducer.world)
             reducer.owners = self._owners
@@ -238,7 +255,35 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._wait_adds()
+        if not set_to_none:
+            self.unshare_grads(zero=True)
         self.inner.zero_grad(set_to_none)
+
+    def _reading(self, *_: Any) -> None:
+        """A (load_)state_dict and forward pre-hook on the model (async): its weights are read or
+        replaced, so the update in flight lands first. Not while torch.export traces the model (a
+        variant compiled for a new call): it runs on fake tensors then, and a weight swap there
+        would change the trajectory the user chose (staleness 1) for no read of theirs."""
+        if not torch.compiler.is_compiling():
+            self.synchronize()
+
+    def _arriving(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """A tensor hook on each parameter (async): runs as its gradient arrives, before autograd
+        accumulates it into `.grad`; a loop that zeroed `.grad` (set_to_none) pays nothing."""
+        q = self._shadows.get(id(p))
+        if q is not None and p.grad is not None and p.grad is q.grad:
+            p.grad = p.grad.clone()
+
+    def unshare_grads(self, zero: bool = False) -> None:
+        """async: after `step()` a parameter's `.grad` is the gradient that step uses, as in eager
+        (the update in flight reads the very tensor). Before anything writes into it -- the next
+        backward accumulating (a loop without zero_grad, as eager accumulates), zero_grad(
+        set_to_none=False) -- the parameter gets a copy (zeros, for `zero`) of its own
+        (`_arriving` does it for backward, only when a gradient arrives)."""
+        for p in self._flight_params:
+            q = self._shadows.get(id(p))
+            if q is not None and p.grad is not None and p.grad is q.grad:
+                p.grad = torch.zeros_like(p.grad) if zero else p.grad.clone()
 
     def state_dict(self) -> dict:
         self.synchronize()
@@ -516,7 +561,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             if q is None or q.shape != p.shape or q.dtype != p.dtype:
                 q = self._shadows[id(p)] = nn.Parameter(torch.empty_like(p, memory_format=torch.preserve_format),
                                                         requires_grad=p.requires_grad)
-            q.grad, p.grad = p.grad, None  # the next backward accumulates into a fresh .grad (double buffer)
+            q.grad = p.grad  # p.grad shows it too, as eager's does after step (unshare_grads before a write)
             shadows.append(q)
         ids = {id(p) for p in params}
         groups = [{**g, "params": [self._shadows[id(p)] for p in g["params"] if id(p) in ids]}
@@ -566,6 +611,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.synchronize()
         self._adder.shutdown()
         self._stepper.shutdown()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
         if self.refresh_copies and self._pipeline.__dict__.get("_overlap") is self:
             self._pipeline._trust_versions(False)  # the promise ends with the overlap
 

@@ -5,6 +5,7 @@ program (mobius_fx.ops on a `runtime.Runtime`); `mobius_fx.pipeline.build_pipeli
 from __future__ import annotations
 
 import inspect
+import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,7 @@ from .devices import Device, nbytes
 from .errors import MobiusError
 from .ops import running
 from .microbatch import batch_rows, declared, prepare
+from .python_state import PythonState, reads_training
 from .runtime import Runtime
 
 __all__ = ["Pipeline"]
@@ -57,6 +59,8 @@ class Pipeline(nn.Module):
         object.__setattr__(self, "_rt", runtime)
         object.__setattr__(self, "_gm", gm)
         object.__setattr__(self, "_warned_modes", None)
+        object.__setattr__(self, "_calling", threading.Lock())  # one forward at a time (see forward)
+        object.__setattr__(self, "_python_state", PythonState(model))  # attributes the graph baked in
         runtime.watch(model)
         try:
             self.__signature__ = inspect.signature(model.forward)
@@ -64,11 +68,37 @@ class Pipeline(nn.Module):
             pass
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the schedule on this call's inputs. One call at a time: a pipeline's GPU slots,
+        streams and step book-keeping belong to the step in progress, so a second call from
+        another thread (or from inside the first) is refused, not interleaved with it."""
+        if not self._calling.acquire(blocking=False):
+            raise MobiusError("this pipeline is already running a forward (in another thread, or a hook that calls it "
+                              "from inside its own forward); a pipeline runs one call at a time: call it from one "
+                              "thread (a lock around pipe(...)), or compile one pipeline per thread, each over its "
+                              "own copy of the model")
+        try:
+            return self._forward(args, kwargs)
+        finally:
+            self._calling.release()
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
         from .tracing import flatten_inputs, trace_info
 
+        meta = [tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_meta]
+        if meta:
+            raise MobiusError(f"an input of shape {meta[0]} is on the meta device (no data): a pipeline computes on "
+                              f"real tensors; pass CPU tensors (meta inputs are for mobius_fx.plan, which only plans)")
+        self._python_state.check(self._rt.shell_users)
         traced = trace_info(self._gm)
-        if traced.front_end == "export" and traced.modes:
+        if traced.modes and traced.front_end == "export":
             self._check_modes(traced.modes)
+        elif traced.modes:  # fx: only `self.training` reads in modules it traced through are baked in
+            cache = self.__dict__.setdefault("_mode_readers", {})
+            readers = cache.get(id(self._rt))
+            if readers is None:  # per runtime (a variant's stages have their own leaf modules)
+                readers = cache[id(self._rt)] = tuple(id(m) not in self._rt.shell_users and reads_training(m)
+                                                      for m in self.model.modules())
+            self._check_modes(traced.modes, readers)
         flat = flatten_inputs(self._gm, args, kwargs)
         rt = self._rt
         marks = declared(self.model, args, kwargs, rt.batch_dims)
@@ -90,16 +120,27 @@ class Pipeline(nn.Module):
             out = pytree.tree_unflatten(list(out), self.schedule.out_spec)
         return out
 
-    def _check_modes(self, traced: tuple[bool, ...]) -> None:
+    def _check_modes(self, traced: tuple[bool, ...], only: tuple[bool, ...] | None = None) -> None:
         """Warn, once per change, when the model's train/eval modes are not those its export
-        graph was traced in: the graph goes on computing in the traced ones."""
+        graph was traced in: the graph goes on computing in the traced ones. `only` (torch.fx):
+        the modules whose mode the graph baked in (their own code reads `self.training`; the
+        leaf modules the stages call follow train()/eval())."""
         now = tuple(m.training for m in self.model.modules())
+        if only is not None and len(only) == len(now):
+            now = tuple(n if o else t for n, t, o in zip(now, traced, only))
         if now == traced or now == self._warned_modes or len(now) != len(traced):
             return
         object.__setattr__(self, "_warned_modes", now)
-        name, was = next((n or "the model", t) for (n, m), t in zip(self.model.named_modules(), traced)
-                         if m.training != t)
+        name, was, module = next((n or "the model", t, m) for (n, m), t, k in zip(self.model.named_modules(), traced, now)
+                                 if k != t)
         mode, other = ("train", "eval") if was else ("eval", "train")
+        if only is not None:
+            warnings.warn(f"{name} is in {other} mode, but its code reads `self.training` ({type(module).__name__}), "
+                          f"which torch.fx baked into this pipeline's graph in the {mode} mode it was traced in: it "
+                          f"still computes as in {mode} mode there. Compile the model again after model.{other}() to "
+                          f"run it in {other} mode (a pipeline per mode), or make the branch a module of its own "
+                          f"(nn.Dropout follows train()/eval())", stacklevel=3)
+            return
         warnings.warn(f"{name} is in {other} mode, but this pipeline's graph came from torch.export, which fixed the "
                       f"{mode} mode it was traced in: it still computes as in {mode} mode (dropout, batch statistics, "
                       f"`self.training` branches). Compile the model again after model.{other}() to run it in "

@@ -59,6 +59,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from .devices import HOST, Device, nbytes
 from .errors import BudgetError, MobiusError
 from .placement import sent_device
+from .python_state import sync_shells
 from .stage_calls import StageCall, StageCalls, StageState, Step, logged_grad
 from .microbatch import batch_rows, combine, guess_kind
 from .microbatch import split as split_inputs
@@ -88,6 +89,8 @@ class Runtime(StageCalls):
         self._slot_home = self._plan_slots(ir)  # (stage, phase) -> the slot the IR's order gives it on its GPU
         for gpu in ir.gpus:  # the pools are allocated once, now, and reused step after step
             devices[gpu].open_pool()
+        # the user's modules the stages call as leaves (through shells): their Python attributes are followed
+        self.shell_users = {id(user) for st in self.stages for user, _ in st.shells}
         self.planned_rows = 0  # rows of the example batch the plan was made for (0: unknown)
         self.batch_dims: dict | None = None  # compile's batch_dims= (mobius_fx/microbatch.py)
         self.analysed = False  # whether microbatch.prepare ran (at compile, or at the first call)
@@ -351,8 +354,8 @@ class Runtime(StageCalls):
                 dev.new_step()
                 dev.log.mark()
             for st in self.stages:
-                for user, shell in st.shells:
-                    shell.training = user.training
+                for user, shell in st.shells:  # train()/eval() and plain attributes (Dropout.p) changed since
+                    sync_shells(user, shell)
             self.step = Step(len(self.stages))
 
     def end_forward(self) -> None:

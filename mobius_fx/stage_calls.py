@@ -221,10 +221,32 @@ class StageFunction(torch.autograd.Function):
         return outs
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
-        call = ctx.call
-        return (None, None, *call.rt._backward(call, grads, ctx.needs_input_grad[2:]))
+        # What a call keeps for backward lives outside autograd (offloaded to the host), so a
+        # second backward would run it again and double every gradient. Reading saved_tensors
+        # asks autograd whether this node's graph was freed (a backward without retain_graph):
+        # then it raises torch's own "Trying to backward through the graph a second time".
+        ctx.saved_tensors  # noqa: B018
+        refuse_double_backward()
+        return _stage_backward(ctx, *grads)
+
+
+def refuse_double_backward() -> None:
+    """Refuse `backward(create_graph=True)` / `autograd.grad(..., create_graph=True)` (grad mode
+    is on in a backward only then): a stage's backward is a recomputation whose own graph is not
+    kept, so gradients of gradients (a gradient penalty, Hessian-vector products) cannot flow."""
+    if torch.is_grad_enabled():
+        raise MobiusError("backward with create_graph=True (double backward: a gradient penalty, a Hessian-vector "
+                          "product) is not supported by a Mobius pipeline: each stage's backward recomputes the stage "
+                          "and returns plain gradients, with no graph to differentiate again. Compute higher-order "
+                          "gradients with the eager model, or call backward without create_graph (the step is kept: "
+                          "backward can run again)")
+
+
+@once_differentiable
+def _stage_backward(ctx, *grads):
+    call = ctx.call
+    return (None, None, *call.rt._backward(call, grads, ctx.needs_input_grad[2:]))
 
 
 class Masters(torch.autograd.Function):

@@ -30,6 +30,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from . import grad_modes
 from .errors import TraceError, first_line
 from .export_front import forward_signature, input_guards, try_export
 from .module_paths import module_path, module_stack
@@ -94,7 +95,10 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
       custom `torch.autograd.Function.apply` as one call, so its backward is kept; an export
       graph that traced through one is refused (export drops the backward). An in-place buffer
       update symbolic_trace cannot record (`self.count.add_(1)`) sends "auto" to export, which
-      records it; a forward that changes a parameter in place is refused.
+      records it; a forward that changes a parameter in place is refused. A forward with a
+      grad-mode region (`torch.no_grad()`, `set_grad_enabled`, `inference_mode`, a decorated
+      method) also goes to export, which records it (mobius_fx/grad_modes.py); the caller's
+      grad mode is the same after tracing as before.
     - Every node produced inside a submodule carries `node.meta["nn_module_stack"]`;
       `module_path(node)` gives that module's qualified name. `get_attr` nodes sit immediately
       before their first user (export hoists them all to the top; we move them back).
@@ -133,7 +137,8 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
         if gm is None:
             if front_end == "auto":
                 _report(progress, f"symbolic_trace failed ({fx_error}); trying torch.export (strict=False)")
-            with _autograd_functions(as_calls=False) as applied, _quiet_fake_tensors():
+            with _autograd_functions(as_calls=False) as applied, _quiet_fake_tensors(), \
+                    grad_modes.recording(set_grad=False):
                 gm, export_error, dynamic = try_export(model, args, kwargs, dynamic_batch)
             used = "export"
             if gm is None:
@@ -217,8 +222,8 @@ def _try_fx(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule
     try:
         concrete = _concrete_args(model, args, kwargs)
         versions = {k: t._version for k, t in _state(model).items()}
-        with _autograd_functions(as_calls=True):  # each Function one node: its backward is kept
-            gm = fx.symbolic_trace(model, concrete_args=concrete or None)
+        with _autograd_functions(as_calls=True), grad_modes.recording() as grad_changes:
+            gm = fx.symbolic_trace(model, concrete_args=concrete or None)  # each Function one node: backward kept
         _restore_concrete_defaults(gm, concrete)
     except Exception as e:  # any failure of the tracer means "try the other front end"
         return None, first_line(e)
@@ -227,6 +232,10 @@ def _try_fx(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule
         return None, (f"forward changes {_describe(model, changed[0])} in place on the real tensor, which "
                       f"symbolic_trace does not record (the update ran once, at trace time, and the graph would "
                       f"never repeat it); torch.export records such updates")
+    if grad_changes:  # see mobius_fx/grad_modes.py
+        return None, (f"forward changes the grad mode ({', '.join(grad_changes)}), which symbolic_trace does not "
+                      f"record: its graph would compute gradients inside the region that eager computes without "
+                      f"them; torch.export records grad-mode regions")
     error = _check_runs(gm, args, kwargs)
     if error:
         return None, f"the traced graph does not run on the example inputs: {error}"
