@@ -47,11 +47,14 @@ from typing import Any, Sequence
 
 from .costs import LayerCost, dtype_bytes
 from .errors import PlanError
-from .step_timeline import Evaluation, SharedLink, Timeline, freed, queue_before, queue_window, shared_links, timeline
+from .step_timeline import (
+    Evaluation, LinkLoad, SharedLink, Timeline, copy_terms, freed, link_loads, link_time, queue_before, queue_window, shared_links,
+    slot_bytes, timeline,
+)
 
 __all__ = [
     "MEMORY_TOLERANCE", "SolverInfo", "MemoryModel", "stage_memory", "TiedWeight", "tied_weights", "tied_copy_bytes", "SharedLink",
-    "shared_links", "queue_before", "queue_window", "freed",
+    "shared_links", "queue_before", "queue_window", "freed", "LinkLoad", "link_loads", "copy_terms", "slot_bytes", "link_time",
     "PartitionProblem", "Evaluation",
     "StageTotals", "PrefixSums", "layer_runs", "memory_violation", "Timeline", "timeline", "evaluate",
 ]
@@ -217,7 +220,9 @@ class PartitionProblem:
     slots share (`shared_links`); their copies queue on them (`queue_before`). `duplex[i]`:
     the share of each direction slot i's host route keeps while both directions are busy (the
     least `Topology.link_duplex` on it; None: 1, full duplex), which its backward weight copies
-    and its gradient downloads get (docs/schedule.md).
+    and its gradient downloads get (docs/schedule.md). `links`: every link the step's copies
+    cross and which (`link_loads`); the makespan is at least each one's bytes over its
+    bandwidth (`link_time`), as `Plan.lower_bound` counts them.
     """
 
     layers: tuple[LayerCost, ...]
@@ -235,6 +240,7 @@ class PartitionProblem:
     shared_up: tuple[SharedLink, ...] = ()
     shared_down: tuple[SharedLink, ...] = ()
     duplex: tuple[float, ...] | None = None
+    links: tuple[LinkLoad, ...] = ()
 
     @property
     def frozen_prefix(self) -> int:
@@ -286,6 +292,11 @@ class PartitionProblem:
             if link.servers < 1 or not link.slots or any(not 0 <= i < n for i in link.slots):
                 raise PlanError(f"shared link {link.name}: slots {link.slots}, {link.servers} at a time; give slots "
                                 f"below {n} and at least 1 at a time (build it with step_model.shared_links)")
+        for x in self.links:
+            if not (0 < x.bandwidth < math.inf and all(0 <= i < n for i in (*x.up, *x.down, *x.hop, *x.hop_back))):
+                raise PlanError(f"link {x.name}: {x.bandwidth} bytes/s, slots {x.up}/{x.down}/{x.hop}/{x.hop_back}; "
+                                f"give a positive, finite bandwidth and slots below {n} (build it with "
+                                "step_model.link_loads)")
         L = len(self.layers)
         for t in self.tied:
             if not (-1 <= t.owner < L and t.readers and all(0 <= r < L and r != t.owner for r in t.readers)
@@ -340,6 +351,7 @@ class PartitionProblem:
             memory_fraction=memory_fraction, hop_back=hop_back, input_bytes=float(input_bytes),
             tied=tuple(tied), shared_up=shared_links(topology, names, "up"),
             shared_down=shared_links(topology, names, "down"), duplex=tuple(duplex(g) for g in names),
+            links=link_loads(topology, names),
         )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 __all__ = ["Evaluation", "Timeline", "timeline", "SharedLink", "shared_links", "queue_before", "queue_window",
-           "freed", "OVERLAPS"]
+           "freed", "OVERLAPS", "LinkLoad", "link_loads", "copy_terms", "slot_bytes", "link_time"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,98 @@ def shared_links(topology: Any, gpus: Sequence[str], direction: str) -> tuple[Sh
         if servers < len(slots) and (key not in out or servers < out[key].servers):
             out[key] = SharedLink(f"{u}->{v}", key, servers)
     return tuple(out.values())
+
+
+@dataclass(frozen=True)
+class LinkLoad:
+    """A directed link of the topology and the copies of the step that cross it, by GPU slot:
+    `up` / `down`, the slots whose host -> GPU / GPU -> host copies do; `hop` / `hop_back`,
+    the slots i whose forward activation to slot (i+1) % N / whose backward gradient from
+    slot (i+1) % N does. No schedule moves the bytes of all of them in less than their sum
+    over `bandwidth` (bytes/s): `timeline`'s makespan is at least that (`link_time`), as
+    `Plan.lower_bound` is. The timeline's own rows see each copy at its route's bottleneck
+    alone, so without this row a link that several kinds of copies share (activations staged
+    through the host behind a switch uplink, with the weights) let the prediction fall below
+    the plan's lower bound (issue 26: 342 ms predicted, 391 ms bound)."""
+
+    name: str
+    bandwidth: float
+    up: tuple[int, ...] = ()
+    down: tuple[int, ...] = ()
+    hop: tuple[int, ...] = ()
+    hop_back: tuple[int, ...] = ()
+
+
+def link_loads(topology: Any, gpus: Sequence[str]) -> tuple[LinkLoad, ...]:
+    """Every directed link of `topology` that a copy between the host and `gpus` (slot i =
+    gpus[i]) or between consecutive slots crosses, with which ones (`LinkLoad`): the links of
+    `Topology.route`, the routes `plans.build_plan` gives the plan's transfers.
+
+    link_loads(Topology.virtual(gpus=2), ["gpu0", "gpu1"])
+    """
+    n = len(gpus)
+    kinds: dict[tuple[str, str], dict[str, list[int]]] = {}
+
+    def cross(route: Sequence[str], kind: str, slot: int) -> None:
+        for edge in zip(route, route[1:]):
+            kinds.setdefault(edge, {"up": [], "down": [], "hop": [], "hop_back": []})[kind].append(slot)
+
+    for i, g in enumerate(gpus):
+        cross(topology.route("host", g), "up", i)
+        cross(topology.route(g, "host"), "down", i)
+        if n > 1 and gpus[(i + 1) % n] != g:
+            cross(topology.route(g, gpus[(i + 1) % n]), "hop", i)
+            cross(topology.route(gpus[(i + 1) % n], g), "hop_back", i)
+    return tuple(LinkLoad(f"{u}->{v}", float(topology.link_bandwidth(u, v)),
+                          **{k: tuple(sorted(set(xs))) for k, xs in ks.items()})
+                 for (u, v), ks in kinds.items())
+
+
+def copy_terms(problem: Any, st: Any) -> dict[str, list[float]]:
+    """The per-stage numbers `slot_bytes` reads, from a cut set's `StageTotals`: "w" / "wb"
+    weights forward / fetched again for backward, "g" weight gradients, "saved" the saved
+    input per micro-batch (stage 0: the model input), "grad_in" the gradient reaching stage k
+    from k+1 (the last: the outputs' gradient from the host), "out" the boundary activation
+    per micro-batch. A frozen stage runs no backward: its "wb", "saved", "grad_in" are 0."""
+    s = len(st.f)
+    live = [not x for x in st.frozen] if st.frozen else [True] * s
+    zero = lambda xs: [x if on else 0.0 for x, on in zip(xs, live)]
+    return {"w": list(st.w), "wb": zero(st.w), "g": list(st.g),
+            "saved": zero([problem.input_bytes / problem.microbatches, *st.out[:s - 1]]),
+            "grad_in": zero(st.out), "out": list(st.out)}
+
+
+def slot_bytes(problem: Any, terms: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """Bytes per step of each kind of copy by GPU slot ("up", "down", "hop", "hop_back"),
+    as the schedule moves them (schedule.py; `Plan.link_bytes` sums the same), from the
+    per-stage `terms` (`copy_terms`; the MIP passes linear expressions): forward weights,
+    backward weights (not the last N stages', which keep theirs), restores of the saved inputs
+    (stage 0: the model input sent again), the model inputs and the outputs' gradients (up);
+    weight gradients, offloads of the saved inputs and the outputs (down); activations forward
+    and their gradients back (the hops)."""
+    n, m, s = len(problem.gpus), problem.microbatches, len(terms["w"])
+    out: dict[str, list[Any]] = {k: [0.0] * n for k in ("up", "down", "hop", "hop_back")}
+    for k in range(s):
+        i = k % n
+        out["up"][i] += terms["w"][k] + m * terms["saved"][k]
+        if k < s - n:
+            out["up"][i] += terms["wb"][k]
+        out["down"][i] += terms["g"][k]
+        if k:
+            out["down"][i] += m * terms["saved"][k]
+        if k < s - 1:
+            out["hop"][i] += m * terms["out"][k]
+            out["hop_back"][i] += m * terms["grad_in"][k]
+    out["up"][0] += problem.input_bytes
+    out["up"][(s - 1) % n] += m * terms["grad_in"][s - 1]
+    out["down"][(s - 1) % n] += m * terms["out"][s - 1]
+    return out
+
+
+def link_time(load: LinkLoad, per_slot: dict[str, list[Any]]) -> Any:
+    """The bytes of `slot_bytes` that cross `load`'s link over its bandwidth (s): a least step time."""
+    total = sum(per_slot[k][i] for k in ("up", "down", "hop", "hop_back") for i in getattr(load, k))
+    return total * (1 / load.bandwidth)
 
 
 def queue_before(links: Sequence[Any], slot_of: Sequence[int], order: Sequence[int]) -> list[list[int]]:
@@ -342,4 +434,7 @@ def timeline(problem: Any, st: Any, full: bool = False):
                 overlap += busy[j] if j < k - n else 0.0
                 D[k] = max(D[k], done + st.g[k] / down[k % n] + 2 * (1 - dx[k % n]) * overlap)
     makespan = max(D)
+    if getattr(problem, "links", ()):  # no link carries more than its bandwidth (`LinkLoad`)
+        per_slot = slot_bytes(problem, copy_terms(problem, st))
+        makespan = max(makespan, max(link_time(x, per_slot) for x in problem.links))
     return Timeline(makespan, p, q, F, B, D, V, E, A, R, U) if full else makespan

@@ -23,7 +23,9 @@ from typing import Any
 import pulp
 
 from mobius_fx.step_timeline import OVERLAPS
-from mobius_fx.step_model import Evaluation, PartitionProblem, PrefixSums, queue_before, queue_window
+from mobius_fx.step_model import (
+    Evaluation, PartitionProblem, PrefixSums, link_time, queue_before, queue_window, slot_bytes,
+)
 
 from .mip_solver import run_solver, solve_relaxation
 
@@ -273,6 +275,11 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
                     lp += D[k] >= (1 - lost) * x + lost * overlap + grads, f"{name}_overlap_{j}"
         if k < n:
             lp += T >= D[k], f"end_{k}"
+    if problem.links:  # step_model.timeline: no link carries more than its bandwidth (LinkLoad)
+        per_slot = slot_bytes(problem, {"w": w, "wb": wb, "g": g, "saved": saved, "grad_in": grad_in,
+                                                   "out": [at[k + 1]["a"] for k in range(s)]})
+        for j, x in enumerate(problem.links):
+            lp += T >= link_time(x, per_slot) * (1 / scale), f"link_{j}"
     lp += T
     prefix = problem.frozen_prefix
     return Mip(lp, s, scale, z, t, F, B, D, T, infeasible, frozen, prefix, L, V, E, A,
