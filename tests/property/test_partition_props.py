@@ -15,7 +15,8 @@ from mobius_fx import PlanError
 from mobius_fx.costs import LayerCost
 from mobius_fx.passes import _partition_mip as M
 from mobius_fx.step_model import (
-    MEMORY_TOLERANCE, MemoryModel, PrefixSums, SharedLink, TiedWeight, layer_runs, queue_before, stage_memory,
+    MEMORY_TOLERANCE, LinkLoad, MemoryModel, PrefixSums, SharedLink, TiedWeight, copy_terms, layer_runs, link_time,
+    queue_before, slot_bytes, stage_memory,
 )
 from mobius_fx.passes import partition as P
 from mobius_fx.passes.partition import PartitionProblem, brute_force, evaluate, heuristic, solve
@@ -32,7 +33,8 @@ def problems(draw) -> PartitionProblem:
     model fits on one GPU"; backward hops the same as forward ones or drawn apart; a model
     input (sent to stage 0 in forward and again in backward) of 0-60 B; half of them with a
     tied weight that layers of other stages read (`TiedWeight`); some with a switch uplink that
-    the uploads or downloads of two or more slots queue on (`SharedLink`)."""
+    the uploads or downloads of two or more slots queue on (`SharedLink`); some with a link
+    that some slots' copies of each kind cross (`LinkLoad`), slow enough to bind at times."""
     kinds = [dict(fwd_time=draw(TIMES), bwd_time=draw(TIMES), param_bytes=draw(st.integers(1, 60)),
                   grad_bytes=draw(BYTES), output_bytes=draw(BYTES), peak_bytes=draw(BYTES))
              for _ in range(draw(st.integers(1, 3)))]
@@ -59,12 +61,17 @@ def problems(draw) -> PartitionProblem:
         if n >= 2 and draw(st.booleans()):
             slots = tuple(sorted(draw(st.sets(st.integers(0, n - 1), min_size=2, max_size=n))))
             shared[way] = (SharedLink(way, slots, draw(st.integers(1, len(slots) - 1))),)
+    links = ()
+    if draw(st.booleans()):
+        some = st.sets(st.integers(0, n - 1), max_size=n).map(lambda x: tuple(sorted(x)))
+        links = (LinkLoad("shared", draw(st.floats(2.0, 100.0)), draw(some), draw(some),
+                          *((draw(some), draw(some)) if n > 1 else ((), ()))),)
     return PartitionProblem(layers, m, tuple(f"gpu{i}" for i in range(n)), caps,
                             tuple(draw(BANDWIDTH) for _ in range(n)), tuple(draw(BANDWIDTH) for _ in range(n)),
                             hops, mm, hop_back=back, input_bytes=draw(BYTES), tied=tied,
                             shared_up=shared["up"], shared_down=shared["down"],
                             duplex=tuple(draw(st.sampled_from([0.5, 0.72, 1.0])) for _ in range(n))
-                            if draw(st.booleans()) else None)
+                            if draw(st.booleans()) else None, links=links)
 
 
 def _solve(p: PartitionProblem):
@@ -197,6 +204,7 @@ def test_scaling_every_time_scales_the_makespan(p, k):
         layers=tuple(replace(l, fwd_time=l.fwd_time * k, bwd_time=l.bwd_time * k) for l in p.layers),
         up=tuple(b / k for b in p.up), down=tuple(b / k for b in p.down), hop=tuple(b / k for b in p.hop),
         hop_back=None if p.hop_back is None else tuple(b / k for b in p.hop_back),
+        links=tuple(replace(x, bandwidth=x.bandwidth / k) for x in p.links),
     )
     a, b = _solve_or_none(p), _solve_or_none(slow)
     assert (a is None) == (b is None)
@@ -227,7 +235,9 @@ def test_the_makespan_is_the_last_gradient_download(p):
             assert ev.grad_done[k] >= ready + took - 1e-12
         else:
             assert ev.grad_done[k] == pytest.approx(ready + took, rel=1e-9, abs=1e-12)
-    assert ev.makespan == max(ev.grad_done)
+    # ... or a link's bytes over its bandwidth, when one carries more (`LinkLoad`)
+    per_slot = slot_bytes(p, copy_terms(p, PrefixSums(p).stages(ev.boundaries)))
+    assert ev.makespan == pytest.approx(max([*ev.grad_done, *(link_time(x, per_slot) for x in p.links)]), rel=1e-12)
 
 
 @given(problems())
