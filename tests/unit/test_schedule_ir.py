@@ -138,7 +138,7 @@ def test_the_planned_step_counts_the_tied_copy_and_the_model_input(tmp_path):
     model = GPT(GPTConfig(vocab=256, seq=32, hidden=64, blocks=4, heads=2))
     x = torch.randint(0, 256, (4, 32))
     size = sum(p.numel() * 4 for p in model.parameters())
-    topo = Topology.virtual(gpus=2, memory=8 * size, bandwidth=size)  # slow links: every byte counts
+    topo = Topology.virtual(gpus=2, memory=8 * size, bandwidth=4 * size)  # slow links (above the 1 MB/s floor): every byte counts
     plan = mobius_fx.plan(model, topo, example_inputs=(x,), microbatches=2, cache_dir=str(tmp_path), time_limit=2.0)
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters(remove_duplicate=False)}
     tied = tied_weights(plan.layers, sizes)
