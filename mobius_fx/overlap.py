@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -195,6 +196,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._after_backward: dict[int, tuple[Any, int]] = {}  # id(p) -> (its .grad, version) when backward ended
         self._hp: list[dict] | None = None  # the hyper-parameters this round's stages were stepped with
         self._watched: set[int] = set()  # parameters whose AccumulateGrad node has our pre-hook
+        self._handles: list[Any] = []  # those pre-hooks' handles: removed by close() (else they keep this alive)
         self._handed_fp: dict[int, tuple] = {}  # probe: the gradients Masters handed autograd (tensor, version)
         self._outside: set[int] = set()  # parameters that also get gradients from outside the pipeline
         self._late: set[int] = set()  # ... seen after their stage was stepped (an overlapping round)
@@ -293,10 +295,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if node is None:
             node = self._nodes[id(p)] = _accumulator(p)
         pid = id(p)
+        # The node outlives this optimizer (autograd keeps it while `p` lives): the hook holds it
+        # weakly and close() removes it, so a replaced or closed overlap and its state are freed.
+        me = weakref.ref(self)
 
         def arrives(grad_outputs: tuple) -> None:
+            self = me()
             g = grad_outputs[0] if grad_outputs else None
-            if g is None:
+            if g is None or self is None:
                 return
             if pid in self._stepped:
                 self._late.add(pid)
@@ -305,7 +311,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 if g is not mine or g._version != version:  # summed with another gradient (even a zero one)
                     self._outside.add(pid)
 
-        node.register_prehook(arrives)
+        self._handles.append(node.register_prehook(arrives))
         self._watched.add(pid)
 
     def handed_by_autograd(self, grads: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -563,9 +569,22 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._finish_flight()
 
     def close(self) -> None:
+        """Finish the work in flight, end the worker threads and remove every hook this overlap
+        put on autograd's nodes, so nothing keeps it (or its optimizer's state) alive."""
         self.synchronize()
         self._adder.shutdown()
         self._stepper.shutdown()
-        if self.refresh_copies and self._pipeline.__dict__.get("_overlap") is self:
-            self._pipeline._trust_versions(False)  # the promise ends with the overlap
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+        self._watched.clear()
+        self._nodes.clear()
+        self._handed_fp, self._after_backward = {}, {}
+        pipe = self._pipeline
+        if pipe.__dict__.get("_overlap") is self:  # closed while current: the pipeline steps nothing more through it
+            if self.refresh_copies:
+                pipe._trust_versions(False)  # the promise ends with the overlap
+            object.__setattr__(pipe, "_overlap", None)
+            if pipe._rt.overlap is self:
+                pipe._rt.overlap = None
 

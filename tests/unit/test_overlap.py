@@ -499,3 +499,32 @@ def test_hooks_registered_on_the_overlapped_optimizer_run(tmp_path):
     opt.step()
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
     assert seen and sum(seen) == trainable  # once per stage stepped during backward, every parameter once
+
+
+@pytest.mark.parametrize("end", ["replace", "close"])
+def test_a_replaced_or_closed_overlap_is_freed_with_its_optimizer_state(tmp_path, end):
+    """The pre-hooks sync mode puts on the AccumulateGrad nodes live as long as the parameters:
+    they must not keep a replaced or closed overlap, its optimizer or that optimizer's state alive
+    (two dead AdamW states of a 3B model filled a GPU host's memory)."""
+    import gc
+    import weakref
+
+    # pulp keeps the traceback of its failed optional solver imports (cplex, copt), and with it
+    # every frame of the call that first imported it: imported here first, no frame of ours.
+    import pulp  # noqa: F401
+
+    model, data, pipe, opt = _overlapping(tmp_path)
+    assert opt._handles and opt.inner.state
+    gone = [weakref.ref(opt), weakref.ref(opt.inner), weakref.ref(next(iter(opt.inner.state.values()))["exp_avg"])]
+    if end == "replace":
+        opt = pipe.overlap(torch.optim.SGD(model.parameters(), lr=1e-2), mode="sync")
+    else:
+        opt.close()
+        assert pipe._rt.overlap is None  # a closed overlap is no longer the pipeline's
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gc.collect()
+    assert [r() is None for r in gone] == [True] * 3
+    for (x,) in data[2:4]:  # the pipeline trains on with the optimizer that replaced it
+        _loss(pipe(x), x).backward()
+        opt.step()
+        opt.zero_grad()
