@@ -26,15 +26,13 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   `backward(inputs=...)` only overlap for the tensors they accumulate into `.grad`.
   While backward runs, `.grad` and weights are in flux; once `loss.backward()` returns, every
   `.grad` is final (read or log them freely), weights are final after `opt.step()`.
-  With `refresh_copies=True`, on CUDA (and its stand-in, `device="virtual-async"`) the stage's
-  step also writes the new weights into the streamed (pinned, half-precision when `dtype=` says
-  so) copy the next step uploads from, so the next step makes no copy-and-cast pass over them;
-  weights it does not step (frozen ones: a LoRA model's base) are copied once, at their first
-  upload, and again only when their storage or version changes.
-  It is a promise: weights change only through this optimizer or in place through the tensor
-  (`with torch.no_grad(): p.copy_(...)`, `load_state_dict`), never through `.data` (a WGAN's
-  `p.data.clamp_()`), whose writes no version counter sees -- the pipeline would run on the old
-  values. Off by default: every step then copies every weight again at its first upload.
+  On CUDA (and its stand-in, `device="virtual-async"`) the stage's step also writes the new
+  weights into the streamed (pinned, half-precision when `dtype=` says so) copy the next step
+  uploads from (`refresh_copies=True`, the default), on the optimizer's worker, so the next step
+  makes no copy-and-cast pass over them. Weights it does not step (frozen ones: a LoRA model's
+  base) are copied at their first upload and again only when their storage or version changes
+  (`StreamDevice._staged`); after a write in place through `.data` (`p.data.clamp_()`), which
+  neither changes, call `pipe.refresh_weights()`.
   A forward between `loss.backward()` and `opt.step()` is refused once stages were stepped
   (it would see some stages' new weights and others' old ones).
 
@@ -154,7 +152,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, pipeline: Any, optimizer: torch.optim.Optimizer, mode: str,  # noqa: D107
-                 shard: bool = False, refresh_copies: bool = False) -> None:
+                 shard: bool = False, refresh_copies: bool = True) -> None:
         # Optimizer.__init__ is not called: this object owns no parameters of its own.
         if mode not in ("sync", "async"):
             raise MobiusError(f"overlap mode={mode!r}; use 'sync' (exact: stages stepped during backward), 'async' "
@@ -364,7 +362,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             added.result()
             if not self._nonfinite and all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params):
                 self._step_only(params, hp)
-                if self.refresh_copies:  # the streamed copies the next step uploads (opt-in: see refresh_copies)
+                if self.refresh_copies:  # the streamed copies the next step uploads (see refresh_copies)
                     for dev in self._pipeline._rt.devices.values():
                         refresh = getattr(dev, "refresh", None)
                         if refresh is not None:
@@ -582,8 +580,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._handed_fp, self._after_backward = {}, {}
         pipe = self._pipeline
         if pipe.__dict__.get("_overlap") is self:  # closed while current: the pipeline steps nothing more through it
-            if self.refresh_copies:
-                pipe._trust_versions(False)  # the promise ends with the overlap
             object.__setattr__(pipe, "_overlap", None)
             if pipe._rt.overlap is self:
                 pipe._rt.overlap = None
