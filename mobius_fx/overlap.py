@@ -63,6 +63,8 @@ import torch
 from torch import nn
 
 from .errors import MobiusError
+from .books import nbytes
+from .host_counters import COUNTERS
 from .stage_calls import host_gradient
 
 __all__ = ["OverlapOptimizer", "MODES"]
@@ -345,16 +347,20 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self._hp = _hyper(self.param_groups)
         hp = [{**h, "params": g["params"]} for h, g in zip(self._hp, self.param_groups)]
 
+        homes = self._pipeline._rt.grad_homes
+
         def add() -> None:
             with torch.no_grad():
                 for p, thunks in groups:
-                    total = host_gradient(p, thunks)
+                    fresh = p.grad is None
+                    total = host_gradient(p, thunks, homes if fresh else None)
                     if total is None:
                         continue
-                    if p.grad is None:
+                    if fresh:
                         p.grad = total
                     else:
                         p.grad.add_(total)
+                        COUNTERS.add("grad_add", 3 * nbytes(total))
 
         added = self._adder.submit(self._guarded, add)
         self._adds.append(added)

@@ -58,7 +58,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from .devices import HOST, Device, nbytes
 from .errors import BudgetError, MobiusError
-from .stage_calls import StageCall, StageCalls, StageState, Step, logged_grad
+from .stage_calls import GradHomes, StageCall, StageCalls, StageState, Step, logged_grad
 from .streams import PENDING, tick
 
 __all__ = ["Runtime", "batch_rows"]
@@ -109,6 +109,7 @@ class Runtime(StageCalls):
         for gpu in ir.gpus:  # the pools are allocated once, now, and reused step after step
             devices[gpu].open_pool()
         self.planned_rows = 0  # rows of the example batch the plan was made for (0: unknown)
+        self.grad_homes = GradHomes()  # host gradient storage kept across steps (the optimizer overlap's hand-over)
         self._from_host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # GPU copy -> its host original
         self._lock = threading.RLock()
         self._anchor = torch.zeros((), requires_grad=True)
