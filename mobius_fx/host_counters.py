@@ -11,7 +11,9 @@ optimizer needs 28). The runtime counts those passes here, in bytes read plus wr
 - `grad_convert` — a downloaded gradient converted into the master's dtype, or summed with another
                    stage's (a tied weight), on its way to `.grad` (`host_gradient`);
 - `grad_alloc`   — fresh host memory allocated for a gradient (faulted in by its first write);
-- `grad_add`     — a gradient added into an existing `.grad` (accumulation the loop asked for).
+- `grad_add`     — a gradient added into an existing `.grad` (accumulation the loop asked for);
+- `finite_check` — pipe.overlap(mode="sync") reading a stage's gradients for a non-finite value
+                   before stepping it during backward (a loop may skip a step on one).
 
 A step with nothing but the optimizer has 0 in all but `refresh`. The counters are process-wide
 (several pipelines add into them) and cheap: one locked addition per tensor, never per element.
@@ -31,7 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["COUNTERS", "HostCounters", "watch_optimizer_steps"]
 
-KINDS = ("staging", "refresh", "grad_convert", "grad_alloc", "grad_add")
+KINDS = ("staging", "refresh", "grad_convert", "grad_alloc", "grad_add", "finite_check")
 
 
 class HostCounters:

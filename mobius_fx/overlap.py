@@ -366,6 +366,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._adds.append(added)
         def step() -> None:
             added.result()
+            COUNTERS.add("finite_check", sum(nbytes(p.grad) for p in params if p.grad is not None))
             if not self._nonfinite and all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params):
                 self._step_only(params, hp)
                 if self.refresh_copies:  # the streamed copies the next step uploads (see refresh_copies)
