@@ -127,6 +127,7 @@ class _Books(TorchDispatchMode):
         self.where = None if dev.torch_device.type == "cpu" else dev.torch_device  # cpu: no host tensors here
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.dev.dispatch_calls += 1  # Python on every op of stage work (benchmarks/host_path.py)
         out = func(*args, **(kwargs or {}))
         fresh = _FRESH.get(func)
         if fresh is None:
@@ -184,6 +185,7 @@ class Device:
         self._tls = threading.local()  # per thread: the tracker now active (compute()), or None
         self._window = 0  # the peak since the current `working` began
         self.stage_peaks: dict[int, int] = {}  # stage -> its measured peak (see `working`)
+        self.dispatch_calls = 0  # ops the books' dispatch mode saw (Python per op)
 
     # ------------------------------------------------------------------ books
     def alloc(self, n: int, what: "str | tuple[str, Any]") -> None:

@@ -50,6 +50,7 @@ from torch.autograd.function import once_differentiable
 
 from .books import HOST, Device, SavedInput, TransferLog, empty_slot, nbytes
 from .errors import MobiusError
+from .host_counters import COUNTERS, watch_optimizer_steps
 from .streams import PENDING, HostWaits, RaceError, SlotPool, ThreadEvent, ThreadStream, layout, views
 
 __all__ = ["HOST", "Device", "VirtualDevice", "StreamDevice", "CudaDevice", "VirtualAsyncDevice", "TransferLog",
@@ -183,9 +184,10 @@ class StreamDevice(Device):
         # step, so the next step's upload copies nothing.
         self._pinned: dict[int, list[Any]] = {}
         self._epoch = 0
-        # pipe.overlap(..., refresh_copies=True): the user's promise that masters change only in
-        # ways their version counters see, so an unchanged (storage, version) needs no new copy
-        self.trust_versions = False
+        # An unchanged (storage pointer, version) needs no new copy (`_staged`); False copies
+        # every master at its first upload of every step (the behaviour before issue 27)
+        self.trust_versions = True
+        watch_optimizer_steps()
         self.staging = {"copies": 0, "bytes": 0, "refreshed_copies": 0, "refreshed_bytes": 0}
 
     # ------------------------------------------------------------------ backend
@@ -235,13 +237,14 @@ class StreamDevice(Device):
         return torch.empty(shape, dtype=dtype)
 
     def _staged(self, master: torch.Tensor, dtype: torch.dtype) -> list[Any]:
-        """The streamed copy of `master` in `dtype` (upload worker only): written at the
-        master's first upload of each step -- unless `refresh` (the optimizer overlap, right after
-        the master's step) already wrote it and the master has not changed since (same storage,
-        same version). Masters nothing refreshed are copied every step: a write through `.data`
-        bumps no version counter, so only the optimizer that made the change can vouch for it
-        (`pipe.overlap(..., refresh_copies=True)` is the user's promise that nothing else does;
-        under it, `trust_versions`, a master nothing changed -- a frozen weight -- is copied once)."""
+        """The streamed copy of `master` in `dtype` (upload worker only), kept across steps and
+        written again only when the master changed since it was last written: another storage
+        (`p.data = ...`, a replaced parameter, async's swap) or another version (every in-place
+        write through the tensor: optimizer steps -- the fused ones through
+        `host_counters.watch_optimizer_steps` --, `load_state_dict`, `torch.no_grad()` edits).
+        A write through `.data` in place (`p.data.mul_()`) is seen by neither: call
+        `Pipeline.refresh_weights()` after one. Buffers are copied every step: modules update
+        theirs in place unseen (BatchNorm's running statistics bump no version counter)."""
         entry = self._pinned.get(id(master))
         if entry is None or entry[0] is not master or entry[2].dtype != dtype or entry[2].shape != master.shape:
             entry = [master, None, self._host_buffer(master.shape, dtype), None, None]
@@ -254,16 +257,13 @@ class StreamDevice(Device):
                 entry[2].copy_(master.detach())
             self.staging["copies"] += 1
             self.staging["bytes"] += nbytes(entry[2])
-            # fresh for this step only -- or, under the promise (`trust_versions`), for as long
-            # as a parameter keeps its storage and version (a frozen weight: staged once). Not a
-            # buffer: modules update theirs in place unseen (BatchNorm's running statistics
-            # bump no version counter).
+            COUNTERS.add("staging", nbytes(master) + nbytes(entry[2]))
             entry[4] = now if self.trust_versions and isinstance(master, torch.nn.Parameter) else None
         entry[1] = self._epoch
         return entry
 
     def forget_staged(self) -> None:
-        """Every streamed copy is made again at its next upload (a promise about them ended)."""
+        """Every streamed copy is made again at its next upload (`Pipeline.refresh_weights`)."""
         for entry in self._pinned.values():
             entry[4] = None
 
@@ -282,6 +282,7 @@ class StreamDevice(Device):
             entry[4] = (m.data_ptr(), m._version)
             self.staging["refreshed_copies"] += 1
             self.staging["refreshed_bytes"] += nbytes(entry[2])
+            COUNTERS.add("refresh", nbytes(m) + nbytes(entry[2]))
 
     def _sources(self, targets: list[torch.Tensor], masters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         entries = [self._staged(m, t.dtype) for t, m in zip(targets, masters)]

@@ -26,15 +26,13 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   `backward(inputs=...)` only overlap for the tensors they accumulate into `.grad`.
   While backward runs, `.grad` and weights are in flux; once `loss.backward()` returns, every
   `.grad` is final (read or log them freely), weights are final after `opt.step()`.
-  With `refresh_copies=True`, on CUDA (and its stand-in, `device="virtual-async"`) the stage's
-  step also writes the new weights into the streamed (pinned, half-precision when `dtype=` says
-  so) copy the next step uploads from, so the next step makes no copy-and-cast pass over them;
-  weights it does not step (frozen ones: a LoRA model's base) are copied once, at their first
-  upload, and again only when their storage or version changes.
-  It is a promise: weights change only through this optimizer or in place through the tensor
-  (`with torch.no_grad(): p.copy_(...)`, `load_state_dict`), never through `.data` (a WGAN's
-  `p.data.clamp_()`), whose writes no version counter sees -- the pipeline would run on the old
-  values. Off by default: every step then copies every weight again at its first upload.
+  On CUDA (and its stand-in, `device="virtual-async"`) the stage's step also writes the new
+  weights into the streamed (pinned, half-precision when `dtype=` says so) copy the next step
+  uploads from (`refresh_copies=True`, the default), on the optimizer's worker, so the next step
+  makes no copy-and-cast pass over them. Weights it does not step (frozen ones: a LoRA model's
+  base) are copied at their first upload and again only when their storage or version changes
+  (`StreamDevice._staged`); after a write in place through `.data` (`p.data.clamp_()`), which
+  neither changes, call `pipe.refresh_weights()`.
   A forward between `loss.backward()` and `opt.step()` is refused once stages were stepped
   (it would see some stages' new weights and others' old ones).
 
@@ -62,6 +60,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -69,6 +68,8 @@ import torch
 from torch import nn
 
 from .errors import MobiusError
+from .books import nbytes
+from .host_counters import COUNTERS
 from .stage_calls import host_gradient
 
 __all__ = ["OverlapOptimizer", "MODES"]
@@ -158,7 +159,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, pipeline: Any, optimizer: torch.optim.Optimizer, mode: str,  # noqa: D107
-                 shard: bool = False, refresh_copies: bool = False) -> None:
+                 shard: bool = False, refresh_copies: bool = True) -> None:
         # Optimizer.__init__ is not called: this object owns no parameters of its own.
         if mode not in ("sync", "async"):
             raise MobiusError(f"overlap mode={mode!r}; use 'sync' (exact: stages stepped during backward), 'async' "
@@ -200,6 +201,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._after_backward: dict[int, tuple[Any, int]] = {}  # id(p) -> (its .grad, version) when backward ended
         self._hp: list[dict] | None = None  # the hyper-parameters this round's stages were stepped with
         self._watched: set[int] = set()  # parameters whose AccumulateGrad node has our pre-hook
+        self._handles: list[Any] = []  # those pre-hooks' handles: removed by close() (else they keep this alive)
         self._handed_fp: dict[int, tuple] = {}  # probe: the gradients Masters handed autograd (tensor, version)
         self._outside: set[int] = set()  # parameters that also get gradients from outside the pipeline
         self._late: set[int] = set()  # ... seen after their stage was stepped (an overlapping round)
@@ -338,10 +340,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if node is None:
             node = self._nodes[id(p)] = _accumulator(p)
         pid = id(p)
+        # The node outlives this optimizer (autograd keeps it while `p` lives): the hook holds it
+        # weakly and close() removes it, so a replaced or closed overlap and its state are freed.
+        me = weakref.ref(self)
 
         def arrives(grad_outputs: tuple) -> None:
+            self = me()
             g = grad_outputs[0] if grad_outputs else None
-            if g is None:
+            if g is None or self is None:
                 return
             if pid in self._stepped:
                 self._late.add(pid)
@@ -350,7 +356,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 if g is not mine or g._version != version:  # summed with another gradient (even a zero one)
                     self._outside.add(pid)
 
-        node.register_prehook(arrives)
+        self._handles.append(node.register_prehook(arrives))
         self._watched.add(pid)
 
     def handed_by_autograd(self, grads: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -386,24 +392,29 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self._hp = _hyper(self.param_groups)
         hp = [{**h, "params": g["params"]} for h, g in zip(self._hp, self.param_groups)]
 
+        homes = self._pipeline._rt.grad_homes
+
         def add() -> None:
             with torch.no_grad():
                 for p, thunks in groups:
-                    total = host_gradient(p, thunks)
+                    fresh = p.grad is None
+                    total = host_gradient(p, thunks, homes if fresh else None)
                     if total is None:
                         continue
-                    if p.grad is None:
+                    if fresh:
                         p.grad = total
                     else:
                         p.grad.add_(total)
+                        COUNTERS.add("grad_add", 3 * nbytes(total))
 
         added = self._adder.submit(self._guarded, add)
         self._adds.append(added)
         def step() -> None:
             added.result()
+            COUNTERS.add("finite_check", sum(nbytes(p.grad) for p in params if p.grad is not None))
             if not self._nonfinite and all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params):
                 self._step_only(params, hp)
-                if self.refresh_copies:  # the streamed copies the next step uploads (opt-in: see refresh_copies)
+                if self.refresh_copies:  # the streamed copies the next step uploads (see refresh_copies)
                     for dev in self._pipeline._rt.devices.values():
                         refresh = getattr(dev, "refresh", None)
                         if refresh is not None:
@@ -608,12 +619,23 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._finish_flight()
 
     def close(self) -> None:
+        """Finish the work in flight, end the worker threads and remove every hook this overlap
+        put on autograd's nodes, so nothing keeps it (or its optimizer's state) alive."""
         self.synchronize()
         self._adder.shutdown()
         self._stepper.shutdown()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        if self.refresh_copies and self._pipeline.__dict__.get("_overlap") is self:
-            self._pipeline._trust_versions(False)  # the promise ends with the overlap
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+        self._watched.clear()
+        self._nodes.clear()
+        self._handed_fp, self._after_backward = {}, {}
+        pipe = self._pipeline
+        if pipe.__dict__.get("_overlap") is self:  # closed while current: the pipeline steps nothing more through it
+            object.__setattr__(pipe, "_overlap", None)
+            if pipe._rt.overlap is self:
+                pipe._rt.overlap = None
 

@@ -202,7 +202,7 @@ class Pipeline(nn.Module):
         return build_schedule(ios, self.schedule.microbatches, optimizer=optimizer)
 
     def overlap(self, optimizer: torch.optim.Optimizer, mode: str = "sync", *,
-                shard: bool = False, refresh_copies: bool = False) -> torch.optim.Optimizer:
+                shard: bool = False, refresh_copies: bool = True) -> torch.optim.Optimizer:
         """The optimizer to use in the training loop instead of `optimizer`, stepped off the
         pipeline's critical path (mobius_fx/overlap.py): "sync" steps each stage's parameters on a
         CPU worker as soon as its gradients are complete during backward (bit-identical to a serial
@@ -215,11 +215,10 @@ class Pipeline(nn.Module):
         alone, and the new weights are broadcast from their owners at `step()` (ZeRO-1): R ranks
         divide the CPU optimizer's time and state by R; `.grad` is None on the other ranks, and
         `state_dict()` holds this rank's share (save one per rank). `refresh_copies=True`
-        (mode "sync"; CUDA and virtual-async): each stage's step writes its new weights into the
-        streamed copy the next step uploads, which then copies nothing (nor, after their first
-        upload, the weights it does not step: frozen ones) -- your promise that
-        weights change only through this optimizer or in place through the tensor, never through
-        `.data` (see mobius_fx/overlap.py).
+        (the default; mode "sync", CUDA and virtual-async): each stage's step writes its new
+        weights into the streamed copy the next step uploads, on the optimizer's worker, so the
+        next step's uploads copy nothing (`refresh_weights()` says which edits of weights need a
+        call of it).
 
             opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4), mode="sync")
             for x, y in data:
@@ -241,14 +240,12 @@ class Pipeline(nn.Module):
             old.close()  # its work finished, its worker threads ended
         self._rt.overlap = None
         object.__setattr__(self, "_overlap", None)
-        self._trust_versions(False)
         if mode == "none" and not shard:
             return optimizer
         if self._rt.reducer is not None:
             self._rt.reducer.owners = None
         opt = OverlapOptimizer(self, optimizer, mode, shard=shard, refresh_copies=refresh_copies)
         object.__setattr__(self, "_overlap", opt)
-        self._trust_versions(opt.refresh_copies)
         if mode == "sync":
             self._rt.overlap = opt
         return opt
@@ -295,14 +292,17 @@ class Pipeline(nn.Module):
         sums): what the plan's `Stage.peak_bytes` predicts (0 for a stage that has not run)."""
         return [st.device.stage_peaks.get(k, 0) for k, st in enumerate(self._rt.stages)]
 
-    def _trust_versions(self, on: bool) -> None:
-        """refresh_copies: masters whose storage and version are unchanged keep their streamed copy.
-        Ending the promise forgets what it vouched for: every master is copied again."""
+    def refresh_weights(self) -> None:
+        """Stream every master again at its next upload. The streamed (pinned, `dtype=`) copies
+        are kept across steps and made again only for masters whose storage or version counter
+        changed: optimizer steps (fused ones too), `load_state_dict`, `p.data = t`, and in-place
+        edits under `torch.no_grad()` are all seen. A write in place through `.data`
+        (`p.data.clamp_(-c, c)`, a WGAN's clipping) bumps no version counter and keeps the
+        storage: call this after one (on "virtual" every step copies anyway)."""
         for dev in self._rt.devices.values():
-            if hasattr(dev, "trust_versions"):
-                dev.trust_versions = on
-                if not on:
-                    dev.forget_staged()
+            forget = getattr(dev, "forget_staged", None)
+            if forget is not None:
+                forget()
 
     def release_slots(self) -> None:
         """Free the weight-slot pool each GPU keeps from compile time on (CUDA and

@@ -60,7 +60,7 @@ from .devices import HOST, Device, nbytes
 from .errors import BudgetError, MobiusError
 from .placement import sent_device
 from .python_state import sync_shells
-from .stage_calls import StageCall, StageCalls, StageState, Step, logged_grad
+from .stage_calls import GradHomes, StageCall, StageCalls, StageState, Step, logged_grad
 from .microbatch import batch_rows, combine, guess_kind
 from .microbatch import split as split_inputs
 from .streams import PENDING, tick

@@ -46,9 +46,10 @@ from torch.autograd.function import once_differentiable
 
 from .devices import Device, nbytes
 from .errors import MobiusError
+from .host_counters import COUNTERS
 
 __all__ = ["StageCalls", "StageState", "Step", "StageCall", "StageFunction", "Masters", "GradLog", "OnHost",
-           "bind", "rebuild", "autocast_for", "logged_grad", "host_gradient"]
+           "bind", "rebuild", "autocast_for", "logged_grad", "host_gradient", "GradHomes"]
 
 
 class StageState:
@@ -85,20 +86,64 @@ class StageState:
         self.train: list[int] = []  # slots that take gradients (set at each prefetch)
 
 
-def host_gradient(master: torch.Tensor, thunks: Sequence[Any]) -> torch.Tensor | None:
+class GradHomes:
+    """Per master, host storage its gradient is converted into, kept across steps: a step does not
+    allocate (and fault in) a new fp32 gradient per master after `zero_grad(set_to_none=True)`
+    freed the last. `.grad` is still None between `zero_grad` and the next backward, as torch
+    users expect; the hand-over points it at the master's home again. A home someone else still
+    holds (`g = p.grad` kept across steps, a view of it, async's update in flight) is left to
+    them and a new one made, so no gradient a user kept is overwritten."""
+
+    def __init__(self) -> None:
+        self._homes: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def take(self, master: torch.Tensor) -> torch.Tensor:
+        entry = self._homes.get(id(master))
+        if entry is not None and entry[0]() is master and entry[1].shape == master.shape \
+                and entry[1].dtype == master.dtype and _alone(entry[1]):
+            return entry[1]
+        home = torch.empty_like(master, memory_format=torch.contiguous_format)
+        COUNTERS.add("grad_alloc", nbytes(home))
+        self._homes[id(master)] = (weakref.ref(master), home)
+        return home
+
+
+def _alone(t: torch.Tensor) -> bool:
+    """Only GradHomes holds `t` (no Python reference, no view, no `.grad` slot elsewhere)."""
+    import sys
+    return sys.getrefcount(t) <= 3 and torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
+
+
+def host_gradient(master: torch.Tensor, thunks: Sequence[Any], homes: GradHomes | None = None) -> torch.Tensor | None:
     """A master's host gradient: the downloads of every stage that holds it (each thunk gives
     one, in the streamed dtype, or None), summed in order in the master's dtype on its device;
     None when there is none. The runtime (`_gradients`), the optimizer overlap and the
-    data-parallel reducer all sum this one way, so their results are bit for bit the same."""
+    data-parallel reducer all sum this one way, so their results are bit for bit the same.
+    A download already in the master's dtype is the gradient itself (no pass); one to convert is
+    converted into the master's home in `homes` when given (kept across steps), else into new
+    memory. The passes are counted (`host_counters.COUNTERS`)."""
     total = None
     for thunk in thunks:
         g = thunk()
         if g is None:  # data parallel: no rank had a gradient for it
             continue
         if total is None:
-            total = g.to(device=master.device, dtype=master.dtype)
+            if g.dtype == master.dtype and g.device == master.device:
+                total = g
+                COUNTERS.add("grad_alloc", nbytes(g))  # the download's own buffer, handed on
+            else:
+                if homes is not None:
+                    total = homes.take(master)
+                else:
+                    total = torch.empty_like(master, memory_format=torch.contiguous_format)
+                    COUNTERS.add("grad_alloc", nbytes(total))
+                with torch.no_grad():
+                    total.copy_(g)
+                COUNTERS.add("grad_convert", nbytes(g) + nbytes(total))
         else:
-            total.add_(g.to(master.dtype))
+            with torch.no_grad():  # in the master's dtype: the same bits as adding g.to(master.dtype), no temporary
+                total.add_(g.to(device=master.device) if g.device != master.device else g)
+            COUNTERS.add("grad_convert", nbytes(g) + 2 * nbytes(total))
     return total
 
 

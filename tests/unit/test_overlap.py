@@ -417,23 +417,12 @@ def test_under_refresh_copies_frozen_weights_are_staged_once_and_again_only_when
     streamed = sum(len(d._pinned) for d in devs)
     assert copies[0] == streamed and copies[2:4] == [0, 0]  # frozen ones too, after their first copy
     assert copies[4] == 1  # the one frozen weight that changed
-    # The promise ends with the overlap (replaced, or closed): a write through .data reaches the GPUs again.
+    # A write in place through .data bumps no version: pipe.refresh_weights() streams it.
     matrix = next(p for p in frozen[1:] if p.dim() == 2)
-    for end in ("replace", "close"):
-        opt = pipe.overlap(opt.inner if end == "replace" else torch.optim.SGD(opt.param_groups[0]["params"]),
-                           mode="sync", refresh_copies=True)
-        for (x,) in data[:2]:
-            _loss(pipe(x), x).backward()
-            opt.step()
-            opt.zero_grad()
-        if end == "replace":
-            pipe.overlap(opt.inner, mode="none")
-        else:
-            opt.close()
-        assert not any(d.trust_versions for d in devs)
-        matrix.data.mul_(0.5)
-        with torch.no_grad():
-            assert torch.equal(pipe(x), model(x)), end
+    matrix.data.mul_(0.5)
+    pipe.refresh_weights()
+    with torch.no_grad():
+        assert torch.equal(pipe(x), model(x))
 
 
 def test_under_refresh_copies_buffers_a_module_updates_unseen_are_still_copied_every_step():
@@ -469,26 +458,70 @@ def test_under_refresh_copies_buffers_a_module_updates_unseen_are_still_copied_e
         torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=0)
 
 
-def test_by_default_weights_written_through_data_are_streamed_and_a_forward_before_step_is_refused(tmp_path):
-    """Without refresh_copies the streamed copies are made again every step, so an in-place
-    write through `.data` (which bumps no version counter; a WGAN's clipping) reaches the GPUs."""
+@pytest.mark.parametrize("how", ["fused_step", "load_state_dict", "assign_data", "no_grad_inplace",
+                                 "data_inplace_refresh", "async_swap"])
+def test_every_documented_way_of_changing_weights_reaches_the_streamed_copies(tmp_path, how):
+    """The streamed copies are kept across steps and made again only for masters whose storage
+    or version changed. Each documented way of changing weights outside the pipeline must reach
+    the GPUs: a fused optimizer (which bumps no version itself), load_state_dict, `p.data = t`,
+    an in-place edit under no_grad, an in-place write through `.data` followed by
+    `pipe.refresh_weights()`, and async's pointer swap (two storages alternating)."""
     model = _model("gpt")
     data = _batches(model, "gpt", 4)
     topo = Topology.virtual(gpus=2, memory=8 * sum(p.numel() * 4 for p in model.parameters()))
     pipe = mobius_fx.compile(model, topo, example_inputs=data[0], microbatches=2, cuts=[1, 2, 3],
                              cache_dir=str(tmp_path), device="virtual-async", verbose=False)
+    if how == "async_swap":
+        opt = pipe.overlap(torch.optim.SGD(model.parameters(), lr=0.1), mode="async")
+    else:
+        opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=0.1, fused=how == "fused_step"), mode="none")
+    snapshot = copy.deepcopy(model.state_dict())
+    for j, (x,) in enumerate(data):
+        _loss(pipe(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+        if how == "async_swap":
+            opt.synchronize()
+        with torch.no_grad():
+            pipe(x)  # streams the weights as they are now: the change below is the only one since
+        if how == "fused_step":
+            _loss(model(x), x).backward()  # eager: the pipeline's forward is not what changes them
+            opt.step()
+            opt.zero_grad()
+        elif how == "load_state_dict":
+            model.load_state_dict(snapshot)
+        elif how == "assign_data":
+            for p in model.parameters():
+                p.data = p.data * 0.5
+        elif how == "no_grad_inplace":
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+        elif how == "data_inplace_refresh":
+            for p in model.parameters():
+                p.data.mul_(0.5)
+            pipe.refresh_weights()
+        with torch.no_grad():
+            assert torch.equal(pipe(x), model(x)), j  # the pipeline runs on the weights the model holds
+
+
+def test_a_forward_before_step_is_refused_once_stages_were_stepped(tmp_path):
+    model = _model("gpt")
+    data = _batches(model, "gpt", 3)
+    topo = Topology.virtual(gpus=2, memory=8 * sum(p.numel() * 4 for p in model.parameters()))
+    pipe = mobius_fx.compile(model, topo, example_inputs=data[0], microbatches=2, cuts=[1, 2, 3],
+                             cache_dir=str(tmp_path), device="virtual-async", verbose=False)
     opt = pipe.overlap(torch.optim.SGD(model.parameters(), lr=0.1), mode="sync")
-    for (x,) in data[:3]:
+    refused = 0
+    for (x,) in data:
         _loss(pipe(x), x).backward()
         if opt.stepped_in_backward or opt._stepped:
             with pytest.raises(MobiusError, match="between loss.backward"):
                 pipe(x)
+            refused += 1
         opt.step()
         opt.zero_grad()
-        for p in model.parameters():
-            p.data.mul_(0.5)
-        with torch.no_grad():
-            assert torch.equal(pipe(x), model(x))  # the pipeline runs on the weights the model holds
+    assert refused
 
 
 def test_hooks_registered_on_the_overlapped_optimizer_run(tmp_path):
@@ -500,3 +533,32 @@ def test_hooks_registered_on_the_overlapped_optimizer_run(tmp_path):
     opt.step()
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
     assert seen and sum(seen) == trainable  # once per stage stepped during backward, every parameter once
+
+
+@pytest.mark.parametrize("end", ["replace", "close"])
+def test_a_replaced_or_closed_overlap_is_freed_with_its_optimizer_state(tmp_path, end):
+    """The pre-hooks sync mode puts on the AccumulateGrad nodes live as long as the parameters:
+    they must not keep a replaced or closed overlap, its optimizer or that optimizer's state alive
+    (two dead AdamW states of a 3B model filled a GPU host's memory)."""
+    import gc
+    import weakref
+
+    # pulp keeps the traceback of its failed optional solver imports (cplex, copt), and with it
+    # every frame of the call that first imported it: imported here first, no frame of ours.
+    import pulp  # noqa: F401
+
+    model, data, pipe, opt = _overlapping(tmp_path)
+    assert opt._handles and opt.inner.state
+    gone = [weakref.ref(opt), weakref.ref(opt.inner), weakref.ref(next(iter(opt.inner.state.values()))["exp_avg"])]
+    if end == "replace":
+        opt = pipe.overlap(torch.optim.SGD(model.parameters(), lr=1e-2), mode="sync")
+    else:
+        opt.close()
+        assert pipe._rt.overlap is None  # a closed overlap is no longer the pipeline's
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gc.collect()
+    assert [r() is None for r in gone] == [True] * 3
+    for (x,) in data[2:4]:  # the pipeline trains on with the optimizer that replaced it
+        _loss(pipe(x), x).backward()
+        opt.step()
+        opt.zero_grad()

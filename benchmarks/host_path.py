@@ -1,0 +1,110 @@
+"""The host's work outside the optimizer, per step (issue 27): before and after, next to the ideal.
+
+A GPT (mobius_fx.zoo.GPT, ~100M parameters by default) fine-tuned through a pipeline on
+`device="virtual-async"` (the CUDA path's streams, events and slot pool on the CPU), AdamW
+stepped by `pipe.overlap(mode="sync")`. Per step it prints, from the runtime's own counters
+(mobius_fx/host_counters.py):
+
+- host bytes per parameter read and written by passes outside the optimizer: staging copies of
+  the masters into the streamed copies, gradient conversions, fresh gradient memory, additions
+  into `.grad`; the copies the optimizer's worker writes right after a stage's step (`refresh`)
+  are shown apart, beside the optimizer;
+- Python dispatch calls of the memory books (`Device.dispatch_calls`: one per op of stage work);
+- the main thread's blocking waits (`StreamDevice.waits`).
+
+"before" is the behaviour before issue 27 (every master copied at its first upload of every
+step, no refresh, a new fp32 gradient per master per step); "after" the defaults now. The ideal
+is 0 bytes outside the optimizer.
+
+    python benchmarks/host_path.py                  # ~100M parameters, bf16 streamed, 3 steps
+    python benchmarks/host_path.py --params 5e6 --steps 4 --dtype fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import mobius_fx  # noqa: E402
+from mobius_fx import Topology  # noqa: E402
+from mobius_fx.host_counters import COUNTERS, HostCounters  # noqa: E402
+from mobius_fx.zoo import GPT, GPTConfig  # noqa: E402
+
+
+def _config(params: float) -> GPTConfig:
+    """A GPT of about `params` parameters: 12 blocks (12 h^2 each) and a 4096-token vocabulary."""
+    blocks, vocab = 8, 4096
+    hidden = 64
+    while 12 * blocks * (hidden + 64) ** 2 + vocab * (hidden + 64) <= params:
+        hidden += 64
+    return GPTConfig(vocab=vocab, seq=64, hidden=hidden, blocks=blocks, heads=max(1, hidden // 64), dropout=0.0)
+
+
+def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before: bool) -> list[dict]:
+    torch.manual_seed(0)
+    model = GPT(_config(params))
+    n = sum(p.numel() for p in model.parameters())
+    x = torch.randint(0, model.config.vocab, (4, model.config.seq))
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    topo = Topology.virtual(gpus=2, memory=nbytes + 2**26)
+    pipe = mobius_fx.compile(model, topo, example_inputs=(x,), microbatches=2, device="virtual-async",
+                             dtype=dtype, verbose=False)
+    devs = list(pipe.devices.values())
+    if before:  # the behaviour before issue 27
+        for d in devs:
+            d.trust_versions = False
+        pipe._rt.grad_homes = None
+    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4), mode="sync", refresh_copies=not before)
+    rows = []
+    for step in range(steps):
+        c0 = COUNTERS.snapshot()
+        d0 = sum(d.dispatch_calls for d in devs)
+        t0 = time.perf_counter()
+        logits = pipe(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        wall = time.perf_counter() - t0
+        c = HostCounters.since(c0, COUNTERS.snapshot())
+        rows.append({"step": step, "params": n, "outside": HostCounters.outside_optimizer(c) / n,
+                     "refresh": c["refresh"] / n, "counts": c,
+                     "dispatch": sum(d.dispatch_calls for d in devs) - d0,
+                     "waits": sum(d.waits.count() for d in devs), "wall": wall})
+        print(f"{label:6s} step {step}: outside the optimizer {rows[-1]['outside']:5.2f} B/param "
+              f"({', '.join(f'{k} {v / n:.2f}' for k, v in c.items() if v and k != 'refresh') or 'nothing'}), "
+              f"beside it (refresh) {rows[-1]['refresh']:.2f} B/param, dispatch calls {rows[-1]['dispatch']}, "
+              f"main-thread waits {rows[-1]['waits']}, {wall:.2f} s", flush=True)
+    opt.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=100e6, help="about how many parameters (default 1e8)")
+    ap.add_argument("--steps", type=int, default=3, help="steps per run (the first runs serially: sync's probe)")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the streamed dtype")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    dtype = torch.bfloat16 if args.dtype == "bf16" else None
+    results = {label: run(label, args.params, args.steps, dtype, before) for label, before in
+               (("before", True), ("after", False))}
+    last = {k: v[-1] for k, v in results.items()}
+    print(f"\nsteady state (step {args.steps - 1}), {last['after']['params'] / 1e6:.1f}M parameters, "
+          f"{args.dtype} streamed, bytes per parameter per step:")
+    print(f"{'':28s}{'ideal':>10s}{'before':>10s}{'after':>10s}")
+    print(f"{'outside the optimizer':28s}{0:>10.2f}{last['before']['outside']:>10.2f}{last['after']['outside']:>10.2f}")
+    print(f"{'beside it (refresh)':28s}{'-':>10s}{last['before']['refresh']:>10.2f}{last['after']['refresh']:>10.2f}")
+    print(f"{'dispatch calls':28s}{'-':>10s}{last['before']['dispatch']:>10d}{last['after']['dispatch']:>10d}")
+    print(f"{'main-thread waits':28s}{0:>10d}{last['before']['waits']:>10d}{last['after']['waits']:>10d}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The host's work outside the optimizer, counted: what `benchmarks/host_path.py` reports.
+
+On a host-bound pipeline every pass the CPU makes over the weights or gradients besides the
+optimizer's own is on the critical path (issue 27: 40 bytes per parameter per step where the fused
+optimizer needs 28). The runtime counts those passes here, in bytes read plus written:
+
+- `staging`      — a master copied (and cast) into the streamed copy an upload reads, by the upload
+                   worker (`StreamDevice._staged`);
+- `refresh`      — the same copy written by the optimizer overlap right after a stage's step
+                   (`StreamDevice.refresh`): beside the optimizer, off the critical path in sync mode;
+- `grad_convert` — a downloaded gradient converted into the master's dtype, or summed with another
+                   stage's (a tied weight), on its way to `.grad` (`host_gradient`);
+- `grad_alloc`   — fresh host memory allocated for a gradient (faulted in by its first write);
+- `grad_add`     — a gradient added into an existing `.grad` (accumulation the loop asked for);
+- `finite_check` — pipe.overlap(mode="sync") reading a stage's gradients for a non-finite value
+                   before stepping it during backward (a loop may skip a step on one).
+
+A step with nothing but the optimizer has 0 in all but `refresh`. The counters are process-wide
+(several pipelines add into them) and cheap: one locked addition per tensor, never per element.
+
+`watch_optimizer_steps()` (installed by every stream-device pipeline) bumps the version counter of
+the parameters a `torch.optim` step changed: the fused optimizers write without bumping it, and
+the streamed copies are made again only for masters whose storage or version changed.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+__all__ = ["COUNTERS", "HostCounters", "watch_optimizer_steps"]
+
+KINDS = ("staging", "refresh", "grad_convert", "grad_alloc", "grad_add", "finite_check")
+
+
+class HostCounters:
+    """Bytes the host read and wrote per kind of pass (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes = dict.fromkeys(KINDS, 0)
+
+    def add(self, kind: str, n: int) -> None:
+        with self._lock:
+            self._bytes[kind] += int(n)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._bytes)
+
+    @staticmethod
+    def since(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+        return {k: after[k] - before.get(k, 0) for k in after}
+
+    @staticmethod
+    def outside_optimizer(counts: dict[str, int]) -> int:
+        """The bytes of passes that are neither the optimizer's step nor written beside it."""
+        return sum(v for k, v in counts.items() if k != "refresh")
+
+
+COUNTERS = HostCounters()
+
+_installed = False
+_install_lock = threading.Lock()
+
+
+def _stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if params:
+        torch.autograd.graph.increment_version(params)
+
+
+def watch_optimizer_steps() -> None:
+    """Install, once per process, a global `torch.optim` step post-hook that bumps the version of
+    every parameter the step had a gradient for (`fused=True` AdamW/Adam/SGD write theirs without
+    bumping it; the foreach and for-loop ones already do)."""
+    global _installed
+    with _install_lock:
+        if not _installed:
+            register_optimizer_step_post_hook(_stepped)
+            _installed = True
