@@ -95,6 +95,7 @@ class Runtime(StageCalls):
         self.batch_dims: dict | None = None  # compile's batch_dims= (mobius_fx/microbatch.py)
         self.analysed = False  # whether microbatch.prepare ran (at compile, or at the first call)
         self.output_kinds: list | None = None  # how each output leaf combines (microbatch.analyse); None: guess
+        self.grad_homes = GradHomes()  # host gradient storage kept across steps (the optimizer overlap's hand-over)
         self._from_host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # GPU copy -> its host original
         self._lock = threading.RLock()
         self._anchor = torch.zeros((), requires_grad=True)
