@@ -342,15 +342,18 @@ def test_from_json_is_linear_in_the_number_of_gpus():
     import gc
     import time
 
-    def best(text: str, runs: int) -> float:
-        times = []
-        for _ in range(runs):
-            gc.collect()  # each run starts from the same heap: the last run's garbage is not charged to it
-            start = time.process_time()
-            Topology.from_json(text)
-            times.append(time.process_time() - start)
-        return min(times)
+    def timed(text: str) -> float:
+        gc.collect()  # each run starts from the same heap: the last run's garbage is not charged to it
+        start = time.process_time()
+        Topology.from_json(text)
+        return time.process_time() - start
 
     small, large = _flat_server(256), _flat_server(4096)
     assert Topology.from_json(small).gpus[-1].index == 255
-    assert best(large, 3) <= 20 * best(small, 5)
+    # Interleaved, best of each: a load that comes and goes (other processes on the machine
+    # slow this one's caches) reaches both sizes alike instead of one of them.
+    times: dict[str, list[float]] = {"small": [], "large": []}
+    for _ in range(4):
+        times["small"] += [timed(small), timed(small)]
+        times["large"].append(timed(large))
+    assert min(times["large"]) <= 20 * min(times["small"]), times
