@@ -38,14 +38,6 @@ BATCH, SEQ, MICROBATCHES, STAGES = 4, 16, 2, 4
 FP32_UNIT_ROUNDOFF = torch.finfo(torch.float32).eps / 2  # 2**-24
 
 
-@pytest.fixture(autouse=True)
-def _exact_fp32():
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-
-
 def hf_call(name: str, vocab: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
     """Seeded keyword inputs with labels, so every model returns a loss: token ids (T5: the
     decoder's labels, half as long; BERT: the ids as masked-LM labels)."""

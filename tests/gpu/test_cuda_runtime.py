@@ -38,14 +38,6 @@ def needs_devices_for(layout: str) -> None:
                     f"one-device variant covers the streams")
 
 
-@pytest.fixture(autouse=True)
-def _exact_fp32():
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-
-
 def even_cut(gm, stages):
     names = [n.name for n in gm.graph.nodes if n.op in _COMPUTE]
     bounds = [round(i * len(names) / stages) for i in range(stages + 1)]
