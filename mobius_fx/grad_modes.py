@@ -22,6 +22,7 @@ gets no gradient. The two front ends differ here:
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import torch
@@ -40,8 +41,12 @@ def recording(*, set_grad: bool = True):
     description per construct kind), and `torch.inference_mode()` regions act as no_grad ones.
     The grad mode in force when it began is in force again when it ends. `set_grad=False`
     (around torch.export, whose tracer tests `func is torch._C._set_grad_enabled`, so that it
-    must stay torch's own): only inference-mode regions are noted and turned into no_grad."""
+    must stay torch's own): only inference-mode regions are noted and turned into no_grad.
+    Only the calling thread's changes count: the patched functions are process-wide, and other
+    threads (an optimizer step of `pipe.overlap(mode="async")` in flight while a new call's
+    variant is traced) pass straight through to torch's own."""
     changes: list[str] = []
+    tracer = threading.get_ident()
     patch_set_grad, set_grad = set_grad, torch._C._set_grad_enabled
     enter, exit_ = inference_mode.__enter__, inference_mode.__exit__
     was = torch.is_grad_enabled()
@@ -51,11 +56,13 @@ def recording(*, set_grad: bool = True):
             changes.append(what)
 
     def set_grad_enabled(mode: bool) -> None:
+        if threading.get_ident() != tracer:
+            return set_grad(mode)
         note(_ENABLE if mode else _NO_GRAD)
         set_grad(mode)
 
     def inference_enter(self: Any) -> None:
-        if not self.mode:  # inference_mode(False): no change to the gradients
+        if not self.mode or threading.get_ident() != tracer:  # inference_mode(False): no change to the gradients
             return enter(self)
         note(_INFERENCE)
         self._mobius_prev = torch.is_grad_enabled()
@@ -63,9 +70,9 @@ def recording(*, set_grad: bool = True):
         return None
 
     def inference_exit(self: Any, *exc: Any) -> None:
-        if not self.mode:
+        if not self.mode or "_mobius_prev" not in self.__dict__:  # entered as torch's own (another thread)
             return exit_(self, *exc)
-        set_grad(self._mobius_prev)
+        set_grad(self.__dict__.pop("_mobius_prev"))
         return None
 
     if patch_set_grad:

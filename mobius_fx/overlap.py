@@ -57,7 +57,6 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import weakref
@@ -77,6 +76,28 @@ __all__ = ["OverlapOptimizer", "MODES"]
 log = logging.getLogger("mobius_fx")
 
 MODES = ("sync", "async", "none")
+
+
+class _WeakHook:
+    """A hook that calls `method` of an overlap held weakly, and nothing once it is gone. Copying
+    or pickling the model it hangs on (`copy.deepcopy(model)` for a best-model copy,
+    `torch.save(model)`) gives an inert hook: the copy is not the overlap's."""
+
+    def __init__(self, owner: Any, method: str, *args: Any) -> None:
+        self._ref = weakref.ref(owner) if owner is not None else None
+        self._method, self._args = method, args
+
+    def __call__(self, *a: Any) -> Any:
+        owner = self._ref() if self._ref is not None else None
+        if owner is not None:
+            return getattr(owner, self._method)(*self._args, *a)
+        return None
+
+    def __deepcopy__(self, memo: dict) -> "_WeakHook":
+        return _WeakHook(None, self._method)
+
+    def __reduce__(self) -> tuple:
+        return (_WeakHook, (None, self._method))
 
 
 def _accumulator(p: torch.Tensor) -> Any:
@@ -217,11 +238,12 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._hooks = []
         if mode == "async":
             model = pipeline.model
-            self._hooks = [m.register_state_dict_pre_hook(self._reading) for m in model.modules()]
-            self._hooks += [m.register_load_state_dict_pre_hook(self._reading) for m in model.modules()]
-            self._hooks.append(model.register_forward_pre_hook(self._reading))
+            reading = _WeakHook(self, "_reading")
+            self._hooks = [m.register_state_dict_pre_hook(reading) for m in model.modules()]
+            self._hooks += [m.register_load_state_dict_pre_hook(reading) for m in model.modules()]
+            self._hooks.append(model.register_forward_pre_hook(reading))
             # a gradient arriving for a parameter whose .grad the update in flight reads: unshare it first
-            self._hooks += [p.register_hook(functools.partial(self._arriving, p)) for p in self._params()
+            self._hooks += [p.register_hook(_WeakHook(self, "_arriving", p)) for p in self._params()
                             if p.requires_grad]
         if shard:
             self._owners = _partition(self._params(), reducer.world)
@@ -636,6 +658,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         pipe = self._pipeline
         if pipe.__dict__.get("_overlap") is self:  # closed while current: the pipeline steps nothing more through it
             object.__setattr__(pipe, "_overlap", None)
-            if pipe._rt.overlap is self:
-                pipe._rt.overlap = None
+        runtimes = [pipe._rt] + [v.runtime for v in getattr(pipe, "_variants", ())]  # every compiled variant's
+        for rt in runtimes:
+            if rt.overlap is self:
+                rt.overlap = None
 

@@ -370,8 +370,9 @@ class VariantPipeline(Pipeline):
 
     def _use(self, v: Variant) -> None:
         old = self._rt
-        if v.runtime is not old:  # the optimizer overlap and the data-parallel reducer follow the call
-            v.runtime.overlap, v.runtime.reducer = old.overlap, old.reducer
+        if v.runtime is not old:  # the optimizer overlap, the data-parallel reducer and the kept host
+            # gradient storage (one fp32 buffer per master, not one per variant) follow the call
+            v.runtime.overlap, v.runtime.reducer, v.runtime.grad_homes = old.overlap, old.reducer, old.grad_homes
         for attr, value in (("_gm", v.gm), ("schedule", v.schedule), ("program", v.program), ("_rt", v.runtime)):
             object.__setattr__(self, attr, value)
         self.plan, self.code = v.plan, v.code

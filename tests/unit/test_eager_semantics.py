@@ -309,3 +309,30 @@ def test_eval_on_a_module_whose_own_code_reads_training_warns_on_the_fx_path(tmp
     model.eval()
     with pytest.warns(UserWarning, match=r"reads `self.training` \(_TrainingBranch\).*Compile the model again"):
         pipe(x)
+
+
+def test_grad_mode_changes_of_other_threads_are_not_the_traced_forwards():
+    # The patched grad-mode functions are process-wide: an async optimizer step (torch's step sets
+    # the grad mode) running while a new call's variant is traced must not count as the forward's.
+    import threading
+
+    from mobius_fx import grad_modes
+
+    inside, done = threading.Event(), threading.Event()
+
+    def other() -> None:
+        inside.wait(10)
+        with torch.no_grad():
+            pass
+        with torch.inference_mode():
+            pass
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with grad_modes.recording() as changes:
+        inside.set()
+        assert done.wait(10)
+    t.join(10)
+    assert changes == []
+    assert torch.is_grad_enabled()
