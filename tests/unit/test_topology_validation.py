@@ -352,8 +352,13 @@ def test_from_json_is_linear_in_the_number_of_gpus():
     assert Topology.from_json(small).gpus[-1].index == 255
     # Interleaved, best of each: a load that comes and goes (other processes on the machine
     # slow this one's caches) reaches both sizes alike instead of one of them.
+    # Interference only ever slows a run, so the best of each size is the estimate; under a
+    # passing load a second or third round is taken before the ratio is judged.
     times: dict[str, list[float]] = {"small": [], "large": []}
-    for _ in range(4):
-        times["small"] += [timed(small), timed(small)]
-        times["large"].append(timed(large))
+    for _ in range(3):
+        for _ in range(4):
+            times["small"] += [timed(small), timed(small)]
+            times["large"].append(timed(large))
+        if min(times["large"]) <= 20 * min(times["small"]):
+            break
     assert min(times["large"]) <= 20 * min(times["small"]), times
