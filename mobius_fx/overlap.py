@@ -222,7 +222,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._after_backward: dict[int, tuple[Any, int]] = {}  # id(p) -> (its .grad, version) when backward ended
         self._hp: list[dict] | None = None  # the hyper-parameters this round's stages were stepped with
         self._watched: set[int] = set()  # parameters whose AccumulateGrad node has our pre-hook
-        self._handles: list[Any] = []  # those pre-hooks' handles: removed by close() (else they keep this alive)
+        self._handles: list[Any] = []  # every hook this overlap put on autograd or the model: removed by close()
         self._handed_fp: dict[int, tuple] = {}  # probe: the gradients Masters handed autograd (tensor, version)
         self._outside: set[int] = set()  # parameters that also get gradients from outside the pipeline
         self._late: set[int] = set()  # ... seen after their stage was stepped (an overlapping round)
@@ -235,15 +235,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # async: the model's state_dict() and load_state_dict() (of any of its modules) and an eager call
         # of the model first finish the update in flight, so `{"model": m.state_dict(), "opt":
         # opt.state_dict()}` is one step, and a loaded checkpoint is not overwritten by it
-        self._hooks = []
         if mode == "async":
             model = pipeline.model
             reading = _WeakHook(self, "_reading")
-            self._hooks = [m.register_state_dict_pre_hook(reading) for m in model.modules()]
-            self._hooks += [m.register_load_state_dict_pre_hook(reading) for m in model.modules()]
-            self._hooks.append(model.register_forward_pre_hook(reading))
+            self._handles += [m.register_state_dict_pre_hook(reading) for m in model.modules()]
+            self._handles += [m.register_load_state_dict_pre_hook(reading) for m in model.modules()]
+            self._handles.append(model.register_forward_pre_hook(reading))
             # a gradient arriving for a parameter whose .grad the update in flight reads: unshare it first
-            self._hooks += [p.register_hook(_WeakHook(self, "_arriving", p)) for p in self._params()
+            self._handles += [p.register_hook(_WeakHook(self, "_arriving", p)) for p in self._params()
                             if p.requires_grad]
         if shard:
             self._owners = _partition(self._params(), reducer.world)
@@ -361,25 +360,22 @@ class OverlapOptimizer(torch.optim.Optimizer):
         node = self._nodes.get(id(p))
         if node is None:
             node = self._nodes[id(p)] = _accumulator(p)
-        pid = id(p)
         # The node outlives this optimizer (autograd keeps it while `p` lives): the hook holds it
         # weakly and close() removes it, so a replaced or closed overlap and its state are freed.
-        me = weakref.ref(self)
+        self._handles.append(node.register_prehook(_WeakHook(self, "_arrives", id(p))))
+        self._watched.add(id(p))
 
-        def arrives(grad_outputs: tuple) -> None:
-            self = me()
-            g = grad_outputs[0] if grad_outputs else None
-            if g is None or self is None:
-                return
-            if pid in self._stepped:
-                self._late.add(pid)
-            elif self._probing and pid in self._handed_fp:
-                mine, version = self._handed_fp[pid]
-                if g is not mine or g._version != version:  # summed with another gradient (even a zero one)
-                    self._outside.add(pid)
-
-        self._handles.append(node.register_prehook(arrives))
-        self._watched.add(pid)
+    def _arrives(self, pid: int, grad_outputs: tuple) -> None:
+        """What autograd accumulates into parameter `pid`'s `.grad` (its AccumulateGrad pre-hook)."""
+        g = grad_outputs[0] if grad_outputs else None
+        if g is None:
+            return
+        if pid in self._stepped:
+            self._late.add(pid)
+        elif self._probing and pid in self._handed_fp:
+            mine, version = self._handed_fp[pid]
+            if g is not mine or g._version != version:  # summed with another gradient (even a zero one)
+                self._outside.add(pid)
 
     def handed_by_autograd(self, grads: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The runtime's `Masters` hands these (id -> (master, gradient)) to autograd; while
@@ -646,9 +642,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.synchronize()
         self._adder.shutdown()
         self._stepper.shutdown()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
