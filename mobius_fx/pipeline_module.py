@@ -4,10 +4,11 @@ program (mobius_fx.ops on a `runtime.Runtime`); `mobius_fx.pipeline.build_pipeli
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -71,13 +72,19 @@ class Pipeline(nn.Module):
         """Run the schedule on this call's inputs. One call at a time: a pipeline's GPU slots,
         streams and step book-keeping belong to the step in progress, so a second call from
         another thread (or from inside the first) is refused, not interleaved with it."""
+        with self._one_call():
+            return self._forward(args, kwargs)
+
+    @contextlib.contextmanager
+    def _one_call(self) -> Iterator[None]:
+        """Hold the pipeline for one call, or refuse a second call while one runs."""
         if not self._calling.acquire(blocking=False):
             raise MobiusError("this pipeline is already running a forward (in another thread, or a hook that calls it "
                               "from inside its own forward); a pipeline runs one call at a time: call it from one "
                               "thread (a lock around pipe(...)), or compile one pipeline per thread, each over its "
                               "own copy of the model")
         try:
-            return self._forward(args, kwargs)
+            yield
         finally:
             self._calling.release()
 

@@ -386,12 +386,13 @@ class VariantPipeline(Pipeline):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self._variants:  # built without an example: the call as given
             return super().forward(*args, **kwargs)
-        call = bind_call(self.model, args, kwargs)
-        v = self._select(call)
-        self._use(v)
-        self._check_labels(call)
-        a, k, _, _ = v.flat(call)
-        return super().forward(*a, **k)
+        with self._one_call():  # a second call is refused before it selects (and switches to) a variant
+            call = bind_call(self.model, args, kwargs)
+            v = self._select(call)
+            self._use(v)
+            self._check_labels(call)
+            a, k, _, _ = v.flat(call)
+            return self._forward(a, k)
 
     def _check_labels(self, call: Call) -> None:
         """Warn (once) when `labels` ignores (-100, HF's ignore_index) more tokens in one

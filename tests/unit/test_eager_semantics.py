@@ -123,6 +123,47 @@ def test_a_second_thread_calling_a_running_pipeline_is_refused(tmp_path):
     pipe(x).sum().backward()  # the lock was released
 
 
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, t, mask=None):
+        h = torch.tanh(self.a(t))
+        return self.b(h if mask is None else h * mask)
+
+
+def test_a_second_call_is_refused_before_it_switches_the_variant(tmp_path):
+    torch.manual_seed(0)
+    model, x = _Masked(), torch.randn(4, 4)
+    pipe = _compile(model, x, tmp_path)
+    mask = torch.ones(4, 8)
+    pipe(x, mask=mask)  # a second variant (another call signature), compiled and run once
+    assert len(pipe.variants) == 2
+    seen = {}
+
+    def other_thread():
+        try:
+            pipe(x, mask=mask)
+        except MobiusError as e:
+            seen["error"] = e
+
+    def hook(module, args, out):
+        if "runtime" not in seen:
+            seen["runtime"] = pipe._rt
+            t = threading.Thread(target=other_thread)
+            t.start()
+            t.join()
+            seen["after"] = pipe._rt
+
+    handle = model.a.register_forward_hook(hook)
+    out = pipe(x)
+    handle.remove()
+    assert "one call at a time" in str(seen["error"])
+    assert seen["after"] is seen["runtime"]  # the running call's variant stayed in place
+    out.sum().backward()
+
+
 # ----------------------------------------------------------------------------- item 1: grad-mode regions
 
 class _Regions(nn.Module):
