@@ -326,16 +326,22 @@ class Runtime(StageCalls):
                     continue
                 mod, attr, name = place
                 now, old = (mod._parameters if st.is_param[j] else mod._buffers).get(attr), st.masters[j]
-                if now is old:
+                shape, dtype, device = st.kinds[j]  # the master's at compile
+                if now is not None and (now.shape, now.dtype, now.device) == (shape, dtype, device):
+                    st.masters[j] = now  # itself, or a replacement of its kind
                     continue
-                if now is None or (now.shape, now.dtype, now.device) != (old.shape, old.dtype, old.device):
-                    what = "removed" if now is None else f"replaced by a {now.dtype} tensor of shape {tuple(now.shape)}"
-                    raise MobiusError(f"the model's {'parameter' if st.is_param[j] else 'buffer'} `{name}` was {what} "
-                                      f"after compile; the pipeline streams a {old.dtype} tensor of shape "
-                                      f"{tuple(old.shape)} on {old.device} there: load weights of that shape and dtype "
-                                      f"(load_state_dict without assign=True copies into the compiled tensors), or "
-                                      f"compile the model again")
-                st.masters[j] = now
+                if now is None:
+                    what = "removed"
+                elif now is old:  # model.double(), model.to(torch.bfloat16), p.data = another shape
+                    what = f"changed in place to a {now.dtype} tensor of shape {tuple(now.shape)} on {now.device}"
+                else:
+                    what = f"replaced by a {now.dtype} tensor of shape {tuple(now.shape)} on {now.device}"
+                raise MobiusError(f"the model's {'parameter' if st.is_param[j] else 'buffer'} `{name}` was {what} "
+                                  f"after compile; the pipeline streams a {dtype} tensor of shape {tuple(shape)} on "
+                                  f"{device} there (its plan, GPU slots and streamed copies were made for it): load "
+                                  f"weights of that shape and dtype (load_state_dict without assign=True copies into "
+                                  f"the compiled tensors), or compile the model again after changing it; to compute "
+                                  f"in another precision keep the weights fp32 and compile with dtype=torch.bfloat16")
 
     def begin_step(self) -> None:
         if self.overlap is not None:

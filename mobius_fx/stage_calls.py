@@ -66,6 +66,7 @@ class StageState:
         self.module = spec.module
         self.masters = masters
         self.is_param = [isinstance(m, nn.Parameter) for m in masters]
+        self.kinds = [(m.shape, m.dtype, m.device) for m in masters]  # checked by Runtime.follow
         self.slots = [device.new_slot(m, dtype, p) for m, p in zip(masters, self.is_param)]
         for w, slot in zip(spec.weights, self.slots):
             for path, attr in w.slots:

@@ -164,6 +164,28 @@ def test_a_second_call_is_refused_before_it_switches_the_variant(tmp_path):
     out.sum().backward()
 
 
+@pytest.mark.parametrize("change, what", [
+    (lambda m: m.double(), r"`0.weight` was changed in place to a torch.float64 tensor.*streams a torch.float32"),
+    (lambda m: m.to(torch.bfloat16), r"`0.weight` was changed in place to a torch.bfloat16 tensor"),
+    (lambda m: setattr(m[2].weight, "data", torch.zeros(8, 3)), r"`2.weight` was changed in place to a torch.float32 "
+                                                                r"tensor of shape \(8, 3\).*of shape \(8, 8\)"),
+])
+def test_a_parameter_of_another_kind_after_compile_is_refused(tmp_path, change, what):
+    model, x = _mlp(), torch.randn(4, 4)
+    pipe = _compile(model, x, tmp_path)
+    pipe(x).sum().backward()
+    change(model)
+    with pytest.raises(MobiusError, match=what + r".*compile the model again"):
+        pipe(x.to(next(model.parameters()).dtype))
+
+
+def test_a_parameter_replaced_by_one_of_its_kind_is_used(tmp_path):
+    model, x = _mlp(), torch.randn(4, 4)
+    pipe = _compile(model, x, tmp_path)
+    model[2].weight = nn.Parameter(torch.zeros(8, 8))
+    torch.testing.assert_close(pipe(x), model(x))
+
+
 # ----------------------------------------------------------------------------- item 1: grad-mode regions
 
 class _Regions(nn.Module):
