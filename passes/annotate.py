@@ -44,7 +44,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from mobius_fx.costs import DeviceSpec, LayerCost, NodeCost
+from mobius_fx.costs import DeviceSpec, LayerCost, NodeCost, dtype_bytes, dtype_name
 from mobius_fx.errors import MobiusError
 from mobius_fx.passes.annotate_tools import (all_real, cuda_devices, holding, host_spec, main_dtype, median_time,
                                              meta_like, node_key, roofline, synchronizer, tensor_leaves,
@@ -122,12 +122,39 @@ def annotate(gm: fx.GraphModule, *, example_inputs: Sequence[Any] = (), example_
                    warmup=warmup, repeats=repeats, progress=progress)
         run.execute()
     assert run is not None
-
-    layers = group_layers(gm, node_costs=run.costs, out_bytes=run.out_bytes, act_bytes=run.act_bytes,
+    out_bytes, act_bytes = _bytes_as_run(gm, flat, names, spec, dtype, run, progress)
+    layers = group_layers(gm, node_costs=run.costs, out_bytes=out_bytes, act_bytes=act_bytes,
                           param_info=run.param_info)
     _report(progress, f"annotate: {len(gm.graph.nodes)} nodes -> {len(layers)} layers in "
                       f"{time.perf_counter() - t0:.2f} s ({'measured' if measure else 'modelled'})")
     return layers
+
+
+def _bytes_as_run(gm: fx.GraphModule, flat: list[Any], names: dict[str, str], spec: DeviceSpec, dtype: Any,
+                  run: "_Run", progress: Callable[[str], None] | None) -> tuple[dict, dict]:
+    """(out_bytes, act_bytes) per node in the master dtype's units: what `MemoryModel` scales by
+    `act_scale` (dtype / float32) to get the bytes the stage holds when it runs in `dtype`.
+
+    In the master dtype's trace, a conversion to fp32 (`logits.float()` before a loss) hands its
+    input back and costs nothing, and an op on it (log_softmax) looks as big as every other
+    activation; run in bf16, the conversion makes a new fp32 tensor and the loss works in fp32,
+    twice what the scaled trace says (issue 26: a plan `compile` accepted failed its budget at
+    the first step). So with a half-precision `dtype` the graph runs once more on meta tensors
+    with its floating weights and inputs in `dtype`, and each tensor counts its bytes there,
+    over the scale (an fp32 tensor counts double). Without one, the run's own bytes stand."""
+    master = main_dtype(gm)
+    if dtype is None or master != torch.float32 or dtype_bytes(dtype) >= dtype_bytes(master):
+        return run.out_bytes, run.act_bytes
+    cast = getattr(torch, dtype_name(dtype))
+    again = _Run(gm, flat, names, measure=False, spec=spec, dtype=cast, cast=cast)
+    try:
+        again.execute()
+    except MobiusError as e:  # a graph only real data can run: the measured bytes stand
+        _report(progress, f"annotate: cannot run the graph in {dtype_name(dtype)} on meta tensors ({e}); "
+                          "bytes as traced, scaled")
+        return run.out_bytes, run.act_bytes
+    scale = dtype_bytes(master) // dtype_bytes(dtype)
+    return ({n: b * scale for n, b in again.out_bytes.items()}, {n: b * scale for n, b in again.act_bytes.items()})
 
 
 # ----------------------------------------------------------------------------- execution
@@ -142,8 +169,9 @@ class _Run:
 
     def __init__(self, gm: fx.GraphModule, flat_inputs: list[Any], names: dict[str, str], *, measure: bool,
                  spec: DeviceSpec, dtype: Any, warmup: int = 0, repeats: int = 1,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, cast: torch.dtype | None = None):
         self.gm = gm
+        self.cast = cast  # meta copies of floating weights and inputs in this dtype (`_bytes_as_run`)
         self.flat_inputs = flat_inputs
         self.measure = measure
         self.spec = spec
@@ -175,7 +203,7 @@ class _Run:
         key = id(t)
         if key not in self._copies:
             if not self.measure:
-                self._copies[key] = meta_like(t)
+                self._copies[key] = meta_like(t, self.cast)
             else:
                 copy = t.detach().clone()
                 if not is_buffer and isinstance(t, nn.Parameter):
@@ -196,7 +224,7 @@ class _Run:
         if not isinstance(x, torch.Tensor):
             return x
         if not self.measure:
-            return meta_like(x)
+            return meta_like(x, self.cast)
         return x.detach().clone().requires_grad_(x.requires_grad)
 
     # -- main loop

@@ -83,8 +83,10 @@ def roofline(flops: float, nbytes: float, spec: DeviceSpec, dtype: Any) -> float
     return max(compute, memory)
 
 
-def meta_like(t: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+def meta_like(t: torch.Tensor, cast: torch.dtype | None = None) -> torch.Tensor:
+    """A meta tensor like `t`; a floating one in `cast` when given (as a mixed-precision stage holds it)."""
+    dtype = cast if cast is not None and t.is_floating_point() else t.dtype
+    out = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
     if t.requires_grad and (t.is_floating_point() or t.is_complex()):
         out.requires_grad_(True)
     return out
