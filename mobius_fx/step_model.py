@@ -121,15 +121,18 @@ class MemoryModel:
         in them, so the MIP can call it with PuLP expressions.
 
         forward  = weights + working + boundary
-        backward = weights + grad_copies x gradients + recompute + working + boundary
+        backward = weights + grad_copies x gradients + recompute + 2 x working + boundary
 
-        working (the largest layer's, one micro-batch) bounds the forward's live intermediates
-        and backward's activation gradients in flight; recompute is everything the stage's
-        recompute keeps for backward, summed over its layers; boundary covers the stage's
-        inputs (forward) and the input and output gradients of its M calls (backward).
+        working (the largest layer's, one micro-batch) bounds the forward's live intermediates;
+        in backward it is there twice: the gradients in flight of the layer's tensors (each as
+        big as its tensor) and the temporaries its backward ops make (log_softmax's backward
+        makes the softmax of its output, as big again) -- with it once, a loss's backward
+        went past the books' budget at the first step (issue 26). recompute is everything the
+        stage's recompute keeps for backward, summed over its layers; boundary covers the
+        stage's inputs (forward) and the input and output gradients of its M calls (backward).
         """
         work = self.working_bytes
-        return weights + work + boundary, weights + self.grad_copies * grads + recompute + work + boundary
+        return weights + work + boundary, weights + self.grad_copies * grads + recompute + 2 * work + boundary
 
 
 def stage_memory(layers: Sequence[LayerCost], before: LayerCost | None, mm: MemoryModel,
