@@ -84,8 +84,8 @@ class SolverInfo:
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Bytes scale factors and the constant working-memory term of a plan, and the stage
-    footprint formula (`footprint`) that `stage_memory`, the partitioner and its MIP share.
+    """Bytes scale factors of a plan and the stage footprint formula (`footprint`) that
+    `stage_memory`, the partitioner and its MIP share.
 
     Layer costs are traced in the model's own dtype (fp32 masters); weights and activations
     on the GPU are `weight_scale`/`act_scale` times that when streaming in half precision.
@@ -94,14 +94,12 @@ class MemoryModel:
     microbatches: int
     weight_scale: float = 1.0
     act_scale: float = 1.0
-    working_bytes: float = 0.0  # largest layer's working memory for one micro-batch
 
     @staticmethod
     def for_layers(layers: Sequence[LayerCost], microbatches: int, dtype: Any = None,
                    master_dtype: Any = "float32") -> "MemoryModel":
         scale = dtype_bytes(dtype) / dtype_bytes(master_dtype) if dtype is not None else 1.0
-        work = max((l.peak_bytes for l in layers), default=0) * scale / microbatches
-        return MemoryModel(microbatches, scale, scale, work)
+        return MemoryModel(microbatches, scale, scale)
 
     @property
     def grad_copies(self) -> int:
@@ -115,23 +113,36 @@ class MemoryModel:
         most its live-in activations and every tensor its nodes produce (`peak_bytes`)."""
         return layer.peak_bytes * self.act_scale / self.microbatches
 
-    def footprint(self, weights: Any, grads: Any, recompute: Any, boundary: Any) -> tuple[Any, Any]:
+    def working(self, layer: LayerCost) -> float:
+        """`layer`'s working memory for one micro-batch as streamed (its `peak_bytes`): what
+        running it holds beyond the stage's weights and boundary activations. A stage's is
+        the largest of its own layers' (`stage_working`): a stage without the loss does not
+        pay for the loss's fp32 logits (issue 26: charging every stage the whole model's
+        largest refused a 3B GPT that ran within 3.7 of 6 GiB)."""
+        return layer.peak_bytes * self.act_scale / self.microbatches
+
+    def stage_working(self, layers: Sequence[LayerCost]) -> float:
+        """The working memory of a stage made of `layers`: the largest of theirs (0 for none)."""
+        return max((self.working(l) for l in layers), default=0.0)
+
+    def footprint(self, weights: Any, grads: Any, recompute: Any, boundary: Any, work: Any) -> tuple[Any, Any]:
         """(forward, backward) bytes of a stage from its sums over its layers: weights, weight
-        gradients, `recompute_bytes`, and M x (boundary input + output) activations. Linear
-        in them, so the MIP can call it with PuLP expressions.
+        gradients, `recompute_bytes`, M x (boundary input + output) activations, and its
+        working memory (`stage_working`, the largest of its layers'). Linear in them, so the
+        MIP can call it with PuLP expressions.
 
-        forward  = weights + working + boundary
-        backward = weights + grad_copies x gradients + recompute + 2 x working + boundary
+        forward  = weights + work + boundary
+        backward = weights + grad_copies x gradients + recompute + 2 x work + boundary
 
-        working (the largest layer's, one micro-batch) bounds the forward's live intermediates;
-        in backward it is there twice: the gradients in flight of the layer's tensors (each as
-        big as its tensor) and the temporaries its backward ops make (log_softmax's backward
-        makes the softmax of its output, as big again) -- with it once, a loss's backward
-        went past the books' budget at the first step (issue 26). recompute is everything the
-        stage's recompute keeps for backward, summed over its layers; boundary covers the
-        stage's inputs (forward) and the input and output gradients of its M calls (backward).
+        work (the stage's largest layer's, one micro-batch) bounds the forward's live
+        intermediates; in backward it is there twice: the gradients in flight of the layer's
+        tensors (each as big as its tensor) and the temporaries its backward ops make
+        (log_softmax's backward makes the softmax of its output, as big again) -- with it
+        once, a loss's backward went past the books' budget at the first step (issue 26).
+        recompute is everything the stage's recompute keeps for backward, summed over its
+        layers; boundary covers the stage's inputs (forward) and the input and output
+        gradients of its M calls (backward).
         """
-        work = self.working_bytes
         return weights + work + boundary, weights + self.grad_copies * grads + recompute + 2 * work + boundary
 
 
@@ -151,7 +162,7 @@ def stage_memory(layers: Sequence[LayerCost], before: LayerCost | None, mm: Memo
     r = sum(mm.recompute_bytes(l) for l in layers)
     act_in = (before.output_bytes if before is not None else 0) * mm.act_scale / m
     act_out = layers[-1].output_bytes * mm.act_scale / m if layers else 0.0
-    return mm.footprint(w, g, r, m * (act_in + act_out))
+    return mm.footprint(w, g, r, m * (act_in + act_out), mm.stage_working(layers))
 
 
 @dataclass(frozen=True)
@@ -374,13 +385,33 @@ class StageTotals:
     # no gradient reaches it, so it runs no backward (no refetch, no recompute): `frozen_stages`
 
 
+class _RangeMax:
+    """max(xs[a:z]) in O(1) after O(L log L) setup (a sparse table), 0 for an empty range."""
+
+    def __init__(self, xs: Sequence[float]):
+        self.table = [list(xs)]
+        j = 1
+        while 2 * j <= len(xs):
+            prev = self.table[-1]
+            self.table.append([max(prev[i], prev[i + j]) for i in range(len(xs) - 2 * j + 1)])
+            j *= 2
+
+    def __call__(self, a: int, z: int) -> float:
+        if z <= a:
+            return 0.0
+        k = (z - a).bit_length() - 1
+        return max(self.table[k][a], self.table[k][z - (1 << k)])
+
+
 class PrefixSums:
     """Prefix sums of every per-layer number the model reads, so a cut set's `StageTotals`
     cost O(S) (the local search) and are linear in where the cuts fall (the MIP).
 
     `x[i]` sums layers 0..i-1 (`x[0] = 0`): `f`, `b` seconds per micro-batch, `w`, `g`
     weight and gradient bytes as streamed, `r` recompute bytes (`MemoryModel.recompute_bytes`);
-    `out[i]` is layer i's output bytes per micro-batch; `mm` the problem's `MemoryModel`.
+    `out[i]` is layer i's output bytes per micro-batch; `work(a, z)` the working memory of
+    the stage of layers [a, z) (`MemoryModel.stage_working`, a range max in O(1));
+    `mm` the problem's `MemoryModel`.
     """
 
     def __init__(self, problem: PartitionProblem):
@@ -393,6 +424,7 @@ class PrefixSums:
         self.g = acc(l.grad_bytes * mm.weight_scale for l in ls)
         self.r = acc(mm.recompute_bytes(l) for l in ls)
         self.out = [l.output_bytes * mm.act_scale / m for l in ls]
+        self.work = _RangeMax([mm.working(l) for l in ls])
         self.mm = mm
         self.frozen = problem.frozen_prefix
 
@@ -404,7 +436,7 @@ class PrefixSums:
             tw, tg = self.problem.tied_bytes(a, z) if self.problem.tied else (0.0, 0.0)
             w, g = self.w[z] - self.w[a] + tw, self.g[z] - self.g[a] + tg
             acts = m * ((self.out[a - 1] if a else 0.0) + self.out[z - 1])
-            fm, bm = self.mm.footprint(w, g, self.r[z] - self.r[a], acts)  # = stage_memory
+            fm, bm = self.mm.footprint(w, g, self.r[z] - self.r[a], acts, self.work(a, z))  # = stage_memory
             st.f.append(self.f[z] - self.f[a])
             st.b.append(self.b[z] - self.b[a])
             st.w.append(w)

@@ -57,6 +57,8 @@ class Mip:
     tied_weights: tuple = ()  # the problem's TiedWeights (j indexes them)
     U: dict = field(default_factory=dict)  # k -> end of stage k's forward upload (shared uplinks only)
     skips: list = field(default_factory=list)  # (k, c, {j: binary}): U_k's row after U_j off (`queue_window`)
+    work: dict = field(default_factory=dict)  # k -> stage k's working memory (var), "ends_{k}_{r}" -> binary: `_stage_working`
+    working: list = field(default_factory=list)  # each layer's working memory (`MemoryModel.working`), for the warm start
 
 
 def _var(lp: pulp.LpProblem, name: str, lo: float | None = None, hi: float | None = None,
@@ -137,7 +139,8 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
                             {"b": fast.b[L] / scale, "w": fast.w[L] + sum(t.nbytes for t in problem.tied) * fast.mm.weight_scale,
                              "a": max(fast.out), "in": max(*fast.out, in0)})
     # Memory: step_model.stage_memory's formula (MemoryModel.footprint, linear) on the stage sums.
-    mem = [fast.mm.footprint(w[k], g[k], part("r", k), m * (at[k]["a"] + at[k + 1]["a"]))
+    work, ends = _stage_working(lp, problem, runs, z, t, s)
+    mem = [fast.mm.footprint(w[k], g[k], part("r", k), m * (at[k]["a"] + at[k + 1]["a"]), work[k])
            for k in range(s)]
     infeasible = _memory_rows(lp, problem, mem, mem_tol)
     inv = lambda bw: 0.0 if bw == math.inf else 1 / (bw * scale)  # seconds per byte, in units
@@ -283,7 +286,62 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     lp += T
     prefix = problem.frozen_prefix
     return Mip(lp, s, scale, z, t, F, B, D, T, infeasible, frozen, prefix, L, V, E, A,
-               {k: v for k, v in R.items() if isinstance(v, pulp.LpVariable)}, aux, problem.tied, U, skips)
+               {k: v for k, v in R.items() if isinstance(v, pulp.LpVariable)}, aux, problem.tied, U, skips,
+               {**{k: v for k, v in enumerate(work) if isinstance(v, pulp.LpVariable)}, **ends},
+               [problem.memory.working(l) for l in problem.layers])
+
+
+def _stage_working(lp: pulp.LpProblem, problem: PartitionProblem, runs: list[tuple[int, int]], z: dict, t: dict,
+                   s: int) -> tuple[list, dict]:
+    """Each stage's working memory (`MemoryModel.stage_working`: the largest of its own
+    layers'), as a variable W_k >= the working memory of every run the stage touches; exact
+    at the optimum, since the memory rows only grow with W_k.
+
+    A stage touches run r when it holds r's first layer, or r holds its own first layer.
+    With z[k, r] ("cut k falls after a layer of run r"), C(k, r) = sum over runs r' < r of
+    z[k, r'] says cut k is at or before r's start, so stage k holds that start when
+    C(k, r) = 1 and C(k + 1, r) = 0: W_k >= w_r (C(k, r) - C(k + 1, r)) (cut 0 is before
+    everything, cut S after everything). The first layer of stage k > 0 is in run r when
+    z[k, r] = 1 and the cut leaves some of r (t[k, r] < len_r), else it is the next run's
+    start, held already. So W_k >= w_r z[k, r] is exact when that next run's working memory
+    is at least w_r or the cut cannot end run r; otherwise a binary e ("cut k ends run r",
+    t[k, r] >= len_r e) takes it off: W_k >= w_r (z[k, r] - e). Returns (W, {name: e})."""
+    mm = problem.memory
+    wr = [mm.working(problem.layers[a]) for a, _ in runs]
+    ends: dict = {}
+    if not any(wr):
+        return [0.0] * s, ends
+    W = [_var(lp, f"work_{k}", 0) for k in range(s)]
+
+    def before(k: int, r: int) -> Any:  # C(k, r): cut k at or before run r's start
+        if k == 0:
+            return 1
+        if k == s:
+            return 0
+        return pulp.lpSum(z[k, rr] for rr in range(r) if (k, rr) in z)
+
+    for k in range(s):
+        for r, (start, length) in enumerate(runs):
+            if not wr[r]:
+                continue
+            row = before(k, r) - before(k + 1, r)
+            if not isinstance(row, int) or row > 0:
+                lp += W[k] >= wr[r] * row, f"work_{k}_{r}"
+            if k == 0 or (k, r) not in z:
+                continue
+            tv = t[k, r]
+            if isinstance(tv, int):  # the cut's place in run r is fixed
+                if tv < length:
+                    lp += W[k] >= wr[r] * z[k, r], f"work_first_{k}_{r}"
+                continue
+            nxt = wr[r + 1] if r + 1 < len(runs) else 0.0
+            if nxt >= wr[r] or tv.upBound < length:
+                lp += W[k] >= wr[r] * z[k, r], f"work_first_{k}_{r}"
+            else:
+                e = ends[f"ends_{k}_{r}"] = _var(lp, f"ends_{k}_{r}", 0, 1, pulp.LpBinary)
+                lp += tv >= length * e, f"ends_{k}_{r}"
+                lp += W[k] >= wr[r] * (z[k, r] - e), f"work_first_{k}_{r}"
+    return W, ends
 
 
 def _tied_copies(lp: pulp.LpProblem, problem: PartitionProblem, at: list, s: int, aux: dict) -> tuple[list, list]:
@@ -378,9 +436,9 @@ def _memory_rows(lp: pulp.LpProblem, problem: PartitionProblem, mem: list, mem_t
     the MIP leaves out (partition.py's docstring), needs W_k <= both footprints: checked here.
     """
     mm, n, s = problem.memory, len(problem.gpus), len(mem)
-    base = mm.footprint(0.0, 0.0, 0.0, 0.0)
-    units = [mm.footprint(*(1.0 if j == i else 0.0 for j in range(4))) for i in range(4)]
-    cf, cb = ([u[d] - base[d] for u in units] for d in (0, 1))  # per weights, grads, recompute, boundary
+    base = mm.footprint(0.0, 0.0, 0.0, 0.0, 0.0)
+    units = [mm.footprint(*(1.0 if j == i else 0.0 for j in range(5))) for i in range(5)]
+    cf, cb = ([u[d] - base[d] for u in units] for d in (0, 1))  # per weights, grads, recompute, boundary, work
     tol = 1e-9 * max(1.0, *map(abs, base))  # the differences above round: 1 + work - work < 1
     nonneg = lambda const, coefs: const >= -tol and all(c >= -1e-9 for c in coefs)
     fwd_implied = nonneg(base[1] - base[0], [b - f for b, f in zip(cb, cf)])
@@ -440,6 +498,12 @@ def warm_start(mip: Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
                              (ev.upload_done, mip.U)):
         for k, v in variables.items():
             v.setInitialValue(times[k] / mip.scale)
+    for key, v in mip.work.items():  # W_k: the stage's working memory; ends_{k}_{r}: cut k ends run r
+        if isinstance(key, int):
+            v.setInitialValue(max(mip.working[edges[key]:edges[key + 1]], default=0.0))
+        else:
+            _, k, r = key.split("_")
+            v.setInitialValue(int(edges[int(k)] == runs[int(r)][0] + runs[int(r)][1]))
     for k, c, skip in mip.skips:  # the c-1 latest ends of U_k's window switched off
         for j in sorted(skip, key=lambda j: -ev.upload_done[j])[:c - 1]:
             skip[j].setInitialValue(1)

@@ -344,8 +344,8 @@ def _explain_infeasible(problem: PartitionProblem, cands: Sequence[int], unknown
         copies = f"{mm.grad_copies}x" if mm.grad_copies != 1 else ""
         acts = problem.microbatches * ((fast.out[a - 1] if a else 0.0) + fast.out[z - 1])
         return (f"layer {ls[worst].name} needs {fmt_bytes(need[worst])} in backward (weights {fmt_bytes(st.w[0])} "
-                f"+ gradients {copies}{fmt_bytes(st.g[0])} + recompute {fmt_bytes(fast.r[z] - fast.r[a])} + working "
-                f"{fmt_bytes(mm.working_bytes)} + boundary activations {fmt_bytes(acts)}) but the largest GPU, "
+                f"+ gradients {copies}{fmt_bytes(st.g[0])} + recompute {fmt_bytes(fast.r[z] - fast.r[a])} + 2x working "
+                f"{fmt_bytes(fast.work(a, z))} + boundary activations {fmt_bytes(acts)}) but the largest GPU, "
                 f"{gname}, has {fmt_bytes(cap)} usable (memory_fraction {frac:g} of {fmt_bytes(cap / frac)}); {remedy}")
     # Otherwise: the closest cut set we can find, and the rule it still breaks.
     near: tuple[float, list[int]] | None = None
