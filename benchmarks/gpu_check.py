@@ -216,13 +216,21 @@ def spec_for(product: str) -> tuple[str, bool]:
 
 # ------------------------------------------------------------ reading the plan
 def plan_gpu_peaks(plan: Any) -> dict[str, int]:
-    """Per pipeline GPU, the plan's peak: the largest sum of two consecutive stages' backward
-    footprints (`Stage.peak_bytes`) on that GPU (one stage alone when it runs only one) — the
-    double buffer the partitioner keeps under each GPU's memory."""
-    by_gpu: dict[str, list[int]] = {}
+    """Per pipeline GPU, the plan's peak: the largest memory rule of the step model
+    (`step_model.memory_rows`) on that GPU, each stage at its footprint (`Stage.peak_bytes`)
+    with what the stages around it on the GPU hold meanwhile (weights, boundary activations)."""
+    from mobius_fx.step_model import memory_rows
+
+    m, by_gpu = plan.microbatches, {}
     for s in plan.stages:
-        by_gpu.setdefault(s.gpu, []).append(int(s.peak_bytes))
-    return {g: max([p[0]] + [a + b for a, b in zip(p, p[1:])]) for g, p in by_gpu.items()}
+        by_gpu.setdefault(s.gpu, []).append(s)
+    out = {}
+    for g, ss in by_gpu.items():
+        peak = [int(s.peak_bytes) for s in ss]
+        held = [s.param_bytes + m * (s.input_bytes + s.output_bytes) for s in ss]
+        rows = memory_rows(peak, peak, held, [m * s.input_bytes for s in ss], 1)  # the stages of one GPU, in order
+        out[g] = int(max(row for *_, row, _ in rows))
+    return out
 
 
 def ir_bytes(ir: Any, what: str) -> int:

@@ -24,7 +24,7 @@ import pulp
 
 from mobius_fx.step_timeline import OVERLAPS
 from mobius_fx.step_model import (
-    Evaluation, PartitionProblem, PrefixSums, link_time, queue_before, queue_window, slot_bytes,
+    Evaluation, PartitionProblem, PrefixSums, link_time, memory_rows, queue_before, queue_window, slot_bytes,
 )
 
 from .mip_solver import run_solver, solve_relaxation
@@ -142,7 +142,8 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     work, ends = _stage_working(lp, problem, runs, z, t, s)
     mem = [fast.mm.footprint(w[k], g[k], part("r", k), m * (at[k]["a"] + at[k + 1]["a"]), work[k])
            for k in range(s)]
-    infeasible = _memory_rows(lp, problem, mem, mem_tol)
+    held = [fast.mm.held(w[k], m * (at[k]["a"] + at[k + 1]["a"])) for k in range(s)]
+    infeasible = _memory_rows(lp, problem, mem, held, [m * at[k]["a"] for k in range(s)], mem_tol)
     inv = lambda bw: 0.0 if bw == math.inf else 1 / (bw * scale)  # seconds per byte, in units
     hop = [inv(problem.hop[k % n]) for k in range(s)]  # activation k -> k+1
     hop_back = [inv(problem.backward_hop[k % n]) for k in range(s)]  # gradient k+1 -> k
@@ -424,40 +425,31 @@ def _frozen_prefix(lp: pulp.LpProblem, problem: PartitionProblem, at: list, s: i
     return frozen
 
 
-def _memory_rows(lp: pulp.LpProblem, problem: PartitionProblem, mem: list, mem_tol: float) -> bool:
-    """Add the memory rules of `step_model.memory_violation` (each stage in forward and in
-    backward; a stage and the next one on its GPU together, the double buffer) and return
-    whether a constant one already fails.
+def _memory_rows(lp: pulp.LpProblem, problem: PartitionProblem, mem: list, held: list, grad_in: list,
+                 mem_tol: float) -> bool:
+    """Add the memory rules of `step_model.memory_rows` (each stage in forward and in backward,
+    with what its GPU holds for the stages around it) and return whether a constant one
+    already fails.
 
-    `mem[k]` is MemoryModel.footprint of stage k's sums, all >= 0 (bytes). The footprint is
-    linear, so its coefficients (read off at 0 and unit inputs) say which rules another one
-    implies for every cut set: forward <= backward drops the forward rules, a footprint >= 0
-    drops a single stage's rule once a pair holds it. The prefetch's free-memory term, which
-    the MIP leaves out (partition.py's docstring), needs W_k <= both footprints: checked here.
+    `mem[k]` is MemoryModel.footprint of stage k's sums, `held[k]` MemoryModel.held, `grad_in[k]`
+    stage k's M input gradients, all >= 0 (bytes). The prefetch's free-memory term, which the
+    MIP leaves out (partition.py's docstring), needs W_k <= both footprints: checked here.
     """
-    mm, n, s = problem.memory, len(problem.gpus), len(mem)
+    mm, n = problem.memory, len(problem.gpus)
     base = mm.footprint(0.0, 0.0, 0.0, 0.0, 0.0)
     units = [mm.footprint(*(1.0 if j == i else 0.0 for j in range(5))) for i in range(5)]
     cf, cb = ([u[d] - base[d] for u in units] for d in (0, 1))  # per weights, grads, recompute, boundary, work
-    tol = 1e-9 * max(1.0, *map(abs, base))  # the differences above round: 1 + work - work < 1
-    nonneg = lambda const, coefs: const >= -tol and all(c >= -1e-9 for c in coefs)
-    fwd_implied = nonneg(base[1] - base[0], [b - f for b, f in zip(cb, cf)])
-    single_implied = nonneg(base[0], cf) and nonneg(base[1], cb)
+    nonneg = lambda const, coefs: const >= -1e-9 * max(1.0, abs(const)) and all(c >= -1e-9 for c in coefs)
     assert nonneg(base[0], [cf[0] - 1, *cf[1:]]) and nonneg(base[1], [cb[0] - 1, *cb[1:]]), \
         "the MIP assumes a stage's memory footprint holds at least its weights"
-    rules = []
-    for k in range(s - n):  # the double buffer: stage k, then k + n, on one GPU
-        rules += [((k, k + n), d, mem[k][d] + mem[k + n][d]) for d in ((1,) if fwd_implied else (1, 0))]
-    for k in range(s):
-        if not (single_implied and (k + n < s or k >= n)):
-            rules += [((k,), d, mem[k][d]) for d in ((1,) if fwd_implied else (1, 0))]
     infeasible = False
-    for stages, d, row in rules:
-        row = row * (1 / (problem.capacity[stages[0] % n] * (1 + mem_tol)))
+    rows = memory_rows([f for f, _ in mem], [b for _, b in mem], held, grad_in, n)
+    for k, d, row, with_ in rows:
+        row = row * (1 / (problem.capacity[k % n] * (1 + mem_tol)))
         if not isinstance(row, pulp.LpAffineExpression) or not row.keys():  # no variable in it
             infeasible |= float(row.constant if isinstance(row, pulp.LpAffineExpression) else row) > 1
         else:
-            lp += row <= 1, f"memory_{'fb'[d]}_{'_'.join(map(str, stages))}"
+            lp += row <= 1, f"memory_{'fb'[d]}_{'_'.join(map(str, (k, *with_)))}"
     return infeasible
 
 
