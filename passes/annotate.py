@@ -239,7 +239,8 @@ def _replay(run: "_Run", members: list[fx.Node]) -> tuple[int, int, int]:
     """Bytes `members` (a layer's nodes) hold beyond their inputs, run on `run`'s meta values:
     (the forward's peak without grad, what the recompute with grad holds when it ends -- its
     outputs and what autograd saved --, the peak of that recompute and the backward after it
-    from ones as the outputs' gradients into the inputs, not into weights)."""
+    from ones as the outputs' gradients into the inputs and the weights, less the weight
+    gradients' bytes: the step model counts those, `grad_copies` x gradients)."""
     inside = set(members)
     inputs = list(dict.fromkeys(i for n in members for i in n.all_input_nodes if i not in inside))
     outputs = [n for n in members if n.op != "output" and any(u not in inside or u.op == "output" for u in n.users)]
@@ -259,17 +260,21 @@ def _replay(run: "_Run", members: list[fx.Node]) -> tuple[int, int, int]:
             return t.detach().requires_grad_(t.requires_grad)
         return pytree.tree_map_only(torch.Tensor, leaf, v)
 
-    def forward(grad: bool) -> tuple[dict, list[torch.Tensor]]:
+    def forward(grad: bool) -> tuple[dict, list[torch.Tensor], list[torch.Tensor]]:
         env = {i: fresh(run.values[i]) for i in inputs}
         leaves = [t for i in inputs if i.op != "get_attr" for t in tensor_leaves(env[i]) if t.requires_grad]
+        weights: dict[int, torch.Tensor] = {}
         with torch.set_grad_enabled(grad):
-            for n in members:
+            for n in members + [i for i in inputs if i.op == "get_attr"]:
                 if n.op in ("placeholder", "get_attr"):  # the model's inputs and tensors: there already
                     env[n] = fresh(run.values[n])
+                    if n.op == "get_attr":
+                        weights.update((id(t), t) for t in tensor_leaves(env[n]) if t.requires_grad and t.grad_fn is None)
                     continue
                 if n.op == "output":
                     continue
-                fn, _ = run._callable(n)
+                fn, state = run._callable(n)
+                weights.update((id(t), t) for t in state.values() if t.requires_grad and t.grad_fn is None)
                 fn = _FUSED_ATTENTION.get(fn, fn) if n.op == "call_function" else fn
                 args = fx.node.map_arg(n.args, env.__getitem__)
                 kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
@@ -277,20 +282,23 @@ def _replay(run: "_Run", members: list[fx.Node]) -> tuple[int, int, int]:
                 env[n] = fn(*args, **kwargs)
                 for dead in frees.get(n, ()):
                     env.pop(dead, None)
-        return env, leaves
+        return env, leaves, [t for t in weights.values() if all(t is not x for x in leaves)]
 
     with LiveBytes() as books:
-        env, _ = forward(False)
+        env, _, _ = forward(False)
         del env
     peak = books.peak
+    grads = 0
     with LiveBytes() as books:
-        env, leaves = forward(True)
+        env, leaves, weights = forward(True)
         saved = books.current
         outs = [t for n in outputs for t in unique_tensors(env[n]) if t.requires_grad and t.grad_fn is not None]
-        if outs and leaves:
-            torch.autograd.grad(outs, leaves, [torch.ones_like(t) for t in outs], allow_unused=True)
-        del env, outs, leaves
-    return peak, saved, books.peak
+        if outs and (leaves or weights):
+            got = torch.autograd.grad(outs, leaves + weights, [torch.ones_like(t) for t in outs], allow_unused=True)
+            grads = sum(value_bytes(g) for g in got[len(leaves):] if g is not None)
+            del got
+        del env, outs, leaves, weights
+    return peak, saved, books.peak - grads
 
 
 # ----------------------------------------------------------------------------- execution
