@@ -221,10 +221,12 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     and log-sum-exp for backward (flash / memory-efficient attention on CUDA, the flash kernel
     on the CPU). On meta tensors torch picks the math path, which keeps the whole attention
     matrix in fp32, several times: a bound far above what runs."""
-    if enable_gqa or key.shape[-3:-2] != query.shape[-3:-2] or query.dim() != 4:
+    if query.dim() != 4 or query.shape[1] % key.shape[1] or key.shape[1] != value.shape[1]:
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa)
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: the key and value heads repeated (a bound)
+        key, value = (t.repeat_interleave(query.shape[1] // t.shape[1], dim=1) for t in (key, value))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
