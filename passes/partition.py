@@ -364,7 +364,9 @@ def _explain_infeasible(problem: PartitionProblem, cands: Sequence[int], unknown
 # ------------------------------------------------------------------------------ solve
 # The timing model's revision: part of the cache key, so a plan solved under an older model (a
 # different program for the same numbers) is not reused. Bump it with any change to the program.
-MODEL_REVISION = "2026-12-03b: duplex share by priority, uploads on a shared uplink take the first server"
+MODEL_REVISION = ("2026-12-04: memory rows (a neighbour holds its weights and boundary activations), working memory "
+                  "once in backward over the layers' saved bytes; duplex share by priority, uploads on a shared "
+                  "uplink take the first server")
 
 
 def _cache_key(problem: PartitionProblem, settings: dict) -> str:
