@@ -21,8 +21,9 @@ the partitioner, counted by the runtime's books, or [assumed]):
    measured step time (median over the steps after the first) against the simulated step
    (`simulate(plan).step_time`: pipeline + CPU optimizer) and the measured forward+backward
    against the simulated `pipeline_time`; measured peak (`torch.cuda.max_memory_allocated`,
-   per CUDA device) against the plan's peak (per pipeline GPU, the largest sum of two
-   consecutive stages' backward footprints on it: the double buffer the planner budgets),
+   per CUDA device) against the plan's peak (per pipeline GPU, the largest stage footprint
+   with the weights and boundary activations of the stages around it on that GPU: the double
+   buffer the planner budgets, `plan_gpu_peaks`),
    and the runtime books' peak; weight and gradient bytes moved in the last step
    (`pipe.transfer_stats(last_step=True)`) against the pipeline's schedule IR
    (`pipe.schedule_ir().bytes_moved()`) and the plan's IR. Each as a ratio measured / other.
@@ -216,13 +217,21 @@ def spec_for(product: str) -> tuple[str, bool]:
 
 # ------------------------------------------------------------ reading the plan
 def plan_gpu_peaks(plan: Any) -> dict[str, int]:
-    """Per pipeline GPU, the plan's peak: the largest sum of two consecutive stages' backward
-    footprints (`Stage.peak_bytes`) on that GPU (one stage alone when it runs only one) — the
-    double buffer the partitioner keeps under each GPU's memory."""
-    by_gpu: dict[str, list[int]] = {}
+    """Per pipeline GPU, the plan's peak: the largest memory rule of the step model
+    (`step_model.memory_rows`) on that GPU, each stage at its footprint (`Stage.peak_bytes`)
+    with what the stages around it on the GPU hold meanwhile (weights, boundary activations)."""
+    from mobius_fx.step_model import memory_rows
+
+    m, by_gpu = plan.microbatches, {}
     for s in plan.stages:
-        by_gpu.setdefault(s.gpu, []).append(int(s.peak_bytes))
-    return {g: max([p[0]] + [a + b for a, b in zip(p, p[1:])]) for g, p in by_gpu.items()}
+        by_gpu.setdefault(s.gpu, []).append(s)
+    out = {}
+    for g, ss in by_gpu.items():
+        peak = [int(s.peak_bytes) for s in ss]
+        held = [s.param_bytes + m * (s.input_bytes + s.output_bytes) for s in ss]
+        rows = memory_rows(peak, peak, held, [m * s.input_bytes for s in ss], 1)  # the stages of one GPU, in order
+        out[g] = int(max(row for *_, row, _ in rows))
+    return out
 
 
 def ir_bytes(ir: Any, what: str) -> int:
@@ -347,8 +356,9 @@ def format_run(r: RunFigures) -> str:
         for what, _, sim, src in rows:
             lines.append(f"    {what:<21} [simulated] {fmt_time(sim):>9}  ({src})")
         lines.append(f"    {'fwd+bwd':<21} [planned]   {fmt_time(r.planned_step):>9}  (plan.step_time)")
-    lines.append("  peak GPU memory (plan: per pipeline GPU the largest sum of two consecutive stages' "
-                 "Stage.peak_bytes on it, the double buffer it is planned for; summed over the GPUs sharing a device)")
+    lines.append("  peak GPU memory (plan: per pipeline GPU the largest of a stage's Stage.peak_bytes with the weights and "
+                 "boundary activations of the stages around it on that GPU, the double buffer it is planned for "
+                 "(step_model.memory_rows); summed over the GPUs sharing a device)")
     if trained:
         for p in r.peaks:
             alloc = (f"[measured] {fmt_bytes(p.allocator_bytes)} (max_memory_allocated less the bytes held before, "

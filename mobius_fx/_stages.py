@@ -104,23 +104,25 @@ def given_partition(problem, cuts):
 def misfit(problem, boundaries) -> str:
     """The memory rule of docs/schedule.md that stages cut at `boundaries` break worst, with its
     numbers: a stage alone, or a stage with the next one on its GPU (the double buffer)."""
-    from .step_model import PrefixSums
+    from .step_model import PrefixSums, memory_rows
     from .units import fmt_bytes
 
     ls, n = problem.layers, len(problem.gpus)
     edges = list(boundaries) + [len(ls)]
     st = PrefixSums(problem).stages(boundaries)  # evaluate's numbers, tied copies included
-    mem = list(zip(st.fmem, st.bmem))
     span = lambda k: ls[edges[k]].name + ("" if edges[k + 1] - edges[k] == 1 else f"..{ls[edges[k + 1] - 1].name}")
+    where = lambda k: (f" on {problem.gpus[k % n]}, which has {fmt_bytes(problem.capacity[k % n])} usable "
+                       f"(memory_fraction {problem.memory_fraction:g})")
     alone, pairs = [], []  # (need / capacity, text): a stage alone is said first, it is the one to split
-    for k, (fm, bm) in enumerate(mem):
-        cap, gpu = problem.capacity[k % n], problem.gpus[k % n]
-        where = f" on {gpu}, which has {fmt_bytes(cap)} usable (memory_fraction {problem.memory_fraction:g})"
-        alone.append((max(fm, bm) / cap, f"stage {k} ({span(k)}) needs {fmt_bytes(max(fm, bm))}{where}"))
-        if k + n < len(mem):
-            pair = max(fm + mem[k + n][0], bm + mem[k + n][1])
-            pairs.append((pair / cap, f"stages {k} and {k + n} ({span(k)} and {span(k + n)}) need {fmt_bytes(pair)} "
-                                      f"together (the double buffer: a stage and the next one on its GPU){where}"))
+    for k, (fm, bm) in enumerate(zip(st.fmem, st.bmem)):
+        alone.append((max(fm, bm) / problem.capacity[k % n], f"stage {k} ({span(k)}) needs {fmt_bytes(max(fm, bm))}{where(k)}"))
+    for k, d, need, with_ in memory_rows(st.fmem, st.bmem, st.held, st.grad_in, n):
+        if with_:
+            pairs.append((need / problem.capacity[k % n],
+                          f"stage {k} ({span(k)}) needs {fmt_bytes(need)} in {('forward', 'backward')[d]} with what "
+                          f"stage{'s' if len(with_) > 1 else ''} {' and '.join(map(str, with_))} on its GPU "
+                          f"hold{'' if len(with_) > 1 else 's'} meanwhile (the double buffer: weights and boundary "
+                          f"activations){where(k)}"))
     worst = max(alone)
     return worst[1] if worst[0] > 1 or not pairs else max(pairs)[1]
 

@@ -54,7 +54,7 @@ def gpipe(ctx: Context) -> None:
         c.inp.append(u.inp[a])
         c.out.append(u.out[z - 1])
         c.names.append(f"g{j}")
-    mm, recompute = _gpipe_memory(plan, u)
+    mm, recompute, work = _gpipe_memory(plan, u)
     caps = {s.gpu: s.capacity for s in plan.stages}
     by_name = {g.name: g for g in ctx.topo.gpus}
     states = STATE_BYTES[ctx.optimizer] + (4 if ctx.scale != 1.0 else 0)  # + fp32 master copy when streaming half
@@ -63,7 +63,7 @@ def gpipe(ctx: Context) -> None:
         cap = caps.get(gpu, by_name[gpu].memory)
         opt = c.master[j] / 4.0 * states
         act = m * (c.inp[j] + c.out[j])
-        need = mm.footprint(c.w[j], c.g[j], sum(recompute[a:z]), act)[1] + opt
+        need = mm.footprint(c.w[j], c.g[j], sum(recompute[a:z]), act, max(work[a:z], default=0.0))[1] + opt
         rest = need - opt - c.w[j] - c.g[j]  # activations, recompute, working memory, a micro-batch's fresh grads
         if need > cap:
             raise PlanError(
@@ -173,17 +173,19 @@ def _balanced(u: Costs, n: int) -> list[tuple[int, int]]:
     return cut(hi) or [(0, size)]
 
 
-def _gpipe_memory(plan: Plan, u: Costs) -> tuple[MemoryModel, list[float]]:
-    """The plan's memory model (`MemoryModel.footprint`, as the partitioner uses) and each
-    unit's recompute bytes: from the layer table, or, when the units are the plan's stages,
-    what of a stage's backward peak the footprint's other terms leave."""
+def _gpipe_memory(plan: Plan, u: Costs) -> tuple[MemoryModel, list[float], list[float]]:
+    """The plan's memory model (`MemoryModel.footprint`, as the partitioner uses), each
+    unit's recompute bytes and its working memory (`MemoryModel.working`; a group's is the
+    largest of its units'): from the layer table, or, when the units are the plan's stages,
+    what of a stage's backward peak the footprint's other terms leave (working memory 0, in it)."""
     m = plan.microbatches
     by_name = {l.name: l for l in plan.layers}
     if plan.layers and all(n in by_name for n in u.names):
         mm = MemoryModel.for_layers(plan.layers, m, plan.dtype)
-        return mm, [mm.recompute_bytes(by_name[n]) for n in u.names]
+        return (mm, [mm.recompute_bytes(by_name[n]) for n in u.names],
+                [mm.working(by_name[n]) for n in u.names])
     mm = MemoryModel(m)
     rest = [max(0.0, s.peak_bytes - mm.footprint(s.param_bytes, s.grad_bytes, 0.0,
-                                                  m * (s.input_bytes + s.output_bytes))[1])
+                                                  m * (s.input_bytes + s.output_bytes), 0.0)[1])
             for s in plan.stages]
-    return mm, rest
+    return mm, rest, [0.0] * len(rest)

@@ -179,3 +179,4 @@ class LayerCost:
     uses: tuple[str, ...] = ()  # every parameter the layer reads (a tied one appears in two layers)
     measured: bool = False
     signature: str = field(default="", compare=False)
+    saved_bytes: int = -1  # what its recompute keeps for its backward (annotate's meta run); -1: not known, peak_bytes

@@ -56,7 +56,7 @@ __all__ = [
     "MEMORY_TOLERANCE", "SolverInfo", "MemoryModel", "stage_memory", "TiedWeight", "tied_weights", "tied_copy_bytes", "SharedLink",
     "shared_links", "queue_before", "queue_window", "freed", "LinkLoad", "link_loads", "copy_terms", "slot_bytes", "link_time",
     "PartitionProblem", "Evaluation",
-    "StageTotals", "PrefixSums", "layer_runs", "memory_violation", "Timeline", "timeline", "evaluate",
+    "StageTotals", "PrefixSums", "layer_runs", "memory_rows", "memory_violation", "Timeline", "timeline", "evaluate",
 ]
 
 MEMORY_TOLERANCE = 1e-6  # relative slack on capacity, the solvers' feasibility tolerance
@@ -84,8 +84,8 @@ class SolverInfo:
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Bytes scale factors and the constant working-memory term of a plan, and the stage
-    footprint formula (`footprint`) that `stage_memory`, the partitioner and its MIP share.
+    """Bytes scale factors of a plan and the stage footprint formula (`footprint`) that
+    `stage_memory`, the partitioner and its MIP share.
 
     Layer costs are traced in the model's own dtype (fp32 masters); weights and activations
     on the GPU are `weight_scale`/`act_scale` times that when streaming in half precision.
@@ -94,14 +94,12 @@ class MemoryModel:
     microbatches: int
     weight_scale: float = 1.0
     act_scale: float = 1.0
-    working_bytes: float = 0.0  # largest layer's working memory for one micro-batch
 
     @staticmethod
     def for_layers(layers: Sequence[LayerCost], microbatches: int, dtype: Any = None,
                    master_dtype: Any = "float32") -> "MemoryModel":
         scale = dtype_bytes(dtype) / dtype_bytes(master_dtype) if dtype is not None else 1.0
-        work = max((l.peak_bytes for l in layers), default=0) * scale / microbatches
-        return MemoryModel(microbatches, scale, scale, work)
+        return MemoryModel(microbatches, scale, scale)
 
     @property
     def grad_copies(self) -> int:
@@ -111,24 +109,50 @@ class MemoryModel:
         return 2 if self.microbatches > 1 else 1
 
     def recompute_bytes(self, layer: LayerCost) -> float:
-        """What recomputing `layer` with grad keeps until its backward, for one micro-batch: at
-        most its live-in activations and every tensor its nodes produce (`peak_bytes`)."""
+        """What recomputing `layer` with grad keeps until its backward, for one micro-batch as
+        streamed: its `saved_bytes` (its outputs and what autograd saved, annotate's meta
+        run), or where that is not known (-1) its `peak_bytes`."""
+        saved = layer.saved_bytes if layer.saved_bytes >= 0 else layer.peak_bytes
+        return saved * self.act_scale / self.microbatches
+
+    def working(self, layer: LayerCost) -> float:
+        """`layer`'s working memory for one micro-batch as streamed (its `peak_bytes`): the
+        most running it holds beyond the stage's weights, boundary activations and, in
+        backward, the saved bytes of the stage's layers (its forward, and its backward's
+        gradients and temporaries). A stage's is the largest of its own layers'
+        (`stage_working`): a stage without the loss does not pay for the loss's fp32 logits
+        (issue 26: charging every stage the whole model's largest refused a 3B GPT that ran
+        within 3.7 of 6 GiB)."""
         return layer.peak_bytes * self.act_scale / self.microbatches
 
-    def footprint(self, weights: Any, grads: Any, recompute: Any, boundary: Any) -> tuple[Any, Any]:
+    def stage_working(self, layers: Sequence[LayerCost]) -> float:
+        """The working memory of a stage made of `layers`: the largest of theirs (0 for none)."""
+        return max((self.working(l) for l in layers), default=0.0)
+
+    @staticmethod
+    def held(weights: Any, boundary: Any) -> Any:
+        """What a stage holds on its GPU while another stage there works: its weights (a prefetch,
+        or not yet evicted) and its boundary activations (inputs arrived or restored, output
+        gradients): held_k = W_k + M·(in_k + out_k). Linear, for the MIP."""
+        return weights + boundary
+
+    def footprint(self, weights: Any, grads: Any, recompute: Any, boundary: Any, work: Any) -> tuple[Any, Any]:
         """(forward, backward) bytes of a stage from its sums over its layers: weights, weight
-        gradients, `recompute_bytes`, and M x (boundary input + output) activations. Linear
-        in them, so the MIP can call it with PuLP expressions.
+        gradients, `recompute_bytes`, M x (boundary input + output) activations, and its
+        working memory (`stage_working`, the largest of its layers'). Linear in them, so the
+        MIP can call it with PuLP expressions.
 
-        forward  = weights + working + boundary
-        backward = weights + grad_copies x gradients + recompute + working + boundary
+        forward  = weights + work + boundary
+        backward = weights + grad_copies x gradients + recompute + work + boundary
 
-        working (the largest layer's, one micro-batch) bounds the forward's live intermediates
-        and backward's activation gradients in flight; recompute is everything the stage's
-        recompute keeps for backward, summed over its layers; boundary covers the stage's
-        inputs (forward) and the input and output gradients of its M calls (backward).
+        recompute is what the stage's recompute keeps for backward, summed over its layers
+        (`recompute_bytes`); work (the stage's largest layer's, one micro-batch, `working`)
+        bounds the forward's live tensors and, in backward, what the layer being
+        differentiated holds above its saved bytes: the gradients in flight and its backward
+        ops' temporaries (annotate measures both on meta tensors, the ops inside a node
+        included: the log_softmax inside cross_entropy, issue 26). boundary covers the
+        stage's inputs (forward) and the input and output gradients of its M calls (backward).
         """
-        work = self.working_bytes
         return weights + work + boundary, weights + self.grad_copies * grads + recompute + work + boundary
 
 
@@ -148,7 +172,7 @@ def stage_memory(layers: Sequence[LayerCost], before: LayerCost | None, mm: Memo
     r = sum(mm.recompute_bytes(l) for l in layers)
     act_in = (before.output_bytes if before is not None else 0) * mm.act_scale / m
     act_out = layers[-1].output_bytes * mm.act_scale / m if layers else 0.0
-    return mm.footprint(w, g, r, m * (act_in + act_out))
+    return mm.footprint(w, g, r, m * (act_in + act_out), mm.stage_working(layers))
 
 
 @dataclass(frozen=True)
@@ -367,8 +391,28 @@ class StageTotals:
     out: list[float]  # out_k: boundary output bytes per micro-batch
     fmem: list[float]  # fwd_mem_k: `MemoryModel.footprint`, forward
     bmem: list[float]  # bwd_mem_k: `MemoryModel.footprint`, backward
+    held: list[float] = field(default_factory=list)  # held_k: W_k + M·(in_k + out_k) (`MemoryModel.held`)
+    grad_in: list[float] = field(default_factory=list)  # M·in_k: its input gradients, until stage k-1 takes them
     frozen: list[bool] = field(default_factory=list)  # stage k and all before it have no weight gradient:
     # no gradient reaches it, so it runs no backward (no refetch, no recompute): `frozen_stages`
+
+
+class _RangeMax:
+    """max(xs[a:z]) in O(1) after O(L log L) setup (a sparse table), 0 for an empty range."""
+
+    def __init__(self, xs: Sequence[float]):
+        self.table = [list(xs)]
+        j = 1
+        while 2 * j <= len(xs):
+            prev = self.table[-1]
+            self.table.append([max(prev[i], prev[i + j]) for i in range(len(xs) - 2 * j + 1)])
+            j *= 2
+
+    def __call__(self, a: int, z: int) -> float:
+        if z <= a:
+            return 0.0
+        k = (z - a).bit_length() - 1
+        return max(self.table[k][a], self.table[k][z - (1 << k)])
 
 
 class PrefixSums:
@@ -377,7 +421,9 @@ class PrefixSums:
 
     `x[i]` sums layers 0..i-1 (`x[0] = 0`): `f`, `b` seconds per micro-batch, `w`, `g`
     weight and gradient bytes as streamed, `r` recompute bytes (`MemoryModel.recompute_bytes`);
-    `out[i]` is layer i's output bytes per micro-batch; `mm` the problem's `MemoryModel`.
+    `out[i]` is layer i's output bytes per micro-batch; `work(a, z)` the working memory of
+    the stage of layers [a, z) (`MemoryModel.stage_working`, a range max in O(1));
+    `mm` the problem's `MemoryModel`.
     """
 
     def __init__(self, problem: PartitionProblem):
@@ -390,6 +436,7 @@ class PrefixSums:
         self.g = acc(l.grad_bytes * mm.weight_scale for l in ls)
         self.r = acc(mm.recompute_bytes(l) for l in ls)
         self.out = [l.output_bytes * mm.act_scale / m for l in ls]
+        self.work = _RangeMax([mm.working(l) for l in ls])
         self.mm = mm
         self.frozen = problem.frozen_prefix
 
@@ -401,7 +448,7 @@ class PrefixSums:
             tw, tg = self.problem.tied_bytes(a, z) if self.problem.tied else (0.0, 0.0)
             w, g = self.w[z] - self.w[a] + tw, self.g[z] - self.g[a] + tg
             acts = m * ((self.out[a - 1] if a else 0.0) + self.out[z - 1])
-            fm, bm = self.mm.footprint(w, g, self.r[z] - self.r[a], acts)  # = stage_memory
+            fm, bm = self.mm.footprint(w, g, self.r[z] - self.r[a], acts, self.work(a, z))  # = stage_memory
             st.f.append(self.f[z] - self.f[a])
             st.b.append(self.b[z] - self.b[a])
             st.w.append(w)
@@ -409,6 +456,8 @@ class PrefixSums:
             st.out.append(self.out[z - 1])
             st.fmem.append(fm)
             st.bmem.append(bm)
+            st.held.append(self.mm.held(w, acts))
+            st.grad_in.append(m * (self.out[a - 1] if a else 0.0))
             st.frozen.append(z <= self.frozen)
         return st
 
@@ -423,7 +472,7 @@ def layer_runs(problem: PartitionProblem) -> list[tuple[int, int]]:
     """(start, length) of maximal runs of layers the model cannot tell apart: equal in every
     number it reads (times, weights, gradients, output and, through the recompute memory, peak
     bytes). The MIP decides its cuts over these runs."""
-    key = lambda l: (l.fwd_time, l.bwd_time, l.param_bytes, l.grad_bytes, l.output_bytes, l.peak_bytes)
+    key = lambda l: (l.fwd_time, l.bwd_time, l.param_bytes, l.grad_bytes, l.output_bytes, l.peak_bytes, l.saved_bytes)
     runs: list[tuple[int, int]] = []
     for i, l in enumerate(problem.layers):
         if runs and key(problem.layers[runs[-1][0]]) == key(l):
@@ -451,24 +500,46 @@ def _reference_totals(problem: PartitionProblem, cuts: Sequence[int]) -> StageTo
         st.out.append(part[-1].output_bytes * mm.act_scale / m)
         st.fmem.append(fm)
         st.bmem.append(bm)
+        acts_in = (ls[a - 1].output_bytes * mm.act_scale / m) if a else 0.0
+        st.held.append(mm.held(st.w[-1], m * (acts_in + st.out[-1])))
+        st.grad_in.append(m * acts_in)
         st.frozen.append(z <= frozen)
     return st
 
 
-def memory_violation(problem: PartitionProblem, st: StageTotals) -> float:
-    """Sum of relative overshoots of every memory rule of docs/schedule.md (0 = fits): each
-    stage in forward and in backward, and the double buffer (a stage plus the next one on its
-    GPU), within `MEMORY_TOLERANCE` of capacity."""
-    n, s, cap = len(problem.gpus), len(st.f), problem.capacity
-    v = 0.0
+def memory_rows(fmem: Sequence[Any], bmem: Sequence[Any], held: Sequence[Any], grad_in: Sequence[Any],
+                n: int) -> list[tuple[int, int, Any, tuple[int, ...]]]:
+    """The memory rules of docs/schedule.md, as (stage k, 0 forward | 1 backward, bytes its GPU
+    holds while stage k works, the other stages in them): floats or PuLP expressions.
+
+    forward:  fwd_mem_k + held_{k+N}                       (stage k+N prefetched)
+    backward: bwd_mem_k + held_{k-N} + grad_in_{k+N}       (stage k-N prefetched; stage
+              k+N's input gradients until stage k+N-1, on the GPU before, takes them)
+
+    A prefetched stage holds its weights and boundary activations (`MemoryModel.held`), not
+    its working memory: it works once stage k is done and gone (issue 26: charging the next
+    stage's whole footprint refused a 3B GPT that ran within its budget)."""
+    s, rows = len(fmem), []
     for k in range(s):
-        c = cap[k % n] * (1 + MEMORY_TOLERANCE)
-        rows = [st.fmem[k], st.bmem[k]]
-        if k + n < s:
-            rows.append(st.fmem[k] + st.fmem[k + n])
-        if k >= n:
-            rows.append(st.bmem[k] + st.bmem[k - n])
-        v += sum(max(0.0, r - c) / max(cap[k % n], 1) for r in rows)
+        ahead, behind = k + n < s, k >= n
+        rows.append((k, 0, fmem[k] + held[k + n] if ahead else fmem[k], (k + n,) if ahead else ()))
+        row, with_ = bmem[k], ()
+        if behind:
+            row, with_ = row + held[k - n], (k - n,)
+        if ahead:
+            row, with_ = row + grad_in[k + n], (*with_, k + n)
+        rows.append((k, 1, row, with_))
+    return rows
+
+
+def memory_violation(problem: PartitionProblem, st: StageTotals) -> float:
+    """Sum of relative overshoots of every memory rule of docs/schedule.md (`memory_rows`: each
+    stage in forward and in backward with what its GPU holds for the stages around it), within
+    `MEMORY_TOLERANCE` of capacity (0 = fits)."""
+    n, cap = len(problem.gpus), problem.capacity
+    v = 0.0
+    for k, _, row, _ in memory_rows(st.fmem, st.bmem, st.held, st.grad_in, n):
+        v += max(0.0, row - cap[k % n] * (1 + MEMORY_TOLERANCE)) / max(cap[k % n], 1)
     return v
 
 def evaluate(problem: PartitionProblem, boundaries: Sequence[int]) -> Evaluation | None:

@@ -24,7 +24,7 @@ import pulp
 
 from mobius_fx.step_timeline import OVERLAPS
 from mobius_fx.step_model import (
-    Evaluation, PartitionProblem, PrefixSums, link_time, queue_before, queue_window, slot_bytes,
+    Evaluation, PartitionProblem, PrefixSums, link_time, memory_rows, queue_before, queue_window, slot_bytes,
 )
 
 from .mip_solver import run_solver, solve_relaxation
@@ -57,6 +57,8 @@ class Mip:
     tied_weights: tuple = ()  # the problem's TiedWeights (j indexes them)
     U: dict = field(default_factory=dict)  # k -> end of stage k's forward upload (shared uplinks only)
     skips: list = field(default_factory=list)  # (k, c, {j: binary}): U_k's row after U_j off (`queue_window`)
+    work: dict = field(default_factory=dict)  # k -> stage k's working memory (var), "ends_{k}_{r}" -> binary: `_stage_working`
+    working: list = field(default_factory=list)  # each layer's working memory (`MemoryModel.working`), for the warm start
 
 
 def _var(lp: pulp.LpProblem, name: str, lo: float | None = None, hi: float | None = None,
@@ -137,9 +139,11 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
                             {"b": fast.b[L] / scale, "w": fast.w[L] + sum(t.nbytes for t in problem.tied) * fast.mm.weight_scale,
                              "a": max(fast.out), "in": max(*fast.out, in0)})
     # Memory: step_model.stage_memory's formula (MemoryModel.footprint, linear) on the stage sums.
-    mem = [fast.mm.footprint(w[k], g[k], part("r", k), m * (at[k]["a"] + at[k + 1]["a"]))
+    work, ends = _stage_working(lp, problem, runs, z, t, s)
+    mem = [fast.mm.footprint(w[k], g[k], part("r", k), m * (at[k]["a"] + at[k + 1]["a"]), work[k])
            for k in range(s)]
-    infeasible = _memory_rows(lp, problem, mem, mem_tol)
+    held = [fast.mm.held(w[k], m * (at[k]["a"] + at[k + 1]["a"])) for k in range(s)]
+    infeasible = _memory_rows(lp, problem, mem, held, [m * at[k]["a"] for k in range(s)], mem_tol)
     inv = lambda bw: 0.0 if bw == math.inf else 1 / (bw * scale)  # seconds per byte, in units
     hop = [inv(problem.hop[k % n]) for k in range(s)]  # activation k -> k+1
     hop_back = [inv(problem.backward_hop[k % n]) for k in range(s)]  # gradient k+1 -> k
@@ -283,7 +287,62 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     lp += T
     prefix = problem.frozen_prefix
     return Mip(lp, s, scale, z, t, F, B, D, T, infeasible, frozen, prefix, L, V, E, A,
-               {k: v for k, v in R.items() if isinstance(v, pulp.LpVariable)}, aux, problem.tied, U, skips)
+               {k: v for k, v in R.items() if isinstance(v, pulp.LpVariable)}, aux, problem.tied, U, skips,
+               {**{k: v for k, v in enumerate(work) if isinstance(v, pulp.LpVariable)}, **ends},
+               [problem.memory.working(l) for l in problem.layers])
+
+
+def _stage_working(lp: pulp.LpProblem, problem: PartitionProblem, runs: list[tuple[int, int]], z: dict, t: dict,
+                   s: int) -> tuple[list, dict]:
+    """Each stage's working memory (`MemoryModel.stage_working`: the largest of its own
+    layers'), as a variable W_k >= the working memory of every run the stage touches; exact
+    at the optimum, since the memory rows only grow with W_k.
+
+    A stage touches run r when it holds r's first layer, or r holds its own first layer.
+    With z[k, r] ("cut k falls after a layer of run r"), C(k, r) = sum over runs r' < r of
+    z[k, r'] says cut k is at or before r's start, so stage k holds that start when
+    C(k, r) = 1 and C(k + 1, r) = 0: W_k >= w_r (C(k, r) - C(k + 1, r)) (cut 0 is before
+    everything, cut S after everything). The first layer of stage k > 0 is in run r when
+    z[k, r] = 1 and the cut leaves some of r (t[k, r] < len_r), else it is the next run's
+    start, held already. So W_k >= w_r z[k, r] is exact when that next run's working memory
+    is at least w_r or the cut cannot end run r; otherwise a binary e ("cut k ends run r",
+    t[k, r] >= len_r e) takes it off: W_k >= w_r (z[k, r] - e). Returns (W, {name: e})."""
+    mm = problem.memory
+    wr = [mm.working(problem.layers[a]) for a, _ in runs]
+    ends: dict = {}
+    if not any(wr):
+        return [0.0] * s, ends
+    W = [_var(lp, f"work_{k}", 0) for k in range(s)]
+
+    def before(k: int, r: int) -> Any:  # C(k, r): cut k at or before run r's start
+        if k == 0:
+            return 1
+        if k == s:
+            return 0
+        return pulp.lpSum(z[k, rr] for rr in range(r) if (k, rr) in z)
+
+    for k in range(s):
+        for r, (start, length) in enumerate(runs):
+            if not wr[r]:
+                continue
+            row = before(k, r) - before(k + 1, r)
+            if not isinstance(row, int) or row > 0:
+                lp += W[k] >= wr[r] * row, f"work_{k}_{r}"
+            if k == 0 or (k, r) not in z:
+                continue
+            tv = t[k, r]
+            if isinstance(tv, int):  # the cut's place in run r is fixed
+                if tv < length:
+                    lp += W[k] >= wr[r] * z[k, r], f"work_first_{k}_{r}"
+                continue
+            nxt = wr[r + 1] if r + 1 < len(runs) else 0.0
+            if nxt >= wr[r] or tv.upBound < length:
+                lp += W[k] >= wr[r] * z[k, r], f"work_first_{k}_{r}"
+            else:
+                e = ends[f"ends_{k}_{r}"] = _var(lp, f"ends_{k}_{r}", 0, 1, pulp.LpBinary)
+                lp += tv >= length * e, f"ends_{k}_{r}"
+                lp += W[k] >= wr[r] * (z[k, r] - e), f"work_first_{k}_{r}"
+    return W, ends
 
 
 def _tied_copies(lp: pulp.LpProblem, problem: PartitionProblem, at: list, s: int, aux: dict) -> tuple[list, list]:
@@ -366,40 +425,31 @@ def _frozen_prefix(lp: pulp.LpProblem, problem: PartitionProblem, at: list, s: i
     return frozen
 
 
-def _memory_rows(lp: pulp.LpProblem, problem: PartitionProblem, mem: list, mem_tol: float) -> bool:
-    """Add the memory rules of `step_model.memory_violation` (each stage in forward and in
-    backward; a stage and the next one on its GPU together, the double buffer) and return
-    whether a constant one already fails.
+def _memory_rows(lp: pulp.LpProblem, problem: PartitionProblem, mem: list, held: list, grad_in: list,
+                 mem_tol: float) -> bool:
+    """Add the memory rules of `step_model.memory_rows` (each stage in forward and in backward,
+    with what its GPU holds for the stages around it) and return whether a constant one
+    already fails.
 
-    `mem[k]` is MemoryModel.footprint of stage k's sums, all >= 0 (bytes). The footprint is
-    linear, so its coefficients (read off at 0 and unit inputs) say which rules another one
-    implies for every cut set: forward <= backward drops the forward rules, a footprint >= 0
-    drops a single stage's rule once a pair holds it. The prefetch's free-memory term, which
-    the MIP leaves out (partition.py's docstring), needs W_k <= both footprints: checked here.
+    `mem[k]` is MemoryModel.footprint of stage k's sums, `held[k]` MemoryModel.held, `grad_in[k]`
+    stage k's M input gradients, all >= 0 (bytes). The prefetch's free-memory term, which the
+    MIP leaves out (partition.py's docstring), needs W_k <= both footprints: checked here.
     """
-    mm, n, s = problem.memory, len(problem.gpus), len(mem)
-    base = mm.footprint(0.0, 0.0, 0.0, 0.0)
-    units = [mm.footprint(*(1.0 if j == i else 0.0 for j in range(4))) for i in range(4)]
-    cf, cb = ([u[d] - base[d] for u in units] for d in (0, 1))  # per weights, grads, recompute, boundary
-    tol = 1e-9 * max(1.0, *map(abs, base))  # the differences above round: 1 + work - work < 1
-    nonneg = lambda const, coefs: const >= -tol and all(c >= -1e-9 for c in coefs)
-    fwd_implied = nonneg(base[1] - base[0], [b - f for b, f in zip(cb, cf)])
-    single_implied = nonneg(base[0], cf) and nonneg(base[1], cb)
+    mm, n = problem.memory, len(problem.gpus)
+    base = mm.footprint(0.0, 0.0, 0.0, 0.0, 0.0)
+    units = [mm.footprint(*(1.0 if j == i else 0.0 for j in range(5))) for i in range(5)]
+    cf, cb = ([u[d] - base[d] for u in units] for d in (0, 1))  # per weights, grads, recompute, boundary, work
+    nonneg = lambda const, coefs: const >= -1e-9 * max(1.0, abs(const)) and all(c >= -1e-9 for c in coefs)
     assert nonneg(base[0], [cf[0] - 1, *cf[1:]]) and nonneg(base[1], [cb[0] - 1, *cb[1:]]), \
         "the MIP assumes a stage's memory footprint holds at least its weights"
-    rules = []
-    for k in range(s - n):  # the double buffer: stage k, then k + n, on one GPU
-        rules += [((k, k + n), d, mem[k][d] + mem[k + n][d]) for d in ((1,) if fwd_implied else (1, 0))]
-    for k in range(s):
-        if not (single_implied and (k + n < s or k >= n)):
-            rules += [((k,), d, mem[k][d]) for d in ((1,) if fwd_implied else (1, 0))]
     infeasible = False
-    for stages, d, row in rules:
-        row = row * (1 / (problem.capacity[stages[0] % n] * (1 + mem_tol)))
+    rows = memory_rows([f for f, _ in mem], [b for _, b in mem], held, grad_in, n)
+    for k, d, row, with_ in rows:
+        row = row * (1 / (problem.capacity[k % n] * (1 + mem_tol)))
         if not isinstance(row, pulp.LpAffineExpression) or not row.keys():  # no variable in it
             infeasible |= float(row.constant if isinstance(row, pulp.LpAffineExpression) else row) > 1
         else:
-            lp += row <= 1, f"memory_{'fb'[d]}_{'_'.join(map(str, stages))}"
+            lp += row <= 1, f"memory_{'fb'[d]}_{'_'.join(map(str, (k, *with_)))}"
     return infeasible
 
 
@@ -440,6 +490,12 @@ def warm_start(mip: Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
                              (ev.upload_done, mip.U)):
         for k, v in variables.items():
             v.setInitialValue(times[k] / mip.scale)
+    for key, v in mip.work.items():  # W_k: the stage's working memory; ends_{k}_{r}: cut k ends run r
+        if isinstance(key, int):
+            v.setInitialValue(max(mip.working[edges[key]:edges[key + 1]], default=0.0))
+        else:
+            _, k, r = key.split("_")
+            v.setInitialValue(int(edges[int(k)] == runs[int(r)][0] + runs[int(r)][1]))
     for k, c, skip in mip.skips:  # the c-1 latest ends of U_k's window switched off
         for j in sorted(skip, key=lambda j: -ev.upload_done[j])[:c - 1]:
             skip[j].setInitialValue(1)

@@ -44,9 +44,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from mobius_fx.costs import DeviceSpec, LayerCost, NodeCost
+from mobius_fx.costs import DeviceSpec, LayerCost, NodeCost, dtype_bytes, dtype_name
 from mobius_fx.errors import MobiusError
-from mobius_fx.passes.annotate_tools import (all_real, cuda_devices, holding, host_spec, main_dtype, median_time,
+from mobius_fx.passes.annotate_tools import (LiveBytes, all_real, cuda_devices, holding, host_spec, main_dtype, median_time,
                                              meta_like, node_key, roofline, synchronizer, tensor_leaves,
                                              unique_tensors, value_bytes)
 from mobius_fx.passes.layers import TINY_LAYER_FRACTION, group_layers
@@ -122,12 +122,185 @@ def annotate(gm: fx.GraphModule, *, example_inputs: Sequence[Any] = (), example_
                    warmup=warmup, repeats=repeats, progress=progress)
         run.execute()
     assert run is not None
-
-    layers = group_layers(gm, node_costs=run.costs, out_bytes=run.out_bytes, act_bytes=run.act_bytes,
+    out_bytes, act_bytes, held, scale = _bytes_as_run(gm, flat, names, spec, dtype, run, progress)
+    layers = group_layers(gm, node_costs=run.costs, out_bytes=out_bytes, act_bytes=act_bytes,
                           param_info=run.param_info)
+    if held is None and measure:  # measured in the master dtype: its bytes come from a meta run
+        held = _Run(gm, flat, names, measure=False, spec=spec, dtype=compute_dtype)
+        try:
+            held.execute()
+        except MobiusError:
+            held = None
+    layers = _layer_peaks(gm, layers, act_bytes, held, scale)
     _report(progress, f"annotate: {len(gm.graph.nodes)} nodes -> {len(layers)} layers in "
                       f"{time.perf_counter() - t0:.2f} s ({'measured' if measure else 'modelled'})")
     return layers
+
+
+def _bytes_as_run(gm: fx.GraphModule, flat: list[Any], names: dict[str, str], spec: DeviceSpec, dtype: Any,
+                  run: "_Run", progress: Callable[[str], None] | None) -> tuple[dict, dict, "_Run | None", int]:
+    """(out_bytes, act_bytes, meta run, scale) per node in the master dtype's units: what `MemoryModel` scales by
+    `act_scale` (dtype / float32) to get the bytes the stage holds when it runs in `dtype`.
+
+    In the master dtype's trace, a conversion to fp32 (`logits.float()` before a loss) hands its
+    input back and costs nothing, and an op on it (log_softmax) looks as big as every other
+    activation; run in bf16, the conversion makes a new fp32 tensor and the loss works in fp32,
+    twice what the scaled trace says (issue 26: a plan `compile` accepted failed its budget at
+    the first step). So with a half-precision `dtype` the graph runs once more on meta tensors
+    with its floating weights and inputs in `dtype`, and each tensor counts its bytes there,
+    over the scale (an fp32 tensor counts double). Without one, the run's own bytes stand.
+    The meta run the bytes come from (None when they were measured) and the scale go on to
+    `_layer_peaks`."""
+    master = main_dtype(gm)
+    if dtype is None or master != torch.float32 or dtype_bytes(dtype) >= dtype_bytes(master):
+        return run.out_bytes, run.act_bytes, (None if run.measure else run), 1
+    cast = getattr(torch, dtype_name(dtype))
+    again = _Run(gm, flat, names, measure=False, spec=spec, dtype=cast, cast=cast)
+    try:
+        again.execute()
+    except MobiusError as e:  # a graph only real data can run: the measured bytes stand
+        _report(progress, f"annotate: cannot run the graph in {dtype_name(dtype)} on meta tensors ({e}); "
+                          "bytes as traced, scaled")
+        return run.out_bytes, run.act_bytes, (None if run.measure else run), 1
+    scale = dtype_bytes(master) // dtype_bytes(dtype)
+    return ({n: b * scale for n, b in again.out_bytes.items()}, {n: b * scale for n, b in again.act_bytes.items()},
+            again, scale)
+
+
+# ----------------------------------------------------------------------------- layer peaks
+
+def _layer_peaks(gm: fx.GraphModule, layers: list[LayerCost], act_bytes: dict[fx.Node, int], held: "_Run | None",
+                 scale: int) -> list[LayerCost]:
+    """Each layer's `saved_bytes` and `peak_bytes` (its working memory), as the runtime runs it,
+    measured on meta tensors under `LiveBytes` (the books' rule: a storage counts from the op
+    that makes it until it dies):
+
+    - saved_bytes: what the layer's recompute (with grad) holds when it ends: its outputs and
+      what autograd saved for its backward;
+    - peak_bytes: the larger of its forward (no grad) peak plus its live-in activations (what
+      crosses its start), and the peak of its recompute and its backward (from ones as its
+      outputs' gradients into its inputs) less saved_bytes.
+
+    So a stage holds in backward its layers' saved bytes and one layer's peak above them
+    (`MemoryModel.footprint`). The ops inside a node count (the log_softmax `cross_entropy`
+    keeps for its backward, the backward's temporaries: issue 26); the weight gradients do
+    not (the step model counts them, `grad_copies` x gradients).
+
+    Layers of one signature are run once. Without a meta run of the graph (`held` None) or
+    where a layer cannot run again on meta, the bound from the nodes' bytes stands: every
+    tensor the layer makes is saved, and the peak is live-in plus twice that."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    done: dict[str, int | None] = {}
+    out = []
+    for layer in layers:
+        members = [by_name[x] for x in layer.nodes]
+        made = sum(act_bytes.get(n, 0) for n in members)
+        live_in = layer.peak_bytes - made  # group_layers: live-in + every tensor the layer makes
+        key = layer.signature or layer.name
+        if key not in done:
+            done[key] = None
+            if held is not None:
+                try:
+                    done[key] = tuple(b * scale for b in _replay(held, members))
+                except Exception as e:  # an op meta cannot run again: the nodes' bound stands
+                    _log.info("annotate: layer %s cannot run again on meta tensors (%s: %s); its peak is "
+                              "bounded from its nodes' bytes", layer.name, type(e).__name__, _first_line(e))
+        if done[key] is None:  # every tensor it makes kept, and as many gradients
+            out.append(dataclasses.replace(layer, peak_bytes=int(live_in + 2 * made), saved_bytes=int(made)))
+            continue
+        forward, saved, backward = done[key]
+        out.append(dataclasses.replace(layer, peak_bytes=int(max(live_in + forward, backward - saved)),
+                                       saved_bytes=int(saved)))
+    return out
+
+
+def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                     enable_gqa: bool = False) -> torch.Tensor:
+    """`scaled_dot_product_attention` as a device runs it: a fused kernel that keeps its output
+    and log-sum-exp for backward (flash / memory-efficient attention on CUDA, the flash kernel
+    on the CPU). On meta tensors torch picks the math path, which keeps the whole attention
+    matrix in fp32, several times: a bound far above what runs."""
+    if query.dim() != 4 or query.shape[1] % key.shape[1] or key.shape[1] != value.shape[1]:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa)
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: the key and value heads repeated (a bound)
+        key, value = (t.repeat_interleave(query.shape[1] // t.shape[1], dim=1) for t in (key, value))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+_FUSED_ATTENTION: dict[Any, Callable[..., Any]] = {
+    torch.nn.functional.scaled_dot_product_attention: _fused_attention,
+    torch.ops.aten.scaled_dot_product_attention.default: _fused_attention,
+}
+
+
+def _replay(run: "_Run", members: list[fx.Node]) -> tuple[int, int, int]:
+    """Bytes `members` (a layer's nodes) hold beyond their inputs, run on `run`'s meta values:
+    (the forward's peak without grad, what the recompute with grad holds when it ends -- its
+    outputs and what autograd saved --, the peak of that recompute and the backward after it
+    from ones as the outputs' gradients into the inputs and the weights, less the weight
+    gradients' bytes: the step model counts those, `grad_copies` x gradients)."""
+    inside = set(members)
+    inputs = list(dict.fromkeys(i for n in members for i in n.all_input_nodes if i not in inside))
+    outputs = [n for n in members if n.op != "output" and any(u not in inside or u.op == "output" for u in n.users)]
+    last: dict[fx.Node, fx.Node] = {}
+    for n in members:
+        for i in n.all_input_nodes:
+            last[i] = n
+    frees: dict[fx.Node, list[fx.Node]] = {}
+    for v, n in last.items():
+        if v in inside and v not in outputs:
+            frees.setdefault(n, []).append(v)
+
+    def fresh(v: Any) -> Any:  # a leaf like v (an activation arriving), a model tensor as it is
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad and t.grad_fn is None:
+                return t  # a weight (or an input that is a leaf already)
+            return t.detach().requires_grad_(t.requires_grad)
+        return pytree.tree_map_only(torch.Tensor, leaf, v)
+
+    def forward(grad: bool) -> tuple[dict, list[torch.Tensor], list[torch.Tensor]]:
+        env = {i: fresh(run.values[i]) for i in inputs}
+        leaves = [t for i in inputs if i.op != "get_attr" for t in tensor_leaves(env[i]) if t.requires_grad]
+        weights: dict[int, torch.Tensor] = {}
+        with torch.set_grad_enabled(grad):
+            for n in members + [i for i in inputs if i.op == "get_attr"]:
+                if n.op in ("placeholder", "get_attr"):  # the model's inputs and tensors: there already
+                    env[n] = fresh(run.values[n])
+                    if n.op == "get_attr":
+                        weights.update((id(t), t) for t in tensor_leaves(env[n]) if t.requires_grad and t.grad_fn is None)
+                    continue
+                if n.op == "output":
+                    continue
+                fn, state = run._callable(n)
+                weights.update((id(t), t) for t in state.values() if t.requires_grad and t.grad_fn is None)
+                fn = _FUSED_ATTENTION.get(fn, fn) if n.op == "call_function" else fn
+                args = fx.node.map_arg(n.args, env.__getitem__)
+                kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
+                args, kwargs = pytree.tree_map_only(torch.device, lambda _: torch.device("meta"), (args, kwargs))
+                env[n] = fn(*args, **kwargs)
+                for dead in frees.get(n, ()):
+                    env.pop(dead, None)
+        return env, leaves, [t for t in weights.values() if all(t is not x for x in leaves)]
+
+    with LiveBytes() as books:
+        env, _, _ = forward(False)
+        del env
+    peak = books.peak
+    grads = 0
+    with LiveBytes() as books:
+        env, leaves, weights = forward(True)
+        saved = books.current
+        outs = [t for n in outputs for t in unique_tensors(env[n]) if t.requires_grad and t.grad_fn is not None]
+        if outs and (leaves or weights):
+            got = torch.autograd.grad(outs, leaves + weights, [torch.ones_like(t) for t in outs], allow_unused=True)
+            grads = sum(value_bytes(g) for g in got[len(leaves):] if g is not None)
+            del got
+        del env, outs, leaves, weights
+    return peak, saved, books.peak - grads
 
 
 # ----------------------------------------------------------------------------- execution
@@ -142,8 +315,9 @@ class _Run:
 
     def __init__(self, gm: fx.GraphModule, flat_inputs: list[Any], names: dict[str, str], *, measure: bool,
                  spec: DeviceSpec, dtype: Any, warmup: int = 0, repeats: int = 1,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, cast: torch.dtype | None = None):
         self.gm = gm
+        self.cast = cast  # meta copies of floating weights and inputs in this dtype (`_bytes_as_run`)
         self.flat_inputs = flat_inputs
         self.measure = measure
         self.spec = spec
@@ -165,6 +339,7 @@ class _Run:
         # node -> (params it reads: canonical name -> (bytes, requires_grad))
         self.param_info: dict[fx.Node, dict[str, tuple[int, bool]]] = {}
         self.costs: dict[fx.Node, NodeCost] = {}
+        self.values: dict[fx.Node, Any] = {}  # node -> its value, meta runs only
 
     # -- values
     def _value(self, t: torch.Tensor, *, is_buffer: bool) -> torch.Tensor:
@@ -175,7 +350,7 @@ class _Run:
         key = id(t)
         if key not in self._copies:
             if not self.measure:
-                self._copies[key] = meta_like(t)
+                self._copies[key] = meta_like(t, self.cast)
             else:
                 copy = t.detach().clone()
                 if not is_buffer and isinstance(t, nn.Parameter):
@@ -196,7 +371,7 @@ class _Run:
         if not isinstance(x, torch.Tensor):
             return x
         if not self.measure:
-            return meta_like(x)
+            return meta_like(x, self.cast)
         return x.detach().clone().requires_grad_(x.requires_grad)
 
     # -- main loop
@@ -227,6 +402,8 @@ class _Run:
                     raise MobiusError(f"annotate failed while {mode} at node {node.format_node()}: "
                                       f"{type(e).__name__}: {_first_line(e)}{hint}") from e
                 self.costs[node] = cost
+                if not self.measure:  # meta: free to keep, `_layer_peaks` runs layers again from them
+                    self.values[node] = env.get(node)
                 for dead in frees.get(node, ()):
                     env.pop(dead, None)
                 if self.measure and self.progress is not None and len(self.cache) > misses and len(self.cache) % 50 == 0:

@@ -6,8 +6,10 @@ copies of the state a node reads, timing, the roofline model, device and dtype c
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +17,11 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mobius_fx.costs import DEVICE_SPECS, DeviceSpec
 
-__all__ = ["node_key", "Unkeyable", "value_spec", "tensor_leaves", "unique_tensors", "value_bytes", "roofline", "meta_like", "main_dtype", "all_real", "host_spec", "cuda_devices", "holding", "synchronizer", "median_time"]
+__all__ = ["node_key", "Unkeyable", "value_spec", "tensor_leaves", "unique_tensors", "value_bytes", "roofline", "meta_like", "main_dtype", "all_real", "host_spec", "cuda_devices", "holding", "synchronizer", "median_time", "LiveBytes"]
 
 
 def node_key(node: fx.Node, fn: Any, args: Any, kwargs: Any, state: dict[str, torch.Tensor]) -> Any:
@@ -83,8 +86,10 @@ def roofline(flops: float, nbytes: float, spec: DeviceSpec, dtype: Any) -> float
     return max(compute, memory)
 
 
-def meta_like(t: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+def meta_like(t: torch.Tensor, cast: torch.dtype | None = None) -> torch.Tensor:
+    """A meta tensor like `t`; a floating one in `cast` when given (as a mixed-precision stage holds it)."""
+    dtype = cast if cast is not None and t.is_floating_point() else t.dtype
+    out = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
     if t.requires_grad and (t.is_floating_point() or t.is_complex()):
         out.requires_grad_(True)
     return out
@@ -155,3 +160,41 @@ def median_time(fn: Callable[..., None], warmup: int, repeats: int, sync: Callab
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages the ops run under it create, while they live, and their peak:
+    what a device's books (mobius_fx/books.py) would charge, on meta tensors. Views of one
+    storage count once; a storage counts from the op that makes it until it dies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = self.peak = 0
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+
+    def _died(self, key: int, ref: weakref.ref) -> None:
+        entry = self._live.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._live[key]
+            self.current -= entry[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {k for k in map(_storage_id, tensor_leaves((args, kwargs))) if k is not None}
+        for t in tensor_leaves(out):
+            key = _storage_id(t)
+            if key is None or key in self._live or key in given:  # a view or the input itself: nothing new
+                continue
+            storage = t.untyped_storage()
+            n = storage.nbytes()
+            self._live[key] = (weakref.ref(storage, functools.partial(self._died, key)), n)
+            self.current += n
+            self.peak = max(self.peak, self.current)
+        return out
+
+
+def _storage_id(t: torch.Tensor) -> int | None:
+    try:
+        return id(t.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # storage-less layouts
+        return None

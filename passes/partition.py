@@ -61,7 +61,7 @@ import pulp
 
 from mobius_fx.errors import PlanError
 from mobius_fx.step_model import (
-    MEMORY_TOLERANCE, Evaluation, PartitionProblem, PrefixSums, SolverInfo, evaluate, layer_runs,
+    MEMORY_TOLERANCE, Evaluation, PartitionProblem, PrefixSums, SolverInfo, evaluate, layer_runs, memory_rows,
 )
 from mobius_fx.units import fmt_bytes, fmt_time
 
@@ -305,19 +305,17 @@ def _span(problem: PartitionProblem, cuts: Sequence[int], k: int) -> str:
 
 
 def _worst_row(problem: PartitionProblem, cuts: Sequence[int]) -> tuple[float, str]:
-    """The most overfull memory rule of a cut set: (need / capacity, description)."""
-    st, n, s = PrefixSums(problem).stages(cuts), len(problem.gpus), len(cuts)
+    """The most overfull memory rule of a cut set (`step_model.memory_rows`): (need / capacity, description)."""
+    st, n = PrefixSums(problem).stages(cuts), len(problem.gpus)
     worst = (-math.inf, "")
-    for k in range(s):
+    for k, d, need, with_ in memory_rows(st.fmem, st.bmem, st.held, st.grad_in, n):
         cap, gpu = problem.capacity[k % n], problem.gpus[k % n]
-        rows = [(st.bmem[k], f"stage {k} ({_span(problem, cuts, k)}) needs {{}} in backward")]
-        if k + n < s:
-            rows.append((st.bmem[k] + st.bmem[k + n],
-                         f"stages {k} and {k + n} ({_span(problem, cuts, k)} and {_span(problem, cuts, k + n)}) "
-                         f"need {{}} together in backward (the double buffer)"))
-        for need, text in rows:
-            if need / cap > worst[0]:
-                worst = (need / cap, text.format(fmt_bytes(need)) + f" on {gpu}, which has {fmt_bytes(cap)} usable")
+        if need / cap > worst[0]:
+            phase = ("forward", "backward")[d]
+            text = f"stage {k} ({_span(problem, cuts, k)}) needs {fmt_bytes(need)} in {phase}"
+            if with_:
+                text += f" with what stage{'s' if len(with_) > 1 else ''} {' and '.join(map(str, with_))} hold{'' if len(with_) > 1 else 's'} meanwhile (weights, boundary activations)"
+            worst = (need / cap, text + f" on {gpu}, which has {fmt_bytes(cap)} usable")
     return worst
 
 
@@ -344,8 +342,8 @@ def _explain_infeasible(problem: PartitionProblem, cands: Sequence[int], unknown
         copies = f"{mm.grad_copies}x" if mm.grad_copies != 1 else ""
         acts = problem.microbatches * ((fast.out[a - 1] if a else 0.0) + fast.out[z - 1])
         return (f"layer {ls[worst].name} needs {fmt_bytes(need[worst])} in backward (weights {fmt_bytes(st.w[0])} "
-                f"+ gradients {copies}{fmt_bytes(st.g[0])} + recompute {fmt_bytes(fast.r[z] - fast.r[a])} + working "
-                f"{fmt_bytes(mm.working_bytes)} + boundary activations {fmt_bytes(acts)}) but the largest GPU, "
+                f"+ gradients {copies}{fmt_bytes(st.g[0])} + recompute {fmt_bytes(fast.r[z] - fast.r[a])} + 2x working "
+                f"{fmt_bytes(fast.work(a, z))} + boundary activations {fmt_bytes(acts)}) but the largest GPU, "
                 f"{gname}, has {fmt_bytes(cap)} usable (memory_fraction {frac:g} of {fmt_bytes(cap / frac)}); {remedy}")
     # Otherwise: the closest cut set we can find, and the rule it still breaks.
     near: tuple[float, list[int]] | None = None
@@ -366,7 +364,9 @@ def _explain_infeasible(problem: PartitionProblem, cands: Sequence[int], unknown
 # ------------------------------------------------------------------------------ solve
 # The timing model's revision: part of the cache key, so a plan solved under an older model (a
 # different program for the same numbers) is not reused. Bump it with any change to the program.
-MODEL_REVISION = "2026-12-03b: duplex share by priority, uploads on a shared uplink take the first server"
+MODEL_REVISION = ("2026-12-04: memory rows (a neighbour holds its weights and boundary activations), working memory "
+                  "once in backward over the layers' saved bytes; duplex share by priority, uploads on a shared "
+                  "uplink take the first server")
 
 
 def _cache_key(problem: PartitionProblem, settings: dict) -> str:

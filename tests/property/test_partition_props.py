@@ -177,13 +177,20 @@ def test_every_solution_passes_an_independent_memory_check(p):
         return
     ls, n = p.layers, len(p.gpus)
     edges = list(r.boundaries) + [len(ls)]
-    mem = [stage_memory(ls[a:z], ls[a - 1] if a else None, p.memory) for a, z in zip(edges, edges[1:])]
+    mm, m = p.memory, p.microbatches
+    mem = [stage_memory(ls[a:z], ls[a - 1] if a else None, mm) for a, z in zip(edges, edges[1:])]
+    # what a stage holds while another on its GPU works: weights, M inputs and outputs
+    ins = [m * (ls[a - 1].output_bytes * mm.act_scale / m if a else 0.0) for a in edges[:-1]]
+    held = [sum(l.param_bytes for l in ls[a:z]) * mm.weight_scale + ins[k] + ls[z - 1].output_bytes * mm.act_scale
+            for k, (a, z) in enumerate(zip(edges, edges[1:]))]
+    s = len(mem)
     for k, (fwd, bwd) in enumerate(mem):
         cap = p.capacity[k % n] * (1 + 1e-6)
         assert fwd <= cap and bwd <= cap
-        if k + n < len(mem):
-            assert fwd + mem[k + n][0] <= cap  # forward double buffer
-            assert bwd + mem[k + n][1] <= cap  # backward double buffer (stage k+n, then k)
+        if k + n < s:
+            assert fwd + held[k + n] <= cap  # forward: stage k+n prefetched
+        # backward: stage k-n prefetched, stage k+n's input gradients not yet taken
+        assert bwd + (held[k - n] if k >= n else 0) + (ins[k + n] if k + n < s else 0) <= cap
 
 
 @settings(max_examples=12)

@@ -118,9 +118,14 @@ def test_spec_is_guessed_from_the_product_name_and_says_when_it_is_not():
 
 
 def test_the_plans_peak_is_the_double_buffer_of_consecutive_stages_on_a_gpu():
-    stages = [SimpleNamespace(gpu=g, peak_bytes=b) for g, b in
-              [("gpu0", 5), ("gpu1", 7), ("gpu0", 9), ("gpu1", 1), ("gpu0", 2), ("gpu2", 4)]]
-    assert gc.plan_gpu_peaks(SimpleNamespace(stages=stages)) == {"gpu0": 14, "gpu1": 8, "gpu2": 4}
+    # a stage's peak with the weights and boundary activations (M = 2 micro-batches) of the
+    # next stage on its GPU (forward) or the one before it, and the next one's input gradients
+    # (backward): step_model.memory_rows
+    stages = [SimpleNamespace(gpu=g, peak_bytes=b, param_bytes=w, input_bytes=1, output_bytes=1) for g, b, w in
+              [("gpu0", 5, 3), ("gpu1", 7, 1), ("gpu0", 9, 2), ("gpu1", 1, 1), ("gpu0", 2, 1), ("gpu2", 4, 1)]]
+    got = gc.plan_gpu_peaks(SimpleNamespace(stages=stages, microbatches=2))
+    # gpu0: stage 2 (9) + stage 0 held (3 + 4) + stage 4's input gradients (2); gpu1: 7 + (1 + 4)
+    assert got == {"gpu0": 9 + 7 + 2, "gpu1": 7 + 5, "gpu2": 4}
 
 
 def test_pytest_summary_counts():

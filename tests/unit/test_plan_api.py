@@ -116,9 +116,9 @@ def test_a_gpu_order_the_partition_does_not_fit_is_partitioned_again_for_that_or
     from mobius_fx.options import CompileOptions
     from mobius_fx.passes.partition import PartitionProblem, evaluate
 
-    # gpu1 holds 117 KiB: the partition for (gpu0, gpu1) gives gpu0 a first stage that does
+    # gpu1 holds 78 KiB: the partition for (gpu0, gpu1) gives gpu0 a first stage that does
     # not fit gpu1 once gpu1 runs stage 0.
-    topo = _big_gpu0_small_gpu1(120_000)
+    topo = _big_gpu0_small_gpu1(80_000)
     ctx = CompileContext(model=_mlp(), topology=topo, example_inputs=(torch.randn(8, 64),),
                          settings=CompileOptions(microbatches=2, cache_dir=str(tmp_path), verbose=False))
     _reversed_order_pipeline().until("plan").run(ctx)

@@ -61,6 +61,8 @@ def test_stage_memory_counts_weights_working_and_boundaries():
     assert fwd == 8 * MiB + 1 * MiB + 2 * (0.5 * MiB + 0.5 * MiB)
     # backward: the gradients twice (their sum and a micro-batch's fresh ones) and all the
     # recompute keeps of both layers (2 x 2 MiB for the batch, per micro-batch)
+    # (the working memory, in forward its live tensors, is in backward what the layer being
+    # differentiated holds above its saved bytes: once in each)
     assert bwd == fwd + 2 * 8 * MiB + 2 * MiB
     fwd1, bwd1 = stage_memory(layers[1:], layers[0], MemoryModel.for_layers(layers, 1))
     assert bwd1 == fwd1 + 8 * MiB + 4 * MiB  # one micro-batch: no fresh gradients to add in

@@ -67,11 +67,11 @@ def test_evaluate_prefetch_is_limited_by_bandwidth_times_the_previous_span():
 
 
 def test_evaluate_prefetch_is_limited_by_free_memory():
-    # Capacity 35 B: stage 0 (10 B weights, 20 B in backward with its gradients) leaves only
-    # 35 - 10 = 25 B in forward for the 10 B prefetch, but the double buffer (20 + 20 > 35) fails.
-    p = problem([layer("a"), layer("b")], cap=35)
+    # Capacity 25 B: stage 1's backward (10 B weights, 10 B gradients) with stage 0's 10 B of
+    # weights prefetched meanwhile (the double buffer, `memory_rows`: 30 > 25) fails; 30 B fit.
+    p = problem([layer("a"), layer("b")], cap=25)
     assert evaluate(p, (0, 1)) is None
-    assert evaluate(problem([layer("a"), layer("b")], cap=40), (0, 1)) is not None
+    assert evaluate(problem([layer("a"), layer("b")], cap=30), (0, 1)) is not None
 
 
 def test_evaluate_waits_for_the_activation_hop():
