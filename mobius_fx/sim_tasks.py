@@ -21,8 +21,8 @@ from .schedule import HOST
 
 __all__ = ["Costs", "Slot", "Context", "looped_pipeline", "cpu_optimizer", "optimizer_bytes_touched", "OVERLAPS",
            "ring_allreduce_time", "gradient_allreduce", "NETWORK_LATENCY", "TOUCHED_BYTES", "STATE_BYTES",
-           "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH", "HOST_COPY_KINDS", "RUNTIME_HOST_COPIES", "MASTERS",
-           "host_copy_bytes"]
+           "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH", "HOST_COPY_KINDS", "RUNTIME_HOST_COPIES", "NO_HOST_COPIES",
+           "MASTERS", "host_copy_bytes"]
 
 # Bytes of memory traffic per fp32 master parameter in one optimizer step. Adam reads the
 # parameter, its gradient and both moments (4 x 4 B) and writes the parameter and both moments
@@ -75,6 +75,9 @@ HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e
 # optimizer's step, count its bytes in the step instead (TOUCHED_BYTES).
 HOST_COPY_KINDS = ("staging", "refresh", "handover", "finite_check", "shadow")
 RUNTIME_HOST_COPIES = HOST_COPY_KINDS
+# `simulate(plan, host_copies=NO_HOST_COPIES)`: no host copy at all -- the network and the
+# schedule alone, as the planner's step model sees them (it models no host copies).
+NO_HOST_COPIES = dict.fromkeys(HOST_COPY_KINDS, 0.0)
 
 
 def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam") -> float:
