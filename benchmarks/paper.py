@@ -7,12 +7,13 @@ two root complexes, each a PCIe 3.0 switch with four 24 GB GPUs on x8 links). A 
 plans a Llama-3.1-8B-like model on `rtx4090x8` (RoundPipe's server).
 
 "pipeline" is forward + backward + gradient download (what the GPUs and PCIe do); "step" adds
-the CPU Adam step over the fp32 masters, which every schedule but GPipe pays. The CPU
-optimizer's sustained bandwidth is an assumption (--adam-gbps; default 100 GB/s: a fused,
-multi-threaded AdamW on a 2-socket DDR4 server, about 2/3 of its STREAM bandwidth); ZeRO-3
-steps with DeepSpeed's own CPU Adam (--deepspeed-adam-gbps; default the simulator's
-DEEPSPEED_CPU_ADAM_BANDWIDTH, 6x torch's Adam). Host memory is NUMA-local to each stage's GPU
-unless --masters names one socket (mobius_fx.sim_tasks.MASTERS).
+the CPU Adam step over the fp32 masters, which every schedule but GPipe pays, with the host
+copies around it where the runtime makes them (sim_tasks.HOST_COPY_KINDS). The CPU optimizer's
+speed is the simulator's default (--adam-gbps to give one): a fused AdamW measured on the H200
+run's 16-core host, 111 GB/s (sim_tasks.CPU_ADAM_BANDWIDTH), the host copies at that host's
+measured 27.5 GB/s (HOST_COPY_BANDWIDTH); ZeRO-3 steps with DeepSpeed's CPU Adam at the same
+speed (--deepspeed-adam-gbps to give DeepSpeed's own). Host memory is NUMA-local to each stage's
+GPU unless --masters names one socket (mobius_fx.sim_tasks.MASTERS).
 
 Every ratio rests on the compute model: the roofline at a share of peak FLOP/s (the device
 spec's `efficiency`, 0.6 by default: 48 TF/s on a 3090 Ti). The headline ratios are printed at
@@ -24,7 +25,7 @@ placement.
 It also shows the step with the CPU optimizer overlapped (`simulate(optimizer_overlap=)`:
 "none", "sync" per stage as gradients land, "async" a step late) for Mobius and RoundPipe.
 
-    python benchmarks/paper.py [--adam-gbps 100] [--efficiency 0.6 0.22] [--time-limit 10]
+    python benchmarks/paper.py [--adam-gbps 111] [--efficiency 0.6 0.22] [--time-limit 10]
 """
 
 from __future__ import annotations
@@ -44,10 +45,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import mobius_fx
 from mobius_fx import Topology, zoo
 from mobius_fx.report import compare
-from mobius_fx.simulator import DEEPSPEED_CPU_ADAM_BANDWIDTH
+from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH
 from mobius_fx.units import fmt_bytes
 
 SCHEDULES = ("mobius", "mobius-noprefetch", "mobius-identity-map", "roundpipe", "gpipe", "zero3-offload")
+
+
+def gbps(x: float | None) -> float | None:
+    """GB/s from the command line as bytes/s; None (not given) lets the simulator choose."""
+    return None if x is None else x * 1e9
 
 
 def with_efficiency(topo: Topology, efficiency: float) -> Topology:
@@ -68,8 +74,8 @@ def run(model_name: str, topo: Topology, args, cache: str) -> tuple[list, dict]:
     plan = mobius_fx.plan(model, topo, example_inputs=inputs, microbatches=len(topo.gpus), dtype=torch.float16,
                           time_limit=args.time_limit, cache_dir=cache, verbose=False)
     params = sum(p.numel() for p in model.parameters()) / 1e9
-    res = compare(plan, SCHEDULES, cpu_adam_bandwidth=args.adam_gbps * 1e9,
-                  deepspeed_adam_bandwidth=args.deepspeed_adam_gbps * 1e9, masters=args.masters).results
+    res = compare(plan, SCHEDULES, cpu_adam_bandwidth=gbps(args.adam_gbps),
+                  deepspeed_adam_bandwidth=gbps(args.deepspeed_adam_gbps), masters=args.masters).results
     lb = plan.lower_bound()
     mob = res["mobius"]
     rows = []
@@ -103,7 +109,7 @@ def cross_vs_identity(plan, args) -> list:
     """Simulated pipeline (and step) of cross mapping and the identity map under each host
     memory placement: both local, both on cpu0, and cross local against identity on cpu0."""
     def sim(schedule: str, masters: str):
-        return mobius_fx.simulate(plan, schedule=schedule, masters=masters, cpu_adam_bandwidth=args.adam_gbps * 1e9)
+        return mobius_fx.simulate(plan, schedule=schedule, masters=masters, cpu_adam_bandwidth=gbps(args.adam_gbps))
 
     rows = []
     for cross_m, ident_m in (("local", "local"), ("cpu0", "cpu0"), ("local", "cpu0")):
@@ -121,8 +127,8 @@ def overlaps(name: str, plan, res: dict, args) -> list:
     the "none" ones already simulated."""
     def step(schedule: str, mode: str):
         return mobius_fx.simulate(plan, schedule=schedule, optimizer_overlap=mode, masters=args.masters,
-                                  cpu_adam_bandwidth=args.adam_gbps * 1e9,
-                                  deepspeed_adam_bandwidth=args.deepspeed_adam_gbps * 1e9)
+                                  cpu_adam_bandwidth=gbps(args.adam_gbps),
+                                  deepspeed_adam_bandwidth=gbps(args.deepspeed_adam_gbps))
 
     serial = res["mobius"]
     row = [name, f"{serial.pipeline_time:.2f}"]
@@ -136,9 +142,11 @@ def overlaps(name: str, plan, res: dict, args) -> list:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--adam-gbps", type=float, default=100.0, help="sustained CPU optimizer bandwidth, GB/s")
-    ap.add_argument("--deepspeed-adam-gbps", type=float, default=DEEPSPEED_CPU_ADAM_BANDWIDTH / 1e9,
-                    help="ZeRO-3's DeepSpeedCPUAdam bandwidth, GB/s (default %(default).0f)")
+    ap.add_argument("--adam-gbps", type=float, default=None,
+                    help=f"sustained CPU optimizer bandwidth, GB/s (default the simulator's, "
+                         f"{CPU_ADAM_BANDWIDTH / 1e9:.0f}: fused AdamW measured on the H200 run's host)")
+    ap.add_argument("--deepspeed-adam-gbps", type=float, default=None,
+                    help="ZeRO-3's DeepSpeedCPUAdam bandwidth, GB/s (default: the CPU optimizer's)")
     ap.add_argument("--masters", default="local", help="host memory placement: 'local' or a socket ('cpu0')")
     ap.add_argument("--efficiency", type=float, nargs="+", default=[0.6, 0.22],
                     help="shares of peak FLOP/s to print the headline ratios at (the first gives the full tables)")
@@ -180,8 +188,8 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 print(f"\n{title} ({topo_name}; batch {args.batch} x {args.seq}, fp16 streamed, "
                       f"{len(topo.gpus)} micro-batches, {eff:.0%} of peak FLOP/s = {tfs:.1f} TF/s on {spec.name}, "
-                      f"CPU Adam at {args.adam_gbps:.0f} GB/s, DeepSpeedCPUAdam at {args.deepspeed_adam_gbps:.0f} "
-                      f"GB/s, masters {args.masters})")
+                      f"masters {args.masters}; {sums[0]['results']['mobius'].host_line()}; ZeRO-3: "
+                      f"{sums[0]['results']['zero3-offload'].host_sources['optimizer']})")
                 print(tabulate(rows, headers=headers))
                 print("\nMobius speedups (time of the other schedule / time of mobius):")
                 print(tabulate([speedups(s) for s in sums], headers=sp_headers))
@@ -196,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
                                             "identity slower by", "cross step s", "identity step s",
                                             "identity slower by (step)"]))
     print(f"\nThe CPU optimizer after the step (none), per stage as gradients land (sync) or a step late "
-          f"(async), {args.efficiency[0]:.0%} of peak, CPU Adam at {args.adam_gbps:.0f} GB/s; step s "
+          f"(async), {args.efficiency[0]:.0%} of peak, CPU Adam at "
+          f"{(args.adam_gbps or CPU_ADAM_BANDWIDTH / 1e9):.0f} GB/s, host copies at {HOST_COPY_BANDWIDTH / 1e9:.1f} GB/s; step s "
           f"(ratio to mobius none):")
     print(tabulate(overlap_rows, headers=["model, server", "mobius pipeline s", "mobius none", "mobius sync",
                                           "mobius async", "roundpipe none", "roundpipe sync", "roundpipe async",

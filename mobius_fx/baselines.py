@@ -87,8 +87,12 @@ def zero3_offload(ctx: Context) -> None:
     SC'21; Ren et al. ATC'21), data parallel: each GPU runs 1/N of the batch through every
     layer, fetching each layer's weights from DRAM in forward and again in backward (one layer
     prefetched ahead, as DeepSpeed's prefetch does), and sends each layer's gradients to DRAM;
-    DeepSpeed's own CPU Adam (DeepSpeedCPUAdam, `ctx.deepspeed_adam_bw`, by default
-    sim_tasks.DEEPSPEED_CPU_ADAM_BANDWIDTH: 6 x torch's Adam) runs after the last one.
+    DeepSpeed's own CPU Adam (DeepSpeedCPUAdam) runs after the last one, at
+    `ctx.deepspeed_adam_bw`: the Mobius optimizer's speed unless DeepSpeed's was measured on the
+    machine (the topology's host section with implementation "deepspeed") or given
+    (`simulate(deepspeed_adam_bandwidth=)`). Its kernel writes the fp16 copy of the weights as
+    it steps (those bytes count in the step), so nothing is staged before the uploads; the
+    gradients it steps are made fp32 on the host first (the "handover" host copy).
     All N GPUs fetch the same bytes, so shared switch uplinks and root complexes carry N x
     the traffic.
 
@@ -111,6 +115,7 @@ def zero3_offload(ctx: Context) -> None:
     for gpu in ctx.gpus:
         slots = [Slot("forward", k, gpu) for k in range(len(u.f))]
         slots += [Slot("backward", k, gpu) for k in reversed(range(len(u.f)))]
+        ctx.staging = False  # DeepSpeed's CPU Adam wrote the fp16 copy the uploads read
         looped_pipeline(ctx, c, slots, 1, offload_activations=False, activations=False, sharded=True,
                         host_collectives=routed)
     # DeepSpeed steps after the step, writing the fp16 copy in its kernel

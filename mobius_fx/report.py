@@ -47,8 +47,16 @@ class Comparison:
             rows.append([name, fmt_time(r.pipeline_time), fmt_time(r.step_time),
                          f"{r.step_time / base:.2f}x" if base else "",
                          f"{r.pipeline_time / lb:.2f}" if lb else "", fmt_bytes(pcie), ""])
-        return tabulate(rows, headers=["schedule", "fwd+bwd", "step (+CPU Adam)", "step vs mobius",
-                                       "fwd+bwd / lower bound", "bytes on links", "note"])
+        table = tabulate(rows, headers=["schedule", "fwd+bwd", "step (+CPU Adam)", "step vs mobius",
+                                        "fwd+bwd / lower bound", "bytes on links", "note"])
+        mobius = self.results.get("mobius")
+        if mobius is None or isinstance(mobius, str):
+            return table
+        zero3 = self.results.get("zero3-offload")
+        ds = "" if zero3 is None or isinstance(zero3, str) else (
+            f"\nzero3-offload's DeepSpeedCPUAdam: {zero3.optimizer_bandwidth / 1e9:.1f} GB/s "
+            f"({zero3.host_sources.get('optimizer', '')})")
+        return f"{table}\n{mobius.host_line()}{ds}"
 
 
 def compare(plan: Plan, schedules=SCHEDULES, *, cpu_adam_bandwidth: float | None = None,
@@ -56,9 +64,10 @@ def compare(plan: Plan, schedules=SCHEDULES, *, cpu_adam_bandwidth: float | None
             optimizer_overlap: str = "none") -> Comparison:
     """Simulate `plan` under every schedule (same costs, same topology, same simulator).
 
-    `cpu_adam_bandwidth` (bytes/s) sets the CPU optimizer's speed; None takes the simulator's
-    default for a plain torch.optim.Adam (see mobius_fx.simulator.CPU_ADAM_BANDWIDTH);
-    `deepspeed_adam_bandwidth` that of ZeRO-3's DeepSpeedCPUAdam, `masters` where host memory
+    `cpu_adam_bandwidth` (bytes/s) sets the CPU optimizer's speed; None takes the topology's
+    measured host section, else the simulator's default (a fused AdamW measured on the H200
+    run's host, mobius_fx.simulator.CPU_ADAM_BANDWIDTH); `deepspeed_adam_bandwidth` that of
+    ZeRO-3's DeepSpeedCPUAdam (None: measured, else the same speed), `masters` where host memory
     lives, `optimizer_overlap` when the CPU optimizer steps (all: see `mobius_fx.simulate`).
     """
     from .simulator import simulate

@@ -2,7 +2,7 @@
 looped pipeline the baselines are built from (mobius_fx/baselines.py). The "mobius" schedules
 are built from the schedule IR instead (mobius_fx/simulator.py).
 
-    ctx = Context(plan, topo, "adam", 20e9, use_plan_routes=True)
+    ctx = Context(plan, topo, "adam", 111e9, use_plan_routes=True)
     i = ctx.compute("gpu0", 1e-3, "F0 mb0", after=[])
     ctx.move("gpu0/upload", (0, 0, 0), "host", "gpu0", 1e6, "prefetch s0")
 """
@@ -21,8 +21,8 @@ from .schedule import HOST
 
 __all__ = ["Costs", "Slot", "Context", "looped_pipeline", "cpu_optimizer", "optimizer_bytes_touched", "OVERLAPS",
            "ring_allreduce_time", "gradient_allreduce", "NETWORK_LATENCY", "TOUCHED_BYTES", "STATE_BYTES",
-           "CPU_ADAM_BANDWIDTH", "DEEPSPEED_CPU_ADAM_SPEEDUP", "DEEPSPEED_CPU_ADAM_BANDWIDTH", "MASTERS",
-           "HOST_COPY_SPEED", "host_copy_bytes"]
+           "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH", "HOST_COPY_KINDS", "RUNTIME_HOST_COPIES", "NO_HOST_COPIES",
+           "MASTERS", "host_copy_bytes"]
 
 # Bytes of memory traffic per fp32 master parameter in one optimizer step. Adam reads the
 # parameter, its gradient and both moments (4 x 4 B) and writes the parameter and both moments
@@ -31,51 +31,71 @@ __all__ = ["Costs", "Slot", "Context", "looped_pipeline", "cpu_optimizer", "opti
 TOUCHED_BYTES = {"adam": 28, "adamw": 28, "sgd": 20, "none": 0}
 STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "none": 0}  # optimizer state bytes per fp32 param
 
-# Sustained bytes/s a plain torch.optim.Adam reaches over fp32 masters on a 2-socket Xeon
-# server ([I] assumption: STREAM triad on 2 x 6-channel DDR4-2666 is ~150-200 GB/s; torch's
-# Adam makes several passes over the tensors, so ~1/8 of it is effective). Measured by
-# benchmarks/cpu_optimizer.py on this project's 2-core VM (torch 2.13 CPU, AdamW over 63 M
-# fp32 params, 28 B/param, median of 7 steps): 7.7 GB/s per tensor (foreach=False), 7.9 GB/s
-# foreach, 41 GB/s fused=True — the fused kernel makes one pass; use it. Run the script on
-# your server and pass its figure as `cpu_adam_bandwidth` (the CLI's --adam-gbps).
-CPU_ADAM_BANDWIDTH = 20e9
+# The default optimizer speed when the topology has no measured "host" section (`HostFigures`,
+# written by benchmarks/cpu_optimizer.py --topology-out and benchmarks/gpu_check.py): torch's
+# fused AdamW (`torch.optim.AdamW(..., fused=True)`, one pass over the state) as measured on the
+# 16-core host of the H200 run (../shared/gpu-reports/2026-12-04-h200/fsdp.log: "AdamW(fused)
+# 0.756 s", the median of the 3 steps after the first, over the 3,000,238,080 fp32 masters of the
+# gpu_check GPT; gpu_check.json's own steps after the first: 0.955, 0.762, 0.751 s; the profiled
+# step 0.721 s). Bytes/s as TOUCHED_BYTES counts them:
+#     3,000,238,080 x 28 B / 0.756 s = 84.0e9 B / 0.756 s = 111.1e9 B/s.
+# (The assumption before it was 20 GB/s for a plain Adam, 5.6x slower: the simulator charged
+# 7.52 s for the 0.72-0.76 s measured.) On this project's 2-core VM the same script measured
+# 41 GB/s fused (7.7 per tensor, 7.9 foreach) on a quiet day and 1.85 GB/s while other jobs
+# shared the cores: a VM's figure is not a server's default. Run the script on your server.
+H200_HOST_PARAMS = 3_000_238_080  # the masters the H200 host stepped
+H200_HOST_ADAMW_SECONDS = 0.756  # its fused AdamW step, median of 3 steps after the first
+CPU_ADAM_BANDWIDTH = H200_HOST_PARAMS * TOUCHED_BYTES["adamw"] / H200_HOST_ADAMW_SECONDS  # 111.1e9 B/s
 
-# DeepSpeed's own CPU Adam (DeepSpeedCPUAdam, the optimizer ZeRO-Offload/ZeRO-3 offload run:
-# AVX-vectorised, multi-threaded, fused over the tensors) against torch.optim.Adam on the CPU:
-# "up to a 6X throughput boost" (DeepSpeed maintainers, github.com/microsoft/DeepSpeed issue
-# #479, 2020; the ZeRO-Offload paper, Ren et al. ATC'21, reports CPU-Adam several times faster
-# than PyTorch's CPU Adam). So the "zero3-offload" baseline steps at 6 x CPU_ADAM_BANDWIDTH =
-# 120 GB/s by default, below a 2-socket DDR4 server's ~150-200 GB/s STREAM bandwidth; pass
-# `deepspeed_adam_bandwidth` to `simulate` for your server. Mobius's optimizer keeps
-# `cpu_adam_bandwidth` (the user's torch optimizer).
-DEEPSPEED_CPU_ADAM_SPEEDUP = 6.0
-DEEPSPEED_CPU_ADAM_BANDWIDTH = CPU_ADAM_BANDWIDTH * DEEPSPEED_CPU_ADAM_SPEEDUP
+# The host-side copies the runtime makes outside the optimizer's step (`HOST_COPY_KINDS`), at
+# HOST_COPY_BANDWIDTH bytes/s (read + written) unless the topology's host section measured it
+# (`host_copy_bytes_per_s`): on the same H200 host the gradient hand-over (`MastersBackward` in
+# profile.log: every bf16 gradient made a new fp32 tensor, 6 B per parameter) took 653.7 ms,
+#     3,000,238,080 x 6 B / 0.6537 s = 18.0e9 B / 0.6537 s = 27.5e9 B/s,
+# the slowest copy of that step (the staging cast ran ~470 ms, ~38 GB/s) -- the slowest, as
+# cpu_optimizer.py's host section takes its slowest copy.
+H200_HOST_HANDOVER_SECONDS = 0.6537
+HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e9 B/s
 
-# The host-side copies around the optimizer's step (`host_copy_bytes`), charged on the
-# optimizer's host resource at HOST_COPY_SPEED x its bandwidth (bytes/s counted the same way:
-# read + written). Measured by benchmarks/cpu_optimizer.py on this project's 2-core VM, against
-# fused AdamW in the same run: casting fp32 masters into the kept bf16 copy 0.63x, a bf16
-# gradient made a new fp32 tensor 1.17x, added into a kept fp32 one 0.79x; the slowest, 0.6,
-# is the default. (A first step, whose fresh pages fault in, was ~10x slower in a separate run.)
-HOST_COPY_SPEED = 0.6
+# The copies, per fp32 master parameter of a trainable weight, each where the runtime makes it
+# (`host_copy_bytes` gives its bytes with weights streamed at `s` bytes per element):
+# - "staging": the master copied (cast) into the streamed copy an upload reads, by the GPU's
+#   upload worker before the stage's first upload of the step (StreamDevice._staged: again every
+#   step the optimizer changed the master), read 4 + write s -- unless the step refreshed it;
+# - "refresh": the same copy written by pipe.overlap(mode="sync")'s worker right after a stage's
+#   step (refresh_copies=True, its default), so nothing is staged: on the optimizer's resource;
+# - "handover": a downloaded gradient made the master's fp32 `.grad` (host_gradient), read s +
+#   write 4, none when gradients stream in fp32; on the main thread after backward ("none",
+#   "async"), per stage on the overlap's own worker ("sync");
+# - "finite_check": "sync" reads each stage's fp32 gradients for a non-finite value before
+#   stepping it (4 B), on the optimizer's resource;
+# - "shadow": "async" copies w(t) into the shadow it steps (read 4, write 4), before the step.
+# RUNTIME_HOST_COPIES are the kinds today's runtime makes; a kind left out (or `simulate(...,
+# host_copies={"handover": 0})`) costs nothing -- when the runtime fuses a pass into the
+# optimizer's step, count its bytes in the step instead (TOUCHED_BYTES).
+HOST_COPY_KINDS = ("staging", "refresh", "handover", "finite_check", "shadow")
+RUNTIME_HOST_COPIES = HOST_COPY_KINDS
+# `simulate(plan, host_copies=NO_HOST_COPIES)`: no host copy at all -- the network and the
+# schedule alone, as the planner's step model sees them (it models no host copies).
+NO_HOST_COPIES = dict.fromkeys(HOST_COPY_KINDS, 0.0)
 
 
-def host_copy_bytes(optimizer: str, streamed: float, fused_refresh: bool = False) -> float:
-    """Bytes of host memory traffic per fp32 master parameter around one optimizer step, besides
-    the step's own (TOUCHED_BYTES), with weights streamed at `streamed` bytes per element: the
-    gradient hand-over -- a gradient downloaded in the streamed dtype made into the fp32 `.grad`
-    (read `streamed`, write 4; nothing when gradients stream in fp32: the download is the
-    gradient) -- and the refresh of the streamed copy the next step uploads from (read the new
-    master, write `streamed`; a kernel that writes the copy as it steps, as DeepSpeed's CPU Adam
-    does, only writes it: `fused_refresh`). 0 without an optimizer.
+def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam") -> float:
+    """Bytes read + written per fp32 master parameter of host copy `kind` (HOST_COPY_KINDS) with
+    weights streamed at `streamed` bytes per element, as the runtime makes it (0 for a kind left
+    out of RUNTIME_HOST_COPIES, and for every kind without an optimizer: nothing changes).
 
-    >>> host_copy_bytes("adam", 2), host_copy_bytes("adam", 4), host_copy_bytes("adam", 2, fused_refresh=True)
-    (12, 8, 8)
+    >>> [host_copy_bytes(k, 2) for k in HOST_COPY_KINDS], host_copy_bytes("handover", 4)
+    ([6, 6, 6, 4, 8], 0)
     """
-    if TOUCHED_BYTES.get(optimizer, 0) == 0:
+    if kind not in HOST_COPY_KINDS:
+        raise MobiusError(f"unknown host copy {kind!r}; the host copies the simulator models are "
+                          f"{', '.join(HOST_COPY_KINDS)}")
+    if TOUCHED_BYTES.get(optimizer, 0) == 0 or kind not in RUNTIME_HOST_COPIES:
         return 0
-    handover = 0 if streamed >= 4 else streamed + 4
-    return handover + (streamed if fused_refresh else 4 + streamed)
+    if kind == "handover":
+        return 0 if streamed >= 4 else streamed + 4
+    return {"staging": 4 + streamed, "refresh": 4 + streamed, "finite_check": 4, "shadow": 8}[kind]
 
 # Where host memory (a stage's fp32 masters, its gradients, its saved inputs) lives, per socket:
 # "local": in the DRAM of the socket of the GPU that first moves it (first touch by that GPU's
@@ -132,18 +152,30 @@ class Slot:
 
 class Context:
     """The task list under construction, with the costs, routes and host memory placement
-    (`masters`, see MASTERS) every builder shares."""
+    (`masters`, see MASTERS) every builder shares.
+
+    `cpu_bw` is the user's torch optimizer's bytes/s, `deepspeed_adam_bw` the "zero3-offload"
+    baseline's DeepSpeedCPUAdam (None: the same speed), `copy_bw` the host copies' bytes/s and
+    `copies` their bytes per fp32 master parameter by kind (HOST_COPY_KINDS; a kind not given:
+    `host_copy_bytes`, as the runtime makes it)."""
 
     def __init__(self, plan: Plan, topo: Any, optimizer: str, cpu_bw: float, use_plan_routes: bool, *,
-                 masters: str = MASTERS, deepspeed_adam_bw: float = DEEPSPEED_CPU_ADAM_BANDWIDTH,
+                 masters: str = MASTERS, deepspeed_adam_bw: float | None = None,
                  overlap: str = "none", servers: int = 1, network: float = float("inf"),
-                 network_latency: float = NETWORK_LATENCY):
+                 network_latency: float = NETWORK_LATENCY, copy_bw: float = HOST_COPY_BANDWIDTH,
+                 copies: dict[str, float] | None = None):
         self.plan, self.topo, self.optimizer, self.cpu_bw = plan, topo, optimizer, cpu_bw
         self.overlap = overlap  # OVERLAPS: when the CPU optimizer steps (see cpu_optimizer)
+        self.copy_bw = copy_bw
+        # Whether uploads stage the streamed copies (`stage_copy`): not where the optimizer's step
+        # writes them ("sync" refreshes them; DeepSpeed's CPU Adam writes its fp16 copy itself).
+        self.staging = overlap != "sync"
+        self._staged: dict[tuple[str, int], int] = {}  # (gpu, stage) -> its staging task this step
         # Data-parallel servers, each server's NIC bandwidth (bytes/s per direction) and the
         # latency of one ring step (s): see gradient_allreduce.
         self.servers, self.network, self.network_latency = servers, network, network_latency
-        self.masters, self.deepspeed_adam_bw = masters, deepspeed_adam_bw
+        self.masters = masters
+        self.deepspeed_adam_bw = cpu_bw if deepspeed_adam_bw is None else deepspeed_adam_bw
         self._socket = {g.name: g.root_complex for g in topo.gpus}
         self._home: dict[Any, str] = {}
         self.tasks: list[Task] = []
@@ -162,6 +194,29 @@ class Context:
                              [float(s.grad_bytes) for s in st], [float(s.input_bytes) for s in st],
                              [float(s.output_bytes) for s in st], [s.grad_bytes / self.scale for s in st],
                              [f"s{s.index}" for s in st])
+        streamed = 4.0 * self.scale
+        self.copies = {k: host_copy_bytes(k, streamed, optimizer) for k in HOST_COPY_KINDS}
+        self.copies.update(copies or {})
+
+    def copy_seconds(self, kind: str, master_bytes: float) -> float:
+        """Seconds host copy `kind` takes over `master_bytes` of fp32 masters at `copy_bw`."""
+        return master_bytes / 4.0 * self.copies[kind] / self.copy_bw
+
+    def stage_copy(self, gpu: str, stage: int, master_bytes: float, after_start: list = ()) -> int | None:
+        """The staging of stage `stage`'s streamed copy (its `master_bytes` of trainable fp32
+        masters; frozen weights are staged once, not every step) by `gpu`'s upload worker, on the
+        "<gpu>/staging" resource, once per step and GPU (each GPU keeps its own copies), started
+        when the upload is triggered (`after_start`). The stage's uploads wait for the task
+        returned; None when nothing is staged (`staging` off, no bytes)."""
+        seconds = self.copy_seconds("staging", master_bytes) if self.staging else 0.0
+        if seconds <= 0:
+            return None
+        if (gpu, stage) not in self._staged:
+            self._staged[(gpu, stage)] = self.add(Task(
+                f"staging s{stage} {gpu}", f"{gpu}/staging", (stage,), seconds,
+                after_start=[d for d in after_start if d is not None],
+                meta={"kind": "host-copy", "copy": "staging", "phase": "forward", "gpu": gpu, "stage": stage}))
+        return self._staged[(gpu, stage)]
 
     def route(self, src: str, dst: str) -> tuple[str, ...]:
         if (src, dst) not in self._routes:
@@ -260,8 +315,9 @@ def looped_pipeline(ctx: Context, c: Costs, slots: list[Slot], m: int, *, reside
         memory = [next((evict[q] for q in reversed(mine[:max(0, p - 1)]) if evict.get(q) is not None), None)]
         up = None
         if not reuse:
+            staged = ctx.stage_copy(gpu, k, c.master[k], trigger_start) if c.w[k] > 0 else None
             up = ctx.move(f"{gpu}/upload", (p, 0, 0), HOST, gpu, c.w[k], f"prefetch {tag}",
-                          after=memory, after_start=trigger_start, need=(j,), home=home,
+                          after=memory + [staged], after_start=trigger_start, need=(j,), home=home,
                           kind="prefetch", phase=phase, gpu=gpu, stage=k)
         gather = None
         if up is not None and host_collectives > 0:
@@ -391,35 +447,61 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
                   per_stage: dict[int, float] | None = None, overlap: str | None = None,
                   fused_refresh: bool = False) -> None:
     """The optimizer step over `master_bytes` of fp32 masters on the CPU, at `bandwidth` bytes/s
-    (default: the context's `cpu_bw`, the user's torch optimizer), on one host resource.
+    (default: the context's `cpu_bw`, the user's torch optimizer), on the "host/optimizer"
+    resource, with the host copies around it where the runtime makes them (HOST_COPY_KINDS, at
+    `ctx.copy_bw`; the staging before uploads is `Context.stage_copy`'s).
 
-    `overlap` (default the context's, see OVERLAPS): "none" steps everything after every task;
-    "sync" steps each stage of `per_stage` (stage -> its master bytes) as soon as its gradient
-    downloads (every GPU that holds a copy) have landed, while the GPUs go on with earlier stages
-    (without `per_stage`, as "none"); "async" is the steady state of a staleness-1 update (step
-    t's update runs while step t+1 computes): the step starts at 0 with the pipeline, so the
-    step takes max(pipeline, optimizer). The update's DRAM traffic is not charged to the links.
-    Each step also pays the host-side copies around it (`host_copy_bytes`: the gradients made
-    fp32 `.grad`, the streamed copy of the weights refreshed) at HOST_COPY_SPEED x `bandwidth`.
+    `overlap` (default the context's, see OVERLAPS):
+    - "none": the gradient hand-over on the main thread ("host/handover") once every task so far
+      has ended, then the step;
+    - "sync": per stage of `per_stage` (stage -> its master bytes), as soon as its gradient
+      downloads (every GPU that holds a copy) have landed, the hand-over on the overlap's own
+      worker ("host/handover"), then on the optimizer's worker the finite check, the step and
+      the refresh of the stage's streamed copy, while the GPUs go on with earlier stages
+      (without `per_stage`, as "none");
+    - "async": the steady state of a staleness-1 update (step t's update runs while step t+1
+      computes): the hand-over after the pipeline as in "none", and from the start the shadow
+      copy of w(t) then the step, so the step takes max(pipeline + hand-over, shadow + update).
+    `fused_refresh`: a kernel that writes the streamed copy as it steps (DeepSpeed's CPU Adam):
+    those bytes (the streamed size) count in the step, at `bandwidth`. The DRAM traffic of the
+    step and the copies is not charged to the links, and the host's resources do not share its
+    memory bandwidth with one another (each runs at its own measured speed).
 
     With `ctx.servers` > 1 (and `per_stage`), each stage's gradients are first all-reduced
-    across the servers (`gradient_allreduce`): "sync" steps a stage once its all-reduce has
-    ended, "none" after every all-reduce; "async" still starts at 0 (it steps the previous
-    step's gradients, averaged within that step).
+    across the servers (`gradient_allreduce`): "sync" hands a stage over once its all-reduce has
+    ended, "none" after every all-reduce; "async" still updates from the start (it steps the
+    previous step's gradients, averaged within that step).
     """
     bw = bandwidth or ctx.cpu_bw
-    copies = host_copy_bytes(ctx.optimizer, 4.0 * ctx.scale, fused_refresh)
-    per_byte = TOUCHED_BYTES[ctx.optimizer] / 4.0 / bw + copies / 4.0 / (HOST_COPY_SPEED * bw)  # s per master byte
+    touched = TOUCHED_BYTES[ctx.optimizer] + (4.0 * ctx.scale if fused_refresh and TOUCHED_BYTES[ctx.optimizer] else 0)
     mode = ctx.overlap if overlap is None else overlap
     reduced = gradient_allreduce(ctx, per_stage) if per_stage else {}
+    everything = list(range(len(ctx.tasks)))
+
+    def copy(kind: str, name: str, nbytes: float, stream: str, after: list, priority: tuple, **meta) -> list:
+        """A host copy task (none when it costs nothing); what comes next waits for the result."""
+        seconds = ctx.copy_seconds(kind, nbytes)
+        if seconds <= 0:
+            return after
+        return [ctx.add(Task(name, stream, priority, seconds, after=after,
+                             meta={"kind": "host-copy", "copy": kind, "phase": "step", **meta}))]
+
+    def step(name: str, nbytes: float, after: list, priority: tuple, **meta) -> list:
+        return [ctx.add(Task(name, "host/optimizer", priority, nbytes / 4.0 * touched / bw, after=after,
+                             meta={"kind": "optimizer", "phase": "step", **meta}))]
+
     if mode == "sync" and per_stage:
         grads = _gradient_tasks(ctx)
-        everything = list(range(len(ctx.tasks)))
         for k, nbytes in sorted(per_stage.items(), reverse=True):  # the last stage's gradients land first
-            after = [reduced[k]] if k in reduced else grads.get(k) or everything
-            ctx.add(Task(f"optimizer step s{k}", "host/optimizer", (-k,), nbytes * per_byte,
-                         after=after, meta={"kind": "optimizer", "phase": "step", "stage": k}))
+            landed = [reduced[k]] if k in reduced else grads.get(k) or everything
+            handed = copy("handover", f"hand-over s{k}", nbytes, "host/handover", landed, (-k,), stage=k)
+            checked = copy("finite_check", f"finite check s{k}", nbytes, "host/optimizer", handed, (-k, 0), stage=k)
+            stepped = step(f"optimizer step s{k}", nbytes, checked, (-k, 1), stage=k)
+            copy("refresh", f"refresh s{k}", nbytes, "host/optimizer", stepped, (-k, 2), stage=k)
         return
-    after = [] if mode == "async" else list(range(len(ctx.tasks)))
-    ctx.add(Task("optimizer step", "host/optimizer", (), master_bytes * per_byte, after=after,
-                 meta={"kind": "optimizer", "phase": "step"}))
+    handed = copy("handover", "hand-over", master_bytes, "host/handover", everything, ())
+    if mode == "async":
+        step("optimizer step", master_bytes, copy("shadow", "shadow copy", master_bytes, "host/optimizer", [], (0,)),
+             (1,))
+        return
+    step("optimizer step", master_bytes, sorted(set(everything + handed)), ())

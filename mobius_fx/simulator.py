@@ -33,6 +33,7 @@ import json
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from .baselines import gpipe, roundpipe, zero3_offload
@@ -40,13 +41,13 @@ from .errors import MobiusError
 from .network import Link, LinkSegment, Task, replay
 from .plans import Plan
 from .schedule import HOST, ScheduleIR, build_schedule
-from .sim_tasks import (CPU_ADAM_BANDWIDTH, DEEPSPEED_CPU_ADAM_BANDWIDTH, MASTERS, NETWORK_LATENCY, OVERLAPS, Context,
-                        cpu_optimizer, optimizer_bytes_touched, ring_allreduce_time)
+from .sim_tasks import (CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, MASTERS, NETWORK_LATENCY, OVERLAPS,
+                        Context, cpu_optimizer, optimizer_bytes_touched, ring_allreduce_time)
 from .topology import PRESETS, Topology
 from .topology_schema import MIN_BANDWIDTH
 from .units import check_positive, fmt_bytes, fmt_time, parse_network
 
-__all__ = ["simulate", "SimResult", "SimEvent", "SCHEDULES", "CPU_ADAM_BANDWIDTH", "DEEPSPEED_CPU_ADAM_BANDWIDTH",
+__all__ = ["simulate", "SimResult", "SimEvent", "SCHEDULES", "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH",
            "optimizer_bytes_touched", "ring_allreduce_time", "NETWORK_LATENCY"]
 
 SCHEDULES = ("mobius", "mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload", "roundpipe")
@@ -59,7 +60,7 @@ class SimEvent:
     """One simulated task: compute, a transfer, an evict marker or the optimizer step."""
 
     name: str
-    kind: str  # compute | prefetch | activation | gradient | collective | allreduce | evict | optimizer
+    kind: str  # compute | prefetch | activation | gradient | collective | allreduce | evict | optimizer | host-copy
     phase: str  # forward | backward | step
     gpu: str | None
     stream: str | None  # e.g. "gpu0/upload"; None for markers
@@ -76,14 +77,20 @@ class SimResult:
     """What one simulated training step did.
 
     `pipeline_time` is forward + backward + gradient offload (what the partitioner predicts),
-    `step_time` adds the optimizer step. With `servers` > 1 (data parallel, see `simulate`)
+    `step_time` adds what the host does after it: `optimizer_time`, the gradient hand-over and
+    the optimizer step with the copies around it (sim_tasks.HOST_COPY_KINDS; `host_copy_time`
+    is the seconds all host copies ran, the staging before uploads included). The host ran at
+    `optimizer_bandwidth` (the schedule's CPU optimizer: DeepSpeed's for "zero3-offload") and
+    `host_copy_bandwidth` bytes/s; `host_sources` says where each figure came from: "given"
+    (an argument of `simulate`), "measured on this host" (the topology's "host" section) or
+    "default" (sim_tasks.CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH). With `servers` > 1 (data parallel, see `simulate`)
     `step_time` = `pipeline_time` + `allreduce_exposed` (how much longer the last stage's
     all-reduce ends than the pipeline) + `optimizer_time` (what the optimizer adds after that);
     `allreduce_time` is the seconds the NIC carried all-reduces, `nic_bytes` what this server
     sent (and received) on it. `link_busy` is the seconds each directed link carried
     at least one flow; `critical_path` splits `step_time` over the resources the longest
     chain of dependent tasks used ("<gpu> compute", "<u>-><v>" for the link that held a
-    transfer back, "optimizer", "network" for the all-reduces, "waiting"). `bound` is
+    transfer back, "optimizer", "host copies", "network" for the all-reduces, "waiting"). `bound` is
     max(total compute / GPUs, the busiest link's bytes / bandwidth) of the work this schedule
     did (plan.lower_bound for "mobius").
     """
@@ -105,6 +112,17 @@ class SimResult:
     allreduce_time: float = 0.0
     allreduce_exposed: float = 0.0
     nic_bytes: int = 0
+    optimizer_bandwidth: float = CPU_ADAM_BANDWIDTH
+    host_copy_bandwidth: float = HOST_COPY_BANDWIDTH
+    host_sources: dict[str, str] = field(default_factory=dict)
+    host_copy_time: float = 0.0
+
+    def host_line(self) -> str:
+        """Which host figures the step was simulated with, and where they came from."""
+        return (f"host: CPU optimizer {self.optimizer_bandwidth / 1e9:.1f} GB/s "
+                f"({self.host_sources.get('optimizer', 'default')}), host copies "
+                f"{self.host_copy_bandwidth / 1e9:.1f} GB/s ({self.host_sources.get('host copies', 'default')}), "
+                f"busy {fmt_time(self.host_copy_time)}")
 
     def summary(self) -> str:
         """A few lines a person reads: times, utilisation, busiest link, critical path."""
@@ -126,6 +144,7 @@ class SimResult:
             need = self.link_bytes[busiest] / self.link_bandwidth.get(busiest, math.inf)
             lines.append(f"  busiest link {busiest[0]}->{busiest[1]}: {fmt_bytes(self.link_bytes[busiest])} "
                          f"= {fmt_time(need)} at full bandwidth, busy {fmt_time(self.link_busy.get(busiest, 0.0))}")
+        lines.append("  " + self.host_line())
         top = sorted(self.critical_path.items(), key=lambda kv: -kv[1])[:4]
         lines.append("  critical path: " + ", ".join(f"{k} {v / self.step_time:.0%}" for k, v in top
                                                      if self.step_time))
@@ -195,17 +214,32 @@ class SimResult:
 def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, optimizer: str = "adam",
              cpu_adam_bandwidth: float | None = None, deepspeed_adam_bandwidth: float | None = None,
              masters: str | None = None, optimizer_overlap: str = "none", servers: int = 1,
-             network: float | str | None = None, network_latency: float | None = None) -> SimResult:
+             network: float | str | None = None, network_latency: float | None = None,
+             host_copy_bandwidth: float | None = None, host_copies: Mapping[str, float] | None = None) -> SimResult:
     """Replay one training step of `plan` under `schedule` on `topology` (default: the plan's).
 
-    `cpu_adam_bandwidth` (bytes/s) is the CPU optimizer of the Mobius schedules, RoundPipe's
-    (the user's torch optimizer; default CPU_ADAM_BANDWIDTH); `deepspeed_adam_bandwidth` the
-    "zero3-offload" baseline's DeepSpeedCPUAdam (default DEEPSPEED_CPU_ADAM_BANDWIDTH, 6x).
+    The host as measured: `cpu_adam_bandwidth` (bytes/s, as sim_tasks.TOUCHED_BYTES counts
+    them) is the CPU optimizer of the Mobius schedules and RoundPipe's (the user's torch
+    optimizer); None takes the topology's "host" section (`HostFigures.optimizer_bytes_per_s`,
+    written by benchmarks/cpu_optimizer.py --topology-out and benchmarks/gpu_check.py; unless its
+    implementation is "deepspeed"), else CPU_ADAM_BANDWIDTH (a fused AdamW measured on the H200
+    run's 16-core host, 111 GB/s). `deepspeed_adam_bandwidth` is the "zero3-offload" baseline's
+    DeepSpeedCPUAdam; None takes a host section measured with implementation "deepspeed", else
+    the same speed as Mobius's optimizer (no assumed speed-up). `host_copy_bandwidth` is the
+    host copies' bytes/s (the staging of the streamed copies before uploads, the gradient
+    hand-over, sync's refresh and finite check, async's shadow copy: sim_tasks.HOST_COPY_KINDS,
+    each where the runtime makes it); None takes the host section's `host_copy_bytes_per_s`, else
+    HOST_COPY_BANDWIDTH. `host_copies` sets a kind's bytes per fp32 master parameter
+    ({"handover": 0}: the runtime no longer makes that pass); the others as
+    sim_tasks.host_copy_bytes. The result says which figures it used (`SimResult.host_sources`,
+    `host_line()`).
+
     `masters`: where host memory lives, "local" (default: each stage on the socket of the GPU
     that first moves it) or a root complex ("cpu0": all on that socket; GPUs elsewhere cross
     the inter-socket link) -- see mobius_fx.sim_tasks.MASTERS. `optimizer_overlap`: "none"
     (the CPU optimizer after the step), "sync" (each stage stepped once its gradients are on
-    the host) or "async" (staleness 1: the step is max(pipeline, optimizer)), for the Mobius
+    the host) or "async" (staleness 1: the step is max(pipeline + hand-over, shadow copy +
+    optimizer)), for the Mobius
     schedules and RoundPipe's; "zero3-offload" keeps DeepSpeed's step after the pipeline and
     GPipe steps on the GPUs (sim_tasks.cpu_optimizer).
 
@@ -248,14 +282,8 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     if schedule not in _BUILDERS:
         raise MobiusError(f"unknown schedule {schedule!r}; valid schedules: {', '.join(SCHEDULES)}")
     optimizer_bytes_touched(optimizer)
-    bw = CPU_ADAM_BANDWIDTH if cpu_adam_bandwidth is None else _rate(check_positive(
-        cpu_adam_bandwidth, "cpu_adam_bandwidth",
-        f"give the optimizer's bytes/s, e.g. {CPU_ADAM_BANDWIDTH:.3g}, or None for that default"),
-        "cpu_adam_bandwidth", cpu_adam_bandwidth)
-    ds_bw = DEEPSPEED_CPU_ADAM_BANDWIDTH if deepspeed_adam_bandwidth is None else _rate(check_positive(
-        deepspeed_adam_bandwidth, "deepspeed_adam_bandwidth",
-        f"give DeepSpeedCPUAdam's bytes/s, e.g. {DEEPSPEED_CPU_ADAM_BANDWIDTH:.3g}, or None for that default"),
-        "deepspeed_adam_bandwidth", deepspeed_adam_bandwidth)
+    bw, ds_bw, copy_bw, sources = _host_rates(topo, cpu_adam_bandwidth, deepspeed_adam_bandwidth, host_copy_bandwidth)
+    copies = _host_copies(host_copies)
     if optimizer_overlap not in OVERLAPS:
         raise MobiusError(f"optimizer_overlap={optimizer_overlap!r}; use one of {', '.join(map(repr, OVERLAPS))}: "
                           f"the optimizer after the step, per stage as gradients land, or a step late")
@@ -290,9 +318,76 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
                           f"lacks ({', '.join(by_name)}); simulate on the plan's topology or re-plan")
     ctx = Context(plan, topo, optimizer, bw, use_plan_routes=topo is plan.topology, masters=masters,
                   deepspeed_adam_bw=ds_bw, overlap=optimizer_overlap, servers=servers, network=net,
-                  network_latency=float(alpha))
+                  network_latency=float(alpha), copy_bw=copy_bw, copies=copies)
     _BUILDERS[schedule](ctx)
-    return _run(ctx, schedule)
+    if schedule == "zero3-offload":
+        sources["optimizer"] = sources.pop("deepspeed")
+    else:
+        sources.pop("deepspeed")
+    return dataclasses.replace(_run(ctx, schedule), host_sources=sources, host_copy_bandwidth=copy_bw,
+                               optimizer_bandwidth=ctx.deepspeed_adam_bw if schedule == "zero3-offload" else bw)
+
+
+MEASURED = "measured on this host"  # a figure from the topology's "host" section (SimResult.host_sources)
+
+
+def _host_rates(topo: Any, cpu_adam_bandwidth: Any, deepspeed_adam_bandwidth: Any,
+                host_copy_bandwidth: Any) -> tuple[float, float | None, float, dict[str, str]]:
+    """The optimizer's, DeepSpeed's (None: the optimizer's) and the host copies' bytes/s, each
+    from its argument, else the topology's host section, else the default; and where each came
+    from (SimResult.host_sources)."""
+    host = getattr(topo, "host", None)
+    measured = host.optimizer_bytes_per_s if host is not None else None
+    deepspeed = host is not None and host.implementation == "deepspeed"
+    kernel = f"{host.optimizer}, {host.implementation or 'kernel not named'}" if host is not None else ""
+    sources: dict[str, str] = {}
+    if cpu_adam_bandwidth is not None:
+        bw, sources["optimizer"] = _rate(check_positive(
+            cpu_adam_bandwidth, "cpu_adam_bandwidth",
+            f"give the optimizer's bytes/s, e.g. {CPU_ADAM_BANDWIDTH:.3g}, or None for the topology's or the default"),
+            "cpu_adam_bandwidth", cpu_adam_bandwidth), "given"
+    elif measured is not None and not deepspeed:
+        bw, sources["optimizer"] = measured, f"{MEASURED}: {kernel}"
+    else:
+        bw, sources["optimizer"] = CPU_ADAM_BANDWIDTH, "default: fused AdamW measured on the H200 run's 16-core host"
+    if deepspeed_adam_bandwidth is not None:
+        ds, sources["deepspeed"] = _rate(check_positive(
+            deepspeed_adam_bandwidth, "deepspeed_adam_bandwidth",
+            "give DeepSpeedCPUAdam's bytes/s, e.g. 1.1e11, or None for the topology's or the optimizer's"),
+            "deepspeed_adam_bandwidth", deepspeed_adam_bandwidth), "given"
+    elif measured is not None and deepspeed:
+        ds, sources["deepspeed"] = measured, f"{MEASURED}: {kernel}"
+    else:
+        ds, sources["deepspeed"] = None, f"DeepSpeed's not measured: the optimizer's speed, {sources['optimizer']}"
+    if host_copy_bandwidth is not None:
+        copy, sources["host copies"] = _rate(check_positive(
+            host_copy_bandwidth, "host_copy_bandwidth",
+            f"give the host copies' bytes/s, e.g. {HOST_COPY_BANDWIDTH:.3g}, or None for the topology's or the default"),
+            "host_copy_bandwidth", host_copy_bandwidth), "given"
+    elif host is not None and host.host_copy_bytes_per_s is not None:
+        copy, sources["host copies"] = host.host_copy_bytes_per_s, MEASURED
+    else:
+        copy, sources["host copies"] = HOST_COPY_BANDWIDTH, "default: the gradient hand-over measured on the H200 run's host"
+    return bw, ds, copy, sources
+
+
+def _host_copies(given: Any) -> dict[str, float]:
+    """`simulate(host_copies=)`: kind -> bytes per fp32 master parameter, checked."""
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping):
+        raise MobiusError(f"host_copies={given!r}; give a dict of host copy kind -> bytes per fp32 master parameter, "
+                          f"e.g. {{'handover': 0}}; kinds: {', '.join(HOST_COPY_KINDS)}")
+    out = {}
+    for kind, nbytes in given.items():
+        if kind not in HOST_COPY_KINDS:
+            raise MobiusError(f"host_copies has {kind!r}, not a host copy the simulator models; use one of "
+                              f"{', '.join(HOST_COPY_KINDS)}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not 0 <= nbytes < math.inf:
+            raise MobiusError(f"host_copies[{kind!r}] is {nbytes!r}; give the bytes read + written per fp32 master "
+                              f"parameter, a finite number >= 0 (0: the runtime makes no such pass)")
+        out[kind] = float(nbytes)
+    return out
 
 
 def _rate(x: float, name: str, given: Any) -> float:
@@ -342,6 +437,7 @@ def _from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
     task: dict[int, int] = {}
     through: dict[int, list[int]] = {}
     triggers: list[tuple[int, int]] = []
+    staging: dict[int, list[int]] = {}  # staging task -> the waits whose first run triggers it (as its upload)
 
     def ends(d: int) -> list[int]:  # the tasks whose ends op d stands for
         if d not in task and d not in through:
@@ -356,6 +452,10 @@ def _from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
                                         phase=o.phase, stage=o.stage, microbatch=o.microbatch)
         elif o.kind in _KIND and o.direction and o.bytes > 0:
             gpu = o.src if o.dst == HOST else o.dst
+            staged = ctx.stage_copy(gpu, o.stage, c.master[o.stage]) if o.kind == "prefetch" else None
+            if staged is not None:
+                after.append(staged)
+                staging.setdefault(staged, [d for d in o.deps if ops[d].kind == "wait"])
             stream = ("download" if o.dst == HOST else "upload" if o.kind == "prefetch" or o.what == "input"
                       else "activation")
             task[o.index] = ctx.move(f"{gpu}/{stream}", (slot[(o.phase, o.stage)], o.index),
@@ -366,7 +466,7 @@ def _from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
             triggers += [(task[o.index], d) for d in o.deps if o.kind == "prefetch" and ops[d].kind == "wait"]
         elif o.kind in ("evict", "wait", "hold"):
             ctx.mark(f"{o.kind} {tag}", after, kind=o.kind, phase=o.phase, gpu=o.place, stage=o.stage)
-    for t, w in triggers:
+    for t, w in triggers + [(t, w) for t, ws in staging.items() for w in ws]:
         (ctx.tasks[t].after_start if prefetch else ctx.tasks[t].after).append(task[runs[w][0 if prefetch else -1]])
     steps = {o.stage: c.master[o.stage] for o in ops if o.kind == "step"}
     cpu_optimizer(ctx, sum(steps.values()), per_stage=steps)
@@ -443,9 +543,11 @@ def _run(ctx: Context, schedule: str) -> SimResult:
         return bws[link]
 
     rep = replay(tasks, capacity, duplex=lambda link: ctx.topo.link_duplex(*link))
-    opt_ids = [i for i, t in enumerate(tasks) if t.meta.get("kind") == "optimizer"]
+    host = ("optimizer", "host-copy")  # the host's own work: after the pipeline or beside it
+    opt_ids = [i for i, t in enumerate(tasks) if t.meta.get("kind") in host]
+    copy_ids = [i for i, t in enumerate(tasks) if t.meta.get("kind") == "host-copy"]
     nic_ids = [i for i, t in enumerate(tasks) if t.meta.get("kind") == "allreduce"]
-    pipe_end = max((rep.end[i] for i, t in enumerate(tasks) if t.meta.get("kind") not in ("optimizer", "allreduce")),
+    pipe_end = max((rep.end[i] for i, t in enumerate(tasks) if t.meta.get("kind") not in (*host, "allreduce")),
                    default=0.0)
     comm_end = max([pipe_end] + [rep.end[i] for i in nic_ids])
     step = max([comm_end] + [rep.end[i] for i in opt_ids])
@@ -470,7 +572,8 @@ def _run(ctx: Context, schedule: str) -> SimResult:
                                     for g in rep.segments),
                      servers=ctx.servers, network=ctx.network,
                      allreduce_time=sum(rep.end[i] - rep.start[i] for i in nic_ids),
-                     allreduce_exposed=comm_end - pipe_end, nic_bytes=sum(tasks[i].meta["bytes"] for i in nic_ids))
+                     allreduce_exposed=comm_end - pipe_end, nic_bytes=sum(tasks[i].meta["bytes"] for i in nic_ids),
+                     host_copy_time=sum(rep.end[i] - rep.start[i] for i in copy_ids))
 
 
 def _critical_path(tasks: list[Task], rep: Any, step: float) -> dict[str, float]:
@@ -491,6 +594,8 @@ def _critical_path(tasks: list[Task], rep: Any, step: float) -> dict[str, float]
                 out[f"{t.meta['gpu']} compute"] += dur
             elif kind == "optimizer":
                 out["optimizer"] += dur
+            elif kind == "host-copy":
+                out["host copies"] += dur
             elif kind == "allreduce":
                 out["network"] += dur
             elif cur in rep.flow_links:

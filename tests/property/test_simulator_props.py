@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from mobius_fx.costs import LayerCost
 from mobius_fx.errors import PlanError
 from mobius_fx.plans import build_plan
+from mobius_fx.sim_tasks import HOST_COPY_KINDS
 from mobius_fx.simulator import SCHEDULES, simulate
 from mobius_fx.topology import Topology
 
@@ -107,7 +108,8 @@ def test_mobius_is_never_faster_than_the_partitioners_model_and_within_10_percen
                                              input_bytes=1000)  # as `plans()` builds them
     ev = evaluate(problem, cuts)
     if ev is not None:
-        sim = simulate(plan).pipeline_time
+        # the partitioner models no host copies (the staging before uploads): compare without them
+        sim = simulate(plan, host_copies=dict.fromkeys(HOST_COPY_KINDS, 0)).pipeline_time
         assert sim >= ev.makespan * (1 - 1e-6)  # the model keeps fractional bytes
         # ... and, without contention to leave out, agrees with it within 10% (at most 1.0001
         # over 300 random plans when written)

@@ -8,12 +8,14 @@ import pytest
 from mobius_fx.costs import LayerCost
 from mobius_fx.errors import MobiusError
 from mobius_fx.plans import build_plan
-from mobius_fx.sim_tasks import DEEPSPEED_CPU_ADAM_SPEEDUP
-from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, DEEPSPEED_CPU_ADAM_BANDWIDTH, simulate
-from mobius_fx.topology import Topology
+from mobius_fx.costs import dtype_bytes
+from mobius_fx.sim_tasks import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, host_copy_bytes
+from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, simulate
+from mobius_fx.topology import HostFigures, Topology
 
 GB = 1e9
 W = 100e6  # bytes of one layer's weights (fp32, as traced)
+NO_HOST_COPIES = dict.fromkeys(HOST_COPY_KINDS, 0)  # the network's physics alone (the staging delays uploads)
 
 
 def layers(n):
@@ -49,7 +51,7 @@ def test_the_stage_needed_first_gets_the_shared_uplink_first():
     # it ends at (W + 1000) / B, stage 1 at (2W + 1000) / B. Shared fairly, stage 0 would end
     # at about 2W / B too.
     topo = switch_box()
-    r = simulate(plan_on(topo, [0, 1, 2, 3], 4))
+    r = simulate(plan_on(topo, [0, 1, 2, 3], 4), host_copies=NO_HOST_COPIES)
     s0 = first(r, "prefetch", stage=0, phase="forward")
     s1 = first(r, "prefetch", stage=1, phase="forward")
     assert (s0.start, s1.start) == (0.0, 0.0)
@@ -81,8 +83,8 @@ def test_masters_on_one_socket_reach_the_other_sockets_gpu_over_the_inter_socket
     # the 5 GB/s UPI link: W / 5 GB/s; local (in cpu1's DRAM) it takes W / 10 GB/s.
     topo = two_sockets()
     plan = plan_on(topo, [0, 1], 2)
-    remote = first(simulate(plan, masters="cpu0"), "prefetch", stage=1)
-    local = first(simulate(plan), "prefetch", stage=1)
+    remote = first(simulate(plan, masters="cpu0", host_copies=NO_HOST_COPIES), "prefetch", stage=1)
+    local = first(simulate(plan, host_copies=NO_HOST_COPIES), "prefetch", stage=1)
     assert remote.route == ("cpu0", "cpu1", "sw1", "gpu1") and remote.end == pytest.approx(W / (5 * GB))
     assert local.route == ("cpu1", "sw1", "gpu1") and local.end == pytest.approx(W / (10 * GB))
     grads = first(simulate(plan, masters="cpu0"), "gradient", stage=1)
@@ -126,24 +128,43 @@ def test_zero3_without_p2p_routes_half_of_its_collectives_through_the_host():
                 if e.kind == "collective"]
 
 
-def test_zero3_steps_with_deepspeeds_cpu_adam_and_mobius_with_the_users_optimizer():
-    plan = plan_on(Topology.preset("mobius-testbed"), [0, 4], 8)
+def test_zero3_steps_at_mobius_speed_unless_deepspeeds_is_measured_or_given():
+    """No assumed speed-up for DeepSpeed's CPU Adam: ZeRO-3 steps at the optimizer speed Mobius
+    gets (default, given or measured) unless DeepSpeed's own was measured on the machine (host
+    section, implementation "deepspeed") or given. Its kernel writes the fp16 copy as it steps
+    (the streamed bytes count in the step); the gradients are handed over first, at the host
+    copy speed."""
+    testbed = Topology.preset("mobius-testbed")
+    plan = plan_on(testbed, [0, 4], 8)
     masters = 8 * W
-    assert DEEPSPEED_CPU_ADAM_BANDWIDTH == DEEPSPEED_CPU_ADAM_SPEEDUP * CPU_ADAM_BANDWIDTH == 120 * GB
-    from mobius_fx.costs import dtype_bytes
-    from mobius_fx.sim_tasks import HOST_COPY_SPEED, host_copy_bytes
+    s = dtype_bytes(plan.dtype)
 
-    streamed = dtype_bytes(plan.dtype)
+    def zero3_time(bw, copy=HOST_COPY_BANDWIDTH):
+        return masters / 4 * (host_copy_bytes("handover", s) / copy + (28 + s) / bw)
 
-    def step(bw, fused):  # Adam's own traffic, then the copies around it (DeepSpeed writes the fp16 copy as it steps)
-        return masters / 4 * (28 / bw + host_copy_bytes("adam", streamed, fused) / (HOST_COPY_SPEED * bw))
+    def mobius_time(bw, copy=HOST_COPY_BANDWIDTH):
+        return masters / 4 * (host_copy_bytes("handover", s) / copy + 28 / bw)
 
-    zero3 = simulate(plan, schedule="zero3-offload", cpu_adam_bandwidth=10 * GB)
-    assert zero3.optimizer_time == pytest.approx(step(DEEPSPEED_CPU_ADAM_BANDWIDTH, True))
-    zero3 = simulate(plan, schedule="zero3-offload", deepspeed_adam_bandwidth=10 * GB)
-    assert zero3.optimizer_time == pytest.approx(step(10 * GB, True))
-    mobius = simulate(plan, deepspeed_adam_bandwidth=10 * GB)
-    assert mobius.optimizer_time == pytest.approx(step(CPU_ADAM_BANDWIDTH, False))
+    zero3 = simulate(plan, schedule="zero3-offload")
+    assert zero3.optimizer_time == pytest.approx(zero3_time(CPU_ADAM_BANDWIDTH))
+    assert zero3.optimizer_bandwidth == CPU_ADAM_BANDWIDTH and "the optimizer's speed" in zero3.host_sources["optimizer"]
+    zero3 = simulate(plan, schedule="zero3-offload", cpu_adam_bandwidth=10 * GB)  # the same speed as Mobius's
+    assert zero3.optimizer_time == pytest.approx(zero3_time(10 * GB))
+    zero3 = simulate(plan, schedule="zero3-offload", deepspeed_adam_bandwidth=7 * GB, cpu_adam_bandwidth=10 * GB)
+    assert zero3.optimizer_time == pytest.approx(zero3_time(7 * GB)) and zero3.host_sources["optimizer"] == "given"
+    mobius = simulate(plan, deepspeed_adam_bandwidth=7 * GB)
+    assert mobius.optimizer_time == pytest.approx(mobius_time(CPU_ADAM_BANDWIDTH))
+    # measured on the machine: DeepSpeed's figure for ZeRO-3 only; a torch kernel's for both
+    for impl, ds_bw, mobius_bw in (("deepspeed", 50 * GB, CPU_ADAM_BANDWIDTH), ("fused", 50 * GB, 50 * GB)):
+        host = HostFigures(optimizer="adamw", implementation=impl, optimizer_bytes_per_s=50 * GB,
+                           host_copy_bytes_per_s=5 * GB)
+        topo = testbed.with_host(host)
+        zero3 = simulate(plan, schedule="zero3-offload", topology=topo)
+        assert zero3.optimizer_time == pytest.approx(zero3_time(ds_bw, 5 * GB))
+        assert zero3.host_sources["optimizer"].startswith("measured on this host" if impl == "deepspeed" else "Deep")
+        mobius = simulate(plan, topology=topo)
+        assert mobius.optimizer_time == pytest.approx(mobius_time(mobius_bw, 5 * GB))
+        assert mobius.host_sources["optimizer"].startswith("default" if impl == "deepspeed" else "measured on this host")
 
 
 def test_each_zero3_rank_keeps_its_partition_in_its_own_sockets_dram():

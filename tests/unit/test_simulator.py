@@ -12,10 +12,14 @@ import pytest
 from mobius_fx.costs import LayerCost
 from mobius_fx.errors import MobiusError, PlanError
 from mobius_fx.plans import MemoryModel, build_plan, stage_memory
+from mobius_fx.sim_tasks import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, host_copy_bytes
 from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, SCHEDULES, simulate
-from mobius_fx.topology import Topology
+from mobius_fx.topology import HostFigures, Topology
 
 GB = 1e9
+# The schedule model (docs/schedule.md) and the partitioner's have no host copies: tests of the
+# network and the schedule against them simulate without (the copies are tested on their own).
+NO_HOST_COPIES = dict.fromkeys(HOST_COPY_KINDS, 0)
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -168,7 +172,7 @@ def test_mobius_agrees_with_the_schedule_model_when_no_link_is_shared():
         plan = make_plan(topo, make_layers(nl, rng=rng), cuts, m)
         model = schedule_model(plan, topo)
         # Only the saved-input/output transfers the model ignores differ: measured <= 0.2%.
-        assert simulate(plan).pipeline_time == pytest.approx(model, rel=0.02)
+        assert simulate(plan, host_copies=NO_HOST_COPIES).pipeline_time == pytest.approx(model, rel=0.02)
 
 
 def test_schedule_model_makespan_misses_a_later_gradient_download_of_another_stage():
@@ -178,7 +182,7 @@ def test_schedule_model_makespan_misses_a_later_gradient_download_of_another_sta
     layers = make_layers(2, f=0.01, b=0.03, w=100e6)
     layers[1] = dataclasses.replace(layers[1], grad_bytes=int(2e9))
     plan = make_plan(topo, layers, [0, 1], 2)
-    sim = simulate(plan).pipeline_time
+    sim = simulate(plan, host_copies=NO_HOST_COPIES).pipeline_time
     assert sim > 1.5 * schedule_model(plan, topo, gradient_queue=False)
     assert sim == pytest.approx(schedule_model(plan, topo), rel=0.01)
 
@@ -195,7 +199,8 @@ def test_simulation_is_never_faster_than_the_partitioners_model():
         problem = PartitionProblem.from_topology(layers, topo, microbatches=m, memory_fraction=0.99)
         ev = evaluate(problem, cuts)
         if ev is not None:
-            assert simulate(make_plan(topo, layers, cuts, m)).pipeline_time >= ev.makespan * (1 - 1e-9)
+            assert simulate(make_plan(topo, layers, cuts, m), host_copies=NO_HOST_COPIES).pipeline_time >= \
+                ev.makespan * (1 - 1e-9)
 
 
 def test_backward_waits_for_the_next_stage_even_when_no_gradient_bytes_cross():
@@ -210,7 +215,7 @@ def test_backward_waits_for_the_next_stage_even_when_no_gradient_bytes_cross():
 def test_forward_prefetch_starts_when_the_stage_n_earlier_starts():
     topo = unshared_topology(2)
     plan = make_plan(topo, make_layers(6), [0, 1, 2, 3, 4, 5], 3)
-    r = simulate(plan)
+    r = simulate(plan, host_copies=NO_HOST_COPIES)
     for k in range(2, 6):
         (pre,) = events(r, "prefetch", phase="forward", stage=k)
         (first,) = events(r, "compute", phase="forward", stage=k - 2, microbatch=0)
@@ -355,24 +360,108 @@ def test_every_schedule_is_bounded_by_its_own_work(testbed_plan, schedule):
 
 
 # ---------------------------------------------------------------------- optimizer, results
-def test_optimizer_time_is_master_bytes_times_adam_traffic_over_bandwidth(testbed_plan):
+def test_optimizer_time_is_the_hand_over_then_master_bytes_times_adam_traffic_over_bandwidth(testbed_plan):
     from mobius_fx.costs import dtype_bytes
-    from mobius_fx.sim_tasks import HOST_COPY_SPEED, host_copy_bytes
 
     masters = sum(l.grad_bytes for l in testbed_plan.layers)  # fp32, traced
-    copies = host_copy_bytes("adam", dtype_bytes(testbed_plan.dtype))  # the .grad hand-over and the refresh
-    assert copies == (8 if dtype_bytes(testbed_plan.dtype) == 4 else 12)
+    handover = host_copy_bytes("handover", dtype_bytes(testbed_plan.dtype))  # the .grad made fp32
+    assert handover == (0 if dtype_bytes(testbed_plan.dtype) == 4 else 6)
     for bw in (10 * GB, CPU_ADAM_BANDWIDTH):
         r = simulate(testbed_plan, cpu_adam_bandwidth=bw) if bw != CPU_ADAM_BANDWIDTH else simulate(testbed_plan)
-        assert r.optimizer_time == pytest.approx(masters / 4 * (28 / bw + copies / (HOST_COPY_SPEED * bw)))
+        assert r.optimizer_time == pytest.approx(masters / 4 * (handover / HOST_COPY_BANDWIDTH + 28 / bw))
     assert simulate(testbed_plan, optimizer="none").optimizer_time == 0
 
 
-def test_step_time_is_pipeline_then_optimizer(testbed_plan):
+def test_the_default_optimizer_speed_is_the_measured_fused_adamw():
+    # 3,000,238,080 fp32 masters x 28 B in 0.756 s (the H200 host, fused AdamW): 111 GB/s, not
+    # the 20 GB/s assumed before; the host copies at the measured hand-over, 18 GB in 0.6537 s.
+    assert CPU_ADAM_BANDWIDTH == pytest.approx(3_000_238_080 * 28 / 0.756) and 110e9 < CPU_ADAM_BANDWIDTH < 112e9
+    assert HOST_COPY_BANDWIDTH == pytest.approx(3_000_238_080 * 6 / 0.6537)
+
+
+def test_step_time_is_pipeline_then_hand_over_then_optimizer(testbed_plan):
     r = simulate(testbed_plan)
     assert r.step_time == pytest.approx(r.pipeline_time + r.optimizer_time)
     (opt,) = events(r, "optimizer")
-    assert opt.start == pytest.approx(r.pipeline_time)
+    handed = [e for e in r.events if e.kind == "host-copy" and e.name == "hand-over"]
+    start = handed[0].end if handed else r.pipeline_time
+    assert opt.start == pytest.approx(start) and (not handed or handed[0].start == pytest.approx(r.pipeline_time))
+
+
+def write_topology(tmp_path, topo, host):
+    path = tmp_path / "server.json"
+    path.write_text(topo.with_host(host).to_json())
+    return str(path)
+
+
+def test_simulate_reads_the_host_section_and_says_so(testbed, testbed_plan, tmp_path):
+    """A topology JSON with measured host figures changes the optimizer's time by the ratio of
+    the speeds and the host copies' by theirs; explicit arguments win; the result names the
+    source of each figure."""
+    default = simulate(testbed_plan, topology=testbed, optimizer_overlap="sync")
+    host = HostFigures(optimizer="adamw", implementation="fused", optimizer_bytes_per_s=CPU_ADAM_BANDWIDTH / 4,
+                       host_copy_bytes_per_s=HOST_COPY_BANDWIDTH / 3, cores=16)
+    measured = simulate(testbed_plan, topology=write_topology(tmp_path, testbed, host), optimizer_overlap="sync")
+
+    def busy(r, kind, copy=None):
+        return sum(e.end - e.start for e in r.events if e.kind == kind and (copy is None or copy in e.name))
+
+    assert busy(default, "optimizer") > 0 and busy(default, "host-copy", "refresh") > 0
+    assert busy(measured, "optimizer") == pytest.approx(4 * busy(default, "optimizer"), rel=1e-9)
+    assert busy(measured, "host-copy", "refresh") == pytest.approx(3 * busy(default, "host-copy", "refresh"), rel=1e-9)
+    assert measured.step_time > default.step_time
+    assert (measured.optimizer_bandwidth, measured.host_copy_bandwidth) == (CPU_ADAM_BANDWIDTH / 4,
+                                                                            HOST_COPY_BANDWIDTH / 3)
+    assert measured.host_sources == {"optimizer": "measured on this host: adamw, fused",
+                                     "host copies": "measured on this host"}
+    assert default.host_sources["optimizer"].startswith("default") and default.host_sources["host copies"].startswith(
+        "default")
+    assert "measured on this host" in measured.summary() and "default" in default.summary()
+    given = simulate(testbed_plan, topology=write_topology(tmp_path, testbed, host), optimizer_overlap="sync",
+                     cpu_adam_bandwidth=CPU_ADAM_BANDWIDTH, host_copy_bandwidth=HOST_COPY_BANDWIDTH)
+    assert given.step_time == pytest.approx(default.step_time, rel=1e-12)
+    assert given.host_sources == {"optimizer": "given", "host copies": "given"}
+    # a host section with only the cores (or none of the rates) keeps the defaults
+    cores_only = simulate(testbed_plan, topology=testbed.with_host(HostFigures(cores=2)), optimizer_overlap="sync")
+    assert cores_only.step_time == pytest.approx(default.step_time, rel=1e-12)
+
+
+def test_the_host_copies_are_where_the_runtime_makes_them(testbed_plan):
+    from mobius_fx.costs import dtype_bytes
+
+    s = dtype_bytes(testbed_plan.dtype)
+    master = {st.index: st.grad_bytes / (s / 4) for st in testbed_plan.stages}
+    secs = lambda kind, k: master[k] / 4 * host_copy_bytes(kind, s) / HOST_COPY_BANDWIDTH
+    copies = lambda r, kind: [e for e in r.events if e.kind == "host-copy" and e.name.startswith(kind)]
+    # "none": each stage's streamed copy staged by its GPU's upload worker before its first upload
+    r = simulate(testbed_plan)
+    staged = copies(r, "staging")
+    assert sorted(e.stage for e in staged) == sorted(k for k in master if master[k] > 0)
+    for e in staged:
+        assert e.end - e.start == pytest.approx(secs("staging", e.stage))
+        for up in events(r, "prefetch", stage=e.stage):
+            assert up.start >= e.end - 1e-12
+    assert r.host_copy_time == pytest.approx(sum(e.end - e.start for e in r.events if e.kind == "host-copy"))
+    bare = simulate(testbed_plan, host_copies={"staging": 0})
+    assert not copies(bare, "staging") and bare.pipeline_time < r.pipeline_time
+    # "sync": the step refreshes the copies (nothing staged), after the hand-over and the finite check
+    sync = simulate(testbed_plan, optimizer_overlap="sync")
+    assert not copies(sync, "staging")
+    for k in (k for k in master if master[k] > 0):
+        (h,), (c,), (o,), (f,) = ([e for e in x if e.stage == k] for x in (
+            copies(sync, "hand-over"), copies(sync, "finite check"), events(sync, "optimizer"), copies(sync, "refresh")))
+        assert h.end <= c.start + 1e-12 and c.end <= o.start + 1e-12 and o.end <= f.start + 1e-12
+        assert f.end - f.start == pytest.approx(secs("refresh", k)) and c.end - c.start == pytest.approx(
+            secs("finite_check", k))
+    # "async": the shadow copy of w(t) from the start, then the update
+    r = simulate(testbed_plan, optimizer_overlap="async")
+    (shadow,), (opt,) = copies(r, "shadow"), events(r, "optimizer")
+    assert shadow.start == 0.0 and opt.start == pytest.approx(shadow.end)
+    assert shadow.end == pytest.approx(sum(secs("shadow", k) for k in master))
+    with pytest.raises(MobiusError, match="host_copies has 'grad'"):
+        simulate(testbed_plan, host_copies={"grad": 0})
+    with pytest.raises(MobiusError, match=r"host_copies\['staging'\] is -1"):
+        simulate(testbed_plan, host_copies={"staging": -1})
 
 
 def test_critical_path_adds_up_to_the_step_time(testbed_plan):
@@ -446,18 +535,26 @@ def test_a_synchronous_overlap_steps_each_stage_once_its_gradients_have_landed(t
         assert e.start >= grads_done[e.stage] - 1e-12
     work = lambda r: sum(e.end - e.start for e in r.events if e.kind == "optimizer")
     assert work(sync) == pytest.approx(work(serial), rel=1e-9)
-    assert sync.pipeline_time == pytest.approx(serial.pipeline_time, rel=1e-12)
+    # sync's step refreshes the streamed copies, so its uploads stage nothing: never a slower pipeline,
+    # the same one when nothing is staged in either
+    assert sync.pipeline_time <= serial.pipeline_time
+    bare = {"staging": 0}
+    assert simulate(testbed_plan, schedule=schedule, optimizer_overlap="sync", host_copies=bare).pipeline_time == \
+        pytest.approx(simulate(testbed_plan, schedule=schedule, host_copies=bare).pipeline_time, rel=1e-12)
     assert sync.pipeline_time <= sync.step_time < serial.step_time
 
 
 def test_an_asynchronous_optimizer_takes_the_longer_of_the_pipeline_and_the_update(testbed_plan):
-    # Staleness 1: step t's update runs while step t+1 computes, so a step is the longer of
-    # the two; with a slow CPU optimizer the update is the longer one.
+    # Staleness 1: step t's update (the shadow copy of w(t), then the step) runs while step t+1
+    # computes and hands its gradients over, so a step is the longer of the two; with a slow CPU
+    # optimizer the update is the longer one.
     for bw in (CPU_ADAM_BANDWIDTH, CPU_ADAM_BANDWIDTH / 100):
-        fast, slow = (simulate(testbed_plan, optimizer_overlap=m, cpu_adam_bandwidth=bw) for m in ("none", "async"))
-        update = fast.step_time - fast.pipeline_time
-        assert slow.step_time == pytest.approx(max(slow.pipeline_time, update), rel=1e-9)
-    assert update > slow.pipeline_time  # the slow optimizer case is the one it bounds
+        r = simulate(testbed_plan, optimizer_overlap="async", cpu_adam_bandwidth=bw)
+        (opt,) = events(r, "optimizer")
+        handed = [e for e in r.events if e.kind == "host-copy" and e.name == "hand-over"]
+        main = handed[0].end if handed else r.pipeline_time
+        assert r.step_time == pytest.approx(max(main, opt.end), rel=1e-9)
+    assert opt.end > main  # the slow optimizer case is the one it bounds
 
 
 def test_zero3_keeps_deepspeeds_step_after_the_pipeline_whatever_the_overlap(testbed_plan):
@@ -572,20 +669,26 @@ def test_the_all_reduce_delays_its_stages_optimizer_step_in_sync_mode(testbed_pl
 
 
 def test_without_overlap_the_optimizer_steps_after_the_last_all_reduce(testbed_plan):
-    r = simulate(testbed_plan, servers=2, network="10Gbps")
+    r = simulate(testbed_plan, servers=2, network="10Gbps", host_copies={"handover": 0})
     (opt,) = events(r, "optimizer")
     last = max(e.end for e in events(r, "allreduce"))
     assert opt.start == pytest.approx(last) and last > r.pipeline_time
     assert r.allreduce_exposed == pytest.approx(last - r.pipeline_time)
     assert r.optimizer_time == pytest.approx(opt.end - opt.start)
+    handed = simulate(testbed_plan, servers=2, network="10Gbps")  # the hand-over after the last all-reduce
+    (opt,) = events(handed, "optimizer")
+    (h,) = [e for e in handed.events if e.name == "hand-over"]
+    assert h.start == pytest.approx(last) and opt.start == pytest.approx(h.end)
     assert "one of 2 data-parallel servers" in r.summary() and "ring all-reduce" in r.summary()
 
 
 def test_an_asynchronous_optimizer_overlaps_the_all_reduces_too(testbed_plan):
-    r = simulate(testbed_plan, servers=4, network="10Gbps", optimizer_overlap="async")
+    r = simulate(testbed_plan, servers=4, network="10Gbps", optimizer_overlap="async", host_copies={"handover": 0})
     (opt,) = events(r, "optimizer")
+    (shadow,) = [e for e in r.events if e.name == "shadow copy"]
     comm_end = max(e.end for e in events(r, "allreduce"))
-    assert opt.start == 0.0 and r.step_time == pytest.approx(max(comm_end, opt.end))
+    assert shadow.start == 0.0 and opt.start == pytest.approx(shadow.end)
+    assert r.step_time == pytest.approx(max(comm_end, opt.end))
 
 
 @pytest.mark.parametrize("kwargs, message", [

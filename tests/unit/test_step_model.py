@@ -12,6 +12,7 @@ import pytest
 from mobius_fx import PlanError
 from mobius_fx.costs import LayerCost
 from mobius_fx.plans import build_plan
+from mobius_fx.sim_tasks import NO_HOST_COPIES
 from mobius_fx.simulator import simulate
 from mobius_fx.step_model import (
     MemoryModel, PartitionProblem, PrefixSums, SharedLink, TiedWeight, evaluate, shared_links, stage_memory,
@@ -252,7 +253,7 @@ def test_evaluate_agrees_with_the_simulator_when_no_link_is_shared(nvlink):
             continue
         plan = build_plan(layers, cuts, order=[g.name for g in topo.gpus], topology=topo, microbatches=m,
                           step_time=0.0, input_bytes=1000, memory_fraction=0.99)
-        assert simulate(plan).pipeline_time == pytest.approx(ev.makespan, rel=1e-3)
+        assert simulate(plan, host_copies=NO_HOST_COPIES).pipeline_time == pytest.approx(ev.makespan, rel=1e-3)
         checked += 1
     assert checked >= 8
 
@@ -328,7 +329,7 @@ def test_evaluate_with_tied_weights_agrees_with_the_simulator(reader):
         ev = evaluate(prob, cuts)
         plan = build_plan(layers, cuts, order=["gpu0", "gpu1"], topology=topo, microbatches=m, step_time=0.0,
                           memory_fraction=0.99, param_sizes=sizes)
-        assert simulate(plan).pipeline_time == pytest.approx(ev.makespan, rel=1e-3)
+        assert simulate(plan, host_copies=NO_HOST_COPIES).pipeline_time == pytest.approx(ev.makespan, rel=1e-3)
         untied = evaluate(PartitionProblem.from_topology(layers, topo, microbatches=m, memory_fraction=0.99), cuts)
         copies = any(a <= reader < b for a, b in zip(cuts[1:], [*cuts[2:], 6]))
         assert ev.makespan >= untied.makespan and (ev.grad_done != untied.grad_done) == copies
@@ -466,7 +467,7 @@ def test_where_gpus_share_an_uplink_the_model_is_within_10_percent_of_the_simula
             continue
         plan = build_plan(layers, cuts, order=[g.name for g in topo.gpus], topology=topo, microbatches=m,
                           step_time=0.0, input_bytes=1000, memory_fraction=0.99)
-        assert ev.makespan == pytest.approx(simulate(plan).pipeline_time, rel=0.10)
+        assert ev.makespan == pytest.approx(simulate(plan, host_copies=NO_HOST_COPIES).pipeline_time, rel=0.10)
         checked += bool(p.shared_up) and len(cuts) > 2
     assert checked >= 6
 
@@ -493,7 +494,7 @@ def test_with_large_activations_the_model_is_the_simulated_step_on_one_gpu(cuts)
     plan = build_plan(layers, cuts, order=["gpu0"], topology=topo, microbatches=4, step_time=0.0,
                       memory_fraction=0.99)
     ev = evaluate(PartitionProblem.from_topology(layers, topo, microbatches=4, memory_fraction=0.99), cuts)
-    assert ev.makespan == pytest.approx(simulate(plan).pipeline_time, rel=1e-9)
+    assert ev.makespan == pytest.approx(simulate(plan, host_copies=NO_HOST_COPIES).pipeline_time, rel=1e-9)
 
 
 def test_with_large_activations_the_model_stays_below_the_simulated_step_on_two_gpus():
@@ -508,7 +509,7 @@ def test_with_large_activations_the_model_stays_below_the_simulated_step_on_two_
     plan = build_plan(layers, [0, 2, 4], order=["gpu0", "gpu1"], topology=topo, microbatches=4, step_time=0.0,
                       memory_fraction=0.99)
     ev = evaluate(PartitionProblem.from_topology(layers, topo, microbatches=4, memory_fraction=0.99), [0, 2, 4])
-    sim = simulate(plan).pipeline_time
+    sim = simulate(plan, host_copies=NO_HOST_COPIES).pipeline_time
     assert 0.8 * sim <= ev.makespan <= sim * (1 + 1e-9)
 
 
