@@ -232,5 +232,5 @@ def emit_pass(gm, ctx: CompileContext):
     s = ctx.settings
     ctx.pipeline = build_pipeline(ctx.model, gm, schedule=ctx.stages, plan=ctx.plan, example_inputs=ctx.example_inputs,
                                   example_kwargs=ctx.example_kwargs or None, device=s.device,
-                                  dtype=s.dtype, batch_dims=s.batch_dims)
+                                  dtype=s.dtype, batch_dims=s.batch_dims, memory_books=s.memory_books)
     return None

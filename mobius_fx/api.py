@@ -226,7 +226,8 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             memory_fraction: float = _D.memory_fraction, solver: str = _D.solver, time_limit: float = _D.time_limit,
             cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, device: str = _D.device,
             verbose: bool = _D.verbose, max_variants: int = _D.max_variants, pipeline: PassPipeline | None = None,
-            process_group: Any = None, batch_dims: dict | None = _D.batch_dims):
+            process_group: Any = None, batch_dims: dict | None = _D.batch_dims,
+            memory_books: str = _D.memory_books):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -258,6 +259,16 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     every micro-batch gets it whole); by default dim 0 of the first batched input is the batch and
     every input with a dim 0 of its size is split. How outputs are combined across micro-batches,
     and what is refused: README "Micro-batch semantics" (mobius_fx/microbatch.py).
+    `memory_books`: how each GPU measures its stages' work against its budget. "allocator" (the
+    default on CUDA): no Python per op; each stage's work is measured by CUDA's caching allocator
+    (the peak since the work began, on top of what the GPU held then) and a peak over the budget
+    raises `BudgetError` when the work ends, naming the stage; the allocator's OutOfMemoryError
+    is the hard limit. "ops" (the default on virtual devices; on CUDA a debug setting): every
+    tensor the work creates is charged from the op that makes it, which raises `BudgetError`
+    before its result is used (a `TorchDispatchMode`: Python on every op, counted in
+    `Device.dispatch_calls`). "auto": per device. On CUDA, "allocator" resets the device's peak
+    statistics at each stage's work (`torch.cuda.reset_peak_memory_stats`); the device's peak
+    over a step is `mobius_fx.books.CudaAllocator.of(index).max_allocated()`.
     """
     if isinstance(model, torch.nn.Module) and not isinstance(example_inputs, (str, bytes)):
         inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
@@ -270,7 +281,8 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     ctx = _run(passes, model=model, topology=topology, example_inputs=example_inputs, example_kwargs=example_kwargs,
                microbatches=microbatches, cuts=cuts, verbose=verbose, costs=costs, dtype=dtype,
                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
-               cache_dir=cache_dir, device=device, max_variants=max_variants, batch_dims=batch_dims)
+               cache_dir=cache_dir, device=device, max_variants=max_variants, batch_dims=batch_dims,
+               memory_books=memory_books)
     pipe = ctx.pipeline
     group = default_group(process_group)
     if group is not None:

@@ -1,19 +1,35 @@
 """A GPU's books: what it holds, its budget, and what moved -- the `Device` interface that
 runtime.py drives and devices.py implements (virtual and CUDA).
 
-The books see every byte. Weight slots and gradient accumulators are booked by the runtime
-(`alloc`/`free`, `claim`); every other tensor the GPU holds -- activations handed out (`track`),
-and everything stage work creates inside `compute()`: intermediates of the forward and of the
-recompute, activation and weight gradients, temporaries -- is charged by a dispatch-mode tracker
-(`_Books`) per storage (views of one storage count once) from the op that creates it until the
-storage dies (a weakref callback). A charge past the budget raises `BudgetError` from the op that
-made it, before its result is used. `TransferLog` counts the bytes moved per kind, direction and
-stage, as the schedule IR books them.
+The runtime books, per tensor: weight slots and gradient accumulators (`alloc`/`free`,
+`claim`) and activations it hands out (`track`, until the storage dies: a weakref callback).
+What a stage's work creates inside `compute()` -- intermediates of the forward and of the
+recompute, activation and weight gradients, temporaries -- is measured one of two ways, the
+device's `memory_books`:
+
+- "ops" (the default on virtual devices, where it is the measurement): a dispatch-mode tracker
+  (`_Books`) charges each new storage (views count once) from the op that creates it until it
+  dies. Python runs on every op (`Device.dispatch_calls` counts them); a charge past the budget
+  raises `BudgetError` from the op that made it, before its result is used.
+- "allocator" (the default on CUDA): no Python per op. The stage's work window (`working`) is
+  measured by the device's `MemorySource` -- "bytes allocated now, the most allocated at once
+  since a mark": on CUDA the caching allocator (`CudaAllocator`, one per CUDA device, shared by
+  the pipeline GPUs on it); on virtual devices the books themselves (`BookedBytes`, which see
+  only what the runtime books). The stage's measured peak is what the GPU held when the work
+  began plus the most the source allocated on top during it; one over the budget raises
+  `BudgetError` when the work ends, naming the stage and the figures. The hard limit is the
+  allocator's own: an allocation the CUDA device cannot serve raises torch's OutOfMemoryError
+  from the op.
+
+Either way the plan's per-stage peak (`Stage.peak_bytes`) comes from the IR's accounting
+(mobius_fx/costs.py, step_model.py) and bounds `stage_peaks`. `TransferLog` counts the bytes moved
+per kind, direction and stage, as the schedule IR books them.
 
     dev = VirtualDevice("gpu0", budget=parse_bytes("64MiB"))     # mobius_fx.devices
     with dev.working(stage=0):                                   # charges what the work creates
         y = layer(x)
     dev.stats()                                                  # {"peak_bytes": ..., "current_bytes": ...}
+    dev.set_memory_books("allocator")                            # measured per work window instead
 """
 
 from __future__ import annotations
@@ -29,11 +45,26 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import BudgetError
+from .errors import BudgetError, MobiusError
 from .schedule import HOST
 from .units import fmt_bytes
 
-__all__ = ["HOST", "Device", "TransferLog", "SavedInput", "empty_slot", "nbytes"]
+__all__ = ["HOST", "Device", "TransferLog", "SavedInput", "empty_slot", "nbytes", "MEMORY_BOOKS", "MemorySource",
+           "Mark", "BookedBytes", "CudaAllocator", "check_memory_books"]
+
+MEMORY_BOOKS = ("auto", "ops", "allocator")
+
+
+def check_memory_books(value: Any) -> str:
+    """`memory_books=`: "auto" (per device: "ops" on virtual devices, "allocator" on CUDA),
+    "ops" or "allocator"; anything else is refused with the rule and the remedy."""
+    if not isinstance(value, str) or value not in MEMORY_BOOKS:
+        raise MobiusError(
+            f"memory_books={value!r} is not one of 'auto', 'ops', 'allocator': 'ops' charges every tensor a stage's "
+            f"work creates from the op that makes it (Python on every op; the default on virtual devices, and the "
+            f"debug setting on CUDA), 'allocator' measures each stage's work by the allocator (CUDA's caching "
+            f"allocator; the default on CUDA) and checks the budget when the work ends; 'auto' picks per device")
+    return value
 
 def nbytes(t: torch.Tensor) -> int:
     """Bytes of the tensor's elements (not of its storage, which a view may share)."""
@@ -97,6 +128,129 @@ class TransferLog:
     def clear(self) -> None:
         self._counts.clear()
         self._mark.clear()
+
+
+class Mark:
+    """An open measuring window of a `MemorySource`: the bytes allocated when it began (`start`)
+    and the most allocated at once since (`peak`)."""
+
+    __slots__ = ("start", "peak")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.peak = start
+
+
+class MemorySource:
+    """Where a device in memory_books="allocator" measures a stage's work: bytes allocated now,
+    and the most allocated at once since a mark. Windows may nest and may be open on several
+    devices sharing the source (pipeline GPUs on one CUDA device); each sees every allocation
+    made while it is open, on any thread."""
+
+    what = "the allocator"  # said in a BudgetError
+
+    def allocated(self) -> int:
+        """Bytes allocated now."""
+        raise NotImplementedError
+
+    def mark(self) -> Mark:
+        """Open a window: its start is the bytes allocated now."""
+        raise NotImplementedError
+
+    def peak_since(self, mark: Mark) -> int:
+        """Close `mark`'s window and return the most bytes allocated at once while it was open."""
+        raise NotImplementedError
+
+
+class BookedBytes(MemorySource):
+    """A device's own books as the source (virtual devices in memory_books="allocator"): what
+    the runtime books per tensor -- slots, gradient sums, activations handed out -- and nothing
+    a stage's work creates in between, which only the "ops" tracker or a real allocator sees."""
+
+    what = "the runtime's books"
+
+    def __init__(self, dev: "Device") -> None:
+        self.dev = dev
+
+    def allocated(self) -> int:
+        return self.dev.current_bytes
+
+    def mark(self) -> Mark:
+        return self.dev._open_mark()
+
+    def peak_since(self, mark: Mark) -> int:
+        return self.dev._close_mark(mark)
+
+
+class CudaAllocator(MemorySource):
+    """CUDA's caching allocator on one CUDA device (`of(index)`: one per device, shared by the
+    pipeline GPUs on it): `torch.cuda.memory_allocated` now; the peak since a mark from
+    `max_memory_allocated` after `reset_peak_memory_stats` at the mark. The reset is device-wide,
+    so torch's own peak then covers only the time since the latest window began: this source
+    folds every peak it reads into `max_allocated()` (reset by `reset_max()`), the device's most
+    allocated at once as torch would have said it."""
+
+    what = "the CUDA caching allocator"
+    _by_index: dict[int, "CudaAllocator"] = {}
+    _guard = threading.Lock()
+
+    @classmethod
+    def of(cls, index: int) -> "CudaAllocator":
+        with cls._guard:
+            src = cls._by_index.get(index)
+            if src is None:
+                src = cls._by_index[index] = cls(index)
+            return src
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self._lock = threading.Lock()
+        self._open: list[Mark] = []
+        self._high = 0
+
+    def _stats(self) -> tuple[int, int]:
+        """(allocated now, peak since the last reset), from one read of the allocator's stats."""
+        a = torch.cuda.memory_stats_as_nested_dict(self.index)["allocated_bytes"]["all"]
+        return a["current"], a["peak"]
+
+    def _fold(self, peak: int) -> None:
+        for m in self._open:
+            if peak > m.peak:
+                m.peak = peak
+        if peak > self._high:
+            self._high = peak
+
+    def allocated(self) -> int:
+        return self._stats()[0]
+
+    def mark(self) -> Mark:
+        with self._lock:
+            now, peak = self._stats()
+            self._fold(peak)
+            torch.cuda.reset_peak_memory_stats(self.index)  # the peak is now `now`
+            m = Mark(now)
+            self._open.append(m)
+            return m
+
+    def peak_since(self, mark: Mark) -> int:
+        with self._lock:
+            self._fold(self._stats()[1])
+            self._open.remove(mark)
+            return mark.peak
+
+    def max_allocated(self) -> int:
+        """The most bytes allocated at once on the device since `reset_max()` (or since this
+        source first read it): what `torch.cuda.max_memory_allocated` says without the resets."""
+        with self._lock:
+            self._fold(self._stats()[1])
+            return self._high
+
+    def reset_max(self) -> None:
+        """Start `max_allocated()` (and torch's peak) again from the bytes allocated now."""
+        with self._lock:
+            self._fold(self._stats()[1])  # open windows keep what they saw
+            torch.cuda.reset_peak_memory_stats(self.index)
+            self._high = self._stats()[0]
 
 
 _FRESH: dict[Any, tuple[bool, ...]] = {}  # op -> per return: a new tensor (its schema says no alias)
@@ -168,10 +322,13 @@ class Device:
     """One pipeline GPU: its books (budget, bytes held, peak, transfers) and its copies.
 
     Subclasses implement the copies; the books are shared. `budget=None` means unlimited.
+    `memory_books` says how a stage's work is measured ("ops" or "allocator", module docstring;
+    `set_memory_books`), `memory_source` where "allocator" reads it from.
     """
 
     kind = "abstract"
     granule = 1  # the allocator's rounding: a storage of n bytes holds n rounded up to this
+    default_books = "ops"  # memory_books="auto" on this kind of device
 
     def __init__(self, name: str, budget: int | None, torch_device: torch.device) -> None:
         self.name = name
@@ -183,9 +340,34 @@ class Device:
         self._lock = threading.RLock()  # re-entrant: a storage may die (and be freed) while it is held
         self._tracked: dict[int, tuple[weakref.ref, int]] = {}  # id(storage) -> (its weakref, bytes charged)
         self._tls = threading.local()  # per thread: the tracker now active (compute()), or None
-        self._window = 0  # the peak since the current `working` began
+        self._marks: list[Mark] = []  # the books' open windows (`working`, `BookedBytes`): each sees every alloc
         self.stage_peaks: dict[int, int] = {}  # stage -> its measured peak (see `working`)
         self.dispatch_calls = 0  # ops the books' dispatch mode saw (Python per op)
+        self.memory_books = self.default_books
+        self.memory_source: MemorySource | None = None  # None: `_default_source()` when first needed
+
+    # ------------------------------------------------------------------ how stage work is measured
+    def set_memory_books(self, mode: str) -> None:
+        """"ops": every tensor a stage's work creates charged per op (dispatch mode); "allocator":
+        each stage's work measured by `memory_source` and checked when it ends; "auto": this
+        device's default (`default_books`: "ops" on virtual devices, "allocator" on CUDA)."""
+        mode = check_memory_books(mode)
+        self.memory_books = self.default_books if mode == "auto" else mode
+
+    def _default_source(self) -> MemorySource:
+        """The source of memory_books="allocator" when none was set: the books themselves."""
+        return BookedBytes(self)
+
+    def _open_mark(self) -> Mark:
+        with self._lock:
+            m = Mark(self.current_bytes)
+            self._marks.append(m)
+            return m
+
+    def _close_mark(self, m: Mark) -> int:
+        with self._lock:
+            self._marks.remove(m)
+            return m.peak
 
     # ------------------------------------------------------------------ books
     def alloc(self, n: int, what: "str | tuple[str, Any]") -> None:
@@ -204,8 +386,9 @@ class Device:
             self.current_bytes = after
             if after > self.peak_bytes:
                 self.peak_bytes = after
-            if after > self._window:
-                self._window = after
+            for m in self._marks:
+                if after > m.peak:
+                    m.peak = after
 
     def free(self, n: int, what: str = "") -> None:
         with self._lock:
@@ -280,10 +463,11 @@ class Device:
     # ------------------------------------------------------------------ the tracker
     @contextlib.contextmanager
     def books(self) -> Iterator[None]:
-        """Charge every tensor created on this device in this thread, until the context ends, to
-        the books (`compute()` enters it); nested: the outer one charges."""
+        """With memory_books="ops": charge every tensor created on this device in this thread,
+        until the context ends, to the books (`compute()` enters it); nested: the outer one
+        charges. With "allocator": nothing (no Python per op; `working` measures the work)."""
         tls = self._tls
-        if getattr(tls, "mode", None) is not None:
+        if getattr(tls, "mode", None) is not None or self.memory_books != "ops":
             yield
             return
         tls.mode = mode = _Books(self)
@@ -311,24 +495,50 @@ class Device:
         """Stage `stage` works on this GPU (forward, recompute, gradients, accumulation): inside
         `compute()`, its tensors booked under its name. The GPU's peak during the work, less
         `others` (bytes held for other stages: their weights, their gradient accumulators), is
-        the stage's measured peak, `stage_peaks[stage]` (the plan's `Stage.peak_bytes` bounds it)."""
+        the stage's measured peak, `stage_peaks[stage]` (the plan's `Stage.peak_bytes` bounds it).
+
+        With memory_books="ops" the peak is the books' (every tensor charged per op; the budget
+        is enforced by the op that would pass it). With "allocator" it is the bytes the books
+        held when the work began plus the most `memory_source` allocated on top during it (or
+        the books' own peak, if higher); over the budget, the work's end raises `BudgetError`
+        naming the stage and the figures."""
+        source = None
+        if self.memory_books == "allocator":
+            source = self.memory_source
+            if source is None:
+                source = self.memory_source = self._default_source()
         with self.compute():
-            mode = getattr(self._tls, "mode", None)  # None: a Device of yours whose compute() does not track
+            mode = getattr(self._tls, "mode", None)  # None: "allocator", or a Device whose compute() does not track
             label = mode.label if mode is not None else None
             if mode is not None:
                 mode.label = f"stage {stage}'s"
             with self._lock:
-                outer, self._window = self._window, self.current_bytes
+                held = self.current_bytes
+                booked = self._open_mark()
+            measure = source.mark() if source is not None else None
             try:
                 yield
             finally:
+                used = source.peak_since(measure) - measure.start if source is not None else 0
                 with self._lock:
-                    peak = self._window - others
-                    if peak > self.stage_peaks.get(stage, -1):
-                        self.stage_peaks[stage] = peak
-                    self._window = max(outer, self._window)
+                    self._close_mark(booked)
+                    peak = max(booked.peak, held + used)
+                    for m in self._marks:  # an enclosing window saw this one's peak too
+                        if peak > m.peak:
+                            m.peak = peak
+                    if peak > self.peak_bytes:
+                        self.peak_bytes = peak
+                    if peak - others > self.stage_peaks.get(stage, -1):
+                        self.stage_peaks[stage] = peak - others
                 if mode is not None:
                     mode.label = label
+            if source is not None and self.budget is not None and peak > self.budget:
+                raise BudgetError(
+                    f"{self.name}: stage {stage}'s work peaked at {fmt_bytes(peak)} ({peak} bytes: "
+                    f"{fmt_bytes(held)} held when it began + {fmt_bytes(used)} more at most during it, measured by "
+                    f"{source.what}) but the budget is {fmt_bytes(self.budget)} ({self.budget} bytes); "
+                    f"{_remedy('working memory')} (memory_books='allocator' checks when a stage's work ends; "
+                    f"memory_books='ops' raises from the op that would pass the budget)")
 
     # ------------------------------------------------------------------ interface
     def compute(self) -> contextlib.AbstractContextManager:

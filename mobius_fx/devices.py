@@ -27,9 +27,11 @@ Everything above this module (runtime.py) is one code path; only the copies diff
   into a slot whose last use has not completed raises `RaceError`) and a log of the host's
   blocking waits (`waits`), so races, over-allocation and host syncs show up in CI.
 
-All keep the same books (`mobius_fx.books.Device`): bytes held now and at peak, every tensor
-stage work creates charged while it lives, a budget that raises `BudgetError` when exceeded, and a
-log of the bytes moved per kind and direction.
+All keep the same books (`mobius_fx.books.Device`): bytes held now and at peak, a budget that
+raises `BudgetError` when exceeded, and a log of the bytes moved per kind and direction. What a
+stage's work creates is charged per op on virtual devices (memory_books="ops") and measured by
+CUDA's caching allocator per stage's work on `CudaDevice` ("allocator": no Python per op); either
+device takes either setting (`Device.set_memory_books`, compile's `memory_books=`).
 
     dev = VirtualDevice("gpu0", budget=parse_bytes("64MiB"))
     slot = dev.new_slot(master, dtype=None, parameter=True)   # no storage yet
@@ -48,7 +50,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from .books import HOST, Device, SavedInput, TransferLog, empty_slot, nbytes
+from .books import HOST, CudaAllocator, Device, SavedInput, TransferLog, check_memory_books, empty_slot, nbytes
 from .errors import MobiusError
 from .host_counters import COUNTERS, watch_optimizer_steps
 from .streams import PENDING, HostWaits, RaceError, SlotPool, ThreadEvent, ThreadStream, layout, views
@@ -563,6 +565,7 @@ class CudaDevice(StreamDevice):
     kind = "cuda"
     granule = 512  # CUDACachingAllocator rounds every block up to 512 bytes (memory_allocated counts blocks)
     align = 512
+    default_books = "allocator"  # no Python per op on the critical path; "ops" is the debug measurement
 
     def __init__(self, name: str, budget: int | None, index: int) -> None:
         super().__init__(name, budget, torch.device("cuda", index))
@@ -577,8 +580,11 @@ class CudaDevice(StreamDevice):
 
     @contextlib.contextmanager
     def compute(self):
-        with torch.cuda.stream(self.compute_stream), self.books():
+        with torch.cuda.stream(self.compute_stream), self.books():  # books(): a no-op in "allocator"
             yield
+
+    def _default_source(self):
+        return CudaAllocator.of(self.torch_device.index)  # shared by the pipeline GPUs on this CUDA device
 
     def new_slot(self, like, dtype, parameter):
         return empty_slot(like, dtype, parameter, self.torch_device)
@@ -764,15 +770,28 @@ class VirtualAsyncDevice(_CpuRng, StreamDevice):
 
 
 def make_devices(budgets: Mapping[str, int | None], *, device: "str | Mapping[str, Device]" = "auto",
-                 indices: Mapping[str, int] | None = None, seed: int = 0) -> dict[str, Device]:
+                 indices: Mapping[str, int] | None = None, seed: int = 0,
+                 memory_books: str = "auto") -> dict[str, Device]:
     """One `Device` per GPU name. device: "virtual", "virtual-async" (the CPU stand-in of the CUDA
     path: streams on threads with random delays, seeded by `seed` plus the GPU's position), "cuda",
     "auto" (CUDA when available), or your own `{gpu name: Device}` (it must name every GPU of
     `budgets`).
 
     `indices` maps a GPU name to its CUDA index (default: the order of `budgets`, modulo the
-    number of CUDA devices, so a 4-GPU topology also runs on one real GPU).
+    number of CUDA devices, so a 4-GPU topology also runs on one real GPU). `memory_books`:
+    how stage work is measured (`Device.set_memory_books`); "auto" leaves each device's default
+    ("ops" on virtual devices, "allocator" on CUDA; your own Devices as they are).
     """
+    check_memory_books(memory_books)
+    out = _make_devices(budgets, device, indices, seed)
+    if memory_books != "auto":
+        for dev in out.values():
+            dev.set_memory_books(memory_books)
+    return out
+
+
+def _make_devices(budgets: Mapping[str, int | None], device: "str | Mapping[str, Device]",
+                  indices: Mapping[str, int] | None, seed: int) -> dict[str, Device]:
     if isinstance(device, Mapping):
         missing = sorted(set(budgets) - set(device))
         if missing:

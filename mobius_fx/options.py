@@ -155,6 +155,10 @@ class CompileOptions:
     1 keeps the compiled signature fixed and refuses any other call with a MobiusError.
     `batch_dims`: None (guess: README "Micro-batch semantics") or {forward argument name: 0 (batched
     along dim 0, split into micro-batches) or None (not batched: whole to every micro-batch)}.
+    `memory_books` (compile only): how each GPU measures its stages' work (mobius_fx/books.py):
+    "ops" charges every tensor per op (Python on every op), "allocator" measures each stage's
+    work by the allocator and checks the budget when it ends, "auto" (the default) is "ops" on
+    virtual devices and "allocator" on CUDA.
     """
 
     microbatches: int | None = None
@@ -171,6 +175,7 @@ class CompileOptions:
     verbose: bool = True
     max_variants: int = 8
     batch_dims: Any = None
+    memory_books: str = "auto"
     microbatches_rule: str = ""  # why microbatches is what it is, when plan/compile chose it (`resolved`)
 
     def __post_init__(self) -> None:
@@ -197,6 +202,9 @@ class CompileOptions:
         from .microbatch import check_batch_dims
 
         set_("batch_dims", check_batch_dims(self.batch_dims))
+        from .books import check_memory_books
+
+        check_memory_books(self.memory_books)
         if not isinstance(self.microbatches_rule, str):
             raise MobiusError(f"microbatches_rule={self.microbatches_rule!r}; it must be a str (set by `resolved`)")
 

@@ -89,7 +89,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
                    microbatches: int | None = None, example_inputs: tuple = (), example_kwargs: dict | None = None,
                    plan: Any = None, device: str | Mapping[str, Device] = "auto", dtype: Any = None,
                    gpu_indices: Mapping[str, int] | None = None, schedule: Any = None,
-                   batch_dims: Mapping[str, int | None] | None = None) -> Pipeline:
+                   batch_dims: Mapping[str, int | None] | None = None, memory_books: str = "auto") -> Pipeline:
     """Build the runnable Mobius pipeline of `model` from its traced graph `gm`.
 
     Give the stages explicitly (`stage_nodes[k]`: gm's compute nodes of stage k, in graph order;
@@ -109,7 +109,9 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     naming the argument or dimension (`mobius_fx.compile` traces a variant for it instead).
     `batch_dims` ({forward argument: 0 or None}) says which inputs carry the batch; with several
     micro-batches the example call's graph is analysed (mobius_fx/microbatch.py: how each output
-    combines; row-mixing values refused) — README "Micro-batch semantics".
+    combines; row-mixing values refused) — README "Micro-batch semantics". `memory_books`: how
+    each GPU measures its stages' work, "ops" | "allocator" | "auto" (compile's `memory_books=`;
+    mobius_fx/books.py).
 
     gm = torch.fx.symbolic_trace(model)
     pipe = build_pipeline(model, gm, stage_nodes=[["fc1", "relu"], ["fc2"]], stage_gpus=["gpu0", "gpu1"],
@@ -148,7 +150,8 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     names += [g for g in (*schedule.gpus, *budgets) if g not in names]
     if isinstance(device, Mapping):  # your own Devices: those you gave, and every GPU a stage uses
         names = [g for g in names if g in device or g in schedule.gpus]
-    devices = make_devices({g: budgets.get(g) for g in names}, device=device, indices=gpu_indices)
+    devices = make_devices({g: budgets.get(g) for g in names}, device=device, indices=gpu_indices,
+                           memory_books=memory_books)
     flat, marks = None, None
     batch_dims = microbatch.check_batch_dims(batch_dims)
     m = schedule.microbatches
