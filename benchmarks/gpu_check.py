@@ -20,8 +20,8 @@ the partitioner, counted by the runtime's books, or [assumed]):
    device's measured link), trained `--steps` steps with AdamW on the CPU masters. Prints:
    measured step time (median over the steps after the first) against the simulated step
    (`simulate(plan).step_time`: pipeline + CPU optimizer) and the measured forward+backward
-   against the simulated `pipeline_time`; measured peak (`torch.cuda.max_memory_allocated`,
-   per CUDA device) against the plan's peak (per pipeline GPU, the largest stage footprint
+   against the simulated `pipeline_time`; measured peak (the CUDA allocator's, `CudaAllocator.max_allocated`,
+   per CUDA device, across the stages' peak resets) against the plan's peak (per pipeline GPU, the largest stage footprint
    with the weights and boundary activations of the stages around it on that GPU: the double
    buffer the planner budgets, `plan_gpu_peaks`),
    and the runtime books' peak; weight and gradient bytes moved in the last step
@@ -77,6 +77,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # gpu_limits, cpu_optimizer
 
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
+from mobius_fx.books import CudaAllocator  # noqa: E402
 from mobius_fx.costs import DEVICE_SPECS  # noqa: E402
 from mobius_fx.links import GB  # noqa: E402
 from mobius_fx.units import fmt_bytes, fmt_time, parse_bytes  # noqa: E402
@@ -550,7 +551,7 @@ def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidt
         sync()
         for i in sorted(set(where)):
             base[i] = torch.cuda.memory_allocated(i)
-            torch.cuda.reset_peak_memory_stats(i)
+            CudaAllocator.of(i).reset_max()  # the pipeline resets torch's peak at each stage's work
     pipe.reset_peak_memory_stats()
     t_steps = time.perf_counter()
     for step in range(args.steps):
@@ -585,7 +586,7 @@ def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidt
             plan_bytes=sum(fig.plan_peaks.get(n, 0) for n in ns), budget_bytes=sum(fig.budgets[n] for n in ns),
             books_bytes=sum(books[n]["peak_bytes"] for n in ns),
             # the slot pools were allocated when compiled, so `base` holds them: count them in again
-            allocator_bytes=(torch.cuda.max_memory_allocated(i) - base[i]
+            allocator_bytes=(CudaAllocator.of(i).max_allocated() - base[i]
                              + sum(books[n].get("slot_pool_bytes", 0) for n in ns)) if cuda else None))
     if hand_back is not None:
         del pipe, opt  # the slot pools and the AdamW state
