@@ -175,10 +175,20 @@ def _inner(name: str) -> property:
 # Exact classes (a subclass may change the update); the kind says when a parameter's state is made.
 _CHUNKED = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
 
-# Elements per span of `_step_fused`: a span of the fp32 parameter, gradient and two moments
-# (1 MiB) and of the half-precision download stays in a core's cache between its conversion and its
-# step; large enough that the optimizer's per-call Python is a few percent of the step.
-CHUNK = 1 << 16
+# Spans of `_step_fused`. torch's fused CPU optimizers (`fused=True`) step a tensor in units of
+# UNIT elements, one thread per unit, vectorised with a scalar tail only at the tensor's end (whose
+# bits differ from the vector path's): spans of whole units split it the same way. Its other
+# implementations are TensorIterator loops whose elements get the same bits wherever they fall.
+# A span gives each of the worker's threads SPAN_UNITS units: for each thread the fp32 parameter,
+# gradient and moments of its share (1 MiB) and the half-precision download stay in its core's
+# cache between the conversion and the step, and every thread works, as on a whole tensor.
+UNIT = 32768
+SPAN_UNITS = 2
+SPAN: int | None = None  # elements per span; None: UNIT * SPAN_UNITS * the worker's threads
+
+
+def _span() -> int:
+    return SPAN if SPAN is not None else UNIT * SPAN_UNITS * max(1, torch.get_num_threads())
 
 
 def _raw_step(cls: type) -> Callable[[Any], Any] | None:
@@ -517,6 +527,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         kind = _CHUNKED.get(type(self.inner))
         if kind is None or group.get("differentiable") or group.get("capturable"):
             return False
+        if group.get("fused") and _span() % UNIT:
+            return False  # spans of part units would split the fused kernel's work differently
         state = self.inner.state.get(p)
         if kind == "adam" and not state:
             return False  # made by its first step: whole
@@ -532,7 +544,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def _step_fused(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict],
                     homes: Any) -> None:
         """Hand over and step a stage's parameters in one pass (`ready`, finiteness known from the
-        GPUs): for the parameters `_fusable` allows, span by span of about `CHUNK` elements, the
+        GPUs): for the parameters `_fusable` allows, span by span (`_span()` elements), the
         downloaded gradient is converted into the span of `.grad` (its home, kept across steps)
         and the wrapped optimizer's own step (`_raw_step`) runs at once over views of that span
         of the parameter, its gradient and its state, while the span is in cache. The optimizers
@@ -567,21 +579,22 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
     def _chunks(self, fused: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict], where: dict[int, int],
                 homes: Any, raw: Callable[[Any], Any]) -> None:
-        """`_step_fused`'s spans: batches of about CHUNK elements (one span of a large parameter,
-        or several small parameters), each converted then stepped."""
+        """`_step_fused`'s spans: batches of at most `_span()` elements (one span of a large
+        parameter, or several small parameters), each converted then stepped."""
         state = self.inner.state
+        chunk = _span()
         spans: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, int, int]] = []
         for p, gs in fused:
             home = homes.take(p)
             p.grad = home
             n = p.numel()
-            spans += [(p, gs, home, a, min(n, a + CHUNK)) for a in range(0, n, CHUNK)]
+            spans += [(p, gs, home, a, min(n, a + chunk)) for a in range(0, n, chunk)]
             COUNTERS.add("grad_fused", sum(nbytes(g) for g in gs) + nbytes(home) * (2 * len(gs) - 1))
         scalars: dict[int, dict] = {}
         i = 0
         while i < len(spans):
             j, size = i, 0
-            while j < len(spans) and (j == i or size + spans[j][4] - spans[j][3] <= CHUNK):
+            while j < len(spans) and (j == i or size + spans[j][4] - spans[j][3] <= chunk):
                 size += spans[j][4] - spans[j][3]
                 j += 1
             sub = self._sub([])
