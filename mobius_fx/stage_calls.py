@@ -604,7 +604,7 @@ class StageCalls:
         st = self.stages[k]
         self._forget_restored(step, k)
         acc = step.acc.pop(k, {})
-        if acc and self._overlaps(step) and self.reducer is None:
+        if acc and self._overlaps(step) and self.reducer is None and getattr(self.overlap, "fuse", True):
             fetch = getattr(st.device, "fetch", None)
             flag = None
             if fetch is not None:
