@@ -35,6 +35,15 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   neither changes, call `pipe.refresh_weights()`.
   A forward between `loss.backward()` and `opt.step()` is refused once stages were stepped
   (it would see some stages' new weights and others' old ones).
+  The hand-over makes no host pass of its own: whether a stage's gradients are all finite is
+  computed on its GPU before they are downloaded (`stage_calls.finite_flag`; a loop may skip the
+  step on a non-finite loss, so no stage is stepped from a non-finite gradient: from the first,
+  the rest is left to `opt.step()`), and a gradient to convert (bf16 download, fp32 master) is
+  converted into `.grad` -- storage kept across steps -- inside the stage's step, span by span,
+  each span right before the optimizer's own step runs over views of that span of the
+  parameter, gradient and state (`_step_fused`: Adam, AdamW and SGD, whose updates are
+  elementwise; other optimizers convert whole gradients first). `loss.backward()` returns when
+  the stages it stepped are done: every `.grad` is final then.
 
 - `mode="async"` — RoundPipe's staleness-1 update. `opt.step()` hands step t's gradients to a
   CPU worker and returns at once; step t+1's forward and backward run on the weights of step t
