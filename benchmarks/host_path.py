@@ -7,14 +7,17 @@ stepped by `pipe.overlap(mode="sync")`. Per step it prints, from the runtime's o
 
 - host bytes per parameter read and written by passes outside the optimizer: staging copies of
   the masters into the streamed copies, gradient conversions, fresh gradient memory, additions
-  into `.grad`; the copies the optimizer's worker writes right after a stage's step (`refresh`)
-  are shown apart, beside the optimizer;
+  into `.grad`, gradients read for a non-finite value; shown apart, beside the optimizer: the
+  copies its worker writes right after a stage's step (`refresh`) and the gradients converted
+  into `.grad` span by span inside the stage's step (`grad_fused`: the fp32 `.grad` torch users
+  read after backward, written while the optimizer reads it from cache);
 - Python dispatch calls of the memory books (`Device.dispatch_calls`: one per op of stage work);
 - the main thread's blocking waits (`StreamDevice.waits`).
 
 "before" is the behaviour before issue 27 (every master copied at its first upload of every
-step, no refresh, a new fp32 gradient per master per step); "after" the defaults now. The ideal
-is 0 bytes outside the optimizer.
+step, no refresh, a new fp32 gradient per master per step converted in a pass of its own, every
+gradient read on the host for a non-finite value); "after" the defaults now. The ideal is 0
+bytes outside the optimizer.
 
     python benchmarks/host_path.py                  # ~100M parameters, bf16 streamed, 3 steps
     python benchmarks/host_path.py --params 5e6 --steps 4 --dtype fp32
@@ -34,7 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
-from mobius_fx.host_counters import COUNTERS, HostCounters  # noqa: E402
+from mobius_fx.host_counters import BESIDE, COUNTERS, HostCounters  # noqa: E402
 from mobius_fx.zoo import GPT, GPTConfig  # noqa: E402
 
 
@@ -62,6 +65,7 @@ def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before
             d.trust_versions = False
         pipe._rt.grad_homes = None
     opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4), mode="sync", refresh_copies=not before)
+    opt.fuse = not before  # before: whole gradients converted, then read on the host, then stepped
     rows = []
     for step in range(steps):
         c0 = COUNTERS.snapshot()
@@ -75,12 +79,13 @@ def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before
         wall = time.perf_counter() - t0
         c = HostCounters.since(c0, COUNTERS.snapshot())
         rows.append({"step": step, "params": n, "outside": HostCounters.outside_optimizer(c) / n,
-                     "refresh": c["refresh"] / n, "counts": c,
+                     "refresh": c["refresh"] / n, "fused": c["grad_fused"] / n, "counts": c,
                      "dispatch": sum(d.dispatch_calls for d in devs) - d0,
                      "waits": sum(d.waits.count() for d in devs), "wall": wall})
         print(f"{label:6s} step {step}: outside the optimizer {rows[-1]['outside']:5.2f} B/param "
-              f"({', '.join(f'{k} {v / n:.2f}' for k, v in c.items() if v and k != 'refresh') or 'nothing'}), "
-              f"beside it (refresh) {rows[-1]['refresh']:.2f} B/param, dispatch calls {rows[-1]['dispatch']}, "
+              f"({', '.join(f'{k} {v / n:.2f}' for k, v in c.items() if v and k not in BESIDE) or 'nothing'}), "
+              f"beside it (refresh {rows[-1]['refresh']:.2f}, grad_fused {rows[-1]['fused']:.2f}) B/param, "
+              f"dispatch calls {rows[-1]['dispatch']}, "
               f"main-thread waits {rows[-1]['waits']}, {wall:.2f} s", flush=True)
     opt.close()
     return rows
@@ -101,9 +106,11 @@ def main() -> None:
           f"{args.dtype} streamed, bytes per parameter per step:")
     print(f"{'':28s}{'ideal':>10s}{'before':>10s}{'after':>10s}")
     print(f"{'outside the optimizer':28s}{0:>10.2f}{last['before']['outside']:>10.2f}{last['after']['outside']:>10.2f}")
-    print(f"{'beside it (refresh)':28s}{'-':>10s}{last['before']['refresh']:>10.2f}{last['after']['refresh']:>10.2f}")
+    print(f"{'beside it: refresh':28s}{'-':>10s}{last['before']['refresh']:>10.2f}{last['after']['refresh']:>10.2f}")
+    print(f"{'beside it: grad_fused':28s}{'-':>10s}{last['before']['fused']:>10.2f}{last['after']['fused']:>10.2f}")
     print(f"{'dispatch calls':28s}{'-':>10s}{last['before']['dispatch']:>10d}{last['after']['dispatch']:>10d}")
     print(f"{'main-thread waits':28s}{0:>10d}{last['before']['waits']:>10d}{last['after']['waits']:>10d}")
+    print(f"{'step wall time (s)':28s}{'-':>10s}{last['before']['wall']:>10.2f}{last['after']['wall']:>10.2f}")
 
 
 if __name__ == "__main__":

@@ -152,6 +152,12 @@ class VirtualDevice(_CpuRng, Device):
         host = t.detach().clone() if kind == "buffer" else t.detach()
         return lambda: host
 
+    def fetch(self, t):
+        """A small value the runtime reads on the host (a stage's gradient finiteness flag): not
+        a transfer of the plan, so not logged."""
+        value = t.detach()
+        return lambda: bool(value)
+
 
 
 class StreamDevice(Device):
@@ -545,6 +551,20 @@ class StreamDevice(Device):
             PENDING.settle(host, kind)
             self.check()
             return host
+
+        return wait
+
+    def fetch(self, t):
+        """A small value the runtime reads on the host (a stage's gradient finiteness flag), on
+        the download stream after the compute that made it; not a transfer of the plan, so not
+        logged. The thunk waits for it."""
+        with self.untracked():
+            host, _ = self._to_host_raw(t.detach())
+
+        def wait() -> bool:
+            PENDING.settle(host, "flag")
+            self.check()
+            return bool(host)
 
         return wait
 

@@ -9,31 +9,42 @@ optimizer needs 28). The runtime counts those passes here, in bytes read plus wr
 - `refresh`      — the same copy written by the optimizer overlap right after a stage's step
                    (`StreamDevice.refresh`): beside the optimizer, off the critical path in sync mode;
 - `grad_convert` — a downloaded gradient converted into the master's dtype, or summed with another
-                   stage's (a tied weight), on its way to `.grad` (`host_gradient`);
+                   stage's (a tied weight), on its way to `.grad` (`host_gradient`), a pass of its own;
+- `grad_fused`   — the same conversion done inside the optimizer overlap's step of a stage, span by
+                   span (`OverlapOptimizer._step_fused`): each span of `.grad` is written and at
+                   once read by the optimizer from cache. Beside the optimizer, like `refresh`: the
+                   bytes are those of writing the fp32 `.grad` torch users read after backward;
 - `grad_alloc`   — fresh host memory allocated for a gradient (faulted in by its first write);
 - `grad_add`     — a gradient added into an existing `.grad` (accumulation the loop asked for);
-- `finite_check` — pipe.overlap(mode="sync") reading a stage's gradients for a non-finite value
-                   before stepping it during backward (a loop may skip a step on one).
+- `finite_check` — pipe.overlap(mode="sync") reading a stage's gradients on the host for a
+                   non-finite value before stepping it during backward (a loop may skip a step on
+                   one); only where the GPU could not tell (a device without `fetch`, data
+                   parallel): otherwise the GPU sums them before the download (`finite_flag`).
 
-A step with nothing but the optimizer has 0 in all but `refresh`. The counters are process-wide
+A step with nothing but the optimizer has 0 in all but `refresh` and `grad_fused` (`BESIDE`). The counters are process-wide
 (several pipelines add into them) and cheap: one locked addition per tensor, never per element.
 
 `watch_optimizer_steps()` (installed by every stream-device pipeline) bumps the version counter of
 the parameters a `torch.optim` step changed: the fused optimizers write without bumping it, and
-the streamed copies are made again only for masters whose storage or version changed.
+the streamed copies are made again only for masters whose storage or version changed. Only
+parameters that are some pipeline's masters (`watch_masters`, held weakly) are bumped: an
+optimizer of the same process unrelated to any pipeline is left alone.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["COUNTERS", "HostCounters", "watch_optimizer_steps"]
+__all__ = ["COUNTERS", "HostCounters", "watch_optimizer_steps", "watch_masters", "BESIDE"]
 
-KINDS = ("staging", "refresh", "grad_convert", "grad_alloc", "grad_add", "finite_check")
+KINDS = ("staging", "refresh", "grad_convert", "grad_fused", "grad_alloc", "grad_add", "finite_check")
+BESIDE = ("refresh", "grad_fused")  # written inside or right after the optimizer's step
 
 
 class HostCounters:
@@ -58,25 +69,39 @@ class HostCounters:
     @staticmethod
     def outside_optimizer(counts: dict[str, int]) -> int:
         """The bytes of passes that are neither the optimizer's step nor written beside it."""
-        return sum(v for k, v in counts.items() if k != "refresh")
+        return sum(v for k, v in counts.items() if k not in BESIDE)
+
+    @staticmethod
+    def beside_optimizer(counts: dict[str, int]) -> int:
+        """The bytes written inside or right after the optimizer's step (`BESIDE`)."""
+        return sum(v for k, v in counts.items() if k in BESIDE)
 
 
 COUNTERS = HostCounters()
 
 _installed = False
 _install_lock = threading.Lock()
+_MASTERS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def watch_masters(masters: Iterable[torch.Tensor]) -> None:
+    """These parameters are a pipeline's masters: `watch_optimizer_steps` bumps their version
+    when an optimizer steps them. Held weakly (a dead model's leave the registry)."""
+    for m in masters:
+        _MASTERS[id(m)] = m
 
 
 def _stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    params = [p for g in optimizer.param_groups for p in g["params"]
+              if p.grad is not None and _MASTERS.get(id(p)) is p]
     if params:
         torch.autograd.graph.increment_version(params)
 
 
 def watch_optimizer_steps() -> None:
     """Install, once per process, a global `torch.optim` step post-hook that bumps the version of
-    every parameter the step had a gradient for (`fused=True` AdamW/Adam/SGD write theirs without
-    bumping it; the foreach and for-loop ones already do)."""
+    every pipeline master (`watch_masters`) the step had a gradient for (`fused=True`
+    AdamW/Adam/SGD write theirs without bumping it; the foreach and for-loop ones already do)."""
     global _installed
     with _install_lock:
         if not _installed:

@@ -35,6 +35,15 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   neither changes, call `pipe.refresh_weights()`.
   A forward between `loss.backward()` and `opt.step()` is refused once stages were stepped
   (it would see some stages' new weights and others' old ones).
+  The hand-over makes no host pass of its own: whether a stage's gradients are all finite is
+  computed on its GPU before they are downloaded (`stage_calls.finite_flag`; a loop may skip the
+  step on a non-finite loss, so no stage is stepped from a non-finite gradient: from the first,
+  the rest is left to `opt.step()`), and a gradient to convert (bf16 download, fp32 master) is
+  converted into `.grad` -- storage kept across steps -- inside the stage's step, span by span,
+  each span right before the optimizer's own step runs over views of that span of the
+  parameter, gradient and state (`_step_fused`: Adam, AdamW and SGD, whose updates are
+  elementwise; other optimizers convert whole gradients first). `loss.backward()` returns when
+  the stages it stepped are done: every `.grad` is final then.
 
 - `mode="async"` — RoundPipe's staleness-1 update. `opt.step()` hands step t's gradients to a
   CPU worker and returns at once; step t+1's forward and backward run on the weights of step t
@@ -57,9 +66,11 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import weakref
+from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -69,7 +80,7 @@ from torch import nn
 from .errors import MobiusError
 from .books import nbytes
 from .host_counters import COUNTERS
-from .stage_calls import host_gradient
+from .stage_calls import convert_span, sum_downloads
 
 __all__ = ["OverlapOptimizer", "MODES"]
 
@@ -168,6 +179,37 @@ def _inner(name: str) -> property:
     return property(lambda self: getattr(self.inner, name), lambda self, v: setattr(self.inner, name, v))
 
 
+# The optimizers whose step `_step_fused` runs span by span: each element is updated from its own
+# gradient and state, and from per-parameter scalars (Adam's `step`) the same for every span.
+# Exact classes (a subclass may change the update); the kind says when a parameter's state is made.
+_CHUNKED = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
+
+# Spans of `_step_fused`. torch's fused CPU optimizers (`fused=True`) step a tensor in units of
+# UNIT elements, one thread per unit, vectorised with a scalar tail only at the tensor's end (whose
+# bits differ from the vector path's): spans of whole units split it the same way. Its other
+# implementations are TensorIterator loops whose elements get the same bits wherever they fall.
+# A span gives each of the worker's threads SPAN_UNITS units: for each thread the fp32 parameter,
+# gradient and moments of its share (1 MiB) and the half-precision download stay in its core's
+# cache between the conversion and the step, and every thread works, as on a whole tensor.
+UNIT = 32768
+SPAN_UNITS = 2
+SPAN: int | None = None  # elements per span; None: UNIT * SPAN_UNITS * the worker's threads
+
+
+def _span() -> int:
+    return SPAN if SPAN is not None else UNIT * SPAN_UNITS * max(1, torch.get_num_threads())
+
+
+def _raw_step(cls: type) -> Callable[[Any], Any] | None:
+    """`cls.step` without torch's wrappers (the step hooks, the grad-mode switch): `_step_fused`
+    runs the hooks once per stage and calls this once per span, under no_grad."""
+    step = getattr(cls, "step", None) if cls in _CHUNKED else None
+    if step is None or not getattr(step, "hooked", False):
+        return None
+    raw = inspect.unwrap(step)
+    return raw if raw is not step else None
+
+
 def _hooked(p: torch.Tensor) -> bool:
     return bool(getattr(p, "_backward_hooks", None)) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
 
@@ -204,6 +246,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.mode = mode
         self.shard = shard
         self.refresh_copies = refresh_copies and mode == "sync"
+        # sync: hand each stage's gradients over and step it span by span, its finiteness read on
+        # the GPUs (`_step_fused`); False: convert whole gradients on one worker, read them for a
+        # non-finite value and step on the other (the path before, for comparisons: host_path.py)
+        self.fuse = True
         self._reducer = reducer
         self.owned = 0  # parameters this rank steps (shard=True; else all)
         self._pipeline = pipeline
@@ -400,10 +446,12 @@ class OverlapOptimizer(torch.optim.Optimizer):
             node = self._nodes[id(p)] = _accumulator(p)
         return id(p) not in self._outside and not _hooked(p) and _engine_accumulates(node)
 
-    def ready(self, groups: list[tuple[torch.Tensor, list[Callable[[], torch.Tensor]]]]) -> None:
+    def ready(self, groups: list[tuple[torch.Tensor, list[Callable[[], torch.Tensor]]]],
+              finite: list[Callable[[], bool]] | None = None) -> None:
         """Gradients of these masters are complete (each: the thunks giving its host gradient
-        from every stage that holds it, in the order the runtime summed them): add them into
-        `.grad` and step them, on the workers."""
+        from every stage that holds it, in the order the runtime summed them): put them in
+        `.grad` and step them, on the workers. `finite`: thunks telling whether the gradients of
+        the stages they came from are all finite, computed on the GPUs (None: read them here)."""
         params = [p for p, _ in groups]
         self._stepped.update(id(p) for p in params)
         if self._hp is None:  # the hyper-parameters of this round: every stage is stepped with them
@@ -411,39 +459,171 @@ class OverlapOptimizer(torch.optim.Optimizer):
         hp = [{**h, "params": g["params"]} for h, g in zip(self._hp, self.param_groups)]
 
         homes = self._pipeline._rt.grad_homes
+        if finite is not None and self.fuse:
+            # the hand-over and the step in one job: each gradient converted span by span right
+            # before the optimizer steps that span (`_step_fused`); `.grad` is final when it ends,
+            # so backward's end (`backward_done`) waits for it as for an addition
+            def fused() -> None:
+                ok = not self._nonfinite and all(f() for f in finite)
+                downloads = [(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups]
+                if not ok:
+                    self._hand(downloads, homes)
+                    self._skip(params)
+                    return
+                self._step_fused(downloads, hp, homes)
+                self._refresh(params)
+
+            job = self._stepper.submit(self._guarded, fused)
+            self._adds.append(job)
+            self._steps.append(job)
+            return
 
         def add() -> None:
-            with torch.no_grad():
-                for p, thunks in groups:
-                    fresh = p.grad is None
-                    total = host_gradient(p, thunks, homes if fresh else None)
-                    if total is None:
-                        continue
-                    if fresh:
-                        p.grad = total
-                    else:
-                        p.grad.add_(total)
-                        COUNTERS.add("grad_add", 3 * nbytes(total))
+            self._hand([(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups], homes)
 
         added = self._adder.submit(self._guarded, add)
         self._adds.append(added)
+
         def step() -> None:
             added.result()
             COUNTERS.add("finite_check", sum(nbytes(p.grad) for p in params if p.grad is not None))
             if not self._nonfinite and all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params):
                 self._step_only(params, hp)
-                if self.refresh_copies:  # the streamed copies the next step uploads (see refresh_copies)
-                    for dev in self._pipeline._rt.devices.values():
-                        refresh = getattr(dev, "refresh", None)
-                        if refresh is not None:
-                            refresh(params)
+                self._refresh(params)
                 return
-            # a non-finite gradient: step nothing more during this backward; opt.step() steps the
-            # rest serially if the loop takes the step (a loop that skips it then changed nothing)
-            self._nonfinite = True
-            self._stepped.difference_update(id(p) for p in params)
+            self._skip(params)
 
         self._steps.append(self._stepper.submit(self._guarded, step))
+
+    def _hand(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], homes: Any) -> None:
+        """The downloaded gradients into `.grad`: summed into the master's home (`GradHomes`)
+        when `.grad` is None, else added into the `.grad` the loop kept (it accumulates)."""
+        with torch.no_grad():
+            for p, gs in downloads:
+                fresh = p.grad is None
+                total = sum_downloads(p, gs, homes if fresh else None)
+                if total is None:
+                    continue
+                if fresh:
+                    p.grad = total
+                else:
+                    p.grad.add_(total)
+                    COUNTERS.add("grad_add", 3 * nbytes(total))
+
+    def _skip(self, params: list[torch.Tensor]) -> None:
+        """A non-finite gradient: step nothing more during this backward; opt.step() steps the
+        rest serially if the loop takes the step (a loop that skips it then changed nothing)."""
+        self._nonfinite = True
+        self._stepped.difference_update(id(p) for p in params)
+
+    def _refresh(self, params: list[torch.Tensor]) -> None:
+        if self.refresh_copies:  # the streamed copies the next step uploads (see refresh_copies)
+            for dev in self._pipeline._rt.devices.values():
+                refresh = getattr(dev, "refresh", None)
+                if refresh is not None:
+                    refresh(params)
+
+    def _fusable(self, p: torch.Tensor, gs: list[torch.Tensor], group: dict, homes: Any) -> bool:
+        """Whether `p` can be handed over and stepped span by span (`_step_fused`): its downloads
+        need a conversion into a fresh `.grad` (a gradient home), the optimizer is one whose
+        update is elementwise and whose state for `p` is made (`_CHUNKED`), and every tensor is
+        contiguous, so a span of each is the same elements."""
+        if homes is None or p.grad is not None or not gs or gs[0].dtype == p.dtype or p.is_sparse:
+            return False
+        if not p.is_contiguous() or any(not g.is_contiguous() or g.shape != p.shape or g.device != p.device
+                                        for g in gs):
+            return False
+        kind = _CHUNKED.get(type(self.inner))
+        if kind is None or group.get("differentiable") or group.get("capturable"):
+            return False
+        if group.get("fused") and _span() % UNIT:
+            return False  # spans of part units would split the fused kernel's work differently
+        state = self.inner.state.get(p)
+        if kind == "adam" and not state:
+            return False  # made by its first step: whole
+        if kind == "sgd" and group.get("momentum", 0) != 0 and (state or {}).get("momentum_buffer") is None:
+            return False
+        for v in (state or {}).values():
+            if not isinstance(v, torch.Tensor):
+                return False
+            if not (v.dim() == 0 or (v.shape == p.shape and v.is_contiguous() and v.device == p.device)):
+                return False
+        return True
+
+    def _step_fused(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict],
+                    homes: Any) -> None:
+        """Hand over and step a stage's parameters in one pass (`ready`, finiteness known from the
+        GPUs): for the parameters `_fusable` allows, span by span (`_span()` elements), the
+        downloaded gradient is converted into the span of `.grad` (its home, kept across steps)
+        and the wrapped optimizer's own step (`_raw_step`) runs at once over views of that span
+        of the parameter, its gradient and its state, while the span is in cache. The optimizers
+        in `_CHUNKED` update every element from its own gradient and state and the per-parameter
+        scalars (`step`), so the spans give the bits of one whole step (tests/unit/test_host_path.py
+        checks it against serial stepping). Each span steps its own copy of the scalar state,
+        written back once. The others (first step, a `.grad` the loop kept, another optimizer)
+        are handed over and stepped whole, as `_step_only` does. The optimizer's step hooks run
+        once for the stage, as for `_step_only`."""
+        where = {id(q): i for i, g in enumerate(hp) for q in g["params"]}
+        fused, whole = [], []
+        for p, gs in downloads:
+            (fused if id(p) in where and self._fusable(p, gs, hp[where[id(p)]], homes) else whole).append((p, gs))
+        self._hand(whole, homes)
+        params = [p for p, _ in downloads]
+        want = {id(p) for p in params}
+        sub = self._sub([{**g, "params": [p for p in g["params"] if id(p) in want]} for g in hp])
+        raw = _raw_step(type(self.inner))
+        if not fused or raw is None:
+            self._hand(fused, homes)
+            type(self.inner).step(sub)
+            return
+        rest = {id(p) for p, _ in whole}
+
+        def body(opt: torch.optim.Optimizer, *_: Any, **__: Any) -> None:
+            with torch.no_grad():
+                if rest:
+                    raw(self._sub([{**g, "params": [p for p in g["params"] if id(p) in rest]} for g in hp]))
+                self._chunks(fused, hp, where, homes, raw)
+
+        torch.optim.Optimizer.profile_hook_step(body)(sub)
+
+    def _chunks(self, fused: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict], where: dict[int, int],
+                homes: Any, raw: Callable[[Any], Any]) -> None:
+        """`_step_fused`'s spans: batches of at most `_span()` elements (one span of a large
+        parameter, or several small parameters), each converted then stepped."""
+        state = self.inner.state
+        chunk = _span()
+        spans: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, int, int]] = []
+        for p, gs in fused:
+            home = homes.take(p)
+            p.grad = home
+            n = p.numel()
+            spans += [(p, gs, home, a, min(n, a + chunk)) for a in range(0, n, chunk)]
+            COUNTERS.add("grad_fused", sum(nbytes(g) for g in gs) + nbytes(home) * (2 * len(gs) - 1))
+        scalars: dict[int, dict] = {}
+        i = 0
+        while i < len(spans):
+            j, size = i, 0
+            while j < len(spans) and (j == i or size + spans[j][4] - spans[j][3] <= chunk):
+                size += spans[j][4] - spans[j][3]
+                j += 1
+            sub = self._sub([])
+            groups: dict[int, list[torch.Tensor]] = {}
+            for p, gs, home, a, b in spans[i:j]:
+                convert_span(home, gs, a, b)
+                q = p.detach().view(-1)[a:b]
+                q.grad = home.view(-1)[a:b]
+                own = {k: (v.view(-1)[a:b] if v.dim() else v.clone()) for k, v in state.get(p, {}).items()}
+                sub.state[q] = own
+                scalars[id(p)] = (p, own)
+                groups.setdefault(where[id(p)], []).append(q)
+            sub.param_groups = [{**hp[g], "params": qs} for g, qs in sorted(groups.items())]
+            raw(sub)
+            del sub, groups
+            i = j
+        for p, own in scalars.values():  # every span stepped the same scalars: the last one's are theirs
+            for k, v in own.items():
+                if v.dim() == 0:
+                    state[p][k].copy_(v)
 
     def backward_done(self) -> None:
         """End of a backward pass: every `.grad` is final when it returns."""
@@ -485,19 +665,25 @@ class OverlapOptimizer(torch.optim.Optimizer):
             e, self._error = self._error, None
             raise MobiusError(f"the optimizer step running beside the pipeline failed: {e!r}") from e
 
+    def _sub(self, groups: list[dict]) -> torch.optim.Optimizer:
+        """A shallow copy of the wrapped optimizer sharing every attribute -- state, hooks,
+        whatever the optimizer keeps -- with `groups` of its own (copy.copy would go through
+        Optimizer.__getstate__, which keeps only defaults, state and param_groups: the hooks and
+        other attributes would be lost). With no groups, a state of its own too (`_chunks`)."""
+        sub = object.__new__(type(self.inner))
+        sub.__dict__.update(self.inner.__dict__)
+        sub.__dict__.pop("step", None)  # an LR scheduler's wrapper of the optimizer's bound step
+        sub.param_groups = groups
+        if not groups:
+            sub.state = defaultdict(dict)
+        return sub
+
     def _step_only(self, params: list[torch.Tensor], groups: list[dict] | None = None) -> None:
         """Step the wrapped optimizer over `params` only (optionally with the hyper-parameters
         of `groups`, a snapshot of param_groups taken when the step was launched)."""
         want = {id(p) for p in params}
         source = groups if groups is not None else self.inner.param_groups
-        # A shallow copy sharing every attribute -- state, hooks, whatever the optimizer keeps --
-        # with groups of its own (copy.copy would go through Optimizer.__getstate__, which keeps
-        # only defaults, state and param_groups: the hooks and other attributes would be lost).
-        sub = object.__new__(type(self.inner))
-        sub.__dict__.update(self.inner.__dict__)
-        sub.__dict__.pop("step", None)  # an LR scheduler's wrapper of the optimizer's bound step
-        sub.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in want]} for g in source]
-        type(self.inner).step(sub)
+        type(self.inner).step(self._sub([{**g, "params": [p for p in g["params"] if id(p) in want]} for g in source]))
 
     # ------------------------------------------------------------------ the loop's side
     def _serialize(self, why: str, refuse: bool = False) -> None:

@@ -46,10 +46,11 @@ from torch.autograd.function import once_differentiable
 
 from .devices import Device, nbytes
 from .errors import MobiusError
-from .host_counters import COUNTERS
+from .host_counters import COUNTERS, watch_masters
 
 __all__ = ["StageCalls", "StageState", "Step", "StageCall", "StageFunction", "Masters", "GradLog", "OnHost",
-           "bind", "rebuild", "autocast_for", "logged_grad", "host_gradient", "GradHomes"]
+           "bind", "rebuild", "autocast_for", "logged_grad", "host_gradient", "sum_downloads", "convert_span",
+           "finite_flag", "GradHomes"]
 
 
 class StageState:
@@ -67,6 +68,7 @@ class StageState:
         self.masters = masters
         self.is_param = [isinstance(m, nn.Parameter) for m in masters]
         self.kinds = [(m.shape, m.dtype, m.device) for m in masters]  # checked by Runtime.follow
+        watch_masters(m for m, p in zip(masters, self.is_param) if p)  # their optimizer steps bump versions
         self.slots = [device.new_slot(m, dtype, p) for m, p in zip(masters, self.is_param)]
         for w, slot in zip(spec.weights, self.slots):
             for path, attr in w.slots:
@@ -123,11 +125,14 @@ def host_gradient(master: torch.Tensor, thunks: Sequence[Any], homes: GradHomes 
     A download already in the master's dtype is the gradient itself (no pass); one to convert is
     converted into the master's home in `homes` when given (kept across steps), else into new
     memory. The passes are counted (`host_counters.COUNTERS`)."""
+    return sum_downloads(master, [g for g in (thunk() for thunk in thunks) if g is not None], homes)
+
+
+def sum_downloads(master: torch.Tensor, downloads: Sequence[torch.Tensor],
+                  homes: GradHomes | None = None) -> torch.Tensor | None:
+    """`host_gradient` of downloads already waited for (None entries dropped by the caller)."""
     total = None
-    for thunk in thunks:
-        g = thunk()
-        if g is None:  # data parallel: no rank had a gradient for it
-            continue
+    for g in downloads:
         if total is None:
             if g.dtype == master.dtype and g.device == master.device:
                 total = g
@@ -146,6 +151,25 @@ def host_gradient(master: torch.Tensor, thunks: Sequence[Any], homes: GradHomes 
                 total.add_(g.to(device=master.device) if g.device != master.device else g)
             COUNTERS.add("grad_convert", nbytes(g) + 2 * nbytes(total))
     return total
+
+
+def convert_span(home: torch.Tensor, downloads: Sequence[torch.Tensor], a: int, b: int) -> None:
+    """Elements [a, b) of `sum_downloads` (the first download copied and converted, the others
+    added in the master's dtype: the same operations, so the same bits) into `home`, a
+    contiguous gradient home: the optimizer overlap converts a gradient span by span, each right
+    before the optimizer steps it, while it is in cache."""
+    span = home.view(-1)[a:b]
+    span.copy_(downloads[0].reshape(-1)[a:b])
+    for g in downloads[1:]:
+        span.add_(g.reshape(-1)[a:b])
+
+
+def finite_flag(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool on the gradients' device: False when any element of `grads` is non-finite.
+    Sums in fp32 (a reduction, no temporary the size of a gradient): a NaN or an infinity
+    always makes the sum non-finite; finite values so large that their sum overflows read as
+    non-finite too, which only makes the optimizer overlap leave those stages to opt.step()."""
+    return torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum().isfinite()
 
 
 def _own(st: StageState, t: torch.Tensor) -> torch.Tensor:
@@ -188,6 +212,10 @@ class Step:
         self.flushed: set[int] = set()
         self.handed: set[int] = set()
         self.holders: dict[int, set[int]] = {}
+        # per stage flushed with gradients while overlapping: a thunk giving whether all of them
+        # are finite, computed on its GPU before the download (None: the device cannot; the
+        # optimizer then reads the gradients on the host)
+        self.finite: dict[int, Any] = {}
 
 
 class StageCall:
@@ -571,23 +599,32 @@ class StageCalls:
         return [next(it) if need else None for need in needs]
 
     def _flush(self, k: int, step: Step) -> None:
-        """Send stage k's weight gradients to the host and evict the stage."""
+        """Send stage k's weight gradients to the host and evict the stage. While the optimizer
+        overlap steps stages during backward, whether they are all finite is computed first on
+        the GPU (`finite_flag`) and sent with them: the host reads no gradient to find out."""
         st = self.stages[k]
         self._forget_restored(step, k)
-        for j, g in step.acc.pop(k, {}).items():
+        acc = step.acc.pop(k, {})
+        if acc and self._overlaps(step) and self.reducer is None and getattr(self.overlap, "fuse", True):
+            fetch = getattr(st.device, "fetch", None)
+            flag = None
+            if fetch is not None:
+                with self._working(k):
+                    flag = finite_flag(list(acc.values()))
+                flag = fetch(flag)
+            step.finite[k] = flag
+        for j, g in acc.items():
             with st.device.log.stage(k):
                 step.pending.append((st.masters[j], st.device.download(g, "gradient")))
             st.device.free(nbytes(g))
+        del acc
         self.evict(k)
         if self.overlap is not None or self.reducer is not None:
             self._hand_over(k, step)
 
-    def _hand_over(self, k: int, step: Step) -> None:
-        """Stage k's gradients are on their way to the host. The masters whose gradients are now
-        complete (every stage holding a copy flushed) are averaged across ranks (data parallel,
-        `reducer`) and/or handed to the optimizer stepping during backward (pipe.overlap
-        mode="sync"), which adds them into `.grad` and steps them while the GPUs go on. Autograd
-        (`Masters`) then hands over only the others, averaged when data parallel."""
+    def _overlaps(self, step: Step) -> bool:
+        """Whether this backward hands complete gradients to the optimizer overlap (decided at
+        its first flush, with the stages holding each master)."""
         hook, reducer = self.overlap, self.reducer
         if step.overlap is None:
             step.overlap = hook is not None and hook.overlapping()
@@ -596,7 +633,16 @@ class StageCalls:
                     if step.fwd_calls[i] > 0:
                         for m in s.masters:
                             step.holders.setdefault(id(m), set()).add(i)
-        if not step.overlap and reducer is None:
+        return step.overlap
+
+    def _hand_over(self, k: int, step: Step) -> None:
+        """Stage k's gradients are on their way to the host. The masters whose gradients are now
+        complete (every stage holding a copy flushed) are averaged across ranks (data parallel,
+        `reducer`) and/or handed to the optimizer stepping during backward (pipe.overlap
+        mode="sync"), which adds them into `.grad` and steps them while the GPUs go on. Autograd
+        (`Masters`) then hands over only the others, averaged when data parallel."""
+        hook, reducer = self.overlap, self.reducer
+        if not self._overlaps(step) and reducer is None:
             return
         step.flushed.add(k)
         st = self.stages[k]
@@ -623,7 +669,10 @@ class StageCalls:
         given = {id(m) for m, _ in give}
         step.pending[:] = keep + [(m, t) for m, ts in groups if id(m) not in given for t in ts]
         if give:
-            hook.ready(give)
+            # the finiteness of the stages whose gradients these are (None: read them on the host)
+            stages = set().union(*(step.holders.get(id(m), set()) for m, _ in give)) & set(step.finite)
+            flags = [step.finite[j] for j in sorted(stages)]
+            hook.ready(give, None if reducer is not None or any(f is None for f in flags) else flags)
 
     def _finish(self, step: Step) -> None:
         """End of a backward pass (an engine callback): a backward that did not ask `Masters`
