@@ -32,7 +32,8 @@ the critical path. The plan therefore gives out cores, never more busy threads t
 so on a 2-core machine running virtual GPUs (their compute is the same cores) the optimizer
 steps inline and an overlap costs nothing over stepping after backward; on the 16-core H200 host
 with one GPU: main 1, upload 1, grads 1, optimizer 13. The one exception to `busy <= cores` is a
-single core with a streamed GPU: its upload worker must exist, and shares the core with `main`.
+streamed GPU with no core beside `main` (one core; or the CUDA stand-in with torch's threads on
+every core): one upload worker must still copy, and shares a core with `main` (busy = cores + 1).
 
 Override any field (for instance to give the optimizer a worker on a host that the plan would
 step inline, or fewer cores than the affinity mask when other processes share the machine) with
@@ -162,7 +163,7 @@ def plan_for(devices: Iterable[Any]) -> HostThreadPlan:
 # ----------------------------------------------------------------------------- threads with a set team
 
 def _team(threads: int) -> int:
-    """In a new thread: set its intra-op threads; returns the default before (for new threads)."""
+    """In a new thread: set its intra-op (OpenMP team) threads."""
     torch.get_num_threads()  # ATen sizes a thread's team at its first parallel op: do it now
     torch.set_num_threads(threads)
     return threads
