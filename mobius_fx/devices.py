@@ -44,12 +44,12 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import host_threads
 from .books import HOST, CudaAllocator, Device, SavedInput, TransferLog, check_memory_books, empty_slot, nbytes
 from .errors import MobiusError
 from .host_counters import COUNTERS, watch_optimizer_steps
@@ -180,7 +180,8 @@ class StreamDevice(Device):
         self._defer: list | None = None  # the events of copies whose compute wait is deferred (`deferred`)
         self._empty: dict[int, torch.Tensor] = {}  # id(slot) -> its storage-less tensor (bound when not resident)
         self._slot_stats = {"slots": 0, "max_in_use": 0, "overflows": 0, "bytes": 0}
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mobius-upload-{name}")
+        # the upload worker: one intra-op thread; its copies share the plan's upload cores (host_threads)
+        self._worker = host_threads.worker(f"mobius-upload-{name}", 1)
         self.compute_stream: Any = None
         self.upload_stream: Any = None
         self.download_stream: Any = None
@@ -377,7 +378,8 @@ class StreamDevice(Device):
         def work() -> Any:
             for ev in last:  # the host may not refill a slot before its last use has ended
                 ev.synchronize()
-            sources, uploaded = self._sources(targets, masters)
+            with host_threads.copying():  # at most the plan's upload_busy workers copy at once
+                sources, uploaded = self._sources(targets, masters)
             for ev in last:
                 self.upload_stream.wait_event(ev)
             self._copy_in(targets, sources, last)
@@ -824,6 +826,8 @@ def _make_devices(budgets: Mapping[str, int | None], device: "str | Mapping[str,
         device = "cuda" if torch.cuda.is_available() else "virtual"
     if device == "virtual":
         return {name: VirtualDevice(name, b) for name, b in budgets.items()}
+    if device in ("virtual-async", "cuda"):  # streamed: an upload worker per GPU (host_threads)
+        host_threads.size_uploads(len(budgets), host_compute=device == "virtual-async")
     if device == "virtual-async":
         return {name: VirtualAsyncDevice(name, b, seed=seed + i) for i, (name, b) in enumerate(budgets.items())}
     if not torch.cuda.is_available():

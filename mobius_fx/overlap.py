@@ -77,6 +77,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from . import host_threads
 from .errors import MobiusError
 from .books import nbytes
 from .host_counters import COUNTERS
@@ -254,9 +255,16 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self.owned = 0  # parameters this rank steps (shard=True; else all)
         self._pipeline = pipeline
         self._error: BaseException | None = None
-        # sync: a worker adds downloaded gradients into .grad, another steps the parameters.
-        self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mobius-grads")
-        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mobius-optimizer")
+        # Where the work runs: the host thread plan (host_threads.py). sync: gradients are added
+        # into .grad (the hand-over) and the parameters stepped on the optimizer's worker (the
+        # hand-over on a worker of its own when the plan has a core for it); with no spare core,
+        # both inline on the pipeline's thread, at the same point of the step.
+        self.threads = host_threads.plan_for(pipeline._rt.devices.values())
+        self._stepper: ThreadPoolExecutor | None = None
+        self._adder: ThreadPoolExecutor | None = None
+        if not self.threads.inline:
+            self._stepper = host_threads.worker("mobius-optimizer", self.threads.optimizer)
+            self._adder = host_threads.worker("mobius-grads", 1) if self.threads.grads else self._stepper
         self._adds: list[Future] = []
         self._steps: list[Future] = []
         self._stepped: set[int] = set()  # ids of parameters stepped during this round's backward
@@ -473,7 +481,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 self._step_fused(downloads, hp, homes)
                 self._refresh(params)
 
-            job = self._stepper.submit(self._guarded, fused)
+            job = self._submit(self._stepper, fused)
             self._adds.append(job)
             self._steps.append(job)
             return
@@ -481,7 +489,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         def add() -> None:
             self._hand([(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups], homes)
 
-        added = self._adder.submit(self._guarded, add)
+        added = self._submit(self._adder, add)
         self._adds.append(added)
 
         def step() -> None:
@@ -493,7 +501,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 return
             self._skip(params)
 
-        self._steps.append(self._stepper.submit(self._guarded, step))
+        self._steps.append(self._submit(self._stepper, step))
 
     def _hand(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], homes: Any) -> None:
         """The downloaded gradients into `.grad`: summed into the master's home (`GradHomes`)
@@ -646,6 +654,16 @@ class OverlapOptimizer(torch.optim.Optimizer):
                            f"next backward or opt.step() refuses until the state is reloaded")
 
     # ------------------------------------------------------------------ workers
+    def _submit(self, executor: ThreadPoolExecutor | None, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on `executor`'s worker, or now on this thread when the plan has none (an
+        error is kept for step() either way)."""
+        if executor is not None:
+            return executor.submit(self._guarded, fn)
+        done: Future = Future()
+        self._guarded(fn)
+        done.set_result(None)
+        return done
+
     def _guarded(self, fn: Callable[[], Any]) -> None:
         if self._error is not None:
             return
@@ -793,7 +811,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self._step_only(shadows, groups)
 
         self._flight_params = params
-        self._flight = self._stepper.submit(self._guarded, update)
+        self._flight = self._submit(self._stepper, update)
 
     def _finish_flight(self) -> None:
         """Wait for the async update in flight and make it the model's weights."""
@@ -826,8 +844,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         """Finish the work in flight, end the worker threads and remove every hook this overlap
         put on autograd's nodes, so nothing keeps it (or its optimizer's state) alive."""
         self.synchronize()
-        self._adder.shutdown()
-        self._stepper.shutdown()
+        for ex in {id(e): e for e in (self._adder, self._stepper) if e is not None}.values():
+            ex.shutdown()
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()

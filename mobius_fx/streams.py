@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from . import host_threads
 from .errors import MobiusError
 
 __all__ = ["tick", "HostWaits", "RaceError", "ThreadEvent", "ThreadStream", "Pending", "PENDING", "SlotPool",
@@ -155,9 +156,9 @@ class ThreadStream:
         self.waited: weakref.WeakSet = weakref.WeakSet()
         self._records = itertools.count(1)
         rng = random.Random(f"{seed}/{name}")
-        thread = threading.Thread(target=ThreadStream._loop, args=(self._q, rng, delay, chance, self.errors),
-                                  name=f"{WORKER_PREFIX}{name}", daemon=True)
-        thread.start()
+        # one intra-op thread: it plays a GPU's copy engine (host_threads.py)
+        host_threads.start_thread(ThreadStream._loop, (self._q, rng, delay, chance, self.errors),
+                                  f"{WORKER_PREFIX}{name}", threads=1)
         weakref.finalize(self, self._q.put, (_STOP, None))
 
     @staticmethod
