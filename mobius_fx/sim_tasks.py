@@ -66,9 +66,11 @@ HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e
 #   step (refresh_copies=True, its default), so nothing is staged: on the optimizer's resource;
 # - "handover": a downloaded gradient made the master's fp32 `.grad` (host_gradient), read s +
 #   write 4, none when gradients stream in fp32; on the main thread after backward ("none",
-#   "async"), per stage on the overlap's own worker ("sync");
-# - "finite_check": "sync" reads each stage's fp32 gradients for a non-finite value before
-#   stepping it (4 B), on the optimizer's resource;
+#   "async"); in "sync" span by span inside the stage's step, on the optimizer's resource
+#   (overlap._step_fused: each span is converted right before the optimizer steps it);
+# - "finite_check": "sync" with fp32 downloads reads each stage's gradients for a non-finite
+#   value before stepping it (4 B), on the optimizer's resource (with half-precision downloads
+#   the GPUs sum them before the download: no host pass);
 # - "shadow": "async" copies w(t) into the shadow it steps (read 4, write 4), before the step.
 # RUNTIME_HOST_COPIES are the kinds today's runtime makes; a kind left out (or `simulate(...,
 # host_copies={"handover": 0})`) costs nothing -- when the runtime fuses a pass into the
@@ -455,9 +457,10 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
     - "none": the gradient hand-over on the main thread ("host/handover") once every task so far
       has ended, then the step;
     - "sync": per stage of `per_stage` (stage -> its master bytes), as soon as its gradient
-      downloads (every GPU that holds a copy) have landed, the hand-over on the overlap's own
-      worker ("host/handover"), then on the optimizer's worker the finite check, the step and
-      the refresh of the stage's streamed copy, while the GPUs go on with earlier stages
+      downloads (every GPU that holds a copy) have landed, on the optimizer's worker the
+      hand-over fused into the step (half-precision downloads) or the finite check (fp32 ones),
+      the step and the refresh of the stage's streamed copy, while the GPUs go on with earlier
+      stages
       (without `per_stage`, as "none");
     - "async": the steady state of a staleness-1 update (step t's update runs while step t+1
       computes): the hand-over after the pipeline as in "none", and from the start the shadow
@@ -494,8 +497,14 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
         grads = _gradient_tasks(ctx)
         for k, nbytes in sorted(per_stage.items(), reverse=True):  # the last stage's gradients land first
             landed = [reduced[k]] if k in reduced else grads.get(k) or everything
-            handed = copy("handover", f"hand-over s{k}", nbytes, "host/handover", landed, (-k,), stage=k)
-            checked = copy("finite_check", f"finite check s{k}", nbytes, "host/optimizer", handed, (-k, 0), stage=k)
+            if ctx.scale < 1:
+                # half-precision gradients: the runtime converts them span by span inside the
+                # stage's step (overlap._step_fused), on the optimizer's worker, and reads their
+                # finiteness on the GPUs (no host pass)
+                checked = copy("handover", f"hand-over s{k}", nbytes, "host/optimizer", landed, (-k, 0), stage=k)
+            else:  # fp32 downloads are the gradients; the host reads them for a non-finite value
+                checked = copy("finite_check", f"finite check s{k}", nbytes, "host/optimizer", landed, (-k, 0),
+                               stage=k)
             stepped = step(f"optimizer step s{k}", nbytes, checked, (-k, 1), stage=k)
             copy("refresh", f"refresh s{k}", nbytes, "host/optimizer", stepped, (-k, 2), stage=k)
         return

@@ -444,15 +444,19 @@ def test_the_host_copies_are_where_the_runtime_makes_them(testbed_plan):
     assert r.host_copy_time == pytest.approx(sum(e.end - e.start for e in r.events if e.kind == "host-copy"))
     bare = simulate(testbed_plan, host_copies={"staging": 0})
     assert not copies(bare, "staging") and bare.pipeline_time < r.pipeline_time
-    # "sync": the step refreshes the copies (nothing staged), after the hand-over and the finite check
+    # "sync" with half-precision gradients: the step refreshes the copies (nothing staged), the
+    # hand-over runs on the optimizer's worker right before the step (fused into it, span by
+    # span), and no host finite check (the GPUs read finiteness before the download)
+    assert s < 4
     sync = simulate(testbed_plan, optimizer_overlap="sync")
-    assert not copies(sync, "staging")
+    assert not copies(sync, "staging") and not copies(sync, "finite check")
     for k in (k for k in master if master[k] > 0):
-        (h,), (c,), (o,), (f,) = ([e for e in x if e.stage == k] for x in (
-            copies(sync, "hand-over"), copies(sync, "finite check"), events(sync, "optimizer"), copies(sync, "refresh")))
-        assert h.end <= c.start + 1e-12 and c.end <= o.start + 1e-12 and o.end <= f.start + 1e-12
-        assert f.end - f.start == pytest.approx(secs("refresh", k)) and c.end - c.start == pytest.approx(
-            secs("finite_check", k))
+        (h,), (o,), (f,) = ([e for e in x if e.stage == k] for x in (
+            copies(sync, "hand-over"), events(sync, "optimizer"), copies(sync, "refresh")))
+        assert h.stream == o.stream == f.stream == "host/optimizer"
+        assert h.end <= o.start + 1e-12 and o.end <= f.start + 1e-12
+        assert f.end - f.start == pytest.approx(secs("refresh", k)) and h.end - h.start == pytest.approx(
+            secs("handover", k))
     # "async": the shadow copy of w(t) from the start, then the update
     r = simulate(testbed_plan, optimizer_overlap="async")
     (shadow,), (opt,) = copies(r, "shadow"), events(r, "optimizer")
@@ -541,7 +545,14 @@ def test_a_synchronous_overlap_steps_each_stage_once_its_gradients_have_landed(t
     bare = {"staging": 0}
     assert simulate(testbed_plan, schedule=schedule, optimizer_overlap="sync", host_copies=bare).pipeline_time == \
         pytest.approx(simulate(testbed_plan, schedule=schedule, host_copies=bare).pipeline_time, rel=1e-12)
-    assert sync.pipeline_time <= sync.step_time < serial.step_time
+    # without host copies the per-stage steps end sooner than one step after the pipeline; with
+    # them (the measured default) sync's worker also converts each stage's gradients and writes
+    # its streamed copy, serially, where serial mode stages the copies on the upload workers
+    # during the next pipeline: not always faster (README, "The paper's comparison")
+    none = {k: 0 for k in HOST_COPY_KINDS}
+    assert sync.pipeline_time <= sync.step_time
+    assert simulate(testbed_plan, schedule=schedule, optimizer_overlap="sync", host_copies=none).step_time < \
+        simulate(testbed_plan, schedule=schedule, host_copies=none).step_time
 
 
 def test_an_asynchronous_optimizer_takes_the_longer_of_the_pipeline_and_the_update(testbed_plan):
