@@ -6,7 +6,10 @@ layers (2^7 = 128) is planned with `cuts=` (the same passes as `mobius_fx.plan(.
 given cuts, cross mapping, re-timed on the mapped order) and simulated with `mobius_fx.simulate`.
 The normal planner (the MIP) plans the same case. Times are the pipeline's forward + backward +
 gradient download (`SimResult.pipeline_time`, what the planner predicts; the CPU optimizer step
-after it is the same for every partition). Columns:
+after it is the same for every partition), simulated as the runtime runs under
+`pipe.overlap(opt, mode="sync")`, the examples' default: the optimizer writes the streamed copies
+as it steps, so no host staging precedes the uploads (the planner models none; `--overlap none`
+simulates the staging a serial optimizer leaves before each stage's first upload). Columns:
 
 - partitions: how many fit the GPUs (of all contiguous ones);
 - MIP pick: its cuts and simulated time; best: the partition the simulator times fastest;
@@ -16,7 +19,7 @@ after it is the same for every partition). Columns:
 
 Every figure is computed in this run, with a fresh plan cache. Always exits 0.
 
-    python benchmarks/plan_quality.py [--time-limit 10]
+    python benchmarks/plan_quality.py [--time-limit 10] [--overlap sync|none]
 """
 
 from __future__ import annotations
@@ -102,13 +105,13 @@ def _cuts(plan) -> tuple[int, ...]:
     return tuple(itertools.accumulate(sizes[:-1]))
 
 
-def run_case(case: Case, cache: str, time_limit: float) -> dict:
+def run_case(case: Case, cache: str, time_limit: float, overlap: str = "sync") -> dict:
     topo = server(case)
     t0 = time.perf_counter()
     mip_ctx = _context(case, topo, cache, time_limit=time_limit)
     default_pipeline().until("plan").run(mip_ctx)  # trace, annotate and the MIP, as mobius_fx.plan runs them
     mip = mip_ctx.plan
-    mip_sim = mobius_fx.simulate(mip).pipeline_time
+    mip_sim = mobius_fx.simulate(mip, optimizer_overlap=overlap).pipeline_time
     # Every contiguous partition through the plan's own passes with cuts= given (no re-trace).
     tail = default_pipeline()
     tail = PassPipeline([p for p in tail.passes if p.name in ("partition", "cross_map", "plan")],
@@ -126,7 +129,8 @@ def run_case(case: Case, cache: str, time_limit: float) -> dict:
             except PlanError:
                 continue  # does not fit the GPUs
             fits += 1
-            results.append((mobius_fx.simulate(ctx.plan).pipeline_time, cuts, ctx.plan.step_time))
+            results.append((mobius_fx.simulate(ctx.plan, optimizer_overlap=overlap).pipeline_time, cuts,
+                            ctx.plan.step_time))
     best_sim, best_cuts, _ = min(results)
     return {"case": case.name, "what": case.what, "layers": L, "gpus": len(topo.gpus),
             "microbatches": mip.microbatches, "partitions": f"{fits} / {2 ** (L - 1)}",
@@ -147,13 +151,15 @@ def _ms(seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--time-limit", type=float, default=10.0, help="the MIP's budget per case, seconds")
+    ap.add_argument("--overlap", choices=("sync", "none"), default="sync",
+                    help="the optimizer placement simulated: sync (no staging before uploads) or none")
     args = ap.parse_args(argv)
     rows, out = [], []
     with tempfile.TemporaryDirectory() as cache:  # fresh: every MIP really solved
         os.environ["MOBIUS_FX_CACHE"] = cache
         for case in CASES:
             try:
-                r = run_case(case, cache, args.time_limit)
+                r = run_case(case, cache, args.time_limit, args.overlap)
             except PlanError as e:  # reported, not fatal: the table shows the other cases
                 print(f"{case.name}: the planner failed: {e}", flush=True)
                 continue
@@ -163,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{list(r['mip_cuts'])} {_ms(r['mip_sim'])}", f"{list(r['best_cuts'])} {_ms(r['best_sim'])}",
                          f"{r['pick_best']:.3f}", f"{r['pred_sim']:.3f}", "yes" if r["above_lb"] else "NO"])
     print()
-    print("MIP pick vs every contiguous partition, simulated (fwd+bwd+gradient download per step; fp16 on RTX 3090s):")
+    print(f"MIP pick vs every contiguous partition, simulated (fwd+bwd+gradient download per step; fp16 on RTX "
+          f"3090s; optimizer placement {args.overlap!r}):")
     print(tabulate(rows, headers=["case", "server and batch", "GPUs", "micro-batches", "partitions fitting",
                                   "MIP pick (cuts, sim.)", "best (cuts, sim.)", "pick/best", "pred/sim", ">= LB"]))
     if out:

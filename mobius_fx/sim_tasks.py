@@ -66,8 +66,9 @@ HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e
 #   step (refresh_copies=True, its default), so nothing is staged: on the optimizer's resource;
 # - "handover": a downloaded gradient made the master's fp32 `.grad` (host_gradient), read s +
 #   write 4, none when gradients stream in fp32; on the main thread after backward ("none",
-#   "async"); in "sync" span by span inside the stage's step, on the optimizer's resource
-#   (overlap._step_fused: each span is converted right before the optimizer steps it);
+#   "async"); in "sync" span by span inside the stage's step (overlap._step_fused: each span is
+#   converted right before the optimizer steps it), charged as the step's extra DRAM traffic
+#   (the streamed bytes: the fp32 span is read back from cache) at the optimizer's speed;
 # - "finite_check": "sync" with fp32 downloads reads each stage's gradients for a non-finite
 #   value before stepping it (4 B), on the optimizer's resource (with half-precision downloads
 #   the GPUs sum them before the download: no host pass);
@@ -457,10 +458,10 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
     - "none": the gradient hand-over on the main thread ("host/handover") once every task so far
       has ended, then the step;
     - "sync": per stage of `per_stage` (stage -> its master bytes), as soon as its gradient
-      downloads (every GPU that holds a copy) have landed, on the optimizer's worker the
-      hand-over fused into the step (half-precision downloads) or the finite check (fp32 ones),
-      the step and the refresh of the stage's streamed copy, while the GPUs go on with earlier
-      stages
+      downloads (every GPU that holds a copy) have landed, on the optimizer's worker the step
+      with the hand-over fused into it (half-precision downloads: the streamed bytes more per
+      parameter) or after the finite check (fp32 ones), then the refresh of the stage's
+      streamed copy, while the GPUs go on with earlier stages
       (without `per_stage`, as "none");
     - "async": the steady state of a staleness-1 update (step t's update runs while step t+1
       computes): the hand-over after the pipeline as in "none", and from the start the shadow
@@ -489,23 +490,26 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
         return [ctx.add(Task(name, stream, priority, seconds, after=after,
                              meta={"kind": "host-copy", "copy": kind, "phase": "step", **meta}))]
 
-    def step(name: str, nbytes: float, after: list, priority: tuple, **meta) -> list:
-        return [ctx.add(Task(name, "host/optimizer", priority, nbytes / 4.0 * touched / bw, after=after,
+    def step(name: str, nbytes: float, after: list, priority: tuple, extra: float = 0.0, **meta) -> list:
+        """The optimizer's pass over `nbytes` of masters, touching `extra` more bytes per one."""
+        return [ctx.add(Task(name, "host/optimizer", priority, nbytes / 4.0 * (touched + extra) / bw, after=after,
                              meta={"kind": "optimizer", "phase": "step", **meta}))]
 
     if mode == "sync" and per_stage:
         grads = _gradient_tasks(ctx)
         for k, nbytes in sorted(per_stage.items(), reverse=True):  # the last stage's gradients land first
             landed = [reduced[k]] if k in reduced else grads.get(k) or everything
-            if ctx.scale < 1:
+            if ctx.scale < 1 and ctx.copies["handover"] > 0:
                 # half-precision gradients: the runtime converts them span by span inside the
-                # stage's step (overlap._step_fused), on the optimizer's worker, and reads their
-                # finiteness on the GPUs (no host pass)
-                checked = copy("handover", f"hand-over s{k}", nbytes, "host/optimizer", landed, (-k, 0), stage=k)
+                # stage's step (overlap._step_fused), reading their finiteness on the GPUs (no host
+                # pass). DRAM traffic: the streamed gradient read and the fp32 `.grad` written,
+                # which the step then reads from cache instead of from memory: `streamed` bytes per
+                # parameter more than the step's own, at the optimizer's speed
+                checked, extra = landed, 4.0 * ctx.scale
             else:  # fp32 downloads are the gradients; the host reads them for a non-finite value
-                checked = copy("finite_check", f"finite check s{k}", nbytes, "host/optimizer", landed, (-k, 0),
-                               stage=k)
-            stepped = step(f"optimizer step s{k}", nbytes, checked, (-k, 1), stage=k)
+                checked, extra = copy("finite_check", f"finite check s{k}", nbytes, "host/optimizer", landed,
+                                      (-k, 0), stage=k), 0.0
+            stepped = step(f"optimizer step s{k}", nbytes, checked, (-k, 1), extra, stage=k)
             copy("refresh", f"refresh s{k}", nbytes, "host/optimizer", stepped, (-k, 2), stage=k)
         return
     handed = copy("handover", "hand-over", master_bytes, "host/handover", everything, ())
