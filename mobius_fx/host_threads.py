@@ -14,8 +14,10 @@ A training step of a Pipeline keeps several host threads busy at once:
   step runs inline on the pipeline's thread, at the same point of the step ("sync": right after
   the stage's last backward; "async": in `opt.step()`), with the same result.
 - `grads`: 1 when the gradient hand-over of "sync" (adding each stage's downloaded gradients into
-  `.grad`) has a worker of its own; 0: it runs just before the stage's step, on the optimizer's
-  worker (or inline).
+  `.grad`) has a worker of its own; 0 (the default): it runs on the optimizer's worker (or
+  inline) -- by default inside the stage's step, span by span (`OverlapOptimizer._step_fused`), so
+  a worker of its own would idle; `configure(grads=1)` gives one to the unfused hand-over
+  (`opt.fuse = False`).
 
 Every thread torch creates in a worker is an OpenMP team of its own: a worker left at torch's
 default (every core) beside the pipeline's thread runs teams of `cores` threads each, and on a
@@ -26,12 +28,12 @@ the critical path. The plan therefore gives out cores, never more busy threads t
     main        = min(torch.get_num_threads(), cores) when the stages compute on the host, else 1
     upload_busy = min(GPUs streamed, max(1, (cores - main) // 2))   (0 without streamed GPUs)
     spare       = cores - main - upload_busy
-    grads       = 1 if spare >= 4 else 0
+    grads       = 0                                                 (configure(grads=1): 1)
     optimizer   = spare - grads                                     (0: inline)
 
 so on a 2-core machine running virtual GPUs (their compute is the same cores) the optimizer
 steps inline and an overlap costs nothing over stepping after backward; on the 16-core H200 host
-with one GPU: main 1, upload 1, grads 1, optimizer 13. The one exception to `busy <= cores` is a
+with one GPU: main 1, upload 1, grads 0, optimizer 14. The one exception to `busy <= cores` is a
 streamed GPU with no core beside `main` (one core; or the CUDA stand-in with torch's threads on
 every core): one upload worker must still copy, and shares a core with `main` (busy = cores + 1).
 
@@ -147,7 +149,7 @@ def plan(gpus: int = 0, host_compute: bool = True, *, main: int | None = None, n
     m = given.get("main", min(main if main is not None else torch.get_num_threads(), c) if host_compute else 1)
     up = given.get("upload_busy", min(gpus, max(1, (c - m) // 2)) if gpus else 0)
     spare = c - m - up
-    g = given.get("grads", 1 if spare >= 4 else 0)
+    g = given.get("grads", 0)  # the default hand-over runs inside the step (see the module docstring)
     opt = given.get("optimizer", max(0, spare - g))
     return HostThreadPlan(cores=c, main=m, uploads=gpus, upload_busy=up, grads=g, optimizer=opt)
 

@@ -325,8 +325,9 @@ def _explain_infeasible(problem: PartitionProblem, cands: Sequence[int], unknown
     L, n, frac = len(ls), len(problem.gpus), problem.memory_fraction
     big = max(range(n), key=lambda i: problem.capacity[i])
     cap, gname = problem.capacity[big], problem.gpus[big]
-    remedy = ("stream weights in half precision (dtype=torch.float16), use more micro-batches (less working "
-              "memory each), raise memory_fraction, or use GPUs with more memory")
+    half = problem.memory.weight_scale < 1  # already streamed in half precision
+    remedy = ("" if half else "stream weights in half precision (dtype=torch.float16), ") + \
+        "use more micro-batches (less working memory each), raise memory_fraction, or use GPUs with more memory"
     # The smallest stage holding each layer (backward needs at least as much as forward).
     need, arg = [math.inf] * L, [(0, 0)] * L
     for a in range(L):
@@ -342,7 +343,7 @@ def _explain_infeasible(problem: PartitionProblem, cands: Sequence[int], unknown
         copies = f"{mm.grad_copies}x" if mm.grad_copies != 1 else ""
         acts = problem.microbatches * ((fast.out[a - 1] if a else 0.0) + fast.out[z - 1])
         return (f"layer {ls[worst].name} needs {fmt_bytes(need[worst])} in backward (weights {fmt_bytes(st.w[0])} "
-                f"+ gradients {copies}{fmt_bytes(st.g[0])} + recompute {fmt_bytes(fast.r[z] - fast.r[a])} + 2x working "
+                f"+ gradients {copies}{fmt_bytes(st.g[0])} + recompute {fmt_bytes(fast.r[z] - fast.r[a])} + working "
                 f"{fmt_bytes(fast.work(a, z))} + boundary activations {fmt_bytes(acts)}) but the largest GPU, "
                 f"{gname}, has {fmt_bytes(cap)} usable (memory_fraction {frac:g} of {fmt_bytes(cap / frac)}); {remedy}")
     # Otherwise: the closest cut set we can find, and the rule it still breaks.

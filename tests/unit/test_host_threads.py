@@ -44,7 +44,9 @@ def test_the_plan_never_runs_more_busy_threads_than_cores(host_compute):
     # the hosts this project measures on
     assert host_threads.plan(0, True, main=2, n_cores=2).inline  # 2 cores, virtual GPUs: no spare core
     h200 = host_threads.plan(1, False, n_cores=16)
-    assert (h200.main, h200.upload_busy, h200.grads, h200.optimizer) == (1, 1, 1, 13)
+    assert (h200.main, h200.upload_busy, h200.grads, h200.optimizer) == (1, 1, 0, 14)
+    with_grads = host_threads.plan(1, False, n_cores=16, grads=1)
+    assert (with_grads.grads, with_grads.optimizer) == (1, 13)
 
 
 def test_overrides_from_configure_and_the_environment(monkeypatch):

@@ -10,7 +10,9 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
+import mobius_fx
 from mobius_fx import PlanError
 from mobius_fx.costs import LayerCost
 from mobius_fx.passes import _partition_mip as M
@@ -622,3 +624,15 @@ def test_gpt_8b_on_the_testbed_uses_more_stages_than_gpus_within_budget(tmp_path
     assert r.makespan <= heuristic(p, time_limit=0.0).makespan * (1 + 1e-9)
     assert 0.0 <= r.solver.gap < 1.0  # ~2% on an idle machine; honest (larger) when time runs short
     assert evaluate(p, r.boundaries).makespan == pytest.approx(r.makespan)
+
+
+@pytest.mark.parametrize("dtype, suggests_half", [(None, True), (torch.bfloat16, False)])
+def test_a_model_that_fits_nowhere_is_told_remedies_it_has_not_taken(dtype, suggests_half):
+    # the remedy names half precision only to a model not already streamed in it
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+    with pytest.raises(PlanError, match="needs .* in backward") as e:
+        mobius_fx.plan(model, mobius_fx.Topology.virtual(gpus=2, memory="4KiB"), example_inputs=(torch.randn(8, 64),),
+                       dtype=dtype, microbatches=2)
+    assert ("stream weights in half precision" in str(e.value)) == suggests_half
+    assert "use more micro-batches" in str(e.value)
