@@ -26,6 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
+from mobius_fx.kinds import DEVICES  # noqa: E402
 from mobius_fx.zoo import GPT, GPTConfig  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=10e6, help="about how many parameters (default 1e7)")
     ap.add_argument("--steps", type=int, default=5, help="measured steps per variant, after one warm-up step")
-    ap.add_argument("--device", choices=("virtual", "virtual-async", "cuda"), default="virtual-async")
+    ap.add_argument("--device", choices=[d for d in DEVICES if d != "auto"], default="virtual-async")
     args = ap.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     pipes = {}

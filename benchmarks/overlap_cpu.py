@@ -20,7 +20,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ("none", "sync", "async")
+sys.path.insert(0, ROOT)  # runs from a checkout, uninstalled
+
+from mobius_fx.kinds import OVERLAP_MODES as MODES  # noqa: E402
 
 
 def run(mode: str, steps: int, extra: list[str]) -> float:

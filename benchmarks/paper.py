@@ -44,11 +44,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import mobius_fx
 from mobius_fx import Topology, zoo
+from mobius_fx.kinds import OVERLAP_MODES, SCHEDULES as ALL_SCHEDULES
 from mobius_fx.report import compare
 from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH
 from mobius_fx.units import fmt_bytes
 
-SCHEDULES = ("mobius", "mobius-noprefetch", "mobius-identity-map", "roundpipe", "gpipe", "zero3-offload")
+# The table's rows: the Mobius variants, then RoundPipe (the other streamed pipeline), then GPipe and ZeRO-3
+# offload, each kept in mobius_fx.kinds.SCHEDULES's order.
+SCHEDULES = tuple(sorted(ALL_SCHEDULES, key=lambda s: (not s.startswith("mobius"), s != "roundpipe")))
 
 
 def gbps(x: float | None) -> float | None:
@@ -133,7 +136,7 @@ def overlaps(name: str, plan, res: dict, args) -> list:
     serial = res["mobius"]
     row = [name, f"{serial.pipeline_time:.2f}"]
     for schedule in ("mobius", "roundpipe"):
-        for mode in ("none", "sync", "async"):
+        for mode in OVERLAP_MODES:
             r = serial if (schedule, mode) == ("mobius", "none") else step(schedule, mode)
             row.append(f"{r.step_time:.2f} ({r.step_time / serial.step_time:.2f})")
     row.append(f"{res['zero3-offload'].step_time:.2f}")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import MobiusError
+from .kinds import OVERLAP_MODES
 
 __all__ = ["main"]
 
@@ -137,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
                     default=None,
                     help="sustained bandwidth of the CPU optimizer in GB/s (default: the topology's measured host section, "
                          "else a fused AdamW measured on a 16-core H200 host, 111)")
-    pl.add_argument("--optimizer-overlap", choices=("none", "sync", "async"), default="none",
+    pl.add_argument("--optimizer-overlap", choices=OVERLAP_MODES, default="none",
                     help="when the CPU optimizer steps in the simulated comparison: after the step (none, default), "
                          "per stage as its gradients land (sync) or a step late (async); Mobius and RoundPipe")
     pl.add_argument("--servers", type=_checked(int, lambda v: v > 0, "a positive integer (servers, 1 or more)"),
@@ -179,18 +180,18 @@ def _cmd_plan(args) -> int:
     from . import api, zoo
     from .report import compare
 
-    from .options import divisors_near
+    from .microbatch import check_divides, divisors_near
 
     if (args.servers is None) != (args.network is None):
         raise MobiusError("--servers R and --network go together: the cluster table needs how many servers and how "
                           "fast each one's NIC is; give both, e.g. --servers 4 --network 100Gbps, or neither")
     topo = _load_topology(args.topology)
     micro = args.microbatches
-    if micro is not None and args.batch % micro:
-        near = " or ".join(f"--microbatches {d}" for d in divisors_near(args.batch, micro))
-        raise MobiusError(f"--batch {args.batch} does not split into {micro} equal micro-batches (micro-batches must "
-                          f"divide the batch); give {near}, a --batch that is a multiple of {micro}, or omit "
-                          f"--microbatches (one per GPU, or the largest divisor of the batch below the GPU count)")
+    if micro is not None:
+        check_divides(args.batch, micro, batch=f"--batch {args.batch}",
+                      remedy=lambda: (f"give {' or '.join(f'--microbatches {d}' for d in divisors_near(args.batch, micro))}, "
+                                      f"a --batch that is a multiple of {micro}, or omit --microbatches (one per GPU, or "
+                                      f"the largest divisor of the batch below the GPU count)"))
     t0 = time.perf_counter()
     model, inputs = zoo.build(args.model, batch=args.batch, seq=args.seq, device="meta")
     dtype = _DTYPES[args.dtype]

@@ -149,8 +149,7 @@ def _check_batch(ctx: CompileContext) -> None:
     for `plan` and `compile` alike, meta tensors or real ones."""
     from torch.utils._pytree import tree_leaves
 
-    from .microbatch import batch_rows, declared
-    from .options import divisors_near
+    from .microbatch import batch_rows, check_divides, declared, divisors_near
 
     inputs = (ctx.example_inputs, ctx.example_kwargs)
     marks = declared(ctx.model, ctx.example_inputs, ctx.example_kwargs, ctx.settings.batch_dims)
@@ -162,12 +161,10 @@ def _check_batch(ctx: CompileContext) -> None:
                                              len(ctx.topology.gpus))
     m = ctx.settings.microbatches
     rows = batch_rows(inputs, m, marks)
-    if rows is not None and rows % m:
-        near = " or ".join(f"microbatches={d}" for d in divisors_near(rows, m))
-        raise PlanError(f"the example batch has {rows} rows (dim 0 of the first batched input) and does not split "
-                        f"into microbatches={m} equal micro-batches (each micro-batch takes batch/microbatches rows, "
-                        f"so microbatches must divide the batch); use {near} (the divisors of {rows} nearest {m}), "
-                        f"or a batch size that is a multiple of {m}")
+    check_divides(rows, m, batch=f"the example batch has {rows} rows (dim 0 of the first batched input) and",
+                  count=f"microbatches={m}", error=PlanError,
+                  remedy=lambda: (f"use {' or '.join(f'microbatches={d}' for d in divisors_near(rows, m))} (the "
+                                  f"divisors of {rows} nearest {m}), or a batch size that is a multiple of {m}"))
 
 
 def _on_meta(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict) -> str | None:

@@ -53,12 +53,11 @@ from . import host_threads
 from .books import HOST, CudaAllocator, Device, SavedInput, TransferLog, check_memory_books, empty_slot, nbytes
 from .errors import MobiusError
 from .host_counters import COUNTERS, watch_optimizer_steps
+from .kinds import DEVICES
 from .streams import PENDING, HostWaits, RaceError, SlotPool, ThreadEvent, ThreadStream, layout, views
 
 __all__ = ["HOST", "Device", "VirtualDevice", "StreamDevice", "CudaDevice", "VirtualAsyncDevice", "TransferLog",
-           "make_devices", "nbytes", "DEVICES"]
-
-DEVICES = ("auto", "virtual", "virtual-async", "cuda")
+           "make_devices", "nbytes"]
 
 
 def _unchanged(gpu: str, ref: "weakref.ref[torch.Tensor]", version: int) -> None:
@@ -826,8 +825,8 @@ def _make_devices(budgets: Mapping[str, int | None], device: "str | Mapping[str,
         device = "cuda" if torch.cuda.is_available() else "virtual"
     if device == "virtual":
         return {name: VirtualDevice(name, b) for name, b in budgets.items()}
-    if device in ("virtual-async", "cuda"):  # streamed: an upload worker per GPU (host_threads)
-        host_threads.size_uploads(len(budgets), host_compute=device == "virtual-async")
+    # the others ("virtual-async", "cuda") stream: an upload worker per GPU (host_threads)
+    host_threads.size_uploads(len(budgets), host_compute=device == "virtual-async")
     if device == "virtual-async":
         return {name: VirtualAsyncDevice(name, b, seed=seed + i) for i, (name, b) in enumerate(budgets.items())}
     if not torch.cuda.is_available():

@@ -1,4 +1,10 @@
-"""Micro-batch semantics: what a pipeline splits, and how it combines the micro-batches' outputs.
+"""Micro-batches: the count's rules, what a pipeline splits, and how it combines the outputs.
+
+The one home of the micro-batch rules: the count is a positive int (`check_count`), it divides
+the batch (`divides`, `check_divides`: the one message, however the caller spells the count),
+the default when none is given (`default_microbatches`), the rows of the batch (`batch_rows`)
+and the split (`split`). `CompileOptions`, `plan`/`compile`, the command line, the schedule IR,
+the planning problem, the transfer pass and the runtime call these; none repeats them.
 
 The single rule behind README "Micro-batch semantics"; the runtime's `split`/`merge` and
 `compile` read it from here. With `microbatches=m > 1`, a call runs the model m times on equal
@@ -32,7 +38,7 @@ import logging
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -40,7 +46,8 @@ import torch.utils._pytree as pytree
 
 from .errors import MobiusError
 
-__all__ = ["Semantics", "analyse", "batch_rows", "check_batch_dims", "combine", "declared", "prepare", "split"]
+__all__ = ["Semantics", "analyse", "batch_rows", "check_batch_dims", "check_count", "check_divides", "combine",
+           "declared", "default_microbatches", "divides", "divisors_near", "prepare", "split"]
 
 log = logging.getLogger("mobius_fx")
 
@@ -63,6 +70,82 @@ _META_ONLY = {"new_ones", "new_zeros", "new_full", "new_empty", "new_tensor", "z
               "full_like", "size", "dim", "numel"}  # read a tensor's shape, dtype or device, not its values
 _ALONG = {"softmax", "log_softmax", "_softmax", "_log_softmax", "cumsum", "cumprod", "cummax", "cummin",
           "logcumsumexp", "sort", "argsort", "topk", "normalize", "flip", "roll", "Softmax", "LogSoftmax"}
+
+
+COUNT_RULE = "it must be a positive int (micro-batches per step; Mobius uses one per GPU)"
+DIVIDES_RULE = "micro-batches must divide the batch"
+
+
+def check_count(microbatches: Any, *, error: type[MobiusError] = MobiusError) -> int:
+    """`microbatches` when it is a positive int (micro-batches per step), else `error` naming the
+    value and the rule:
+
+    >>> check_count(0)
+    Traceback (most recent call last):
+    ...
+    mobius_fx.errors.MobiusError: microbatches=0; it must be a positive int (micro-batches per step; Mobius uses one per GPU)
+    """
+    m = microbatches
+    if isinstance(m, bool) or not isinstance(m, int):
+        kind = "a bool" if isinstance(m, bool) else f"a {type(m).__name__}"
+        raise error(f"microbatches={m!r} is {kind}; {COUNT_RULE}")
+    if m < 1:
+        raise error(f"microbatches={m!r}; {COUNT_RULE}")
+    return m
+
+
+def divides(rows: int | None, microbatches: int) -> bool:
+    """Whether `microbatches` equal micro-batches split a batch of `rows` rows (True when there
+    is no batch dimension, `rows` None: nothing is split)."""
+    return rows is None or rows % microbatches == 0
+
+
+def check_divides(rows: int | None, microbatches: int, *, batch: str | None = None, count: str | None = None,
+                  remedy: str | Callable[[], str] | None = None, error: type[MobiusError] = MobiusError) -> None:
+    """Refuse a batch of `rows` rows that `microbatches` do not split into equal parts, with the
+    one message: `batch` (the value: by default "the batch has R rows (dim 0 of the first batched
+    input) and"), `count` (how the caller spells the count: "4", "microbatches=4"), the rule, and
+    `remedy` (a str, or a function of nothing called only when the batch does not split).
+
+    >>> check_divides(6, 4)
+    Traceback (most recent call last):
+    ...
+    mobius_fx.errors.MobiusError: the batch has 6 rows (dim 0 of the first batched input) and does not split into 4 equal micro-batches; micro-batches must divide the batch: use a batch size that is a multiple of 4, or microbatches that divide 6
+    """
+    m = microbatches
+    if divides(rows, m):
+        return
+    if batch is None:
+        batch = f"the batch has {rows} rows (dim 0 of the first batched input) and"
+    if remedy is None:
+        remedy = f"use a batch size that is a multiple of {m}, or microbatches that divide {rows}"
+    elif callable(remedy):
+        remedy = remedy()
+    raise error(f"{batch} does not split into {count or m} equal micro-batches; {DIVIDES_RULE}: {remedy}")
+
+
+def divisors_near(rows: int, m: int) -> tuple[int, ...]:
+    """The divisors of `rows` nearest to `m`: the largest below it and the smallest above it."""
+    divs = [d for d in range(1, rows + 1) if divides(rows, d)]
+    below = [d for d in divs if d < m]
+    above = [d for d in divs if d > m]
+    return tuple(x for x in (below[-1] if below else None, above[0] if above else None) if x is not None)
+
+
+def default_microbatches(rows: int | None, gpus: int) -> tuple[int, str]:
+    """The micro-batch count when none is given, and why: one per GPU (as the paper runs) when
+    the batch of `rows` divides into that many, else the largest divisor of the batch <= the
+    GPU count; 1 when the inputs have no batch dimension (`rows` None).
+
+    >>> default_microbatches(rows=6, gpus=4)
+    (3, 'default: the largest divisor of batch 6 <= 4 GPUs')
+    """
+    if rows is None:
+        return 1, "default: 1, the inputs have no batch dimension to split"
+    if divides(rows, gpus):
+        return gpus, "default: one per GPU"
+    best = max(d for d in range(1, min(rows, gpus) + 1) if divides(rows, d))
+    return best, f"default: the largest divisor of batch {rows} <= {gpus} GPUs"
 
 
 def check_batch_dims(value: Any) -> dict[str, int | None] | None:
@@ -163,10 +246,7 @@ def split(inputs: tuple, m: int, marks: Mapping[int, bool] | None = None) -> tup
     if rows is None:
         raise MobiusError(f"microbatches={m} but no input is a tensor with a batch dimension to split; pass "
                           f"batched tensors or use microbatches=1")
-    if rows % m:
-        raise MobiusError(f"the batch has {rows} rows (dim 0 of the first batched input) and does not split into "
-                          f"{m} equal micro-batches; micro-batches must divide the batch: use a batch size that "
-                          f"is a multiple of {m}, or microbatches that divide {rows}")
+    check_divides(rows, m)
     mb = rows // m
     for x in pytree.tree_leaves(inputs):
         if _is_split(x, rows, marks) and (x.dim() == 0 or x.size(0) != rows):

@@ -10,8 +10,6 @@ with the value, the rule and the remedy:
     Traceback (most recent call last):
     ...
     mobius_fx.errors.MobiusError: microbatches=True is a bool; it must be a positive int (micro-batches per step; Mobius uses one per GPU)
-    >>> default_microbatches(rows=6, gpus=4)
-    (3, 'default: the largest divisor of batch 6 <= 4 GPUs')
 """
 
 from __future__ import annotations
@@ -25,13 +23,13 @@ from typing import Any
 import torch
 
 from .errors import MobiusError, PlanError
+from .kinds import DEVICES, SOLVERS
+from .microbatch import check_batch_dims, check_count, default_microbatches
 
-__all__ = ["CompileOptions", "CompileContext", "default_microbatches", "divisors_near"]
+__all__ = ["CompileOptions", "CompileContext"]
 
 _COSTS = ("auto", "model", "measure")
-_SOLVERS = ("auto", "highs", "cbc")
 _CROSS_MAPS = ("contention", "paper", "identity")
-_DEVICES = ("auto", "virtual", "virtual-async", "cuda")
 
 
 def _positive_int(name: str, value: Any, what: str) -> int:
@@ -81,26 +79,6 @@ def _cuts(value: Any) -> tuple[int, ...] | None:
         raise PlanError(f"cuts={list(cuts)} is not strictly increasing ({cuts[wrong - 1]} then {cuts[wrong]}); "
                           f"{rule}; sort them and drop repeats")
     return cuts
-
-
-def divisors_near(rows: int, m: int) -> tuple[int, ...]:
-    """The divisors of `rows` nearest to `m`: the largest below it and the smallest above it."""
-    divs = [d for d in range(1, rows + 1) if rows % d == 0]
-    below = [d for d in divs if d < m]
-    above = [d for d in divs if d > m]
-    return tuple(x for x in (below[-1] if below else None, above[0] if above else None) if x is not None)
-
-
-def default_microbatches(rows: int | None, gpus: int) -> tuple[int, str]:
-    """The micro-batch count when none is given, and why: one per GPU (as the paper runs) when
-    the batch of `rows` divides into that many, else the largest divisor of the batch <= the
-    GPU count; 1 when the inputs have no batch dimension (`rows` None)."""
-    if rows is None:
-        return 1, "default: 1, the inputs have no batch dimension to split"
-    if rows % gpus == 0:
-        return gpus, "default: one per GPU"
-    best = max(d for d in range(1, min(rows, gpus) + 1) if rows % d == 0)
-    return best, f"default: the largest divisor of batch {rows} <= {gpus} GPUs"
 
 
 # The dtypes a stage computes in: torch's float8/float4 types are storage formats its ops and
@@ -181,26 +159,24 @@ class CompileOptions:
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         if self.microbatches is not None:
-            _positive_int("microbatches", self.microbatches, "micro-batches per step; Mobius uses one per GPU")
+            check_count(self.microbatches)
         set_("cuts", _cuts(self.cuts))
         _choice("costs", self.costs, _COSTS)
         set_("dtype", streamed_dtype(self.dtype))
         set_("memory_fraction", _positive_float("memory_fraction", self.memory_fraction,
                                                 "the share of each GPU's memory a plan may use", at_most=1.0))
-        _choice("solver", self.solver, _SOLVERS)
+        _choice("solver", self.solver, SOLVERS)
         set_("time_limit", _positive_float("time_limit", self.time_limit, "the MIP's budget in seconds"))
         _choice("cross_map", self.cross_map, _CROSS_MAPS)
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, bytes)) \
                 and not hasattr(self.cache_dir, "__fspath__"):
             raise MobiusError(f"cache_dir={self.cache_dir!r} is not a path; pass a directory path or None")
         if not isinstance(self.device, Mapping):
-            _choice("device", self.device, _DEVICES)
+            _choice("device", self.device, DEVICES)
         if not isinstance(self.verbose, bool):
             raise MobiusError(f"verbose={self.verbose!r}; it must be True or False")
         _positive_int("max_variants", self.max_variants,
                       "compiled variants per pipeline, one per call signature; 1 = a fixed signature")
-        from .microbatch import check_batch_dims
-
         set_("batch_dims", check_batch_dims(self.batch_dims))
         from .books import check_memory_books
 

@@ -81,13 +81,12 @@ from . import host_threads
 from .errors import MobiusError
 from .books import nbytes
 from .host_counters import COUNTERS
+from .kinds import OVERLAP_MODES
 from .stage_calls import convert_span, sum_downloads
 
-__all__ = ["OverlapOptimizer", "MODES"]
+__all__ = ["OverlapOptimizer"]
 
 log = logging.getLogger("mobius_fx")
-
-MODES = ("sync", "async", "none")
 
 
 class _WeakHook:
@@ -225,7 +224,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def __init__(self, pipeline: Any, optimizer: torch.optim.Optimizer, mode: str,  # noqa: D107
                  shard: bool = False, refresh_copies: bool = True) -> None:
         # Optimizer.__init__ is not called: this object owns no parameters of its own.
-        if mode not in ("sync", "async"):
+        if mode == "none" or mode not in OVERLAP_MODES:
             raise MobiusError(f"overlap mode={mode!r}; use 'sync' (exact: stages stepped during backward), 'async' "
                               f"(staleness 1, as RoundPipe) or 'none' (serial, after backward)")
         if isinstance(optimizer, OverlapOptimizer):

@@ -19,6 +19,7 @@ from torch import nn
 from .devices import Device, nbytes
 from .errors import MobiusError
 from .ops import running
+from .kinds import OVERLAP_MODES
 from .microbatch import batch_rows, declared, prepare
 from .python_state import PythonState, reads_training
 from .runtime import Runtime
@@ -231,10 +232,10 @@ class Pipeline(nn.Module):
             for x, y in data:
                 loss = loss_fn(pipe(x), y); loss.backward(); opt.step(); opt.zero_grad()
         """
-        from .overlap import MODES, OverlapOptimizer
+        from .overlap import OverlapOptimizer
 
-        if mode not in MODES:
-            raise MobiusError(f"overlap mode={mode!r}; use one of {', '.join(MODES)}")
+        if mode not in OVERLAP_MODES:
+            raise MobiusError(f"overlap mode={mode!r}; use one of {', '.join(OVERLAP_MODES)}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise MobiusError(f"pipe.overlap needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         masters = {id(m) for st in self._rt.stages for m, p in zip(st.masters, st.is_param) if p}

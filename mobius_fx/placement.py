@@ -43,6 +43,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from .errors import MobiusError
+from .microbatch import divides
 
 __all__ = ["traced_device", "rewrite_graph", "place_stage", "check_placement", "example_spec", "Placement",
            "target_devices", "sent_device"]
@@ -315,7 +316,7 @@ def _microbatch(flat: Sequence[Any], m: int) -> list[Any]:
     does not split)."""
     rows = next((x.size(0) for x in pytree.tree_leaves(list(flat)) if isinstance(x, torch.Tensor) and x.dim() > 0),
                 None) if m > 1 else None
-    if not rows or rows % m:
+    if not rows or not divides(rows, m):
         return list(flat)
     mb = rows // m
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "Plan", "Stage", "Transfer", "SolverInfo", "MemoryModel", "stage_memory", "build_plan", "stage_ios",
     "TRANSFER_KINDS",
+    "TRANSFER_KIND",
 ]
 
 TRANSFER_KINDS = ("prefetch", "evict", "activation", "gradient")
@@ -306,8 +307,9 @@ def build_plan(
                 dtype=dtype_name(dtype), microbatches_rule=microbatches_rule, topology=topology)
 
 
-_TRANSFER_KIND = {"prefetch": "prefetch", "evict": "evict", "send": "activation", "offload": "activation",
-                  "restore": "activation", "download": "gradient"}
+# A schedule IR op's kind -> its kind in plan.transfers (the IR's other ops move nothing).
+TRANSFER_KIND = {"prefetch": "prefetch", "evict": "evict", "send": "activation", "offload": "activation",
+                 "restore": "activation", "download": "gradient"}
 
 
 def _transfers(ir: ScheduleIR, topo: "Topology") -> list[Transfer]:
@@ -315,7 +317,7 @@ def _transfers(ir: ScheduleIR, topo: "Topology") -> list[Transfer]:
     route, bytes) with their count per step, in the IR's order."""
     rows: dict[tuple, list] = {}
     for o in ir.ops:
-        kind = _TRANSFER_KIND.get(o.kind)
+        kind = TRANSFER_KIND.get(o.kind)
         if kind is None or (kind != "evict" and (o.bytes <= 0 or not o.direction)):
             continue
         src, dst = (o.place, o.place) if kind == "evict" else (o.src, o.dst)

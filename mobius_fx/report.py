@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from tabulate import tabulate
 
 from .errors import PlanError
+from .kinds import SCHEDULES
 from .plans import Plan
 from .units import fmt_bytes, fmt_time
 
-__all__ = ["SCHEDULES", "Comparison", "compare", "Cluster", "cluster", "server_counts"]
+__all__ = ["Comparison", "compare", "Cluster", "cluster", "server_counts"]
 
-SCHEDULES = ("mobius", "mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload", "roundpipe")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .errors import MobiusError
+from .microbatch import check_count
 
 __all__ = ["Op", "StageIO", "StageInput", "ScheduleIR", "build_schedule", "neighbours", "HOST", "OP_KINDS"]
 
@@ -201,9 +202,9 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
     """The ops of one step of `stages` with `microbatches` micro-batches (see the module docstring)."""
     stages = tuple(stages)
     m = microbatches
-    if m < 1 or not stages:
-        raise MobiusError(f"a schedule needs at least one stage and one micro-batch (got {len(stages)} stages, "
-                          f"{m} micro-batches)")
+    check_count(m)
+    if not stages:
+        raise MobiusError(f"a schedule needs at least one stage (got none, for {m} micro-batches)")
     for k, st in enumerate(stages):
         for inp in st.inputs:
             if not -1 <= inp.source < k:

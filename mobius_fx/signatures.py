@@ -43,7 +43,7 @@ import torch.utils._pytree as pytree
 
 from .errors import MobiusError, PlanError, TraceError
 from .pipeline_module import Pipeline
-from .microbatch import batch_rows, declared
+from .microbatch import batch_rows, check_divides, declared, divides
 from .tracing import flatten_inputs, forward_signature, input_guards, trace_info
 
 __all__ = ["Call", "CallForm", "Variant", "VariantPipeline", "bind_call", "check_shapes"]
@@ -401,7 +401,7 @@ class VariantPipeline(Pipeline):
         m, labels = self.schedule.microbatches, call.values.get("labels")
         if m <= 1 or getattr(self, "_warned_labels", False) or not isinstance(labels, torch.Tensor):
             return
-        if labels.is_floating_point() or labels.dim() == 0 or labels.size(0) % m:
+        if labels.is_floating_point() or labels.dim() == 0 or not divides(labels.size(0), m):
             return
         parts = labels.split(labels.size(0) // m)
         counts = [int((part == -100).sum()) for part in parts]
@@ -420,14 +420,11 @@ class VariantPipeline(Pipeline):
     def _select(self, call: Call) -> Variant:
         m = self.schedule.microbatches
         rows = batch_rows((call.args, call.kwargs), m, declared(self.model, call.args, call.kwargs, self._rt.batch_dims))
-        if rows is not None and m > 1 and rows % m:
-            rule = getattr(self.plan, "microbatches_rule", "")
-            chosen = (f"; microbatches={m} was not given but chosen ({rule}): compile with a microbatches= that "
-                      f"divides every batch you call with (1 always does), or drop a partial last batch "
-                      f"(DataLoader(..., drop_last=True))") if rule else ""
-            raise MobiusError(f"the batch has {rows} rows (dim 0 of the first batched input) and does not split into "
-                              f"{m} equal micro-batches; micro-batches must divide the batch: use a batch size that "
-                              f"is a multiple of {m}{chosen}")
+        rule = getattr(self.plan, "microbatches_rule", "")
+        chosen = (f"; microbatches={m} was not given but chosen ({rule}): compile with a microbatches= that "
+                  f"divides every batch you call with (1 always does), or drop a partial last batch "
+                  f"(DataLoader(..., drop_last=True))") if rule else ""
+        check_divides(rows, m, remedy=lambda: f"use a batch size that is a multiple of {m}{chosen}")
         shape_error, holds = None, []
         for v in sorted((v for v in self._variants if v.matches(call)), key=lambda v: sum(v.sizes.values())):
             _, _, flat, labels = v.flat(call)

@@ -19,7 +19,7 @@ from .network import Link, Task
 from .plans import Plan
 from .schedule import HOST
 
-__all__ = ["Costs", "Slot", "Context", "looped_pipeline", "cpu_optimizer", "optimizer_bytes_touched", "OVERLAPS",
+__all__ = ["Costs", "Slot", "Context", "looped_pipeline", "cpu_optimizer", "optimizer_bytes_touched",
            "ring_allreduce_time", "gradient_allreduce", "NETWORK_LATENCY", "TOUCHED_BYTES", "STATE_BYTES",
            "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH", "HOST_COPY_KINDS", "RUNTIME_HOST_COPIES", "NO_HOST_COPIES",
            "MASTERS", "host_copy_bytes"]
@@ -120,10 +120,6 @@ MASTERS = "local"
 NETWORK_LATENCY = 0.0
 
 
-# When the CPU optimizer steps relative to the pipeline (`cpu_optimizer`, `simulate(optimizer_overlap=)`).
-OVERLAPS = ("none", "sync", "async")
-
-
 def optimizer_bytes_touched(optimizer: str) -> int:
     """Bytes read + written per fp32 parameter by one step of `optimizer` (adam: 28)."""
     try:
@@ -168,7 +164,7 @@ class Context:
                  network_latency: float = NETWORK_LATENCY, copy_bw: float = HOST_COPY_BANDWIDTH,
                  copies: dict[str, float] | None = None):
         self.plan, self.topo, self.optimizer, self.cpu_bw = plan, topo, optimizer, cpu_bw
-        self.overlap = overlap  # OVERLAPS: when the CPU optimizer steps (see cpu_optimizer)
+        self.overlap = overlap  # one of kinds.OVERLAP_MODES: when the CPU optimizer steps (see cpu_optimizer)
         self.copy_bw = copy_bw
         # Whether uploads stage the streamed copies (`stage_copy`): not where the optimizer's step
         # writes them ("sync" refreshes them; DeepSpeed's CPU Adam writes its fp16 copy itself).
@@ -454,7 +450,7 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
     resource, with the host copies around it where the runtime makes them (HOST_COPY_KINDS, at
     `ctx.copy_bw`; the staging before uploads is `Context.stage_copy`'s).
 
-    `overlap` (default the context's, see OVERLAPS):
+    `overlap` (default the context's, one of `kinds.OVERLAP_MODES`):
     - "none": the gradient hand-over on the main thread ("host/handover") once every task so far
       has ended, then the step;
     - "sync": per stage of `per_stage` (stage -> its master bytes), as soon as its gradient

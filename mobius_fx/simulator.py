@@ -38,20 +38,19 @@ from typing import Any, Callable
 
 from .baselines import gpipe, roundpipe, zero3_offload
 from .errors import MobiusError
+from .kinds import DATA_PARALLEL_SCHEDULES, OVERLAP_MODES, SCHEDULES
 from .network import Link, LinkSegment, Task, replay
-from .plans import Plan
+from .plans import TRANSFER_KIND, Plan
 from .schedule import HOST, ScheduleIR, build_schedule
-from .sim_tasks import (CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, MASTERS, NETWORK_LATENCY, OVERLAPS,
+from .sim_tasks import (CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, MASTERS, NETWORK_LATENCY,
                         Context, cpu_optimizer, optimizer_bytes_touched, ring_allreduce_time)
 from .topology import PRESETS, Topology
 from .topology_schema import MIN_BANDWIDTH
 from .units import check_positive, fmt_bytes, fmt_time, parse_network
 
-__all__ = ["simulate", "SimResult", "SimEvent", "SCHEDULES", "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH",
+__all__ = ["simulate", "SimResult", "SimEvent", "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH",
            "optimizer_bytes_touched", "ring_allreduce_time", "NETWORK_LATENCY"]
 
-SCHEDULES = ("mobius", "mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload", "roundpipe")
-DATA_PARALLEL = ("mobius", "mobius-noprefetch", "mobius-identity-map", "roundpipe")  # schedules `servers` > 1 takes
 
 
 # ------------------------------------------------------------------------------- results
@@ -284,8 +283,8 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     optimizer_bytes_touched(optimizer)
     bw, ds_bw, copy_bw, sources = _host_rates(topo, cpu_adam_bandwidth, deepspeed_adam_bandwidth, host_copy_bandwidth)
     copies = _host_copies(host_copies)
-    if optimizer_overlap not in OVERLAPS:
-        raise MobiusError(f"optimizer_overlap={optimizer_overlap!r}; use one of {', '.join(map(repr, OVERLAPS))}: "
+    if optimizer_overlap not in OVERLAP_MODES:
+        raise MobiusError(f"optimizer_overlap={optimizer_overlap!r}; use one of {', '.join(map(repr, OVERLAP_MODES))}: "
                           f"the optimizer after the step, per stage as gradients land, or a step late")
     masters = MASTERS if masters is None else masters
     if masters != "local" and masters not in topo.root_complexes:
@@ -300,9 +299,9 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
         if network is None:
             raise MobiusError(f"servers={servers} needs the network: pass network= each server's NIC bandwidth, "
                               f"bytes/s or a string such as '100Gbps' or '12.5GB/s'")
-        if schedule not in DATA_PARALLEL:
+        if schedule not in DATA_PARALLEL_SCHEDULES:
             raise MobiusError(f"servers={servers} simulates data parallel over the schedules that step a CPU optimizer "
-                              f"per stage ({', '.join(DATA_PARALLEL)}), not {schedule!r}; simulate {schedule!r} with "
+                              f"per stage ({', '.join(DATA_PARALLEL_SCHEDULES)}), not {schedule!r}; simulate {schedule!r} with "
                               f"servers=1")
         net = math.inf if _ideal(network) else _rate(parse_network(network, "network"), "network", network)
     elif network is not None and not _ideal(network):
@@ -404,10 +403,6 @@ def _ideal(network: Any) -> bool:
     return isinstance(network, (int, float)) and not isinstance(network, bool) and network == math.inf
 
 
-_KIND = {"prefetch": "prefetch", "send": "activation", "offload": "activation", "restore": "activation",
-         "download": "gradient"}  # an IR copy's kind in plan.transfers
-
-
 def _schedule(plan: Plan, gpus: tuple[str, ...] | None = None) -> ScheduleIR:
     """plan.schedule(), with stage k on gpus[k % N] when `gpus` is given."""
     ir = plan.schedule()
@@ -450,7 +445,7 @@ def _from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
         if o.kind == "run":
             task[o.index] = ctx.compute(o.place, c.f[o.stage] if o.phase == "forward" else c.b[o.stage], tag, after,
                                         phase=o.phase, stage=o.stage, microbatch=o.microbatch)
-        elif o.kind in _KIND and o.direction and o.bytes > 0:
+        elif o.kind in TRANSFER_KIND and o.direction and o.bytes > 0:  # a copy (an evict has no direction)
             gpu = o.src if o.dst == HOST else o.dst
             staged = ctx.stage_copy(gpu, o.stage, c.master[o.stage]) if o.kind == "prefetch" else None
             if staged is not None:
@@ -462,7 +457,7 @@ def _from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
                                      o.src, o.dst, o.bytes, f"{o.kind} {tag}", after=after,
                                      need=_need(o, len(ir.stages)),
                                      home=ctx.home(o.stage, gpu) if HOST in (o.src, o.dst) else None,
-                                     kind=_KIND[o.kind], phase=o.phase, gpu=gpu, stage=o.stage, microbatch=o.microbatch)
+                                     kind=TRANSFER_KIND[o.kind], phase=o.phase, gpu=gpu, stage=o.stage, microbatch=o.microbatch)
             triggers += [(task[o.index], d) for d in o.deps if o.kind == "prefetch" and ops[d].kind == "wait"]
         elif o.kind in ("evict", "wait", "hold"):
             ctx.mark(f"{o.kind} {tag}", after, kind=o.kind, phase=o.phase, gpu=o.place, stage=o.stage)

@@ -47,6 +47,7 @@ from typing import Any, Sequence
 
 from .costs import LayerCost, dtype_bytes
 from .errors import PlanError
+from .microbatch import check_count
 from .step_timeline import (
     Evaluation, LinkLoad, SharedLink, Timeline, copy_terms, freed, link_loads, link_time, queue_before, queue_window, shared_links,
     slot_bytes, timeline,
@@ -291,8 +292,7 @@ class PartitionProblem:
         n = len(self.gpus)
         if not self.layers:
             raise PlanError("the model has no layers to partition; trace and annotate it first")
-        if self.microbatches < 1:
-            raise PlanError(f"microbatches={self.microbatches}; use at least 1")
+        check_count(self.microbatches, error=PlanError)
         if n < 1 or any(len(x) != n for x in (self.capacity, self.up, self.down, self.hop)):
             raise PlanError(f"{n} GPU slots but capacity/up/down/hop have lengths "
                             f"{len(self.capacity)}/{len(self.up)}/{len(self.down)}/{len(self.hop)}; "

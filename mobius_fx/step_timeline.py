@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 __all__ = ["Evaluation", "Timeline", "timeline", "SharedLink", "shared_links", "queue_before", "queue_window",
-           "freed", "OVERLAPS", "LinkLoad", "link_loads", "copy_terms", "slot_bytes", "link_time"]
+           "freed", "UPLOADS_PER_DOWNLOAD", "LinkLoad", "link_loads", "copy_terms", "slot_bytes", "link_time"]
 
 
 @dataclass(frozen=True)
@@ -215,10 +215,10 @@ def queue_before(links: Sequence[Any], slot_of: Sequence[int], order: Sequence[i
     return before
 
 
-# How many of a GPU's backward uploads (stages k-N, k-2N, ...) a gradient download's rows
-# count overlapping it (`timeline`'s D): in the benchmarks a download outlasts at most two; more
+# UPLOADS_PER_DOWNLOAD: how many of a GPU's backward uploads (stages k-N, k-2N, ...) a gradient
+# download's rows count overlapping it (`timeline`'s D): in the benchmarks a download outlasts at most two; more
 # rows only grow the MIP (O(S^2 / N) of them).
-OVERLAPS = 2
+UPLOADS_PER_DOWNLOAD = 2
 
 
 def queue_window(links: Sequence[Any], slot_of: Sequence[int], order: Sequence[int]) -> list[list[tuple[int, list[int]]]]:
@@ -415,7 +415,7 @@ def timeline(problem: Any, st: Any, full: bool = False):
             row[m - 1] = last
     # Gradient downloads queue per GPU: stage k's after stage k+N's. From its start, stage k's
     # (k >= N) overlaps the GPU's uploads for stage k-N (busy until R[k-N]) and, if it lasts,
-    # those of k-2N (its weights and M restores back to back; OVERLAPS of them at most): one
+    # those of k-2N (its weights and M restores back to back; UPLOADS_PER_DOWNLOAD of them at most): one
     # row per how many of them it outlasts, each charging 2(1-d) x the upload time. A row that
     # assumes more overlap than there is overshoots, but never past that upload's end (a
     # download that ends before it is charged at most 2(1-d) of the time left to it).
@@ -430,7 +430,7 @@ def timeline(problem: Any, st: Any, full: bool = False):
         D[k] = done + st.g[k] / down[k % n]
         if k >= n and dx[k % n] < 1:
             overlap = R[k - n] - done
-            for j in range(k - n, max(-1, k - (OVERLAPS + 1) * n), -n):
+            for j in range(k - n, max(-1, k - (UPLOADS_PER_DOWNLOAD + 1) * n), -n):
                 overlap += busy[j] if j < k - n else 0.0
                 D[k] = max(D[k], done + st.g[k] / down[k % n] + 2 * (1 - dx[k % n]) * overlap)
     makespan = max(D)

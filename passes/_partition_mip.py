@@ -22,7 +22,7 @@ from typing import Any
 
 import pulp
 
-from mobius_fx.step_timeline import OVERLAPS
+from mobius_fx.step_timeline import UPLOADS_PER_DOWNLOAD
 from mobius_fx.step_model import (
     Evaluation, PartitionProblem, PrefixSums, link_time, memory_rows, queue_before, queue_window, slot_bytes,
 )
@@ -274,7 +274,7 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
             lp += D[k] >= x + grads, name
             if k >= n and dx[k % n] < 1:
                 lost, overlap = 2 * (1 - dx[k % n]), uploads_end[k - n]
-                for j in range(k - n, max(-1, k - (OVERLAPS + 1) * n), -n):
+                for j in range(k - n, max(-1, k - (UPLOADS_PER_DOWNLOAD + 1) * n), -n):
                     overlap = overlap + (busy[j] if j < k - n else 0.0)
                     lp += D[k] >= (1 - lost) * x + lost * overlap + grads, f"{name}_overlap_{j}"
         if k < n:

@@ -44,6 +44,7 @@ from torch.fx.passes.split_module import split_module
 from mobius_fx import ops as _rt
 from mobius_fx.devices import HOST
 from mobius_fx.errors import MobiusError
+from mobius_fx.microbatch import check_count
 from mobius_fx.schedule import ScheduleIR, StageInput, StageIO, build_schedule, neighbours
 
 __all__ = ["insert_transfers", "Schedule", "StageSpec", "WeightRef", "ValueRef"]
@@ -142,8 +143,7 @@ def insert_transfers(gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]]
     >>> [st.gpu for st in s.stages], s.next_on_gpu
     (['a', 'b'], (None, None))
     """
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise MobiusError(f"microbatches={microbatches!r}; it must be a positive int")
+    check_count(microbatches)
     if len(stage_nodes) != len(stage_gpus) or not stage_nodes:
         raise MobiusError(f"{len(stage_nodes)} stage node lists but {len(stage_gpus)} stage GPUs; give one GPU name "
                           f"per stage (and at least one stage)")

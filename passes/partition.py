@@ -60,6 +60,7 @@ from typing import Callable, Sequence
 import pulp
 
 from mobius_fx.errors import PlanError
+from mobius_fx.kinds import SOLVERS
 from mobius_fx.step_model import (
     MEMORY_TOLERANCE, Evaluation, PartitionProblem, PrefixSums, SolverInfo, evaluate, layer_runs, memory_rows,
 )
@@ -384,8 +385,8 @@ def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
 
 
 def _pick_solver(solver: str) -> str:
-    if solver not in ("auto", "highs", "cbc"):
-        raise PlanError(f"solver={solver!r}; use 'auto', 'highs' or 'cbc'")
+    if solver not in SOLVERS:
+        raise PlanError(f"solver={solver!r}; use one of {', '.join(map(repr, SOLVERS))}")
     highs_ok = pulp.HiGHS().available()
     if solver == "highs" and not highs_ok:
         raise PlanError("solver='highs' but highspy is not installed; pip install highspy or use solver='cbc'")

@@ -8,7 +8,8 @@ from mobius_fx.costs import LayerCost
 from mobius_fx.errors import PlanError
 from mobius_fx.plans import build_plan
 from mobius_fx.sim_tasks import HOST_COPY_KINDS
-from mobius_fx.simulator import SCHEDULES, simulate
+from mobius_fx.kinds import SCHEDULES
+from mobius_fx.simulator import simulate
 from mobius_fx.topology import Topology
 
 GB = 1e9

@@ -8,6 +8,13 @@
 - No module imports a private name (`_x`) that another module defines, neither with
   `from m import _x` nor as `m._x`. A private *module* (`mobius_fx/_stages.py`,
   `passes/_partition_mip.py`) is private to its package: modules of that package import it.
+- One home per list (issue 29): each kind list of `mobius_fx/kinds.py` (device kinds, solvers,
+  schedules, optimizer-overlap modes) and `plans.TRANSFER_KIND` (schedule IR op kind -> transfer
+  kind) is written out only there; a literal tuple, list or set holding two of a list's names (or
+  a dict with two of TRANSFER_KIND's pairs) anywhere else in `mobius_fx`, `passes/` or
+  `benchmarks/` is a second copy: import the list instead.
+- One home per rule: the micro-batch count's rules live in `mobius_fx/microbatch.py`
+  (`check_count`, `check_divides`); the divisibility message is written in no other module.
 
 Run as a script to print the import graph's cycles: `python tests/unit/test_architecture.py`.
 """
@@ -27,6 +34,13 @@ PACKAGES = {"mobius_fx": ROOT / "mobius_fx", "mobius_fx.passes": ROOT / "passes"
 # keep it that way, or name an exception here with the reason.
 KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
+# Literals that pick some names of a kind list on purpose (not a copy of it): (module, the names) -> why.
+KNOWN_SELECTIONS: dict[tuple[str, frozenset], str] = {
+    ("benchmarks.gpu_check", frozenset({"cuda", "virtual"})): "--device: the two kinds the GPU check trains on",
+    ("benchmarks.paper", frozenset({"zero3-offload", "mobius-identity-map", "roundpipe"})):
+        "the speedup table's columns, in the README's order",
+    ("benchmarks.paper", frozenset({"mobius", "roundpipe"})): "the overlap table: the schedules with an optimizer overlap",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -158,6 +172,82 @@ def test_no_private_names_imported_across_modules():
                  if (m, origin, name) not in KNOWN_PRIVATE_IMPORTS)
     assert not new, ("modules use private names of other modules; make the name public (no leading "
                      "underscore, in __all__) or move it to the module that uses it:\n" + "\n".join(new))
+
+
+# ----------------------------------------------------------------------------- one home per list and rule
+
+SCANNED = {**MODULES, **{f"benchmarks.{p.stem}": p for p in sorted((ROOT / "benchmarks").glob("*.py"))}}
+
+
+def _kind_lists() -> dict[str, tuple[str, frozenset]]:
+    """name -> (its home module, its members) for every list that must be written out once."""
+    from mobius_fx import kinds, plans
+
+    lists = {name: ("mobius_fx.kinds", frozenset(getattr(kinds, name))) for name in kinds.__all__}
+    lists["TRANSFER_KIND"] = ("mobius_fx.plans", frozenset(plans.TRANSFER_KIND.items()))
+    return lists
+
+
+def _literal(node: ast.AST) -> frozenset | None:
+    """The members of a literal tuple/list/set of str (a dict of str -> str: its pairs)."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        values = [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        return frozenset(values)
+    if isinstance(node, ast.Dict):
+        return frozenset((k.value, v.value) for k, v in zip(node.keys, node.values)
+                         if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)
+                         and isinstance(k.value, str) and isinstance(v.value, str))
+    return None
+
+
+def kind_list_copies() -> tuple[list[str], set]:
+    """Where a literal outside a list's home holds two or more of its members (`__all__` names
+    functions, not kinds: skipped), and the KNOWN_SELECTIONS seen."""
+    lists, found, seen = _kind_lists(), [], set()
+    for module, path in SCANNED.items():
+        tree = ast.parse(path.read_text(), str(path))
+        exports = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                   and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)}
+        for node in ast.walk(tree):
+            members = _literal(node)
+            if not members or id(node) in exports:
+                continue
+            if (module, members) in KNOWN_SELECTIONS:
+                seen.add((module, members))
+                continue
+            for name, (home, kinds) in lists.items():
+                if module != home and len(members & kinds) >= 2:
+                    found.append(f"{module} line {node.lineno}: {sorted(members & kinds)} (a copy of {home}.{name})")
+    return found, seen
+
+
+def test_each_kind_list_is_written_once():
+    copies, seen = kind_list_copies()
+    stale = sorted(str(k) for k in set(KNOWN_SELECTIONS) - seen)
+    assert not stale, f"{stale} are gone: remove them from KNOWN_SELECTIONS"
+    assert not copies, ("a kind list is written out a second time; import it from its home (mobius_fx.kinds, "
+                        "plans.TRANSFER_KIND) instead, so the two cannot drift:\n" + "\n".join(copies))
+
+
+DIVIDES_MESSAGE = ("must divide the batch", "equal micro-batches")
+
+
+def divisibility_messages() -> dict[str, list[int]]:
+    """module -> the lines of its string constants that word the divisibility rule."""
+    found: dict[str, list[int]] = {}
+    for module, path in SCANNED.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and any(m in node.value for m in DIVIDES_MESSAGE):
+                found.setdefault(module, []).append(node.lineno)
+    return found
+
+
+def test_the_divisibility_rule_has_one_home():
+    found = divisibility_messages()
+    assert set(found) == {"mobius_fx.microbatch"}, (
+        f"the micro-batch divisibility message is worded in {sorted(found)} (lines {found}); raise it with "
+        f"mobius_fx.microbatch.check_divides (its batch/count/remedy arguments say how the caller spells them)")
 
 
 if __name__ == "__main__":

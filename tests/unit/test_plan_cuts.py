@@ -12,7 +12,7 @@ import mobius_fx
 from mobius_fx import PlanError, Topology
 from mobius_fx.__main__ import main
 from mobius_fx.compiler import FunctionPass, default_pipeline
-from mobius_fx.options import default_microbatches
+from mobius_fx.microbatch import default_microbatches
 from mobius_fx.passes.partition import PartitionProblem, evaluate
 from mobius_fx.plans import build_plan
 from mobius_fx.zoo import GPT, GPTConfig

@@ -12,8 +12,9 @@ import pytest
 from mobius_fx.costs import LayerCost
 from mobius_fx.errors import MobiusError, PlanError
 from mobius_fx.plans import MemoryModel, build_plan, stage_memory
+from mobius_fx.kinds import SCHEDULES
 from mobius_fx.sim_tasks import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, TOUCHED_BYTES, host_copy_bytes
-from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, SCHEDULES, simulate
+from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, simulate
 from mobius_fx.topology import HostFigures, Topology
 
 GB = 1e9
