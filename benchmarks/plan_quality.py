@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import mobius_fx
 from mobius_fx import PlanError, Topology
 from mobius_fx.compiler import CompileContext, PassPipeline, default_pipeline
+from mobius_fx.kinds import OVERLAP_MODES
 from mobius_fx.options import CompileOptions
 from mobius_fx.zoo import GPT, GPTConfig
 
@@ -151,7 +152,7 @@ def _ms(seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--time-limit", type=float, default=10.0, help="the MIP's budget per case, seconds")
-    ap.add_argument("--overlap", choices=("sync", "none"), default="sync",
+    ap.add_argument("--overlap", choices=[m for m in OVERLAP_MODES if m != "async"], default="sync",
                     help="the optimizer placement simulated: sync (no staging before uploads) or none")
     args = ap.parse_args(argv)
     rows, out = [], []

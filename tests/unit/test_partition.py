@@ -488,7 +488,7 @@ def test_an_unknown_gap_prints_as_not_available():
 
 
 def test_unknown_solver_is_rejected(tmp_path):
-    with pytest.raises(PlanError, match="'highs' or 'cbc'"):
+    with pytest.raises(PlanError, match="use one of 'auto', 'highs', 'cbc'"):
         solve(problem([layer("a")]), solver="gurobi", cache_dir=tmp_path)
 
 
