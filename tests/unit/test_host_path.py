@@ -30,46 +30,6 @@ def _loss(out, x):
     return F.cross_entropy(out.flatten(0, 1).float(), x.flatten())
 
 
-def test_steady_sync_steps_stage_nothing_and_reuse_gradient_storage(tmp_path):
-    torch.manual_seed(0)
-    model = gpt(hidden=32, blocks=3, vocab=64, seq=8)
-    twin = copy.deepcopy(model)
-    data = [gpt_inputs(model, batch=4, seed=s) for s in range(5)]
-    topo = Topology.virtual(gpus=2, memory=8 * sum(p.numel() * 4 for p in model.parameters()))
-    kw = dict(example_inputs=data[0], microbatches=2, cuts=[1, 2, 3], cache_dir=str(tmp_path), verbose=False,
-              dtype=torch.bfloat16)
-    pipe = mobius_fx.compile(model, topo, device="virtual-async", **kw)
-    ref_pipe = mobius_fx.compile(twin, topo, device="virtual", **kw)
-    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="sync")
-    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
-    params = list(model.parameters())
-    n = sum(p.numel() for p in params)
-    kept, homes = None, []
-    for j, (x,) in enumerate(data):
-        for p_, o in ((pipe, opt), (ref_pipe, ref)):
-            before = COUNTERS.snapshot()
-            _loss(p_(x), x).backward()
-            if o is opt:
-                homes.append([p.grad.data_ptr() for p in params])
-                if j == 3:
-                    kept = params[0].grad  # a user keeps this step's gradient
-                    kept_value = kept.clone()
-            o.step()
-            o.zero_grad()
-            if o is opt:  # the counters are the process's: the reference pipeline's are left out
-                counts = HostCounters.since(before, COUNTERS.snapshot())
-        assert all(p.grad is None for p in params)
-        for p, q in zip(model.parameters(), twin.parameters()):
-            assert torch.equal(p, q), j
-        if j >= 2:  # the probe (0) and the first overlapping step (1) are behind
-            assert counts["staging"] == 0 and counts["grad_add"] == 0
-            assert counts["grad_alloc"] == (params[0].numel() * 4 if j == 4 else 0)  # only the kept one anew
-            assert counts["refresh"] >= n * 6  # read fp32, write bf16, beside the optimizer
-    assert homes[2] == homes[3]  # the same storage, step after step
-    assert homes[4][0] != homes[3][0] and homes[4][1:] == homes[3][1:]
-    assert torch.equal(kept, kept_value)  # step 4 did not write into the gradient the user kept
-
-
 def _fused_pair(tmp_path, opt_name, vocab=64):
     torch.manual_seed(0)
     model = gpt(hidden=32, blocks=3, vocab=vocab, seq=8)
@@ -98,6 +58,36 @@ def _fused_pair(tmp_path, opt_name, vocab=64):
 
     opt = pipe.overlap(make(model.parameters()), mode="sync")
     return model, twin, data, pipe, ref_pipe, opt, make(twin.parameters())
+
+
+def test_steady_sync_steps_stage_nothing_and_reuse_gradient_storage(tmp_path):
+    model, twin, data, pipe, ref_pipe, opt, ref = _fused_pair(tmp_path, "adamw")
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    kept, homes = None, []
+    for j, (x,) in enumerate(data):
+        for p_, o in ((pipe, opt), (ref_pipe, ref)):
+            before = COUNTERS.snapshot()
+            _loss(p_(x), x).backward()
+            if o is opt:
+                homes.append([p.grad.data_ptr() for p in params])
+                if j == 3:
+                    kept = params[0].grad  # a user keeps this step's gradient
+                    kept_value = kept.clone()
+            o.step()
+            o.zero_grad()
+            if o is opt:  # the counters are the process's: the reference pipeline's are left out
+                counts = HostCounters.since(before, COUNTERS.snapshot())
+        assert all(p.grad is None for p in params)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q), j
+        if j >= 2:  # the probe (0) and the first overlapping step (1) are behind
+            assert counts["staging"] == 0 and counts["grad_add"] == 0
+            assert counts["grad_alloc"] == (params[0].numel() * 4 if j == 4 else 0)  # only the kept one anew
+            assert counts["refresh"] >= n * 6  # read fp32, write bf16, beside the optimizer
+    assert homes[2] == homes[3]  # the same storage, step after step
+    assert homes[4][0] != homes[3][0] and homes[4][1:] == homes[3][1:]
+    assert torch.equal(kept, kept_value)  # step 4 did not write into the gradient the user kept
 
 
 @pytest.mark.parametrize("opt_name,span", [("adamw", 100), ("adamw-fused", overlap.UNIT),
