@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from .errors import MobiusError
 from .microbatch import check_count
@@ -98,6 +99,48 @@ class StageIO:
     #                                     (model outputs, values read two or more stages later)
     host_grads: tuple[bool, ...] = ()  # per host output: whether a gradient comes back for it
     #                                    (empty: all do; a causal mask built from token ids does not)
+
+    # One constructor per place a step's stages are described; each gives the whole step's
+    # stages, in order, for `build_schedule`.
+    @classmethod
+    def from_plan(cls, stages: Sequence[Any]) -> tuple["StageIO", ...]:
+        """A plan's stages (`plans.Stage`): a chain, each stage reading the one before it (stage 0
+        the model input) and the last one's output going to the host; bytes as planned."""
+        last = len(stages) - 1
+        return tuple(cls(gpu=s.gpu, weight_bytes=s.param_bytes, grad_bytes=s.grad_bytes,
+                         inputs=(StageInput(s.index - 1, s.input_bytes, needs_grad=s.index > 0),),
+                         host_outputs=(s.output_bytes,) if s.index == last else ())
+                     for s in stages)
+
+    @classmethod
+    def from_graph(cls, stages: Sequence[Any], to_host: Sequence[Sequence[int]], *,
+                   weight_bytes: Sequence[int] | None = None,
+                   grad_bytes: Sequence[int] | None = None) -> tuple["StageIO", ...]:
+        """The stages of a traced graph as `insert_transfers` splits it (each with `gpu`,
+        `index` and its `inputs`' producing `stage`), `to_host[k]` stage k's outputs copied to
+        the host: order and dependencies, activations 0 bytes, weights and gradients as given
+        (default 0)."""
+        return tuple(cls(st.gpu, weight_bytes[k] if weight_bytes is not None else 0,
+                         grad_bytes[k] if grad_bytes is not None else 0,
+                         tuple(StageInput(r.stage, 0) for r in st.inputs),
+                         tuple(0 for _ in to_host[st.index]) if to_host else ())
+                     for k, st in enumerate(stages))
+
+    @classmethod
+    def from_runtime(cls, stages: Sequence[Any], to_host: Sequence[Sequence[int]], *,
+                     weight_bytes: Sequence[int], grad_bytes: Sequence[int],
+                     size: Callable[[Any], int], carries_grad: Callable[[Any], bool],
+                     output_size: Callable[[int, int], int],
+                     output_grad: Callable[[int, int], bool]) -> tuple["StageIO", ...]:
+        """A compiled pipeline's stages as its runtime holds them: `stages` as for `from_graph`,
+        the bytes of its GPU slots (`weight_bytes`, `grad_bytes` per stage), `size(ref)` /
+        `carries_grad(ref)` of an input, `output_size(k, j)` / `output_grad(k, j)` of output j of
+        stage k sent to the host."""
+        return tuple(cls(gpu=st.gpu, weight_bytes=weight_bytes[k], grad_bytes=grad_bytes[k],
+                         inputs=tuple(StageInput(r.stage, size(r), needs_grad=carries_grad(r)) for r in st.inputs),
+                         host_outputs=tuple(output_size(st.index, j) for j in to_host[st.index]),
+                         host_grads=tuple(output_grad(st.index, j) for j in to_host[st.index]))
+                     for k, st in enumerate(stages))
 
 
 @dataclass(frozen=True)

@@ -1,33 +1,23 @@
 """The one task builder from the schedule IR (mobius_fx/schedule.py): one simulator task per op.
 
 A schedule that produces the IR (the Mobius variants) hands it to `tasks_from_ir`; the IR of a
-plan, optionally with stage k moved to gpus[k % N], is `plan_ir`.
+plan is `plan.schedule()` (with stage k moved to gpus[k % N]: `plan.schedule(gpus)`).
 
-    tasks_from_ir(ctx, plan_ir(ctx.plan))   # the plan as the runtime runs it
+    tasks_from_ir(ctx, ctx.plan.schedule())   # the plan as the runtime runs it
     check_transfers(ctx)                    # ... moving exactly plan.transfers
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter, defaultdict
 from typing import Any
 
 from ..errors import MobiusError
-from ..plans import TRANSFER_KIND, Plan
-from ..schedule import HOST, ScheduleIR, build_schedule
+from ..plans import TRANSFER_KIND
+from ..schedule import HOST, ScheduleIR
 from ..sim_tasks import Context, cpu_optimizer
 
-__all__ = ["plan_ir", "tasks_from_ir", "copy_need", "check_transfers"]
-
-
-def plan_ir(plan: Plan, gpus: tuple[str, ...] | None = None) -> ScheduleIR:
-    """plan.schedule(), with stage k on gpus[k % N] when `gpus` is given."""
-    ir = plan.schedule()
-    if gpus is None:
-        return ir
-    return build_schedule([dataclasses.replace(io, gpu=gpus[k % len(gpus)]) for k, io in enumerate(ir.stages)],
-                          ir.microbatches)
+__all__ = ["tasks_from_ir", "copy_need", "check_transfers"]
 
 
 def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:

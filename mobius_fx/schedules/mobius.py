@@ -7,7 +7,7 @@ Moves exactly `plan.transfers` (checked), so `plan.lower_bound()` bounds it.
 from __future__ import annotations
 
 from ..sim_tasks import Context
-from .ir_tasks import check_transfers, plan_ir, tasks_from_ir
+from .ir_tasks import check_transfers, tasks_from_ir
 from .registry import register
 
 __all__ = ["build"]
@@ -15,7 +15,7 @@ __all__ = ["build"]
 
 def build(ctx: Context) -> None:
     """The plan's schedule IR as tasks; checked to move exactly `plan.transfers`."""
-    tasks_from_ir(ctx, plan_ir(ctx.plan))
+    tasks_from_ir(ctx, ctx.plan.schedule())
     check_transfers(ctx)
 
 

@@ -7,7 +7,7 @@ ablation; the plan's IR with its stages moved, transfers re-routed accordingly.
 from __future__ import annotations
 
 from ..sim_tasks import Context
-from .ir_tasks import plan_ir, tasks_from_ir
+from .ir_tasks import tasks_from_ir
 from .registry import register
 
 __all__ = ["build"]
@@ -15,7 +15,7 @@ __all__ = ["build"]
 
 def build(ctx: Context) -> None:
     """The plan's schedule IR with stage k on ctx.gpus[k % N], as tasks."""
-    tasks_from_ir(ctx, plan_ir(ctx.plan, ctx.gpus))
+    tasks_from_ir(ctx, ctx.plan.schedule(ctx.gpus))
 
 
 register("mobius-identity-map", build, data_parallel=True, summary="Mobius with stage k on GPU k % N")

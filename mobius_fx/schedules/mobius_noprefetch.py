@@ -7,7 +7,7 @@ its weights arrive). Same IR and transfers as "mobius"; only when uploads may st
 from __future__ import annotations
 
 from ..sim_tasks import Context
-from .ir_tasks import check_transfers, plan_ir, tasks_from_ir
+from .ir_tasks import check_transfers, tasks_from_ir
 from .registry import register
 
 __all__ = ["build"]
@@ -15,7 +15,7 @@ __all__ = ["build"]
 
 def build(ctx: Context) -> None:
     """The plan's schedule IR as tasks, each upload after the last run before it on its GPU."""
-    tasks_from_ir(ctx, plan_ir(ctx.plan), prefetch=False)
+    tasks_from_ir(ctx, ctx.plan.schedule(), prefetch=False)
     check_transfers(ctx)
 
 

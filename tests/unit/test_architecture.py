@@ -17,7 +17,9 @@
   by name (`mobius_fx.schedules.register`); no literal lists two schedule names (the registry is
   the list), no module outside that package compares a value with a schedule's name, and only
   the task builder from the schedule IR (`schedules/ir_tasks.py`) and the task graph
-  (`sim_tasks.py`) make simulator tasks (the baselines' looped pipeline is a named exception).
+  (`sim_tasks.py`) make simulator tasks (the baselines' looped pipeline is a named exception);
+  the IR's stage description (`StageIO`) is built only by its named constructors in
+  `mobius_fx/schedule.py` (from the plan, the traced graph, the runtime).
 - One home per rule: the micro-batch count's rules live in `mobius_fx/microbatch.py`
   (`check_count`, `check_divides`); the divisibility message is written in no other module.
 
@@ -292,6 +294,29 @@ def test_one_schedule_language():
                          f"({', '.join(sorted(TASK_BUILDERS))}): {outside}; make the schedule a module of "
                          "mobius_fx/schedules/ that produces the schedule IR and hands it to "
                          "ir_tasks.tasks_from_ir")
+
+
+def stage_descriptions() -> list[str]:
+    """Where a module other than `mobius_fx.schedule` builds the IR's stage description itself
+    (`StageIO(...)`, `StageInput(...)`) instead of with a named constructor (`StageIO.from_plan`,
+    `.from_graph`, `.from_runtime`)."""
+    found = []
+    for module, path in MODULES.items():
+        if module == "mobius_fx.schedule":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                if name in ("StageIO", "StageInput"):
+                    found.append(f"{module} line {node.lineno}: {name}(...)")
+    return found
+
+
+def test_the_ir_is_described_by_one_record_with_named_constructors():
+    found = stage_descriptions()
+    assert not found, ("the schedule IR's stages are described outside mobius_fx/schedule.py; add or use a named "
+                       "constructor there (StageIO.from_plan, from_graph, from_runtime):\n" + "\n".join(found))
 
 
 def schedule_name_branches() -> list[str]:

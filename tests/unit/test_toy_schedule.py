@@ -4,7 +4,6 @@
 The toy schedule streams every stage through one GPU (the plan's first): the plan's schedule IR
 with its stages moved, through the one task builder from the IR."""
 
-import dataclasses
 import sys
 import types
 
@@ -17,7 +16,6 @@ from mobius_fx.costs import LayerCost
 from mobius_fx.errors import MobiusError
 from mobius_fx.plans import build_plan
 from mobius_fx.report import compare
-from mobius_fx.schedule import build_schedule
 from mobius_fx.schedules.ir_tasks import tasks_from_ir
 from mobius_fx.simulator import simulate
 from mobius_fx.topology import Topology
@@ -28,9 +26,7 @@ TOY = "toy-one-gpu"
 
 def one_gpu(ctx):
     """Every stage of the plan on its first GPU, in the plan's order (one GPU streams them all)."""
-    ir = ctx.plan.schedule()
-    first = ctx.plan.order[0]
-    tasks_from_ir(ctx, build_schedule([dataclasses.replace(io, gpu=first) for io in ir.stages], ir.microbatches))
+    tasks_from_ir(ctx, ctx.plan.schedule([ctx.plan.order[0]]))
 
 
 @pytest.fixture
