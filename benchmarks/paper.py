@@ -44,14 +44,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import mobius_fx
 from mobius_fx import Topology, zoo
-from mobius_fx.kinds import OVERLAP_MODES, SCHEDULES as ALL_SCHEDULES
+from mobius_fx import schedules
+from mobius_fx.kinds import OVERLAP_MODES
 from mobius_fx.report import compare
 from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH
 from mobius_fx.units import fmt_bytes
 
 # The table's rows: the Mobius variants, then RoundPipe (the other streamed pipeline), then GPipe and ZeRO-3
-# offload, each kept in mobius_fx.kinds.SCHEDULES's order.
-SCHEDULES = tuple(sorted(ALL_SCHEDULES, key=lambda s: (not s.startswith("mobius"), s != "roundpipe")))
+# offload, each kept in the registry's order (mobius_fx.schedules.names()).
+SCHEDULES = tuple(sorted(schedules.names(), key=lambda s: (not s.startswith("mobius"), s != "roundpipe")))
 
 
 def gbps(x: float | None) -> float | None:

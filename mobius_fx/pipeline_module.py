@@ -169,7 +169,7 @@ class Pipeline(nn.Module):
         parameter of the stage that makes it reaches it (`Runtime.carries_grad`). `transfer_stats(
         last_step=True, by_stage=True)` after a training step equals `ir.bytes_moved()`.
         """
-        from .schedule import StageInput, StageIO, build_schedule
+        from .schedule import StageIO, build_schedule
 
         if values is not None and not isinstance(values, Mapping):
             raise MobiusError(f"schedule_ir(values={values!r}): values is a {type(values).__name__}; pass a dict of "
@@ -197,16 +197,15 @@ class Pipeline(nn.Module):
         def value(ref) -> str:  # the traced graph's name of a value crossing stages
             return specs[ref.stage].outputs[ref.index] if ref.stage >= 0 else ref.name
 
-        ios = []
-        for spec, st in zip(specs, self._rt.stages):
-            grads = sum(nbytes(s) for j, s in enumerate(st.slots) if st.is_param[j] and st.masters[j].requires_grad)
-            ios.append(StageIO(
-                gpu=spec.gpu, weight_bytes=st.weight_bytes, grad_bytes=grads,
-                inputs=tuple(StageInput(ref.stage, size(value(ref)), needs_grad=ref.stage >= 0 and floating(value(ref))
-                                        and self._rt.carries_grad(ref.stage, ref.index))
-                             for ref in spec.inputs),
-                host_outputs=tuple(size(spec.outputs[j]) for j in self.schedule.to_host[spec.index]),
-                host_grads=tuple(self._rt.carries_grad(spec.index, j) for j in self.schedule.to_host[spec.index])))
+        rt = self._rt.stages
+        ios = StageIO.from_runtime(
+            specs, self.schedule.to_host, weight_bytes=[st.weight_bytes for st in rt],
+            grad_bytes=[sum(nbytes(s) for j, s in enumerate(st.slots) if st.is_param[j] and st.masters[j].requires_grad)
+                        for st in rt],
+            size=lambda ref: size(value(ref)),
+            carries_grad=lambda ref: (ref.stage >= 0 and floating(value(ref))
+                                      and self._rt.carries_grad(ref.stage, ref.index)),
+            output_size=lambda k, j: size(specs[k].outputs[j]), output_grad=self._rt.carries_grad)
         return build_schedule(ios, self.schedule.microbatches, optimizer=optimizer)
 
     def overlap(self, optimizer: torch.optim.Optimizer, mode: str = "sync", *,

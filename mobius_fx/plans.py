@@ -21,7 +21,7 @@ from tabulate import tabulate
 
 from .costs import LayerCost, dtype_name
 from .errors import MobiusError
-from .schedule import ScheduleIR, StageInput, StageIO, build_schedule
+from .schedule import ScheduleIR, StageIO, build_schedule
 from .step_model import MemoryModel, SolverInfo, stage_memory, tied_copy_bytes, tied_weights
 from .units import fmt_bytes, fmt_time
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .topology import Topology
 
 __all__ = [
-    "Plan", "Stage", "Transfer", "SolverInfo", "MemoryModel", "stage_memory", "build_plan", "stage_ios",
+    "Plan", "Stage", "Transfer", "SolverInfo", "MemoryModel", "stage_memory", "build_plan",
     "TRANSFER_KINDS",
     "TRANSFER_KIND",
 ]
@@ -104,9 +104,18 @@ class Plan:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def schedule(self) -> ScheduleIR:
-        """The step as the schedule IR (per-GPU op lists); `transfers` is a sum over it."""
-        return build_schedule(stage_ios(self.stages), self.microbatches)
+    def schedule(self, gpus: Sequence[str] | None = None) -> ScheduleIR:
+        """The step as the schedule IR (per-GPU op lists); `transfers` is a sum over it. With
+        `gpus`, stage k runs on gpus[k % len(gpus)] instead (the identity map: `gpus` in CUDA
+        order). Built once per plan and `gpus` (the plan is frozen), then shared: do not change it."""
+        key = None if gpus is None else tuple(gpus)
+        built = self.__dict__.setdefault("_schedules", {})  # a cache beside the frozen fields
+        if key not in built:
+            ios = StageIO.from_plan(self.stages)
+            if key is not None:
+                ios = tuple(dataclasses.replace(io, gpu=key[k % len(key)]) for k, io in enumerate(ios))
+            built[key] = build_schedule(ios, self.microbatches)
+        return built[key]
 
     @property
     def num_gpus(self) -> int:
@@ -301,10 +310,12 @@ def build_plan(
             peak_bytes=int(max(fwd_mem, bwd_mem)),
             capacity=int(g.memory * memory_fraction), hidden_fraction=hidden, params=uses,
         ))
-    transfers = _transfers(build_schedule(stage_ios(stages), m), topology)
-    return Plan(stages=tuple(stages), transfers=tuple(transfers), order=tuple(order), microbatches=m,
-                step_time=step_time, solver=solver or SolverInfo(), layers=layers,
+    ir = build_schedule(StageIO.from_plan(stages), m)
+    plan = Plan(stages=tuple(stages), transfers=tuple(_transfers(ir, topology)), order=tuple(order),
+                microbatches=m, step_time=step_time, solver=solver or SolverInfo(), layers=layers,
                 dtype=dtype_name(dtype), microbatches_rule=microbatches_rule, topology=topology)
+    plan.__dict__["_schedules"] = {None: ir}  # Plan.schedule()'s cache: the IR is built once per plan
+    return plan
 
 
 # A schedule IR op's kind -> its kind in plan.transfers (the IR's other ops move nothing).
@@ -332,13 +343,3 @@ def _transfers(ir: ScheduleIR, topo: "Topology") -> list[Transfer]:
         bw = topo.bandwidth(src, dst) if src != dst else float("inf")
         out.append(Transfer(kind, phase, k, src, dst, int(nbytes), tuple(route), nbytes / bw if bw else 0.0, count))
     return out
-
-
-def stage_ios(stages: Sequence[Stage]) -> list[StageIO]:
-    """The schedule's view of a plan's stages: a chain, each stage reading the one before it
-    (stage 0 reads the model input) and the last one's output going to the host."""
-    last = len(stages) - 1
-    return [StageIO(gpu=s.gpu, weight_bytes=s.param_bytes, grad_bytes=s.grad_bytes,
-                    inputs=(StageInput(s.index - 1, s.input_bytes, needs_grad=s.index > 0),),
-                    host_outputs=(s.output_bytes,) if s.index == last else ())
-            for s in stages]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from tabulate import tabulate
 
 from .errors import PlanError
-from .kinds import SCHEDULES
+from . import schedules
 from .plans import Plan
 from .units import fmt_bytes, fmt_time
 
@@ -36,7 +36,7 @@ class Comparison:
         lb = self.plan.lower_bound()
         base = self.step_time("mobius")
         rows = []
-        for name in SCHEDULES:
+        for name in schedules.names():  # the registry's order
             r = self.results.get(name)
             if r is None:
                 continue
@@ -52,17 +52,18 @@ class Comparison:
         mobius = self.results.get("mobius")
         if mobius is None or isinstance(mobius, str):
             return table
-        zero3 = self.results.get("zero3-offload")
-        ds = "" if zero3 is None or isinstance(zero3, str) else (
-            f"\nzero3-offload's DeepSpeedCPUAdam: {zero3.optimizer_bandwidth / 1e9:.1f} GB/s "
-            f"({zero3.host_sources.get('optimizer', '')})")
+        ds = "".join(f"\n{name}'s DeepSpeedCPUAdam: {r.optimizer_bandwidth / 1e9:.1f} GB/s "
+                     f"({r.host_sources.get('optimizer', '')})" for name in schedules.names()
+                     if schedules.get(name).optimizer == "deepspeed"
+                     and (r := self.results.get(name)) is not None and not isinstance(r, str))
         return f"{table}\n{mobius.host_line()}{ds}"
 
 
-def compare(plan: Plan, schedules=SCHEDULES, *, cpu_adam_bandwidth: float | None = None,
+def compare(plan: Plan, names=None, *, cpu_adam_bandwidth: float | None = None,
             deepspeed_adam_bandwidth: float | None = None, masters: str | None = None,
             optimizer_overlap: str = "none") -> Comparison:
-    """Simulate `plan` under every schedule (same costs, same topology, same simulator).
+    """Simulate `plan` under each schedule of `names` (default: every registered one,
+    `mobius_fx.schedules.names()`, in its order), with the same costs, topology and simulator.
 
     `cpu_adam_bandwidth` (bytes/s) sets the CPU optimizer's speed; None takes the topology's
     measured host section, else the simulator's default (a fused AdamW measured on the H200
@@ -73,7 +74,7 @@ def compare(plan: Plan, schedules=SCHEDULES, *, cpu_adam_bandwidth: float | None
     from .simulator import simulate
 
     results: dict = {}
-    for name in schedules:
+    for name in schedules.names() if names is None else names:
         try:
             results[name] = simulate(plan, schedule=name, cpu_adam_bandwidth=cpu_adam_bandwidth,
                                      deepspeed_adam_bandwidth=deepspeed_adam_bandwidth, masters=masters,

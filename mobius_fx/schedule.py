@@ -33,17 +33,48 @@ Gradients flow back the way the values came.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
 
 from .errors import MobiusError
 from .microbatch import check_count
 
-__all__ = ["Op", "StageIO", "StageInput", "ScheduleIR", "build_schedule", "neighbours", "HOST", "OP_KINDS"]
+__all__ = ["Op", "OpKind", "StageIO", "StageInput", "ScheduleIR", "build_schedule", "neighbours", "HOST", "OP_KINDS",
+           "PHASES"]
 
 HOST = "host"  # DRAM: where masters, saved inputs and long-lived values live
-OP_KINDS = ("prefetch", "wait", "run", "send", "offload", "restore", "download", "evict", "hold", "step")
+
+
+class OpKind(StrEnum):
+    """What an op does. A member equals its value ("run" == OpKind.RUN), so code may compare
+    either; `Op` holds the member."""
+
+    PREFETCH = "prefetch"  # weights host -> GPU
+    WAIT = "wait"  # a stage's weights are on its GPU
+    RUN = "run"  # a forward or backward (recompute included) of one micro-batch
+    SEND = "send"  # a value or gradient between GPUs, or to or from the host
+    OFFLOAD = "offload"  # a saved input GPU -> host after the forward
+    RESTORE = "restore"  # ... and back for the backward
+    DOWNLOAD = "download"  # a stage's weight gradients GPU -> host
+    EVICT = "evict"  # a stage's weights leave its GPU
+    HOLD = "hold"  # the last forward stage on a GPU stays for its backward
+    STEP = "step"  # the host's optimizer step of one stage
+
+
+OP_KINDS = tuple(OpKind)
+# The phases of a step, each with the letter an op's printed form gives it ("F2.1": forward of
+# stage 2, micro-batch 1).
+PHASES = {"forward": "F", "backward": "B", "optimizer": "O"}
+_PHASE_OF = {v: k for k, v in PHASES.items()}
+# `str(op)`: "12: send F3.1 @gpu0 activation gpu0->gpu1 1000B v0 <- 11,12" (index, kind, phase,
+# stage[.micro-batch], place, [what src->dst bytes], [value], [deps]).
+_OP_TEXT = re.compile(r"(?P<index>\d+): (?P<kind>[a-z]+) (?P<phase>[A-Z])(?P<stage>\d+)(?:\.(?P<mb>\d+))? "
+                      r"@(?P<place>\S+)(?: (?P<what>[a-z]+) (?P<src>\S+?)->(?P<dst>\S+) (?P<bytes>\d+)B)?"
+                      r"(?: v(?P<value>\d+))?(?: <- (?P<deps>\d+(?:,\d+)*))?")
 
 
 @dataclass(frozen=True)
@@ -69,12 +100,61 @@ class StageIO:
     host_grads: tuple[bool, ...] = ()  # per host output: whether a gradient comes back for it
     #                                    (empty: all do; a causal mask built from token ids does not)
 
+    # One constructor per place a step's stages are described; each gives the whole step's
+    # stages, in order, for `build_schedule`.
+    @classmethod
+    def from_plan(cls, stages: Sequence[Any]) -> tuple["StageIO", ...]:
+        """A plan's stages (`plans.Stage`): a chain, each stage reading the one before it (stage 0
+        the model input) and the last one's output going to the host; bytes as planned."""
+        last = len(stages) - 1
+        return tuple(cls(gpu=s.gpu, weight_bytes=s.param_bytes, grad_bytes=s.grad_bytes,
+                         inputs=(StageInput(s.index - 1, s.input_bytes, needs_grad=s.index > 0),),
+                         host_outputs=(s.output_bytes,) if s.index == last else ())
+                     for s in stages)
+
+    @classmethod
+    def from_graph(cls, stages: Sequence[Any], to_host: Sequence[Sequence[int]], *,
+                   weight_bytes: Sequence[int] | None = None,
+                   grad_bytes: Sequence[int] | None = None) -> tuple["StageIO", ...]:
+        """The stages of a traced graph as `insert_transfers` splits it (each with `gpu`,
+        `index` and its `inputs`' producing `stage`), `to_host[k]` stage k's outputs copied to
+        the host: order and dependencies, activations 0 bytes, weights and gradients as given
+        (default 0)."""
+        return tuple(cls(st.gpu, weight_bytes[k] if weight_bytes is not None else 0,
+                         grad_bytes[k] if grad_bytes is not None else 0,
+                         tuple(StageInput(r.stage, 0) for r in st.inputs),
+                         tuple(0 for _ in to_host[st.index]) if to_host else ())
+                     for k, st in enumerate(stages))
+
+    @classmethod
+    def from_runtime(cls, stages: Sequence[Any], to_host: Sequence[Sequence[int]], *,
+                     weight_bytes: Sequence[int], grad_bytes: Sequence[int],
+                     size: Callable[[Any], int], carries_grad: Callable[[Any], bool],
+                     output_size: Callable[[int, int], int],
+                     output_grad: Callable[[int, int], bool]) -> tuple["StageIO", ...]:
+        """A compiled pipeline's stages as its runtime holds them: `stages` as for `from_graph`,
+        the bytes of its GPU slots (`weight_bytes`, `grad_bytes` per stage), `size(ref)` /
+        `carries_grad(ref)` of an input, `output_size(k, j)` / `output_grad(k, j)` of output j of
+        stage k sent to the host."""
+        return tuple(cls(gpu=st.gpu, weight_bytes=weight_bytes[k], grad_bytes=grad_bytes[k],
+                         inputs=tuple(StageInput(r.stage, size(r), needs_grad=carries_grad(r)) for r in st.inputs),
+                         host_outputs=tuple(output_size(st.index, j) for j in to_host[st.index]),
+                         host_grads=tuple(output_grad(st.index, j) for j in to_host[st.index]))
+                     for k, st in enumerate(stages))
+
 
 @dataclass(frozen=True)
 class Op:
-    """One operation of a step. `kind` is one of OP_KINDS; `place` is the GPU whose list it is
-    in (or "host"); copies have `src`, `dst`, `what` (weight | activation | gradient | input)
-    and `bytes`."""
+    """One operation of a step. `kind` is an OpKind (a string is taken as one); `place` is the
+    GPU whose list it is in (or "host"); copies have `src`, `dst`, `what` (weight | activation |
+    gradient | input) and `bytes`. Printed, it parses back: `Op.parse(str(op)) == op`.
+
+    >>> op = Op(7, "send", "gpu0", 3, "forward", 1, "gpu0", "gpu1", "activation", 1000, (5, 6), 0)
+    >>> str(op)
+    '7: send F3.1 @gpu0 activation gpu0->gpu1 1000B v0 <- 5,6'
+    >>> Op.parse(str(op)) == op, Op.parse("2: run B0.0 @gpu1 <- 1").kind is OpKind.RUN
+    (True, True)
+    """
 
     index: int
     kind: str
@@ -90,6 +170,30 @@ class Op:
     value: int | None = None  # which input of `stage` a send/offload/restore carries, or which of
     #                           its host outputs a copy to the host carries (their positions)
 
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", OpKind(self.kind))
+        except ValueError:
+            raise MobiusError(f"op kind {self.kind!r} is not one of {', '.join(OP_KINDS)}") from None
+        if self.phase not in PHASES:
+            raise MobiusError(f"op phase {self.phase!r} is not one of {', '.join(PHASES)}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Op":
+        """The op `text` prints (`str(op)`), e.g. "7: send F3.1 @gpu0 activation gpu0->gpu1 1000B v0 <- 5,6"."""
+        m = _OP_TEXT.fullmatch(text.strip())
+        if m is None or m["phase"] not in _PHASE_OF:
+            raise MobiusError(f"{text!r} is not an op as Op prints one: 'INDEX: KIND PHASE-LETTER STAGE[.MB] @PLACE"
+                              f"[ WHAT SRC->DST BYTESB][ vVALUE][ <- DEP,DEP]', phase letters "
+                              f"{', '.join(_PHASE_OF)}, e.g. '7: run F3.1 @gpu0 <- 5,6'")
+        g = m.groupdict()
+        num = lambda key: None if g[key] is None else int(g[key])  # noqa: E731
+        copy = g["what"] is not None
+        return cls(int(g["index"]), g["kind"], g["place"], int(g["stage"]), _PHASE_OF[g["phase"]], num("mb"),
+                   g["src"] if copy else "", g["dst"] if copy else "", g["what"] if copy else "",
+                   int(g["bytes"]) if copy else 0,
+                   tuple(int(d) for d in g["deps"].split(",")) if g["deps"] else (), num("value"))
+
     @property
     def direction(self) -> str:
         """h2d | d2h | d2d for copies, "" otherwise."""
@@ -98,9 +202,11 @@ class Op:
         return {(True, False): "h2d", (False, True): "d2h"}.get((self.src == HOST, self.dst == HOST), "d2d")
 
     def __str__(self) -> str:
-        mb = f" mb{self.microbatch}" if self.microbatch is not None else ""
-        move = f" {self.what} {self.src}->{self.dst} {self.bytes} B" if self.src else ""
-        return f"{self.kind}({self.stage}{mb}){move}"
+        mb = f".{self.microbatch}" if self.microbatch is not None else ""
+        move = f" {self.what} {self.src}->{self.dst} {self.bytes}B" if self.src else ""
+        value = f" v{self.value}" if self.value is not None else ""
+        deps = f" <- {','.join(map(str, self.deps))}" if self.deps else ""
+        return f"{self.index}: {self.kind} {PHASES[self.phase]}{self.stage}{mb} @{self.place}{move}{value}{deps}"
 
 
 @dataclass(frozen=True)

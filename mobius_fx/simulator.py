@@ -19,11 +19,11 @@ comparisons are like for like.
     r4 = mobius_fx.simulate(plan, servers=4, network="100Gbps")  # one of 4 data-parallel servers
     result.step_time / r4.step_time                       # scaling efficiency (4x the global batch)
 
-Schedules: "mobius", "mobius-noprefetch", "mobius-identity-map", "gpipe", "zero3-offload",
-"roundpipe". The three "mobius" ones are read from the schedule IR (`plan.schedule()`,
-mobius_fx/schedule.py): one task per op, so a change of the schedule is made there. The
-baselines have their own builders in mobius_fx/baselines.py (each docstring says where its
-model comes from), on the task graph of mobius_fx/sim_tasks.py.
+Schedules: those of the registry, `mobius_fx.schedules.names()` -- one module each under
+mobius_fx/schedules/ (each docstring says where its model comes from), on the task graph of
+mobius_fx/sim_tasks.py. The three "mobius" ones are read from the schedule IR (`plan.schedule()`,
+mobius_fx/schedule.py) by the one task builder (schedules/ir_tasks.py): one task per op, so a
+change of the schedule is made there.
 """
 
 from __future__ import annotations
@@ -31,19 +31,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any
 
-from .baselines import gpipe, roundpipe, zero3_offload
+from . import schedules
 from .errors import MobiusError
-from .kinds import DATA_PARALLEL_SCHEDULES, OVERLAP_MODES, SCHEDULES
+from .kinds import OVERLAP_MODES
 from .network import Link, LinkSegment, Task, replay
-from .plans import TRANSFER_KIND, Plan
-from .schedule import HOST, ScheduleIR, build_schedule
+from .plans import Plan
 from .sim_tasks import (CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, MASTERS, NETWORK_LATENCY,
-                        Context, cpu_optimizer, optimizer_bytes_touched, ring_allreduce_time)
+                        Context, optimizer_bytes_touched, ring_allreduce_time)
 from .topology import PRESETS, Topology
 from .topology_schema import MIN_BANDWIDTH
 from .units import check_positive, fmt_bytes, fmt_time, parse_network
@@ -278,8 +277,7 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     topo = topology if topology is not None else plan.topology
     if topo is None:
         raise MobiusError("the plan carries no topology; pass simulate(plan, topology=Topology.preset(...))")
-    if schedule not in _BUILDERS:
-        raise MobiusError(f"unknown schedule {schedule!r}; valid schedules: {', '.join(SCHEDULES)}")
+    spec = schedules.get(schedule)
     optimizer_bytes_touched(optimizer)
     bw, ds_bw, copy_bw, sources = _host_rates(topo, cpu_adam_bandwidth, deepspeed_adam_bandwidth, host_copy_bandwidth)
     copies = _host_copies(host_copies)
@@ -299,10 +297,10 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
         if network is None:
             raise MobiusError(f"servers={servers} needs the network: pass network= each server's NIC bandwidth, "
                               f"bytes/s or a string such as '100Gbps' or '12.5GB/s'")
-        if schedule not in DATA_PARALLEL_SCHEDULES:
+        if not spec.data_parallel:
             raise MobiusError(f"servers={servers} simulates data parallel over the schedules that step a CPU optimizer "
-                              f"per stage ({', '.join(DATA_PARALLEL_SCHEDULES)}), not {schedule!r}; simulate {schedule!r} with "
-                              f"servers=1")
+                              f"per stage ({', '.join(schedules.data_parallel_names())}), not {schedule!r}; simulate "
+                              f"{schedule!r} with servers=1")
         net = math.inf if _ideal(network) else _rate(parse_network(network, "network"), "network", network)
     elif network is not None and not _ideal(network):
         _rate(parse_network(network, "network"), "network", network)  # checked; one server sends nothing
@@ -318,13 +316,14 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     ctx = Context(plan, topo, optimizer, bw, use_plan_routes=topo is plan.topology, masters=masters,
                   deepspeed_adam_bw=ds_bw, overlap=optimizer_overlap, servers=servers, network=net,
                   network_latency=float(alpha), copy_bw=copy_bw, copies=copies)
-    _BUILDERS[schedule](ctx)
-    if schedule == "zero3-offload":
+    spec.build(ctx)
+    deepspeed = spec.optimizer == "deepspeed"
+    if deepspeed:
         sources["optimizer"] = sources.pop("deepspeed")
     else:
         sources.pop("deepspeed")
     return dataclasses.replace(_run(ctx, schedule), host_sources=sources, host_copy_bandwidth=copy_bw,
-                               optimizer_bandwidth=ctx.deepspeed_adam_bw if schedule == "zero3-offload" else bw)
+                               optimizer_bandwidth=ctx.deepspeed_adam_bw if deepspeed else bw)
 
 
 MEASURED = "measured on this host"  # a figure from the topology's "host" section (SimResult.host_sources)
@@ -401,130 +400,6 @@ def _rate(x: float, name: str, given: Any) -> float:
 def _ideal(network: Any) -> bool:
     """`network=math.inf`: an infinitely fast network (the all-reduces take no time)."""
     return isinstance(network, (int, float)) and not isinstance(network, bool) and network == math.inf
-
-
-def _schedule(plan: Plan, gpus: tuple[str, ...] | None = None) -> ScheduleIR:
-    """plan.schedule(), with stage k on gpus[k % N] when `gpus` is given."""
-    ir = plan.schedule()
-    if gpus is None:
-        return ir
-    return build_schedule([dataclasses.replace(io, gpu=gpus[k % len(gpus)]) for k, io in enumerate(ir.stages)],
-                          ir.microbatches)
-
-
-def _from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
-    """One task per op of a schedule IR (mobius_fx/schedule.py). A `run` computes f or b on its
-    GPU; a copy with bytes is a flow on the route src -> dst, on the receiving GPU's upload stream
-    (prefetch, restore, an input sent again), its activation stream (other sends to a GPU) or the
-    sending GPU's download stream (offload, download, sends to the host), served by slot (a stage's
-    forward or backward on that GPU), then IR order; `evict`/`wait`/`hold` are markers; the host
-    `step`s are the one CPU optimizer task at the end. Deps are the IR's, through markers and
-    zero-byte copies: a `wait` stands for the stage's weights, but a prefetch it triggers starts
-    with the stage's first run (with `prefetch=False`: after its last). On a shared link a copy
-    ranks by when the step needs it (`_need`); its host end is the stage's home (`ctx.home`)."""
-    ops, c = ir.ops, ctx.stages
-    slot = {(o.phase, o.stage): p for g in ir.gpus for p, o in enumerate(x for x in ir.place(g) if x.kind == "wait")}
-    runs: dict[int, list[int]] = defaultdict(list)  # wait -> the runs that wait for it
-    for o in ops:
-        for d in o.deps if o.kind == "run" else ():
-            if ops[d].kind == "wait":
-                runs[d].append(o.index)
-    task: dict[int, int] = {}
-    through: dict[int, list[int]] = {}
-    triggers: list[tuple[int, int]] = []
-    staging: dict[int, list[int]] = {}  # staging task -> the waits whose first run triggers it (as its upload)
-
-    def ends(d: int) -> list[int]:  # the tasks whose ends op d stands for
-        if d not in task and d not in through:
-            through[d] = [t for e in ops[d].deps for t in ends(e)]
-        return [task[d]] if d in task else through[d]
-
-    for o in ops:
-        after = [t for d in o.deps if not (o.kind == "prefetch" and ops[d].kind == "wait") for t in ends(d)]
-        tag = f"{o.phase[0]}{c.names[o.stage]}" + ("" if o.microbatch is None else f" mb{o.microbatch}")
-        if o.kind == "run":
-            task[o.index] = ctx.compute(o.place, c.f[o.stage] if o.phase == "forward" else c.b[o.stage], tag, after,
-                                        phase=o.phase, stage=o.stage, microbatch=o.microbatch)
-        elif o.kind in TRANSFER_KIND and o.direction and o.bytes > 0:  # a copy (an evict has no direction)
-            gpu = o.src if o.dst == HOST else o.dst
-            staged = ctx.stage_copy(gpu, o.stage, c.master[o.stage]) if o.kind == "prefetch" else None
-            if staged is not None:
-                after.append(staged)
-                staging.setdefault(staged, [d for d in o.deps if ops[d].kind == "wait"])
-            stream = ("download" if o.dst == HOST else "upload" if o.kind == "prefetch" or o.what == "input"
-                      else "activation")
-            task[o.index] = ctx.move(f"{gpu}/{stream}", (slot[(o.phase, o.stage)], o.index),
-                                     o.src, o.dst, o.bytes, f"{o.kind} {tag}", after=after,
-                                     need=_need(o, len(ir.stages)),
-                                     home=ctx.home(o.stage, gpu) if HOST in (o.src, o.dst) else None,
-                                     kind=TRANSFER_KIND[o.kind], phase=o.phase, gpu=gpu, stage=o.stage, microbatch=o.microbatch)
-            triggers += [(task[o.index], d) for d in o.deps if o.kind == "prefetch" and ops[d].kind == "wait"]
-        elif o.kind in ("evict", "wait", "hold"):
-            ctx.mark(f"{o.kind} {tag}", after, kind=o.kind, phase=o.phase, gpu=o.place, stage=o.stage)
-    for t, w in triggers + [(t, w) for t, ws in staging.items() for w in ws]:
-        (ctx.tasks[t].after_start if prefetch else ctx.tasks[t].after).append(task[runs[w][0 if prefetch else -1]])
-    steps = {o.stage: c.master[o.stage] for o in ops if o.kind == "step"}
-    cpu_optimizer(ctx, sum(steps.values()), per_stage=steps)
-
-
-def _need(o: Any, stages: int) -> tuple[int]:
-    """When the step needs copy `o`, as the rank of the run that waits for it: stage k's forward
-    is k, its backward 2S-1-k; a saved input is needed by its stage's backward, a value sent to
-    the host two stages on (or at the turn), gradients (and input gradients sent to the host)
-    by the optimizer, after everything (2S)."""
-    back = 2 * stages - 1 - o.stage
-    if o.kind == "download" or (o.phase == "backward" and o.dst == HOST):
-        return (2 * stages,)
-    if o.kind == "offload":
-        return (back,)
-    if o.dst == HOST:
-        return (min(o.stage + 2, stages),)
-    return (o.stage,) if o.phase == "forward" else (back,)
-
-
-def _mobius(ctx: Context) -> None:
-    """The plan as the runtime runs it: its schedule IR (docs/schedule.md), CPU optimizer after
-    the last gradient. Moves exactly `plan.transfers` (checked), so `plan.lower_bound()` bounds it."""
-    _from_ir(ctx, _schedule(ctx.plan))
-    _check_transfers(ctx)
-
-
-def _noprefetch(ctx: Context) -> None:
-    """Mobius without prefetch: a stage's upload starts only once its GPU has finished the
-    previous stage (the GPU idles while its weights arrive). Same transfers as "mobius"."""
-    _from_ir(ctx, _schedule(ctx.plan), prefetch=False)
-    _check_transfers(ctx)
-
-
-def _identity(ctx: Context) -> None:
-    """Mobius with the identity mapping (stage k on the k % N-th GPU by CUDA index, no cross
-    mapping), as in the paper's cross-mapping ablation; transfers re-routed accordingly."""
-    _from_ir(ctx, _schedule(ctx.plan, ctx.gpus))
-
-
-_BUILDERS: dict[str, Callable[[Context], None]] = {
-    "mobius": _mobius, "mobius-noprefetch": _noprefetch, "mobius-identity-map": _identity,
-    "gpipe": gpipe, "zero3-offload": zero3_offload, "roundpipe": roundpipe,
-}
-
-
-# ------------------------------------------------------------------------------- helpers
-def _check_transfers(ctx: Context) -> None:
-    """The "mobius" schedules must move exactly plan.transfers (kind, phase, stage, ends, bytes, count)."""
-    ours: Counter = Counter()
-    for t in ctx.tasks:
-        if t.meta.get("kind") in ("prefetch", "activation", "gradient"):
-            ours[(t.meta["kind"], t.meta["phase"], t.meta["stage"], t.meta["src"], t.meta["dst"], t.meta["bytes"])] += 1
-    theirs: Counter = Counter()
-    for t in ctx.plan.transfers:
-        if t.kind != "evict" and t.bytes > 0 and t.src != t.dst:
-            theirs[(t.kind, t.phase, t.stage, t.src, t.dst, int(t.bytes))] += t.count
-    if ours != theirs:
-        extra = list((ours - theirs).items())[:3]
-        lacking = list((theirs - ours).items())[:3]
-        raise MobiusError(f"the simulated Mobius schedule and plan.transfers differ (docs/schedule.md): "
-                          f"simulated but not in the plan {extra}, in the plan but not simulated {lacking}; "
-                          f"rebuild the plan with plans.build_plan")
 
 
 # ---------------------------------------------------------------------------------- run

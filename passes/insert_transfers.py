@@ -45,7 +45,7 @@ from mobius_fx import ops as _rt
 from mobius_fx.devices import HOST
 from mobius_fx.errors import MobiusError
 from mobius_fx.microbatch import check_count
-from mobius_fx.schedule import ScheduleIR, StageInput, StageIO, build_schedule, neighbours
+from mobius_fx.schedule import ScheduleIR, StageIO, build_schedule, neighbours
 
 __all__ = ["insert_transfers", "Schedule", "StageSpec", "WeightRef", "ValueRef"]
 
@@ -121,12 +121,11 @@ class Schedule:
         def size(ts) -> int:
             return sum(t.numel() * t.element_size() for t in ts)
 
-        return build_schedule([StageIO(st.gpu, size(w.tensor for w in st.weights),
-                                       size(w.tensor for w in st.weights if isinstance(w.tensor, nn.Parameter)
-                                            and w.tensor.requires_grad),
-                                       tuple(StageInput(r.stage, 0) for r in st.inputs),
-                                       tuple(0 for _ in self.to_host[st.index]) if self.to_host else ())
-                               for st in self.stages], self.microbatches, optimizer=False)
+        return build_schedule(StageIO.from_graph(
+            self.stages, self.to_host, weight_bytes=[size(w.tensor for w in st.weights) for st in self.stages],
+            grad_bytes=[size(w.tensor for w in st.weights
+                             if isinstance(w.tensor, nn.Parameter) and w.tensor.requires_grad) for st in self.stages]),
+            self.microbatches, optimizer=False)
 
 
 def insert_transfers(gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]], stage_gpus: Sequence[str],
@@ -386,8 +385,7 @@ def _schedule_graph(stages: tuple[StageSpec, ...], inputs: list[str], out_arg: A
 
     to_host = {(k, j) for (k, j), users in consumers.items() if any(u > k + 1 for u in users)} | to_output
     host_ids = [tuple(sorted(j for (st, j) in to_host if st == k)) for k in range(n_stages)]
-    ir = build_schedule([StageIO(st.gpu, 0, 0, tuple(StageInput(r.stage, 0) for r in st.inputs),
-                                 tuple(0 for _ in host_ids[st.index])) for st in stages], m, optimizer=False)
+    ir = build_schedule(StageIO.from_graph(stages, host_ids), m, optimizer=False)
 
     # Lower the IR's forward ops, in its order, to calls of the runtime ops.
     outputs: dict[tuple[int, int, int], fx.Node] = {}  # (stage, output index, mb) -> value on its stage's GPU

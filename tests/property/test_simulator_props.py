@@ -8,7 +8,7 @@ from mobius_fx.costs import LayerCost
 from mobius_fx.errors import PlanError
 from mobius_fx.plans import build_plan
 from mobius_fx.sim_tasks import HOST_COPY_KINDS
-from mobius_fx.kinds import SCHEDULES
+from mobius_fx import schedules
 from mobius_fx.simulator import simulate
 from mobius_fx.topology import Topology
 
@@ -51,7 +51,7 @@ def plans(draw, shared=True):
 
 
 def _each_schedule(plan):
-    for schedule in SCHEDULES:
+    for schedule in schedules.names():
         try:
             yield schedule, simulate(plan, schedule=schedule)
         except PlanError:

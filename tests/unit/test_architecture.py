@@ -13,6 +13,13 @@
   kind) is written out only there; a literal tuple, list or set holding two of a list's names (or
   a dict with two of TRANSFER_KIND's pairs) anywhere else in `mobius_fx`, `passes/` or
   `benchmarks/` is a second copy: import the list instead.
+- One schedule language (issue 29): a schedule is a module of `mobius_fx/schedules/` registered
+  by name (`mobius_fx.schedules.register`); no literal lists two schedule names (the registry is
+  the list), no module outside that package compares a value with a schedule's name, and only
+  the task builder from the schedule IR (`schedules/ir_tasks.py`) and the task graph
+  (`sim_tasks.py`) make simulator tasks (the baselines' looped pipeline is a named exception);
+  the IR's stage description (`StageIO`) is built only by its named constructors in
+  `mobius_fx/schedule.py` (from the plan, the traced graph, the runtime).
 - One home per rule: the micro-batch count's rules live in `mobius_fx/microbatch.py`
   (`check_count`, `check_divides`); the divisibility message is written in no other module.
 
@@ -44,10 +51,14 @@ KNOWN_SELECTIONS: dict[tuple[str, frozenset], str] = {
 
 
 def _modules() -> dict[str, Path]:
+    """Dotted name -> file of every module of the package, subpackages included."""
     mods = {}
     for pkg, folder in PACKAGES.items():
-        for path in sorted(folder.glob("*.py")):
-            mods[pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"] = path
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join((pkg, *parts))] = path
     return mods
 
 
@@ -180,23 +191,28 @@ SCANNED = {**MODULES, **{f"benchmarks.{p.stem}": p for p in sorted((ROOT / "benc
 
 
 def _kind_lists() -> dict[str, tuple[str, frozenset]]:
-    """name -> (its home module, its members) for every list that must be written out once."""
-    from mobius_fx import kinds, plans
+    """name -> (its home module, its members) for every list that must be written out once. The
+    schedules are a registry, not a list: each module of `mobius_fx/schedules/` registers its
+    own name, so no module (the registry included) writes two of them out."""
+    from mobius_fx import kinds, plans, schedules
 
     lists = {name: ("mobius_fx.kinds", frozenset(getattr(kinds, name))) for name in kinds.__all__}
     lists["TRANSFER_KIND"] = ("mobius_fx.plans", frozenset(plans.TRANSFER_KIND.items()))
+    lists["schedules"] = ("mobius_fx.schedules.registry", frozenset(schedules.names()))
     return lists
 
 
 def _literal(node: ast.AST) -> frozenset | None:
-    """The members of a literal tuple/list/set of str (a dict of str -> str: its pairs)."""
+    """The members of a literal tuple/list/set of str (a dict: its str keys, and its pairs of
+    str -> str: a table keyed by a kind list's names is a copy of the list too)."""
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
         values = [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
         return frozenset(values)
     if isinstance(node, ast.Dict):
-        return frozenset((k.value, v.value) for k, v in zip(node.keys, node.values)
-                         if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)
-                         and isinstance(k.value, str) and isinstance(v.value, str))
+        keys = {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+        return frozenset(keys) | frozenset((k.value, v.value) for k, v in zip(node.keys, node.values)
+                                           if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)
+                                           and isinstance(k.value, str) and isinstance(v.value, str))
     return None
 
 
@@ -226,7 +242,111 @@ def test_each_kind_list_is_written_once():
     stale = sorted(str(k) for k in set(KNOWN_SELECTIONS) - seen)
     assert not stale, f"{stale} are gone: remove them from KNOWN_SELECTIONS"
     assert not copies, ("a kind list is written out a second time; import it from its home (mobius_fx.kinds, "
-                        "plans.TRANSFER_KIND) instead, so the two cannot drift:\n" + "\n".join(copies))
+                        "plans.TRANSFER_KIND, mobius_fx.schedules.names()) instead, so the two cannot drift:\n"
+                        + "\n".join(copies))
+
+
+# ----------------------------------------------------------------------------- one schedule language
+
+SCHEDULES = "mobius_fx.schedules"
+# The modules that turn a schedule into simulator tasks: the one task builder from the schedule
+# IR, and the task graph's own primitives (streams, the host's optimizer and copies, all-reduce).
+TASK_BUILDERS = {f"{SCHEDULES}.ir_tasks", "mobius_fx.sim_tasks"}
+# Modules that still speak a second language, each named with the reason (a stale entry fails).
+KNOWN_SECOND_LANGUAGE: dict[str, str] = {
+    f"{SCHEDULES}.looped": "the looped pipeline (Slot) the baselines are built from: to retire for the IR",
+    f"{SCHEDULES}.gpipe": "GPipe's slots, and its optimizer on the GPUs",
+    f"{SCHEDULES}.zero3_offload": "ZeRO-3's per-GPU slots",
+    f"{SCHEDULES}.roundpipe": "RoundPipe's round-robin slots",
+}
+TASK_CALLS = {"compute", "move", "mark", "add", "stage_copy"}  # sim_tasks.Context's task makers
+
+
+def schedule_languages() -> dict[str, list[str]]:
+    """module -> how it builds simulator tasks itself: a call of a `Context` task maker (on any
+    object, in a module that imports `mobius_fx.sim_tasks`), a `Task(...)`, or the looped
+    pipeline (`Slot`, `looped_pipeline`)."""
+    found: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        targets = {imp.target for imp in imports_of(module)}
+        if not targets & {"mobius_fx.sim_tasks", "mobius_fx.network", f"{SCHEDULES}.looped"} \
+                and module != "mobius_fx.sim_tasks":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if (isinstance(f, ast.Attribute) and name in TASK_CALLS and "mobius_fx.sim_tasks" in targets) \
+                    or name in ("Task", "Slot", "looped_pipeline"):
+                found.setdefault(module, []).append(f"line {node.lineno}: {name}(...)")
+    return found
+
+
+def test_one_schedule_language():
+    """A schedule is a module of mobius_fx/schedules/ registered by name; the simulator makes its
+    tasks only through the task builder from the IR (and the task graph's primitives)."""
+    found = schedule_languages()
+    stale = sorted(set(KNOWN_SECOND_LANGUAGE) - set(found))
+    assert not stale, f"{stale} no longer build tasks of their own: remove them from KNOWN_SECOND_LANGUAGE"
+    outside = {m: how for m, how in found.items() if m not in TASK_BUILDERS and m not in KNOWN_SECOND_LANGUAGE}
+    assert not outside, ("modules build simulator tasks outside the schedules package's task builder "
+                         f"({', '.join(sorted(TASK_BUILDERS))}): {outside}; make the schedule a module of "
+                         "mobius_fx/schedules/ that produces the schedule IR and hands it to "
+                         "ir_tasks.tasks_from_ir")
+
+
+def stage_descriptions() -> list[str]:
+    """Where a module other than `mobius_fx.schedule` builds the IR's stage description itself
+    (`StageIO(...)`, `StageInput(...)`) instead of with a named constructor (`StageIO.from_plan`,
+    `.from_graph`, `.from_runtime`)."""
+    found = []
+    for module, path in MODULES.items():
+        if module == "mobius_fx.schedule":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                if name in ("StageIO", "StageInput"):
+                    found.append(f"{module} line {node.lineno}: {name}(...)")
+    return found
+
+
+def test_the_ir_is_described_by_one_record_with_named_constructors():
+    found = stage_descriptions()
+    assert not found, ("the schedule IR's stages are described outside mobius_fx/schedule.py; add or use a named "
+                       "constructor there (StageIO.from_plan, from_graph, from_runtime):\n" + "\n".join(found))
+
+
+def schedule_name_branches() -> list[str]:
+    """Where a module of `mobius_fx` outside the schedules package that runs schedules (imports
+    the schedules, the simulator, its task graph or the report) compares a value with a
+    registered schedule's name (`if schedule == "gpipe"`): behaviour that belongs to the
+    schedule's own module or its registry entry."""
+    from mobius_fx import schedules
+
+    registered = set(schedules.names())
+    users = {"mobius_fx.simulator", "mobius_fx.sim_tasks", "mobius_fx.report"}
+    found = []
+    for module, path in MODULES.items():
+        targets = {imp.target for imp in imports_of(module)}
+        if module == SCHEDULES or module.startswith(f"{SCHEDULES}.") or not (
+                targets & users or any(t == SCHEDULES or t.startswith(f"{SCHEDULES}.") for t in targets)):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare):
+                for c in ast.walk(node):
+                    if isinstance(c, ast.Constant) and c.value in registered:
+                        found.append(f"{module} line {node.lineno}: compares with {c.value!r}")
+    return found
+
+
+def test_no_module_branches_on_a_schedule_name():
+    found = schedule_name_branches()
+    assert not found, ("code outside mobius_fx/schedules/ branches on a schedule's name; give the schedule's "
+                       "registry entry a field (schedules.register(..., data_parallel=, optimizer=)) or move the "
+                       "behaviour into its module:\n" + "\n".join(found))
 
 
 DIVIDES_MESSAGE = ("must divide the batch", "equal micro-batches")

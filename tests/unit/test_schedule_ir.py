@@ -94,6 +94,23 @@ def test_the_timeline_prints_each_gpu_and_phase():
 
 # ----------------------------------------------------------------------------- the plan reads it
 
+def test_a_plans_ir_is_built_once_per_plan_and_gpu_map():
+    from mobius_fx.costs import LayerCost
+    from mobius_fx.plans import Plan, build_plan
+
+    topo = Topology.virtual(gpus=2, memory="24GiB")
+    layers = [LayerCost(f"h{i}", (f"n{i}",), 1.0, 1.0, 0.01, 0.03, 1000, 1000, 64, 64) for i in range(3)]
+    plan = build_plan(layers, [0, 1, 2], order=["gpu1", "gpu0"], topology=topo, microbatches=2, step_time=0.0)
+    ir = plan.schedule()
+    assert plan.schedule() is ir  # the one build_plan made its transfers from
+    assert ir == build_schedule(StageIO.from_plan(plan.stages), 2)
+    ident = plan.schedule(("gpu0", "gpu1"))
+    assert plan.schedule(["gpu0", "gpu1"]) is ident and ident is not ir
+    assert [s.gpu for s in ident.stages] == ["gpu0", "gpu1", "gpu0"] and [s.gpu for s in ir.stages] == ["gpu1", "gpu0", "gpu1"]
+    again = Plan.from_json(plan.to_json())  # a plan read back builds its own, the same
+    assert again.schedule() == ir and again.schedule() is again.schedule()
+
+
 def _tied_gpt_pipe(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=256, seq=32, hidden=64, blocks=4, heads=2))

@@ -12,7 +12,7 @@ import pytest
 from mobius_fx.costs import LayerCost
 from mobius_fx.errors import MobiusError, PlanError
 from mobius_fx.plans import MemoryModel, build_plan, stage_memory
-from mobius_fx.kinds import SCHEDULES
+from mobius_fx import schedules
 from mobius_fx.sim_tasks import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, TOUCHED_BYTES, host_copy_bytes
 from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, simulate
 from mobius_fx.topology import HostFigures, Topology
@@ -353,7 +353,7 @@ def test_gpipe_checks_memory_with_the_plans_own_footprint(microbatches):
         simulate(with_capacity(need * (1 - 1e-9)), schedule="gpipe", optimizer="adam")
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", schedules.names())
 def test_every_schedule_is_bounded_by_its_own_work(testbed_plan, schedule):
     r = simulate(testbed_plan, schedule=schedule)
     assert r.pipeline_time >= r.bound * (1 - 1e-9)

@@ -1,0 +1,31 @@
+"""The schedules the simulator knows, one module each, registered by name in one registry.
+
+    mobius_fx/schedules/registry.py        register(name, build), get(name), names()
+    mobius_fx/schedules/mobius.py          "mobius": the plan's schedule IR, as the runtime runs it
+    mobius_fx/schedules/mobius_noprefetch.py    "mobius-noprefetch": ... uploads after the stage before
+    mobius_fx/schedules/mobius_identity_map.py  "mobius-identity-map": ... stage k on GPU k % N
+    mobius_fx/schedules/gpipe.py           "gpipe": every weight resident
+    mobius_fx/schedules/zero3_offload.py   "zero3-offload": DeepSpeed ZeRO-3 with CPU offload
+    mobius_fx/schedules/roundpipe.py       "roundpipe": RoundPipe-style round-robin dispatch
+    mobius_fx/schedules/ir_tasks.py        the task builder from the schedule IR
+    mobius_fx/schedules/looped.py          the looped pipeline the baselines are built from
+
+Importing this package registers the schedules above, in this order (the comparison table's).
+To add one: a module that calls `register("name", build)` and is imported (here, or by the
+user before `simulate(plan, schedule="name")`); `simulate`, `report.compare` and the CLI's
+table then run it. `build(ctx)` adds one step's tasks to a `sim_tasks.Context`; a schedule that
+produces the schedule IR hands it to `ir_tasks.tasks_from_ir`.
+"""
+
+from __future__ import annotations
+
+# Registered on import, in the comparison table's order (keep it: not alphabetical).
+from . import mobius  # noqa: F401  (isort: skip: the order registers the table's rows)
+from . import mobius_noprefetch  # noqa: F401
+from . import mobius_identity_map  # noqa: F401
+from . import gpipe  # noqa: F401
+from . import zero3_offload  # noqa: F401
+from . import roundpipe  # noqa: F401
+from .registry import OPTIMIZERS, Schedule, data_parallel_names, get, names, register, unregister
+
+__all__ = ["Schedule", "register", "unregister", "get", "names", "data_parallel_names", "OPTIMIZERS"]

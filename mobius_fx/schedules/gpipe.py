@@ -1,0 +1,106 @@
+""""gpipe": GPipe with every weight resident (see `build`)."""
+
+from __future__ import annotations
+
+from ..errors import PlanError
+from ..network import Task
+from ..plans import MemoryModel, Plan
+from ..sim_tasks import STATE_BYTES, TOUCHED_BYTES, Context, Costs
+from ..units import fmt_bytes
+from .layer_units import layer_units
+from .looped import Slot, looped_pipeline
+from .registry import register
+
+__all__ = ["build"]
+
+
+def build(ctx: Context) -> None:
+    """GPipe (Huang et al., 2019; torchgpipe) with every weight resident: the plan's layers
+    re-cut into N stages balanced by compute, stage j on the j-th GPU, all forwards then all
+    backwards (with recompute), activations hop between GPUs, no weight traffic. The
+    optimizer runs on the GPUs, as GPipe does: each GPU steps its own stage at its memory
+    bandwidth after the backward. Raises PlanError when a stage's weights, gradients,
+    optimizer state and activations do not fit its GPU."""
+    plan, n, m = ctx.plan, len(ctx.gpus), ctx.plan.microbatches
+    u = layer_units(ctx)
+    groups = _balanced(u, n)
+    c = Costs([], [], [], [], [], [], [], [])
+    for j, (a, z) in enumerate(groups):
+        for lst, src in ((c.f, u.f), (c.b, u.b), (c.w, u.w), (c.g, u.g), (c.master, u.master)):
+            lst.append(sum(src[a:z]))
+        c.inp.append(u.inp[a])
+        c.out.append(u.out[z - 1])
+        c.names.append(f"g{j}")
+    mm, recompute, work = _gpipe_memory(plan, u)
+    caps = {s.gpu: s.capacity for s in plan.stages}
+    by_name = {g.name: g for g in ctx.topo.gpus}
+    states = STATE_BYTES[ctx.optimizer] + (4 if ctx.scale != 1.0 else 0)  # + fp32 master copy when streaming half
+    for j, (a, z) in enumerate(groups):
+        gpu = ctx.gpus[j]
+        cap = caps.get(gpu, by_name[gpu].memory)
+        opt = c.master[j] / 4.0 * states
+        act = m * (c.inp[j] + c.out[j])
+        need = mm.footprint(c.w[j], c.g[j], sum(recompute[a:z]), act, max(work[a:z], default=0.0))[1] + opt
+        rest = need - opt - c.w[j] - c.g[j]  # activations, recompute, working memory, a micro-batch's fresh grads
+        if need > cap:
+            raise PlanError(
+                f"gpipe stage {j} ({u.names[a]} .. {u.names[z - 1]}) on {gpu} needs {fmt_bytes(need)} (weights "
+                f"{fmt_bytes(c.w[j])} + grads {fmt_bytes(c.g[j])} + {ctx.optimizer} state {fmt_bytes(opt)} + "
+                f"activations, recompute and working memory {fmt_bytes(rest)}) but {gpu} has {fmt_bytes(cap)}; GPipe keeps every "
+                f"weight resident, so this model does not fit {n} GPU(s): use the 'mobius' schedule or more GPUs")
+    slots = [Slot("forward", j, ctx.gpus[j]) for j in range(len(groups))]
+    slots += [Slot("backward", j, ctx.gpus[j]) for j in reversed(range(len(groups)))]
+    looped_pipeline(ctx, c, slots, m, resident=True, offload_activations=False, grads_to_host=False)
+    barrier = ctx.mark("backward done", list(range(len(ctx.tasks))), kind="barrier")
+    for j in range(len(groups)):
+        gpu = ctx.gpus[j]
+        t = c.master[j] / 4.0 * TOUCHED_BYTES[ctx.optimizer] / by_name[gpu].spec.memory_bandwidth
+        ctx.add(Task(f"optimizer {gpu}", f"{gpu}/optimizer", (), t, after=[barrier],
+                     meta={"kind": "optimizer", "phase": "step", "gpu": gpu}))
+
+def _balanced(u: Costs, n: int) -> list[tuple[int, int]]:
+    """Contiguous groups of units, at most n, minimising the largest compute (f + b)."""
+    cost = [f + b for f, b in zip(u.f, u.b)]
+    size = len(cost)
+    if size <= n:
+        return [(i, i + 1) for i in range(size)]
+
+    def cut(limit: float) -> list[tuple[int, int]] | None:
+        groups, a, acc = [], 0, 0.0
+        for i, x in enumerate(cost):
+            if acc + x > limit and i > a:
+                groups.append((a, i))
+                a, acc = i, 0.0
+            acc += x
+        groups.append((a, size))
+        return groups if len(groups) <= n else None
+
+    lo, hi = max(cost), sum(cost)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if cut(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return cut(hi) or [(0, size)]
+
+
+def _gpipe_memory(plan: Plan, u: Costs) -> tuple[MemoryModel, list[float], list[float]]:
+    """The plan's memory model (`MemoryModel.footprint`, as the partitioner uses), each
+    unit's recompute bytes and its working memory (`MemoryModel.working`; a group's is the
+    largest of its units'): from the layer table, or, when the units are the plan's stages,
+    what of a stage's backward peak the footprint's other terms leave (working memory 0, in it)."""
+    m = plan.microbatches
+    by_name = {l.name: l for l in plan.layers}
+    if plan.layers and all(n in by_name for n in u.names):
+        mm = MemoryModel.for_layers(plan.layers, m, plan.dtype)
+        return (mm, [mm.recompute_bytes(by_name[n]) for n in u.names],
+                [mm.working(by_name[n]) for n in u.names])
+    mm = MemoryModel(m)
+    rest = [max(0.0, s.peak_bytes - mm.footprint(s.param_bytes, s.grad_bytes, 0.0,
+                                                  m * (s.input_bytes + s.output_bytes), 0.0)[1])
+            for s in plan.stages]
+    return mm, rest, [0.0] * len(rest)
+
+
+register("gpipe", build, summary="every weight resident, N stages balanced by compute, optimizer on the GPUs")

@@ -1,0 +1,86 @@
+"""The one registry of the schedules the simulator knows, by name.
+
+Each schedule's module (`mobius_fx/schedules/<name>.py`) registers itself here on import; the
+simulator (`simulate(schedule=...)`), the comparison table (`report.compare`), the command line
+and `benchmarks/paper.py` read the names from here, in registration order (the table's order).
+
+    from mobius_fx.schedules import register, unregister, names
+    register("toy", build, summary="...")     # build(ctx): add the step's tasks to a sim_tasks.Context
+    simulate(plan, schedule="toy"); names()   # (..., "roundpipe", "toy")
+    unregister("toy")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import MobiusError
+
+__all__ = ["Schedule", "register", "unregister", "get", "names", "data_parallel_names", "OPTIMIZERS"]
+
+# Whose CPU optimizer a schedule's step runs (`Schedule.optimizer`): "user" is the user's torch
+# optimizer (`simulate(cpu_adam_bandwidth=)`), "deepspeed" DeepSpeedCPUAdam
+# (`simulate(deepspeed_adam_bandwidth=)`).
+OPTIMIZERS = ("user", "deepspeed")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A named schedule: `build(ctx)` adds one training step's tasks to `ctx`
+    (a `mobius_fx.sim_tasks.Context` over the plan, its topology and the host's figures).
+
+    `data_parallel`: `simulate(servers=R > 1)` takes it (it steps a CPU optimizer per stage);
+    `optimizer`: whose CPU optimizer it steps (OPTIMIZERS), so `SimResult` reports that speed;
+    `summary`: one line on what it models."""
+
+    name: str
+    build: Callable[[Any], None]
+    data_parallel: bool = False
+    optimizer: str = "user"
+    summary: str = ""
+
+
+_REGISTRY: dict[str, Schedule] = {}
+
+
+def register(name: str, build: Callable[[Any], None], *, data_parallel: bool = False, optimizer: str = "user",
+             summary: str = "") -> Schedule:
+    """Make `build` the schedule `name` for `simulate`, the comparison table and the CLI."""
+    if not isinstance(name, str) or not name or name != name.strip():
+        raise MobiusError(f"a schedule's name is a non-empty string without surrounding spaces, got {name!r}")
+    if name in _REGISTRY:
+        raise MobiusError(f"schedule {name!r} is registered already (by {_REGISTRY[name].build.__module__}); "
+                          f"pick another name, or unregister({name!r}) first")
+    if not callable(build):
+        raise MobiusError(f"schedule {name!r}: build={build!r} is not callable; give a function of the "
+                          f"simulator's context that adds the step's tasks")
+    if optimizer not in OPTIMIZERS:
+        raise MobiusError(f"schedule {name!r}: optimizer={optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    _REGISTRY[name] = Schedule(name, build, data_parallel, optimizer, summary)
+    return _REGISTRY[name]
+
+
+def unregister(name: str) -> None:
+    """Forget schedule `name` (a test's toy schedule, after the test)."""
+    get(name)
+    del _REGISTRY[name]
+
+
+def get(name: str) -> Schedule:
+    """The schedule registered as `name`; a MobiusError naming the valid ones otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise MobiusError(f"unknown schedule {name!r}; valid schedules: {', '.join(_REGISTRY)}") from None
+
+
+def names() -> tuple[str, ...]:
+    """Every registered schedule, in registration order (the comparison table's)."""
+    return tuple(_REGISTRY)
+
+
+def data_parallel_names() -> tuple[str, ...]:
+    """The schedules `simulate(servers=R > 1)` runs data parallel."""
+    return tuple(n for n, s in _REGISTRY.items() if s.data_parallel)

@@ -1,0 +1,34 @@
+""""roundpipe": a RoundPipe-style stateless round-robin dispatch (see `build`)."""
+
+from __future__ import annotations
+
+from ..sim_tasks import Context, cpu_optimizer
+from .looped import Slot, looped_pipeline
+from .registry import register
+
+__all__ = ["build"]
+
+
+def build(ctx: Context) -> None:
+    """RoundPipe-style stateless round-robin dispatch (Luo et al., arXiv 2604.27085, 2026).
+
+    Slot i goes to GPU (g0 + i) mod N (g0 = 0, GPUs by CUDA index); every slot runs all
+    micro-batches; backward slots continue the rotation after the forward ones, so no GPU waits
+    at the forward/backward turn. The last stage is RoundPipe's fused first backward slot: its
+    forward doubles as the recompute (it costs b_{S-1} per micro-batch, uploads once, computes
+    the loss on the GPU and keeps its input). Every other slot uploads its weights (prefetched
+    while the previous slot on that GPU runs, two resident at most), saved inputs go to DRAM
+    and come back, gradients go to DRAM. Simplifications: the plan's stages are the slots
+    (RoundPipe also cuts backward slots ~1/3 the size of forward ones), its priority packing of
+    transfers is the stream priority here, and its optimizer steps as `simulate`'s
+    `optimizer_overlap` says ("async" is RoundPipe's own asynchronous optimizer).
+    """
+    s, n = ctx.plan.num_stages, len(ctx.gpus)
+    slots = [Slot("forward", k, ctx.gpus[k % n]) for k in range(s - 1)]
+    slots.append(Slot("fused", s - 1, ctx.gpus[(s - 1) % n]))
+    slots += [Slot("backward", k, ctx.gpus[(2 * s - 2 - k) % n]) for k in reversed(range(s - 1))]
+    looped_pipeline(ctx, ctx.stages, slots, ctx.plan.microbatches, loss_on_host=False)
+    cpu_optimizer(ctx, sum(ctx.stages.master), per_stage={k: m for k, m in enumerate(ctx.stages.master) if m})
+
+
+register("roundpipe", build, data_parallel=True, summary="round-robin slots over the GPUs, fused last stage")

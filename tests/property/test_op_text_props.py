@@ -1,0 +1,52 @@
+"""An op of the schedule IR prints as one line that parses back to the same op (hypothesis)."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mobius_fx.errors import MobiusError
+from mobius_fx.schedule import HOST, OP_KINDS, PHASES, Op, OpKind, StageInput, StageIO, build_schedule
+
+places = st.sampled_from([HOST, "gpu0", "gpu1", "gpu13", "cuda:2"])
+small = st.integers(0, 10**12)
+maybe = st.one_of(st.none(), st.integers(0, 64))
+
+
+@st.composite
+def ops(draw):
+    copy = draw(st.booleans())
+    src, dst = (draw(places), draw(places)) if copy else ("", "")
+    return Op(draw(st.integers(0, 10**6)), draw(st.sampled_from(OP_KINDS)), draw(places), draw(st.integers(0, 500)),
+              draw(st.sampled_from(list(PHASES))), draw(maybe), src, dst,
+              draw(st.sampled_from(["weight", "activation", "gradient", "input"])) if copy else "",
+              draw(small) if copy else 0, tuple(draw(st.lists(st.integers(0, 10**6), max_size=5))), draw(maybe))
+
+
+@given(ops())
+def test_an_op_parses_back_from_its_printed_form(op):
+    text = str(op)
+    assert "\n" not in text
+    back = Op.parse(text)
+    assert back == op and back.kind is op.kind and isinstance(back.kind, OpKind)
+
+
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=5), st.integers(1, 4), st.booleans())
+def test_every_op_of_a_built_schedule_round_trips(gpus_of, m, frozen_first):
+    stages = [StageIO(f"gpu{k % g}", 1000 + k, 0 if (k == 0 and frozen_first) else 500 + k,
+                      (StageInput(k - 1, 64 + k),), host_outputs=(12,) if k == len(gpus_of) - 1 else ())
+              for k, g in enumerate(gpus_of)]
+    ir = build_schedule(stages, m)
+    assert [Op.parse(str(o)) for o in ir.ops] == list(ir.ops)
+    assert {o.kind for o in ir.ops} <= set(OpKind)
+
+
+def test_kinds_are_an_enum_equal_to_their_names():
+    assert OpKind.RUN == "run" and OP_KINDS == tuple(OpKind) and len(set(OP_KINDS)) == 10
+    assert Op(0, "evict", "gpu0", 1, "forward").kind is OpKind.EVICT
+
+
+@pytest.mark.parametrize("text", ["", "7: jump F3.1 @gpu0", "7: run X3.1 @gpu0", "run F3.1 @gpu0",
+                                  "7: run F3.1 @gpu0 <- ", "7: run F3.1 gpu0"])
+def test_what_is_not_an_op_is_refused_with_the_form(text):
+    with pytest.raises(MobiusError, match="INDEX: KIND PHASE-LETTER|is not one of"):
+        Op.parse(text)
