@@ -13,7 +13,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from .costs import dtype_bytes
 from .errors import MobiusError
 from .network import Link, Task
 from .plans import Plan
@@ -187,13 +186,13 @@ class Context:
                     self._routes[(t.src, t.dst)] = tuple(t.route)
         idx = {g.name: g.index for g in topo.gpus}
         self.gpus = tuple(sorted(plan.order, key=lambda n: idx[n]))  # identity order of the plan's GPUs
-        self.scale = dtype_bytes(plan.dtype) / 4.0  # streamed bytes per fp32 master byte
+        self.scale = plan.precision.scale  # streamed bytes per master byte
         st = plan.stages
         self.stages = Costs([s.fwd_time for s in st], [s.bwd_time for s in st], [float(s.param_bytes) for s in st],
                              [float(s.grad_bytes) for s in st], [float(s.input_bytes) for s in st],
                              [float(s.output_bytes) for s in st], [s.grad_bytes / self.scale for s in st],
                              [f"s{s.index}" for s in st])
-        streamed = 4.0 * self.scale
+        streamed = float(plan.precision.stream_bytes)
         self.copies = {k: host_copy_bytes(k, streamed, optimizer) for k in HOST_COPY_KINDS}
         self.copies.update(copies or {})
 
