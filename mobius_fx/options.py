@@ -186,6 +186,7 @@ class CompileContext:
 
     `facts` names what is available so far; passes read inputs from attributes here. Each field
     is the fact of its name, except `gm` ("graph") and `example_kwargs` ("example_inputs");
+    `settings.precision` is built for `model` here when the settings do not hold it yet;
     `facts`, `timings` and `touched` are the pipeline's bookkeeping, not facts.
     """
 
@@ -204,3 +205,7 @@ class CompileContext:
     facts: set = field(default_factory=lambda: {"model", "topology", "example_inputs", "settings"})
     timings: dict = field(default_factory=dict)
     touched: dict = field(default_factory=dict)  # pass name -> Touched, as run
+
+    def __post_init__(self) -> None:
+        if self.settings.precision is None and isinstance(self.model, torch.nn.Module):
+            self.settings = self.settings.for_model(self.model)  # the one Precision of this model's compile
