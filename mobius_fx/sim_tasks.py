@@ -192,7 +192,7 @@ class Context:
                              [float(s.grad_bytes) for s in st], [float(s.input_bytes) for s in st],
                              [float(s.output_bytes) for s in st], [s.grad_bytes / self.scale for s in st],
                              [f"s{s.index}" for s in st])
-        streamed = float(plan.precision.stream_bytes)
+        streamed = 4.0 * self.scale
         self.copies = {k: host_copy_bytes(k, streamed, optimizer) for k in HOST_COPY_KINDS}
         self.copies.update(copies or {})
 

@@ -186,3 +186,14 @@ def test_a_plan_saved_before_the_precision_record_loads_with_fp32_masters(tmp_pa
     assert loaded.precision == Precision(torch.float16, torch.float32) and loaded.memory.weight_scale == 0.5
     old["dtype"] = "float32"  # dtype=None was saved as "float32"
     assert Plan.from_json(json.dumps(old)).precision == Precision(torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("master, dtype, handover", [(torch.bfloat16, None, 0), (torch.float32, None, 0),
+                                                     (torch.float32, torch.bfloat16, 6)])
+def test_the_simulator_hands_gradients_over_only_when_the_stream_is_cast(master, dtype, handover, tmp_path):
+    # A gradient downloaded in the masters' own dtype is the master's .grad (no conversion pass).
+    from mobius_fx.sim_tasks import Context
+
+    plan = _plan(_mlp(master), torch.randn(8, 64, dtype=master), dtype, tmp_path)
+    ctx = Context(plan, plan.topology, "adam", 1e9, True)
+    assert ctx.scale == plan.precision.scale and ctx.copies["handover"] == handover
