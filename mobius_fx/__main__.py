@@ -22,8 +22,6 @@ from .kinds import OVERLAP_MODES
 
 __all__ = ["main"]
 
-_DTYPES = {"fp32": None, "float32": None, "fp16": "float16", "float16": "float16", "bf16": "bfloat16",
-           "bfloat16": "bfloat16"}
 
 
 def _checked(kind: type, ok, rule: str):
@@ -69,6 +67,17 @@ def _write(what: str, path: str, write: Callable[[], Any]) -> None:
     except OSError as e:
         raise MobiusError(f"could not write the {what} to {path!r} ({e.strerror or e}); the planning itself "
                           f"succeeded: give another --json/--trace path with space to write to") from None
+
+
+def _dtype(text: str):
+    """An argparse `type=` for --dtype: the torch dtype `text` names (precision.parse_dtype, the one alias
+    table), refused before planning when it is not one weights can be streamed in."""
+    from .precision import Precision
+
+    try:
+        return Precision.check_request(text)
+    except MobiusError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 _POSITIVE_INT = _checked(int, lambda v: v > 0, "a positive integer")
@@ -126,8 +135,10 @@ def _parser() -> argparse.ArgumentParser:
                          "after the first, e.g. 1,5 (stages [0,1), [1,5), [5,L)); 'none' is one stage")
     pl.add_argument("--batch", type=_SIZE, default=8, help="sequences per step (default 8)")
     pl.add_argument("--seq", type=_SIZE, default=1024, help="tokens per sequence (default 1024)")
-    pl.add_argument("--dtype", default="fp16", choices=sorted(_DTYPES),
-                    help="dtype streamed to and computed on the GPUs; masters stay fp32 (default fp16, as the paper)")
+    pl.add_argument("--dtype", default="fp16", type=_dtype, metavar="{fp16,bf16,fp32,...}",
+                    help="dtype streamed to and computed on the GPUs: a torch dtype name or an alias "
+                         "(mobius_fx.precision.DTYPE_ALIASES); the masters keep the model's dtype (fp32) "
+                         "(default fp16, as the paper)")
     pl.add_argument("--memory-fraction", type=_checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
                     default=CompileOptions.memory_fraction,
                     help=f"share of GPU memory a plan may use, in (0, 1] (default {CompileOptions.memory_fraction})")
@@ -175,8 +186,6 @@ def _load_topology(source: str):
 
 
 def _cmd_plan(args) -> int:
-    import torch
-
     from . import api, zoo
     from .report import compare
 
@@ -194,9 +203,8 @@ def _cmd_plan(args) -> int:
                                       f"the largest divisor of the batch below the GPU count)"))
     t0 = time.perf_counter()
     model, inputs = zoo.build(args.model, batch=args.batch, seq=args.seq, device="meta")
-    dtype = _DTYPES[args.dtype]
     p = api.plan(model, topo, example_inputs=inputs, microbatches=micro, cuts=args.cuts,
-                 dtype=getattr(torch, dtype) if dtype else None, memory_fraction=args.memory_fraction,
+                 dtype=args.dtype, memory_fraction=args.memory_fraction,
                  time_limit=args.time_limit, verbose=not args.quiet)
     print(p)
     cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None,

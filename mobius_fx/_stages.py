@@ -27,7 +27,7 @@ def annotate_pass(gm, ctx: CompileContext):
     s = ctx.settings
     spec = s.device_spec or ctx.topology.gpus[0].spec
     ctx.layers = tuple(annotate(gm, example_inputs=ctx.example_inputs, example_kwargs=ctx.example_kwargs or None,
-                                costs=s.costs, device_spec=spec, dtype=s.dtype))
+                                costs=s.costs, device_spec=spec, precision=s.precision))
     return None
 
 
@@ -40,7 +40,7 @@ def _problem(ctx: CompileContext, order=None):
     s = ctx.settings
     sizes, trainable = _param_sizes(ctx)
     return PartitionProblem.from_topology(ctx.layers, ctx.topology, microbatches=s.microbatches, order=order,
-                                          memory_fraction=s.memory_fraction, dtype=s.dtype,
+                                          memory_fraction=s.memory_fraction, precision=s.precision,
                                           input_bytes=_input_bytes(ctx),
                                           tied=tied_weights(ctx.layers, sizes, trainable) if sizes else ())
 
@@ -155,16 +155,14 @@ def reuse_partition_pass(layers: tuple[str, ...], boundaries: tuple[int, ...]):
 
 def cross_map_pass(gm, ctx: CompileContext):
     from .passes.cross_map import cross_map
-    from .plans import MemoryModel
 
     s = ctx.settings
     cuts = list(ctx.partition.boundaries) + [len(ctx.layers)]
-    mm = MemoryModel.for_layers(ctx.layers, s.microbatches, s.dtype)
     stages = [ctx.layers[a:b] for a, b in zip(cuts, cuts[1:])]
     # What each stage uploads: the bytes the cost model weighs against shared links. Activation
     # hops are left out: weighed in, they pulled neighbours under one root complex, which the
     # simulator measured as slower on mobius-testbed (uploads dominate the shared uplinks).
-    stage_bytes = [sum(l.param_bytes for l in st) * mm.weight_scale for st in stages]
+    stage_bytes = [sum(l.param_bytes for l in st) * s.precision.scale for st in stages]
     ctx.order = tuple(cross_map(ctx.topology, num_stages=len(stages), stage_bytes=stage_bytes,
                                 method=s.cross_map))
     return None
@@ -202,7 +200,7 @@ def plan_pass(gm, ctx: CompileContext):
     sizes, trainable = _param_sizes(ctx)
     ctx.plan = build_plan(ctx.layers, part.boundaries, order=ctx.order, topology=ctx.topology,
                           microbatches=s.microbatches, microbatches_rule=s.microbatches_rule,
-                          step_time=step_time, dtype=s.dtype,
+                          step_time=step_time, precision=s.precision,
                           memory_fraction=s.memory_fraction, prefetch_fwd=prefetch,
                           solver=part.solver, param_sizes=sizes, trainable=trainable,
                           input_bytes=_input_bytes(ctx))
@@ -232,5 +230,5 @@ def emit_pass(gm, ctx: CompileContext):
     s = ctx.settings
     ctx.pipeline = build_pipeline(ctx.model, gm, schedule=ctx.stages, plan=ctx.plan, example_inputs=ctx.example_inputs,
                                   example_kwargs=ctx.example_kwargs or None, device=s.device,
-                                  dtype=s.dtype, batch_dims=s.batch_dims, memory_books=s.memory_books)
+                                  batch_dims=s.batch_dims, memory_books=s.memory_books)
     return None

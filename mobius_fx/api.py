@@ -70,6 +70,7 @@ def _run(passes: PassPipeline, *, model, topology, example_inputs, example_kwarg
     if not isinstance(model, torch.nn.Module):
         raise MobiusError(f"model is a {type(model).__name__}, not a torch.nn.Module; pass the module to plan or "
                           f"compile")
+    options = options.for_model(model)  # the one Precision: dtype= and the masters' dtype, read from the model
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     if not isinstance(example_inputs, (tuple, list)):
@@ -204,8 +205,9 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     the first layer of every stage after the first (`cuts=[]`: one stage; `cuts=[1, 5]`: stages
     [0,1), [1,5), [5,L)). No MIP runs; the stages are cross-mapped and timed as usual, and
     `PlanError` says when they do not fit the GPUs. Compare partitions with `simulate`.
-    `dtype` is the dtype weights are streamed and computed in on the GPUs (fp32 masters stay
-    in DRAM); `memory_fraction` the share of each GPU's memory the plan may use; `solver`
+    `dtype` is the dtype weights are streamed and computed in on the GPUs (the masters stay
+    in DRAM in the model's own dtype; None, the default, streams that dtype; a dtype wider than
+    the masters' is refused; `plan.precision` records both); `memory_fraction` the share of each GPU's memory the plan may use; `solver`
     "auto" | "highs" | "cbc"; `time_limit` the MIP's whole budget in seconds (shared by the
     candidate stage counts; the gap reached is reported in `plan.solver`). Every setting is
     checked by `CompileOptions` (one set of defaults) before any work: a bad value raises

@@ -16,25 +16,18 @@ from typing import Mapping
 import torch
 
 from .errors import MobiusError, TopologyError
+from .precision import dtype_name, parse_dtype
 from .units import check_positive, parse_bytes
 
-__all__ = ["DeviceSpec", "NodeCost", "LayerCost", "DEVICE_SPECS", "dtype_name", "dtype_bytes"]
+__all__ = ["DeviceSpec", "NodeCost", "LayerCost", "DEVICE_SPECS"]
 
 
-def dtype_name(dtype: torch.dtype | str | None) -> str:
-    """`torch.bfloat16` -> "bfloat16"; None -> "float32"."""
-    if dtype is None:
-        return "float32"
-    if isinstance(dtype, str):
-        name = dtype.replace("torch.", "")
-        aliases = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16", "float": "float32"}
-        return aliases.get(name, name)
-    return str(dtype).replace("torch.", "")
-
-
-def dtype_bytes(dtype: torch.dtype | str | None) -> int:
-    """Bytes per element of a floating dtype (by name)."""
-    return getattr(torch, dtype_name(dtype)).itemsize
+def _flops_key(key: object) -> str | None:
+    """A `flops` key (a torch dtype, its name or an alias: precision.parse_dtype) as a dtype name; None if not one."""
+    try:
+        return dtype_name(parse_dtype(key))
+    except MobiusError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -68,9 +61,8 @@ class DeviceSpec:
             return check_positive(value, f"{me}: {what}", remedy, TopologyError)
 
         given = self.flops if isinstance(self.flops, Mapping) else {}
-        keys = {k: dtype_name(k) for k in given if isinstance(k, (str, torch.dtype))}
-        if len(keys) != len(given) or "float32" not in keys.values() or not all(
-                isinstance(getattr(torch, n, None), torch.dtype) for n in keys.values()):
+        keys = {k: _flops_key(k) for k in given}
+        if None in keys.values() or "float32" not in keys.values():
             raise TopologyError(f"{me}: flops is {self.flops!r}; it must map dtype names (float32, bfloat16, ...) to "
                                 "peak FLOP/s and hold 'float32' (the rate of unlisted dtypes); give e.g. "
                                 "{'float32': 35.6e12, 'bfloat16': 71e12}")
@@ -90,7 +82,7 @@ class DeviceSpec:
             object.__setattr__(self, key, value)
 
     def peak_flops(self, dtype: torch.dtype | str | None = None) -> float:
-        key = dtype_name(dtype)
+        key = "float32" if dtype is None else dtype_name(parse_dtype(dtype))
         return self.flops.get(key, self.flops["float32"])
 
     @staticmethod

@@ -25,6 +25,7 @@ import torch
 from .errors import MobiusError, PlanError
 from .kinds import DEVICES, SOLVERS
 from .microbatch import check_batch_dims, check_count, default_microbatches
+from .precision import Precision
 
 __all__ = ["CompileOptions", "CompileContext"]
 
@@ -81,37 +82,6 @@ def _cuts(value: Any) -> tuple[int, ...] | None:
     return cuts
 
 
-# The dtypes a stage computes in: torch's float8/float4 types are storage formats its ops and
-# autocast do not run in, so they pass `is_floating_point` and would fail at the first call.
-_STREAMED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def streamed_dtype(dtype: Any) -> torch.dtype | None:
-    """The dtype weights are streamed and computed in on the GPUs, as a torch dtype (None: the
-    masters' own). Strings such as "bf16", "float16" or "torch.float16" are accepted; a
-    non-floating dtype is refused, since weights are trained in it."""
-    if dtype is None:
-        return None
-    value = dtype
-    if isinstance(dtype, str):
-        from .costs import dtype_name
-
-        value = getattr(torch, dtype_name(dtype), None)
-    if not isinstance(value, torch.dtype):
-        raise MobiusError(f"dtype={dtype!r} is not a torch dtype; use torch.bfloat16, torch.float16, torch.float32 "
-                          f"or None (the masters' dtype)")
-    if value.is_floating_point and value not in _STREAMED:
-        raise MobiusError(f"dtype={dtype!r} is a storage format ({value.itemsize * 8} bits) that torch cannot compute in "
-                          f"(matmuls, activations and autocast are defined for float16, bfloat16, float32 and "
-                          f"float64); stream in torch.bfloat16 or torch.float16 (keep float8 weights frozen in the "
-                          f"model if you quantise)")
-    if not value.is_floating_point:
-        raise MobiusError(f"dtype={dtype!r} is not a floating dtype; weights are trained in the streamed dtype, so it "
-                          f"must be torch.bfloat16, torch.float16 or torch.float32 (quantised weights: keep them "
-                          f"frozen in the model and stream in a floating dtype)")
-    return value
-
-
 @dataclass(frozen=True)
 class CompileOptions:
     """What a plan or compile may be told, each checked here.
@@ -121,8 +91,9 @@ class CompileOptions:
     `resolved` fills it in and `microbatches_rule` says which rule chose it). `cuts`: None
     (the MIP partitions) or a given partition, the index of the first layer of every stage after
     the first (`[]` is one stage); the plan is built and timed for exactly those stages. `costs`: "model" (roofline,
-    works on meta tensors), "measure" or "auto". `dtype`: the streamed dtype on the GPUs (fp32
-    masters stay in DRAM). `memory_fraction`: the share of each GPU a plan may use. `solver`:
+    works on meta tensors), "measure" or "auto". `dtype`: the streamed dtype on the GPUs (the
+    masters stay in DRAM in their own dtype; None streams that one); `precision` (set by `for_model`,
+    not given): the `Precision` record of `dtype` and the model's masters every pass reads. `memory_fraction`: the share of each GPU a plan may use. `solver`:
     "auto" | "highs" | "cbc". `time_limit`: the MIP's whole budget in seconds. `cross_map`:
     "contention" | "paper" | "identity". `cache_dir`: where solved partitions are kept.
     `device`: "auto" | "virtual" | "virtual-async" (the CPU stand-in of the CUDA path) | "cuda" or
@@ -143,6 +114,7 @@ class CompileOptions:
     cuts: tuple[int, ...] | None = None
     costs: str = "auto"
     dtype: torch.dtype | None = None
+    precision: Precision | None = None  # the dtypes of this model's pipeline (`for_model`), None until a model is given
     memory_fraction: float = 0.9
     solver: str = "auto"
     time_limit: float = 20.0
@@ -162,7 +134,10 @@ class CompileOptions:
             check_count(self.microbatches)
         set_("cuts", _cuts(self.cuts))
         _choice("costs", self.costs, _COSTS)
-        set_("dtype", streamed_dtype(self.dtype))
+        set_("dtype", Precision.check_request(self.dtype))
+        if self.precision is not None and not isinstance(self.precision, Precision):
+            raise MobiusError(f"precision={self.precision!r} is not a Precision; it is set by `for_model` from dtype= "
+                              f"and the model's parameters (give dtype= instead)")
         set_("memory_fraction", _positive_float("memory_fraction", self.memory_fraction,
                                                 "the share of each GPU's memory a plan may use", at_most=1.0))
         _choice("solver", self.solver, SOLVERS)
@@ -193,6 +168,13 @@ class CompileOptions:
         m, why = default_microbatches(rows, gpus)
         return replace(self, microbatches=m, microbatches_rule=why)
 
+    def for_model(self, model: torch.nn.Module) -> "CompileOptions":
+        """These options with `precision` built for `model` (once per compile, `api._run`):
+        weights streamed in `dtype`, the masters' dtype read from the model's parameters
+        (None streams them in their own). Refused (MobiusError) when `dtype` is wider than
+        the masters."""
+        return replace(self, precision=Precision.of_model(model, self.dtype))
+
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
@@ -204,6 +186,7 @@ class CompileContext:
 
     `facts` names what is available so far; passes read inputs from attributes here. Each field
     is the fact of its name, except `gm` ("graph") and `example_kwargs` ("example_inputs");
+    `settings.precision` is built for `model` here when the settings do not hold it yet;
     `facts`, `timings` and `touched` are the pipeline's bookkeeping, not facts.
     """
 
@@ -222,3 +205,7 @@ class CompileContext:
     facts: set = field(default_factory=lambda: {"model", "topology", "example_inputs", "settings"})
     timings: dict = field(default_factory=dict)
     touched: dict = field(default_factory=dict)  # pass name -> Touched, as run
+
+    def __post_init__(self) -> None:
+        if self.settings.precision is None and isinstance(self.model, torch.nn.Module):
+            self.settings = self.settings.for_model(self.model)  # the one Precision of this model's compile

@@ -19,23 +19,13 @@ from .devices import Device, make_devices
 from .errors import MobiusError
 from .pipeline_module import Pipeline
 from . import microbatch
+from .precision import Precision
 from .runtime import Runtime
 from .signatures import VariantPipeline
 
 __all__ = ["build_pipeline"]
 
 log = logging.getLogger("mobius_fx")
-
-
-def _torch_dtype(dtype: Any) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return None if dtype in (None, torch.float32) else dtype
-    from .costs import dtype_name
-
-    value = getattr(torch, dtype_name(dtype), None)
-    if not isinstance(value, torch.dtype):
-        raise MobiusError(f"dtype={dtype!r} is not a torch dtype; use torch.bfloat16, torch.float16 or None")
-    return None if value == torch.float32 else value
 
 
 def _masters(model: nn.Module, gm: fx.GraphModule, spec: Any) -> list[torch.Tensor]:
@@ -94,12 +84,13 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
 
     Give the stages explicitly (`stage_nodes[k]`: gm's compute nodes of stage k, in graph order;
     `stage_gpus[k]`: the GPU name running it; `gpu_budgets`: bytes per GPU name, None or absent =
-    unlimited), or a `plan` (its stages' `nodes` and `gpu`, its `microbatches` and `dtype`, and
+    unlimited), or a `plan` (its stages' `nodes` and `gpu`, its `microbatches` and `precision`, and
     its topology's GPU memory and CUDA indices fill whatever is not given), or a `schedule`
-    already made by `passes.insert_transfers`. `dtype` (e.g. torch.bfloat16) is what weights
-    and activations are copied to the GPUs in, and the stages run under autocast to it; fp32
-    masters and gradients stay on the host (for fp16, scale the loss with
-    `torch.amp.GradScaler("cpu")`).
+    already made by `passes.insert_transfers`. `dtype` (e.g. torch.bfloat16; default: the plan's
+    `precision.stream`, else the masters' dtype) is what weights and activations are copied to the
+    GPUs in, and the stages run under autocast to it when it is narrower than the masters, which
+    stay on the host with their gradients (for fp16, scale the loss with
+    `torch.amp.GradScaler("cpu")`); streaming in the masters' own dtype casts nothing.
     `device`: "virtual" (GPUs played by the CPU), "virtual-async" (the CPU stand-in of the CUDA
     path's streams, events and slot pool: mobius_fx.devices.VirtualAsyncDevice), "cuda", "auto"
     (virtual for a virtual topology or without CUDA, else CUDA) or a `{gpu name: Device}` of your own; `gpu_indices`
@@ -126,7 +117,6 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
         stage_nodes = stage_nodes if stage_nodes is not None else [list(s.nodes) for s in plan.stages]
         stage_gpus = stage_gpus if stage_gpus is not None else [s.gpu for s in plan.stages]
         microbatches = microbatches if microbatches is not None else plan.microbatches
-        dtype = dtype if dtype is not None else plan.dtype
         if gpu_budgets is None:  # the whole GPU: the plan's capacity is the planner's target, not a limit
             gpus = {g.name: g for g in topology.gpus} if topology is not None else {}
             gpu_budgets = {s.gpu: (gpus[s.gpu].memory if s.gpu in gpus else int(s.capacity)) for s in plan.stages}
@@ -135,6 +125,8 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
             gpu_indices = {g.name: g.index for g in topology.gpus}
         if device == "auto" and getattr(topology, "virtual", False):
             device = "virtual"
+    # The plan's Precision, or one of `dtype` (None: the masters' own) for the model's masters.
+    precision = plan.precision if plan is not None and dtype is None else Precision.of_model(model, dtype)
     if schedule is None:
         if stage_nodes is None or stage_gpus is None:
             raise MobiusError("build_pipeline needs the stages: pass stage_nodes and stage_gpus, a plan or a schedule")
@@ -164,7 +156,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
             microbatch.split(tuple(flat), m, marks)  # raises early (before any allocation) when the batch does not split
     placement = _place(gm, schedule, devices, flat, gpu_indices)  # checked on CUDA before the Runtime allocates
     masters = [_masters(model, gm, spec) for spec in schedule.stages]
-    runtime = Runtime(schedule, devices, masters, _torch_dtype(dtype))
+    runtime = Runtime(schedule, devices, masters, precision)
     runtime.placement = placement
     runtime.batch_dims = batch_dims
     if flat is not None:

@@ -17,10 +17,12 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+import torch
 from tabulate import tabulate
 
-from .costs import LayerCost, dtype_name
+from .costs import LayerCost
 from .errors import MobiusError
+from .precision import Precision, dtype_name, parse_dtype
 from .schedule import ScheduleIR, StageIO, build_schedule
 from .step_model import MemoryModel, SolverInfo, stage_memory, tied_copy_bytes, tied_weights
 from .units import fmt_bytes, fmt_time
@@ -96,9 +98,27 @@ class Plan:
     step_time: float  # the partitioner's predicted makespan (s)
     solver: SolverInfo = field(default_factory=SolverInfo)
     layers: tuple[LayerCost, ...] = ()
-    dtype: str = "float32"  # the dtype weights are streamed and computed in
+    precision: Precision = field(default_factory=Precision)  # the streamed and the masters' dtype
     microbatches_rule: str = ""  # why `microbatches` is what it is, when the planner chose it
     topology: "Topology | None" = field(default=None, compare=False, repr=False)
+    # The plan's memory model (`MemoryModel(microbatches, precision)`: what its stages' bytes were
+    # scaled by); `build_plan` hands over the one it sized the stages with, else it is made here.
+    memory: MemoryModel = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.precision, Precision):
+            raise MobiusError(f"Plan.precision={self.precision!r} is not a Precision; build it with "
+                              f"Precision.of(dtype, master=...)")
+        if self.memory is None:
+            object.__setattr__(self, "memory", MemoryModel(self.microbatches, self.precision))
+        elif (self.memory.microbatches, self.memory.precision) != (self.microbatches, self.precision):
+            raise MobiusError(f"Plan.memory {self.memory} is for other micro-batches or precision than the plan's "
+                              f"({self.microbatches}, {self.precision}); leave memory out, it is derived")
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        """The dtype weights are streamed and computed in on the GPUs (`precision.stream`)."""
+        return self.precision.stream
 
     @property
     def num_stages(self) -> int:
@@ -150,7 +170,7 @@ class Plan:
                   / max(1, sum(s.param_bytes for s in self.stages)))
         return (f"Mobius plan: {self.num_stages} stages on {self.num_gpus} GPUs, "
                 f"{self.microbatches} micro-batches"
-                f"{f' ({self.microbatches_rule})' if self.microbatches_rule else ''}, {self.dtype} on the GPUs; "
+                f"{f' ({self.microbatches_rule})' if self.microbatches_rule else ''}, {self.precision} on the GPUs; "
                 f"predicted step "
                 f"{fmt_time(self.step_time)} (lower bound {fmt_time(self.lower_bound())}); "
                 f"{fmt_bytes(sum(s.param_bytes for s in self.stages))} of weights, "
@@ -177,18 +197,20 @@ class Plan:
         return tabulate(rows, headers=["kind", "phase", "stage", "from -> to", "size", "route", "time"])
 
     def host_memory(self) -> str:
-        """What the pipeline keeps in host memory besides the model's fp32 masters (and what
+        """What the pipeline keeps in host memory besides the model's masters (and what
         the optimizer holds): the streamed copy of the weights the uploads read."""
         return (f"host memory besides the masters: {fmt_bytes(sum(s.param_bytes for s in self.stages))} streamed copy "
-                f"of the weights ({self.dtype}; pinned on CUDA, kept across steps)")
+                f"of the weights ({dtype_name(self.precision.stream)}; pinned on CUDA, kept across steps)")
 
     def __str__(self) -> str:
         return "\n\n".join([self.summary() + "\n" + self.host_memory(), self.stage_table(), self.transfer_table()])
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "topology"}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("topology", "memory", "precision")}
         d = json.loads(json.dumps(_plain(d)))
+        d["precision"] = self.precision.to_dict()
         d["topology"] = json.loads(self.topology.to_json()) if self.topology is not None else None
         return d
 
@@ -217,11 +239,19 @@ class Plan:
                 order=tuple(d["order"]), microbatches=d["microbatches"], step_time=d["step_time"],
                 solver=SolverInfo(**_tuples(d["solver"])),
                 layers=tuple(LayerCost(**_tuples(l)) for l in d["layers"]),
-                dtype=d["dtype"], microbatches_rule=d.get("microbatches_rule", ""),  # absent in older JSON
+                precision=_precision(d), microbatches_rule=d.get("microbatches_rule", ""),  # absent in older JSON
                 topology=topo,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise MobiusError(f"not a mobius_fx plan JSON ({type(e).__name__}: {e}); write it with plan.to_json()") from e
+
+
+def _precision(d: dict) -> Precision:
+    """A plan JSON's precision; older files hold only "dtype", the streamed dtype's name, and were
+    planned with fp32 masters."""
+    if "precision" in d:
+        return Precision.from_dict(d["precision"])
+    return Precision(parse_dtype(d["dtype"], "dtype"), torch.float32)
 
 
 def _plain(x: Any) -> Any:
@@ -255,7 +285,7 @@ def build_plan(
     topology: "Topology",
     microbatches: int,
     step_time: float,
-    dtype: Any = None,
+    precision: Precision | None = None,
     microbatches_rule: str = "",
     memory_fraction: float = 0.9,
     prefetch_fwd: Sequence[float] | None = None,
@@ -271,14 +301,17 @@ def build_plan(
     including a tied parameter that another stage owns; without it a stage holds what its
     layers own. `trainable` names the parameters that take gradients (default: all of
     `param_sizes`): a tied one's copy in a second stage gets a gradient there too.
-    `input_bytes` is the size of the model's example inputs (the whole batch).
+    `input_bytes` is the size of the model's example inputs (the whole batch). `precision`: the
+    streamed and the masters' dtype (`CompileOptions.precision`; None: fp32 masters streamed as they
+    are); the layers' bytes are in the masters' dtype and the stages' as streamed.
     `microbatches_rule` says why `microbatches` is what it is (the plan's header shows it). The transfers
     are a sum over the plan's schedule IR (`Plan.schedule()`, mobius_fx/schedule.py).
     """
     layers = tuple(layers)
     m = microbatches
     n = len(order)
-    mm = MemoryModel.for_layers(layers, m, dtype)
+    precision = precision or Precision()
+    mm = MemoryModel(m, precision)  # the plan's one memory model, carried as Plan.memory
     cuts = list(boundaries) + [len(layers)]
     if cuts[0] != 0 or any(b >= e for b, e in zip(cuts, cuts[1:])):
         raise MobiusError(f"stage boundaries {tuple(boundaries)} must start at 0 and strictly increase below {len(layers)}")
@@ -313,7 +346,7 @@ def build_plan(
     ir = build_schedule(StageIO.from_plan(stages), m)
     plan = Plan(stages=tuple(stages), transfers=tuple(_transfers(ir, topology)), order=tuple(order),
                 microbatches=m, step_time=step_time, solver=solver or SolverInfo(), layers=layers,
-                dtype=dtype_name(dtype), microbatches_rule=microbatches_rule, topology=topology)
+                precision=precision, microbatches_rule=microbatches_rule, topology=topology, memory=mm)
     plan.__dict__["_schedules"] = {None: ir}  # Plan.schedule()'s cache: the IR is built once per plan
     return plan
 

@@ -59,6 +59,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from .devices import HOST, Device, nbytes
 from .errors import BudgetError, MobiusError
 from .placement import sent_device
+from .precision import Precision
 from .python_state import sync_shells
 from .stage_calls import GradHomes, StageCall, StageCalls, StageState, Step, logged_grad
 from .microbatch import batch_rows, combine, guess_kind
@@ -73,11 +74,12 @@ class Runtime(StageCalls):
     """Executes the schedule ops on the devices, for one Pipeline."""
 
     def __init__(self, schedule: Any, devices: dict[str, Device], masters: list[list[torch.Tensor]],
-                 dtype: torch.dtype | None) -> None:
+                 precision: Precision) -> None:
         self.schedule = schedule
         self.m = schedule.microbatches
         self.devices = devices
-        self.dtype = dtype
+        self.precision = precision
+        self.dtype = dtype = precision.cast  # what uploads and activations are cast to; None: nothing is
         self.stages = [StageState(spec, devices[spec.gpu], ms, dtype) for spec, ms in zip(schedule.stages, masters)]
         self.step: Step | None = None
         ir = schedule.ir()

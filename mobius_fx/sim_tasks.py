@@ -13,7 +13,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from .costs import dtype_bytes
 from .errors import MobiusError
 from .network import Link, Task
 from .plans import Plan
@@ -180,7 +179,7 @@ class Context:
                     self._routes[(t.src, t.dst)] = tuple(t.route)
         idx = {g.name: g.index for g in topo.gpus}
         self.gpus = tuple(sorted(plan.order, key=lambda n: idx[n]))  # identity order of the plan's GPUs
-        self.scale = dtype_bytes(plan.dtype) / 4.0  # streamed bytes per fp32 master byte
+        self.scale = plan.precision.scale  # streamed bytes per master byte
         st = plan.stages
         self.stages = Costs([s.fwd_time for s in st], [s.bwd_time for s in st], [float(s.param_bytes) for s in st],
                              [float(s.grad_bytes) for s in st], [float(s.input_bytes) for s in st],

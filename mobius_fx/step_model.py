@@ -45,9 +45,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .costs import LayerCost, dtype_bytes
+from .costs import LayerCost
 from .errors import PlanError
 from .microbatch import check_count
+from .precision import Precision
 from .step_timeline import (
     Evaluation, LinkLoad, SharedLink, Timeline, copy_terms, freed, link_loads, link_time, queue_before, queue_window, shared_links,
     slot_bytes, timeline,
@@ -88,19 +89,23 @@ class MemoryModel:
     """Bytes scale factors of a plan and the stage footprint formula (`footprint`) that
     `stage_memory`, the partitioner and its MIP share.
 
-    Layer costs are traced in the model's own dtype (fp32 masters); weights and activations
-    on the GPU are `weight_scale`/`act_scale` times that when streaming in half precision.
+    Layer costs are traced in the masters' dtype (`precision.master`, read from the model);
+    weights, gradients and activations on the GPU are `precision.scale` times that
+    (`weight_scale`, `act_scale`: streamed bytes per master byte, 1 when the stream is the
+    masters' dtype). Built once per problem (`PartitionProblem.from_topology`) and per plan
+    (`Plan.memory`).
     """
 
     microbatches: int
-    weight_scale: float = 1.0
-    act_scale: float = 1.0
+    precision: Precision = field(default_factory=Precision)
 
-    @staticmethod
-    def for_layers(layers: Sequence[LayerCost], microbatches: int, dtype: Any = None,
-                   master_dtype: Any = "float32") -> "MemoryModel":
-        scale = dtype_bytes(dtype) / dtype_bytes(master_dtype) if dtype is not None else 1.0
-        return MemoryModel(microbatches, scale, scale)
+    @property
+    def weight_scale(self) -> float:
+        return self.precision.scale
+
+    @property
+    def act_scale(self) -> float:
+        return self.precision.scale
 
     @property
     def grad_copies(self) -> int:
@@ -340,11 +345,13 @@ class PartitionProblem:
     @staticmethod
     def from_topology(layers: Sequence[LayerCost], topology: Any, *, microbatches: int,
                       order: Sequence[str] | None = None, memory_fraction: float = 0.9,
-                      dtype: Any = None, input_bytes: float = 0.0,
+                      precision: Precision | None = None, input_bytes: float = 0.0,
                       tied: Sequence[TiedWeight] = ()) -> "PartitionProblem":
         """Read capacities and bandwidths of the GPUs in `order` (default: topology order);
         `input_bytes`: the model's example inputs, whole batch (what `plans.build_plan` takes);
-        `tied`: `tied_weights(layers, param sizes, trainable)`.
+        `tied`: `tied_weights(layers, param sizes, trainable)`; `precision`: the streamed and
+        master dtypes (`CompileOptions.precision`; None: fp32 masters streamed as they are), which
+        the problem's `memory` (its one `MemoryModel`) scales the layers' bytes by.
 
         PartitionProblem.from_topology(layers, Topology.virtual(gpus=2), microbatches=2)
         """
@@ -371,7 +378,7 @@ class PartitionProblem:
             capacity=tuple(int(by_name[g].memory * memory_fraction) for g in names),
             up=tuple(float(topology.bandwidth("host", g)) for g in names),
             down=tuple(float(topology.bandwidth(g, "host")) for g in names),
-            hop=hop, memory=MemoryModel.for_layers(layers, microbatches, dtype),
+            hop=hop, memory=MemoryModel(microbatches, precision or Precision()),
             memory_fraction=memory_fraction, hop_back=hop_back, input_bytes=float(input_bytes),
             tied=tuple(tied), shared_up=shared_links(topology, names, "up"),
             shared_down=shared_links(topology, names, "down"), duplex=tuple(duplex(g) for g in names),

@@ -44,9 +44,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from mobius_fx.costs import DeviceSpec, LayerCost, NodeCost, dtype_bytes, dtype_name
+from mobius_fx.costs import DeviceSpec, LayerCost, NodeCost
 from mobius_fx.errors import MobiusError
-from mobius_fx.passes.annotate_tools import (LiveBytes, all_real, cuda_devices, holding, host_spec, main_dtype, median_time,
+from mobius_fx.precision import Precision, dtype_name, master_dtype
+from mobius_fx.passes.annotate_tools import (LiveBytes, all_real, cuda_devices, holding, host_spec, median_time,
                                              meta_like, node_key, roofline, synchronizer, tensor_leaves,
                                              unique_tensors, value_bytes)
 from mobius_fx.passes.layers import TINY_LAYER_FRACTION, group_layers
@@ -60,7 +61,7 @@ AUTO_MEASURE_BUDGET_S = 10.0  # "auto" measures when the modelled measuring time
 
 
 def annotate(gm: fx.GraphModule, *, example_inputs: Sequence[Any] = (), example_kwargs: dict[str, Any] | None = None,
-             costs: str = "model", device_spec: DeviceSpec | str = "rtx3090", dtype: torch.dtype | str | None = None,
+             costs: str = "model", device_spec: DeviceSpec | str = "rtx3090", precision: Precision | None = None,
              warmup: int = 2, repeats: int = 5,
              progress: Callable[[str], None] | None = None) -> list[LayerCost]:
     """Write `node.meta["mobius"] = NodeCost(...)` on every node and return the layers.
@@ -69,9 +70,11 @@ def annotate(gm: fx.GraphModule, *, example_inputs: Sequence[Any] = (), example_
     the device the tensors are on), or "auto": measure when every example input, parameter
     and buffer is a real tensor (not meta) and the modelled time of measuring
     (fwd + bwd × (warmup + repeats + 2), on the "cpu" spec for CPU tensors, `device_spec` for
-    CUDA) is at most `AUTO_MEASURE_BUDGET_S`; model otherwise. `dtype` selects the peak
-    FLOP/s of the roofline (default: the dtype of most parameter bytes). Times and bytes are
-    for the whole example batch.
+    CUDA) is at most `AUTO_MEASURE_BUDGET_S`; model otherwise. `precision` (`CompileOptions.precision`;
+    None: the masters' dtype, `precision.master_dtype` of the graph's parameters, streamed as it
+    is): its `stream` selects the peak FLOP/s of the roofline, and bytes are counted as the
+    stages hold them streamed in it (`_bytes_as_run`), in the masters' units. Times and bytes
+    are for the whole example batch.
 
     A node whose op cannot run on meta tensors (data-dependent shapes) makes "model" fail;
     "auto" with real inputs then measures instead.
@@ -90,7 +93,8 @@ def annotate(gm: fx.GraphModule, *, example_inputs: Sequence[Any] = (), example_
     t0 = time.perf_counter()
     names = trace_info(gm).names
     flat = flatten_inputs(gm, tuple(example_inputs), dict(example_kwargs or {}))
-    compute_dtype = dtype if dtype is not None else main_dtype(gm)
+    precision = precision or Precision.of(None, master=master_dtype(gm.parameters()))
+    compute_dtype = precision.stream
     real = all_real(gm, flat)
     if costs == "measure" and not real:
         raise MobiusError("costs='measure' needs real tensors, but the example inputs or the model's "
@@ -122,7 +126,7 @@ def annotate(gm: fx.GraphModule, *, example_inputs: Sequence[Any] = (), example_
                    warmup=warmup, repeats=repeats, progress=progress)
         run.execute()
     assert run is not None
-    out_bytes, act_bytes, held, scale = _bytes_as_run(gm, flat, names, spec, dtype, run, progress)
+    out_bytes, act_bytes, held, scale = _bytes_as_run(gm, flat, names, spec, precision, run, progress)
     layers = group_layers(gm, node_costs=run.costs, out_bytes=out_bytes, act_bytes=act_bytes,
                           param_info=run.param_info)
     if held is None and measure:  # measured in the master dtype: its bytes come from a meta run
@@ -137,32 +141,33 @@ def annotate(gm: fx.GraphModule, *, example_inputs: Sequence[Any] = (), example_
     return layers
 
 
-def _bytes_as_run(gm: fx.GraphModule, flat: list[Any], names: dict[str, str], spec: DeviceSpec, dtype: Any,
+def _bytes_as_run(gm: fx.GraphModule, flat: list[Any], names: dict[str, str], spec: DeviceSpec, precision: Precision,
                   run: "_Run", progress: Callable[[str], None] | None) -> tuple[dict, dict, "_Run | None", int]:
     """(out_bytes, act_bytes, meta run, scale) per node in the master dtype's units: what `MemoryModel` scales by
-    `act_scale` (dtype / float32) to get the bytes the stage holds when it runs in `dtype`.
+    `act_scale` (`precision.scale`, stream / master bytes) to get the bytes the stage holds when it runs in
+    the streamed dtype.
 
     In the master dtype's trace, a conversion to fp32 (`logits.float()` before a loss) hands its
     input back and costs nothing, and an op on it (log_softmax) looks as big as every other
-    activation; run in bf16, the conversion makes a new fp32 tensor and the loss works in fp32,
+    activation; run in bf16 (fp32 masters), the conversion makes a new fp32 tensor and the loss works in fp32,
     twice what the scaled trace says (issue 26: a plan `compile` accepted failed its budget at
-    the first step). So with a half-precision `dtype` the graph runs once more on meta tensors
-    with its floating weights and inputs in `dtype`, and each tensor counts its bytes there,
-    over the scale (an fp32 tensor counts double). Without one, the run's own bytes stand.
+    the first step). So with a stream narrower than the masters the graph runs once more on meta
+    tensors with its floating weights and inputs in the streamed dtype, and each tensor counts
+    its bytes there, over the scale (an fp32 tensor counts double with fp32 masters). Streamed
+    in the masters' dtype, the run's own bytes stand.
     The meta run the bytes come from (None when they were measured) and the scale go on to
     `_layer_peaks`."""
-    master = main_dtype(gm)
-    if dtype is None or master != torch.float32 or dtype_bytes(dtype) >= dtype_bytes(master):
+    if precision.stream_bytes >= precision.master_bytes:
         return run.out_bytes, run.act_bytes, (None if run.measure else run), 1
-    cast = getattr(torch, dtype_name(dtype))
+    cast = precision.stream
     again = _Run(gm, flat, names, measure=False, spec=spec, dtype=cast, cast=cast)
     try:
         again.execute()
     except MobiusError as e:  # a graph only real data can run: the measured bytes stand
-        _report(progress, f"annotate: cannot run the graph in {dtype_name(dtype)} on meta tensors ({e}); "
+        _report(progress, f"annotate: cannot run the graph in {dtype_name(cast)} on meta tensors ({e}); "
                           "bytes as traced, scaled")
         return run.out_bytes, run.act_bytes, (None if run.measure else run), 1
-    scale = dtype_bytes(master) // dtype_bytes(dtype)
+    scale = precision.master_bytes // precision.stream_bytes
     return ({n: b * scale for n, b in again.out_bytes.items()}, {n: b * scale for n, b in again.act_bytes.items()},
             again, scale)
 

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mobius_fx.costs import DEVICE_SPECS, DeviceSpec
 
-__all__ = ["node_key", "Unkeyable", "value_spec", "tensor_leaves", "unique_tensors", "value_bytes", "roofline", "meta_like", "main_dtype", "all_real", "host_spec", "cuda_devices", "holding", "synchronizer", "median_time", "LiveBytes"]
+__all__ = ["node_key", "Unkeyable", "value_spec", "tensor_leaves", "unique_tensors", "value_bytes", "roofline", "meta_like", "all_real", "host_spec", "cuda_devices", "holding", "synchronizer", "median_time", "LiveBytes"]
 
 
 def node_key(node: fx.Node, fn: Any, args: Any, kwargs: Any, state: dict[str, torch.Tensor]) -> Any:
@@ -93,14 +93,6 @@ def meta_like(t: torch.Tensor, cast: torch.dtype | None = None) -> torch.Tensor:
     if t.requires_grad and (t.is_floating_point() or t.is_complex()):
         out.requires_grad_(True)
     return out
-
-
-def main_dtype(gm: fx.GraphModule) -> torch.dtype:
-    totals: dict[torch.dtype, int] = {}
-    for p in gm.parameters():
-        if p.is_floating_point():
-            totals[p.dtype] = totals.get(p.dtype, 0) + p.numel()
-    return max(totals, key=totals.__getitem__) if totals else torch.float32
 
 
 def all_real(gm: fx.GraphModule, flat: list[Any]) -> bool:

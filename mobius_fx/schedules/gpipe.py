@@ -90,13 +90,11 @@ def _gpipe_memory(plan: Plan, u: Costs) -> tuple[MemoryModel, list[float], list[
     unit's recompute bytes and its working memory (`MemoryModel.working`; a group's is the
     largest of its units'): from the layer table, or, when the units are the plan's stages,
     what of a stage's backward peak the footprint's other terms leave (working memory 0, in it)."""
-    m = plan.microbatches
+    m, mm = plan.microbatches, plan.memory
     by_name = {l.name: l for l in plan.layers}
     if plan.layers and all(n in by_name for n in u.names):
-        mm = MemoryModel.for_layers(plan.layers, m, plan.dtype)
         return (mm, [mm.recompute_bytes(by_name[n]) for n in u.names],
                 [mm.working(by_name[n]) for n in u.names])
-    mm = MemoryModel(m)
     rest = [max(0.0, s.peak_bytes - mm.footprint(s.param_bytes, s.grad_bytes, 0.0,
                                                   m * (s.input_bytes + s.output_bytes), 0.0)[1])
             for s in plan.stages]

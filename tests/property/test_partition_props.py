@@ -42,7 +42,7 @@ def problems(draw) -> PartitionProblem:
     layers = tuple(LayerCost(name=f"layer{i}", nodes=(f"n{i}",), fwd_flops=0.0, bwd_flops=0.0, **kinds[k])
                    for i, k in enumerate(seq))
     n, m = draw(st.integers(1, 5)), draw(st.integers(1, 3))
-    mm = MemoryModel.for_layers(layers, m)
+    mm = MemoryModel(m)
     alone = max(stage_memory([l], prev, mm)[1] for l, prev in zip(layers, (None,) + layers))
     total = stage_memory(layers, None, mm)[1]
     lo = max(1, int(alone * draw(st.sampled_from([0.9, 1.0, 1.0, 1.0]))))
@@ -154,7 +154,7 @@ def frozen_prefix_problems(draw) -> PartitionProblem:
     frozen = draw(st.integers(1, len(p.layers) - 1))
     layers = tuple(replace(l, grad_bytes=0) if i < frozen else replace(l, grad_bytes=max(1, l.grad_bytes))
                    for i, l in enumerate(p.layers))
-    return replace(p, layers=layers, memory=MemoryModel.for_layers(layers, p.microbatches))
+    return replace(p, layers=layers, memory=MemoryModel(p.microbatches))
 
 
 @given(frozen_prefix_problems(), st.data())

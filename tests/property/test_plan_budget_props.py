@@ -28,6 +28,7 @@ from mobius_fx.passes.annotate import annotate
 from mobius_fx.step_model import PartitionProblem, PrefixSums, memory_rows, tied_weights
 from mobius_fx.tracing import trace
 from mobius_fx.zoo import GPT, GPTConfig
+from mobius_fx.precision import Precision
 
 from tests.models import gpt, gpt_inputs, mlp
 
@@ -72,11 +73,12 @@ def smallest_budget(name: str, gpus: int, dtype, costs: str) -> int:
     key = (name, gpus, dtype, costs)
     if key not in _SMALLEST:
         model, args, _ = _zoo(name)
-        layers = annotate(trace(model, example_inputs=args), example_inputs=args, costs=costs, dtype=dtype)
+        precision = Precision.of_model(model, dtype)
+        layers = annotate(trace(model, example_inputs=args), example_inputs=args, costs=costs, precision=precision)
         sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters(remove_duplicate=False)}
         inputs = sum(t.numel() * t.element_size() for t in args)
         prob = PartitionProblem.from_topology(layers, Topology.virtual(gpus=gpus, memory=2**40), microbatches=gpus,
-                                              memory_fraction=FRACTION, dtype=dtype, input_bytes=inputs,
+                                              memory_fraction=FRACTION, precision=precision, input_bytes=inputs,
                                               tied=tied_weights(layers, sizes))
         fast, L, best = PrefixSums(prob), len(layers), math.inf
         for inner in itertools.chain.from_iterable(itertools.combinations(range(1, L), r) for r in range(L)):

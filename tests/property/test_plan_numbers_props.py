@@ -17,6 +17,7 @@ from mobius_fx.passes.partition import evaluate, solve
 from mobius_fx.plans import build_plan
 from mobius_fx.step_model import PartitionProblem
 from mobius_fx.topology import Topology
+from mobius_fx.precision import Precision
 
 GB = 1e9
 
@@ -46,12 +47,12 @@ def cases(draw):
 
 def _problem(c) -> PartitionProblem:
     return PartitionProblem.from_topology(c["layers"], c["topology"], microbatches=c["microbatches"],
-                                          order=c["order"], dtype=c["dtype"], input_bytes=c["input_bytes"])
+                                          order=c["order"], precision=Precision.of(c["dtype"]), input_bytes=c["input_bytes"])
 
 
 def _plan(c, cuts, step_time):
     return build_plan(c["layers"], cuts, order=c["order"], topology=c["topology"], microbatches=c["microbatches"],
-                      step_time=step_time, dtype=c["dtype"], input_bytes=c["input_bytes"])
+                      step_time=step_time, precision=Precision.of(c["dtype"]), input_bytes=c["input_bytes"])
 
 
 def _assert_bound_holds(plan) -> None:

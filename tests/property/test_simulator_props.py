@@ -11,6 +11,7 @@ from mobius_fx.sim_tasks import HOST_COPY_KINDS
 from mobius_fx import schedules
 from mobius_fx.simulator import simulate
 from mobius_fx.topology import Topology
+from mobius_fx.precision import Precision
 
 GB = 1e9
 
@@ -47,7 +48,7 @@ def plans(draw, shared=True):
     order = draw(st.permutations([g.name for g in topo.gpus]))
     dtype = draw(st.sampled_from([None, "float16"]))
     return build_plan(layers, [0, *sorted(inner)], order=order, topology=topo, microbatches=draw(st.integers(1, 6)),
-                      step_time=0.0, dtype=dtype, input_bytes=1000, memory_fraction=0.99)
+                      step_time=0.0, precision=Precision.of(dtype), input_bytes=1000, memory_fraction=0.99)
 
 
 def _each_schedule(plan):
@@ -105,7 +106,7 @@ def test_mobius_is_never_faster_than_the_partitioners_model_and_within_10_percen
     for s in plan.stages[1:]:
         cuts.append(cuts[-1] + len(plan.stages[len(cuts) - 1].layers))
     problem = PartitionProblem.from_topology(plan.layers, plan.topology, microbatches=plan.microbatches,
-                                             order=plan.order, memory_fraction=1.0, dtype=plan.dtype,
+                                             order=plan.order, memory_fraction=1.0, precision=plan.precision,
                                              input_bytes=1000)  # as `plans()` builds them
     ev = evaluate(problem, cuts)
     if ev is not None:

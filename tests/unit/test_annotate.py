@@ -10,6 +10,7 @@ from mobius_fx import MobiusError
 from mobius_fx.costs import DEVICE_SPECS, LayerCost, NodeCost
 from mobius_fx.passes.annotate import annotate
 from mobius_fx.tracing import trace
+from mobius_fx.precision import Precision
 
 try:
     from tests.models import (ResidualMLP, SkipNet, gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama, mlp,
@@ -111,7 +112,7 @@ def test_half_precision_dtype_uses_the_tensor_core_peak():
     model, x = nn.Sequential(nn.Linear(1024, 1024, bias=False)), torch.randn(512, 1024)
     gm = trace(model, example_inputs=(x,))
     fp32 = annotate(gm, example_inputs=(x,), device_spec="rtx3090")[0].fwd_time
-    bf16 = annotate(gm, example_inputs=(x,), device_spec="rtx3090", dtype=torch.bfloat16)[0].fwd_time
+    bf16 = annotate(gm, example_inputs=(x,), device_spec="rtx3090", precision=Precision.of(torch.bfloat16))[0].fwd_time
     assert bf16 < fp32
 
 

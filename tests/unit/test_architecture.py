@@ -22,6 +22,10 @@
   `mobius_fx/schedule.py` (from the plan, the traced graph, the runtime).
 - One home per rule: the micro-batch count's rules live in `mobius_fx/microbatch.py`
   (`check_count`, `check_divides`); the divisibility message is written in no other module.
+- One precision record (issue 29 part 2): the dtype alias table (`precision.DTYPE_ALIASES`) is
+  written only in `mobius_fx/precision.py` (no other dict keyed by two of its aliases), and a
+  `MemoryModel` is built only where a problem (`step_model`) or a plan (`plans`) is made; the
+  rest read the one they carry.
 
 Run as a script to print the import graph's cycles: `python tests/unit/test_architecture.py`.
 """
@@ -368,6 +372,44 @@ def test_the_divisibility_rule_has_one_home():
     assert set(found) == {"mobius_fx.microbatch"}, (
         f"the micro-batch divisibility message is worded in {sorted(found)} (lines {found}); raise it with "
         f"mobius_fx.microbatch.check_divides (its batch/count/remedy arguments say how the caller spells them)")
+
+
+def alias_tables() -> list[str]:
+    """Dict literals outside mobius_fx.precision keyed by two or more dtype aliases ("bf16", "fp16", ...)."""
+    from mobius_fx.precision import DTYPE_ALIASES
+
+    found = []
+    for module, path in SCANNED.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Dict) and module != "mobius_fx.precision":
+                keys = {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+                if len(keys & set(DTYPE_ALIASES)) >= 2:
+                    found.append(f"{module} line {node.lineno}: {sorted(keys & set(DTYPE_ALIASES))}")
+    return found
+
+
+def test_the_dtype_alias_table_has_one_home():
+    found = alias_tables()
+    assert not found, ("a dtype alias table is written outside mobius_fx/precision.py; read dtypes with "
+                       "precision.parse_dtype (or Precision.check_request) instead:\n" + "\n".join(found))
+
+
+def memory_model_builds() -> dict[str, list[int]]:
+    """module -> the lines where it calls `MemoryModel(...)`."""
+    found: dict[str, list[int]] = {}
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and (getattr(node.func, "id", None) == "MemoryModel"
+                                               or getattr(node.func, "attr", None) == "MemoryModel"):
+                found.setdefault(module, []).append(node.lineno)
+    return found
+
+
+def test_memory_models_are_built_where_problems_and_plans_are_made():
+    found = memory_model_builds()
+    assert set(found) <= {"mobius_fx.step_model", "mobius_fx.plans"}, (
+        f"MemoryModel is built in {found}; read the one the problem (PartitionProblem.memory) or the plan "
+        f"(Plan.memory) carries, or its Precision's scale")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def test_a_loss_layer_is_charged_the_log_softmax_inside_cross_entropy():
     # the forward holds the logits and the log_softmax at once; the backward above the saved
     # bytes the log_softmax's gradient and the logits' (the weight gradient is the model's G)
     assert loss.peak_bytes == 2 * ROW + 8
-    mm = MemoryModel.for_layers([loss], 1)
+    mm = MemoryModel(1)
     w = V * 16 * 4
     # backward: weights, their gradients, the saved log_softmax and the working memory above it
     assert stage_memory([loss], None, mm)[1] == w + w + loss.saved_bytes + loss.peak_bytes + 4  # + its output

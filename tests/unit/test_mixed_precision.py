@@ -21,6 +21,7 @@ import mobius_fx
 from mobius_fx import Topology, zoo
 from mobius_fx.plans import build_plan
 from mobius_fx.pipeline import build_pipeline
+from mobius_fx.precision import Precision
 from mobius_fx.tracing import trace
 from mobius_fx.zoo import GPT, GPTConfig
 
@@ -212,7 +213,7 @@ def test_bf16_plan_of_the_8b_gpt_moves_half_the_weight_bytes_of_fp32(tmp_path):
     model, inputs = zoo.build("gpt3-8b", batch=8, seq=1024)  # meta device
     plan = mobius_fx.plan(model, "mobius-testbed", example_inputs=inputs, microbatches=8, dtype=torch.bfloat16,
                           time_limit=3, cache_dir=str(tmp_path), verbose=False)
-    assert plan.dtype == "bfloat16"
+    assert plan.dtype == torch.bfloat16 and plan.precision == Precision(torch.bfloat16, torch.float32)
     # The fp32 plan with the same layers, cut at the same boundaries on the same GPUs.
     cuts, at = [], 0
     for s in plan.stages:
@@ -221,8 +222,8 @@ def test_bf16_plan_of_the_8b_gpt_moves_half_the_weight_bytes_of_fp32(tmp_path):
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters(remove_duplicate=False)}
     kw = dict(order=plan.order, topology=plan.topology, microbatches=8, step_time=0.0, param_sizes=sizes,
               input_bytes=sum(t.numel() * t.element_size() for t in inputs))
-    half = build_plan(plan.layers, cuts, dtype=torch.bfloat16, **kw)
-    full = build_plan(plan.layers, cuts, dtype=None, **kw)
+    half = build_plan(plan.layers, cuts, precision=plan.precision, **kw)
+    full = build_plan(plan.layers, cuts, precision=Precision.of(None, master=torch.float32), **kw)
 
     def weight_bytes(p):
         return sum(t.bytes * t.count for t in p.transfers if t.kind == "prefetch")

@@ -24,6 +24,7 @@ from mobius_fx.step_model import (
 from mobius_fx.passes.partition import (
     PartitionProblem, brute_force, evaluate, heuristic, plan_stage_count_candidates, solve, stage_count_bound,
 )
+from mobius_fx.precision import Precision
 from tests.unit.test_step_model import layer, problem, unshared_topology
 
 GiB = 2**30
@@ -49,7 +50,7 @@ def gpt_8b_problem(*, gpus: int = 8, microbatches: int = 8) -> PartitionProblem:
     cap = int(24 * GiB * 0.9)
     return PartitionProblem(tuple(layers), microbatches, tuple(f"gpu{i}" for i in range(gpus)), (cap,) * gpus,
                             (6.5e9,) * gpus, (6.5e9,) * gpus, (5e9,) * gpus,
-                            MemoryModel.for_layers(layers, microbatches, "float16"), 0.9)
+                            MemoryModel(microbatches, Precision.of("float16")), 0.9)
 
 
 # ---------------------------------------------------------------------------- candidates
@@ -331,7 +332,7 @@ def recompute_problem() -> PartitionProblem:
                 A=dict(fwd_time=1.0, bwd_time=1.0, param_bytes=1, grad_bytes=0, output_bytes=0, peak_bytes=3),
                 B=dict(fwd_time=1.0, bwd_time=1.0, param_bytes=1, grad_bytes=0, output_bytes=0, peak_bytes=0))
     return PartitionProblem(ls, 1, ("gpu0", "gpu1"), (9, 11), (5.0,) * 2, (5.0,) * 2, (5.0,) * 2,
-                            MemoryModel.for_layers(ls, 1), hop_back=(5.0, 5.0))
+                            MemoryModel(1), hop_back=(5.0, 5.0))
 
 
 def test_solve_matches_brute_force_on_the_property_tests_falsifying_example(tmp_path):
@@ -359,7 +360,7 @@ def memory_free_problem() -> PartitionProblem:
                 X=dict(fwd_time=1.0, bwd_time=1.0, param_bytes=1, grad_bytes=32, output_bytes=0, peak_bytes=0),
                 Y=dict(fwd_time=1.0, bwd_time=1.0, param_bytes=11, grad_bytes=0, output_bytes=0, peak_bytes=0))
     return PartitionProblem(ls, 1, ("gpu0", "gpu1"), (10**9,) * 2, (5.0,) * 2, (5.0,) * 2, (5.0,) * 2,
-                            MemoryModel.for_layers(ls, 1))
+                            MemoryModel(1))
 
 
 def test_a_warm_start_is_never_proven_optimal_when_a_better_cut_exists():
@@ -431,7 +432,7 @@ def test_solving_prints_nothing(solver, tmp_path, capfd):
             "from mobius_fx.passes.partition import PartitionProblem, solve\n"
             "ls = tuple(LayerCost(n, (n,), 0.0, 0.0, 1.0, 2.0, 10, 10, 1, 0) for n in 'abcd')\n"
             "p = PartitionProblem(ls, 2, ('g0', 'g1'), (10**6,) * 2, (10.0,) * 2, (10.0,) * 2, (10.0,) * 2,\n"
-            "                     MemoryModel.for_layers(ls, 2))\n"
+            "                     MemoryModel(2))\n"
             f"solve(p, solver={solver!r}, cache_dir={str(tmp_path)!r}, time_limit=5)\n")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert capfd.readouterr() == ("", "")
@@ -545,7 +546,7 @@ def test_the_closed_form_bound_holds_with_more_gpus_behind_an_uplink_than_its_se
                    for i, (f, b, w, g, out, peak) in enumerate(spec))
     n, m = 5, 3
     p = PartitionProblem(layers, m, tuple(f"g{i}" for i in range(n)), (1482,) * n, (20.0, 5.0, 10.0, 20.0, 20.0),
-                         (1000.0,) * n, (1000.0,) * n, MemoryModel.for_layers(layers, m), input_bytes=0,
+                         (1000.0,) * n, (1000.0,) * n, MemoryModel(m), input_bytes=0,
                          shared_up=(SharedLink("up", tuple(range(n)), 2),))
     best = min(e.makespan for inner in itertools.combinations(range(1, len(layers)), 4)
                if (e := evaluate(p, (0, *inner))) is not None)
@@ -590,7 +591,7 @@ def test_from_topology_reads_capacity_and_routes():
     topo = Topology.preset("mobius-testbed")
     order = ("gpu0", "gpu4", "gpu1", "gpu5")
     p = PartitionProblem.from_topology([layer("a"), layer("b")], topo, microbatches=2, order=order,
-                                       memory_fraction=0.5, dtype="float16")
+                                       memory_fraction=0.5, precision=Precision.of("float16"))
     assert p.gpus == order and p.capacity == (12 * GiB,) * 4
     assert p.up == (topo.bandwidth("host", "gpu0"),) + (6.5e9,) * 3
     assert p.hop[0] == topo.bandwidth("gpu0", "gpu4") and p.hop[3] == topo.bandwidth("gpu5", "gpu0")

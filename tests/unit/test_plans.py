@@ -8,6 +8,7 @@ import pytest
 from mobius_fx import MobiusError, Topology
 from mobius_fx.costs import LayerCost
 from mobius_fx.plans import MemoryModel, Plan, SolverInfo, build_plan, stage_memory
+from mobius_fx.precision import Precision
 
 MiB = 2**20
 
@@ -22,7 +23,7 @@ def _plan(n_layers=6, cuts=(0, 2, 3, 5), gpus=2, m=2, dtype=None):
     topo = Topology.virtual(gpus=gpus, memory="1GiB", root_complexes=min(2, gpus))
     order = tuple(g.name for g in topo.gpus)
     return build_plan(_layers(n_layers), cuts, order=order, topology=topo, microbatches=m, step_time=0.5,
-                      dtype=dtype, solver=SolverInfo("cbc", "Optimal", 0.5, 0.0, 1.2, 10, 20, (4,)))
+                      precision=Precision.of(dtype), solver=SolverInfo("cbc", "Optimal", 0.5, 0.0, 1.2, 10, 20, (4,)))
 
 
 def test_stages_take_their_layers_and_gpus_round_robin():
@@ -56,7 +57,7 @@ def test_half_precision_streams_half_the_weight_bytes():
 
 def test_stage_memory_counts_weights_working_and_boundaries():
     layers = _layers(3)
-    mm = MemoryModel.for_layers(layers, 2)
+    mm = MemoryModel(2)
     fwd, bwd = stage_memory(layers[1:], layers[0], mm)
     assert fwd == 8 * MiB + 1 * MiB + 2 * (0.5 * MiB + 0.5 * MiB)
     # backward: the gradients twice (their sum and a micro-batch's fresh ones) and all the
@@ -64,7 +65,7 @@ def test_stage_memory_counts_weights_working_and_boundaries():
     # (the working memory, in forward its live tensors, is in backward what the layer being
     # differentiated holds above its saved bytes: once in each)
     assert bwd == fwd + 2 * 8 * MiB + 2 * MiB
-    fwd1, bwd1 = stage_memory(layers[1:], layers[0], MemoryModel.for_layers(layers, 1))
+    fwd1, bwd1 = stage_memory(layers[1:], layers[0], MemoryModel(1))
     assert bwd1 == fwd1 + 8 * MiB + 4 * MiB  # one micro-batch: no fresh gradients to add in
 
 

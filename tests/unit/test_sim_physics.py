@@ -8,7 +8,6 @@ import pytest
 from mobius_fx.costs import LayerCost
 from mobius_fx.errors import MobiusError
 from mobius_fx.plans import build_plan
-from mobius_fx.costs import dtype_bytes
 from mobius_fx.sim_tasks import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, host_copy_bytes
 from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, simulate
 from mobius_fx.topology import HostFigures, Topology
@@ -137,7 +136,7 @@ def test_zero3_steps_at_mobius_speed_unless_deepspeeds_is_measured_or_given():
     testbed = Topology.preset("mobius-testbed")
     plan = plan_on(testbed, [0, 4], 8)
     masters = 8 * W
-    s = dtype_bytes(plan.dtype)
+    s = plan.precision.stream_bytes
 
     def zero3_time(bw, copy=HOST_COPY_BANDWIDTH):
         return masters / 4 * (host_copy_bytes("handover", s) / copy + (28 + s) / bw)

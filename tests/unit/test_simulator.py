@@ -16,6 +16,7 @@ from mobius_fx import schedules
 from mobius_fx.sim_tasks import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, TOUCHED_BYTES, host_copy_bytes
 from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, simulate
 from mobius_fx.topology import HostFigures, Topology
+from mobius_fx.precision import Precision
 
 GB = 1e9
 # The schedule model (docs/schedule.md) and the partitioner's have no host copies: tests of the
@@ -35,7 +36,7 @@ def make_layers(n, *, f=0.01, b=0.03, w=100e6, out=1e6, rng=None):
 def make_plan(topo, layers, cuts, m, *, order=None, dtype=None):
     order = order or [g.name for g in topo.gpus]
     return build_plan(layers, cuts, order=order, topology=topo, microbatches=m, step_time=0.0,
-                      dtype=dtype, input_bytes=1000, memory_fraction=0.99)
+                      precision=Precision.of(dtype), input_bytes=1000, memory_fraction=0.99)
 
 
 def unshared_topology(n, *, bw=10 * GB, nvlink=50 * GB):
@@ -341,7 +342,7 @@ def test_gpipe_checks_memory_with_the_plans_own_footprint(microbatches):
     topo = Topology.virtual(gpus=2, memory="8GiB")
     layers = [dataclasses.replace(l, peak_bytes=int(5e6 * (i + 1))) for i, l in enumerate(make_layers(4, w=10e6))]
     plan = make_plan(topo, layers, [0, 1, 2, 3], microbatches)
-    mm = MemoryModel.for_layers(layers, microbatches)
+    mm = MemoryModel(microbatches)
     need = max(stage_memory(layers[a:z], layers[a - 1] if a else None, mm)[1]
                + sum(l.grad_bytes for l in layers[a:z]) / 4 * 8 for a, z in ((0, 2), (2, 4)))
 
@@ -362,11 +363,10 @@ def test_every_schedule_is_bounded_by_its_own_work(testbed_plan, schedule):
 
 # ---------------------------------------------------------------------- optimizer, results
 def test_optimizer_time_is_the_hand_over_then_master_bytes_times_adam_traffic_over_bandwidth(testbed_plan):
-    from mobius_fx.costs import dtype_bytes
 
     masters = sum(l.grad_bytes for l in testbed_plan.layers)  # fp32, traced
-    handover = host_copy_bytes("handover", dtype_bytes(testbed_plan.dtype))  # the .grad made fp32
-    assert handover == (0 if dtype_bytes(testbed_plan.dtype) == 4 else 6)
+    handover = host_copy_bytes("handover", testbed_plan.precision.stream_bytes)  # the .grad made fp32
+    assert handover == (0 if testbed_plan.precision.stream_bytes == 4 else 6)
     for bw in (10 * GB, CPU_ADAM_BANDWIDTH):
         r = simulate(testbed_plan, cpu_adam_bandwidth=bw) if bw != CPU_ADAM_BANDWIDTH else simulate(testbed_plan)
         assert r.optimizer_time == pytest.approx(masters / 4 * (handover / HOST_COPY_BANDWIDTH + 28 / bw))
@@ -428,9 +428,8 @@ def test_simulate_reads_the_host_section_and_says_so(testbed, testbed_plan, tmp_
 
 
 def test_the_host_copies_are_where_the_runtime_makes_them(testbed_plan):
-    from mobius_fx.costs import dtype_bytes
 
-    s = dtype_bytes(testbed_plan.dtype)
+    s = testbed_plan.precision.stream_bytes
     master = {st.index: st.grad_bytes / (s / 4) for st in testbed_plan.stages}
     secs = lambda kind, k: master[k] / 4 * host_copy_bytes(kind, s) / HOST_COPY_BANDWIDTH
     copies = lambda r, kind: [e for e in r.events if e.kind == "host-copy" and e.name.startswith(kind)]
@@ -538,9 +537,8 @@ def test_a_synchronous_overlap_steps_each_stage_once_its_gradients_have_landed(t
         assert e.start >= grads_done[e.stage] - 1e-12
     work = lambda r: sum(e.end - e.start for e in r.events if e.kind == "optimizer")
     # the same work, and the half-precision gradients' conversion fused into it (their bytes more)
-    from mobius_fx.costs import dtype_bytes
 
-    s = dtype_bytes(testbed_plan.dtype)
+    s = testbed_plan.precision.stream_bytes
     assert work(sync) == pytest.approx(work(serial) * (TOUCHED_BYTES["adam"] + s) / TOUCHED_BYTES["adam"], rel=1e-9)
     # sync's step refreshes the streamed copies, so its uploads stage nothing: never a slower pipeline,
     # the same one when nothing is staged in either

@@ -19,6 +19,7 @@ from mobius_fx.step_model import (
     tied_weights,
 )
 from mobius_fx.topology import Topology
+from mobius_fx.precision import Precision
 
 
 def layer(name: str, fwd: float = 1.0, bwd: float = 2.0, params: int = 10, out: int = 0, peak: int = 0,
@@ -32,7 +33,7 @@ def problem(layers, *, gpus: int = 1, m: int = 1, cap: float = 1e9, up: float = 
             input_bytes: float = 0.0, tied: tuple[TiedWeight, ...] = ()) -> PartitionProblem:
     layers = tuple(layers)
     return PartitionProblem(layers, m, tuple(f"gpu{i}" for i in range(gpus)), (int(cap),) * gpus, (up,) * gpus,
-                            (down,) * gpus, (hop,) * gpus, MemoryModel.for_layers(layers, m, dtype), frac,
+                            (down,) * gpus, (hop,) * gpus, MemoryModel(m, Precision.of(dtype)), frac,
                             hop_back=None if hop_back is None else (hop_back,) * gpus, input_bytes=input_bytes,
                             tied=tied)
 
@@ -295,19 +296,19 @@ def test_tied_copies_are_the_plans_stage_bytes(trainable):
     tied = tied_weights(layers, sizes, train)
     assert tied == (TiedWeight("emb.weight", 0, (2, 5), float(emb), trainable),)
     topo = Topology.virtual(gpus=2, memory="24GiB", bandwidth=10e9)
-    p = PartitionProblem.from_topology(layers, topo, microbatches=2, tied=tied, dtype="float16")
+    p = PartitionProblem.from_topology(layers, topo, microbatches=2, tied=tied, precision=Precision.of("float16"))
     for k in range(6):
         for rest in itertools.combinations(range(1, 6), k):
             cuts = (0, *rest)
             plan = build_plan(layers, cuts, order=["gpu0", "gpu1"], topology=topo, microbatches=2, step_time=0.0,
-                              dtype="float16", param_sizes=sizes, trainable=train)
+                              precision=Precision.of("float16"), param_sizes=sizes, trainable=train)
             st = PrefixSums(p).stages(cuts)
             assert [int(x) for x in st.w] == [s.param_bytes for s in plan.stages]
             assert [int(x) for x in st.g] == [s.grad_bytes for s in plan.stages]
             assert [int(max(a, b)) for a, b in zip(st.fmem, st.bmem)] == [s.peak_bytes for s in plan.stages]
     # the copies are there: one stage for layers 0-1, one for 2-5 holds 2 and 5, one copy
     st = PrefixSums(p).stages((0, 2))
-    own = PrefixSums(PartitionProblem.from_topology(layers, topo, microbatches=2, dtype="float16")).stages((0, 2))
+    own = PrefixSums(PartitionProblem.from_topology(layers, topo, microbatches=2, precision=Precision.of("float16"))).stages((0, 2))
     assert st.w[1] - own.w[1] == emb / 2 and st.g[1] - own.g[1] == (emb / 2 if trainable else 0)
     assert st.w[0] == own.w[0]
 
