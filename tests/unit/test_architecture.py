@@ -6,8 +6,7 @@
   definitions; it only hides the cycle from the interpreter.
 - The passes do not import `mobius_fx.plans`: the model they share is `mobius_fx.step_model`.
 - No module imports a private name (`_x`) that another module defines, neither with
-  `from m import _x` nor as `m._x`. A private *module* (`mobius_fx/_stages.py`,
-  `passes/_partition_mip.py`) is private to its package: modules of that package import it.
+  `from m import _x` nor as `m._x`. A private *module* (`passes/_partition_mip.py`) is private to its package: modules of that package import it.
 - One home per list (issue 29): each kind list of `mobius_fx/kinds.py` (device kinds, solvers,
   schedules, optimizer-overlap modes) and `plans.TRANSFER_KIND` (schedule IR op kind -> transfer
   kind) is written out only there; a literal tuple, list or set holding two of a list's names (or
