@@ -45,7 +45,7 @@ last, one binary per stage that layer can fall in (which stage keeps a copy of i
 For fixed cuts the least start times are optimal (`step_model`'s docstring says why), and the
 MIP uses the same elimination of the prefetch p, the same rows for the saved inputs (the
 bytes of a boundary activation are linear in the cut variables), and drops rows that others
-imply for every cut set (`_partition_mip.py` checks each from the footprint's coefficients): `p_k <= free`
+imply for every cut set (`_partition_mip_rows.add_memory_rows` checks each from the footprint's coefficients): `p_k <= free`
 and `q_k <= free` follow from the double buffer (W_k <= mem_k), the forward rules from the
 backward ones (bwd_mem >= fwd_mem), and a stage's own rule from its double-buffer pair.
 
