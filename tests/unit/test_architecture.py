@@ -259,7 +259,7 @@ MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80  # def line to last line (FunctionDef.end_lineno - lineno + 1)
 # Over the limits, still to be split (issue 29 part 4): remove an entry once its split lands.
 LONG_FILES: set[str] = {
-    "mobius_fx.devices", "mobius_fx.overlap", "mobius_fx.placement", "mobius_fx.signatures",
+    "mobius_fx.devices", "mobius_fx.overlap", "mobius_fx.signatures",
     "mobius_fx.sim_tasks", "mobius_fx.simulator", "mobius_fx.stage_calls", "mobius_fx.step_model",
     "mobius_fx.topology", "mobius_fx.passes.annotate",
 }
