@@ -115,7 +115,7 @@ def run_case(case: Case, cache: str, time_limit: float, overlap: str = "sync") -
     mip_sim = mobius_fx.simulate(mip, optimizer_overlap=overlap).pipeline_time
     # Every contiguous partition through the plan's own passes with cuts= given (no re-trace).
     tail = default_pipeline()
-    tail = PassPipeline([p for p in tail.passes if p.name in ("partition", "cross_map", "plan")],
+    tail = PassPipeline([p for p in tail.passes if p.name in ("partition", "plan")],
                         given=(*tail.given, "graph", "layers"))
     L = len(mip_ctx.layers)
     assert L <= 8, f"{case.name} has {L} layers; keep cases at <= 8 (2^(L-1) partitions)"

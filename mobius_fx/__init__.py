@@ -1,7 +1,7 @@
 """mobius_fx: fine-tune models larger than your GPUs on one multi-GPU server.
 
 A compiler over torch.fx that implements Mobius (Feng et al., ASPLOS 2023):
-trace -> annotate -> partition (MIP) -> cross_map -> insert_transfers -> emit.
+trace -> annotate -> partition (MIP + cross_map) -> plan -> insert_transfers -> emit.
 
     import mobius_fx
     from mobius_fx import Topology

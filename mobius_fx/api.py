@@ -93,7 +93,7 @@ class _Recompiler:
     """Compiles the variants of a compiled pipeline (mobius_fx/signatures.py): for a call with
     other arguments or shapes (`variant`: traced and planned again), or one larger than its
     variant was planned for (`replan`: the same graph, costed again). Either keeps the cuts of
-    the plan it varies when they fit (`_stages.reuse_partition_pass`), on the same devices, with
+    the plan it varies when they fit (`passes.partition.reuse_partition_pass`), on the same devices, with
     the passes and settings the pipeline was compiled with."""
 
     def __init__(self, passes: PassPipeline, ctx: CompileContext) -> None:
@@ -101,16 +101,16 @@ class _Recompiler:
         self.model, self.topology, self.options = ctx.model, ctx.topology, ctx.settings
 
     def _passes(self, like, *, graph: bool = False) -> PassPipeline:
-        from . import _stages
         from .compiler import FunctionPass
+        from .passes.partition import partition_pass, reuse_partition_pass
 
         passes = list(self.passes.passes)
         if graph:
             passes = [p for p in passes if p.name != "trace"]
         out = PassPipeline(passes, given=(*self.passes.given, "graph") if graph else self.passes.given)
         part = next((p for p in passes if p.name == "partition"), None)
-        if getattr(part, "fn", None) is _stages.partition_pass:  # the user's own partitioner stays as it is
-            reuse = _stages.reuse_partition_pass(like.layers, like.boundaries)
+        if getattr(part, "fn", None) is partition_pass:  # the user's own partitioner stays as it is
+            reuse = reuse_partition_pass(like.layers, like.boundaries)
             out.replace("partition", FunctionPass("partition", reuse, reads=part.reads, writes=part.writes))
         return out
 

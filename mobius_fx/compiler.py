@@ -1,4 +1,4 @@
-"""The declared pass pipeline: trace -> annotate -> partition -> cross_map -> plan
+"""The declared pass pipeline: trace -> annotate -> partition (cut + cross map) -> plan
 -> insert_transfers -> emit.
 
 Each pass declares the facts it reads and writes (names such as "graph", "node.meta.mobius",
@@ -36,7 +36,7 @@ __all__ = ["CompileContext", "MobiusPass", "FunctionPass", "PassPipeline", "Touc
 
 log = logging.getLogger("mobius_fx")
 
-PASS_ORDER = ("trace", "annotate", "partition", "cross_map", "plan", "insert_transfers", "emit")
+PASS_ORDER = ("trace", "annotate", "partition", "plan", "insert_transfers", "emit")
 
 
 @dataclass(frozen=True)
@@ -289,19 +289,18 @@ def _run_recorded(p: MobiusPass, ctx: CompileContext) -> Touched:
 
 def default_pipeline() -> PassPipeline:
     """The standard passes, in PASS_ORDER (imported lazily: solvers load only when used)."""
-    from . import _stages
+    from . import pass_adapters as std
+    from .passes.partition import partition_pass
 
     return PassPipeline([
-        FunctionPass("trace", _stages.trace_pass, reads=("model", "example_inputs"), writes=("graph",)),
-        FunctionPass("annotate", _stages.annotate_pass, reads=("graph", "example_inputs", "settings", "topology"),
+        FunctionPass("trace", std.trace_pass, reads=("model", "example_inputs"), writes=("graph",)),
+        FunctionPass("annotate", std.annotate_pass, reads=("graph", "example_inputs", "settings", "topology"),
                      writes=("node.meta.mobius", "layers")),
-        FunctionPass("partition", _stages.partition_pass, reads=("layers", "topology", "settings", "model",
-                                                                 "example_inputs"), writes=("partition",)),
-        FunctionPass("cross_map", _stages.cross_map_pass, reads=("partition", "layers", "topology", "settings"),
-                     writes=("order",)),
-        FunctionPass("plan", _stages.plan_pass, reads=("layers", "partition", "order", "topology", "settings", "model",
-                                                       "example_inputs"), writes=("plan",)),
-        FunctionPass("insert_transfers", _stages.insert_transfers_pass, reads=("graph", "plan"), writes=("stages",)),
-        FunctionPass("emit", _stages.emit_pass, reads=("graph", "stages", "plan", "settings", "model", "example_inputs"),
+        FunctionPass("partition", partition_pass, reads=("layers", "topology", "settings", "model", "example_inputs"),
+                     writes=("partition", "order")),
+        FunctionPass("plan", std.plan_pass, reads=("layers", "partition", "order", "topology", "settings", "model",
+                                                   "example_inputs"), writes=("plan",)),
+        FunctionPass("insert_transfers", std.insert_transfers_pass, reads=("graph", "plan"), writes=("stages",)),
+        FunctionPass("emit", std.emit_pass, reads=("graph", "stages", "plan", "settings", "model", "example_inputs"),
                      writes=("pipeline",)),
     ])

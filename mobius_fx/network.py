@@ -354,110 +354,133 @@ def replay(tasks: Sequence[Task], capacity: Mapping[Link, float] | Callable[[Lin
            duplex: Mapping[Link, float] | Callable[[Link], float] | None = None) -> Replay:
     """Run `tasks` to completion on links of `capacity` (and `duplex`, see `FlowNetwork`);
     raise MobiusError if some can never start (a cycle)."""
-    n = len(tasks)
-    waiting = [len(t.after) + len(t.after_start) for t in tasks]
-    on_end: list[list[int]] = [[] for _ in range(n)]
-    on_start: list[list[int]] = [[] for _ in range(n)]
-    for i, t in enumerate(tasks):
-        for d in t.after:
-            on_end[d].append(i)
-        for d in t.after_start:
-            on_start[d].append(i)
-    start = [math.nan] * n
-    end = [math.nan] * n
-    stream_prev: list[int | None] = [None] * n
-    flow_links: dict[int, dict[Link, float]] = {}
-    queues: dict[str, list] = {}
-    busy: dict[str, int | None] = {}
-    last_on: dict[str, int | None] = {}
-    timers: list[tuple[float, int, int]] = []  # (time, kind 0=end 1=release, task)
-    net = FlowNetwork(capacity, duplex)
-    now = 0.0
+    run = _Replayer(tasks, FlowNetwork(capacity, duplex))
+    run.events()
+    run.check_all_ran()
+    net = run.net
+    return Replay(run.start, run.end, run.stream_prev, run.flow_links, dict(net.link_bytes), net.link_busy(),
+                  net.segments)
 
-    ready: list[int] = []
-    touched: set[str] = set()
 
-    def make_ready(i: int) -> None:
-        t = tasks[i]
-        if t.not_before > now:
-            heapq.heappush(timers, (t.not_before, 1, i))
-        elif t.stream is None:
-            ready.append(i)
+class _Replayer:
+    """`replay`'s event loop: tasks wait for their dependencies (`waiting`), then for their
+    stream (one task at a time per stream, by priority) or their `not_before`; a flow runs on
+    the network until its bytes are through, a timed task for its duration."""
+
+    def __init__(self, tasks: Sequence[Task], net: FlowNetwork) -> None:
+        n = len(tasks)
+        self.tasks, self.net, self.now = tasks, net, 0.0
+        self.waiting = [len(t.after) + len(t.after_start) for t in tasks]
+        self.on_end: list[list[int]] = [[] for _ in range(n)]
+        self.on_start: list[list[int]] = [[] for _ in range(n)]
+        for i, t in enumerate(tasks):
+            for d in t.after:
+                self.on_end[d].append(i)
+            for d in t.after_start:
+                self.on_start[d].append(i)
+        self.start = [math.nan] * n
+        self.end = [math.nan] * n
+        self.stream_prev: list[int | None] = [None] * n
+        self.flow_links: dict[int, dict[Link, float]] = {}
+        self.queues: dict[str, list] = {}
+        self.busy: dict[str, int | None] = {}
+        self.last_on: dict[str, int | None] = {}
+        self.timers: list[tuple[float, int, int]] = []  # (time, kind 0=end 1=release, task)
+        self.ready: list[int] = []
+        self.touched: set[str] = set()
+        self.finish_now: list[int] = []
+
+    def make_ready(self, i: int) -> None:
+        t = self.tasks[i]
+        if t.not_before > self.now:
+            heapq.heappush(self.timers, (t.not_before, 1, i))
         else:
-            heapq.heappush(queues.setdefault(t.stream, []), (t.priority, i))
-            touched.add(t.stream)
+            self.release(i)
 
-    finish_now: list[int] = []
+    def release(self, i: int) -> None:
+        """Task i may start: at once without a stream, else queued on its stream."""
+        t = self.tasks[i]
+        if t.stream is None:
+            self.ready.append(i)
+        else:
+            heapq.heappush(self.queues.setdefault(t.stream, []), (t.priority, i))
+            self.touched.add(t.stream)
 
-    def begin(i: int) -> None:
-        t = tasks[i]
-        start[i] = now
-        for j in on_start[i]:
-            waiting[j] -= 1
-            if waiting[j] == 0:
-                make_ready(j)
+    def begin(self, i: int) -> None:
+        t, now = self.tasks[i], self.now
+        self.start[i] = now
+        for j in self.on_start[i]:
+            self.waiting[j] -= 1
+            if self.waiting[j] == 0:
+                self.make_ready(j)
         if t.is_flow:
-            net.add(i, t.links, t.size, priority=t.link_priority)
+            self.net.add(i, t.links, t.size, priority=t.link_priority)
         elif t.duration > 0:
-            heapq.heappush(timers, (now + t.duration, 0, i))
+            heapq.heappush(self.timers, (now + t.duration, 0, i))
         else:
-            finish_now.append(i)
+            self.finish_now.append(i)
 
-    def complete(i: int) -> None:
-        end[i] = now
-        s = tasks[i].stream
+    def complete(self, i: int) -> None:
+        self.end[i] = self.now
+        s = self.tasks[i].stream
         if s is not None:
-            busy[s] = None
-            touched.add(s)
-        for j in on_end[i]:
-            waiting[j] -= 1
-            if waiting[j] == 0:
-                make_ready(j)
+            self.busy[s] = None
+            self.touched.add(s)
+        for j in self.on_end[i]:
+            self.waiting[j] -= 1
+            if self.waiting[j] == 0:
+                self.make_ready(j)
 
-    for i in range(n):
-        if waiting[i] == 0:
-            make_ready(i)
-    while True:
+    def settle(self) -> None:
+        """Start and finish what can at this instant: ready tasks, free streams' next tasks,
+        zero-length tasks."""
+        ready, touched, finish_now, busy, queues = self.ready, self.touched, self.finish_now, self.busy, self.queues
         while ready or touched or finish_now:
             while ready:
-                begin(ready.pop())
+                self.begin(ready.pop())
             while touched:
                 s = touched.pop()
                 if busy.get(s) is None and queues.get(s):
                     _, i = heapq.heappop(queues[s])
                     busy[s] = i
-                    stream_prev[i] = last_on.get(s)
-                    last_on[s] = i
-                    begin(i)
+                    self.stream_prev[i] = self.last_on.get(s)
+                    self.last_on[s] = i
+                    self.begin(i)
             while finish_now:
-                complete(finish_now.pop())
-        t_flow, key = net.next_finish()
-        t_timer = timers[0][0] if timers else math.inf
-        t_next = min(t_flow, t_timer)
-        if t_next == math.inf:
-            break
-        now = t_next
-        net.advance(now)
-        if t_flow <= t_next:
-            for i, by_link in net.finished(force=key):
-                flow_links[i] = by_link
-                complete(i)
-        while timers and timers[0][0] <= now:
-            _, kind, i = heapq.heappop(timers)
-            if kind == 0:
-                complete(i)
-            else:
-                t = tasks[i]
-                if t.stream is None:
-                    ready.append(i)
+                self.complete(finish_now.pop())
+
+    def events(self) -> None:
+        """Advance from event to event (a flow's or a timer's end) until nothing is left."""
+        net, timers = self.net, self.timers
+        for i in range(len(self.tasks)):
+            if self.waiting[i] == 0:
+                self.make_ready(i)
+        while True:
+            self.settle()
+            t_flow, key = net.next_finish()
+            t_timer = timers[0][0] if timers else math.inf
+            t_next = min(t_flow, t_timer)
+            if t_next == math.inf:
+                break
+            self.now = t_next
+            net.advance(t_next)
+            if t_flow <= t_next:
+                for i, by_link in net.finished(force=key):
+                    self.flow_links[i] = by_link
+                    self.complete(i)
+            while timers and timers[0][0] <= t_next:
+                _, kind, i = heapq.heappop(timers)
+                if kind == 0:
+                    self.complete(i)
                 else:
-                    heapq.heappush(queues.setdefault(t.stream, []), (t.priority, i))
-                    touched.add(t.stream)
-    stuck = [i for i in range(n) if end[i] != end[i]]
-    if stuck:
-        i = stuck[0]
-        missing = [tasks[d].name for d in tasks[i].after if end[d] != end[d]]
-        missing += [tasks[d].name for d in tasks[i].after_start if start[d] != start[d]]
-        raise MobiusError(f"{len(stuck)} simulated tasks never ran, e.g. {tasks[i].name!r} waiting for "
-                          f"{missing[:3] or 'its stream'}; the task graph has a cycle (a simulator bug)")
-    return Replay(start, end, stream_prev, flow_links, dict(net.link_bytes), net.link_busy(), net.segments)
+                    self.release(i)
+
+    def check_all_ran(self) -> None:
+        tasks, start, end = self.tasks, self.start, self.end
+        stuck = [i for i in range(len(tasks)) if end[i] != end[i]]
+        if stuck:
+            i = stuck[0]
+            missing = [tasks[d].name for d in tasks[i].after if end[d] != end[d]]
+            missing += [tasks[d].name for d in tasks[i].after_start if start[d] != start[d]]
+            raise MobiusError(f"{len(stuck)} simulated tasks never ran, e.g. {tasks[i].name!r} waiting for "
+                              f"{missing[:3] or 'its stream'}; the task graph has a cycle (a simulator bug)")

@@ -60,7 +60,7 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 def _cuts(value: Any) -> tuple[int, ...] | None:
     """`cuts=`: None (the MIP cuts) or the first layer index of every stage after the first,
     strictly increasing from 1. That they lie below the layer count is checked once the model is
-    traced (mobius_fx._stages.given_partition)."""
+    traced (mobius_fx.passes.partition.given_partition)."""
     if value is None:
         return None
     rule = ("cuts are the index (in plan.layers) of the first layer of every stage after the first: ints >= 1, "

@@ -18,7 +18,7 @@ from torch import nn
 from .devices import Device, make_devices
 from .errors import MobiusError
 from .pipeline_module import Pipeline
-from . import microbatch
+from . import microbatch, microbatch_outputs
 from .precision import Precision
 from .runtime import Runtime
 from .signatures import VariantPipeline
@@ -162,7 +162,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     if flat is not None:
         runtime.planned_rows = microbatch.batch_rows(flat, m, marks) or 0
         if m > 1 and flat:
-            microbatch.prepare(runtime, gm, flat, m, marks)
+            microbatch_outputs.prepare(runtime, gm, flat, m, marks)
     if schedule.microbatches > 1:
         norms = [n for n, mod in model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
         if norms:

@@ -20,7 +20,8 @@ from .devices import Device, nbytes
 from .errors import MobiusError
 from .ops import running
 from .kinds import OVERLAP_MODES
-from .microbatch import batch_rows, declared, prepare
+from .microbatch import batch_rows, declared
+from .microbatch_outputs import prepare
 from .python_state import PythonState, reads_training
 from .runtime import Runtime
 

@@ -62,7 +62,8 @@ from .placement import sent_device
 from .precision import Precision
 from .python_state import sync_shells
 from .stage_calls import GradHomes, StageCall, StageCalls, StageState, Step, logged_grad
-from .microbatch import batch_rows, combine, guess_kind
+from .microbatch import batch_rows
+from .microbatch_outputs import combine, guess_kind
 from .microbatch import split as split_inputs
 from .streams import PENDING, tick
 
@@ -95,8 +96,8 @@ class Runtime(StageCalls):
         self.shell_users = {id(user) for st in self.stages for user, _ in st.shells}
         self.planned_rows = 0  # rows of the example batch the plan was made for (0: unknown)
         self.batch_dims: dict | None = None  # compile's batch_dims= (mobius_fx/microbatch.py)
-        self.analysed = False  # whether microbatch.prepare ran (at compile, or at the first call)
-        self.output_kinds: list | None = None  # how each output leaf combines (microbatch.analyse); None: guess
+        self.analysed = False  # whether microbatch_outputs.prepare ran (at compile, or at the first call)
+        self.output_kinds: list | None = None  # how each output leaf combines (microbatch_outputs.analyse); None: guess
         self.grad_homes = GradHomes()  # host gradient storage kept across steps (the optimizer overlap's hand-over)
         self._from_host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # GPU copy -> its host original
         self._lock = threading.RLock()
@@ -291,7 +292,7 @@ class Runtime(StageCalls):
 
     def merge(self, outputs: list) -> Any:
         """One output from the micro-batches' outputs, each leaf combined as compile's analysis
-        of the graph says (mobius_fx/microbatch.py `analyse`: concatenated, summed, averaged,
+        of the graph says (mobius_fx/microbatch_outputs.py `analyse`: concatenated, summed, averaged,
         max, min or micro-batch 0's); without an analysis, guessed (warned once at compile)."""
         for t in pytree.tree_leaves(outputs):  # values sent to the host asynchronously: the host reads them now
             PENDING.settle(t, "a model output")

@@ -294,9 +294,25 @@ def graph_from_dict(data: Any, source: str) -> tuple[nx.DiGraph, dict[str, Any]]
         if not isinstance(data.get(key), list):
             raise fail(key, f"expected a list, got {type(data.get(key)).__name__}")
     graph = nx.DiGraph()
+    _add_nodes(graph, data["nodes"], source, fail)
+    _add_links(graph, data["links"], source, fail)
+    for key in ("p2p", "virtual"):
+        if not isinstance(data.get(key, False), bool):
+            raise fail(key, f"expected true or false, got {data[key]!r}")
+    if not isinstance(data.get("name", "custom"), str) or not data.get("name", "custom"):
+        raise fail("name", f"expected a non-empty string naming the topology, got {data['name']!r}")
+    attrs = {"name": data.get("name", "custom"), "p2p": data.get("p2p", False),
+             "virtual": data.get("virtual", False)}
+    if data.get("host") is not None:
+        attrs["host"] = parse_host(data["host"], source)
+    return graph, attrs
+
+
+def _add_nodes(graph: nx.DiGraph, nodes: list, source: str, fail: Callable[[str, str], TopologyError]) -> None:
+    """The topology JSON's `nodes` into `graph` (GPUs with memory, spec and index)."""
     where_of: dict[str, str] = {}
     gpus = 0  # GPU nodes so far: the default index of the next (counted as they come: linear in the file)
-    for i, nd in enumerate(data["nodes"]):
+    for i, nd in enumerate(nodes):
         where = f"nodes[{i}]"
         if not isinstance(nd, Mapping):
             raise fail(where, f"expected an object, got {nd!r}")
@@ -322,8 +338,13 @@ def graph_from_dict(data: Any, source: str) -> tuple[nx.DiGraph, dict[str, Any]]
         attrs["index"] = nd["index"] if "index" in nd else gpus
         gpus += 1
         graph.add_node(name, **attrs)
+
+
+def _add_links(graph: nx.DiGraph, links: list, source: str, fail: Callable[[str, str], TopologyError]) -> None:
+    """The topology JSON's `links` into `graph`, an edge each way (bandwidth per direction,
+    kind, name, duplex)."""
     seen: dict[frozenset, str] = {}
-    for i, ln in enumerate(data["links"]):
+    for i, ln in enumerate(links):
         where = f"links[{i}]"
         if not isinstance(ln, Mapping):
             raise fail(where, f"expected an object, got {ln!r}")
@@ -356,16 +377,6 @@ def graph_from_dict(data: Any, source: str) -> tuple[nx.DiGraph, dict[str, Any]]
         extra = {} if duplex is None else {"duplex": float(duplex)}
         graph.add_edge(a, b, bandwidth=ab, kind=kind, name=name, **extra)  # rounded to whole bytes/s by Topology
         graph.add_edge(b, a, bandwidth=ba, kind=kind, name=name, **extra)
-    for key in ("p2p", "virtual"):
-        if not isinstance(data.get(key, False), bool):
-            raise fail(key, f"expected true or false, got {data[key]!r}")
-    if not isinstance(data.get("name", "custom"), str) or not data.get("name", "custom"):
-        raise fail("name", f"expected a non-empty string naming the topology, got {data['name']!r}")
-    attrs = {"name": data.get("name", "custom"), "p2p": data.get("p2p", False),
-             "virtual": data.get("virtual", False)}
-    if data.get("host") is not None:
-        attrs["host"] = parse_host(data["host"], source)
-    return graph, attrs
 
 
 def layout(name: str, sockets: list[list[list[int]]], *, spec: Any, memory: Any, gpu_link: float,

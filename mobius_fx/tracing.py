@@ -34,6 +34,7 @@ from . import grad_modes
 from .errors import TraceError, first_line
 from .export_front import forward_signature, input_guards, try_export
 from .module_paths import module_path, module_stack
+from .trace_semantics import autograd_functions, describe, refuse_parameter_writes, refuse_traced_functions
 
 __all__ = ["trace", "TraceInfo", "module_path", "module_stack", "flatten_inputs", "trace_info", "input_guards",
            "forward_signature"]
@@ -135,26 +136,10 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
             raise TraceError(f"torch.fx.symbolic_trace could not trace {type(model).__name__}: {fx_error}. "
                              f"Try front_end='auto' (falls back to torch.export), or {_REMEDY}.")
         if gm is None:
-            if front_end == "auto":
-                _report(progress, f"symbolic_trace failed ({fx_error}); trying torch.export (strict=False)")
-            with _autograd_functions(as_calls=False) as applied, _quiet_fake_tensors(), \
-                    grad_modes.recording(set_grad=False):
-                gm, export_error, dynamic = try_export(model, args, kwargs, dynamic_batch)
+            gm, dynamic, applied = _export(model, args, kwargs, front_end, dynamic_batch, fx_error, progress)
             used = "export"
-            if gm is None:
-                with _quiet_fake_tensors():
-                    eager_error = _run_on_copies(model, args, kwargs)[0]
-                raise TraceError(
-                    f"could not trace {type(model).__name__} with "
-                    f"{'either front end' if front_end == 'auto' else 'torch.export'}:\n"
-                    f"  torch.fx.symbolic_trace: {fx_error}\n"
-                    f"  torch.export.export(strict=False): {export_error}\n"
-                    + (f"The model itself does not run on these example inputs ({eager_error}): check their shapes "
-                       f"and dtypes against what forward expects (given: {_shapes(args, kwargs)}); "
-                       f"model(*example_inputs) shows the same error eagerly."
-                       if eager_error else f"To make it traceable, {_REMEDY}.")
-                )
-        _check_semantics(model, gm, args, kwargs, applied, fx_error)
+        refuse_traced_functions(model, applied, fx_error)
+        refuse_parameter_writes(model, gm, _run_on_copies(gm, args, kwargs)[1] or [], _name_map(gm, model)[0])
     _place_get_attrs(gm)
     names, constants = _name_map(gm, model)
     gm.meta["mobius_trace"] = TraceInfo(front_end=used, names=names, constants=constants,
@@ -164,6 +149,31 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
     _report(progress, f"traced {type(model).__name__} with {used}: {len(gm.graph.nodes)} nodes "
                       f"in {time.perf_counter() - t0:.2f} s")
     return gm
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, front_end: str, dynamic_batch: bool, fx_error: str,
+            progress: Callable[[str], None] | None) -> tuple[fx.GraphModule, bool, list[type]]:
+    """`trace`'s second front end, torch.export (strict=False): (graph module, whether its dims
+    are dynamic, the autograd.Function classes it traced through); TraceError quoting both
+    front ends' failures (and the eager one, if the model itself fails on the inputs)."""
+    if front_end == "auto":
+        _report(progress, f"symbolic_trace failed ({fx_error}); trying torch.export (strict=False)")
+    with autograd_functions(as_calls=False) as applied, _quiet_fake_tensors(), grad_modes.recording(set_grad=False):
+        gm, export_error, dynamic = try_export(model, args, kwargs, dynamic_batch)
+    if gm is None:
+        with _quiet_fake_tensors():
+            eager_error = _run_on_copies(model, args, kwargs)[0]
+        raise TraceError(
+            f"could not trace {type(model).__name__} with "
+            f"{'either front end' if front_end == 'auto' else 'torch.export'}:\n"
+            f"  torch.fx.symbolic_trace: {fx_error}\n"
+            f"  torch.export.export(strict=False): {export_error}\n"
+            + (f"The model itself does not run on these example inputs ({eager_error}): check their shapes "
+               f"and dtypes against what forward expects (given: {_shapes(args, kwargs)}); "
+               f"model(*example_inputs) shows the same error eagerly."
+               if eager_error else f"To make it traceable, {_REMEDY}.")
+        )
+    return gm, dynamic, applied
 
 
 def _input_device(model: nn.Module, args: tuple, kwargs: dict) -> str:
@@ -222,14 +232,14 @@ def _try_fx(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule
     try:
         concrete = _concrete_args(model, args, kwargs)
         versions = {k: t._version for k, t in _state(model).items()}
-        with _autograd_functions(as_calls=True), grad_modes.recording() as grad_changes:
+        with autograd_functions(as_calls=True), grad_modes.recording() as grad_changes:
             gm = fx.symbolic_trace(model, concrete_args=concrete or None)  # each Function one node: backward kept
         _restore_concrete_defaults(gm, concrete)
     except Exception as e:  # any failure of the tracer means "try the other front end"
         return None, first_line(e)
     changed = [k for k, t in _state(model).items() if k in versions and t._version != versions[k]]
     if changed:  # e.g. `self.count.add_(1)`: a buffer is a real tensor, not a traced value, to symbolic_trace
-        return None, (f"forward changes {_describe(model, changed[0])} in place on the real tensor, which "
+        return None, (f"forward changes {describe(model, changed[0])} in place on the real tensor, which "
                       f"symbolic_trace does not record (the update ran once, at trace time, and the graph would "
                       f"never repeat it); torch.export records such updates")
     if grad_changes:  # see mobius_fx/grad_modes.py
@@ -330,86 +340,6 @@ def _run_on_copies(gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[str, 
             continue
         return "", [k for k, t in copies.items() if t._version != versions[k]]
     return error, None
-
-
-# ----------------------------------------------------------------------------- autograd and state
-
-_APPLY_CALLS: dict[type, Callable[..., Any]] = {}
-
-
-def _function_call(fn_cls: type) -> Callable[..., Any]:
-    """The graph's target for `fn_cls.apply`: one plain function per Function class (fx would
-    print torch's bound classmethod as a torch name the generated code cannot find)."""
-    call = _APPLY_CALLS.get(fn_cls)
-    if call is None:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return fn_cls.apply(*args, **kwargs)
-
-        call.__name__ = call.__qualname__ = f"{fn_cls.__name__}_apply"
-        call.autograd_function = fn_cls  # type: ignore[attr-defined]
-        _APPLY_CALLS[fn_cls] = call
-    return call
-
-
-@contextlib.contextmanager
-def _autograd_functions(*, as_calls: bool):
-    """Patch `torch.autograd.Function.apply` meanwhile: yields the list of Function classes the
-    forward applies; with `as_calls` (symbolic_trace), an apply on traced values is recorded as
-    one node calling `Fn.apply`, so the graph keeps the Function's own backward (traced through,
-    its forward's ops would be differentiated instead: a gradient-reversal layer would give +g)."""
-    applied: list[type] = []
-    original = inspect.getattr_static(torch.autograd.Function, "apply")
-
-    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if cls not in applied:
-            applied.append(cls)
-        if as_calls:
-            proxy = next((a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, fx.Proxy)), None)
-            if proxy is not None:
-                return proxy.tracer.create_proxy("call_function", _function_call(cls), args, kwargs)
-        return original.__func__(cls, *args, **kwargs)
-
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment]
-    try:
-        yield applied
-    finally:
-        torch.autograd.Function.apply = original  # type: ignore[assignment]
-
-
-def _describe(model: nn.Module, name: str) -> str:
-    """"buffer `c.count` (in module `c`, Count)" for a parameter or buffer name of `model`."""
-    path, _, attr = name.rpartition(".")
-    try:
-        owner = model.get_submodule(path)
-    except AttributeError:
-        return f"`{name}`"
-    kind = "parameter" if attr in owner._parameters else "buffer"
-    return f"{kind} `{name}` (in module `{path or '<root>'}`, {type(owner).__name__})"
-
-
-def _check_semantics(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict, applied: list[type],
-                     fx_error: str) -> None:
-    """Refuse what the pipeline would run differently from eager: a custom autograd.Function
-    an export graph traced through (`applied`), and a parameter changed in place in forward."""
-    # torch's own Functions (reentrant checkpointing) differentiate like the ops they run
-    own = [c for c in applied if not c.__module__.startswith("torch.")]
-    if own:
-        names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in own)
-        raise TraceError(f"{type(model).__name__}'s forward applies the custom torch.autograd.Function {names}; "
-                         f"torch.export traces through its forward and drops its backward, so gradients would differ "
-                         f"from eager (a gradient reversal would give +g). torch.fx.symbolic_trace keeps each Function "
-                         f"as one call with its backward: make the model traceable by symbolic_trace (it failed: "
-                         f"{fx_error}), or write the Function's gradient with differentiable ops")
-    written = _run_on_copies(gm, args, kwargs)[1] or []
-    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
-    info = _name_map(gm, model)[0]
-    changed = [info.get(n, n) for n in written if n in params]
-    if changed:
-        raise TraceError(f"{type(model).__name__}'s forward changes {_describe(model, changed[0])} in place; the "
-                         f"pipeline runs forward on copies of the weights (the change would not reach the model) and "
-                         f"runs it again in backward's recompute. Change parameters outside forward (e.g. after "
-                         f"optimizer.step(), under torch.no_grad()), or keep such state in a buffer "
-                         f"(register_buffer): in-place buffer updates are copied back once per call")
 
 
 # ----------------------------------------------------------------------------- shared helpers

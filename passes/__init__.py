@@ -1,4 +1,4 @@
 """The compiler passes of mobius_fx, one per module (installed as `mobius_fx.passes`).
 
-trace -> annotate -> partition -> cross_map -> insert_transfers -> emit
+trace -> annotate -> partition (cut + cross_map) -> plan -> insert_transfers -> emit
 """

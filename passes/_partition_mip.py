@@ -1,6 +1,6 @@
 """The partition MIP of passes/partition.py: building it, warm-starting it, running the solver.
 
-The model is `mobius_fx.step_model` (docs/schedule.md); partition.py owns the search over
+The model is `mobius_fx.step_model` (docs/schedule.md); partition_solve.py owns the search over
 stage counts. This module turns one stage count S into a PuLP program over run-length-encoded
 layers (`step_model.layer_runs`) whose sums are `step_model.PrefixSums`; `run_solver`
 (passes/mip_solver.py, re-exported here) drives HiGHS (through highspy) or CBC on it. The formulation is explained in partition.py's docstring;
@@ -24,9 +24,10 @@ import pulp
 
 from mobius_fx.step_timeline import UPLOADS_PER_DOWNLOAD
 from mobius_fx.step_model import (
-    Evaluation, PartitionProblem, PrefixSums, link_time, memory_rows, queue_before, queue_window, slot_bytes,
+    Evaluation, PartitionProblem, PrefixSums, link_time, queue_before, queue_window, slot_bytes,
 )
 
+from ._partition_mip_rows import add_memory_rows, frozen_prefix, stage_working, tied_copies, var
 from .mip_solver import run_solver, solve_relaxation
 
 __all__ = ["Mip", "build_mip", "warm_start", "cuts_of", "run_solver", "solve_relaxation"]
@@ -46,26 +47,19 @@ class Mip:
     D: list  # [k] end of stage k's gradient download (the per-GPU download queue)
     T: pulp.LpVariable  # the makespan: max_k D[k]
     infeasible: bool = False  # a constant memory row already fails (e.g. S = 1 too big)
-    frozen: dict = field(default_factory=dict)  # k -> (y_k, [(var, its expression when live)]): `_frozen_prefix`
+    frozen: dict = field(default_factory=dict)  # k -> (y_k, [(var, its expression when live)]): `frozen_prefix`
     prefix: int = 0  # P: layers before the first with a weight gradient
     layers: int = 0
     V: dict = field(default_factory=dict)  # k -> [i] start of micro-batch i's copies to the host (k >= S-N)
     E: dict = field(default_factory=dict)  # k -> end of the copies to the host up to stage k (k < S-N)
     A: dict = field(default_factory=dict)  # k -> stage k's weights back for backward (k < S-N)
     R: dict = field(default_factory=dict)  # k -> its restores and the uploads before them done (k >= S-N, N)
-    tied: dict = field(default_factory=dict)  # "holds_{i}_{k}" / "tied_{j}_{k}" -> var: `_tied_copies`
+    tied: dict = field(default_factory=dict)  # "holds_{i}_{k}" / "tied_{j}_{k}" -> var: `tied_copies`
     tied_weights: tuple = ()  # the problem's TiedWeights (j indexes them)
     U: dict = field(default_factory=dict)  # k -> end of stage k's forward upload (shared uplinks only)
     skips: list = field(default_factory=list)  # (k, c, {j: binary}): U_k's row after U_j off (`queue_window`)
-    work: dict = field(default_factory=dict)  # k -> stage k's working memory (var), "ends_{k}_{r}" -> binary: `_stage_working`
+    work: dict = field(default_factory=dict)  # k -> stage k's working memory (var), "ends_{k}_{r}" -> binary: `stage_working`
     working: list = field(default_factory=list)  # each layer's working memory (`MemoryModel.working`), for the warm start
-
-
-def _var(lp: pulp.LpProblem, name: str, lo: float | None = None, hi: float | None = None,
-         cat: str = pulp.LpContinuous) -> pulp.LpVariable:
-    if hasattr(lp, "add_variable"):  # PuLP >= 3.3 (the 4.0 API)
-        return lp.add_variable(name, lo, hi, cat=cat)
-    return pulp.LpVariable(name, lo, hi, cat=cat)  # pragma: no cover - older PuLP
 
 
 def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int, int]], s: int, *,
@@ -73,114 +67,163 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     """The program for S = s stages: cut k picks a run (binary) and a count in it (integer).
 
     `mem_tol` is the relative slack on capacity the exact check also allows. `bound_only`: a
-    relaxation for a lower bound only (`partition.solve` solves its LP): the start times of
-    the first and the last micro-batch alone (F, B, V keyed by those two), the rows between
-    them summed along their chains (`F[k][M-1] >= F[k][0] + (M-1) f_k`, ...), the rows of
-    the middle micro-batches dropped. Every row left is a row of the program or a sum of
+    relaxation for a lower bound only (`partition_bounds.lp_bound` solves its LP): the start
+    times of the first and the last micro-batch alone (F, B, V keyed by those two), the rows
+    between them summed along their chains (`F[k][M-1] >= F[k][0] + (M-1) f_k`, ...), the rows
+    of the middle micro-batches dropped. Every row left is a row of the program or a sum of
     them, so its optimum is at most the program's. Its variables are not a schedule.
+
+    The rows are added in `_Program`'s steps, in this order: the cuts, the stages' sums and
+    memory, forward, the shared uplinks' queues, the copies to the host, backward, the
+    gradient downloads and the makespan.
     """
-    n, m, L = len(problem.gpus), problem.microbatches, len(problem.layers)
-    mbs = sorted({0, m - 1}) if bound_only else list(range(m))  # symmetric: i in it iff m-1-i is
-    prev = {i: mbs[j - 1] for j, i in enumerate(mbs) if j}  # the micro-batch before i in mbs
-    # Normalise: times in units of `scale` seconds, memory rows in units of capacity.
-    scale = max(fast.f[L] + fast.b[L] + fast.w[L] / min(problem.up) + fast.g[L] / min(problem.down), 1e-30)
-    lp = pulp.LpProblem(f"mobius_partition_S{s}", pulp.LpMinimize)
-    z, t = {}, {}
-    # A linear form of the prefix sums at each cut: {"f": expr, "b":..., "w":..., "g":..., "r":..., "a":...}
-    sums = {"f": fast.f, "b": fast.b, "w": fast.w, "g": fast.g, "r": fast.r}  # "r": recompute bytes
-    at: list[dict[str, Any]] = [{q: 0.0 for q in "fbwgra"}]
-    for k in range(1, s):
-        lo_layer, hi_layer = k - 1, L - s + k - 1  # the layer just before cut k
-        forms = {q: pulp.LpAffineExpression() for q in "fbwgra"}
-        pos = pulp.LpAffineExpression()
-        for r, (start, length) in enumerate(runs):
-            t_lo, t_hi = max(1, lo_layer - start + 1), min(length, hi_layer - start + 1)
-            if t_lo > t_hi:
-                continue
-            zv = _var(lp, f"z_{k}_{r}", 0, 1, pulp.LpBinary)
-            z[k, r] = zv
-            if t_lo == t_hi:
-                tv: Any = t_lo * zv
-                t[k, r] = t_lo
-            else:
-                tv = _var(lp, f"t_{k}_{r}", 0, t_hi, pulp.LpInteger)
-                t[k, r] = tv
-                lp += tv >= t_lo * zv
-                lp += tv <= t_hi * zv
-            pos += start * zv + tv
-            for q, prefix in sums.items():  # prefix[start] + (layers of run r before the cut) x per layer
-                forms[q] += prefix[start] * zv + (prefix[start + 1] - prefix[start]) * tv
-            forms["a"] += fast.out[start] * zv
-        lp += pulp.lpSum(zv for (kk, _), zv in z.items() if kk == k) == 1, f"one_run_{k}"
-        forms["pos"] = pos
-        at.append(forms)
-    at.append({**{q: prefix[L] for q, prefix in sums.items()}, "a": fast.out[L - 1], "pos": L})
-    at[0]["pos"] = 0
-    for k in range(1, s):  # cuts in order, runs in order
-        lp += at[k + 1]["pos"] - at[k]["pos"] >= 1, f"order_{k}"
-        if k + 1 < s:
-            for r in range(len(runs)):
-                a = [z[k, rr] for rr in range(r + 1) if (k, rr) in z]
-                b = [z[k + 1, rr] for rr in range(r + 1) if (k + 1, rr) in z]
-                if b:
-                    lp += pulp.lpSum(a) >= pulp.lpSum(b), f"run_order_{k}_{r}"
-    part = lambda q, k: at[k + 1][q] - at[k][q]
-    aux: dict = {}
-    tied_w, tied_g = _tied_copies(lp, problem, at, s, aux)
-    f = [part("f", k) * (1 / scale) for k in range(s)]
-    b = [part("b", k) * (1 / scale) for k in range(s)]
-    w = [part("w", k) + tied_w[k] for k in range(s)]
-    g = [part("g", k) + tied_g[k] for k in range(s)]
-    wb = list(w)  # weights fetched again for backward
-    grad_in = [at[k + 1]["a"] for k in range(s)]  # bytes of the gradient that reaches stage k (from k + 1)
-    in0 = problem.input_bytes / m
-    saved = [in0] + [at[k]["a"] for k in range(1, s)]  # in_k: offloaded and restored (k = 0: sent again)
-    frozen = _frozen_prefix(lp, problem, at, s, {"b": b, "w": wb, "a": grad_in, "in": saved},
-                            {"b": fast.b[L] / scale, "w": fast.w[L] + sum(t.nbytes for t in problem.tied) * fast.mm.weight_scale,
-                             "a": max(fast.out), "in": max(*fast.out, in0)})
-    # Memory: step_model.stage_memory's formula (MemoryModel.footprint, linear) on the stage sums.
-    work, ends = _stage_working(lp, problem, runs, z, t, s)
-    mem = [fast.mm.footprint(w[k], g[k], part("r", k), m * (at[k]["a"] + at[k + 1]["a"]), work[k])
-           for k in range(s)]
-    held = [fast.mm.held(w[k], m * (at[k]["a"] + at[k + 1]["a"])) for k in range(s)]
-    infeasible = _memory_rows(lp, problem, mem, held, [m * at[k]["a"] for k in range(s)], mem_tol)
-    inv = lambda bw: 0.0 if bw == math.inf else 1 / (bw * scale)  # seconds per byte, in units
-    hop = [inv(problem.hop[k % n]) for k in range(s)]  # activation k -> k+1
-    hop_back = [inv(problem.backward_hop[k % n]) for k in range(s)]  # gradient k+1 -> k
-    up = [1 / (problem.up[k % n] * scale) for k in range(s)]  # seconds per byte, in units
-    dx = problem.duplex or (1.0,) * n  # step_model.timeline: gradients slowed by the uploads they overlap
-    down = [1 / (problem.down[k % n] * scale) for k in range(s)]
-    F = [{i: _var(lp, f"F_{k}_{i}", 0) for i in mbs} for k in range(s)]
-    B = [{i: _var(lp, f"B_{k}_{i}", 0) for i in mbs} for k in range(s)]
-    for k in range(s):
-        if k < n:
-            lp += F[k][0] >= w[k] * up[k], f"upload_{k}"
-        else:
-            lp += F[k][0] >= F[k - n][m - 1] + f[k - n], f"gpu_free_f{k}"
-            lp += F[k][0] >= F[k - n][0] + w[k] * up[k], f"prefetch_f{k}"
-        for i in mbs:
-            if i:
-                lp += F[k][i] >= F[k][prev[i]] + (i - prev[i]) * f[k], f"mb_f{k}_{i}"
-            if k:
-                lp += F[k][i] >= F[k - 1][i] + f[k - 1] + at[k]["a"] * hop[k - 1], f"act_f{k}_{i}"
-            elif in0 > 0:  # the model inputs of micro-batches 0..i and the weights share the host link
-                lp += F[0][i] >= (w[0] + (i + 1) * in0) * up[0], f"input_f{i}"
-    # Uploads and downloads of the slots behind a shared link queue on it (step_model's
-    # `queue_before`): U_k, the end of stage k's forward upload, after the one `servers`
-    # places before it; the backward uploads (A) and the downloads (D) below likewise.
-    slot = [k % n for k in range(s)]
-    up_fwd = queue_window(problem.shared_up, slot, range(s))
-    up_bwd = queue_before(problem.shared_up, slot, range(s - n - 1, -1, -1))
-    down_q = queue_before(problem.shared_down, slot, range(s - 1, -1, -1))
-    U, skips = {}, []
-    # An upper bound of every forward upload's end in the least schedule (all the forward's
-    # work one after another), the big-M of the rows a queue's binary switches off.
-    acts = sum(fast.out) * max(hop) + (in0 * max(up) if in0 > 0 else 0.0)
-    horizon = 2 * ((fast.w[L] + sum(t.nbytes for t in problem.tied) * fast.mm.weight_scale) * max(up)
-                   + m * (fast.f[L] / scale + acts))
-    if problem.shared_up:
+    p = _Program(problem, fast, runs, s, bound_only)
+    p.cuts()
+    p.stage_sums(mem_tol)
+    p.forward()
+    p.upload_queues()
+    p.host_copies()
+    p.backward()
+    p.downloads()
+    return p.mip()
+
+
+class _Program:
+    """`build_mip`'s program while it is built: each step adds its variables and rows to `lp`
+    and keeps what later steps read as attributes (the names of step_model.timeline)."""
+
+    def __init__(self, problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int, int]], s: int,
+                 bound_only: bool) -> None:
+        self.problem, self.fast, self.runs, self.s, self.bound_only = problem, fast, runs, s, bound_only
+        self.n, self.m, self.L = len(problem.gpus), problem.microbatches, len(problem.layers)
+        m = self.m
+        self.mbs = sorted({0, m - 1}) if bound_only else list(range(m))  # symmetric: i in it iff m-1-i is
+        self.prev = {i: self.mbs[j - 1] for j, i in enumerate(self.mbs) if j}  # the micro-batch before i in mbs
+        # Normalise: times in units of `scale` seconds, memory rows in units of capacity.
+        L = self.L
+        self.scale = max(fast.f[L] + fast.b[L] + fast.w[L] / min(problem.up) + fast.g[L] / min(problem.down), 1e-30)
+        self.lp = pulp.LpProblem(f"mobius_partition_S{s}", pulp.LpMinimize)
+
+    def cuts(self) -> None:
+        """z, t and `at`: a linear form of the prefix sums at each cut ({"f": expr, "b":...,
+        "w":..., "g":..., "r": recompute bytes, "a": boundary activation, "pos": the cut's layer}),
+        with the rows that keep the cuts and their runs in order."""
+        lp, fast, runs, s, L = self.lp, self.fast, self.runs, self.s, self.L
+        z, t = {}, {}
+        sums = {"f": fast.f, "b": fast.b, "w": fast.w, "g": fast.g, "r": fast.r}
+        at: list[dict[str, Any]] = [{q: 0.0 for q in "fbwgra"}]
+        for k in range(1, s):
+            lo_layer, hi_layer = k - 1, L - s + k - 1  # the layer just before cut k
+            forms = {q: pulp.LpAffineExpression() for q in "fbwgra"}
+            pos = pulp.LpAffineExpression()
+            for r, (start, length) in enumerate(runs):
+                t_lo, t_hi = max(1, lo_layer - start + 1), min(length, hi_layer - start + 1)
+                if t_lo > t_hi:
+                    continue
+                zv = var(lp, f"z_{k}_{r}", 0, 1, pulp.LpBinary)
+                z[k, r] = zv
+                if t_lo == t_hi:
+                    tv: Any = t_lo * zv
+                    t[k, r] = t_lo
+                else:
+                    tv = var(lp, f"t_{k}_{r}", 0, t_hi, pulp.LpInteger)
+                    t[k, r] = tv
+                    lp += tv >= t_lo * zv
+                    lp += tv <= t_hi * zv
+                pos += start * zv + tv
+                for q, prefix in sums.items():  # prefix[start] + (layers of run r before the cut) x per layer
+                    forms[q] += prefix[start] * zv + (prefix[start + 1] - prefix[start]) * tv
+                forms["a"] += fast.out[start] * zv
+            lp += pulp.lpSum(zv for (kk, _), zv in z.items() if kk == k) == 1, f"one_run_{k}"
+            forms["pos"] = pos
+            at.append(forms)
+        at.append({**{q: prefix[L] for q, prefix in sums.items()}, "a": fast.out[L - 1], "pos": L})
+        at[0]["pos"] = 0
+        for k in range(1, s):  # cuts in order, runs in order
+            lp += at[k + 1]["pos"] - at[k]["pos"] >= 1, f"order_{k}"
+            if k + 1 < s:
+                for r in range(len(runs)):
+                    a = [z[k, rr] for rr in range(r + 1) if (k, rr) in z]
+                    b = [z[k + 1, rr] for rr in range(r + 1) if (k + 1, rr) in z]
+                    if b:
+                        lp += pulp.lpSum(a) >= pulp.lpSum(b), f"run_order_{k}_{r}"
+        self.z, self.t, self.at = z, t, at
+
+    def part(self, q: str, k: int) -> Any:
+        """Stage k's sum of quantity q (a linear form)."""
+        return self.at[k + 1][q] - self.at[k][q]
+
+    def stage_sums(self, mem_tol: float) -> None:
+        """Each stage's times and bytes (tied copies and the frozen prefix included), the memory
+        rows, and the seconds per byte of each copy (in units of `scale`)."""
+        lp, problem, fast, s, n, m, L, at = self.lp, self.problem, self.fast, self.s, self.n, self.m, self.L, self.at
+        part, scale = self.part, self.scale
+        self.aux = aux = {}
+        tied_w, tied_g = tied_copies(lp, problem, at, s, aux)
+        self.f = f = [part("f", k) * (1 / scale) for k in range(s)]
+        self.b = b = [part("b", k) * (1 / scale) for k in range(s)]
+        self.w = w = [part("w", k) + tied_w[k] for k in range(s)]
+        self.g = g = [part("g", k) + tied_g[k] for k in range(s)]
+        self.wb = wb = list(w)  # weights fetched again for backward
+        self.grad_in = grad_in = [at[k + 1]["a"] for k in range(s)]  # bytes of the gradient that reaches stage k (from k + 1)
+        self.in0 = in0 = problem.input_bytes / m
+        self.saved = saved = [in0] + [at[k]["a"] for k in range(1, s)]  # in_k: offloaded and restored (k = 0: sent again)
+        self.frozen = frozen_prefix(lp, problem, at, s, {"b": b, "w": wb, "a": grad_in, "in": saved},
+                                     {"b": fast.b[L] / scale, "w": fast.w[L] + sum(t.nbytes for t in problem.tied) * fast.mm.weight_scale,
+                                      "a": max(fast.out), "in": max(*fast.out, in0)})
+        # Memory: step_model.stage_memory's formula (MemoryModel.footprint, linear) on the stage sums.
+        self.work, self.ends = work, _ = stage_working(lp, problem, self.runs, self.z, self.t, s)
+        mem = [fast.mm.footprint(w[k], g[k], part("r", k), m * (at[k]["a"] + at[k + 1]["a"]), work[k])
+               for k in range(s)]
+        held = [fast.mm.held(w[k], m * (at[k]["a"] + at[k + 1]["a"])) for k in range(s)]
+        self.infeasible = add_memory_rows(lp, problem, mem, held, [m * at[k]["a"] for k in range(s)], mem_tol)
+        inv = lambda bw: 0.0 if bw == math.inf else 1 / (bw * scale)  # seconds per byte, in units
+        self.hop = [inv(problem.hop[k % n]) for k in range(s)]  # activation k -> k+1
+        self.hop_back = [inv(problem.backward_hop[k % n]) for k in range(s)]  # gradient k+1 -> k
+        self.up = [1 / (problem.up[k % n] * scale) for k in range(s)]  # seconds per byte, in units
+        self.dx = problem.duplex or (1.0,) * n  # step_model.timeline: gradients slowed by the uploads they overlap
+        self.down = [1 / (problem.down[k % n] * scale) for k in range(s)]
+
+    def forward(self) -> None:
+        """F and B (the forward and backward starts) and the forward rows."""
+        lp, s, n, m, mbs, prev = self.lp, self.s, self.n, self.m, self.mbs, self.prev
+        f, w, up, hop, at, in0 = self.f, self.w, self.up, self.hop, self.at, self.in0
+        self.F = F = [{i: var(lp, f"F_{k}_{i}", 0) for i in mbs} for k in range(s)]
+        self.B = [{i: var(lp, f"B_{k}_{i}", 0) for i in mbs} for k in range(s)]
         for k in range(s):
-            U[k] = _var(lp, f"U_{k}", 0)
+            if k < n:
+                lp += F[k][0] >= w[k] * up[k], f"upload_{k}"
+            else:
+                lp += F[k][0] >= F[k - n][m - 1] + f[k - n], f"gpu_free_f{k}"
+                lp += F[k][0] >= F[k - n][0] + w[k] * up[k], f"prefetch_f{k}"
+            for i in mbs:
+                if i:
+                    lp += F[k][i] >= F[k][prev[i]] + (i - prev[i]) * f[k], f"mb_f{k}_{i}"
+                if k:
+                    lp += F[k][i] >= F[k - 1][i] + f[k - 1] + at[k]["a"] * hop[k - 1], f"act_f{k}_{i}"
+                elif in0 > 0:  # the model inputs of micro-batches 0..i and the weights share the host link
+                    lp += F[0][i] >= (w[0] + (i + 1) * in0) * up[0], f"input_f{i}"
+
+    def upload_queues(self) -> None:
+        """Uploads and downloads of the slots behind a shared link queue on it (step_model's
+        `queue_before`): U_k, the end of stage k's forward upload, after the one `servers`
+        places before it; the backward uploads (A) and the downloads (D) likewise, in their steps."""
+        lp, problem, fast, s, n, m = self.lp, self.problem, self.fast, self.s, self.n, self.m
+        F, w, up, L = self.F, self.w, self.up, self.L
+        slot = [k % n for k in range(s)]
+        up_fwd = queue_window(problem.shared_up, slot, range(s))
+        self.up_bwd = queue_before(problem.shared_up, slot, range(s - n - 1, -1, -1))
+        self.down_q = queue_before(problem.shared_down, slot, range(s - 1, -1, -1))
+        self.U, self.skips = U, skips = {}, []
+        # An upper bound of every forward upload's end in the least schedule (all the forward's
+        # work one after another), the big-M of the rows a queue's binary switches off.
+        acts = sum(fast.out) * max(self.hop) + (self.in0 * max(up) if self.in0 > 0 else 0.0)
+        horizon = 2 * ((fast.w[L] + sum(t.nbytes for t in problem.tied) * fast.mm.weight_scale) * max(up)
+                       + m * (fast.f[L] / self.scale + acts))
+        if not problem.shared_up:
+            return
+        for k in range(s):
+            U[k] = var(lp, f"U_{k}", 0)
             lp += U[k] >= (F[k - n][0] if k >= n else 0) + w[k] * up[k], f"upload_end_{k}"
             for c, window in up_fwd[k]:  # after the c-th latest end of its window: all but c-1 of them
                 if c == 1:
@@ -188,269 +231,129 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
                         lp += U[k] >= U[j] + w[k] * up[k], f"upload_queue_{k}_{j}"
                     continue
                 # continuous in the bound's LP (solve_relaxation relaxes only the cut columns)
-                skip = {j: _var(lp, f"upload_skip_{k}_{j}", 0, 1, pulp.LpContinuous if bound_only else pulp.LpBinary)
-                        for j in window}
+                skip = {j: var(lp, f"upload_skip_{k}_{j}", 0, 1,
+                                pulp.LpContinuous if self.bound_only else pulp.LpBinary) for j in window}
                 skips.append((k, c, skip))
                 lp += pulp.lpSum(skip.values()) <= c - 1, f"upload_servers_{k}_{window[-1]}"
                 for j, e in skip.items():
                     lp += U[k] >= U[j] + w[k] * up[k] - horizon * e, f"upload_queue_{k}_{j}"
             lp += F[k][0] >= U[k], f"uploaded_{k}"
-    # Copies to the host (step_model.timeline's V and E): micro-batch i's offload, then (last
-    # stage) its output, after its forward run, in stage and micro-batch order per GPU. V per
-    # micro-batch for the stages resident through the turn, only the end E for the others.
-    out_last = fast.out[L - 1]
-    # step_model.timeline's last_dx: the last stage's copies to the host at the duplex share
-    # while its outputs' gradients come back (several micro-batches; it is live unless all are frozen)
-    down_c = [down[k] / (dx[k % n] if k == s - 1 and m > 1 and problem.frozen_prefix < L else 1.0)
-              for k in range(s)]
-    copy = [(saved[k] * down_c[k] if k else 0.0) + (out_last * down_c[k] if k == s - 1 else 0.0) for k in range(s)]
-    V, E, A, R = {}, {}, {}, {}
-    uploads_end = {}  # k < S-N: its weights and restores back for backward (timeline's R[k])
-    for k in range(1 if s > 1 else 0, s):
-        if k >= s - n:
-            V[k] = {i: _var(lp, f"V_{k}_{i}", 0) for i in mbs}
-            for i in mbs:
-                lp += V[k][i] >= F[k][i] + f[k], f"host_copy_{k}_{i}"
-                if i:
-                    lp += V[k][i] >= V[k][prev[i]] + (i - prev[i]) * copy[k], f"host_copies_{k}_{i}"
-            if k - n in E:
-                lp += V[k][0] >= E[k - n], f"host_copies_{k}"
-        else:
-            E[k] = _var(lp, f"E_{k}", 0)
-            lp += E[k] >= F[k][0] + f[k] + m * copy[k], f"host_copies_{k}_first"
-            lp += E[k] >= F[k][m - 1] + f[k] + copy[k], f"host_copies_{k}_last"
-            if k - n in E:
-                lp += E[k] >= E[k - n] + m * copy[k], f"host_copies_{k}"
-    for k in range(s - 1, -1, -1):
-        rk = saved[k] * up[k]  # one restore (k = 0: one model input sent again)
-        if k == s - 1:
-            lp += B[k][0] >= F[k][m - 1] + f[k], "turn"
-        elif k < s - n:
-            lp += B[k][0] >= B[k + n][m - 1] + b[k + n], f"gpu_free_b{k}"
-        if k >= s - n:  # step_model.timeline's ready[j] and R_k of a resident stage
-            dk = saved[k] * down_c[k] if k else 0.0
-            for j in mbs:
-                if k:  # restore j after offload M-1-j
-                    lp += B[k][j] >= V[k][m - 1 - j] + dk + (j + 1) * rk, f"restore_b{k}_{j}"
-                elif in0 > 0:
-                    lp += B[0][j] >= w[0] * up[0] + (j + 1) * rk, f"input_b{j}"
-                if k == s - 1:
-                    lp += B[k][j] >= V[k][m - 1 - j] + copy[k] + (j + 1) * grad_in[k] * up[k], f"output_grad_b{j}"
-            if k >= n:
-                R[k] = _var(lp, f"R_{k}", 0)
+
+    def host_copies(self) -> None:
+        """Copies to the host (step_model.timeline's V and E): micro-batch i's offload, then (last
+        stage) its output, after its forward run, in stage and micro-batch order per GPU. V per
+        micro-batch for the stages resident through the turn, only the end E for the others."""
+        lp, problem, s, n, m, L, mbs, prev = self.lp, self.problem, self.s, self.n, self.m, self.L, self.mbs, self.prev
+        F, f, saved, down, dx = self.F, self.f, self.saved, self.down, self.dx
+        out_last = self.fast.out[L - 1]
+        # step_model.timeline's last_dx: the last stage's copies to the host at the duplex share
+        # while its outputs' gradients come back (several micro-batches; it is live unless all are frozen)
+        self.down_c = down_c = [down[k] / (dx[k % n] if k == s - 1 and m > 1 and problem.frozen_prefix < L else 1.0)
+                                for k in range(s)]
+        self.copy = copy = [(saved[k] * down_c[k] if k else 0.0) + (out_last * down_c[k] if k == s - 1 else 0.0)
+                            for k in range(s)]
+        self.V, self.E = V, E = {}, {}
+        for k in range(1 if s > 1 else 0, s):
+            if k >= s - n:
+                V[k] = {i: var(lp, f"V_{k}_{i}", 0) for i in mbs}
                 for i in mbs:
-                    lp += R[k] >= V[k][i] + dk + (m - i) * rk, f"restores_{k}_{i}"
-        else:  # the prefetch starts with stage k+N's backward and queues after its restores
-            A[k] = _var(lp, f"A_{k}", 0)
-            lp += A[k] >= B[k + n][0] + wb[k] * up[k], f"prefetch_b{k}"
-            lp += A[k] >= R[k + n] + wb[k] * up[k], f"upload_queue_b{k}"
-            for j in up_bwd[k]:
-                lp += A[k] >= A[j] + wb[k] * up[k], f"shared_upload_b{k}_{j}"
-            lp += B[k][0] >= A[k] + rk, f"restore_b{k}_first"
-            lp += B[k][m - 1] >= A[k] + m * rk, f"restore_b{k}_last"
-            uploads_end[k] = A[k] + m * rk
-            if k >= n:
-                R[k] = uploads_end[k]
-        for i in mbs:
-            if i:
-                lp += B[k][i] >= B[k][prev[i]] + (i - prev[i]) * b[k], f"mb_b{k}_{i}"
-            if k < s - 1:
-                lp += B[k][i] >= B[k + 1][i] + b[k + 1] + grad_in[k] * hop_back[k], f"grad_b{k}_{i}"
-    # Gradient downloads queue per GPU: D_k = max(end of B[k], D_{k+N}) + G_k/down_k. The
-    # makespan is max_k D_k; D_k >= D_{k+N} (G >= 0), so T >= D_k for the first N stages covers it.
-    D = [_var(lp, f"D_{k}", 0) for k in range(s)]
-    T = _var(lp, "makespan", 0)
-    # Stage k's download (k >= N) also loses 2(1-d) of each second the GPU's uploads for
-    # stages k-N, k-2N, ... run after it starts (timeline's rows): D_k >= X + grads + 2(1-d) x
-    # (R_{k-N} - X + the later uploads' busy times) for each X the start is the max of.
-    busy = [wb[j] * up[j] + m * saved[j] * up[j] for j in range(s)]
-    for k in range(s - 1, -1, -1):
-        grads = g[k] * down[k]
-        starts = [(B[k][m - 1] + b[k], f"download_{k}")]
-        if k + n < s:
-            starts.append((D[k + n], f"download_queue_{k}"))
-        starts += [(D[j], f"shared_download_{k}_{j}") for j in down_q[k]]
-        for x, name in starts:
-            lp += D[k] >= x + grads, name
-            if k >= n and dx[k % n] < 1:
-                lost, overlap = 2 * (1 - dx[k % n]), uploads_end[k - n]
-                for j in range(k - n, max(-1, k - (UPLOADS_PER_DOWNLOAD + 1) * n), -n):
-                    overlap = overlap + (busy[j] if j < k - n else 0.0)
-                    lp += D[k] >= (1 - lost) * x + lost * overlap + grads, f"{name}_overlap_{j}"
-        if k < n:
-            lp += T >= D[k], f"end_{k}"
-    if problem.links:  # step_model.timeline: no link carries more than its bandwidth (LinkLoad)
-        per_slot = slot_bytes(problem, {"w": w, "wb": wb, "g": g, "saved": saved, "grad_in": grad_in,
-                                                   "out": [at[k + 1]["a"] for k in range(s)]})
-        for j, x in enumerate(problem.links):
-            lp += T >= link_time(x, per_slot) * (1 / scale), f"link_{j}"
-    lp += T
-    prefix = problem.frozen_prefix
-    return Mip(lp, s, scale, z, t, F, B, D, T, infeasible, frozen, prefix, L, V, E, A,
-               {k: v for k, v in R.items() if isinstance(v, pulp.LpVariable)}, aux, problem.tied, U, skips,
-               {**{k: v for k, v in enumerate(work) if isinstance(v, pulp.LpVariable)}, **ends},
-               [problem.memory.working(l) for l in problem.layers])
-
-
-def _stage_working(lp: pulp.LpProblem, problem: PartitionProblem, runs: list[tuple[int, int]], z: dict, t: dict,
-                   s: int) -> tuple[list, dict]:
-    """Each stage's working memory (`MemoryModel.stage_working`: the largest of its own
-    layers'), as a variable W_k >= the working memory of every run the stage touches; exact
-    at the optimum, since the memory rows only grow with W_k.
-
-    A stage touches run r when it holds r's first layer, or r holds its own first layer.
-    With z[k, r] ("cut k falls after a layer of run r"), C(k, r) = sum over runs r' < r of
-    z[k, r'] says cut k is at or before r's start, so stage k holds that start when
-    C(k, r) = 1 and C(k + 1, r) = 0: W_k >= w_r (C(k, r) - C(k + 1, r)) (cut 0 is before
-    everything, cut S after everything). The first layer of stage k > 0 is in run r when
-    z[k, r] = 1 and the cut leaves some of r (t[k, r] < len_r), else it is the next run's
-    start, held already. So W_k >= w_r z[k, r] is exact when that next run's working memory
-    is at least w_r or the cut cannot end run r; otherwise a binary e ("cut k ends run r",
-    t[k, r] >= len_r e) takes it off: W_k >= w_r (z[k, r] - e). Returns (W, {name: e})."""
-    mm = problem.memory
-    wr = [mm.working(problem.layers[a]) for a, _ in runs]
-    ends: dict = {}
-    if not any(wr):
-        return [0.0] * s, ends
-    W = [_var(lp, f"work_{k}", 0) for k in range(s)]
-
-    def before(k: int, r: int) -> Any:  # C(k, r): cut k at or before run r's start
-        if k == 0:
-            return 1
-        if k == s:
-            return 0
-        return pulp.lpSum(z[k, rr] for rr in range(r) if (k, rr) in z)
-
-    for k in range(s):
-        for r, (start, length) in enumerate(runs):
-            if not wr[r]:
-                continue
-            row = before(k, r) - before(k + 1, r)
-            if not isinstance(row, int) or row > 0:
-                lp += W[k] >= wr[r] * row, f"work_{k}_{r}"
-            if k == 0 or (k, r) not in z:
-                continue
-            tv = t[k, r]
-            if isinstance(tv, int):  # the cut's place in run r is fixed
-                if tv < length:
-                    lp += W[k] >= wr[r] * z[k, r], f"work_first_{k}_{r}"
-                continue
-            nxt = wr[r + 1] if r + 1 < len(runs) else 0.0
-            if nxt >= wr[r] or tv.upBound < length:
-                lp += W[k] >= wr[r] * z[k, r], f"work_first_{k}_{r}"
+                    lp += V[k][i] >= F[k][i] + f[k], f"host_copy_{k}_{i}"
+                    if i:
+                        lp += V[k][i] >= V[k][prev[i]] + (i - prev[i]) * copy[k], f"host_copies_{k}_{i}"
+                if k - n in E:
+                    lp += V[k][0] >= E[k - n], f"host_copies_{k}"
             else:
-                e = ends[f"ends_{k}_{r}"] = _var(lp, f"ends_{k}_{r}", 0, 1, pulp.LpBinary)
-                lp += tv >= length * e, f"ends_{k}_{r}"
-                lp += W[k] >= wr[r] * (z[k, r] - e), f"work_first_{k}_{r}"
-    return W, ends
+                E[k] = var(lp, f"E_{k}", 0)
+                lp += E[k] >= F[k][0] + f[k] + m * copy[k], f"host_copies_{k}_first"
+                lp += E[k] >= F[k][m - 1] + f[k] + copy[k], f"host_copies_{k}_last"
+                if k - n in E:
+                    lp += E[k] >= E[k - n] + m * copy[k], f"host_copies_{k}"
 
+    def backward(self) -> None:
+        """The backward rows: the turn, each GPU free in turn, the restores and the gradients in
+        (resident stages), the prefetch of weights back (A) for the others."""
+        lp, s, n, m, mbs, prev = self.lp, self.s, self.n, self.m, self.mbs, self.prev
+        F, B, V, f, b, w, wb, up = self.F, self.B, self.V, self.f, self.b, self.w, self.wb, self.up
+        saved, grad_in, copy, in0 = self.saved, self.grad_in, self.copy, self.in0
+        self.A, self.R, self.uploads_end = A, R, uploads_end = {}, {}, {}  # uploads_end: k < S-N, timeline's R[k]
+        for k in range(s - 1, -1, -1):
+            rk = saved[k] * up[k]  # one restore (k = 0: one model input sent again)
+            if k == s - 1:
+                lp += B[k][0] >= F[k][m - 1] + f[k], "turn"
+            elif k < s - n:
+                lp += B[k][0] >= B[k + n][m - 1] + b[k + n], f"gpu_free_b{k}"
+            if k >= s - n:  # step_model.timeline's ready[j] and R_k of a resident stage
+                dk = saved[k] * self.down_c[k] if k else 0.0
+                for j in mbs:
+                    if k:  # restore j after offload M-1-j
+                        lp += B[k][j] >= V[k][m - 1 - j] + dk + (j + 1) * rk, f"restore_b{k}_{j}"
+                    elif in0 > 0:
+                        lp += B[0][j] >= w[0] * up[0] + (j + 1) * rk, f"input_b{j}"
+                    if k == s - 1:
+                        lp += B[k][j] >= V[k][m - 1 - j] + copy[k] + (j + 1) * grad_in[k] * up[k], f"output_grad_b{j}"
+                if k >= n:
+                    R[k] = var(lp, f"R_{k}", 0)
+                    for i in mbs:
+                        lp += R[k] >= V[k][i] + dk + (m - i) * rk, f"restores_{k}_{i}"
+            else:  # the prefetch starts with stage k+N's backward and queues after its restores
+                A[k] = var(lp, f"A_{k}", 0)
+                lp += A[k] >= B[k + n][0] + wb[k] * up[k], f"prefetch_b{k}"
+                lp += A[k] >= R[k + n] + wb[k] * up[k], f"upload_queue_b{k}"
+                for j in self.up_bwd[k]:
+                    lp += A[k] >= A[j] + wb[k] * up[k], f"shared_upload_b{k}_{j}"
+                lp += B[k][0] >= A[k] + rk, f"restore_b{k}_first"
+                lp += B[k][m - 1] >= A[k] + m * rk, f"restore_b{k}_last"
+                uploads_end[k] = A[k] + m * rk
+                if k >= n:
+                    R[k] = uploads_end[k]
+            for i in mbs:
+                if i:
+                    lp += B[k][i] >= B[k][prev[i]] + (i - prev[i]) * b[k], f"mb_b{k}_{i}"
+                if k < s - 1:
+                    lp += B[k][i] >= B[k + 1][i] + b[k + 1] + grad_in[k] * self.hop_back[k], f"grad_b{k}_{i}"
 
-def _tied_copies(lp: pulp.LpProblem, problem: PartitionProblem, at: list, s: int, aux: dict) -> tuple[list, list]:
-    """(weight, gradient) bytes of the tied copies each stage keeps (`TiedWeight.copies`), as
-    linear forms. Stage k holds layer i when cut k <= i < cut k+1; that is fixed for layer 0
-    (stage 0), the last layer (stage S-1) and layers no stage but one can reach, else a binary
-    per feasible stage with exactly one set (big-M rows on the cut positions). Stage k keeps a
-    copy when it holds a reader but not the owner: x >= holds(reader) - holds(owner), x >= 0,
-    exact because every row grows with x. The variables go into `aux` by name (the warm start)."""
-    L = len(problem.layers)
-    ws = problem.memory.weight_scale
-    holds: dict[int, list] = {}
+    def downloads(self) -> None:
+        """Gradient downloads queue per GPU: D_k = max(end of B[k], D_{k+N}) + G_k/down_k. The
+        makespan is max_k D_k; D_k >= D_{k+N} (G >= 0), so T >= D_k for the first N stages
+        covers it. Stage k's download (k >= N) also loses 2(1-d) of each second the GPU's
+        uploads for stages k-N, k-2N, ... run after it starts (timeline's rows): D_k >= X +
+        grads + 2(1-d) x (R_{k-N} - X + the later uploads' busy times) for each X the start is
+        the max of. Then no link carries more than its bandwidth, and T is the objective."""
+        lp, problem, s, n, m, B, b, g = self.lp, self.problem, self.s, self.n, self.m, self.B, self.b, self.g
+        wb, up, saved, dx, down = self.wb, self.up, self.saved, self.dx, self.down
+        self.D = D = [var(lp, f"D_{k}", 0) for k in range(s)]
+        self.T = T = var(lp, "makespan", 0)
+        busy = [wb[j] * up[j] + m * saved[j] * up[j] for j in range(s)]
+        for k in range(s - 1, -1, -1):
+            grads = g[k] * down[k]
+            starts = [(B[k][m - 1] + b[k], f"download_{k}")]
+            if k + n < s:
+                starts.append((D[k + n], f"download_queue_{k}"))
+            starts += [(D[j], f"shared_download_{k}_{j}") for j in self.down_q[k]]
+            for x, name in starts:
+                lp += D[k] >= x + grads, name
+                if k >= n and dx[k % n] < 1:
+                    lost, overlap = 2 * (1 - dx[k % n]), self.uploads_end[k - n]
+                    for j in range(k - n, max(-1, k - (UPLOADS_PER_DOWNLOAD + 1) * n), -n):
+                        overlap = overlap + (busy[j] if j < k - n else 0.0)
+                        lp += D[k] >= (1 - lost) * x + lost * overlap + grads, f"{name}_overlap_{j}"
+            if k < n:
+                lp += T >= D[k], f"end_{k}"
+        if problem.links:  # step_model.timeline: no link carries more than its bandwidth (LinkLoad)
+            per_slot = slot_bytes(problem, {"w": self.w, "wb": wb, "g": g, "saved": saved, "grad_in": self.grad_in,
+                                            "out": [self.at[k + 1]["a"] for k in range(s)]})
+            for j, x in enumerate(problem.links):
+                lp += T >= link_time(x, per_slot) * (1 / self.scale), f"link_{j}"
+        lp += T
 
-    def held(i: int) -> list:
-        if i not in holds:
-            if i < 0:
-                row: list = [0] * s
-            elif i == 0:
-                row = [1] + [0] * (s - 1)
-            elif i == L - 1:
-                row = [0] * (s - 1) + [1]
-            else:
-                row = [1 if k <= i <= L - s + k else 0 for k in range(s)]  # stage k starts at layer >= k
-                if sum(row) > 1:
-                    us = {k: _var(lp, f"holds_{i}_{k}", 0, 1, pulp.LpBinary) for k in range(s) if row[k]}
-                    aux.update((f"holds_{i}_{k}", u) for k, u in us.items())
-                    lp.addConstraint(pulp.lpSum(us.values()) == 1, f"holds_one_{i}")
-                    for k, u in us.items():
-                        lp.addConstraint(at[k]["pos"] <= i + L * (1 - u), f"holds_from_{i}_{k}")
-                        lp.addConstraint(at[k + 1]["pos"] >= i + 1 - L * (1 - u), f"holds_to_{i}_{k}")
-                    row = [us.get(k, 0) for k in range(s)]
-            holds[i] = row
-        return holds[i]
-
-    tw: list = [0.0] * s
-    tg: list = [0.0] * s
-    for j, t in enumerate(problem.tied):
-        owner = held(t.owner)
-        for k in range(s):
-            diffs = [held(r)[k] - owner[k] for r in t.readers]
-            if all(isinstance(d, int) for d in diffs):
-                x: Any = max(0, *diffs)
-            else:
-                x = aux[f"tied_{j}_{k}"] = _var(lp, f"tied_{j}_{k}", 0)
-                for i, d in enumerate(diffs):
-                    lp += x >= d, f"tied_{j}_{k}_{i}"
-            tw[k] = tw[k] + t.nbytes * ws * x
-            if t.trainable:
-                tg[k] = tg[k] + t.nbytes * ws * x
-    return tw, tg
-
-
-def _frozen_prefix(lp: pulp.LpProblem, problem: PartitionProblem, at: list, s: int, live: dict[str, list],
-                   most: dict[str, float]) -> dict:
-    """The rule of `step_model.timeline` for stages of a frozen prefix: a stage whose layers and
-    all before them have no weight gradient runs no backward (no time, no refetch, no gradient
-    in). Nothing to add when the first layer has a gradient. Else y_k = 1 exactly when stage k
-    ends within the first P layers (the frozen prefix), and each backward term x of stage k
-    (`live[q][k]`, replaced in place; at most `most[q]`) becomes a variable >= x - most * y_k,
-    >= 0: every row reads "start >= ... + x", so the optimum takes the least, x (1 - y_k)."""
-    L = len(problem.layers)
-    P = problem.frozen_prefix
-    if P == 0:
-        return {}
-    frozen = {}
-    for k in range(min(s, P)):  # stage k ends after layer k at least: only the first P can be frozen
-        y = _var(lp, f"frozen_{k}", 0, 1, pulp.LpBinary)
-        end = at[k + 1]["pos"]
-        lp += end <= P + (L - P) * (1 - y), f"frozen_ends_in_prefix_{k}"
-        lp += end >= (P + 1) * (1 - y), f"live_ends_after_prefix_{k}"
-        if k:
-            lp += y <= frozen[k - 1][0], f"frozen_is_a_prefix_{k}"
-        terms = []
-        for q, xs in live.items():
-            v = _var(lp, f"live_{q}_{k}", 0)
-            lp += v >= xs[k] - most[q] * y, f"live_{q}_{k}"
-            terms.append((v, xs[k]))
-            xs[k] = v
-        frozen[k] = (y, terms)
-    return frozen
-
-
-def _memory_rows(lp: pulp.LpProblem, problem: PartitionProblem, mem: list, held: list, grad_in: list,
-                 mem_tol: float) -> bool:
-    """Add the memory rules of `step_model.memory_rows` (each stage in forward and in backward,
-    with what its GPU holds for the stages around it) and return whether a constant one
-    already fails.
-
-    `mem[k]` is MemoryModel.footprint of stage k's sums, `held[k]` MemoryModel.held, `grad_in[k]`
-    stage k's M input gradients, all >= 0 (bytes). The prefetch's free-memory term, which the
-    MIP leaves out (partition.py's docstring), needs W_k <= both footprints: checked here.
-    """
-    mm, n = problem.memory, len(problem.gpus)
-    base = mm.footprint(0.0, 0.0, 0.0, 0.0, 0.0)
-    units = [mm.footprint(*(1.0 if j == i else 0.0 for j in range(5))) for i in range(5)]
-    cf, cb = ([u[d] - base[d] for u in units] for d in (0, 1))  # per weights, grads, recompute, boundary, work
-    nonneg = lambda const, coefs: const >= -1e-9 * max(1.0, abs(const)) and all(c >= -1e-9 for c in coefs)
-    assert nonneg(base[0], [cf[0] - 1, *cf[1:]]) and nonneg(base[1], [cb[0] - 1, *cb[1:]]), \
-        "the MIP assumes a stage's memory footprint holds at least its weights"
-    infeasible = False
-    rows = memory_rows([f for f, _ in mem], [b for _, b in mem], held, grad_in, n)
-    for k, d, row, with_ in rows:
-        row = row * (1 / (problem.capacity[k % n] * (1 + mem_tol)))
-        if not isinstance(row, pulp.LpAffineExpression) or not row.keys():  # no variable in it
-            infeasible |= float(row.constant if isinstance(row, pulp.LpAffineExpression) else row) > 1
-        else:
-            lp += row <= 1, f"memory_{'fb'[d]}_{'_'.join(map(str, (k, *with_)))}"
-    return infeasible
+    def mip(self) -> Mip:
+        problem = self.problem
+        return Mip(self.lp, self.s, self.scale, self.z, self.t, self.F, self.B, self.D, self.T, self.infeasible,
+                   self.frozen, problem.frozen_prefix, self.L, self.V, self.E, self.A,
+                   {k: v for k, v in self.R.items() if isinstance(v, pulp.LpVariable)}, self.aux, problem.tied,
+                   self.U, self.skips,
+                   {**{k: v for k, v in enumerate(self.work) if isinstance(v, pulp.LpVariable)}, **self.ends},
+                   [problem.memory.working(l) for l in problem.layers])
 
 
 def warm_start(mip: Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:

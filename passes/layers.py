@@ -65,6 +65,37 @@ def group_layers(gm: fx.GraphModule, *, node_costs: dict[fx.Node, NodeCost], out
                                       #                   'transformer.h.1', 'transformer.ln_f+lm_head']
     """
     nodes = list(gm.graph.nodes)
+    runs = _key_runs(nodes)
+    owner: dict[str, fx.Node] = {}  # parameter -> the first node reading it (graph order)
+    for n in nodes:
+        for name in param_info.get(n, {}):
+            owner.setdefault(name, n)
+    raw = [_Layer(gm, name, members, _is_block(_run_key(name)), node_costs, param_info, owner, act_bytes)
+           for name, members in runs]
+    unused = sorted(set(_param_names(gm)) - set(owner))
+    if unused:
+        _log.warning("annotate: %d parameter(s) are never read by the graph and belong to no layer: %s",
+                     len(unused), ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else ""))
+    merged = _merge_tiny(raw)
+    result = _with_output_bytes(nodes, merged, out_bytes)
+    # write the final NodeCosts (layer name, ownership)
+    by_name = {n.name: n for n in nodes}
+    for layer in result:
+        for name in layer.nodes:
+            n = by_name[name]
+            owned = tuple(p for p in param_info.get(n, {}) if owner[p] is n)
+            info = param_info.get(n, {})
+            n.meta["mobius"] = dataclasses.replace(
+                node_costs[n], layer=layer.name, params=owned,
+                param_bytes=sum(info[p][0] for p in owned),
+                grad_bytes=sum(info[p][0] for p in owned if info[p][1]))
+    return result
+
+
+def _key_runs(nodes: list[fx.Node]) -> list[tuple[str, list[fx.Node]]]:
+    """The nodes in contiguous runs of one layer key (`_layer_key`; glue nodes take the key
+    before them, leading ones the first, a `get_attr` its first user's), each run named by its
+    key, `key@1`, `key@2`, ... when the key comes back later."""
     spine = _spine(nodes)
     keys: list[str | None] = [_layer_key(n, spine) if n.op in _COMPUTE_OPS else None for n in nodes]
     index = {n: i for i, n in enumerate(nodes)}
@@ -78,8 +109,6 @@ def group_layers(gm: fx.GraphModule, *, node_costs: dict[fx.Node, NodeCost], out
     for k in keys:
         current = k if k is not None else current
         filled.append(current)
-
-    # contiguous runs -> raw layers
     runs: list[tuple[str, list[fx.Node]]] = []
     seen: dict[str, int] = {}
     previous: str | None = None
@@ -91,22 +120,12 @@ def group_layers(gm: fx.GraphModule, *, node_costs: dict[fx.Node, NodeCost], out
         seen[k] = count + 1
         runs.append((k if count == 0 else f"{k}@{count}", [n]))
         previous = k
+    return runs
 
-    # ownership (graph order)
-    owner: dict[str, fx.Node] = {}
-    for n in nodes:
-        for name in param_info.get(n, {}):
-            owner.setdefault(name, n)
 
-    raw = [_Layer(gm, name, members, _is_block(_run_key(name)), node_costs, param_info, owner, act_bytes)
-           for name, members in runs]
-    unused = sorted(set(_param_names(gm)) - set(owner))
-    if unused:
-        _log.warning("annotate: %d parameter(s) are never read by the graph and belong to no layer: %s",
-                     len(unused), ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else ""))
-    merged = _merge_tiny(raw)
-
-    # liveness: output_bytes of each layer
+def _with_output_bytes(nodes: list[fx.Node], merged: list, out_bytes: dict[fx.Node, int]) -> list[LayerCost]:
+    """Each layer's LayerCost, with the bytes of every value produced at or before it and read
+    after it (its output_bytes: what a cut after it carries) and those before it (live in)."""
     layer_of: dict[fx.Node, int] = {}
     for li, layer in enumerate(merged):
         for n in layer.nodes:
@@ -128,18 +147,6 @@ def group_layers(gm: fx.GraphModule, *, node_costs: dict[fx.Node, NodeCost], out
         running += carry[li]
         result.append(layer.cost(output_bytes=running, live_in=live_in))
         live_in = running
-
-    # write the final NodeCosts (layer name, ownership)
-    by_name = {n.name: n for n in nodes}
-    for layer in result:
-        for name in layer.nodes:
-            n = by_name[name]
-            owned = tuple(p for p in param_info.get(n, {}) if owner[p] is n)
-            info = param_info.get(n, {})
-            n.meta["mobius"] = dataclasses.replace(
-                node_costs[n], layer=layer.name, params=owned,
-                param_bytes=sum(info[p][0] for p in owned),
-                grad_bytes=sum(info[p][0] for p in owned if info[p][1]))
     return result
 
 

@@ -6,8 +6,7 @@
   definitions; it only hides the cycle from the interpreter.
 - The passes do not import `mobius_fx.plans`: the model they share is `mobius_fx.step_model`.
 - No module imports a private name (`_x`) that another module defines, neither with
-  `from m import _x` nor as `m._x`. A private *module* (`mobius_fx/_stages.py`,
-  `passes/_partition_mip.py`) is private to its package: modules of that package import it.
+  `from m import _x` nor as `m._x`. A private *module* (`passes/_partition_mip.py`) is private to its package: modules of that package import it.
 - One home per list (issue 29): each kind list of `mobius_fx/kinds.py` (device kinds, solvers,
   schedules, optimizer-overlap modes) and `plans.TRANSFER_KIND` (schedule IR op kind -> transfer
   kind) is written out only there; a literal tuple, list or set holding two of a list's names (or
@@ -26,6 +25,10 @@
   written only in `mobius_fx/precision.py` (no other dict keyed by two of its aliases), and a
   `MemoryModel` is built only where a problem (`step_model`) or a plan (`plans`) is made; the
   rest read the one they carry.
+- Sizes (issue 29): no module of `mobius_fx` or `passes/` over `MAX_FILE_LINES` (500) lines and no
+  function or method over `MAX_FUNCTION_LINES` (80, decorators excluded), except those named in
+  `LONG_FILES` / `LONG_FUNCTIONS`: the ones still being split. An entry that no longer exceeds
+  fails too, so the lists only shrink.
 
 Run as a script to print the import graph's cycles: `python tests/unit/test_architecture.py`.
 """
@@ -410,6 +413,81 @@ def test_memory_models_are_built_where_problems_and_plans_are_made():
     assert set(found) <= {"mobius_fx.step_model", "mobius_fx.plans"}, (
         f"MemoryModel is built in {found}; read the one the problem (PartitionProblem.memory) or the plan "
         f"(Plan.memory) carries, or its Precision's scale")
+
+
+# ----------------------------------------------------------------------------- sizes
+
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80  # def line to last line (FunctionDef.end_lineno - lineno + 1)
+# Over the limits, still to be split (issue 29 part 4): remove an entry once its split lands.
+LONG_FILES: set[str] = {
+    "mobius_fx.devices", "mobius_fx.overlap", "mobius_fx.signatures",
+    "mobius_fx.stage_calls", "mobius_fx.step_model",
+    "mobius_fx.topology", "mobius_fx.passes.annotate",
+}
+LONG_FUNCTIONS: set[tuple[str, str]] = {
+    ("mobius_fx.overlap", "OverlapOptimizer.__init__"), ("mobius_fx.pipeline", "build_pipeline"),
+    ("mobius_fx.schedule", "build_schedule"), ("mobius_fx.schedules.looped", "looped_pipeline"),
+    ("mobius_fx.simulator", "simulate"), ("mobius_fx.step_timeline", "timeline"),
+    ("mobius_fx.passes.insert_transfers", "_schedule_graph"),
+}
+
+
+def file_lines() -> dict[str, int]:
+    """module -> its number of lines, for the modules over MAX_FILE_LINES."""
+    sizes = {module: len(path.read_text().splitlines()) for module, path in MODULES.items()}
+    return {module: n for module, n in sizes.items() if n > MAX_FILE_LINES}
+
+
+def function_lines(source: str) -> dict[str, int]:
+    """qualified name (`Class.method`, `outer.inner`) -> lines, for every function of `source`
+    over MAX_FUNCTION_LINES."""
+    found: dict[str, int] = {}
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef) and child.end_lineno - child.lineno + 1 > MAX_FUNCTION_LINES:
+                    found[name] = child.end_lineno - child.lineno + 1
+                walk(child, f"{name}.")
+            else:
+                walk(child, prefix)
+
+    walk(ast.parse(source), "")
+    return found
+
+
+def long_functions() -> dict[tuple[str, str], int]:
+    return {(module, name): n for module, path in MODULES.items()
+            for name, n in function_lines(path.read_text()).items()}
+
+
+def test_no_file_over_the_line_limit():
+    long = file_lines()
+    stale = sorted(LONG_FILES - set(long))
+    assert not stale, f"{stale} are {MAX_FILE_LINES} lines or fewer now: remove them from LONG_FILES"
+    new = sorted(f"{module}: {n} lines" for module, n in long.items() if module not in LONG_FILES)
+    assert not new, (f"modules over {MAX_FILE_LINES} lines; split each by what it holds (a module whose name says "
+                     f"what it holds), keeping public import paths:\n" + "\n".join(new))
+
+
+def test_no_function_over_the_line_limit():
+    long = long_functions()
+    stale = sorted(LONG_FUNCTIONS - set(long))
+    assert not stale, f"{stale} are {MAX_FUNCTION_LINES} lines or fewer now: remove them from LONG_FUNCTIONS"
+    new = sorted(f"{module}.{name}: {n} lines" for (module, name), n in long.items() if (module, name) not in LONG_FUNCTIONS)
+    assert not new, (f"functions over {MAX_FUNCTION_LINES} lines; split each into steps that say what they do:\n"
+                     + "\n".join(new))
+
+
+def test_the_size_rules_count_what_they_say():
+    short = "def f():\n" + "    x = 1\n" * (MAX_FUNCTION_LINES - 1)
+    long = "class C:\n    def g(self):\n" + "        x = 1\n" * MAX_FUNCTION_LINES
+    nested = "def outer():\n    def inner():\n" + "        x = 1\n" * MAX_FUNCTION_LINES + "    return inner\n"
+    assert function_lines(short) == {}
+    assert function_lines(long) == {"C.g": MAX_FUNCTION_LINES + 1}
+    assert function_lines(nested) == {"outer": MAX_FUNCTION_LINES + 3, "outer.inner": MAX_FUNCTION_LINES + 1}
 
 
 if __name__ == "__main__":

@@ -162,12 +162,12 @@ def test_a_kwarg_given_at_compile_time_and_not_at_call_time_gets_a_variant_and_u
 # ----------------------------------------------------------------------------- refused calls, plain models
 
 def test_an_unknown_keyword_is_refused_at_compile_time_before_tracing(monkeypatch):
-    from mobius_fx import _stages
+    from mobius_fx import pass_adapters
 
     def refuse(*a, **k):
         raise AssertionError("tracing started; the bad keyword should have been refused first")
 
-    monkeypatch.setattr(_stages, "trace_pass", refuse)
+    monkeypatch.setattr(pass_adapters, "trace_pass", refuse)
     with pytest.raises(MobiusError, match=r"no keyword argument 'bogus'"):
         _compile(hf_llama(layers=1), kwargs={**hf_call("llama"), "bogus": torch.ones(2)})
 

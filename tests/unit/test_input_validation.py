@@ -34,12 +34,12 @@ def _compile(model=None, x=None, **kw):
 @pytest.fixture
 def no_tracing(monkeypatch):
     """Fail the test if planning starts: the refusal must come before any work."""
-    from mobius_fx import _stages
+    from mobius_fx import pass_adapters
 
     def refuse(*a, **k):
         raise AssertionError("planning started; the bad input should have been refused first")
 
-    monkeypatch.setattr(_stages, "trace_pass", refuse)
+    monkeypatch.setattr(pass_adapters, "trace_pass", refuse)
 
 
 # ----------------------------------------------------------------------------- copies

@@ -17,6 +17,7 @@ from mobius_fx import PlanError
 from mobius_fx.costs import LayerCost
 from mobius_fx.passes import _partition_mip as M
 from mobius_fx.passes import partition as P
+from mobius_fx.passes import partition_infeasible
 from mobius_fx.step_model import (
     MEMORY_TOLERANCE, MemoryModel, PrefixSums, SharedLink, SolverInfo, TiedWeight, layer_runs, queue_before,
     stage_memory,
@@ -520,7 +521,7 @@ def test_no_fitting_partition_names_the_closest_plans_overfull_rule(tmp_path):
 def test_an_overfull_double_buffer_is_described_with_both_stages():
     # b's backward (4 B of weights, 4 B of gradients) with a prefetched meanwhile: a's 4 B of weights
     p = problem([layer("a", params=4), layer("b", params=4)], gpus=1, cap=10)
-    ratio, text = P._worst_row(p, (0, 1))
+    ratio, text = partition_infeasible._worst_row(p, (0, 1))
     assert ratio == pytest.approx(1.2)
     assert text == ("stage 1 (b) needs 12 B in backward with what stage 0 holds meanwhile (weights, boundary "
                     "activations) on gpu0, which has 10 B usable")
@@ -570,12 +571,12 @@ def test_changed_numbers_miss_the_cache(tmp_path):
 
 
 def test_a_plan_solved_under_another_timing_model_misses_the_cache(tmp_path, monkeypatch):
-    """Same numbers, another program (partition.MODEL_REVISION): solved again, not reused."""
-    import mobius_fx.passes.partition as partition
+    """Same numbers, another program (partition_solve.MODEL_REVISION): solved again, not reused."""
+    import mobius_fx.passes.partition_solve as partition_solve
 
     p = problem([layer(n) for n in "abcd"], gpus=2, m=2)
     solve(p, cache_dir=tmp_path)
-    monkeypatch.setattr(partition, "MODEL_REVISION", partition.MODEL_REVISION + " (changed)")
+    monkeypatch.setattr(partition_solve, "MODEL_REVISION", partition_solve.MODEL_REVISION + " (changed)")
     assert not solve(p, cache_dir=tmp_path).solver.cached
 
 

@@ -16,6 +16,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+import mobius_fx.device_rewrite as device_rewrite
 import mobius_fx.placement as placement
 from mobius_fx import MobiusError, trace, zoo
 from mobius_fx.devices import VirtualDevice
@@ -164,11 +165,11 @@ def test_the_check_names_a_later_stage_and_the_device_of_a_clash_on_another_gpu(
 def test_binding_a_stage_to_a_gpu_rewrites_every_device_constant_of_the_trace(front_end):
     pipe = _pipe("constants", front_end, stages=1)
     (spec,) = pipe.schedule.stages
-    graph = placement._copy_graph(spec.module.graph)
+    graph = placement.copy_graph(spec.module.graph)
     cuda = torch.device("cuda", 0)
     changed = placement.rewrite_graph(graph, torch.device("cpu"), cuda)
     constants = [a for n in graph.nodes for a in (*n.args, *n.kwargs.values())
-                 if isinstance(a, torch.device) or (isinstance(a, str) and placement._is_to(n))]
+                 if isinstance(a, torch.device) or (isinstance(a, str) and device_rewrite._is_to(n))]
     assert changed and constants and all(torch.device(d) == cuda for d in constants), constants
     if front_end == "fx":  # the factory without a device that feeds the stage got one; the other did not
         made = {n.target: n.kwargs.get("device") for n in graph.nodes if n.op == "call_function"}

@@ -1,4 +1,4 @@
-"""mobius_fx.plan end to end: trace -> annotate -> partition -> cross_map -> Plan."""
+"""mobius_fx.plan end to end: trace -> annotate -> partition (cut + cross map) -> Plan."""
 
 import json
 import time
@@ -102,19 +102,22 @@ def _big_gpu0_small_gpu1(small: int) -> Topology:
 
 
 def _reversed_order_pipeline():
-    """The standard passes with a cross_map that puts the small gpu1 first."""
-    from mobius_fx.compiler import FunctionPass, default_pipeline
+    """The standard passes with a partition pass whose cross map puts the small gpu1 first."""
+    import functools
 
-    def small_first(gm, ctx):
-        ctx.order = ("gpu1", "gpu0")
+    from mobius_fx.compiler import default_pipeline
+    from mobius_fx.passes.partition import partition_pass
 
-    return default_pipeline().replace("cross_map", FunctionPass("cross_map", small_first, writes=("order",)))
+    pipeline = default_pipeline()
+    pipeline.passes[pipeline.names.index("partition")].fn = functools.partial(
+        partition_pass, order=lambda ctx, part: ("gpu1", "gpu0"))
+    return pipeline
 
 
 def test_a_gpu_order_the_partition_does_not_fit_is_partitioned_again_for_that_order(tmp_path):
     from mobius_fx.compiler import CompileContext
     from mobius_fx.options import CompileOptions
-    from mobius_fx.passes.partition import PartitionProblem, evaluate
+    from mobius_fx.passes.partition import PartitionProblem, evaluate, solve
 
     # gpu1 holds 78 KiB: the partition for (gpu0, gpu1) gives gpu0 a first stage that does
     # not fit gpu1 once gpu1 runs stage 0.
@@ -122,16 +125,18 @@ def test_a_gpu_order_the_partition_does_not_fit_is_partitioned_again_for_that_or
     ctx = CompileContext(model=_mlp(), topology=topo, example_inputs=(torch.randn(8, 64),),
                          settings=CompileOptions(microbatches=2, cache_dir=str(tmp_path), verbose=False))
     _reversed_order_pipeline().until("plan").run(ctx)
+    identity = PartitionProblem.from_topology(ctx.layers, topo, microbatches=2, input_bytes=8 * 64 * 4)
     mapped = PartitionProblem.from_topology(ctx.layers, topo, microbatches=2, order=ctx.order,
                                             input_bytes=8 * 64 * 4)  # the example input, as compile gives it
-    assert evaluate(mapped, ctx.partition.boundaries) is None  # the identity order's cuts no longer fit
+    first = solve(identity, cache_dir=str(tmp_path)).boundaries  # the cuts for the topology's order
+    assert evaluate(mapped, first) is None  # ... no longer fit
     plan = ctx.plan
-    assert [s.gpu for s in plan.stages][:2] == ["gpu1", "gpu0"]
+    assert ctx.order == ("gpu1", "gpu0") and [s.gpu for s in plan.stages][:2] == ["gpu1", "gpu0"]
     assert all(s.peak_bytes <= s.capacity for s in plan.stages), [(s.peak_bytes, s.capacity) for s in plan.stages]
     names = [layer.name for layer in plan.layers]
     cuts = tuple(names.index(s.layers[0]) for s in plan.stages)
-    assert cuts != ctx.partition.boundaries
-    assert plan.step_time == pytest.approx(evaluate(mapped, cuts).makespan)
+    assert cuts != first and cuts == tuple(ctx.partition.boundaries)  # cut again, in the one pass
+    assert plan.step_time == pytest.approx(evaluate(mapped, cuts).makespan) == ctx.partition.makespan
 
 
 def test_a_gpu_order_no_partition_fits_is_a_plan_error_naming_the_order_and_the_gpu(tmp_path):

@@ -2,6 +2,7 @@
 a count that does not divide the batch is refused, and the default is one per GPU or the
 largest divisor of the batch below the GPU count, said in the plan's header."""
 
+import functools
 import sys
 import types
 
@@ -11,9 +12,9 @@ import torch
 import mobius_fx
 from mobius_fx import PlanError, Topology
 from mobius_fx.__main__ import main
-from mobius_fx.compiler import FunctionPass, default_pipeline
+from mobius_fx.compiler import default_pipeline
 from mobius_fx.microbatch import default_microbatches
-from mobius_fx.passes.partition import PartitionProblem, evaluate
+from mobius_fx.passes.partition import PartitionProblem, evaluate, partition_pass
 from mobius_fx.plans import build_plan
 from mobius_fx.zoo import GPT, GPTConfig
 
@@ -104,10 +105,9 @@ def test_cuts_that_fit_only_in_the_topology_order_are_refused_not_cut_again(tmp_
     topo = Topology.from_dict({"name": "uneven", "nodes": nodes, "links": links})
     assert _plan(tmp_path, topo=topo, cuts=[5]).order == ("gpu0", "gpu1")  # fits: the big stage on gpu0
 
-    def swapped(gm, ctx):
-        ctx.order = ("gpu1", "gpu0")
-
-    pipeline = default_pipeline().replace("cross_map", FunctionPass("cross_map", swapped, writes=("order",)))
+    pipeline = default_pipeline()
+    pipeline.passes[pipeline.names.index("partition")].fn = functools.partial(
+        partition_pass, order=lambda ctx, part: ("gpu1", "gpu0"))  # a cross map that swaps the GPUs
     with pytest.raises(PlanError, match=r"cuts=\[5\] fit the GPUs in the topology's order, but cross_map=.* chose "
                                         r"GPU order \('gpu1', 'gpu0'\).*stage 0 .* on gpu1.*cross_map='identity'"):
         _plan(tmp_path, topo=topo, cuts=[5], pipeline=pipeline)
@@ -172,7 +172,7 @@ def test_cuts_that_do_not_fit_name_the_stage_with_its_tied_copy(tmp_path):
     # A tied GPT's head reads the embedding: cut into one layer per stage, the head's stage
     # holds a copy of it and needs the most. With room for a byte less, the message names that
     # stage with the bytes evaluate counted, copy included (it used to leave the copy out).
-    from mobius_fx._stages import misfit
+    from mobius_fx.passes.partition import misfit
     from mobius_fx.step_model import tied_weights
     from mobius_fx.units import fmt_bytes
 

@@ -1,0 +1,64 @@
+"""The standard passes that live outside `passes/` as `fn(gm, ctx)` adapters for the declared
+pipeline (compiler.py): trace, annotate, plan, insert_transfers and emit.
+
+Each reads its inputs from the CompileContext and writes its facts back; the heavy lifting
+lives in tracing.py, the pass modules (mobius_fx.passes.*), plans.py and pipeline.py. The
+partition pass (partition + cross map) is `mobius_fx.passes.partition.partition_pass`.
+"""
+
+from __future__ import annotations
+
+from .options import CompileContext
+
+__all__ = ["trace_pass", "annotate_pass", "plan_pass", "insert_transfers_pass", "emit_pass"]
+
+
+def trace_pass(gm, ctx: CompileContext):
+    from .tracing import trace
+
+    return trace(ctx.model, example_inputs=ctx.example_inputs, example_kwargs=ctx.example_kwargs or None)
+
+
+def annotate_pass(gm, ctx: CompileContext):
+    from .passes.annotate import annotate
+
+    s = ctx.settings
+    spec = s.device_spec or ctx.topology.gpus[0].spec
+    ctx.layers = tuple(annotate(gm, example_inputs=ctx.example_inputs, example_kwargs=ctx.example_kwargs or None,
+                                costs=s.costs, device_spec=spec, precision=s.precision))
+    return None
+
+
+def plan_pass(gm, ctx: CompileContext):
+    """The Plan of the partition pass's facts: its cuts on its GPU order, timed on that order."""
+    from .passes.partition import input_bytes, param_sizes
+    from .plans import build_plan
+
+    s, part = ctx.settings, ctx.partition
+    sizes, trainable = param_sizes(ctx)
+    ctx.plan = build_plan(ctx.layers, part.boundaries, order=ctx.order, topology=ctx.topology,
+                          microbatches=s.microbatches, microbatches_rule=s.microbatches_rule,
+                          step_time=part.makespan, precision=s.precision,
+                          memory_fraction=s.memory_fraction, prefetch_fwd=part.prefetch_fwd,
+                          solver=part.solver, param_sizes=sizes, trainable=trainable,
+                          input_bytes=input_bytes(ctx))
+    return None
+
+
+def insert_transfers_pass(gm, ctx: CompileContext):
+    from .passes.insert_transfers import insert_transfers
+
+    p = ctx.plan
+    ctx.stages = insert_transfers(gm, stage_nodes=[s.nodes for s in p.stages], stage_gpus=[s.gpu for s in p.stages],
+                                  microbatches=p.microbatches)
+    return None
+
+
+def emit_pass(gm, ctx: CompileContext):
+    from .pipeline import build_pipeline
+
+    s = ctx.settings
+    ctx.pipeline = build_pipeline(ctx.model, gm, schedule=ctx.stages, plan=ctx.plan, example_inputs=ctx.example_inputs,
+                                  example_kwargs=ctx.example_kwargs or None, device=s.device,
+                                  batch_dims=s.batch_dims, memory_books=s.memory_books)
+    return None
