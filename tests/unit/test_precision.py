@@ -88,9 +88,9 @@ def test_a_bad_precision_is_refused_with_the_rule_and_the_remedy(stream, master,
 
 
 def test_plan_refuses_a_stream_wider_than_the_masters_before_tracing(monkeypatch):
-    from mobius_fx import _stages
+    from mobius_fx import pass_adapters
 
-    monkeypatch.setattr(_stages, "trace_pass", lambda *a, **k: pytest.fail("planning started"))
+    monkeypatch.setattr(pass_adapters, "trace_pass", lambda *a, **k: pytest.fail("planning started"))
     model = nn.Linear(8, 8).to(torch.bfloat16)
     with pytest.raises(MobiusError, match=r"wider \(4 bytes\) than the masters' torch.bfloat16"):
         mobius_fx.plan(model, Topology.virtual(gpus=2), example_inputs=(torch.randn(4, 8, dtype=torch.bfloat16),),
