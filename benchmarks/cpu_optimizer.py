@@ -1,7 +1,7 @@
 """How fast a CPU optimizer steps fp32 master weights on this machine, in bytes/s.
 
 The Mobius step ends with the optimizer over the fp32 masters in host memory; the simulator
-and the CLI charge it as `bytes touched / bandwidth` (`mobius_fx.sim_tasks.TOUCHED_BYTES`:
+and the CLI charge it as `bytes touched / bandwidth` (`mobius_fx.sim.tasks.TOUCHED_BYTES`:
 28 B per parameter for Adam/AdamW — read the parameter, its gradient and both moments, write
 the parameter and both moments). This script measures that bandwidth for torch's AdamW in its
 three implementations (the per-tensor loop, `foreach`, `fused`) and for DeepSpeed's CPU Adam
@@ -14,10 +14,10 @@ the median of `--steps` timed steps after one warm-up step, all variants interle
     python benchmarks/cpu_optimizer.py [--params 64e6] [--steps 5] [--threads N] [--topology-out server.json]
 
 With `--topology-out PATH` it writes what it measured into the "host" section of the topology
-JSON at PATH (`mobius_fx.topology.HostFigures`: the fastest torch AdamW's bytes/s and kernel,
+JSON at PATH (`mobius_fx.topology.server.HostFigures`: the fastest torch AdamW's bytes/s and kernel,
 the slowest host copy's bytes/s, the cores), keeping the rest of the file, for the simulator.
 PATH must hold a topology already (`benchmarks/gpu_check.py` writes one of the machine; or your
-own, see mobius_fx.topology).
+own, see mobius_fx.topology.server).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from mobius_fx import Topology
 from mobius_fx.errors import TopologyError
-from mobius_fx.sim_tasks import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, TOUCHED_BYTES
-from mobius_fx.topology import HostFigures
+from mobius_fx.sim.tasks import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, TOUCHED_BYTES
+from mobius_fx.topology.server import HostFigures
 
 
 def write_host(path: str | os.PathLike, host: HostFigures) -> Topology:
@@ -44,7 +44,7 @@ def write_host(path: str | os.PathLike, host: HostFigures) -> Topology:
     if not os.path.exists(path):
         raise TopologyError(f"--topology-out {str(path)!r} does not exist; the host figures go into a topology "
                             f"already written: run benchmarks/gpu_check.py on the machine (it writes OUT/topology.json) "
-                            f"or describe the server in JSON (see mobius_fx.topology), then pass its path")
+                            f"or describe the server in JSON (see mobius_fx.topology.server), then pass its path")
     topo = Topology.from_json(os.fspath(path)).with_host(host)
     with open(path, "w") as f:
         f.write(topo.to_json())

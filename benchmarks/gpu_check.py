@@ -77,9 +77,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # gpu_limits, cpu_optimizer
 
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
-from mobius_fx.books import CudaAllocator  # noqa: E402
-from mobius_fx.costs import DEVICE_SPECS  # noqa: E402
-from mobius_fx.links import GB  # noqa: E402
+from mobius_fx.runtime.books import CudaAllocator  # noqa: E402
+from mobius_fx.topology.device_specs import DEVICE_SPECS  # noqa: E402
+from mobius_fx.topology.links import GB  # noqa: E402
 from mobius_fx.units import fmt_bytes, fmt_time, parse_bytes  # noqa: E402
 from mobius_fx.zoo import GPT, GPTConfig  # noqa: E402
 
@@ -168,7 +168,7 @@ def _link(a: str, b: str, bw: LinkFigures) -> dict[str, Any]:
 
 def machine_topology_dict(devices: Sequence[tuple[str, int]], links: Sequence[LinkFigures], *, spec: str,
                           name: str = "measured") -> dict[str, Any]:
-    """This machine in the topology JSON schema (mobius_fx.topology): one root complex, CUDA
+    """This machine in the topology JSON schema (mobius_fx.topology.server): one root complex, CUDA
     device i as gpu{i} (index i, its total memory) on its own link with the measured figures.
     `devices`: (product name, total bytes) per CUDA device."""
     nodes: list[dict[str, Any]] = [{"name": "cpu0", "kind": "root_complex"}]
@@ -180,7 +180,7 @@ def machine_topology_dict(devices: Sequence[tuple[str, int]], links: Sequence[Li
 
 
 def cuda_indices(gpus: int, count: int) -> list[int]:
-    """The CUDA device of pipeline GPU i: i mod the device count (as mobius_fx.devices.make_devices)."""
+    """The CUDA device of pipeline GPU i: i mod the device count (as mobius_fx.runtime.devices.make_devices)."""
     if gpus < 1 or count < 1:
         raise ValueError(f"gpus={gpus}, CUDA devices={count}: need at least one of each")
     return [i % count for i in range(gpus)]
@@ -221,7 +221,7 @@ def plan_gpu_peaks(plan: Any) -> dict[str, int]:
     """Per pipeline GPU, the plan's peak: the largest memory rule of the step model
     (`step_model.memory_rows`) on that GPU, each stage at its footprint (`Stage.peak_bytes`)
     with what the stages around it on the GPU hold meanwhile (weights, boundary activations)."""
-    from mobius_fx.step_model import memory_rows
+    from mobius_fx.planning.step_model import memory_rows
 
     m, by_gpu = plan.microbatches, {}
     for s in plan.stages:
@@ -529,7 +529,7 @@ def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidt
     where = cuda_indices(len(names), torch.cuda.device_count()) if cuda else list(range(len(names)))
     target: Any = device
     if cuda and len(set(where)) < len(names):  # names share a CUDA device: hand compile the devices
-        from mobius_fx.devices import make_devices
+        from mobius_fx.runtime.devices import make_devices
 
         target = make_devices({g.name: g.memory for g in topo.gpus}, device="cuda",
                               indices=dict(zip(names, where)))

@@ -32,8 +32,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from mobius_fx.links import GB
-from mobius_fx.topology import HostFigures
+from mobius_fx.topology.links import GB
+from mobius_fx.topology.server import HostFigures
 from mobius_fx.units import fmt_bytes, fmt_time
 
 ADAMW_KINDS = ("fused", "foreach", "for-loop")

@@ -3,7 +3,7 @@
 A GPT (mobius_fx.zoo.GPT, ~100M parameters by default) fine-tuned through a pipeline on
 `device="virtual-async"` (the CUDA path's streams, events and slot pool on the CPU), AdamW
 stepped by `pipe.overlap(mode="sync")`. Per step it prints, from the runtime's own counters
-(mobius_fx/host_counters.py):
+(mobius_fx/runtime/host_counters.py):
 
 - host bytes per parameter read and written by passes outside the optimizer: staging copies of
   the masters into the streamed copies, gradient conversions, fresh gradient memory, additions
@@ -37,7 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
-from mobius_fx.host_counters import BESIDE, COUNTERS, HostCounters  # noqa: E402
+from mobius_fx.runtime.host_counters import BESIDE, COUNTERS, HostCounters  # noqa: E402
 from mobius_fx.zoo import GPT, GPTConfig  # noqa: E402
 
 

@@ -13,7 +13,7 @@ speed is the simulator's default (--adam-gbps to give one): a fused AdamW measur
 run's 16-core host, 111 GB/s (sim_tasks.CPU_ADAM_BANDWIDTH), the host copies at that host's
 measured 27.5 GB/s (HOST_COPY_BANDWIDTH); ZeRO-3 steps with DeepSpeed's CPU Adam at the same
 speed (--deepspeed-adam-gbps to give DeepSpeed's own). Host memory is NUMA-local to each stage's
-GPU unless --masters names one socket (mobius_fx.sim_tasks.MASTERS).
+GPU unless --masters names one socket (mobius_fx.sim.tasks.MASTERS).
 
 Every ratio rests on the compute model: the roofline at a share of peak FLOP/s (the device
 spec's `efficiency`, 0.6 by default: 48 TF/s on a 3090 Ti). The headline ratios are printed at
@@ -46,8 +46,8 @@ import mobius_fx
 from mobius_fx import Topology, zoo
 from mobius_fx import schedules
 from mobius_fx.kinds import OVERLAP_MODES
-from mobius_fx.report import compare
-from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH
+from mobius_fx.sim.report import compare
+from mobius_fx.sim.simulator import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH
 from mobius_fx.units import fmt_bytes
 
 # The table's rows: the Mobius variants, then RoundPipe (the other streamed pipeline), then GPipe and ZeRO-3

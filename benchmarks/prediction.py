@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import mobius_fx
 from mobius_fx import Topology, zoo
-from mobius_fx.links import PCIE4_X16
-from mobius_fx.topology_schema import layout
+from mobius_fx.topology.links import PCIE4_X16
+from mobius_fx.topology.schema import layout
 
 TOPOLOGIES = ("mobius-testbed", "rtx4090x8", "box4-switch")
 CONFIGS = ((8, 1024, 8), (2, 1024, 2))  # batch, sequence, micro-batches

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from mobius_fx import trace  # noqa: E402
-from mobius_fx.pipeline import build_pipeline  # noqa: E402
+from mobius_fx.build import build_pipeline  # noqa: E402
 from mobius_fx.tracing import module_path  # noqa: E402
 from tests.models import gpt  # noqa: E402
 

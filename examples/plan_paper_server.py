@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import mobius_fx
 from mobius_fx import Topology, zoo
-from mobius_fx.report import compare
+from mobius_fx.sim.report import compare
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-from .errors import BudgetError, MobiusError, PlanError, TopologyError, TraceError
+from mobius_fx.errors import BudgetError, MobiusError, PlanError, TopologyError, TraceError
 
 __version__ = "0.1.0"
 
@@ -53,12 +53,12 @@ _passes_from_checkout()
 # fast and the CLI can print --help without importing transformers or solvers.
 _LAZY = {
     "trace": "tracing",
-    "Topology": "topology", "GPU": "topology",
-    "DeviceSpec": "costs", "NodeCost": "costs", "LayerCost": "costs",
-    "Plan": "plans", "Stage": "plans", "Transfer": "plans", "SolverInfo": "plans",
+    "Topology": "topology.server", "GPU": "topology.server",
+    "DeviceSpec": "topology.device_specs", "NodeCost": "planning.costs", "LayerCost": "planning.costs",
+    "Plan": "planning.plans", "Stage": "planning.plans", "Transfer": "planning.plans", "SolverInfo": "planning.plans",
     "plan": "api", "compile": "api",
-    "simulate": "simulator", "SimResult": "simulator",
-    "Pipeline": "pipeline_module",
+    "simulate": "sim.simulator", "SimResult": "sim.simulator",
+    "Pipeline": "runtime.pipeline",
     "CompileOptions": "options",
 }
 

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import MobiusError
-from .kinds import OVERLAP_MODES
+from mobius_fx.errors import MobiusError
+from mobius_fx.kinds import OVERLAP_MODES
 
 __all__ = ["main"]
 
@@ -72,7 +72,7 @@ def _write(what: str, path: str, write: Callable[[], Any]) -> None:
 def _dtype(text: str):
     """An argparse `type=` for --dtype: the torch dtype `text` names (precision.parse_dtype, the one alias
     table), refused before planning when it is not one weights can be streamed in."""
-    from .precision import Precision
+    from mobius_fx.precision import Precision
 
     try:
         return Precision.check_request(text)
@@ -86,7 +86,7 @@ _SIZE = _checked(int, lambda v: 0 < v < 2**31, "a positive integer below 2**31")
 
 def _network(text: str) -> float:
     """An argparse `type=` for --network: bytes/s from "100Gbps", "25Gbit/s", "12.5GB/s" (units.parse_network)."""
-    from .units import parse_network
+    from mobius_fx.units import parse_network
 
     try:
         return parse_network(text, "")
@@ -96,7 +96,7 @@ def _network(text: str) -> float:
 
 def _cuts(text: str) -> tuple[int, ...]:
     """An argparse `type=` for --cuts "1,5,9" ("" or "none" for one stage), checked as `plan(cuts=)` checks it."""
-    from .options import CompileOptions
+    from mobius_fx.options import CompileOptions
 
     parts = [] if text.strip().lower() in ("", "none") else [p.strip() for p in text.split(",")]
     try:
@@ -111,9 +111,9 @@ def _cuts(text: str) -> tuple[int, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import zoo
-    from .options import CompileOptions
-    from .topology import Topology
+    from mobius_fx import zoo
+    from mobius_fx.options import CompileOptions
+    from mobius_fx.topology.server import Topology
 
     presets = ", ".join(Topology.PRESETS)
     p = argparse.ArgumentParser(prog="mobius-fx", description=(
@@ -175,7 +175,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load_topology(source: str):
-    from .topology import Topology
+    from mobius_fx.topology.server import Topology
 
     if source in Topology.PRESETS:
         return Topology.preset(source)
@@ -186,10 +186,10 @@ def _load_topology(source: str):
 
 
 def _cmd_plan(args) -> int:
-    from . import api, zoo
-    from .report import compare
+    from mobius_fx import api, zoo
+    from mobius_fx.sim.report import compare
 
-    from .microbatch import check_divides, divisors_near
+    from mobius_fx.planning.microbatch import check_divides, divisors_near
 
     if (args.servers is None) != (args.network is None):
         raise MobiusError("--servers R and --network go together: the cluster table needs how many servers and how "
@@ -214,7 +214,7 @@ def _cmd_plan(args) -> int:
           f"micro-batches; CPU optimizer overlap: {args.optimizer_overlap}):")
     print(cmp.table())
     if args.servers is not None:
-        from .report import cluster
+        from mobius_fx.sim.report import cluster
 
         cl = cluster(p, args.servers, args.network, tokens=args.batch * args.seq,
                      cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None,
@@ -237,7 +237,7 @@ def _cmd_plan(args) -> int:
 
 
 def _cmd_topology(args) -> int:
-    from .topology import Topology
+    from mobius_fx.topology.server import Topology
 
     if args.detect and args.source:
         raise MobiusError(f"both a source ({args.source!r}) and --detect given; give one of them, not both")

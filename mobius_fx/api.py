@@ -10,11 +10,11 @@ from typing import Any, Sequence
 
 import torch
 
-from .compiler import CompileContext, PassPipeline, default_pipeline
-from .data_parallel import GradientReducer, default_group
-from .errors import MobiusError, PlanError
-from .options import CompileOptions
-from .plans import Plan
+from mobius_fx.compiler import CompileContext, PassPipeline, default_pipeline
+from mobius_fx.runtime.data_parallel import GradientReducer, default_group
+from mobius_fx.errors import MobiusError, PlanError
+from mobius_fx.options import CompileOptions
+from mobius_fx.planning.plans import Plan
 
 __all__ = ["plan", "compile"]
 
@@ -22,7 +22,7 @@ log = logging.getLogger("mobius_fx")
 
 
 def _topology(topology: Any):
-    from .topology import Topology
+    from mobius_fx.topology.server import Topology
 
     if isinstance(topology, Topology):
         return topology
@@ -78,7 +78,7 @@ def _run(passes: PassPipeline, *, model, topology, example_inputs, example_kwarg
                           f"model's positional inputs, e.g. example_inputs=(x,)")
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise MobiusError(f"example_kwargs is a {type(example_kwargs).__name__}; pass a dict of keyword inputs")
-    from .signatures import bind_call
+    from mobius_fx.runtime.variants import bind_call
 
     bind_call(model, tuple(example_inputs), dict(example_kwargs or {}))  # refuses an argument forward does not take
     ctx = CompileContext(model=model, topology=_topology(topology), example_inputs=tuple(example_inputs),
@@ -90,7 +90,7 @@ def _run(passes: PassPipeline, *, model, topology, example_inputs, example_kwarg
 
 
 class _Recompiler:
-    """Compiles the variants of a compiled pipeline (mobius_fx/signatures.py): for a call with
+    """Compiles the variants of a compiled pipeline (mobius_fx/runtime/variants.py): for a call with
     other arguments or shapes (`variant`: traced and planned again), or one larger than its
     variant was planned for (`replan`: the same graph, costed again). Either keeps the cuts of
     the plan it varies when they fit (`passes.partition.reuse_partition_pass`), on the same devices, with
@@ -101,8 +101,8 @@ class _Recompiler:
         self.model, self.topology, self.options = ctx.model, ctx.topology, ctx.settings
 
     def _passes(self, like, *, graph: bool = False) -> PassPipeline:
-        from .compiler import FunctionPass
-        from .passes.partition import partition_pass, reuse_partition_pass
+        from mobius_fx.compiler import FunctionPass
+        from mobius_fx.passes.partition import partition_pass, reuse_partition_pass
 
         passes = list(self.passes.passes)
         if graph:
@@ -150,7 +150,7 @@ def _check_batch(ctx: CompileContext) -> None:
     for `plan` and `compile` alike, meta tensors or real ones."""
     from torch.utils._pytree import tree_leaves
 
-    from .microbatch import batch_rows, check_divides, declared, divisors_near
+    from mobius_fx.planning.microbatch import batch_rows, check_divides, declared, divisors_near
 
     inputs = (ctx.example_inputs, ctx.example_kwargs)
     marks = declared(ctx.model, ctx.example_inputs, ctx.example_kwargs, ctx.settings.batch_dims)
@@ -250,14 +250,14 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     instead (`MobiusError` naming the argument or dimension). An argument the model's forward
     does not take is refused.
     A Pipeline cannot be copied or pickled; copy or save the model and compile again.
-    `process_group`: data parallel across ranks (mobius_fx/data_parallel.py): every rank runs
+    `process_group`: data parallel across ranks (mobius_fx/runtime/data_parallel.py): every rank runs
     this plan on its own slice of the batch and gradients are averaged across the group as each
     stage's are complete; default: the world group when torch.distributed is initialised with
     more than one rank; `False`: none.
     `batch_dims`: which forward arguments carry the batch, {name: 0 or None} (None: not batched,
     every micro-batch gets it whole); by default dim 0 of the first batched input is the batch and
     every input with a dim 0 of its size is split. How outputs are combined across micro-batches,
-    and what is refused: README "Micro-batch semantics" (mobius_fx/microbatch.py).
+    and what is refused: README "Micro-batch semantics" (mobius_fx/planning/microbatch.py).
     `memory_books`: how each GPU measures its stages' work against its budget. "allocator" (the
     default on CUDA): no Python per op; each stage's work is measured by CUDA's caching allocator
     (the peak since the work began, on top of what the GPU held then) and a peak over the budget
@@ -267,7 +267,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     before its result is used (a `TorchDispatchMode`: Python on every op, counted in
     `Device.dispatch_calls`). "auto": per device. On CUDA, "allocator" resets the device's peak
     statistics at each stage's work (`torch.cuda.reset_peak_memory_stats`); the device's peak
-    over a step is `mobius_fx.books.CudaAllocator.of(index).max_allocated()`.
+    over a step is `mobius_fx.runtime.books.CudaAllocator.of(index).max_allocated()`.
     """
     if isinstance(model, torch.nn.Module) and not isinstance(example_inputs, (str, bytes)):
         inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs

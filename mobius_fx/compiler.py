@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from .errors import MobiusError
-from .options import CompileContext  # lives with the options it carries; re-exported here
+from mobius_fx.errors import MobiusError
+from mobius_fx.options import CompileContext  # lives with the options it carries; re-exported here
 
 __all__ = ["CompileContext", "MobiusPass", "FunctionPass", "PassPipeline", "Touched", "default_pipeline",
            "PASS_ORDER"]
@@ -289,8 +289,8 @@ def _run_recorded(p: MobiusPass, ctx: CompileContext) -> Touched:
 
 def default_pipeline() -> PassPipeline:
     """The standard passes, in PASS_ORDER (imported lazily: solvers load only when used)."""
-    from . import pass_adapters as std
-    from .passes.partition import partition_pass
+    from mobius_fx import pass_adapters as std
+    from mobius_fx.passes.partition import partition_pass
 
     return PassPipeline([
         FunctionPass("trace", std.trace_pass, reads=("model", "example_inputs"), writes=("graph",)),

@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .errors import first_line
+from mobius_fx.errors import first_line
 
 __all__ = ["try_export", "forward_signature", "export_signature", "explicit_forward", "input_guards"]
 

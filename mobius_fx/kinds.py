@@ -7,6 +7,7 @@ the passes read it without importing the runtime. The schedules the simulator kn
 list but a registry, `mobius_fx.schedules` (`names()`, `data_parallel_names()`): each schedule's
 module registers its own name.
 
+- `HOST`: the name of the host's DRAM wherever a place is named (topology, schedule IR, devices).
 - `DEVICES`: what plays the GPUs (`compile(device=...)`, `make_devices`).
 - `SOLVERS`: the MIP solvers `plan(solver=...)` takes.
 - `OVERLAP_MODES`: when the CPU optimizer steps relative to the pipeline ("none": after the
@@ -16,8 +17,9 @@ module registers its own name.
 
 from __future__ import annotations
 
-__all__ = ["DEVICES", "SOLVERS", "OVERLAP_MODES"]
+__all__ = ["HOST", "DEVICES", "SOLVERS", "OVERLAP_MODES"]
 
+HOST = "host"  # the host's DRAM (masters, saved inputs, long-lived values): its name in the topology, the IR and the devices
 DEVICES = ("auto", "virtual", "virtual-async", "cuda")
 SOLVERS = ("auto", "highs", "cbc")
 OVERLAP_MODES = ("none", "sync", "async")

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from .errors import MobiusError, PlanError
-from .kinds import DEVICES, SOLVERS
-from .microbatch import check_batch_dims, check_count, default_microbatches
-from .precision import Precision
+from mobius_fx.errors import MobiusError, PlanError
+from mobius_fx.kinds import DEVICES, SOLVERS
+from mobius_fx.planning.microbatch import check_batch_dims, check_count, default_microbatches
+from mobius_fx.precision import Precision
 
 __all__ = ["CompileOptions", "CompileContext"]
 
@@ -100,11 +100,11 @@ class CompileOptions:
     `{gpu name: Device}` (compile only). `device_spec`: the cost model's device (default: the
     topology's first GPU). `verbose`: progress on stderr.
     `max_variants` (compile only): how many call signatures a pipeline compiles a variant for
-    (other keyword arguments, or shapes its graph does not hold for: mobius_fx/signatures.py);
+    (other keyword arguments, or shapes its graph does not hold for: mobius_fx/runtime/variants.py);
     1 keeps the compiled signature fixed and refuses any other call with a MobiusError.
     `batch_dims`: None (guess: README "Micro-batch semantics") or {forward argument name: 0 (batched
     along dim 0, split into micro-batches) or None (not batched: whole to every micro-batch)}.
-    `memory_books` (compile only): how each GPU measures its stages' work (mobius_fx/books.py):
+    `memory_books` (compile only): how each GPU measures its stages' work (mobius_fx/runtime/books.py):
     "ops" charges every tensor per op (Python on every op), "allocator" measures each stage's
     work by the allocator and checks the budget when it ends, "auto" (the default) is "ops" on
     virtual devices and "allocator" on CUDA.
@@ -153,7 +153,7 @@ class CompileOptions:
         _positive_int("max_variants", self.max_variants,
                       "compiled variants per pipeline, one per call signature; 1 = a fixed signature")
         set_("batch_dims", check_batch_dims(self.batch_dims))
-        from .books import check_memory_books
+        from mobius_fx.runtime.books import check_memory_books
 
         check_memory_books(self.memory_books)
         if not isinstance(self.microbatches_rule, str):

@@ -8,19 +8,19 @@ partition pass (partition + cross map) is `mobius_fx.passes.partition.partition_
 
 from __future__ import annotations
 
-from .options import CompileContext
+from mobius_fx.options import CompileContext
 
 __all__ = ["trace_pass", "annotate_pass", "plan_pass", "insert_transfers_pass", "emit_pass"]
 
 
 def trace_pass(gm, ctx: CompileContext):
-    from .tracing import trace
+    from mobius_fx.tracing import trace
 
     return trace(ctx.model, example_inputs=ctx.example_inputs, example_kwargs=ctx.example_kwargs or None)
 
 
 def annotate_pass(gm, ctx: CompileContext):
-    from .passes.annotate import annotate
+    from mobius_fx.passes.annotate import annotate
 
     s = ctx.settings
     spec = s.device_spec or ctx.topology.gpus[0].spec
@@ -31,8 +31,8 @@ def annotate_pass(gm, ctx: CompileContext):
 
 def plan_pass(gm, ctx: CompileContext):
     """The Plan of the partition pass's facts: its cuts on its GPU order, timed on that order."""
-    from .passes.partition import input_bytes, param_sizes
-    from .plans import build_plan
+    from mobius_fx.passes.partition import input_bytes, param_sizes
+    from mobius_fx.planning.plans import build_plan
 
     s, part = ctx.settings, ctx.partition
     sizes, trainable = param_sizes(ctx)
@@ -46,7 +46,7 @@ def plan_pass(gm, ctx: CompileContext):
 
 
 def insert_transfers_pass(gm, ctx: CompileContext):
-    from .passes.insert_transfers import insert_transfers
+    from mobius_fx.passes.insert_transfers import insert_transfers
 
     p = ctx.plan
     ctx.stages = insert_transfers(gm, stage_nodes=[s.nodes for s in p.stages], stage_gpus=[s.gpu for s in p.stages],
@@ -55,7 +55,7 @@ def insert_transfers_pass(gm, ctx: CompileContext):
 
 
 def emit_pass(gm, ctx: CompileContext):
-    from .pipeline import build_pipeline
+    from mobius_fx.build import build_pipeline
 
     s = ctx.settings
     ctx.pipeline = build_pipeline(ctx.model, gm, schedule=ctx.stages, plan=ctx.plan, example_inputs=ctx.example_inputs,

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .errors import MobiusError
+from mobius_fx.errors import MobiusError
 
 __all__ = ["Precision", "parse_dtype", "dtype_name", "master_dtype", "DTYPE_ALIASES", "STREAMED"]
 

@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .errors import TraceError
+from mobius_fx.errors import TraceError
 
 __all__ = ["function_call", "autograd_functions", "describe", "refuse_traced_functions", "refuse_parameter_writes"]
 

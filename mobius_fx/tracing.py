@@ -30,11 +30,11 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import grad_modes
-from .errors import TraceError, first_line
-from .export_front import forward_signature, input_guards, try_export
-from .module_paths import module_path, module_stack
-from .trace_semantics import autograd_functions, describe, refuse_parameter_writes, refuse_traced_functions
+from mobius_fx import grad_modes
+from mobius_fx.errors import TraceError, first_line
+from mobius_fx.export_front import forward_signature, input_guards, try_export
+from mobius_fx.module_paths import module_path, module_stack
+from mobius_fx.trace_semantics import autograd_functions, describe, refuse_parameter_writes, refuse_traced_functions
 
 __all__ = ["trace", "TraceInfo", "module_path", "module_stack", "flatten_inputs", "trace_info", "input_guards",
            "forward_signature"]
@@ -68,7 +68,7 @@ class TraceInfo:
     # graph computes in these modes whatever train()/eval() says later
     modes: tuple[bool, ...] = ()
     # the device the example inputs were on (the model's when no input is a tensor): what the
-    # trace baked into factory ops and `.to` calls (mobius_fx/placement.py rewrites it per stage)
+    # trace baked into factory ops and `.to` calls (mobius_fx/runtime/placement.py rewrites it per stage)
     device: str | None = None
 
     def model_name(self, gm_name: str) -> str:

@@ -7,7 +7,7 @@ import numbers
 import re
 from typing import Any
 
-from .errors import MobiusError
+from mobius_fx.errors import MobiusError
 
 __all__ = ["parse_bytes", "parse_bandwidth", "parse_network", "check_positive", "fmt_bytes", "fmt_time"]
 

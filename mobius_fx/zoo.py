@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import MobiusError
+from mobius_fx.errors import MobiusError
 
 __all__ = ["GPT", "GPTConfig", "MODELS", "build", "model_names"]
 

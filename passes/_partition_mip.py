@@ -1,6 +1,6 @@
 """The partition MIP of passes/partition.py: building it, warm-starting it, running the solver.
 
-The model is `mobius_fx.step_model` (docs/schedule.md); partition_solve.py owns the search over
+The model is `mobius_fx.planning.step_model` (docs/schedule.md); partition_solve.py owns the search over
 stage counts. This module turns one stage count S into a PuLP program over run-length-encoded
 layers (`step_model.layer_runs`) whose sums are `step_model.PrefixSums`; `run_solver`
 (passes/mip_solver.py, re-exported here) drives HiGHS (through highspy) or CBC on it. The formulation is explained in partition.py's docstring;
@@ -22,8 +22,8 @@ from typing import Any
 
 import pulp
 
-from mobius_fx.step_timeline import UPLOADS_PER_DOWNLOAD
-from mobius_fx.step_model import (
+from mobius_fx.planning.step_timeline import UPLOADS_PER_DOWNLOAD
+from mobius_fx.planning.step_model import (
     Evaluation, PartitionProblem, PrefixSums, link_time, queue_before, queue_window, slot_bytes,
 )
 

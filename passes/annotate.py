@@ -44,7 +44,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from mobius_fx.costs import DeviceSpec, LayerCost, NodeCost
+from mobius_fx.planning.costs import LayerCost, NodeCost
+from mobius_fx.topology.device_specs import DeviceSpec
 from mobius_fx.errors import MobiusError
 from mobius_fx.precision import Precision, dtype_name, master_dtype
 from mobius_fx.passes.annotate_tools import (LiveBytes, all_real, cuda_devices, holding, host_spec, median_time,

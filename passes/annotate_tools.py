@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mobius_fx.costs import DEVICE_SPECS, DeviceSpec
+from mobius_fx.topology.device_specs import DEVICE_SPECS, DeviceSpec
 
 __all__ = ["node_key", "Unkeyable", "value_spec", "tensor_leaves", "unique_tensors", "value_bytes", "roofline", "meta_like", "all_real", "host_spec", "cuda_devices", "holding", "synchronizer", "median_time", "LiveBytes"]
 
@@ -156,7 +156,7 @@ def median_time(fn: Callable[..., None], warmup: int, repeats: int, sync: Callab
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages the ops run under it create, while they live, and their peak:
-    what a device's books (mobius_fx/books.py) would charge, on meta tensors. Views of one
+    what a device's books (mobius_fx/runtime/books.py) would charge, on meta tensors. Views of one
     storage count once; a storage counts from the op that makes it until it dies."""
 
     def __init__(self) -> None:

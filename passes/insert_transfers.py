@@ -9,8 +9,8 @@ Output: a `Schedule` with
   code and configuration with the user's modules but own their parameter slots — so the runtime
   binds GPU copies of the weights into a stage without ever touching the user's model;
 - the top-level `torch.fx.Graph` of the schedule: the forward ops of the schedule IR
-  (mobius_fx/schedule.py), lowered in their order to explicit calls of the runtime ops
-  (mobius_fx/ops.py) `prefetch`, `wait`, `run_stage`, `send`, `evict` and `hold_for_backward`,
+  (mobius_fx/planning/schedule_ir.py), lowered in their order to explicit calls of the runtime ops
+  (mobius_fx/runtime/program_ops.py) `prefetch`, `wait`, `run_stage`, `send`, `evict` and `hold_for_backward`,
   in Mobius order. Per GPU all M
   micro-batches of stage k run before stage k+N (GPipe order); the first stage of every GPU is
   uploaded at the start, stage k+N is prefetched before stage k runs, stage k is evicted after
@@ -41,11 +41,11 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
-from mobius_fx import ops as _rt
-from mobius_fx.devices import HOST
+from mobius_fx.runtime import program_ops as _rt
+from mobius_fx.kinds import HOST
 from mobius_fx.errors import MobiusError
-from mobius_fx.microbatch import check_count
-from mobius_fx.schedule import ScheduleIR, StageIO, build_schedule, neighbours
+from mobius_fx.planning.microbatch import check_count
+from mobius_fx.planning.schedule_ir import ScheduleIR, StageIO, build_schedule, neighbours
 
 __all__ = ["insert_transfers", "Schedule", "StageSpec", "WeightRef", "ValueRef"]
 
@@ -355,7 +355,7 @@ def _resolve_output(arg: Any) -> Any:
 def _schedule_graph(stages: tuple[StageSpec, ...], inputs: list[str], out_arg: Any,
                     m: int) -> tuple[fx.Graph, set[tuple[int, int]]]:
     """The forward program: the schedule IR's forward ops, lowered in their order to calls of
-    the runtime ops (mobius_fx.ops); also which stage outputs go to the host."""
+    the runtime ops (mobius_fx.runtime.program_ops); also which stage outputs go to the host."""
     g = fx.Graph()
     n_stages = len(stages)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from mobius_fx.costs import LayerCost, NodeCost
+from mobius_fx.planning.costs import LayerCost, NodeCost
 from mobius_fx.tracing import module_stack, trace_info
 
 __all__ = ["group_layers", "TINY_LAYER_FRACTION"]

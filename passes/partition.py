@@ -8,7 +8,7 @@ do not fit it, it cuts again for that order (given cuts are refused instead: nev
 The plan pass then builds the Plan from these facts alone.
 
 The model it solves — a step's timeline and memory for given cuts, docs/schedule.md — is
-stated once, in `mobius_fx.step_model`; this pass searches it three ways that must agree:
+stated once, in `mobius_fx.planning.step_model`; this pass searches it three ways that must agree:
 
 * `evaluate(problem, boundaries)` (from the step model) — the model solved exactly for fixed
   cuts. The reference for everything else.
@@ -60,7 +60,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from mobius_fx.errors import PlanError
-from mobius_fx.step_model import Evaluation, PartitionProblem, SolverInfo, evaluate, tied_weights
+from mobius_fx.planning.step_model import Evaluation, PartitionProblem, SolverInfo, evaluate, tied_weights
 
 from .cross_map import cross_map
 from .partition_bounds import lp_bound, stage_count_bound

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from mobius_fx.step_model import MEMORY_TOLERANCE, PartitionProblem, PrefixSums
+from mobius_fx.planning.step_model import MEMORY_TOLERANCE, PartitionProblem, PrefixSums
 
 from ._partition_mip import build_mip, solve_relaxation
 

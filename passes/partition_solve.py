@@ -19,7 +19,7 @@ import pulp
 
 from mobius_fx.errors import PlanError
 from mobius_fx.kinds import SOLVERS
-from mobius_fx.step_model import MEMORY_TOLERANCE, PartitionProblem, PrefixSums, SolverInfo, evaluate, layer_runs
+from mobius_fx.planning.step_model import MEMORY_TOLERANCE, PartitionProblem, PrefixSums, SolverInfo, evaluate, layer_runs
 from mobius_fx.units import fmt_time
 
 from ._partition_mip import Mip, build_mip, cuts_of, run_solver, warm_start

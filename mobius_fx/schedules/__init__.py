@@ -20,12 +20,12 @@ produces the schedule IR hands it to `ir_tasks.tasks_from_ir`.
 from __future__ import annotations
 
 # Registered on import, in the comparison table's order (keep it: not alphabetical).
-from . import mobius  # noqa: F401  (isort: skip: the order registers the table's rows)
-from . import mobius_noprefetch  # noqa: F401
-from . import mobius_identity_map  # noqa: F401
-from . import gpipe  # noqa: F401
-from . import zero3_offload  # noqa: F401
-from . import roundpipe  # noqa: F401
-from .registry import OPTIMIZERS, Schedule, data_parallel_names, get, names, register, unregister
+from mobius_fx.schedules import mobius  # noqa: F401  (isort: skip: the order registers the table's rows)
+from mobius_fx.schedules import mobius_noprefetch  # noqa: F401
+from mobius_fx.schedules import mobius_identity_map  # noqa: F401
+from mobius_fx.schedules import gpipe  # noqa: F401
+from mobius_fx.schedules import zero3_offload  # noqa: F401
+from mobius_fx.schedules import roundpipe  # noqa: F401
+from mobius_fx.schedules.registry import OPTIMIZERS, Schedule, data_parallel_names, get, names, register, unregister
 
 __all__ = ["Schedule", "register", "unregister", "get", "names", "data_parallel_names", "OPTIMIZERS"]

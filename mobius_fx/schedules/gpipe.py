@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from ..errors import PlanError
-from ..network import Task
-from ..plans import MemoryModel, Plan
-from ..sim_tasks import STATE_BYTES, TOUCHED_BYTES, Context, Costs
-from ..units import fmt_bytes
-from .layer_units import layer_units
-from .looped import Slot, looped_pipeline
-from .registry import register
+from mobius_fx.errors import PlanError
+from mobius_fx.sim.network import Task
+from mobius_fx.planning.plans import MemoryModel, Plan
+from mobius_fx.sim.tasks import STATE_BYTES, TOUCHED_BYTES, Context, Costs
+from mobius_fx.units import fmt_bytes
+from mobius_fx.schedules.layer_units import layer_units
+from mobius_fx.schedules.looped import Slot, looped_pipeline
+from mobius_fx.schedules.registry import register
 
 __all__ = ["build"]
 

@@ -1,4 +1,4 @@
-"""The one task builder from the schedule IR (mobius_fx/schedule.py): one simulator task per op.
+"""The one task builder from the schedule IR (mobius_fx/planning/schedule_ir.py): one simulator task per op.
 
 A schedule that produces the IR (the Mobius variants) hands it to `tasks_from_ir`; the IR of a
 plan is `plan.schedule()` (with stage k moved to gpus[k % N]: `plan.schedule(gpus)`).
@@ -12,16 +12,17 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-from ..errors import MobiusError
-from ..plans import TRANSFER_KIND
-from ..schedule import HOST, ScheduleIR
-from ..sim_tasks import Context, cpu_optimizer
+from mobius_fx.errors import MobiusError
+from mobius_fx.planning.plans import TRANSFER_KIND
+from mobius_fx.planning.schedule_ir import ScheduleIR
+from mobius_fx.kinds import HOST
+from mobius_fx.sim.tasks import Context, cpu_optimizer
 
 __all__ = ["tasks_from_ir", "copy_need", "check_transfers"]
 
 
 def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
-    """One task per op of a schedule IR (mobius_fx/schedule.py). A `run` computes f or b on its
+    """One task per op of a schedule IR (mobius_fx/planning/schedule_ir.py). A `run` computes f or b on its
     GPU; a copy with bytes is a flow on the route src -> dst, on the receiving GPU's upload stream
     (prefetch, restore, an input sent again), its activation stream (other sends to a GPU) or the
     sending GPU's download stream (offload, download, sends to the host), served by slot (a stage's

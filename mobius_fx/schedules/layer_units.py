@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..sim_tasks import Context, Costs
+from mobius_fx.sim.tasks import Context, Costs
 
 __all__ = ["layer_units"]
 

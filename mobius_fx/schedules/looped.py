@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..schedule import HOST
-from ..sim_tasks import Context, Costs
+from mobius_fx.kinds import HOST
+from mobius_fx.sim.tasks import Context, Costs
 
 __all__ = ["Slot", "looped_pipeline"]
 

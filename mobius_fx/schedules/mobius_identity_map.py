@@ -6,9 +6,9 @@ ablation; the plan's IR with its stages moved, transfers re-routed accordingly.
 
 from __future__ import annotations
 
-from ..sim_tasks import Context
-from .ir_tasks import tasks_from_ir
-from .registry import register
+from mobius_fx.sim.tasks import Context
+from mobius_fx.schedules.ir_tasks import tasks_from_ir
+from mobius_fx.schedules.registry import register
 
 __all__ = ["build"]
 

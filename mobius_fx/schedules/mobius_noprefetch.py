@@ -6,9 +6,9 @@ its weights arrive). Same IR and transfers as "mobius"; only when uploads may st
 
 from __future__ import annotations
 
-from ..sim_tasks import Context
-from .ir_tasks import check_transfers, tasks_from_ir
-from .registry import register
+from mobius_fx.sim.tasks import Context
+from mobius_fx.schedules.ir_tasks import check_transfers, tasks_from_ir
+from mobius_fx.schedules.registry import register
 
 __all__ = ["build"]
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import MobiusError
+from mobius_fx.errors import MobiusError
 
 __all__ = ["Schedule", "register", "unregister", "get", "names", "data_parallel_names", "OPTIMIZERS"]
 
@@ -29,7 +29,7 @@ OPTIMIZERS = ("user", "deepspeed")
 @dataclass(frozen=True)
 class Schedule:
     """A named schedule: `build(ctx)` adds one training step's tasks to `ctx`
-    (a `mobius_fx.sim_tasks.Context` over the plan, its topology and the host's figures).
+    (a `mobius_fx.sim.tasks.Context` over the plan, its topology and the host's figures).
 
     `data_parallel`: `simulate(servers=R > 1)` takes it (it steps a CPU optimizer per stage);
     `optimizer`: whose CPU optimizer it steps (OPTIMIZERS), so `SimResult` reports that speed;

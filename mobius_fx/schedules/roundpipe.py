@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..sim_tasks import Context, cpu_optimizer
-from .looped import Slot, looped_pipeline
-from .registry import register
+from mobius_fx.sim.tasks import Context, cpu_optimizer
+from mobius_fx.schedules.looped import Slot, looped_pipeline
+from mobius_fx.schedules.registry import register
 
 __all__ = ["build"]
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..sim_tasks import Context, Costs, cpu_optimizer
-from .layer_units import layer_units
-from .looped import Slot, looped_pipeline
-from .registry import register
+from mobius_fx.sim.tasks import Context, Costs, cpu_optimizer
+from mobius_fx.schedules.layer_units import layer_units
+from mobius_fx.schedules.looped import Slot, looped_pipeline
+from mobius_fx.schedules.registry import register
 
 __all__ = ["build"]
 

@@ -18,9 +18,9 @@ from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from mobius_fx import MobiusError, trace
-from mobius_fx.books import CudaAllocator
-from mobius_fx.devices import CudaDevice
-from mobius_fx.pipeline import build_pipeline
+from mobius_fx.runtime.books import CudaAllocator
+from mobius_fx.runtime.devices import CudaDevice
+from mobius_fx.build import build_pipeline
 
 try:
     from tests.models import BF16_UNIT_ROUNDOFF, ResidualMLP, bf16_roundings, gpt, gpt_inputs, hf_gpt2, hf_inputs

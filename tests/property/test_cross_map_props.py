@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mobius_fx.passes.cross_map import (
     best_order_contention, best_order_paper, contention_cost, paper_cost,
 )
-from mobius_fx.topology import Topology
+from mobius_fx.topology.server import Topology
 
 
 def layouts(min_gpus: int, max_gpus: int):

@@ -5,7 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.schedule import HOST, OP_KINDS, PHASES, Op, OpKind, StageInput, StageIO, build_schedule
+from mobius_fx.planning.schedule_ir import OP_KINDS, PHASES, Op, OpKind, StageInput, StageIO, build_schedule
+from mobius_fx.kinds import HOST
 
 places = st.sampled_from([HOST, "gpu0", "gpu1", "gpu13", "cuda:2"])
 small = st.integers(0, 10**12)

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mobius_fx import PlanError
-from mobius_fx.costs import LayerCost
+from mobius_fx.planning.costs import LayerCost
 from mobius_fx.passes import _partition_mip as M
-from mobius_fx.step_model import (
+from mobius_fx.planning.step_model import (
     MEMORY_TOLERANCE, LinkLoad, MemoryModel, PrefixSums, SharedLink, TiedWeight, copy_terms, layer_runs, link_time,
     queue_before, slot_bytes, stage_memory,
 )

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mobius_fx import PlanError
-from mobius_fx.costs import LayerCost
+from mobius_fx.planning.costs import LayerCost
 from mobius_fx.passes.partition import evaluate, solve
-from mobius_fx.plans import build_plan
-from mobius_fx.step_model import PartitionProblem
-from mobius_fx.topology import Topology
+from mobius_fx.planning.plans import build_plan
+from mobius_fx.planning.step_model import PartitionProblem
+from mobius_fx.topology.server import Topology
 from mobius_fx.precision import Precision
 
 GB = 1e9
@@ -86,7 +86,7 @@ def test_the_partitioners_plan_predicts_at_least_its_lower_bound(c):
 def test_the_h200_case_of_issue_26_two_gpus_behind_one_uplink_without_p2p():
     """gpu_check's 2 pipeline GPUs on one H200: one switch whose uplink is the device's link,
     P2P off, so each activation hop goes up the uplink and down again, beside the weights."""
-    from mobius_fx.topology import Topology as T
+    from mobius_fx.topology.server import Topology as T
 
     link = {"kind": "pcie", "bandwidth_gbps": [35.4, 51.6], "duplex": 0.92}
     topo = T.from_dict({"name": "gpu-check", "p2p": False, "nodes": [

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from mobius_fx import MobiusError
-from mobius_fx.pipeline import build_pipeline
+from mobius_fx.build import build_pipeline
 
 from tests.models import ResidualMLP, SkipNet
 

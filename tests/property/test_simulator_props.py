@@ -4,13 +4,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mobius_fx.costs import LayerCost
+from mobius_fx.planning.costs import LayerCost
 from mobius_fx.errors import PlanError
-from mobius_fx.plans import build_plan
-from mobius_fx.sim_tasks import HOST_COPY_KINDS
+from mobius_fx.planning.plans import build_plan
+from mobius_fx.sim.tasks import HOST_COPY_KINDS
 from mobius_fx import schedules
-from mobius_fx.simulator import simulate
-from mobius_fx.topology import Topology
+from mobius_fx.sim.simulator import simulate
+from mobius_fx.topology.server import Topology
 from mobius_fx.precision import Precision
 
 GB = 1e9

@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mobius_fx.topology import Topology
+from mobius_fx.topology.server import Topology
 
 GBPS = st.one_of(st.floats(0.001, 900, allow_nan=False), st.integers(1, 400))
 BANDWIDTH = st.one_of(GBPS, st.lists(GBPS, min_size=2, max_size=2))

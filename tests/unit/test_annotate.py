@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from mobius_fx import MobiusError
-from mobius_fx.costs import DEVICE_SPECS, LayerCost, NodeCost
+from mobius_fx.planning.costs import LayerCost, NodeCost
+from mobius_fx.topology.device_specs import DEVICE_SPECS
 from mobius_fx.passes.annotate import annotate
 from mobius_fx.tracing import trace
 from mobius_fx.precision import Precision

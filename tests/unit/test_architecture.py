@@ -4,7 +4,7 @@
   counting every import statement: at module level, under `if TYPE_CHECKING:` and inside
   functions. A type-only or lazy import still makes two modules depend on each other's
   definitions; it only hides the cycle from the interpreter.
-- The passes do not import `mobius_fx.plans`: the model they share is `mobius_fx.step_model`.
+- The passes do not import `mobius_fx.planning.plans`: the model they share is `mobius_fx.planning.step_model`.
 - No module imports a private name (`_x`) that another module defines, neither with
   `from m import _x` nor as `m._x`. A private *module* (`passes/_partition_mip.py`) is private to its package: modules of that package import it.
 - One home per list (issue 29): each kind list of `mobius_fx/kinds.py` (device kinds, solvers,
@@ -18,8 +18,8 @@
   the task builder from the schedule IR (`schedules/ir_tasks.py`) and the task graph
   (`sim_tasks.py`) make simulator tasks (the baselines' looped pipeline is a named exception);
   the IR's stage description (`StageIO`) is built only by its named constructors in
-  `mobius_fx/schedule.py` (from the plan, the traced graph, the runtime).
-- One home per rule: the micro-batch count's rules live in `mobius_fx/microbatch.py`
+  `mobius_fx/planning/schedule_ir.py` (from the plan, the traced graph, the runtime).
+- One home per rule: the micro-batch count's rules live in `mobius_fx/planning/microbatch.py`
   (`check_count`, `check_divides`); the divisibility message is written in no other module.
 - One precision record (issue 29 part 2): the dtype alias table (`precision.DTYPE_ALIASES`) is
   written only in `mobius_fx/precision.py` (no other dict keyed by two of its aliases), and a
@@ -29,6 +29,10 @@
   function or method over `MAX_FUNCTION_LINES` (80, decorators excluded), except those named in
   `LONG_FILES` / `LONG_FUNCTIONS`: the ones still being split. An entry that no longer exceeds
   fails too, so the lists only shrink.
+- Phases (issue 29 part 4): every module has a phase -- base (errors, units, kinds, precision),
+  trace, topology, planning, sim (with schedules) | runtime, passes, front (api, compiler,
+  options, build, pass_adapters, the CLI) -- and imports only its own phase or earlier ones;
+  sim and runtime are siblings. Exceptions are named in KNOWN_PHASE_EDGES with the reason.
 
 Run as a script to print the import graph's cycles: `python tests/unit/test_architecture.py`.
 """
@@ -148,9 +152,9 @@ def test_no_import_cycles():
 
 def test_passes_do_not_import_plans():
     found = [f"{imp.importer} line {imp.line}" for module in MODULES if module.startswith("mobius_fx.passes.")
-             for imp in imports_of(module) if imp.target == "mobius_fx.plans"]
-    assert not found, (f"passes import mobius_fx.plans: {found}; import the step model (MemoryModel, "
-                       f"stage_memory, SolverInfo) from mobius_fx.step_model")
+             for imp in imports_of(module) if imp.target == "mobius_fx.planning.plans"]
+    assert not found, (f"passes import mobius_fx.planning.plans: {found}; import the step model (MemoryModel, "
+                       f"stage_memory, SolverInfo) from mobius_fx.planning.step_model")
 
 
 def _private_name_uses(module: str) -> list[tuple[str, str, int]]:
@@ -201,10 +205,11 @@ def _kind_lists() -> dict[str, tuple[str, frozenset]]:
     """name -> (its home module, its members) for every list that must be written out once. The
     schedules are a registry, not a list: each module of `mobius_fx/schedules/` registers its
     own name, so no module (the registry included) writes two of them out."""
-    from mobius_fx import kinds, plans, schedules
+    from mobius_fx import kinds, schedules
+    from mobius_fx.planning import plans
 
     lists = {name: ("mobius_fx.kinds", frozenset(getattr(kinds, name))) for name in kinds.__all__}
-    lists["TRANSFER_KIND"] = ("mobius_fx.plans", frozenset(plans.TRANSFER_KIND.items()))
+    lists["TRANSFER_KIND"] = ("mobius_fx.planning.plans", frozenset(plans.TRANSFER_KIND.items()))
     lists["schedules"] = ("mobius_fx.schedules.registry", frozenset(schedules.names()))
     return lists
 
@@ -258,7 +263,7 @@ def test_each_kind_list_is_written_once():
 SCHEDULES = "mobius_fx.schedules"
 # The modules that turn a schedule into simulator tasks: the one task builder from the schedule
 # IR, and the task graph's own primitives (streams, the host's optimizer and copies, all-reduce).
-TASK_BUILDERS = {f"{SCHEDULES}.ir_tasks", "mobius_fx.sim_tasks"}
+TASK_BUILDERS = {f"{SCHEDULES}.ir_tasks", "mobius_fx.sim.tasks"}
 # Modules that still speak a second language, each named with the reason (a stale entry fails).
 KNOWN_SECOND_LANGUAGE: dict[str, str] = {
     f"{SCHEDULES}.looped": "the looped pipeline (Slot) the baselines are built from: to retire for the IR",
@@ -271,20 +276,20 @@ TASK_CALLS = {"compute", "move", "mark", "add", "stage_copy"}  # sim_tasks.Conte
 
 def schedule_languages() -> dict[str, list[str]]:
     """module -> how it builds simulator tasks itself: a call of a `Context` task maker (on any
-    object, in a module that imports `mobius_fx.sim_tasks`), a `Task(...)`, or the looped
+    object, in a module that imports `mobius_fx.sim.tasks`), a `Task(...)`, or the looped
     pipeline (`Slot`, `looped_pipeline`)."""
     found: dict[str, list[str]] = {}
     for module, path in MODULES.items():
         targets = {imp.target for imp in imports_of(module)}
-        if not targets & {"mobius_fx.sim_tasks", "mobius_fx.network", f"{SCHEDULES}.looped"} \
-                and module != "mobius_fx.sim_tasks":
+        if not targets & {"mobius_fx.sim.tasks", "mobius_fx.sim.network", f"{SCHEDULES}.looped"} \
+                and module != "mobius_fx.sim.tasks":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.Call):
                 continue
             f = node.func
             name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
-            if (isinstance(f, ast.Attribute) and name in TASK_CALLS and "mobius_fx.sim_tasks" in targets) \
+            if (isinstance(f, ast.Attribute) and name in TASK_CALLS and "mobius_fx.sim.tasks" in targets) \
                     or name in ("Task", "Slot", "looped_pipeline"):
                 found.setdefault(module, []).append(f"line {node.lineno}: {name}(...)")
     return found
@@ -304,12 +309,12 @@ def test_one_schedule_language():
 
 
 def stage_descriptions() -> list[str]:
-    """Where a module other than `mobius_fx.schedule` builds the IR's stage description itself
+    """Where a module other than `mobius_fx.planning.schedule_ir` builds the IR's stage description itself
     (`StageIO(...)`, `StageInput(...)`) instead of with a named constructor (`StageIO.from_plan`,
     `.from_graph`, `.from_runtime`)."""
     found = []
     for module, path in MODULES.items():
-        if module == "mobius_fx.schedule":
+        if module == "mobius_fx.planning.schedule_ir":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Call):
@@ -322,7 +327,7 @@ def stage_descriptions() -> list[str]:
 
 def test_the_ir_is_described_by_one_record_with_named_constructors():
     found = stage_descriptions()
-    assert not found, ("the schedule IR's stages are described outside mobius_fx/schedule.py; add or use a named "
+    assert not found, ("the schedule IR's stages are described outside mobius_fx/planning/schedule_ir.py; add or use a named "
                        "constructor there (StageIO.from_plan, from_graph, from_runtime):\n" + "\n".join(found))
 
 
@@ -334,7 +339,7 @@ def schedule_name_branches() -> list[str]:
     from mobius_fx import schedules
 
     registered = set(schedules.names())
-    users = {"mobius_fx.simulator", "mobius_fx.sim_tasks", "mobius_fx.report"}
+    users = {"mobius_fx.sim.simulator", "mobius_fx.sim.tasks", "mobius_fx.sim.report"}
     found = []
     for module, path in MODULES.items():
         targets = {imp.target for imp in imports_of(module)}
@@ -372,9 +377,9 @@ def divisibility_messages() -> dict[str, list[int]]:
 
 def test_the_divisibility_rule_has_one_home():
     found = divisibility_messages()
-    assert set(found) == {"mobius_fx.microbatch"}, (
+    assert set(found) == {"mobius_fx.planning.microbatch"}, (
         f"the micro-batch divisibility message is worded in {sorted(found)} (lines {found}); raise it with "
-        f"mobius_fx.microbatch.check_divides (its batch/count/remedy arguments say how the caller spells them)")
+        f"mobius_fx.planning.microbatch.check_divides (its batch/count/remedy arguments say how the caller spells them)")
 
 
 def alias_tables() -> list[str]:
@@ -410,7 +415,7 @@ def memory_model_builds() -> dict[str, list[int]]:
 
 def test_memory_models_are_built_where_problems_and_plans_are_made():
     found = memory_model_builds()
-    assert set(found) <= {"mobius_fx.step_model", "mobius_fx.plans"}, (
+    assert set(found) <= {"mobius_fx.planning.step_model", "mobius_fx.planning.plans"}, (
         f"MemoryModel is built in {found}; read the one the problem (PartitionProblem.memory) or the plan "
         f"(Plan.memory) carries, or its Precision's scale")
 
@@ -421,14 +426,14 @@ MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80  # def line to last line (FunctionDef.end_lineno - lineno + 1)
 # Over the limits, still to be split (issue 29 part 4): remove an entry once its split lands.
 LONG_FILES: set[str] = {
-    "mobius_fx.devices", "mobius_fx.overlap", "mobius_fx.signatures",
-    "mobius_fx.stage_calls", "mobius_fx.step_model",
-    "mobius_fx.topology", "mobius_fx.passes.annotate",
+    "mobius_fx.runtime.devices", "mobius_fx.runtime.overlap", "mobius_fx.runtime.variants",
+    "mobius_fx.runtime.stage_calls", "mobius_fx.planning.step_model",
+    "mobius_fx.topology.server", "mobius_fx.passes.annotate",
 }
 LONG_FUNCTIONS: set[tuple[str, str]] = {
-    ("mobius_fx.overlap", "OverlapOptimizer.__init__"), ("mobius_fx.pipeline", "build_pipeline"),
-    ("mobius_fx.schedule", "build_schedule"), ("mobius_fx.schedules.looped", "looped_pipeline"),
-    ("mobius_fx.simulator", "simulate"), ("mobius_fx.step_timeline", "timeline"),
+    ("mobius_fx.runtime.overlap", "OverlapOptimizer.__init__"), ("mobius_fx.build", "build_pipeline"),
+    ("mobius_fx.planning.schedule_ir", "build_schedule"), ("mobius_fx.schedules.looped", "looped_pipeline"),
+    ("mobius_fx.sim.simulator", "simulate"), ("mobius_fx.planning.step_timeline", "timeline"),
     ("mobius_fx.passes.insert_transfers", "_schedule_graph"),
 }
 
@@ -498,3 +503,68 @@ if __name__ == "__main__":
         print(("known: " if known else "CYCLE: ") + _describe(g, c))
     g.remove_edges_from(KNOWN_CYCLE_EDGES)
     print("cycles besides the known ones:", sorted(nx.simple_cycles(g), key=len))
+
+
+# ----------------------------------------------------------------------------- phases (issue 29 part 4)
+# The package's phases, in the order they may import one another: a module imports modules of
+# its own phase or of an earlier one, never a later one; "sim" and "runtime" are siblings (the
+# simulator does not run the runtime, the runtime does not consult the simulator). The compile
+# front (api, compiler, options, the CLI) is last: it wires the phases together.
+PHASE_ORDER = ("base", "trace", "topology", "planning", "sim|runtime", "passes", "front")
+TOP_LEVEL_PHASES = {  # modules directly in mobius_fx/, by phase; a new one must be placed here
+    "base": {"mobius_fx", "errors", "units", "kinds", "precision"},
+    "trace": {"tracing", "trace_semantics", "export_front", "grad_modes", "module_paths"},
+    "front": {"api", "compiler", "options", "__main__", "zoo", "build", "pass_adapters"},
+}
+KNOWN_PHASE_EDGES: dict[tuple[str, str], str] = {  # (importer, imported) -> why
+    ("mobius_fx.passes.partition", "mobius_fx.options"):
+        "the partition pass reads the compile settings it is run with (CompileContext; a type-only import)",
+}
+
+
+SUBPACKAGE_PHASES = {"schedules": "sim"}  # the schedules the simulator runs, one module each
+
+
+def phase_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) >= 2 and (ROOT / "mobius_fx" / parts[1]).is_dir() or parts[1:2] == ["passes"]:
+        sub = SUBPACKAGE_PHASES.get(parts[1], parts[1])
+        for ph in PHASE_ORDER:
+            if sub in ph.split("|"):
+                return sub
+        raise AssertionError(f"{module}: subpackage {sub!r} has no phase; add it to PHASE_ORDER")
+    leaf = parts[1] if len(parts) > 1 else "mobius_fx"
+    for ph, names in TOP_LEVEL_PHASES.items():
+        if leaf in names:
+            return ph
+    raise AssertionError(f"{module}: a top-level module with no phase; add it to TOP_LEVEL_PHASES")
+
+
+def _rank(phase: str) -> int:
+    return next(i for i, ph in enumerate(PHASE_ORDER) if phase in ph.split("|"))
+
+
+def phase_violations() -> dict[tuple[str, str], list[int]]:
+    graph = import_graph()
+    out = {}
+    for a, b in graph.edges:
+        pa, pb = phase_of(a), phase_of(b)
+        if pa == pb:
+            continue
+        if _rank(pb) > _rank(pa) or (_rank(pb) == _rank(pa)):  # a later phase, or a sibling
+            out[(a, b)] = graph.edges[a, b]["lines"]
+    return out
+
+
+def test_each_phase_imports_only_earlier_phases():
+    found = phase_violations()
+    new = {k: v for k, v in found.items() if k not in KNOWN_PHASE_EDGES}
+    stale = [k for k in KNOWN_PHASE_EDGES if k not in found]
+    assert not new, "imports against the phase order " + " < ".join(PHASE_ORDER) + ":\n" + "\n".join(
+        f"  {a} ({phase_of(a)}, line {lines[0]}) imports {b} ({phase_of(b)})" for (a, b), lines in sorted(new.items()))
+    assert not stale, f"KNOWN_PHASE_EDGES names imports that are gone: {stale}"
+
+
+def test_every_module_has_a_phase():
+    for m in MODULES:
+        phase_of(m)

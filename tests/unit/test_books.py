@@ -14,8 +14,8 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import BudgetError, Topology
-from mobius_fx.devices import VirtualDevice
-from mobius_fx.pipeline import build_pipeline
+from mobius_fx.runtime.devices import VirtualDevice
+from mobius_fx.build import build_pipeline
 from mobius_fx.zoo import GPT, GPTConfig
 
 from tests.models import ResidualMLP, SkipNet, gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama, mlp

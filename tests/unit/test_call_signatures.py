@@ -1,4 +1,4 @@
-"""A pipeline honours every argument a call passes, like eager (mobius_fx/signatures.py).
+"""A pipeline honours every argument a call passes, like eager (mobius_fx/runtime/variants.py).
 
 Keyword arguments given at call time but not at compile time (`attention_mask` with left
 padding, `labels=`) get a variant traced for them; arguments given at compile time but not at
@@ -16,7 +16,7 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import MobiusError, Topology
-from mobius_fx.pipeline import build_pipeline
+from mobius_fx.build import build_pipeline
 
 from tests.models import HF_ZOO, hf_llama
 

@@ -10,7 +10,7 @@ from mobius_fx import MobiusError
 from mobius_fx.passes.cross_map import (
     best_order_contention, best_order_paper, contention_cost, cross_map, paper_cost,
 )
-from mobius_fx.topology import Topology
+from mobius_fx.topology.server import Topology
 
 TESTBED_ALTERNATING = ("gpu0", "gpu4", "gpu1", "gpu5", "gpu2", "gpu6", "gpu3", "gpu7")
 

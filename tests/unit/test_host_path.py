@@ -1,4 +1,4 @@
-"""The host's passes outside the optimizer (issue 27), counted by mobius_fx.host_counters.
+"""The host's passes outside the optimizer (issue 27), counted by mobius_fx.runtime.host_counters.
 
 Under pipe.overlap(mode="sync") on the CUDA stand-in, once the first (serial, probing) step is
 behind: no master is staged again at upload (the optimizer's worker refreshed the streamed
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import mobius_fx
 from mobius_fx import Topology
-from mobius_fx import overlap
-from mobius_fx.host_counters import COUNTERS, HostCounters
+from mobius_fx.runtime import overlap
+from mobius_fx.runtime.host_counters import COUNTERS, HostCounters
 
 try:
     from tests.models import gpt, gpt_inputs

@@ -1,4 +1,4 @@
-"""The host thread plan (mobius_fx/host_threads.py): never more busy threads than cores, workers
+"""The host thread plan (mobius_fx/runtime/host_threads.py): never more busy threads than cores, workers
 with the team size the plan gives them, and pipe.overlap equal to its reference whether the plan
 steps the optimizer on a worker or inline."""
 
@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import mobius_fx
-from mobius_fx import MobiusError, Topology, host_threads
+from mobius_fx import MobiusError, Topology
+from mobius_fx.runtime import host_threads
 
 try:
     from tests.models import gpt, gpt_inputs

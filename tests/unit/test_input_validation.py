@@ -170,7 +170,7 @@ def test_a_batch_too_large_for_the_budget_names_the_batch_remedies_and_the_plann
 
 
 def test_weights_over_the_budget_name_the_stage_remedies():
-    from mobius_fx.pipeline import build_pipeline
+    from mobius_fx.build import build_pipeline
 
     model = _mlp()
     gm = torch.fx.symbolic_trace(model)

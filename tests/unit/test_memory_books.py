@@ -1,4 +1,4 @@
-"""How a GPU measures its stages' work (`memory_books`, mobius_fx/books.py): "ops" charges every
+"""How a GPU measures its stages' work (`memory_books`, mobius_fx/runtime/books.py): "ops" charges every
 tensor per op through a dispatch mode (Python on every op); "allocator" runs no Python per op
 and measures each stage's work window by a `MemorySource` -- CUDA's caching allocator on CUDA;
 here, on the CPU stand-in of the CUDA path, the books themselves or an allocator the test drives
@@ -25,10 +25,10 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import BudgetError, MobiusError, Topology
-from mobius_fx.books import CudaAllocator, Mark, MemorySource
-from mobius_fx.devices import VirtualAsyncDevice, VirtualDevice, make_devices
+from mobius_fx.runtime.books import CudaAllocator, Mark, MemorySource
+from mobius_fx.runtime.devices import VirtualAsyncDevice, VirtualDevice, make_devices
 from mobius_fx.options import CompileOptions
-from mobius_fx.pipeline import build_pipeline
+from mobius_fx.build import build_pipeline
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""Micro-batch semantics (README "Micro-batch semantics", mobius_fx/microbatch.py): with several
+"""Micro-batch semantics (README "Micro-batch semantics", mobius_fx/planning/microbatch.py): with several
 micro-batches a pipeline returns eager's outputs and gradients for the whole batch, or refuses.
 
 Issue 28 found the guesses this replaces: a sum averaged over micro-batches, an integer count
@@ -20,7 +20,7 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import MobiusError, Topology
-from mobius_fx.microbatch import check_batch_dims
+from mobius_fx.planning.microbatch import check_batch_dims
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -241,7 +241,7 @@ def test_a_pipeline_built_without_example_inputs_finds_the_rule_at_its_first_cal
     """build_pipeline without examples cannot analyse at build time: the first call does it."""
     import torch.fx as fx
 
-    from mobius_fx.pipeline import build_pipeline
+    from mobius_fx.build import build_pipeline
 
     def build(model):
         gm = fx.symbolic_trace(model)

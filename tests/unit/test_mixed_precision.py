@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 import mobius_fx
 from mobius_fx import Topology, zoo
-from mobius_fx.plans import build_plan
-from mobius_fx.pipeline import build_pipeline
+from mobius_fx.planning.plans import build_plan
+from mobius_fx.build import build_pipeline
 from mobius_fx.precision import Precision
 from mobius_fx.tracing import trace
 from mobius_fx.zoo import GPT, GPTConfig

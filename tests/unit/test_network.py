@@ -1,11 +1,11 @@
-"""The flow-level network model and the task replay engine (mobius_fx.network)."""
+"""The flow-level network model and the task replay engine (mobius_fx.sim.network)."""
 
 import math
 
 import pytest
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.network import FlowNetwork, Task, max_min_rates, replay, run_flows
+from mobius_fx.sim.network import FlowNetwork, Task, max_min_rates, replay, run_flows
 
 GB = 1e9
 AB, BC, BA = ("a", "b"), ("b", "c"), ("b", "a")

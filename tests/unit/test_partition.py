@@ -14,11 +14,11 @@ import torch
 
 import mobius_fx
 from mobius_fx import PlanError
-from mobius_fx.costs import LayerCost
+from mobius_fx.planning.costs import LayerCost
 from mobius_fx.passes import _partition_mip as M
 from mobius_fx.passes import partition as P
 from mobius_fx.passes import partition_infeasible
-from mobius_fx.step_model import (
+from mobius_fx.planning.step_model import (
     MEMORY_TOLERANCE, MemoryModel, PrefixSums, SharedLink, SolverInfo, TiedWeight, layer_runs, queue_before,
     stage_memory,
 )
@@ -428,8 +428,8 @@ def test_solving_prints_nothing(solver, tmp_path, capfd):
     # HiGHS prints its banner once per process, so solve in a fresh interpreter.
     import subprocess
     import sys
-    code = ("from mobius_fx.costs import LayerCost\n"
-            "from mobius_fx.step_model import MemoryModel\n"
+    code = ("from mobius_fx.planning.costs import LayerCost\n"
+            "from mobius_fx.planning.step_model import MemoryModel\n"
             "from mobius_fx.passes.partition import PartitionProblem, solve\n"
             "ls = tuple(LayerCost(n, (n,), 0.0, 0.0, 1.0, 2.0, 10, 10, 1, 0) for n in 'abcd')\n"
             "p = PartitionProblem(ls, 2, ('g0', 'g1'), (10**6,) * 2, (10.0,) * 2, (10.0,) * 2, (10.0,) * 2,\n"
@@ -588,7 +588,7 @@ def test_the_cache_dir_defaults_to_the_environment_variable(tmp_path, monkeypatc
 
 # ---------------------------------------------------------------------------- topology
 def test_from_topology_reads_capacity_and_routes():
-    from mobius_fx.topology import Topology
+    from mobius_fx.topology.server import Topology
     topo = Topology.preset("mobius-testbed")
     order = ("gpu0", "gpu4", "gpu1", "gpu5")
     p = PartitionProblem.from_topology([layer("a"), layer("b")], topo, microbatches=2, order=order,
@@ -607,7 +607,7 @@ def test_from_topology_reads_each_direction_of_a_gpu_link():
 
 
 def test_from_topology_rejects_an_unknown_gpu():
-    from mobius_fx.topology import Topology
+    from mobius_fx.topology.server import Topology
     with pytest.raises(PlanError, match="distinct GPUs"):
         PartitionProblem.from_topology([layer("a")], Topology.virtual(gpus=2), microbatches=1, order=("gpu9",))
 

@@ -1,4 +1,4 @@
-"""Placement (mobius_fx/placement.py): the device constants a trace fixed follow each stage to
+"""Placement (mobius_fx/runtime/placement.py): the device constants a trace fixed follow each stage to
 its device, and `Pipeline.check_placement("cuda")` finds, on a machine without a GPU, every op
 that would see tensors of two devices on one.
 
@@ -16,11 +16,11 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-import mobius_fx.device_rewrite as device_rewrite
-import mobius_fx.placement as placement
+import mobius_fx.runtime.device_rewrite as device_rewrite
+import mobius_fx.runtime.placement as placement
 from mobius_fx import MobiusError, trace, zoo
-from mobius_fx.devices import VirtualDevice
-from mobius_fx.pipeline import build_pipeline
+from mobius_fx.runtime.devices import VirtualDevice
+from mobius_fx.build import build_pipeline
 from tests.models import HF_ZOO, ResidualMLP, SkipNet, gpt, gpt_inputs, hf_inputs, mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")

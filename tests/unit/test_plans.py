@@ -6,8 +6,8 @@ import math
 import pytest
 
 from mobius_fx import MobiusError, Topology
-from mobius_fx.costs import LayerCost
-from mobius_fx.plans import MemoryModel, Plan, SolverInfo, build_plan, stage_memory
+from mobius_fx.planning.costs import LayerCost
+from mobius_fx.planning.plans import MemoryModel, Plan, SolverInfo, build_plan, stage_memory
 from mobius_fx.precision import Precision
 
 MiB = 2**20

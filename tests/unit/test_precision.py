@@ -12,7 +12,7 @@ import mobius_fx
 from mobius_fx import Topology
 from mobius_fx.errors import MobiusError
 from mobius_fx.options import CompileOptions
-from mobius_fx.plans import Plan
+from mobius_fx.planning.plans import Plan
 from mobius_fx.precision import DTYPE_ALIASES, STREAMED, Precision, dtype_name, master_dtype, parse_dtype
 
 _EXPECTED_ALIASES = {"fp32": torch.float32, "float": torch.float32, "fp16": torch.float16, "half": torch.float16,
@@ -192,7 +192,7 @@ def test_a_plan_saved_before_the_precision_record_loads_with_fp32_masters(tmp_pa
                                                      (torch.float32, torch.bfloat16, 6)])
 def test_the_simulator_hands_gradients_over_only_when_the_stream_is_cast(master, dtype, handover, tmp_path):
     # A gradient downloaded in the masters' own dtype is the master's .grad (no conversion pass).
-    from mobius_fx.sim_tasks import Context
+    from mobius_fx.sim.tasks import Context
 
     plan = _plan(_mlp(master), torch.randn(8, 64, dtype=master), dtype, tmp_path)
     ctx = Context(plan, plan.topology, "adam", 1e9, True)

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from mobius_fx import trace
-from mobius_fx.pipeline import build_pipeline
+from mobius_fx.build import build_pipeline
 
 from tests.models import gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama
 

@@ -6,10 +6,10 @@ import torch.fx as fx
 from torch import nn
 
 from mobius_fx import MobiusError
-from mobius_fx import ops as rt
+from mobius_fx.runtime import program_ops as rt
 from mobius_fx.passes.emit import emit
 from mobius_fx.passes.insert_transfers import insert_transfers
-from mobius_fx.pipeline import build_pipeline
+from mobius_fx.build import build_pipeline
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -168,7 +168,7 @@ def test_stage_modules_never_touch_the_users_modules():
 
 def test_a_plan_supplies_stages_gpus_microbatches_and_whole_gpu_budgets():
     from mobius_fx import Topology
-    from mobius_fx.plans import Plan, Stage
+    from mobius_fx.planning.plans import Plan, Stage
 
     model = mlp(4)
     x = torch.randn(4, 8)

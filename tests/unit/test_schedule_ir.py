@@ -1,4 +1,4 @@
-"""The schedule IR (mobius_fx/schedule.py): the order and the bytes of a step, and the plan's
+"""The schedule IR (mobius_fx/planning/schedule_ir.py): the order and the bytes of a step, and the plan's
 transfer table as a sum over it."""
 
 from collections import defaultdict
@@ -8,7 +8,8 @@ import torch
 
 import mobius_fx
 from mobius_fx import MobiusError, Topology
-from mobius_fx.schedule import HOST, StageInput, StageIO, build_schedule
+from mobius_fx.planning.schedule_ir import StageInput, StageIO, build_schedule
+from mobius_fx.kinds import HOST
 from mobius_fx.zoo import GPT, GPTConfig
 
 
@@ -95,8 +96,8 @@ def test_the_timeline_prints_each_gpu_and_phase():
 # ----------------------------------------------------------------------------- the plan reads it
 
 def test_a_plans_ir_is_built_once_per_plan_and_gpu_map():
-    from mobius_fx.costs import LayerCost
-    from mobius_fx.plans import Plan, build_plan
+    from mobius_fx.planning.costs import LayerCost
+    from mobius_fx.planning.plans import Plan, build_plan
 
     topo = Topology.virtual(gpus=2, memory="24GiB")
     layers = [LayerCost(f"h{i}", (f"n{i}",), 1.0, 1.0, 0.01, 0.03, 1000, 1000, 64, 64) for i in range(3)]
@@ -149,7 +150,7 @@ def test_the_planned_step_counts_the_tied_copy_and_the_model_input(tmp_path):
     # input in it — without either, the model gives another time.
     from dataclasses import replace
 
-    from mobius_fx.step_model import PartitionProblem, evaluate, tied_weights
+    from mobius_fx.planning.step_model import PartitionProblem, evaluate, tied_weights
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=256, seq=32, hidden=64, blocks=4, heads=2))
@@ -174,7 +175,7 @@ def test_the_planned_step_counts_the_tied_copy_and_the_model_input(tmp_path):
 
 from torch.fx.passes.shape_prop import ShapeProp  # noqa: E402
 
-from mobius_fx.pipeline import build_pipeline  # noqa: E402
+from mobius_fx.build import build_pipeline  # noqa: E402
 from tests.models import ResidualMLP, SkipNet  # noqa: E402
 
 _COMPUTE = ("call_function", "call_method", "call_module")

@@ -1,5 +1,5 @@
 """Shapes may vary between calls, like eager; a shape the model cannot take is a MobiusError
-that names the dimension — never a silently wrong result (mobius_fx/signatures.py).
+that names the dimension — never a silently wrong result (mobius_fx/runtime/variants.py).
 
 torch.export traces every dim of the inputs symbolic where the model allows (so sequence length
 and batch vary without a new trace) and its guards check each call. A shape a graph does not hold
@@ -18,7 +18,7 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import MobiusError, Topology
-from mobius_fx.pipeline import build_pipeline
+from mobius_fx.build import build_pipeline
 
 from tests.models import ResidualMLP, hf_bert, hf_opt
 

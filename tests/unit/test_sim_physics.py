@@ -5,12 +5,12 @@ collectives without peer-to-peer, DeepSpeed's own CPU Adam)."""
 
 import pytest
 
-from mobius_fx.costs import LayerCost
+from mobius_fx.planning.costs import LayerCost
 from mobius_fx.errors import MobiusError
-from mobius_fx.plans import build_plan
-from mobius_fx.sim_tasks import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, host_copy_bytes
-from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, simulate
-from mobius_fx.topology import HostFigures, Topology
+from mobius_fx.planning.plans import build_plan
+from mobius_fx.sim.tasks import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, host_copy_bytes
+from mobius_fx.sim.simulator import CPU_ADAM_BANDWIDTH, simulate
+from mobius_fx.topology.server import HostFigures, Topology
 
 GB = 1e9
 W = 100e6  # bytes of one layer's weights (fp32, as traced)

@@ -1,4 +1,4 @@
-"""The step simulator (mobius_fx.simulator): the Mobius schedule, the baselines, the physics."""
+"""The step simulator (mobius_fx.sim.simulator): the Mobius schedule, the baselines, the physics."""
 
 import dataclasses
 import json
@@ -9,13 +9,13 @@ from collections import Counter
 
 import pytest
 
-from mobius_fx.costs import LayerCost
+from mobius_fx.planning.costs import LayerCost
 from mobius_fx.errors import MobiusError, PlanError
-from mobius_fx.plans import MemoryModel, build_plan, stage_memory
+from mobius_fx.planning.plans import MemoryModel, build_plan, stage_memory
 from mobius_fx import schedules
-from mobius_fx.sim_tasks import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, TOUCHED_BYTES, host_copy_bytes
-from mobius_fx.simulator import CPU_ADAM_BANDWIDTH, simulate
-from mobius_fx.topology import HostFigures, Topology
+from mobius_fx.sim.tasks import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, TOUCHED_BYTES, host_copy_bytes
+from mobius_fx.sim.simulator import CPU_ADAM_BANDWIDTH, simulate
+from mobius_fx.topology.server import HostFigures, Topology
 from mobius_fx.precision import Precision
 
 GB = 1e9
@@ -649,7 +649,7 @@ def test_all_reduces_run_one_at_a_time_in_the_order_stages_complete(testbed_plan
 
 @pytest.mark.parametrize("mode", ["none", "sync", "async"])
 def test_an_infinitely_fast_network_scales_perfectly(testbed_plan, mode):
-    from mobius_fx.report import cluster
+    from mobius_fx.sim.report import cluster
 
     one = simulate(testbed_plan, optimizer_overlap=mode)
     for servers in (2, 4, 16):

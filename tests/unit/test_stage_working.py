@@ -11,7 +11,7 @@ import pytest
 
 from mobius_fx.passes import _partition_mip as M
 from mobius_fx.passes.partition import brute_force, evaluate, solve
-from mobius_fx.step_model import MEMORY_TOLERANCE, PrefixSums, layer_runs, stage_memory
+from mobius_fx.planning.step_model import MEMORY_TOLERANCE, PrefixSums, layer_runs, stage_memory
 from tests.unit.test_partition import mip_makespan
 from tests.unit.test_step_model import layer, problem
 

@@ -1,4 +1,4 @@
-"""The step model (mobius_fx.step_model): `evaluate`, the timeline of fixed cuts, by hand and
+"""The step model (mobius_fx.planning.step_model): `evaluate`, the timeline of fixed cuts, by hand and
 against the simulator. The solvers that search it are tested in test_partition.py."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from dataclasses import replace
 import pytest
 
 from mobius_fx import PlanError
-from mobius_fx.costs import LayerCost
-from mobius_fx.plans import build_plan
-from mobius_fx.sim_tasks import NO_HOST_COPIES
-from mobius_fx.simulator import simulate
-from mobius_fx.step_model import (
+from mobius_fx.planning.costs import LayerCost
+from mobius_fx.planning.plans import build_plan
+from mobius_fx.sim.tasks import NO_HOST_COPIES
+from mobius_fx.sim.simulator import simulate
+from mobius_fx.planning.step_model import (
     MemoryModel, PartitionProblem, PrefixSums, SharedLink, TiedWeight, evaluate, shared_links, stage_memory,
     tied_weights,
 )
-from mobius_fx.topology import Topology
+from mobius_fx.topology.server import Topology
 from mobius_fx.precision import Precision
 
 

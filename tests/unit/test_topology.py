@@ -11,8 +11,8 @@ import networkx as nx
 import pytest
 
 from mobius_fx import TopologyError
-from mobius_fx.costs import DeviceSpec
-from mobius_fx.topology import PRESETS, Topology
+from mobius_fx.topology.device_specs import DeviceSpec
+from mobius_fx.topology.server import PRESETS, Topology
 
 DATA = Path(__file__).parent.parent / "data"
 GB = 1e9
@@ -490,7 +490,7 @@ def test_nvidia_smi_memory_list_of_the_wrong_length_is_refused():
 
 # ------------------------------------------------------------------- detection
 def test_detect_without_gpus_says_what_it_tried_and_what_to_do(monkeypatch):
-    import mobius_fx.topology_detect as t
+    import mobius_fx.topology.detect as t
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails as on a machine without it
     monkeypatch.setattr(t.shutil, "which", lambda exe: None)
     msg = error(Topology.detect)
@@ -499,7 +499,7 @@ def test_detect_without_gpus_says_what_it_tried_and_what_to_do(monkeypatch):
 
 
 def test_detect_falls_back_to_nvidia_smi(monkeypatch):
-    import mobius_fx.topology_detect as t
+    import mobius_fx.topology.detect as t
     outputs = {
         "--query-gpu=index,name,memory.total,pcie.link.gen.max,pcie.link.width.max":
             "0, NVIDIA GeForce RTX 3090, 24576, 4, 16\n1, NVIDIA GeForce RTX 3090, 24576, 3, 8\n",

@@ -15,8 +15,8 @@ import networkx as nx
 import pytest
 
 from mobius_fx import MobiusError, TopologyError
-from mobius_fx.costs import DEVICE_SPECS, DeviceSpec
-from mobius_fx.topology import Topology
+from mobius_fx.topology.device_specs import DEVICE_SPECS, DeviceSpec
+from mobius_fx.topology.server import Topology
 from mobius_fx import units
 
 SMI = (Path(__file__).parent.parent / "data" / "nvidia_smi_2gpu_phb.txt").read_text()
@@ -271,7 +271,7 @@ def _two_gpus(duplex=None):
 
 
 def test_pcie_links_at_a_switch_default_to_the_measured_duplex_share_and_others_to_full_duplex():
-    from mobius_fx.links import SWITCH_DUPLEX
+    from mobius_fx.topology.links import SWITCH_DUPLEX
     topo = Topology.from_dict(_two_gpus())
     assert topo.link_duplex("cpu0", "sw0") == topo.link_duplex("gpu0", "sw0") == SWITCH_DUPLEX == 0.72
     assert topo.link_duplex("cpu0", "gpu1") == 1.0  # a root port, no switch

@@ -12,13 +12,13 @@ import torch
 
 from mobius_fx import schedules
 from mobius_fx.__main__ import main
-from mobius_fx.costs import LayerCost
+from mobius_fx.planning.costs import LayerCost
 from mobius_fx.errors import MobiusError
-from mobius_fx.plans import build_plan
-from mobius_fx.report import compare
+from mobius_fx.planning.plans import build_plan
+from mobius_fx.sim.report import compare
 from mobius_fx.schedules.ir_tasks import tasks_from_ir
-from mobius_fx.simulator import simulate
-from mobius_fx.topology import Topology
+from mobius_fx.sim.simulator import simulate
+from mobius_fx.topology.server import Topology
 from mobius_fx.zoo import GPT, GPTConfig
 
 TOY = "toy-one-gpu"

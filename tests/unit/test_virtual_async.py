@@ -27,11 +27,11 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import MobiusError, Topology, trace
-from mobius_fx.devices import VirtualAsyncDevice, make_devices
+from mobius_fx.runtime.devices import VirtualAsyncDevice, make_devices
 from mobius_fx.errors import BudgetError
 from mobius_fx.options import CompileOptions
-from mobius_fx.pipeline import build_pipeline
-from mobius_fx.streams import PENDING, HostWaits, RaceError, ThreadEvent, ThreadStream
+from mobius_fx.build import build_pipeline
+from mobius_fx.runtime.streams import PENDING, HostWaits, RaceError, ThreadEvent, ThreadStream
 
 from tests.models import ResidualMLP, SkipNet, gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama
 
@@ -232,7 +232,7 @@ def test_saved_inputs_are_restored_as_the_stages_backward_starts_and_each_waited
     restores with its first backward call (in the order backward uses them), not one per call,
     and a call's compute waits for its own copies (`join`): skipping that wait computes on
     buffers the copy stream has not written yet, which the equality with eager catches."""
-    from mobius_fx.streams import tick
+    from mobius_fx.runtime.streams import tick
 
     torch.manual_seed(0)
     model = ResidualMLP(d_in=8, width=16, depth=4, d_out=4)
@@ -368,7 +368,7 @@ def test_no_blocking_host_copy_in_the_steady_state_of_the_zoo_models(name):
 
 
 def test_the_pool_takes_the_planned_slot_and_counts_what_it_adds_beyond_the_plan():
-    from mobius_fx.streams import SlotPool
+    from mobius_fx.runtime.streams import SlotPool
 
     charged = []
     pool = SlotPool([96, 64], lambda n: torch.empty(n, dtype=torch.uint8))
@@ -424,8 +424,8 @@ def test_a_stage_output_that_is_a_view_of_its_weights_is_read_before_the_slot_is
 
     from torch import nn
 
-    from mobius_fx.devices import VirtualAsyncDevice
-    from mobius_fx.pipeline import build_pipeline
+    from mobius_fx.runtime.devices import VirtualAsyncDevice
+    from mobius_fx.build import build_pipeline
 
     torch.manual_seed(0)
     n = 6

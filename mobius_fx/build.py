@@ -1,0 +1,178 @@
+"""`build_pipeline`: a traced graph and its stages -> the runnable `Pipeline`.
+
+It cuts the graph into stages (`passes.insert_transfers`), emits the program (`passes.emit`),
+makes the devices and binds the user's master weights; `compile` calls it through the emit pass.
+It lives apart from the runtime so that the runtime imports nothing from the passes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from mobius_fx.runtime.devices import Device, make_devices
+from mobius_fx.errors import MobiusError
+from mobius_fx.runtime.pipeline import Pipeline
+from mobius_fx.planning import microbatch
+from mobius_fx.runtime import microbatch_outputs
+from mobius_fx.precision import Precision
+from mobius_fx.runtime.engine import Runtime
+from mobius_fx.runtime.variants import VariantPipeline
+
+__all__ = ["build_pipeline"]
+
+log = logging.getLogger("mobius_fx")
+
+
+def _masters(model: nn.Module, gm: fx.GraphModule, spec: Any) -> list[torch.Tensor]:
+    """The user's tensor behind each weight a stage reads (by identity, else by name)."""
+    from mobius_fx.tracing import trace_info
+
+    own = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    info = trace_info(gm)
+    out = []
+    for w in spec.weights:
+        if id(w.tensor) in own:
+            out.append(w.tensor)
+            continue
+        name = info.model_name(w.name)
+        found = None
+        for getter in (model.get_parameter, model.get_buffer):
+            try:
+                found = getter(name)
+                break
+            except (AttributeError, TypeError):
+                continue
+        out.append(found if found is not None and found.shape == w.tensor.shape else w.tensor)
+    return out
+
+
+def _place(gm: fx.GraphModule, schedule: Any, devices: Mapping[str, Device], flat: list | None,
+           gpu_indices: Mapping[str, int] | None) -> Any:
+    """Bind each stage's graph to its device (`placement.place_stage`: the device constants the
+    trace fixed follow the stage); on CUDA devices, first replay the stages under fake tensors
+    (`placement.check_placement`), so a placement error is named before anything is allocated."""
+    from mobius_fx.runtime.placement import Placement, check_placement, example_spec, place_stage, traced_device
+
+    placement = Placement(example_spec(flat) if flat is not None else None, traced_device(gm),
+                          {g: int(i) for g, i in (gpu_indices or {}).items() if i is not None})
+    targets = {spec.gpu: devices[spec.gpu].torch_device for spec in schedule.stages}
+    if placement.example is not None and any(d.type == "cuda" for d in targets.values()):
+        ops = check_placement(schedule, placement.example, targets, placement.traced)
+        log.debug("placement checked: %d ops of %d stages replayed on %s", ops, len(schedule.stages),
+                  sorted({str(d) for d in targets.values()}))
+    for spec in schedule.stages:
+        if not getattr(spec.module, "_mobius_bound", False):  # bound: the Runtime refuses it below
+            changed = place_stage(spec, placement.traced, targets[spec.gpu])
+            if changed and placement.traced != targets[spec.gpu]:
+                log.debug("stage %d: device constants moved from %s to %s: %s", spec.index, placement.traced,
+                          targets[spec.gpu], ", ".join(changed))
+    return placement
+
+
+def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]] | None = None,
+                   stage_gpus: Sequence[str] | None = None, gpu_budgets: Mapping[str, int | None] | None = None,
+                   microbatches: int | None = None, example_inputs: tuple = (), example_kwargs: dict | None = None,
+                   plan: Any = None, device: str | Mapping[str, Device] = "auto", dtype: Any = None,
+                   gpu_indices: Mapping[str, int] | None = None, schedule: Any = None,
+                   batch_dims: Mapping[str, int | None] | None = None, memory_books: str = "auto") -> Pipeline:
+    """Build the runnable Mobius pipeline of `model` from its traced graph `gm`.
+
+    Give the stages explicitly (`stage_nodes[k]`: gm's compute nodes of stage k, in graph order;
+    `stage_gpus[k]`: the GPU name running it; `gpu_budgets`: bytes per GPU name, None or absent =
+    unlimited), or a `plan` (its stages' `nodes` and `gpu`, its `microbatches` and `precision`, and
+    its topology's GPU memory and CUDA indices fill whatever is not given), or a `schedule`
+    already made by `passes.insert_transfers`. `dtype` (e.g. torch.bfloat16; default: the plan's
+    `precision.stream`, else the masters' dtype) is what weights and activations are copied to the
+    GPUs in, and the stages run under autocast to it when it is narrower than the masters, which
+    stay on the host with their gradients (for fp16, scale the loss with
+    `torch.amp.GradScaler("cpu")`); streaming in the masters' own dtype casts nothing.
+    `device`: "virtual" (GPUs played by the CPU), "virtual-async" (the CPU stand-in of the CUDA
+    path's streams, events and slot pool: mobius_fx.runtime.devices.VirtualAsyncDevice), "cuda", "auto"
+    (virtual for a virtual topology or without CUDA, else CUDA) or a `{gpu name: Device}` of your own; `gpu_indices`
+    maps GPU names to CUDA indices. The model is left as it was. Given example inputs, the
+    pipeline (a `signatures.VariantPipeline`) serves calls like them: a call with other keyword
+    arguments, or shapes the traced graph does not hold for, is refused with a MobiusError
+    naming the argument or dimension (`mobius_fx.compile` traces a variant for it instead).
+    `batch_dims` ({forward argument: 0 or None}) says which inputs carry the batch; with several
+    micro-batches the example call's graph is analysed (mobius_fx/planning/microbatch.py: how each output
+    combines; row-mixing values refused) — README "Micro-batch semantics". `memory_books`: how
+    each GPU measures its stages' work, "ops" | "allocator" | "auto" (compile's `memory_books=`;
+    mobius_fx/runtime/books.py).
+
+    gm = torch.fx.symbolic_trace(model)
+    pipe = build_pipeline(model, gm, stage_nodes=[["fc1", "relu"], ["fc2"]], stage_gpus=["gpu0", "gpu1"],
+                          gpu_budgets={"gpu0": 2**20, "gpu1": 2**20}, microbatches=2,
+                          example_inputs=(x,), device="virtual")
+    """
+    from mobius_fx.passes.emit import backward_summary, emit
+    from mobius_fx.passes.insert_transfers import insert_transfers
+
+    topology = getattr(plan, "topology", None)
+    if plan is not None:
+        stage_nodes = stage_nodes if stage_nodes is not None else [list(s.nodes) for s in plan.stages]
+        stage_gpus = stage_gpus if stage_gpus is not None else [s.gpu for s in plan.stages]
+        microbatches = microbatches if microbatches is not None else plan.microbatches
+        if gpu_budgets is None:  # the whole GPU: the plan's capacity is the planner's target, not a limit
+            gpus = {g.name: g for g in topology.gpus} if topology is not None else {}
+            gpu_budgets = {s.gpu: (gpus[s.gpu].memory if s.gpu in gpus else int(s.capacity)) for s in plan.stages}
+            gpu_budgets.update({name: g.memory for name, g in gpus.items() if name not in gpu_budgets})
+        if gpu_indices is None and topology is not None:
+            gpu_indices = {g.name: g.index for g in topology.gpus}
+        if device == "auto" and getattr(topology, "virtual", False):
+            device = "virtual"
+    # The plan's Precision, or one of `dtype` (None: the masters' own) for the model's masters.
+    precision = plan.precision if plan is not None and dtype is None else Precision.of_model(model, dtype)
+    if schedule is None:
+        if stage_nodes is None or stage_gpus is None:
+            raise MobiusError("build_pipeline needs the stages: pass stage_nodes and stage_gpus, a plan or a schedule")
+        schedule = insert_transfers(gm, stage_nodes=stage_nodes, stage_gpus=list(stage_gpus),
+                                    microbatches=1 if microbatches is None else microbatches)
+    if schedule.moved:
+        log.debug("compute nodes not listed in any stage, placed with the node before them: %s", schedule.moved)
+    program = emit(schedule)
+    budgets = dict(gpu_budgets or {})
+    # Every GPU of the topology (and of gpu_budgets) gets a Device, used by a stage or not, so
+    # memory_stats() lists them all; the topology's order first.
+    names = [g.name for g in topology.gpus] if topology is not None else []
+    names += [g for g in (*schedule.gpus, *budgets) if g not in names]
+    if isinstance(device, Mapping):  # your own Devices: those you gave, and every GPU a stage uses
+        names = [g for g in names if g in device or g in schedule.gpus]
+    devices = make_devices({g: budgets.get(g) for g in names}, device=device, indices=gpu_indices,
+                           memory_books=memory_books)
+    flat, marks = None, None
+    batch_dims = microbatch.check_batch_dims(batch_dims)
+    m = schedule.microbatches
+    if example_inputs or example_kwargs:
+        from mobius_fx.tracing import flatten_inputs
+
+        marks = microbatch.declared(model, tuple(example_inputs), dict(example_kwargs or {}), batch_dims)
+        flat = flatten_inputs(gm, tuple(example_inputs), dict(example_kwargs or {}))
+        if m > 1 and flat:
+            microbatch.split(tuple(flat), m, marks)  # raises early (before any allocation) when the batch does not split
+    placement = _place(gm, schedule, devices, flat, gpu_indices)  # checked on CUDA before the Runtime allocates
+    masters = [_masters(model, gm, spec) for spec in schedule.stages]
+    runtime = Runtime(schedule, devices, masters, precision)
+    runtime.placement = placement
+    runtime.batch_dims = batch_dims
+    if flat is not None:
+        runtime.planned_rows = microbatch.batch_rows(flat, m, marks) or 0
+        if m > 1 and flat:
+            microbatch_outputs.prepare(runtime, gm, flat, m, marks)
+    if schedule.microbatches > 1:
+        norms = [n for n, mod in model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
+        if norms:
+            log.warning("%s normalise%s over the batch: with %d micro-batches each micro-batch is normalised by its "
+                        "own statistics (as eager run micro-batch by micro-batch), not by the whole batch's",
+                        ", ".join(norms[:3]) + (" ..." if len(norms) > 3 else ""), "" if len(norms) > 1 else "s",
+                        schedule.microbatches)
+    code = program.code.strip("\n") + "\n\n" + backward_summary(schedule) + "\n"
+    pipe = VariantPipeline(model, gm, schedule, program, runtime, plan, code)
+    if example_inputs or example_kwargs:  # the call it serves (signatures.py); mobius_fx.compile adds variants
+        pipe._add_variant(tuple(example_inputs), dict(example_kwargs or {}))
+    return pipe

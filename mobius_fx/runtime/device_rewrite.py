@@ -1,0 +1,254 @@
+"""The device constants a trace fixed, rewritten to each stage's device (mobius_fx/runtime/placement.py
+says why and how): `traced_device`, `rewrite_graph` on one graph, `place_stage` on a stage
+(its graph, its higher-order ops' bodies, its tensor constants that are not weights).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = ["traced_device", "rewrite_graph", "rewritten_body", "place_stage", "weight_places", "named_tensors",
+           "moved_device", "copy_graph", "COMPUTE_OPS"]
+
+# torch-level factory functions (the fx front end records them as call_function nodes)
+_TORCH_FACTORIES = frozenset(getattr(torch, n) for n in (
+    "arange", "ones", "zeros", "full", "empty", "empty_strided", "eye", "linspace", "logspace", "rand",
+    "randn", "randint", "randperm", "tensor", "as_tensor", "scalar_tensor", "tril_indices", "triu_indices",
+) if hasattr(torch, n))
+# nodes that read metadata (sizes, dims, the device): a device-ness does not flow through them
+_META_METHODS = frozenset({"size", "dim", "numel", "stride", "element_size", "get_device"})
+_META_FUNCTIONS = frozenset({len} | {getattr(torch.ops.aten, n).default for n in ("sym_numel", "sym_storage_offset")}
+                            | {getattr(torch.ops.aten, n).int for n in ("sym_size", "sym_stride")})
+_META_ATTRS = frozenset({"shape", "device", "dtype", "ndim", "layout", "is_cuda", "requires_grad"})  # not `x.T`
+COMPUTE_OPS = ("call_function", "call_method", "call_module")
+
+
+def traced_device(gm: fx.GraphModule) -> torch.device:
+    """The device `gm` was traced on: where `mobius_fx.trace` found the example inputs (the
+    model's parameters when no input is a tensor); for a GraphModule it did not make, where its
+    first parameter or buffer is; the CPU when it has none."""
+    from mobius_fx.tracing import trace_info
+
+    info = trace_info(gm)
+    if getattr(info, "device", None):
+        return torch.device(info.device)
+    for t in (*gm.parameters(), *gm.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _as_device(value: Any) -> torch.device | None:
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except RuntimeError:
+            return None
+    return None
+
+
+def _same(value: Any, src: torch.device) -> bool:
+    """Whether `value` (a device or its name) names `src`; a device without an index ("cuda")
+    names any index of its type."""
+    d = _as_device(value)
+    return d is not None and d.type == src.type and (d.index is None or src.index is None or d.index == src.index)
+
+
+def _is_to(node: fx.Node) -> bool:
+    t = node.target
+    if node.op == "call_method":
+        return t == "to"
+    return t is torch.Tensor.to or (isinstance(t, torch._ops.OpOverload) and t.overloadpacket is torch.ops.aten.to)
+
+
+def _is_factory(node: fx.Node) -> bool:
+    """A call that makes a new tensor from nothing but sizes and values: it lands on the default
+    device (the CPU) unless given one. `*_like` calls follow their input and are not."""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        args = t._schema.arguments
+        return (any(a.name == "device" for a in args)
+                and not any(isinstance(a.type, torch.TensorType) for a in args)
+                and any(isinstance(r.type, torch.TensorType) for r in t._schema.returns))
+    return t in _TORCH_FACTORIES
+
+
+def _device_seeds(graph: fx.Graph, src: torch.device) -> set[fx.Node]:
+    """Nodes whose value lives on the stage's device or is computed from one: the stage's inputs
+    (the runtime copies each tensor input to the stage's device), its weights (get_attr), its
+    modules' outputs, factory calls on the traced device (rewritten to the stage's) and
+    everything computed from them, except through metadata reads
+    (`x.size(0)` is a Python int wherever x lives)."""
+    on: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op in ("placeholder", "get_attr", "call_module"):
+            on.add(n)
+        elif n.op in ("call_function", "call_method"):
+            if _is_factory(n):  # on the device when the rewrite puts it there; without a device: decided later
+                if _has_device(n) and _same(n.kwargs["device"], src):
+                    on.add(n)
+                continue
+            if any(a in on and not _reads_metadata(a) for a in n.all_input_nodes):
+                on.add(n)
+    return on
+
+
+def _reads_metadata(n: fx.Node) -> bool:
+    if n.op == "call_method":
+        return n.target in _META_METHODS
+    if n.op == "call_function" and n.target is getattr:
+        return len(n.args) > 1 and n.args[1] in _META_ATTRS
+    return n.op == "call_function" and n.target in _META_FUNCTIONS
+
+
+def _has_device(n: fx.Node) -> bool:
+    return n.kwargs.get("device") is not None
+
+
+def _feeds(node: fx.Node, on: set[fx.Node]) -> bool:
+    """Whether the value of `node` meets a value of the stage's device downstream."""
+    seen: set[fx.Node] = set()
+    todo = list(node.users)
+    while todo:
+        u = todo.pop()
+        if u in seen or u.op == "output":
+            continue
+        seen.add(u)
+        if u in on:
+            return True
+        if not _reads_metadata(u):
+            todo.extend(u.users)
+    return False
+
+
+def rewrite_graph(graph: fx.Graph, src: torch.device, dst: torch.device) -> list[str]:
+    """Rewrite `graph` in place so that what the trace fixed to `src` runs on `dst`:
+
+    - a `device=` argument naming `src` (factories, `_to_copy`, `to.dtype_layout`,
+      `_assert_tensor_metadata`, `*_like`, `new_*`) becomes `dst`;
+    - a positional device naming `src` (`aten.to.device(x, cpu, ...)`, `x.to("cpu")`) becomes
+      `dst` (positional strings only in `.to` calls, where they can only be a device);
+    - a factory call without a device whose value meets a value of the stage gets `device=dst`.
+
+    Returns the names of the nodes changed. The graph's `lint` still passes; the caller
+    recompiles its GraphModule.
+    """
+    changed: list[str] = []
+    on = _device_seeds(graph, src)
+    for node in list(graph.nodes):
+        if node.op not in ("call_function", "call_method"):
+            continue
+        kwargs = dict(node.kwargs)
+        args = list(node.args)
+        touched = False
+        if "device" in kwargs and kwargs["device"] is not None and _same(kwargs["device"], src):
+            kwargs["device"] = dst
+            touched = True
+        for j, a in enumerate(args):
+            if isinstance(a, torch.device) and _same(a, src) or (isinstance(a, str) and _is_to(node) and _same(a, src)):
+                args[j] = dst
+                touched = True
+        if _is_factory(node) and kwargs.get("device") is None and _feeds(node, on):
+            kwargs["device"] = dst
+            touched = True
+        if _is_autocast(node) and args and isinstance(args[0], str) and args[0] == src.type != dst.type:
+            args[0] = dst.type  # `with torch.autocast("cpu", enabled=False)` guards the GPU's autocast there
+            touched = True
+        if touched:
+            node.args, node.kwargs = tuple(args), kwargs
+            changed.append(node.name)
+    return changed
+
+
+def _is_autocast(node: fx.Node) -> bool:
+    """export's autocast region, as a higher-order op or as the enter call: (device_type, ...)."""
+    return node.op == "call_function" and getattr(node.target, "__name__", "") in ("wrap_with_autocast",
+                                                                                   "_enter_autocast")
+
+
+def rewritten_body(body: fx.GraphModule, src: torch.device, dst: torch.device) -> tuple[fx.GraphModule, list[str]]:
+    """A higher-order op's body (export's `torch.no_grad()` or autocast region) rewritten like
+    its stage, as a new GraphModule over a copy of its graph (bodies nested in it too): the body
+    is shared with the traced graph and the user's other pipelines, so it is never changed."""
+    graph = copy_graph(body.graph)
+    changed = [f"{body.__class__.__name__}.{c}" for c in rewrite_graph(graph, src, dst)]
+    new = fx.GraphModule(body, graph, class_name=type(body).__name__)
+    for node in graph.nodes:
+        inner = _attr(new, str(node.target)) if node.op == "get_attr" else None
+        if isinstance(inner, fx.GraphModule):
+            sub, more = rewritten_body(inner, src, dst)
+            _set_module(new, str(node.target), sub)
+            changed += more
+    if changed:
+        new.recompile()
+    return (new if changed else body), changed
+
+
+def _attr(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _set_module(root: torch.nn.Module, target: str, module: torch.nn.Module) -> None:
+    path, _, name = target.rpartition(".")
+    owner = root.get_submodule(path) if path else root
+    owner._modules[name] = module
+
+
+def weight_places(spec: Any) -> set[str]:
+    return {f"{path}.{attr}" if path else attr for w in spec.weights for path, attr in w.slots}
+
+
+def named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+
+
+def moved_device(name: str, t: torch.Tensor, weights: set[str], src: torch.device, dst: torch.device) -> torch.device:
+    """Where a stage's tensor attribute is when the stage runs on `dst`: weights are uploaded
+    there by the runtime; other tensor constants there too when they sit on the traced device."""
+    if name in weights or _same(t.device, src):
+        return dst
+    return t.device
+
+
+def place_stage(spec: Any, src: torch.device, dst: torch.device) -> list[str]:
+    """Bind stage `spec`'s graph to `dst`: `rewrite_graph` on its graph (recompiled when it
+    changed) and its tensor constants that are not weights moved to `dst` when on `src`.
+    Returns what changed (node names, then attribute names)."""
+    from mobius_fx.runtime.stage_calls import bind
+
+    module = spec.module
+    changed = rewrite_graph(module.graph, src, dst)
+    if changed:
+        module.graph.lint()
+        module.recompile()
+    for node in module.graph.nodes:
+        body = _attr(module, str(node.target)) if node.op == "get_attr" else None
+        if isinstance(body, fx.GraphModule):
+            new, more = rewritten_body(body, src, dst)
+            if more:
+                _set_module(module, str(node.target), new)
+                changed += more
+    weights = weight_places(spec)
+    for name, t in named_tensors(module):
+        if name not in weights and t.device != dst and _same(t.device, src):
+            path, _, attr = name.rpartition(".")
+            bind(module, path, attr, t.detach().to(dst))
+            changed.append(name)
+    return changed
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of `graph` (its nodes new, their targets shared) to rewrite."""
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new

@@ -1,0 +1,361 @@
+"""The `Pipeline`: the `nn.Module` a compiled model becomes. Calling it runs the schedule's
+program (mobius_fx.runtime.program_ops on a `runtime.Runtime`); `mobius_fx.build.build_pipeline` builds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from mobius_fx.runtime.devices import Device, nbytes
+from mobius_fx.errors import MobiusError
+from mobius_fx.runtime.program_ops import running
+from mobius_fx.kinds import OVERLAP_MODES
+from mobius_fx.planning.microbatch import batch_rows, declared
+from mobius_fx.runtime.microbatch_outputs import prepare
+from mobius_fx.runtime.python_state import PythonState, reads_training
+from mobius_fx.runtime.engine import Runtime
+
+__all__ = ["Pipeline"]
+
+_NO_COPY = ("a Pipeline cannot be {op}: it holds GPU weight slots (storage freed between stages), streams and "
+            "worker threads that belong to this process; copy or save the model instead (copy.deepcopy(model), "
+            "torch.save(model.state_dict(), path) — the pipeline's weights are the model's) and compile the copy "
+            "again with mobius_fx.compile")
+
+
+class Pipeline(nn.Module):
+    """A model compiled into a Mobius pipeline; call it like the model.
+
+    Attributes: `plan` (the Plan it was built from, or None), `code` (the schedule as Python),
+    `program` (the schedule GraphModule), `schedule` (stages and their modules), `model` (the
+    user's model: `pipe.parameters()` are its master weights; `pipe.train()`/`eval()` reach it
+    and, at the next call, the stages' leaf modules; a graph from torch.export has the mode it
+    was traced in baked in, and a call in another mode warns). Outputs come back on the host,
+    in the dtype autocast gives them when a `dtype` was given (matmul outputs in that dtype,
+    fp32-list ops such as a loss in fp32). The pipeline cannot be moved or cast (`.to`, `.cuda`, `.half`): it copies the CPU
+    masters to the GPUs itself.
+
+    pipe = build_pipeline(model, gm, stage_nodes=..., stage_gpus=..., gpu_budgets=..., microbatches=2,
+                          example_inputs=(x,), device="virtual")
+    pipe(x).sum().backward()     # gradients in model.parameters()' .grad
+    pipe.memory_stats()["gpu0"]  # {'peak_bytes': ..., 'current_bytes': 0}
+    """
+
+    def __init__(self, model: nn.Module, gm: fx.GraphModule, schedule: Any, program: fx.GraphModule,
+                 runtime: Runtime, plan: Any, code: str) -> None:
+        super().__init__()
+        self.model = model
+        self.plan = plan
+        self.code = code
+        object.__setattr__(self, "program", program)
+        object.__setattr__(self, "schedule", schedule)
+        object.__setattr__(self, "_rt", runtime)
+        object.__setattr__(self, "_gm", gm)
+        object.__setattr__(self, "_warned_modes", None)
+        object.__setattr__(self, "_calling", threading.Lock())  # one forward at a time (see forward)
+        object.__setattr__(self, "_python_state", PythonState(model))  # attributes the graph baked in
+        runtime.watch(model)
+        try:
+            self.__signature__ = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            pass
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the schedule on this call's inputs. One call at a time: a pipeline's GPU slots,
+        streams and step book-keeping belong to the step in progress, so a second call from
+        another thread (or from inside the first) is refused, not interleaved with it."""
+        with self._one_call():
+            return self._forward(args, kwargs)
+
+    @contextlib.contextmanager
+    def _one_call(self) -> Iterator[None]:
+        """Hold the pipeline for one call, or refuse a second call while one runs."""
+        if not self._calling.acquire(blocking=False):
+            raise MobiusError("this pipeline is already running a forward (in another thread, or a hook that calls it "
+                              "from inside its own forward); a pipeline runs one call at a time: call it from one "
+                              "thread (a lock around pipe(...)), or compile one pipeline per thread, each over its "
+                              "own copy of the model")
+        try:
+            yield
+        finally:
+            self._calling.release()
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
+        from mobius_fx.tracing import flatten_inputs, trace_info
+
+        meta = [tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_meta]
+        if meta:
+            raise MobiusError(f"an input of shape {meta[0]} is on the meta device (no data): a pipeline computes on "
+                              f"real tensors; pass CPU tensors (meta inputs are for mobius_fx.plan, which only plans)")
+        self._python_state.check(self._rt.shell_users)
+        traced = trace_info(self._gm)
+        if traced.modes and traced.front_end == "export":
+            self._check_modes(traced.modes)
+        elif traced.modes:  # fx: only `self.training` reads in modules it traced through are baked in
+            cache = self.__dict__.setdefault("_mode_readers", {})
+            readers = cache.get(id(self._rt))
+            if readers is None:  # per runtime (a variant's stages have their own leaf modules)
+                readers = cache[id(self._rt)] = tuple(id(m) not in self._rt.shell_users and reads_training(m)
+                                                      for m in self.model.modules())
+            self._check_modes(traced.modes, readers)
+        flat = flatten_inputs(self._gm, args, kwargs)
+        rt = self._rt
+        marks = declared(self.model, args, kwargs, rt.batch_dims)
+        rows = batch_rows(flat, self.schedule.microbatches, marks)  # refuses an empty batch before anything runs
+        if not rt.analysed:  # built without example inputs: how outputs combine is found on this first call
+            prepare(rt, self._gm, flat, self.schedule.microbatches, marks)
+        rt.begin_step()
+        rt.step.marks = marks
+        rt.step.mb_rows = (rows or 0) // self.schedule.microbatches
+        try:
+            with running(rt):
+                out = self.program(*flat)
+            rt.end_forward()
+        except BaseException as e:
+            rt.abort()
+            rt.explain(e)
+            raise
+        if self.schedule.out_spec is not None:
+            out = pytree.tree_unflatten(list(out), self.schedule.out_spec)
+        return out
+
+    def _check_modes(self, traced: tuple[bool, ...], only: tuple[bool, ...] | None = None) -> None:
+        """Warn, once per change, when the model's train/eval modes are not those its export
+        graph was traced in: the graph goes on computing in the traced ones. `only` (torch.fx):
+        the modules whose mode the graph baked in (their own code reads `self.training`; the
+        leaf modules the stages call follow train()/eval())."""
+        now = tuple(m.training for m in self.model.modules())
+        if only is not None and len(only) == len(now):
+            now = tuple(n if o else t for n, t, o in zip(now, traced, only))
+        if now == traced or now == self._warned_modes or len(now) != len(traced):
+            return
+        object.__setattr__(self, "_warned_modes", now)
+        name, was, module = next((n or "the model", t, m) for (n, m), t, k in zip(self.model.named_modules(), traced, now)
+                                 if k != t)
+        mode, other = ("train", "eval") if was else ("eval", "train")
+        if only is not None:
+            warnings.warn(f"{name} is in {other} mode, but its code reads `self.training` ({type(module).__name__}), "
+                          f"which torch.fx baked into this pipeline's graph in the {mode} mode it was traced in: it "
+                          f"still computes as in {mode} mode there. Compile the model again after model.{other}() to "
+                          f"run it in {other} mode (a pipeline per mode), or make the branch a module of its own "
+                          f"(nn.Dropout follows train()/eval())", stacklevel=3)
+            return
+        warnings.warn(f"{name} is in {other} mode, but this pipeline's graph came from torch.export, which fixed the "
+                      f"{mode} mode it was traced in: it still computes as in {mode} mode (dropout, batch statistics, "
+                      f"`self.training` branches). Compile the model again after model.{other}() to run it in "
+                      f"{other} mode (a pipeline per mode), or make it traceable by torch.fx, whose graphs follow "
+                      f"train()/eval()", stacklevel=3)
+
+    def __deepcopy__(self, memo: dict) -> "Pipeline":
+        raise MobiusError(_NO_COPY.format(op="copied (copy.deepcopy)"))
+
+    def __reduce_ex__(self, protocol: int):
+        raise MobiusError(_NO_COPY.format(op="pickled or saved (pickle, torch.save, copy.copy)"))
+
+    def schedule_ir(self, values: Mapping[str, torch.Tensor] | None = None, *, optimizer: bool = False):
+        """The step this pipeline runs, as the schedule IR (mobius_fx/planning/schedule_ir.py): weight and
+        gradient bytes from its GPU slots; activation bytes from `values`, one micro-batch's
+        tensor (real or meta) per value name of the traced graph (absent: 0 bytes). A value's
+        gradient flows back when it is floating, not a model input, and a floating input or
+        parameter of the stage that makes it reaches it (`Runtime.carries_grad`). `transfer_stats(
+        last_step=True, by_stage=True)` after a training step equals `ir.bytes_moved()`.
+        """
+        from mobius_fx.planning.schedule_ir import StageIO, build_schedule
+
+        if values is not None and not isinstance(values, Mapping):
+            raise MobiusError(f"schedule_ir(values={values!r}): values is a {type(values).__name__}; pass a dict of "
+                              f"the traced graph's value names to one micro-batch's tensor (real or meta), or None "
+                              f"for 0 activation bytes")
+        bad = [k for k, t in (values or {}).items() if not isinstance(t, torch.Tensor)]
+        if bad:
+            raise MobiusError(f"schedule_ir(values=...): values[{bad[0]!r}] is a {type(values[bad[0]]).__name__}, "
+                              f"not a tensor; give one micro-batch's tensor (real or meta) per value name")
+        values = dict(values or {})
+
+        def size(name: str) -> int:
+            t = values.get(name)
+            if t is None:
+                return 0
+            cast = self._rt.dtype if self._rt.dtype is not None and t.is_floating_point() else t.dtype
+            return t.numel() * cast.itemsize
+
+        def floating(name: str) -> bool:
+            t = values.get(name)
+            return t is not None and t.is_floating_point()
+
+        specs = self.schedule.stages
+
+        def value(ref) -> str:  # the traced graph's name of a value crossing stages
+            return specs[ref.stage].outputs[ref.index] if ref.stage >= 0 else ref.name
+
+        rt = self._rt.stages
+        ios = StageIO.from_runtime(
+            specs, self.schedule.to_host, weight_bytes=[st.weight_bytes for st in rt],
+            grad_bytes=[sum(nbytes(s) for j, s in enumerate(st.slots) if st.is_param[j] and st.masters[j].requires_grad)
+                        for st in rt],
+            size=lambda ref: size(value(ref)),
+            carries_grad=lambda ref: (ref.stage >= 0 and floating(value(ref))
+                                      and self._rt.carries_grad(ref.stage, ref.index)),
+            output_size=lambda k, j: size(specs[k].outputs[j]), output_grad=self._rt.carries_grad)
+        return build_schedule(ios, self.schedule.microbatches, optimizer=optimizer)
+
+    def overlap(self, optimizer: torch.optim.Optimizer, mode: str = "sync", *,
+                shard: bool = False, refresh_copies: bool = True) -> torch.optim.Optimizer:
+        """The optimizer to use in the training loop instead of `optimizer`, stepped off the
+        pipeline's critical path (mobius_fx/runtime/overlap.py): "sync" steps each stage's parameters on a
+        CPU worker as soon as its gradients are complete during backward (bit-identical to a serial
+        step; falls back to serial stepping, said once in the log, when the loop clips or unscales
+        gradients); "async" runs step t's update while step t+1 computes on weights one update old
+        (RoundPipe's staleness 1); "none" returns `optimizer` unchanged. A pipeline overlaps one
+        optimizer at a time: a new call waits for the previous one's work and detaches it.
+        `shard=True` (data parallel, mode "sync"): each rank keeps optimizer state for and steps
+        only its share of the parameters (balanced by bytes), their gradients reduced to it
+        alone, and the new weights are broadcast from their owners at `step()` (ZeRO-1): R ranks
+        divide the CPU optimizer's time and state by R; `.grad` is None on the other ranks, and
+        `state_dict()` holds this rank's share (save one per rank). `refresh_copies=True`
+        (the default; mode "sync", CUDA and virtual-async): each stage's step writes its new
+        weights into the streamed copy the next step uploads, on the optimizer's worker, so the
+        next step's uploads copy nothing (`refresh_weights()` says which edits of weights need a
+        call of it).
+
+            opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4), mode="sync")
+            for x, y in data:
+                loss = loss_fn(pipe(x), y); loss.backward(); opt.step(); opt.zero_grad()
+        """
+        from mobius_fx.runtime.overlap import OverlapOptimizer
+
+        if mode not in OVERLAP_MODES:
+            raise MobiusError(f"overlap mode={mode!r}; use one of {', '.join(OVERLAP_MODES)}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise MobiusError(f"pipe.overlap needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        masters = {id(m) for st in self._rt.stages for m, p in zip(st.masters, st.is_param) if p}
+        theirs = [p for g in optimizer.param_groups for p in g["params"]]
+        if not any(id(p) in masters for p in theirs):
+            raise MobiusError(f"the optimizer's {len(theirs)} parameters include none of this pipeline's master weights; "
+                              f"build it over the compiled model's parameters (model.parameters() or pipe.parameters())")
+        old = object.__getattribute__(self, "_overlap") if "_overlap" in self.__dict__ else None
+        if old is not None:
+            old.close()  # its work finished, its worker threads ended
+        self._rt.overlap = None
+        object.__setattr__(self, "_overlap", None)
+        if mode == "none" and not shard:
+            return optimizer
+        if self._rt.reducer is not None:
+            self._rt.reducer.owners = None
+        opt = OverlapOptimizer(self, optimizer, mode, shard=shard, refresh_copies=refresh_copies)
+        object.__setattr__(self, "_overlap", opt)
+        if mode == "sync":
+            self._rt.overlap = opt
+        return opt
+
+    def check_placement(self, device: str = "cuda") -> int:
+        """Replay every stage graph as it would run on `device` ("cuda": each GPU at its CUDA
+        index; "cuda:1": all on that one) with fake tensors, and return the number of ops
+        replayed: no memory and no GPU are needed, so a CPU-only machine checks a CUDA run.
+        The stages are rewritten as binding them to that device rewrites them (device
+        constants follow the stage, mobius_fx/runtime/placement.py) and get their inputs as the
+        runtime hands them (every tensor input copied to the stage's device, non-tensors as
+        they are, weights and buffers uploaded there). Raises a MobiusError naming the stage,
+        the node and the two devices when one op would see tensors of two devices (a 0-dim
+        CPU tensor is allowed, as torch allows it). Every compiled variant is checked.
+        `compile(..., device="cuda")` runs it before allocating anything.
+
+        pipe = mobius_fx.compile(model, topology, example_inputs=(x,), device="virtual")
+        pipe.check_placement("cuda")   # e.g. 412
+        """
+        from mobius_fx.runtime.placement import check_placement, target_devices
+
+        variants = getattr(self, "_variants", None) or [None]
+        total = 0
+        for v in variants:
+            schedule, rt = (self.schedule, self._rt) if v is None else (v.schedule, v.runtime)
+            placement = rt.placement
+            given = {g: d.torch_device for g, d in rt.devices.items()}
+            targets = target_devices(schedule.gpus, given, placement.indices, device)
+            total += check_placement(schedule, placement.example, targets, placement.traced)
+        return total
+
+    def memory_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes each GPU of the topology holds now and held at peak, one entry per GPU, used by a
+        stage or not. The books see every byte: weight slots, gradient sums, and every tensor a
+        stage's work creates on the GPU (forward intermediates, recompute, activation and fresh
+        weight gradients, temporaries) while it lives, each storage counted once. On CUDA and
+        "virtual-async" the weight-slot pool is held from compile time on (`slot_pool_bytes`,
+        part of `current_bytes` between steps; `release_slots()` frees it)."""
+        return {name: dev.stats() for name, dev in self._rt.devices.items()}
+
+    def stage_peaks(self) -> list[int]:
+        """Per stage, the most its GPU held while the stage worked (forward calls, backward
+        calls), less what the GPU held for other stages meanwhile (their weights and gradient
+        sums): what the plan's `Stage.peak_bytes` predicts (0 for a stage that has not run)."""
+        return [st.device.stage_peaks.get(k, 0) for k, st in enumerate(self._rt.stages)]
+
+    def refresh_weights(self) -> None:
+        """Stream every master again at its next upload. The streamed (pinned, `dtype=`) copies
+        are kept across steps and made again only for masters whose storage or version counter
+        changed: optimizer steps (fused ones too), `load_state_dict`, `p.data = t`, and in-place
+        edits under `torch.no_grad()` are all seen. A write in place through `.data`
+        (`p.data.clamp_(-c, c)`, a WGAN's clipping) bumps no version counter and keeps the
+        storage: call this after one (on "virtual" every step copies anyway)."""
+        for dev in self._rt.devices.values():
+            forget = getattr(dev, "forget_staged", None)
+            if forget is not None:
+                forget()
+
+    def release_slots(self) -> None:
+        """Free the weight-slot pool each GPU keeps from compile time on (CUDA and
+        "virtual-async"), e.g. before evaluating something else on the GPUs; the next step
+        allocates it again. Refused while a backward is still to come for the stages a forward
+        holds (between forward and backward); a forward whose graph was dropped lets them go."""
+        rt = self._rt
+        step = rt.step
+        if step is not None and step.state == "forward" and not any(r() is not None for refs in step.calls.values()
+                                                                     for r in refs):
+            with rt._lock:  # its graph is gone (a loss computed with grad, then dropped): no backward can come
+                for k, st in enumerate(rt.stages):
+                    if st.resident:
+                        rt.evict(k)
+        if any(st.resident for st in rt.stages):
+            held = [k for k, st in enumerate(rt.stages) if st.resident]
+            raise MobiusError(f"stages {held} are resident (a forward whose backward has not run); run its "
+                              f"backward before release_slots()")
+        for dev in rt.devices.values():
+            dev.close_pool()
+
+    def reset_peak_memory_stats(self) -> None:
+        for dev in self._rt.devices.values():
+            dev.reset_peak()
+
+    def executed_ops(self) -> list[tuple[str, str, int, str, int | None]]:
+        """What the last step executed, in order: (kind, gpu, stage, phase, micro-batch) for every
+        weight prefetch, wait, stage run (forward, or backward with its recompute; micro-batch
+        set) and eviction that acted. A step's order to check against its schedule IR: every run
+        after a wait for its stage, every wait after its prefetch, at most the IR's resident
+        stages per GPU (tests/unit/test_schedule_ir.py)."""
+        return list(self._rt.executed)
+
+    def transfer_stats(self, *, last_step: bool = False, by_stage: bool = False) -> dict[str, dict]:
+        """Per GPU: copies and bytes moved per "kind direction" ("weight h2d", "gradient d2h",
+        "activation d2d", "input d2h" — a stage input saved for backward —, ...), since the
+        pipeline was built or, with `last_step`, since the last forward began (that forward and
+        its backward); with `by_stage`, per "kind direction" and stage, as the schedule IR books
+        them (`schedule_ir().bytes_moved()`)."""
+        return {name: dev.log.as_dict(since_mark=last_step, by_stage=by_stage) for name, dev in self._rt.devices.items()}
+
+    @property
+    def devices(self) -> dict[str, Device]:
+        return dict(self._rt.devices)
+
+    def _apply(self, fn, recurse=True):  # .to / .cuda / .half / .float ...
+        raise MobiusError("a Pipeline keeps the master weights on the CPU and copies them to its GPUs itself; move or "
+                          "cast the model before compiling it, not the pipeline")

@@ -1,0 +1,521 @@
+"""Call signatures: which compiled variant of a pipeline serves a call, and which calls it refuses.
+
+A traced graph serves the call it was traced for: the arguments its example gave (by name), the
+dtype and rank of each tensor, the value of each non-tensor argument, and shapes — the dims
+torch.export kept static, the ranges of its symbolic dims and the relations between them (its
+guards, `tracing.input_guards`). A call is read the way the model's `forward` reads it
+(`bind_call`): positional or keyword is the same argument; None, or a non-tensor argument equal
+to its default, is an argument not given; a keyword `forward` does not take is refused, even
+where the model's `**kwargs` would swallow it (HF models type theirs: a name outside that type
+is refused, naming the ones it takes). Nothing a call passes is ever dropped:
+
+- A call the compiled graph serves runs on it (rearranged into the traced form).
+- A call with other arguments (`attention_mask`, `labels=` ... given now but not at compile
+  time, or the reverse, or another value of a flag), or with shapes the graph does not hold
+  for, gets a *variant*: `mobius_fx.compile` traces and plans the model again for this call
+  (cached per signature, at most `max_variants`; the plan's cuts are reused when they fit)
+  and logs a warning saying so. A pipeline without a compile behind it (`build_pipeline`), or
+  with `max_variants` variants already, raises `MobiusError` naming the argument or the
+  dimension and the remedy.
+- A call larger than the variant was planned for (a longer sequence, a bigger batch: more
+  elements in an input than its example had) is re-costed on the same graph: the plan is kept
+  when its stages still fit their GPUs, re-planned (and logged) when not.
+- `labels` that ignore (-100) more tokens in one micro-batch than in another are warned about
+  once: the runtime averages micro-batch losses, which then is not eager's mean over tokens.
+
+`VariantPipeline` is the `Pipeline` that `build_pipeline` returns; between calls it shows the
+variant of its last call (`plan`, `code`, `program`, `schedule`, `executed_ops()`); every
+variant shares the pipeline's devices, so `memory_stats()` and `transfer_stats()` see them all.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from mobius_fx.errors import MobiusError, PlanError, TraceError
+from mobius_fx.runtime.pipeline import Pipeline
+from mobius_fx.planning.microbatch import batch_rows, check_divides, declared, divides
+from mobius_fx.tracing import flatten_inputs, forward_signature, input_guards, trace_info
+
+__all__ = ["Call", "CallForm", "Variant", "VariantPipeline", "bind_call", "check_shapes"]
+
+log = logging.getLogger("mobius_fx")
+
+
+# ----------------------------------------------------------------------------- reading a call
+
+@dataclass(frozen=True)
+class Call:
+    """One call as the model's forward reads it.
+
+    `values`: the arguments given, by name, in forward's order (a `**kwargs` entry under its own
+    name); `key`: what a traced graph fixes about them, hashable (names; for tensors dtype and
+    rank; other values as they are); `sizes`: elements per argument (its tensors summed).
+    """
+
+    args: tuple
+    kwargs: dict
+    values: dict
+    key: tuple
+    generic_key: tuple  # the key a symbolic trace fixes: names and non-tensor values only
+    sizes: dict
+
+
+def bind_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Call:
+    """Read `model(*args, **kwargs)` as its forward does; MobiusError for a call it does not
+    take (a missing or unknown argument)."""
+    sig = _signature(model)
+    owner = f"{type(model).__name__}.forward"
+    if sig is None:  # no signature to bind: the call as given
+        values = {f"args[{i}]": a for i, a in enumerate(args)} | dict(kwargs)
+    else:
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise MobiusError(f"this call does not match {owner}{_short(sig)}: {e}; call the pipeline as you call "
+                              f"the model") from None
+        values = {}
+        unknown: list[str] = []
+        for name, value in bound.arguments.items():
+            p = sig.parameters[name]
+            if p.kind is p.VAR_KEYWORD:
+                allowed = _typed_kwargs(p)
+                for k, v in value.items():
+                    if allowed is not None and k not in allowed:
+                        unknown.append(k)
+                    elif not _absent(v, None):
+                        values[k] = v
+            elif not _absent(value, p.default):
+                values[name] = value
+        if unknown:
+            named = [n for n, p in sig.parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+            extra = sorted(set(_typed_kwargs(next(p for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD))
+                               or ()) - set(named))
+            raise MobiusError(
+                f"{owner} takes no keyword argument {', '.join(map(repr, unknown))}: its arguments are "
+                f"{', '.join(named)}" + (f", and through **kwargs {', '.join(extra)}" if extra else "") +
+                "; eager PyTorch would pass it into **kwargs and ignore it, the pipeline refuses it so that "
+                "nothing you pass is dropped silently: remove it or fix its name")
+    return Call(tuple(args), dict(kwargs), values, tuple((n, _describe(v, True)) for n, v in values.items()),
+                tuple((n, _describe(v, False)) for n, v in values.items()),
+                {n: sum(t.numel() for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor))
+                 for n, v in values.items()})
+
+
+def _signature(model: torch.nn.Module) -> inspect.Signature | None:
+    return forward_signature(model)  # a PEFT wrapper's call binds as its base model's forward
+
+
+def _short(sig: inspect.Signature) -> str:
+    return "(" + ", ".join(p.name if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                           else str(p).split(":")[0] for p in sig.parameters.values()) + ")"
+
+
+def _typed_kwargs(p: inspect.Parameter) -> frozenset[str] | None:
+    """The names a typed `**kwargs: Unpack[SomeTypedDict]` takes (HF models); None = any."""
+    ann = p.annotation
+    if ann is p.empty or isinstance(ann, str):
+        return None
+    args = typing.get_args(ann)
+    if typing.get_origin(ann) is typing.Unpack and args and typing.is_typeddict(args[0]):
+        names: set[str] = set()
+        for klass in getattr(args[0], "__mro__", (args[0],)):
+            names.update(getattr(klass, "__annotations__", {}))
+        return frozenset(names)
+    return None
+
+
+def _absent(value: Any, default: Any) -> bool:
+    """None (for an argument whose default is None or that has none), or a non-tensor equal to
+    its default: what forward does without the argument."""
+    if value is None:
+        return default is None or default is inspect.Parameter.empty
+    if isinstance(value, tuple) and not value and default is inspect.Parameter.empty:
+        return True  # an empty *args
+    if isinstance(value, torch.Tensor) or default is inspect.Parameter.empty:
+        return False
+    try:
+        return bool(type(value) is type(default) and value == default)
+    except Exception:  # a value without a plain ==
+        return False
+
+
+def _describe(value: Any, typed: bool) -> Any:
+    leaves, spec = pytree.tree_flatten(value)
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            out.append(("tensor", str(x.dtype), x.dim()) if typed else ("tensor",))
+        else:
+            try:
+                hash(x)
+                out.append(("value", x))
+            except TypeError:
+                out.append(("value", repr(x)))
+    return str(spec), tuple(out)
+
+
+def _what(desc: Any) -> str:
+    leaves = desc[1]
+    if len(leaves) == 1 and leaves[0][0] == "tensor":
+        return f"a {leaves[0][2]}-D {leaves[0][1]} tensor" if len(leaves[0]) > 1 else "a tensor"
+    if len(leaves) == 1:
+        return repr(leaves[0][1])
+    return f"a structure of {len(leaves)} values"
+
+
+# ----------------------------------------------------------------------------- a traced form
+
+@dataclass(frozen=True)
+class CallForm:
+    """How a traced example passed its arguments, so any call with the same key can be put in
+    exactly that form (`flatten_inputs` then gives each placeholder its value)."""
+
+    positional: tuple[str, ...]  # names the example passed positionally, in order
+    keywords: tuple[str, ...]  # names it passed by keyword, in order
+    fill: dict = field(default_factory=dict)  # name -> the example's value where it gave none
+    var_positional: str | None = None
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, args: tuple, kwargs: dict) -> "CallForm | None":
+        sig = _signature(model)
+        if sig is None:
+            return None
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError:
+            return None
+        positional, var = [], None
+        left = len(args)
+        for name, p in sig.parameters.items():
+            if left <= 0:
+                break
+            if p.kind is p.VAR_POSITIONAL:
+                positional.append(name)
+                var = name
+                break
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                positional.append(name)
+                left -= 1
+        fill = {n: bound.arguments.get(n) for n in positional}
+        fill.update(kwargs)
+        return cls(tuple(positional), tuple(kwargs), fill, var)
+
+    def arrange(self, call: Call) -> tuple[tuple, dict]:
+        args: list = []
+        for name in self.positional:
+            if name == self.var_positional:
+                args.extend(call.values.get(name, ()))
+            else:
+                args.append(call.values.get(name, self.fill.get(name)))
+        return tuple(args), {n: call.values.get(n, self.fill.get(n)) for n in self.keywords}
+
+    def label(self, path: tuple) -> str:
+        """The user's name of a flat input at pytree `path` of ((args), {kwargs})."""
+        if not path:
+            return "the input"
+        rest = pytree.keystr(path[2:]) if len(path) > 2 else ""
+        if getattr(path[0], "idx", None) == 1 and len(path) > 1:
+            return f"{getattr(path[1], 'key', path[1])}{rest}"
+        if len(path) > 1 and isinstance(getattr(path[1], "idx", None), int):
+            i = path[1].idx
+            fixed = [n for n in self.positional if n != self.var_positional]
+            name = fixed[i] if i < len(fixed) else f"{self.var_positional or 'args'}[{i - len(fixed)}]"
+            return f"{name}{rest}"
+        return pytree.keystr(path)
+
+
+# ----------------------------------------------------------------------------- shapes
+
+def check_shapes(gm: fx.GraphModule, flat: list, labels: list[str]) -> str | None:
+    """Why `gm` does not hold for these flat inputs (placeholder order), naming the input and
+    the dimension; None when it does. Static dims, dtypes and ranks, the ranges of symbolic
+    dims (the batch, dim 0, may be as small as 1: micro-batches split it) and equalities
+    between them, then export's guards. A symbolic trace holds for any shape (None)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(flat):
+        return None
+    ranges = getattr(gm, "range_constraints", None) or {}
+    seen: dict[Any, tuple[int, str, int]] = {}
+    for ph, x, label in zip(placeholders, flat, labels):
+        val = ph.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not isinstance(x, torch.Tensor):
+            continue
+        if x.dim() != val.dim():
+            return (f"{label} has {x.dim()} dimensions (shape {tuple(x.shape)}); it was traced with {val.dim()} "
+                    f"(shape {_shape(val)})")
+        if x.dtype != val.dtype:
+            return f"{label} is {x.dtype}; it was traced as {val.dtype}"
+        for i, (size, want) in enumerate(zip(x.shape, val.shape)):
+            if isinstance(want, torch.SymInt) and want.node.expr.is_number:
+                want = int(want.node.expr)  # specialised
+            if not isinstance(want, torch.SymInt):
+                if size != want:
+                    return (f"{label} dim {i} is {size}; the traced graph has it fixed at {want} (torch.export kept it "
+                            f"static: the model's code pins it, the example's size was 0 or 1, or export could not "
+                            f"trace the model with dynamic shapes)")
+                continue
+            expr = want.node.expr
+            if not getattr(expr, "is_Symbol", False):
+                continue  # a derived size: export's guards check it
+            if expr in seen and seen[expr][0] != size:
+                other, olabel, oi = seen[expr]
+                return (f"{label} dim {i} is {size} but {olabel} dim {oi} is {other}; the traced graph has them "
+                        f"equal")
+            seen.setdefault(expr, (size, label, i))
+            lo, hi = _bounds(ranges.get(expr))
+            if i == 0:
+                lo = min(lo, 1)
+            if size < lo or size > hi:
+                span = f"{lo} <= dim {i}" + (f" <= {hi}" if hi < math.inf else "")
+                return f"{label} dim {i} is {size}; the traced graph holds for {span}"
+    guards = input_guards(gm)
+    if guards is not None:
+        try:
+            guards(*flat)
+        except AssertionError as e:
+            sizes = ", ".join(f"{lb} {tuple(x.shape)}" for lb, x in zip(labels, flat) if isinstance(x, torch.Tensor))
+            cond = str(e).strip().removeprefix("Guard failed:").strip()
+            return f"the traced graph holds only where {cond} (a guard of torch.export); this call has {sizes}"
+    return None
+
+
+def _bounds(vr: Any) -> tuple[float, float]:
+    if vr is None:
+        return 0, math.inf
+    out = []
+    for b, unbounded in ((vr.lower, 0), (vr.upper, math.inf)):
+        try:
+            out.append(int(b))
+        except Exception:  # sympy's (int_)oo: unbounded
+            out.append(unbounded)
+    return out[0], out[1]
+
+
+def _shape(val: torch.Tensor) -> str:
+    return "(" + ", ".join(str(d) for d in val.shape) + ("," if val.dim() == 1 else "") + ")"
+
+
+# ----------------------------------------------------------------------------- variants
+
+@dataclass
+class Variant:
+    """A compiled pipeline for one call signature: the state a `Pipeline` runs, the form its
+    example was traced in, and what it was planned for (`sizes`: elements per argument)."""
+
+    gm: fx.GraphModule
+    schedule: Any
+    program: fx.GraphModule
+    runtime: Any
+    plan: Any
+    code: str
+    form: CallForm | None
+    key: tuple
+    generic_key: tuple
+    values: dict  # the example's arguments by name (for messages)
+    sizes: dict
+    layers: tuple = ()  # the plan's layer names and cuts, to reuse when they fit another call
+    boundaries: tuple = ()
+
+    @property
+    def export(self) -> bool:
+        return trace_info(self.gm).front_end == "export"
+
+    def matches(self, call: Call) -> bool:
+        return (self.key if self.export else self.generic_key) == (call.key if self.export else call.generic_key)
+
+    def flat(self, call: Call) -> tuple[tuple, dict, list, list[str]]:
+        args, kwargs = self.form.arrange(call) if self.form is not None else (call.args, call.kwargs)
+        flat = flatten_inputs(self.gm, args, kwargs)
+        labels = [f"input {i}" for i in range(len(flat))]
+        if self.form is not None:
+            paths = [p for p, _ in pytree.tree_flatten_with_path((args, kwargs))[0]]
+            if len(paths) == len(flat):
+                labels = [self.form.label(p) for p in paths]
+        return args, kwargs, flat, labels
+
+    def covers(self, call: Call) -> bool:
+        return all(n <= self.sizes.get(name, 0) for name, n in call.sizes.items())
+
+
+class VariantPipeline(Pipeline):
+    """A `Pipeline` that serves each call with the compiled variant for its signature (see the
+    module docstring); its attributes are those of the variant its last call ran."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "_variants", [])
+        object.__setattr__(self, "_recompiler", None)
+        object.__setattr__(self, "max_variants", 1)
+
+    # -- set up by build_pipeline and mobius_fx.compile
+    def _add_variant(self, example_args: tuple, example_kwargs: dict | None, layers: tuple = (),
+                     boundaries: tuple = (), state: Pipeline | None = None) -> Variant:
+        src = state if state is not None else self
+        call = bind_call(self.model, tuple(example_args), dict(example_kwargs or {}))
+        v = Variant(src._gm, src.schedule, src.program, src._rt, src.plan, src.code,
+                    CallForm.of(self.model, tuple(example_args), dict(example_kwargs or {})),
+                    call.key, call.generic_key, call.values, dict(call.sizes), tuple(layers), tuple(boundaries))
+        self._variants.append(v)
+        return v
+
+    def _use(self, v: Variant) -> None:
+        old = self._rt
+        if v.runtime is not old:  # the optimizer overlap, the data-parallel reducer and the kept host
+            # gradient storage (one fp32 buffer per master, not one per variant) follow the call
+            v.runtime.overlap, v.runtime.reducer, v.runtime.grad_homes = old.overlap, old.reducer, old.grad_homes
+        for attr, value in (("_gm", v.gm), ("schedule", v.schedule), ("program", v.program), ("_rt", v.runtime)):
+            object.__setattr__(self, attr, value)
+        self.plan, self.code = v.plan, v.code
+
+    @property
+    def variants(self) -> list[Variant]:
+        """The compiled variants, the one traced at compile time first."""
+        return list(self._variants)
+
+    # -- a call
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._variants:  # built without an example: the call as given
+            return super().forward(*args, **kwargs)
+        with self._one_call():  # a second call is refused before it selects (and switches to) a variant
+            call = bind_call(self.model, args, kwargs)
+            v = self._select(call)
+            self._use(v)
+            self._check_labels(call)
+            a, k, _, _ = v.flat(call)
+            return self._forward(a, k)
+
+    def _check_labels(self, call: Call) -> None:
+        """Warn (once) when `labels` ignores (-100, HF's ignore_index) more tokens in one
+        micro-batch than in another: the runtime averages the micro-batches' losses, which then
+        differs from eager's mean over all the batch's tokens."""
+        m, labels = self.schedule.microbatches, call.values.get("labels")
+        if m <= 1 or getattr(self, "_warned_labels", False) or not isinstance(labels, torch.Tensor):
+            return
+        if labels.is_floating_point() or labels.dim() == 0 or not divides(labels.size(0), m):
+            return
+        parts = labels.split(labels.size(0) // m)
+        counts = [int((part == -100).sum()) for part in parts]
+        # a causal LM's loss shifts the labels (each row's first label predicts nothing): count
+        # those it uses too, so left padding ignored unevenly after the shift is warned about
+        shifted = [int((part[..., 1:] == -100).sum()) for part in parts] if labels.dim() > 1 else counts
+        if len(set(counts)) > 1 or len(set(shifted)) > 1:
+            object.__setattr__(self, "_warned_labels", True)
+            told = " / ".join(map(str, counts)) + ("" if len(set(counts)) > 1 else
+                                                   f" (after each row's first label: {' / '.join(map(str, shifted))})")
+            log.warning("mobius_fx: labels ignore (-100) %s tokens in the %d micro-batches: the pipeline's loss is the "
+                        "mean of the micro-batch losses, which differs from eager's mean over the whole batch's tokens "
+                        "(and so do the gradients); ignore as many tokens in each micro-batch, or compile with "
+                        "microbatches=1 for eager's loss", told, m)
+
+    def _select(self, call: Call) -> Variant:
+        m = self.schedule.microbatches
+        rows = batch_rows((call.args, call.kwargs), m, declared(self.model, call.args, call.kwargs, self._rt.batch_dims))
+        rule = getattr(self.plan, "microbatches_rule", "")
+        chosen = (f"; microbatches={m} was not given but chosen ({rule}): compile with a microbatches= that "
+                  f"divides every batch you call with (1 always does), or drop a partial last batch "
+                  f"(DataLoader(..., drop_last=True))") if rule else ""
+        check_divides(rows, m, remedy=lambda: f"use a batch size that is a multiple of {m}{chosen}")
+        shape_error, holds = None, []
+        for v in sorted((v for v in self._variants if v.matches(call)), key=lambda v: sum(v.sizes.values())):
+            _, _, flat, labels = v.flat(call)
+            error = check_shapes(v.gm, flat, labels)
+            if error is not None:
+                shape_error = shape_error or error
+            elif v.covers(call):
+                return v
+            else:
+                holds.append(v)
+        if holds:  # larger than planned: costed again (without a compile behind, the runtime's books decide)
+            return holds[-1] if self._recompiler is None else self._replan(holds[-1], call)
+        if shape_error is not None:
+            reason = shape_error
+            remedy = "call with shapes the traced graph holds for (pad sequences to a length it was compiled for)"
+        else:
+            reason, remedy = self._difference(call)
+        if self._recompiler is None:
+            raise MobiusError(f"{reason}. This pipeline serves the call it was traced for (built by build_pipeline "
+                              f"from one trace): {remedy}, or trace it with this call's arguments (example_inputs / "
+                              f"example_kwargs); mobius_fx.compile traces a variant per call signature")
+        if len(self._variants) >= self.max_variants:
+            have = "; ".join(_signature_text(v.values) for v in self._variants)
+            raise MobiusError(f"{reason}. The pipeline has its {len(self._variants)} compiled variant(s) "
+                              f"(max_variants={self.max_variants}: {have}): {remedy}, or compile with a larger "
+                              f"max_variants (a variant per call signature)")
+        log.warning("mobius_fx: %s; compiling a variant of the pipeline for this call (%s), variant %d of at most "
+                    "%d", reason, _signature_text(call.values), len(self._variants) + 1, self.max_variants)
+        try:
+            return self._recompiler.variant(self, call)
+        except TraceError as e:
+            raise MobiusError(f"{reason}; tracing the model for this call failed too, so the call is refused: "
+                              f"{e}") from None
+
+    def _replan(self, v: Variant, call: Call) -> Variant:
+        grown = ", ".join(f"{n} {call.sizes[n]} elements (planned {v.sizes.get(n, 0)})"
+                          for n in call.sizes if call.sizes[n] > v.sizes.get(n, 0))
+        try:
+            new = self._recompiler.replan(self, v, call, allow_new=len(self._variants) < self.max_variants)
+        except PlanError as e:  # nothing fits (or no new variant allowed): the books say what overflows
+            log.warning("mobius_fx: this call is larger than planned (%s) and runs on the plan as it is (the GPUs' "
+                        "budgets are enforced: BudgetError if it does not fit): %s", grown, e)
+            return v
+        if new is v:
+            log.info("mobius_fx: this call is larger than planned (%s); the plan's stages still fit their GPUs, "
+                     "kept", grown)
+        else:
+            log.warning("mobius_fx: this call is larger than planned (%s) and the plan's stages do not fit their GPUs "
+                        "with it; re-planned: %d stages (were %d), variant %d", grown, new.plan.num_stages,
+                        len(v.boundaries) or v.plan.num_stages, len(self._variants))
+        return new
+
+    def _difference(self, call: Call) -> tuple[str, str]:
+        """What this call gives that the first variant's example did not (or the reverse), and
+        the remedy."""
+        base = self._variants[0]
+        ref = dict(base.key if base.export else base.generic_key)
+        now = dict(call.key if base.export else call.generic_key)
+        parts, remedies = [], []
+        added = [n for n in now if n not in ref]
+        missing = [n for n in ref if n not in now]
+        changed = [n for n in now if n in ref and now[n] != ref[n]]
+        if added:
+            parts.append(f"{_names(added)} {'is' if len(added) == 1 else 'are'} given in this call but "
+                         f"{'was' if len(added) == 1 else 'were'} not when the pipeline was traced (its example "
+                         f"gave {_names(list(ref)) or 'no arguments'})")
+            remedies.append(f"give {_names(added)} at compile time too (example_kwargs={{{added[0]!r}: ...}})")
+        if missing:
+            parts.append(f"{_names(missing)} {'was' if len(missing) == 1 else 'were'} given when the pipeline was "
+                         f"traced but not in this call")
+            remedies.append(f"pass {_names(missing)} as the example did")
+        for n in changed:
+            parts.append(f"{n} is {_what(now[n])} here; the pipeline was traced with {_what(ref[n])}")
+        if changed:
+            remedies.append(f"pass {_names(changed)} as the example did")
+        reason = "; ".join(parts) or "this call's arguments differ from the traced example's"
+        return reason, " and ".join(remedies) or "call it with the example's arguments"
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(f"`{n}`" for n in names)
+
+
+def _signature_text(values: dict) -> str:
+    parts = []
+    for n, v in values.items():
+        if isinstance(v, torch.Tensor):
+            parts.append(f"{n}={tuple(v.shape)}")
+        elif any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(v)):
+            parts.append(f"{n}=...")
+        else:
+            parts.append(f"{n}={v!r}")
+    return ", ".join(parts) or "no arguments"
+

@@ -1,0 +1,1 @@
+"""The server: its GPUs, links and host, described, detected and validated."""
