@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         best = max(best or (0.0, ""), (bw, name))
         print(f"  {name:20s} {t * 1e3:8.1f} ms per step  {bw / 1e9:6.2f} GB/s  (median of {len(ts)})")
     print(f"fastest here: {best[1]} at {best[0] / 1e9:.2f} GB/s; without a measured host section the simulator and "
-          f"CLI default to {CPU_ADAM_BANDWIDTH / 1e9:.1f} GB/s (sim_tasks.CPU_ADAM_BANDWIDTH: fused AdamW measured on "
+          f"CLI default to {CPU_ADAM_BANDWIDTH / 1e9:.1f} GB/s (sim.tasks.CPU_ADAM_BANDWIDTH: fused AdamW measured on "
           f"the H200 run's 16-core host; --topology-out writes this machine's figures, --adam-gbps passes one)")
     speeds = copies(params, best[0], args.steps)
     if args.topology_out:
@@ -144,13 +144,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def copies(params: list[torch.Tensor], adam_bw: float, steps: int) -> dict[str, float]:
-    """The host-side copies around a step with bf16-streamed weights (sim_tasks.host_copy_bytes),
+    """The host-side copies around a step with bf16-streamed weights (sim.tasks.host_copy_bytes),
     each against the fastest AdamW's bytes/s; returns each one's bytes/s (read + written). The
     simulator charges them at the host section's `host_copy_bytes_per_s` (the slowest of these),
-    else sim_tasks.HOST_COPY_BANDWIDTH."""
+    else sim.tasks.HOST_COPY_BANDWIDTH."""
     speeds = copy_speeds(params, steps)
     print(f"host copies around a bf16-streamed step (without a measured host section the simulator charges them at "
-          f"{HOST_COPY_BANDWIDTH / 1e9:.1f} GB/s, sim_tasks.HOST_COPY_BANDWIDTH, the H200 host's hand-over):")
+          f"{HOST_COPY_BANDWIDTH / 1e9:.1f} GB/s, sim.tasks.HOST_COPY_BANDWIDTH, the H200 host's hand-over):")
     for name, bw in speeds.items():
         print(f"  {name:38s} {_COPY_BYTES[name]:2d} B/param  {bw / 1e9:6.2f} GB/s  {bw / adam_bw:.2f}x the fastest "
               f"AdamW's")

@@ -326,7 +326,7 @@ def cores() -> int:
 def host_figures(*, params: int, optimizer_times: Sequence[float], implementation: str,
                  host_copy_bps: float | None, cores: int, touched: int = 28) -> HostFigures:
     """The host section of the topology JSON from a run: AdamW over `params` fp32 masters took
-    `optimizer_times` (median after the first) at `touched` bytes a parameter (sim_tasks.
+    `optimizer_times` (median after the first) at `touched` bytes a parameter (sim.tasks.
     TOUCHED_BYTES["adamw"])."""
     t = median_after_first(optimizer_times)
     return HostFigures(optimizer="adamw", implementation=implementation,

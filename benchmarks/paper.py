@@ -8,9 +8,9 @@ plans a Llama-3.1-8B-like model on `rtx4090x8` (RoundPipe's server).
 
 "pipeline" is forward + backward + gradient download (what the GPUs and PCIe do); "step" adds
 the CPU Adam step over the fp32 masters, which every schedule but GPipe pays, with the host
-copies around it where the runtime makes them (sim_tasks.HOST_COPY_KINDS). The CPU optimizer's
+copies around it where the runtime makes them (sim.tasks.HOST_COPY_KINDS). The CPU optimizer's
 speed is the simulator's default (--adam-gbps to give one): a fused AdamW measured on the H200
-run's 16-core host, 111 GB/s (sim_tasks.CPU_ADAM_BANDWIDTH), the host copies at that host's
+run's 16-core host, 111 GB/s (sim.tasks.CPU_ADAM_BANDWIDTH), the host copies at that host's
 measured 27.5 GB/s (HOST_COPY_BANDWIDTH); ZeRO-3 steps with DeepSpeed's CPU Adam at the same
 speed (--deepspeed-adam-gbps to give DeepSpeed's own). Host memory is NUMA-local to each stage's
 GPU unless --masters names one socket (mobius_fx.sim.tasks.MASTERS).

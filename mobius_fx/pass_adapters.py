@@ -2,7 +2,7 @@
 pipeline (compiler.py): trace, annotate, plan, insert_transfers and emit.
 
 Each reads its inputs from the CompileContext and writes its facts back; the heavy lifting
-lives in tracing.py, the pass modules (mobius_fx.passes.*), plans.py and pipeline.py. The
+lives in tracing.py, the pass modules (mobius_fx.passes.*), planning/plans.py and build.py. The
 partition pass (partition + cross map) is `mobius_fx.passes.partition.partition_pass`.
 """
 

@@ -128,6 +128,9 @@ class Plan:
         """The step as the schedule IR (per-GPU op lists); `transfers` is a sum over it. With
         `gpus`, stage k runs on gpus[k % len(gpus)] instead (the identity map: `gpus` in CUDA
         order). Built once per plan and `gpus` (the plan is frozen), then shared: do not change it."""
+        if gpus is not None and (isinstance(gpus, str) or not gpus):
+            raise MobiusError(f"Plan.schedule(gpus={gpus!r}): gpus must be a non-empty sequence of GPU names "
+                              f"(e.g. {list(self.order)!r}), or None for the plan's own mapping")
         key = None if gpus is None else tuple(gpus)
         built = self.__dict__.setdefault("_schedules", {})  # a cache beside the frozen fields
         if key not in built:

@@ -13,7 +13,7 @@
 Importing this package registers the schedules above, in this order (the comparison table's).
 To add one: a module that calls `register("name", build)` and is imported (here, or by the
 user before `simulate(plan, schedule="name")`); `simulate`, `report.compare` and the CLI's
-table then run it. `build(ctx)` adds one step's tasks to a `sim_tasks.Context`; a schedule that
+table then run it. `build(ctx)` adds one step's tasks to a `sim.tasks.Context`; a schedule that
 produces the schedule IR hands it to `ir_tasks.tasks_from_ir`.
 """
 

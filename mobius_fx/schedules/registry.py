@@ -5,7 +5,7 @@ simulator (`simulate(schedule=...)`), the comparison table (`report.compare`), t
 and `benchmarks/paper.py` read the names from here, in registration order (the table's order).
 
     from mobius_fx.schedules import register, unregister, names
-    register("toy", build, summary="...")     # build(ctx): add the step's tasks to a sim_tasks.Context
+    register("toy", build, summary="...")     # build(ctx): add the step's tasks to a sim.tasks.Context
     simulate(plan, schedule="toy"); names()   # (..., "roundpipe", "toy")
     unregister("toy")
 """

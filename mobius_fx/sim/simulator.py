@@ -76,12 +76,12 @@ class SimResult:
 
     `pipeline_time` is forward + backward + gradient offload (what the partitioner predicts),
     `step_time` adds what the host does after it: `optimizer_time`, the gradient hand-over and
-    the optimizer step with the copies around it (sim_tasks.HOST_COPY_KINDS; `host_copy_time`
+    the optimizer step with the copies around it (sim.tasks.HOST_COPY_KINDS; `host_copy_time`
     is the seconds all host copies ran, the staging before uploads included). The host ran at
     `optimizer_bandwidth` (the schedule's CPU optimizer: DeepSpeed's for "zero3-offload") and
     `host_copy_bandwidth` bytes/s; `host_sources` says where each figure came from: "given"
     (an argument of `simulate`), "measured on this host" (the topology's "host" section) or
-    "default" (sim_tasks.CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH). With `servers` > 1 (data parallel, see `simulate`)
+    "default" (sim.tasks.CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH). With `servers` > 1 (data parallel, see `simulate`)
     `step_time` = `pipeline_time` + `allreduce_exposed` (how much longer the last stage's
     all-reduce ends than the pipeline) + `optimizer_time` (what the optimizer adds after that);
     `allreduce_time` is the seconds the NIC carried all-reduces, `nic_bytes` what this server
@@ -216,7 +216,7 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
              host_copy_bandwidth: float | None = None, host_copies: Mapping[str, float] | None = None) -> SimResult:
     """Replay one training step of `plan` under `schedule` on `topology` (default: the plan's).
 
-    The host as measured: `cpu_adam_bandwidth` (bytes/s, as sim_tasks.TOUCHED_BYTES counts
+    The host as measured: `cpu_adam_bandwidth` (bytes/s, as sim.tasks.TOUCHED_BYTES counts
     them) is the CPU optimizer of the Mobius schedules and RoundPipe's (the user's torch
     optimizer); None takes the topology's "host" section (`HostFigures.optimizer_bytes_per_s`,
     written by benchmarks/cpu_optimizer.py --topology-out and benchmarks/gpu_check.py; unless its
@@ -225,11 +225,11 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     DeepSpeedCPUAdam; None takes a host section measured with implementation "deepspeed", else
     the same speed as Mobius's optimizer (no assumed speed-up). `host_copy_bandwidth` is the
     host copies' bytes/s (the staging of the streamed copies before uploads, the gradient
-    hand-over, sync's refresh and finite check, async's shadow copy: sim_tasks.HOST_COPY_KINDS,
+    hand-over, sync's refresh and finite check, async's shadow copy: sim.tasks.HOST_COPY_KINDS,
     each where the runtime makes it); None takes the host section's `host_copy_bytes_per_s`, else
     HOST_COPY_BANDWIDTH. `host_copies` sets a kind's bytes per fp32 master parameter
     ({"handover": 0}: the runtime no longer makes that pass); the others as
-    sim_tasks.host_copy_bytes. The result says which figures it used (`SimResult.host_sources`,
+    sim.tasks.host_copy_bytes. The result says which figures it used (`SimResult.host_sources`,
     `host_line()`).
 
     `masters`: where host memory lives, "local" (default: each stage on the socket of the GPU
@@ -239,7 +239,7 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     the host) or "async" (staleness 1: the step is max(pipeline + hand-over, shadow copy +
     optimizer)), for the Mobius
     schedules and RoundPipe's; "zero3-offload" keeps DeepSpeed's step after the pipeline and
-    GPipe steps on the GPUs (sim_tasks.cpu_optimizer).
+    GPipe steps on the GPUs (sim.tasks.cpu_optimizer).
 
     `servers` = R > 1 simulates one server of R running the plan data parallel
     (mobius_fx/runtime/data_parallel.py; the Mobius schedules and RoundPipe's): every server runs the
@@ -389,7 +389,7 @@ def _host_copies(given: Any) -> dict[str, float]:
 
 
 def _rate(x: float, name: str, given: Any) -> float:
-    """A bandwidth in bytes/s of at least 1 MB/s (topology_schema.MIN_BANDWIDTH): slower is a unit
+    """A bandwidth in bytes/s of at least 1 MB/s (topology.schema.MIN_BANDWIDTH): slower is a unit
     mistake (GB/s given as bytes/s) that would simulate hour-long steps."""
     if x < MIN_BANDWIDTH:
         raise MobiusError(f"{name}={given!r} is {x:.3g} bytes/s; a rate must be at least 1 MB/s (1e6 bytes/s), "

@@ -8,7 +8,7 @@ product names. Keeping it here keeps the model small and lets the parser be test
 This module knows nothing of `Topology`: it returns the server as a dict in the JSON schema of
 `mobius_fx.topology.server` (a GPU's spec may be a `DeviceSpec` object there), and the public entry points there, `Topology.from_nvidia_smi` and
 `Topology.detect`, check their arguments and build the `Topology` from it (so the import runs
-one way, topology -> topology_detect)::
+one way, topology.server -> topology.detect)::
 
     text = open("topo.txt").read()          # saved `nvidia-smi topo -m` output
     d = nvidia_smi_layout(text, spec=DeviceSpec.preset("rtx3090"), memory=None, p2p=False,

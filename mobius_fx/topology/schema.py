@@ -193,7 +193,7 @@ def natural_key(name: str) -> tuple:
 # ------------------------------------------------------------------------ JSON
 _TOP_KEYS = {"name", "p2p", "virtual", "nodes", "links", "comment", "host"}
 _HOST_KEYS = {"optimizer", "implementation", "optimizer_bytes_per_s", "host_copy_bytes_per_s", "cores"}
-# The optimizers whose bytes touched per parameter the simulator knows (sim_tasks.TOUCHED_BYTES;
+# The optimizers whose bytes touched per parameter the simulator knows (sim.tasks.TOUCHED_BYTES;
 # not imported: this module imports no simulator code).
 HOST_OPTIMIZERS = ("adam", "adamw", "sgd")
 
@@ -209,11 +209,11 @@ class HostFigures:
         "host": {"optimizer": "adamw", "implementation": "fused", "optimizer_bytes_per_s": 1.2e11,
                  "host_copy_bytes_per_s": 4.5e10, "cores": 16}
 
-    `optimizer_bytes_per_s` counts `sim_tasks.TOUCHED_BYTES[optimizer]` bytes per fp32 master
+    `optimizer_bytes_per_s` counts `sim.tasks.TOUCHED_BYTES[optimizer]` bytes per fp32 master
     parameter per step (28 for Adam/AdamW), so it needs `optimizer`; `implementation` says which
     kernel ran ("fused", "foreach", "for-loop", "deepspeed"); `host_copy_bytes_per_s` is the
     slowest host-side copy around a step (the streamed copy's refresh, the gradient hand-over),
-    bytes read + written per second, as `sim_tasks.host_copy_bytes` counts them; `cores` the CPU
+    bytes read + written per second, as `sim.tasks.host_copy_bytes` counts them; `cores` the CPU
     cores the process may use. Every key is optional."""
 
     optimizer: str | None = None

@@ -16,7 +16,7 @@
   by name (`mobius_fx.schedules.register`); no literal lists two schedule names (the registry is
   the list), no module outside that package compares a value with a schedule's name, and only
   the task builder from the schedule IR (`schedules/ir_tasks.py`) and the task graph
-  (`sim_tasks.py`) make simulator tasks (the baselines' looped pipeline is a named exception);
+  (`sim/tasks.py`) make simulator tasks (the baselines' looped pipeline is a named exception);
   the IR's stage description (`StageIO`) is built only by its named constructors in
   `mobius_fx/planning/schedule_ir.py` (from the plan, the traced graph, the runtime).
 - One home per rule: the micro-batch count's rules live in `mobius_fx/planning/microbatch.py`
@@ -271,7 +271,7 @@ KNOWN_SECOND_LANGUAGE: dict[str, str] = {
     f"{SCHEDULES}.zero3_offload": "ZeRO-3's per-GPU slots",
     f"{SCHEDULES}.roundpipe": "RoundPipe's round-robin slots",
 }
-TASK_CALLS = {"compute", "move", "mark", "add", "stage_copy"}  # sim_tasks.Context's task makers
+TASK_CALLS = {"compute", "move", "mark", "add", "stage_copy"}  # sim.tasks.Context's task makers
 
 
 def schedule_languages() -> dict[str, list[str]]:

@@ -110,6 +110,9 @@ def test_a_plans_ir_is_built_once_per_plan_and_gpu_map():
     assert [s.gpu for s in ident.stages] == ["gpu0", "gpu1", "gpu0"] and [s.gpu for s in ir.stages] == ["gpu1", "gpu0", "gpu1"]
     again = Plan.from_json(plan.to_json())  # a plan read back builds its own, the same
     assert again.schedule() == ir and again.schedule() is again.schedule()
+    for bad in ((), "gpu0"):  # no GPUs; a name, not a list of names (it would map stages to "g", "p", ...)
+        with pytest.raises(MobiusError, match=r"gpus must be a non-empty sequence of GPU names"):
+            plan.schedule(bad)
 
 
 def _tied_gpt_pipe(tmp_path):
