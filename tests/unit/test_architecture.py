@@ -40,6 +40,7 @@ Run as a script to print the import graph's cycles: `python tests/unit/test_arch
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,12 @@ KNOWN_SELECTIONS: dict[tuple[str, frozenset], str] = {
         "the speedup table's columns, in the README's order",
     ("benchmarks.paper", frozenset({"mobius", "roundpipe"})): "the overlap table: the schedules with an optimizer overlap",
 }
+
+
+@functools.lru_cache(maxsize=None)
+def parsed(path: Path) -> ast.Module:
+    """The syntax tree of `path`, parsed once for all the rules that read it."""
+    return ast.parse(path.read_text(), str(path))
 
 
 def _modules() -> dict[str, Path]:
@@ -102,7 +109,7 @@ def imports_of(module: str) -> list[Import]:
     """Every import statement of `module` that reaches the package, wherever it stands."""
     path, package = MODULES[module], package_of(module)
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 target = _package_module(alias.name)
@@ -233,7 +240,7 @@ def kind_list_copies() -> tuple[list[str], set]:
     functions, not kinds: skipped), and the KNOWN_SELECTIONS seen."""
     lists, found, seen = _kind_lists(), [], set()
     for module, path in SCANNED.items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parsed(path)
         exports = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)}
         for node in ast.walk(tree):
@@ -284,7 +291,7 @@ def schedule_languages() -> dict[str, list[str]]:
         if not targets & {"mobius_fx.sim.tasks", "mobius_fx.sim.network", f"{SCHEDULES}.looped"} \
                 and module != "mobius_fx.sim.tasks":
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parsed(path)):
             if not isinstance(node, ast.Call):
                 continue
             f = node.func
@@ -316,7 +323,7 @@ def stage_descriptions() -> list[str]:
     for module, path in MODULES.items():
         if module == "mobius_fx.planning.schedule_ir":
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.Call):
                 f = node.func
                 name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
@@ -346,7 +353,7 @@ def schedule_name_branches() -> list[str]:
         if module == SCHEDULES or module.startswith(f"{SCHEDULES}.") or not (
                 targets & users or any(t == SCHEDULES or t.startswith(f"{SCHEDULES}.") for t in targets)):
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.Compare):
                 for c in ast.walk(node):
                     if isinstance(c, ast.Constant) and c.value in registered:
@@ -368,7 +375,7 @@ def divisibility_messages() -> dict[str, list[int]]:
     """module -> the lines of its string constants that word the divisibility rule."""
     found: dict[str, list[int]] = {}
     for module, path in SCANNED.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) \
                     and any(m in node.value for m in DIVIDES_MESSAGE):
                 found.setdefault(module, []).append(node.lineno)
@@ -388,7 +395,7 @@ def alias_tables() -> list[str]:
 
     found = []
     for module, path in SCANNED.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.Dict) and module != "mobius_fx.precision":
                 keys = {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
                 if len(keys & set(DTYPE_ALIASES)) >= 2:
@@ -406,7 +413,7 @@ def memory_model_builds() -> dict[str, list[int]]:
     """module -> the lines where it calls `MemoryModel(...)`."""
     found: dict[str, list[int]] = {}
     for module, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.Call) and (getattr(node.func, "id", None) == "MemoryModel"
                                                or getattr(node.func, "attr", None) == "MemoryModel"):
                 found.setdefault(module, []).append(node.lineno)
