@@ -138,6 +138,11 @@ class CompileOptions:
         if self.precision is not None and not isinstance(self.precision, Precision):
             raise MobiusError(f"precision={self.precision!r} is not a Precision; it is set by `for_model` from dtype= "
                               f"and the model's parameters (give dtype= instead)")
+        if self.precision is not None and self.precision.stream != (self.dtype or self.precision.master):
+            raise MobiusError(f"precision streams {self.precision.stream} but dtype={self.dtype} asks for "
+                              f"{self.dtype or self.precision.master}; the precision record is built from dtype by "
+                              f"`for_model`, so a copy that changes dtype (dataclasses.replace(opts, dtype=...)) must "
+                              f"drop it: replace(opts, dtype=..., precision=None), then for_model(model)")
         set_("memory_fraction", _positive_float("memory_fraction", self.memory_fraction,
                                                 "the share of each GPU's memory a plan may use", at_most=1.0))
         _choice("solver", self.solver, SOLVERS)

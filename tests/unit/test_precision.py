@@ -123,6 +123,22 @@ def test_the_masters_dtype_is_read_from_meta_parameters_too():
     assert master_dtype([]) is torch.float32
 
 
+def test_options_whose_dtype_no_longer_matches_their_precision_are_refused():
+    # dataclasses.replace(opts, dtype=...) after for_model would leave a stale record beside dtype.
+    from dataclasses import replace
+
+    opts = CompileOptions(dtype="fp16").for_model(_mlp(torch.float32, "meta"))
+    assert opts.precision == Precision(torch.float16, torch.float32)
+    with pytest.raises(MobiusError, match=r"precision streams torch.float16 but dtype=torch.bfloat16.*precision=None"):
+        replace(opts, dtype=torch.bfloat16)
+    with pytest.raises(MobiusError, match="precision streams torch.float16 but dtype=None"):
+        replace(opts, dtype=None)
+    again = replace(opts, dtype=torch.bfloat16, precision=None).for_model(_mlp(torch.float32, "meta"))
+    assert again.precision == Precision(torch.bfloat16, torch.float32)
+    same = CompileOptions().for_model(_mlp(torch.bfloat16, "meta"))  # None: the masters' own
+    assert replace(same, verbose=False).precision == Precision(torch.bfloat16, torch.bfloat16)
+
+
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
 def test_a_bf16_master_model_plans_its_weights_at_two_bytes_each(dtype, device, tmp_path):
