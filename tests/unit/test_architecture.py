@@ -440,7 +440,7 @@ LONG_FILES: set[str] = {
 LONG_FUNCTIONS: set[tuple[str, str]] = {
     ("mobius_fx.runtime.overlap", "OverlapOptimizer.__init__"), ("mobius_fx.build", "build_pipeline"),
     ("mobius_fx.planning.schedule_ir", "build_schedule"), ("mobius_fx.schedules.looped", "looped_pipeline"),
-    ("mobius_fx.sim.simulator", "simulate"), ("mobius_fx.planning.step_timeline", "timeline"),
+    ("mobius_fx.sim.simulator", "simulate"),
     ("mobius_fx.passes.insert_transfers", "_schedule_graph"),
 }
 
