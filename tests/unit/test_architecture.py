@@ -440,7 +440,6 @@ LONG_FUNCTIONS: set[tuple[str, str]] = {
     ("mobius_fx.runtime.overlap", "OverlapOptimizer.__init__"),
     ("mobius_fx.planning.schedule_ir", "build_schedule"), ("mobius_fx.schedules.looped", "looped_pipeline"),
     ("mobius_fx.sim.simulator", "simulate"),
-    ("mobius_fx.passes.insert_transfers", "_schedule_graph"),
 }
 
 
