@@ -26,7 +26,7 @@ _log = logging.getLogger("mobius_fx")
 
 
 def layer_peaks(gm: fx.GraphModule, layers: list[LayerCost], act_bytes: dict[fx.Node, int], held: "GraphRun | None",
-                 scale: int) -> list[LayerCost]:
+                scale: int) -> list[LayerCost]:
     """Each layer's `saved_bytes` and `peak_bytes` (its working memory), as the runtime runs it,
     measured on meta tensors under `LiveBytes` (the books' rule: a storage counts from the op
     that makes it until it dies):
