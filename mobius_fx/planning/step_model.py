@@ -19,8 +19,7 @@ Every encoding of the model reads it from here, so they cannot drift apart:
   in step_memory.py, re-exported);
 * the timeline: `memory_violation` (the memory rules, `memory_rows`; in step_memory.py) and
   `timeline` (least start times; in step_timeline.py), both for size, re-exported here, and
-  `evaluate`, the model solved
-  exactly for fixed cuts: the reference every solver is checked on;
+  `evaluate`, the model solved exactly for fixed cuts: the reference every solver is checked on;
 * `SolverInfo`, the report of a solve, which a `Plan` carries.
 
 Why a forward pass is exact for fixed cuts: every constraint reads "start >= something" and
