@@ -115,17 +115,8 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
 
     topology = getattr(plan, "topology", None)
     if plan is not None:
-        stage_nodes = stage_nodes if stage_nodes is not None else [list(s.nodes) for s in plan.stages]
-        stage_gpus = stage_gpus if stage_gpus is not None else [s.gpu for s in plan.stages]
-        microbatches = microbatches if microbatches is not None else plan.microbatches
-        if gpu_budgets is None:  # the whole GPU: the plan's capacity is the planner's target, not a limit
-            gpus = {g.name: g for g in topology.gpus} if topology is not None else {}
-            gpu_budgets = {s.gpu: (gpus[s.gpu].memory if s.gpu in gpus else int(s.capacity)) for s in plan.stages}
-            gpu_budgets.update({name: g.memory for name, g in gpus.items() if name not in gpu_budgets})
-        if gpu_indices is None and topology is not None:
-            gpu_indices = {g.name: g.index for g in topology.gpus}
-        if device == "auto" and getattr(topology, "virtual", False):
-            device = "virtual"
+        stage_nodes, stage_gpus, microbatches, gpu_budgets, gpu_indices, device = _plan_defaults(
+            plan, stage_nodes, stage_gpus, microbatches, gpu_budgets, gpu_indices, device)
     # The plan's Precision, or one of `dtype` (None: the masters' own) for the model's masters.
     precision = plan.precision if plan is not None and dtype is None else Precision.of_model(model, dtype)
     if schedule is None:
@@ -136,25 +127,10 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     if schedule.moved:
         log.debug("compute nodes not listed in any stage, placed with the node before them: %s", schedule.moved)
     program = emit(schedule)
-    budgets = dict(gpu_budgets or {})
-    # Every GPU of the topology (and of gpu_budgets) gets a Device, used by a stage or not, so
-    # memory_stats() lists them all; the topology's order first.
-    names = [g.name for g in topology.gpus] if topology is not None else []
-    names += [g for g in (*schedule.gpus, *budgets) if g not in names]
-    if isinstance(device, Mapping):  # your own Devices: those you gave, and every GPU a stage uses
-        names = [g for g in names if g in device or g in schedule.gpus]
-    devices = make_devices({g: budgets.get(g) for g in names}, device=device, indices=gpu_indices,
-                           memory_books=memory_books)
-    flat, marks = None, None
+    devices = _pipeline_devices(topology, schedule, gpu_budgets, device, gpu_indices, memory_books)
     batch_dims = microbatch.check_batch_dims(batch_dims)
     m = schedule.microbatches
-    if example_inputs or example_kwargs:
-        from mobius_fx.tracing import flatten_inputs
-
-        marks = microbatch.declared(model, tuple(example_inputs), dict(example_kwargs or {}), batch_dims)
-        flat = flatten_inputs(gm, tuple(example_inputs), dict(example_kwargs or {}))
-        if m > 1 and flat:
-            microbatch.split(tuple(flat), m, marks)  # raises early (before any allocation) when the batch does not split
+    flat, marks = _example_batch(model, gm, example_inputs, example_kwargs, batch_dims, m)
     placement = _place(gm, schedule, devices, flat, gpu_indices)  # checked on CUDA before the Runtime allocates
     masters = [_masters(model, gm, spec) for spec in schedule.stages]
     runtime = Runtime(schedule, devices, masters, precision)
@@ -164,15 +140,74 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
         runtime.planned_rows = microbatch.batch_rows(flat, m, marks) or 0
         if m > 1 and flat:
             microbatch_outputs.prepare(runtime, gm, flat, m, marks)
-    if schedule.microbatches > 1:
-        norms = [n for n, mod in model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
-        if norms:
-            log.warning("%s normalise%s over the batch: with %d micro-batches each micro-batch is normalised by its "
-                        "own statistics (as eager run micro-batch by micro-batch), not by the whole batch's",
-                        ", ".join(norms[:3]) + (" ..." if len(norms) > 3 else ""), "" if len(norms) > 1 else "s",
-                        schedule.microbatches)
+    _warn_batch_norms(model, schedule.microbatches)
     code = program.code.strip("\n") + "\n\n" + backward_summary(schedule) + "\n"
     pipe = VariantPipeline(model, gm, schedule, program, runtime, plan, code)
     if example_inputs or example_kwargs:  # the call it serves (signatures.py); mobius_fx.compile adds variants
         pipe._add_variant(tuple(example_inputs), dict(example_kwargs or {}))
     return pipe
+
+
+def _plan_defaults(plan: Any, stage_nodes: Any, stage_gpus: Any, microbatches: int | None,
+                   gpu_budgets: Mapping[str, int | None] | None, gpu_indices: Mapping[str, int] | None,
+                   device: Any) -> tuple[Any, Any, int | None, Any, Any, Any]:
+    """(stage_nodes, stage_gpus, microbatches, gpu_budgets, gpu_indices, device), each as given or,
+    where not given, from `plan`: its stages' nodes and GPUs, its micro-batches, its topology's
+    GPU memory (the whole GPU: the plan's capacity is the planner's target, not a limit) and CUDA
+    indices, and the virtual devices of a virtual topology for "auto"."""
+    topology = getattr(plan, "topology", None)
+    stage_nodes = stage_nodes if stage_nodes is not None else [list(s.nodes) for s in plan.stages]
+    stage_gpus = stage_gpus if stage_gpus is not None else [s.gpu for s in plan.stages]
+    microbatches = microbatches if microbatches is not None else plan.microbatches
+    if gpu_budgets is None:
+        gpus = {g.name: g for g in topology.gpus} if topology is not None else {}
+        gpu_budgets = {s.gpu: (gpus[s.gpu].memory if s.gpu in gpus else int(s.capacity)) for s in plan.stages}
+        gpu_budgets.update({name: g.memory for name, g in gpus.items() if name not in gpu_budgets})
+    if gpu_indices is None and topology is not None:
+        gpu_indices = {g.name: g.index for g in topology.gpus}
+    if device == "auto" and getattr(topology, "virtual", False):
+        device = "virtual"
+    return stage_nodes, stage_gpus, microbatches, gpu_budgets, gpu_indices, device
+
+
+def _pipeline_devices(topology: Any, schedule: Any, gpu_budgets: Mapping[str, int | None] | None, device: Any,
+                      gpu_indices: Mapping[str, int] | None, memory_books: str) -> dict[str, Device]:
+    """A Device for every GPU of the topology (and of gpu_budgets), used by a stage or not, so
+    memory_stats() lists them all; the topology's order first. With your own Devices (a mapping):
+    those you gave, and every GPU a stage uses."""
+    budgets = dict(gpu_budgets or {})
+    names = [g.name for g in topology.gpus] if topology is not None else []
+    names += [g for g in (*schedule.gpus, *budgets) if g not in names]
+    if isinstance(device, Mapping):
+        names = [g for g in names if g in device or g in schedule.gpus]
+    return make_devices({g: budgets.get(g) for g in names}, device=device, indices=gpu_indices,
+                        memory_books=memory_books)
+
+
+def _example_batch(model: nn.Module, gm: fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None,
+                   batch_dims: Any, m: int) -> tuple[list | None, Any]:
+    """(the example call's flat graph inputs, the batch marks of its arguments), (None, None)
+    without an example call; with several micro-batches, refuses (before any allocation) a batch
+    that does not split into `m`."""
+    if not (example_inputs or example_kwargs):
+        return None, None
+    from mobius_fx.tracing import flatten_inputs
+
+    marks = microbatch.declared(model, tuple(example_inputs), dict(example_kwargs or {}), batch_dims)
+    flat = flatten_inputs(gm, tuple(example_inputs), dict(example_kwargs or {}))
+    if m > 1 and flat:
+        microbatch.split(tuple(flat), m, marks)
+    return flat, marks
+
+
+def _warn_batch_norms(model: nn.Module, microbatches: int) -> None:
+    """Warn, with several micro-batches, that `model`'s batch norms normalise each micro-batch by
+    its own statistics (as eager run micro-batch by micro-batch), not by the whole batch's."""
+    if microbatches <= 1:
+        return
+    norms = [n for n, mod in model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
+    if norms:
+        log.warning("%s normalise%s over the batch: with %d micro-batches each micro-batch is normalised by its "
+                    "own statistics (as eager run micro-batch by micro-batch), not by the whole batch's",
+                    ", ".join(norms[:3]) + (" ..." if len(norms) > 3 else ""), "" if len(norms) > 1 else "s",
+                    microbatches)

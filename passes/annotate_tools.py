@@ -7,6 +7,7 @@ copies of the state a node reads, timing, the roofline model, device and dtype c
 from __future__ import annotations
 
 import functools
+import logging
 import statistics
 import time
 import weakref
@@ -21,7 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mobius_fx.topology.device_specs import DEVICE_SPECS, DeviceSpec
 
-__all__ = ["node_key", "Unkeyable", "value_spec", "tensor_leaves", "unique_tensors", "value_bytes", "roofline", "meta_like", "all_real", "host_spec", "cuda_devices", "holding", "synchronizer", "median_time", "LiveBytes"]
+_log = logging.getLogger("mobius_fx")
+
+__all__ = ["node_key", "Unkeyable", "value_spec", "tensor_leaves", "unique_tensors", "value_bytes", "roofline", "meta_like", "all_real", "host_spec", "cuda_devices", "holding", "synchronizer", "median_time", "LiveBytes",
+           "first_line", "report"]
 
 
 def node_key(node: fx.Node, fn: Any, args: Any, kwargs: Any, state: dict[str, torch.Tensor]) -> Any:
@@ -190,3 +194,16 @@ def _storage_id(t: torch.Tensor) -> int | None:
         return id(t.untyped_storage())
     except (RuntimeError, NotImplementedError):  # storage-less layouts
         return None
+
+
+def first_line(e: BaseException) -> str:
+    """The first non-blank line of `e`'s message (its type's name for none), at most 300 characters."""
+    text = str(e).strip()
+    return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)[:300]
+
+
+def report(progress: Callable[[str], None] | None, message: str) -> None:
+    """Log `message` on the "mobius_fx" logger and hand it to `progress` when given."""
+    _log.info(message)
+    if progress is not None:
+        progress(message)

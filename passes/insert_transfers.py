@@ -356,24 +356,20 @@ def _schedule_graph(stages: tuple[StageSpec, ...], inputs: list[str], out_arg: A
                     m: int) -> tuple[fx.Graph, set[tuple[int, int]]]:
     """The forward program: the schedule IR's forward ops, lowered in their order to calls of
     the runtime ops (mobius_fx.runtime.program_ops); also which stage outputs go to the host."""
-    g = fx.Graph()
-    n_stages = len(stages)
+    program = _ForwardProgram(stages, inputs, m)
+    to_host = _outputs_to_host(stages, out_arg)
+    program.host_ids = [tuple(sorted(j for (st, j) in to_host if st == k)) for k in range(len(stages))]
+    ir = build_schedule(StageIO.from_graph(stages, program.host_ids), m, optimizer=False)
+    for o in ir.select(phase="forward"):
+        program.lower(o)
+    program.output(out_arg, m)
+    return program.graph, to_host
 
-    def call(fn: Callable, args: tuple, name: str | None = None, **meta: Any) -> fx.Node:
-        node = g.create_node("call_function", fn, args, name=name)
-        node.meta["mobius"] = {"op": fn.__name__, **meta}
-        return node
 
-    ph = {name: g.placeholder(name) for name in inputs}
-    per_mb: dict[str, list[fx.Node]] = {name: [node] * m for name, node in ph.items()}
-    if m > 1 and inputs:
-        split = call(_rt.split_microbatches, (tuple(ph.values()), m), "microbatches")
-        for j, name in enumerate(inputs):
-            per_mb[name] = [g.create_node("call_function", operator.getitem, (split, j * m + i), name=f"{name}_{i}")
-                            for i in range(m)]
-
-    # Who consumes each stage output: the next stage gets a direct push, anyone later (or the
-    # model output) reads a host copy.
+def _outputs_to_host(stages: tuple[StageSpec, ...], out_arg: Any) -> set[tuple[int, int]]:
+    """(stage, output index) of the stage outputs that go to the host: who consumes each stage
+    output decides it: the next stage gets a direct push, anyone later (or the model output)
+    reads a host copy."""
     consumers: dict[tuple[int, int], set[int]] = {}
     for st in stages:
         for ref in st.inputs:
@@ -382,67 +378,92 @@ def _schedule_graph(stages: tuple[StageSpec, ...], inputs: list[str], out_arg: A
     to_output: set[tuple[int, int]] = set()
     fx.node.map_aggregate(out_arg, lambda a: to_output.add((a.stage, a.index))
                           if isinstance(a, ValueRef) and a.stage >= 0 else None)
+    return {(k, j) for (k, j), users in consumers.items() if any(u > k + 1 for u in users)} | to_output
 
-    to_host = {(k, j) for (k, j), users in consumers.items() if any(u > k + 1 for u in users)} | to_output
-    host_ids = [tuple(sorted(j for (st, j) in to_host if st == k)) for k in range(n_stages)]
-    ir = build_schedule(StageIO.from_graph(stages, host_ids), m, optimizer=False)
 
-    # Lower the IR's forward ops, in its order, to calls of the runtime ops.
-    outputs: dict[tuple[int, int, int], fx.Node] = {}  # (stage, output index, mb) -> value on its stage's GPU
-    pushed: dict[tuple[int, int, int], fx.Node] = {}  # (stage, input j, mb) -> value pushed onto its GPU
-    fetched: dict[tuple[int, int, int], fx.Node] = {}  # (stage, input j, mb) -> value sent from the host
-    hosted: dict[tuple[int, int, int], fx.Node] = {}  # (stage, output index, mb) -> host copy
+class _ForwardProgram:
+    """The forward program's graph while the IR's forward ops are lowered into it (`lower`, in the
+    IR's order), and where each value is: the model inputs per micro-batch, each stage output on
+    its stage's GPU, the values pushed onto a GPU or sent from the host, the host copies.
+    `host_ids[k]`: the output indices of stage k that go to the host (IR send `value` j is
+    output host_ids[k][j])."""
 
-    def source(ref: ValueRef, i: int) -> fx.Node:
-        return per_mb[ref.name][i] if ref.stage < 0 else hosted[(ref.stage, ref.index, i)]
+    def __init__(self, stages: tuple[StageSpec, ...], inputs: list[str], m: int):
+        self.graph, self.stages, self.host_ids = fx.Graph(), stages, [()] * len(stages)
+        ph = {name: self.graph.placeholder(name) for name in inputs}
+        self.per_mb: dict[str, list[fx.Node]] = {name: [node] * m for name, node in ph.items()}
+        if m > 1 and inputs:
+            split = self.call(_rt.split_microbatches, (tuple(ph.values()), m), "microbatches")
+            for j, name in enumerate(inputs):
+                self.per_mb[name] = [self.graph.create_node("call_function", operator.getitem, (split, j * m + i),
+                                                            name=f"{name}_{i}") for i in range(m)]
+        self.outputs: dict[tuple[int, int, int], fx.Node] = {}  # (stage, output index, mb) -> value on its stage's GPU
+        self.pushed: dict[tuple[int, int, int], fx.Node] = {}  # (stage, input j, mb) -> value pushed onto its GPU
+        self.fetched: dict[tuple[int, int, int], fx.Node] = {}  # (stage, input j, mb) -> value sent from the host
+        self.hosted: dict[tuple[int, int, int], fx.Node] = {}  # (stage, output index, mb) -> host copy
 
-    for o in ir.select(phase="forward"):
-        k, i, st = o.stage, o.microbatch, stages[o.stage]
+    def call(self, fn: Callable, args: tuple, name: str | None = None, **meta: Any) -> fx.Node:
+        node = self.graph.create_node("call_function", fn, args, name=name)
+        node.meta["mobius"] = {"op": fn.__name__, **meta}
+        return node
+
+    def source(self, ref: ValueRef, i: int) -> fx.Node:
+        """Micro-batch i of `ref` where a later stage or the output reads it: a model input, or a host copy."""
+        return self.per_mb[ref.name][i] if ref.stage < 0 else self.hosted[(ref.stage, ref.index, i)]
+
+    def lower(self, o: Any) -> None:
+        """Lower one forward op of the IR to a call of its runtime op (offload: done by run_stage
+        itself, which saves the inputs it needs again in backward)."""
+        k, i, st = o.stage, o.microbatch, self.stages[o.stage]
         if o.kind == "prefetch":
-            call(_rt.prefetch, (k,), stage=k, gpu=st.gpu)
+            self.call(_rt.prefetch, (k,), stage=k, gpu=st.gpu)
         elif o.kind == "wait":
-            call(_rt.wait, (k,), stage=k, gpu=st.gpu)
+            self.call(_rt.wait, (k,), stage=k, gpu=st.gpu)
         elif o.kind == "evict":
-            call(_rt.evict, (k,), stage=k, gpu=st.gpu)
+            self.call(_rt.evict, (k,), stage=k, gpu=st.gpu)
         elif o.kind == "hold":
-            call(_rt.hold_for_backward, (k,), stage=k, gpu=st.gpu)
-        elif o.kind == "send" and o.dst == HOST:  # a host copy of output `value` of stage k
-            j = host_ids[k][o.value]
-            name = st.outputs[j]
-            hosted[(k, j, i)] = call(_rt.send, (outputs[(k, j, i)], HOST, k), f"{name}_{i}_{HOST}",
-                                     stage=k, microbatch=i, gpu=HOST)
-        elif o.kind == "send" and o.src == HOST:  # input `value` of stage k from the host
-            ref = st.inputs[o.value]
-            name = ref.name if ref.stage < 0 else stages[ref.stage].outputs[ref.index]
-            fetched[(k, o.value, i)] = call(_rt.send, (source(ref, i), st.gpu, k), f"{name}_{i}_{st.gpu}",
-                                            stage=k, microbatch=i, gpu=st.gpu)
-        elif o.kind == "send":  # a push of input `value` of stage k from the stage before
-            ref = st.inputs[o.value]
-            name = stages[ref.stage].outputs[ref.index]
-            pushed[(k, o.value, i)] = call(_rt.send, (outputs[(ref.stage, ref.index, i)], st.gpu, k),
-                                           f"{name}_{i}_{st.gpu}", stage=k, microbatch=i, gpu=st.gpu)
+            self.call(_rt.hold_for_backward, (k,), stage=k, gpu=st.gpu)
+        elif o.kind == "send":
+            self._send(o, k, i, st)
         elif o.kind == "run":
-            args = []
-            for j, ref in enumerate(st.inputs):
-                if (k, j, i) in fetched:
-                    args.append(fetched[(k, j, i)])
-                elif (k, j, i) in pushed:
-                    args.append(pushed[(k, j, i)])
-                else:  # made by the stage before on this GPU: no copy
-                    args.append(outputs[(ref.stage, ref.index, i)])
-            out = call(_rt.run_stage, (k, i, *args), f"stage{k}_{i}", stage=k, microbatch=i, gpu=st.gpu)
-            for j, name in enumerate(st.outputs):
-                outputs[(k, j, i)] = g.create_node("call_function", operator.getitem, (out, j), name=f"{name}_{i}")
-        # offload: done by run_stage itself (it saves the inputs it needs again in backward)
+            self._run(k, i, st)
 
-    def resolve(i: int) -> Callable[[Any], Any]:
-        def f(a: Any) -> Any:
-            if not isinstance(a, ValueRef):
-                return a
-            return source(a, i)
-        return f
+    def _send(self, o: Any, k: int, i: int, st: StageSpec) -> None:
+        if o.dst == HOST:  # a host copy of output `value` of stage k
+            j = self.host_ids[k][o.value]
+            name = st.outputs[j]
+            self.hosted[(k, j, i)] = self.call(_rt.send, (self.outputs[(k, j, i)], HOST, k), f"{name}_{i}_{HOST}",
+                                               stage=k, microbatch=i, gpu=HOST)
+        elif o.src == HOST:  # input `value` of stage k from the host
+            ref = st.inputs[o.value]
+            name = ref.name if ref.stage < 0 else self.stages[ref.stage].outputs[ref.index]
+            self.fetched[(k, o.value, i)] = self.call(_rt.send, (self.source(ref, i), st.gpu, k),
+                                                      f"{name}_{i}_{st.gpu}", stage=k, microbatch=i, gpu=st.gpu)
+        else:  # a push of input `value` of stage k from the stage before
+            ref = st.inputs[o.value]
+            name = self.stages[ref.stage].outputs[ref.index]
+            self.pushed[(k, o.value, i)] = self.call(_rt.send, (self.outputs[(ref.stage, ref.index, i)], st.gpu, k),
+                                                     f"{name}_{i}_{st.gpu}", stage=k, microbatch=i, gpu=st.gpu)
 
-    outs = [fx.node.map_aggregate(out_arg, resolve(i)) for i in range(m)]
-    merged = call(_rt.merge_microbatches, (outs,), "output_value", stages=n_stages)
-    g.output(merged)
-    return g, to_host
+    def _run(self, k: int, i: int, st: StageSpec) -> None:
+        args = []
+        for j, ref in enumerate(st.inputs):
+            if (k, j, i) in self.fetched:
+                args.append(self.fetched[(k, j, i)])
+            elif (k, j, i) in self.pushed:
+                args.append(self.pushed[(k, j, i)])
+            else:  # made by the stage before on this GPU: no copy
+                args.append(self.outputs[(ref.stage, ref.index, i)])
+        out = self.call(_rt.run_stage, (k, i, *args), f"stage{k}_{i}", stage=k, microbatch=i, gpu=st.gpu)
+        for j, name in enumerate(st.outputs):
+            self.outputs[(k, j, i)] = self.graph.create_node("call_function", operator.getitem, (out, j),
+                                                             name=f"{name}_{i}")
+
+    def output(self, out_arg: Any, m: int) -> None:
+        """The graph's output: the model output of every micro-batch, merged."""
+        def resolve(i: int) -> Callable[[Any], Any]:
+            return lambda a: self.source(a, i) if isinstance(a, ValueRef) else a
+
+        outs = [fx.node.map_aggregate(out_arg, resolve(i)) for i in range(m)]
+        merged = self.call(_rt.merge_microbatches, (outs,), "output_value", stages=len(self.stages))
+        self.graph.output(merged)

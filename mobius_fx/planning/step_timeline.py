@@ -255,59 +255,88 @@ def timeline(problem: Any, st: Any, full: bool = False):
 
     Returns the makespan, or with `full` a `Timeline` (prefetched bytes, start times, download
     ends and the saved-input helpers V, E, A and R). Memory is not checked here
-    (`memory_violation`); the prefetches use the free memory.
+    (`memory_violation`); the prefetches use the free memory. The steps, in the order each
+    reads the one before: `_CopyTimes`, `_forward_starts`, `_host_copy_starts`,
+    `_backward_starts`, `_gradient_downloads`.
     """
-    n, m, s = len(problem.gpus), problem.microbatches, len(st.f)
-    up, down, cap = problem.up, problem.down, problem.capacity
-    # out_k over the link stage k -> k+1 (forward) and k+1 -> k (backward); 0 on the same GPU
-    hop_t = [st.out[k] / problem.hop[k % n] for k in range(s)]
-    # A frozen stage (no weight gradient in it or before it) runs no backward: no gradient
-    # reaches it, its weights are not fetched again, it recomputes nothing, and its input is
-    # neither saved nor restored.
-    live = [not x for x in st.frozen] if st.frozen else [True] * s
-    hop_back_t = [st.out[k] / problem.backward_hop[k % n] if live[k] else 0.0 for k in range(s)]
-    f, w = st.f, st.w
-    b = [x if on else 0.0 for x, on in zip(st.b, live)]
-    wb = [x if on else 0.0 for x, on in zip(st.w, live)]  # weights fetched again for backward
-    # Saved inputs (schedule.py): in_k per micro-batch (k = 0: the model input as sent). Stage
-    # k > 0 offloads it to the host after each forward run (d_k) and restores it before each
-    # backward run (r_k); stage 0's model input is sent again (r_0). The last stage copies its
-    # output to the host (h) and gets its gradient back (e).
-    in0 = problem.input_bytes / m
-    inp = [in0, *st.out[:s - 1]]
-    # A GPU behind a switch link that loses bandwidth with both directions busy (duplex d < 1)
-    # fetches stage k-N's weights again for backward, and restores its inputs, while stage k's
-    # gradients leave. The simulator serves the copy needed first first: the uploads keep their
-    # full speed, the gradient download gets what the link's duplex budget leaves, 2d - 1 of
-    # its speed (0.44 at a switch), and all of it once the uploads are done. So each second the
-    # GPU's upload stream is busy while a download waits costs that download 2(1-d) seconds:
-    # see D below. (Both at the duplex share d, as before, put the backward weights late and
-    # the gradients early: memory-tight in benchmarks/plan_quality.py picked a partition 5%
-    # slower than the best.)
-    dx = problem.duplex or (1.0,) * n
-    r = [inp[k] / up[k % n] if live[k] else 0.0 for k in range(s)]
-    # The last stage's copies to the host (its offloads, its outputs) leave while the outputs'
-    # gradients come back (with several micro-batches, the gradient of one while the next goes):
-    # at the duplex share too.
-    last_dx = dx[(s - 1) % n] if m > 1 and live[s - 1] else 1.0
-    d = [inp[k] / (down[k % n] * (last_dx if k == s - 1 else 1.0)) if live[k] and k else 0.0 for k in range(s)]
-    out_down = st.out[s - 1] / (down[(s - 1) % n] * last_dx)
-    out_up = st.out[s - 1] / up[(s - 1) % n] if live[s - 1] else 0.0
-    # Weight uploads (forward in stage order, backward in reverse) and gradient downloads
-    # (reverse) of the slots behind a shared link queue on it: one starts when its release time
-    # has come and a server is free -- forward, the first that frees (`queue_window`); backward
-    # and down, the one `servers` places before it (`queue_before`).
-    slot = [k % n for k in range(s)]
-    up_fwd = queue_window(problem.shared_up, slot, range(s))
-    up_bwd = queue_before(problem.shared_up, slot, range(s - n - 1, -1, -1))
-    down_q = queue_before(problem.shared_down, slot, range(s - 1, -1, -1))
+    c = _CopyTimes(problem, st)
+    F, p, U = _forward_starts(problem, st, c)
+    V, E = _host_copy_starts(st, c, F)
+    B, q, A, R = _backward_starts(problem, st, c, F, V)
+    D = _gradient_downloads(problem, st, c, B, R)
+    makespan = max(D)
+    if getattr(problem, "links", ()):  # no link carries more than its bandwidth (`LinkLoad`)
+        per_slot = slot_bytes(problem, copy_terms(problem, st))
+        makespan = max(makespan, max(link_time(x, per_slot) for x in problem.links))
+    return Timeline(makespan, p, q, F, B, D, V, E, A, R, U) if full else makespan
+
+
+class _CopyTimes:
+    """The per-stage seconds and queues `timeline`'s steps read, from the problem and the stage
+    numbers `st`: hops, the saved inputs' offloads (d) and restores (r), the last stage's output
+    copies, the duplex shares, the backward's (b) and its weights (wb), and the shared-link queues."""
+
+    def __init__(self, problem: Any, st: Any):
+        n, m, s = len(problem.gpus), problem.microbatches, len(st.f)
+        up, down = problem.up, problem.down
+        self.n, self.m, self.s = n, m, s
+        # out_k over the link stage k -> k+1 (forward) and k+1 -> k (backward); 0 on the same GPU
+        self.hop_t = [st.out[k] / problem.hop[k % n] for k in range(s)]
+        # A frozen stage (no weight gradient in it or before it) runs no backward: no gradient
+        # reaches it, its weights are not fetched again, it recomputes nothing, and its input is
+        # neither saved nor restored.
+        live = [not x for x in st.frozen] if st.frozen else [True] * s
+        self.hop_back_t = [st.out[k] / problem.backward_hop[k % n] if live[k] else 0.0 for k in range(s)]
+        self.b = [x if on else 0.0 for x, on in zip(st.b, live)]
+        self.wb = [x if on else 0.0 for x, on in zip(st.w, live)]  # weights fetched again for backward
+        # Saved inputs (schedule.py): in_k per micro-batch (k = 0: the model input as sent). Stage
+        # k > 0 offloads it to the host after each forward run (d_k) and restores it before each
+        # backward run (r_k); stage 0's model input is sent again (r_0). The last stage copies its
+        # output to the host (h) and gets its gradient back (e).
+        self.in0 = in0 = problem.input_bytes / m
+        inp = [in0, *st.out[:s - 1]]
+        # A GPU behind a switch link that loses bandwidth with both directions busy (duplex d < 1)
+        # fetches stage k-N's weights again for backward, and restores its inputs, while stage k's
+        # gradients leave. The simulator serves the copy needed first first: the uploads keep their
+        # full speed, the gradient download gets what the link's duplex budget leaves, 2d - 1 of
+        # its speed (0.44 at a switch), and all of it once the uploads are done. So each second the
+        # GPU's upload stream is busy while a download waits costs that download 2(1-d) seconds:
+        # see `_gradient_downloads`. (Both at the duplex share d, as before, put the backward
+        # weights late and the gradients early: memory-tight in benchmarks/plan_quality.py picked a
+        # partition 5% slower than the best.)
+        self.dx = problem.duplex or (1.0,) * n
+        self.r = [inp[k] / up[k % n] if live[k] else 0.0 for k in range(s)]
+        # The last stage's copies to the host (its offloads, its outputs) leave while the outputs'
+        # gradients come back (with several micro-batches, the gradient of one while the next goes):
+        # at the duplex share too.
+        last_dx = self.dx[(s - 1) % n] if m > 1 and live[s - 1] else 1.0
+        self.d = [inp[k] / (down[k % n] * (last_dx if k == s - 1 else 1.0)) if live[k] and k else 0.0
+                  for k in range(s)]
+        self.out_up = st.out[s - 1] / up[(s - 1) % n] if live[s - 1] else 0.0
+        self.copy = self.d[:]  # what stage k copies to the host per micro-batch: its offload (and output)
+        self.copy[s - 1] += st.out[s - 1] / (down[(s - 1) % n] * last_dx)
+        # Weight uploads (forward in stage order, backward in reverse) and gradient downloads
+        # (reverse) of the slots behind a shared link queue on it: one starts when its release time
+        # has come and a server is free -- forward, the first that frees (`queue_window`); backward
+        # and down, the one `servers` places before it (`queue_before`).
+        slot = [k % n for k in range(s)]
+        self.up_fwd = queue_window(problem.shared_up, slot, range(s))
+        self.up_bwd = queue_before(problem.shared_up, slot, range(s - n - 1, -1, -1))
+        self.down_q = queue_before(problem.shared_down, slot, range(s - 1, -1, -1))
+
+
+def _forward_starts(problem: Any, st: Any, c: _CopyTimes) -> tuple[list[list[float]], list[float], list[float]]:
+    """(F, p, U): each stage's forward run starts, the bytes prefetched for it and the end of its
+    forward upload, in stage order; stage 0 waits for the model inputs on its host link too."""
+    n, m, s, f, w = c.n, c.m, c.s, st.f, st.w
+    up, cap, hop_t, in0 = problem.up, problem.capacity, c.hop_t, c.in0
     F: list[list[float]] = []
     p = [0.0] * s
     U = [0.0] * s  # end of stage k's forward upload
     for k in range(s):
         sl = k % n
         start = 0.0 if k < n else F[k - n][0]  # the prefetch starts with stage k-N
-        start = max(start, freed(U, up_fwd[k]))
+        start = max(start, freed(U, c.up_fwd[k]))
         U[k] = start + w[k] / up[sl]
         if k < n:
             t0 = U[k]
@@ -331,57 +360,76 @@ def timeline(problem: Any, st: Any, full: bool = False):
                 row[i] = t
                 t += fk
         F.append(row)
-    # Copies to the host leave on each GPU's download stream in stage and micro-batch order
-    # (a stage's are released before the next stage's on the GPU, and served first): stage k's
-    # offload (d_k), then, for the last stage, its output (h), each after its forward run.
-    # V[k][i] is when micro-batch i's copies start, for a stage resident through the turn
-    # (k >= S-N), whose restores wait for them. The other stages' copies only delay the
-    # resident one's: E[k] bounds when those of stage k (and the stages before it on its GPU)
-    # are done, by the first and the last micro-batch's (both exact when forward runs follow
-    # each other without a gap; the MIP keeps two rows instead of M).
-    copy = d[:]
-    copy[s - 1] += out_down
+    return F, p, U
+
+
+def _host_copy_starts(st: Any, c: _CopyTimes, F: list[list[float]]) -> tuple[dict[int, list[float]], list[float]]:
+    """(V, E) of `Timeline`. Copies to the host leave on each GPU's download stream in stage and
+    micro-batch order (a stage's are released before the next stage's on the GPU, and served
+    first): stage k's offload (d_k), then, for the last stage, its output (h), each after its
+    forward run. V[k][i] is when micro-batch i's copies start, for a stage resident through the
+    turn (k >= S-N), whose restores wait for them. The other stages' copies only delay the
+    resident one's: E[k] bounds when those of stage k (and the stages before it on its GPU) are
+    done, by the first and the last micro-batch's (both exact when forward runs follow each other
+    without a gap; the MIP keeps two rows instead of M)."""
+    n, m, s, f = c.n, c.m, c.s, st.f
     V: dict[int, list[float]] = {}
     E = [-math.inf] * s
     for k in range(1 if s > 1 else 0, s):
-        before, c, row = E[k - n] if k >= n else -math.inf, copy[k], F[k]
+        before, ck, row = E[k - n] if k >= n else -math.inf, c.copy[k], F[k]
         if k < s - n:
-            E[k] = max(before + m * c, row[0] + f[k] + m * c, row[m - 1] + f[k] + c)
+            E[k] = max(before + m * ck, row[0] + f[k] + m * ck, row[m - 1] + f[k] + ck)
             continue
         v, t = [], before
         for i in range(m):
             if row[i] + f[k] > t:
                 t = row[i] + f[k]
             v.append(t)
-            t += c
+            t += ck
         V[k] = v
+    return V, E
+
+
+def _backward_ready(c: _CopyTimes, st: Any, k: int, F: list[list[float]], V: dict[int, list[float]],
+                    up0: float) -> tuple[float, list[float], float]:
+    """(t0, ready, R_k) of a stage resident through the turn (k >= S-N): ready[j] is the least
+    start of its j-th backward run (micro-batch M-1-j) from the uploads it waits for: the restores
+    of micro-batches M-1..M-1-j, serial on the upload stream, restore j after offload M-1-j."""
+    m, s, f = c.m, c.s, st.f
+    t0, rk_done = (F[k][m - 1] + f[k] if k == s - 1 else 0.0), 0.0
+    if k:
+        v, dk, rk = V[k], c.d[k], c.r[k]
+        ready = [v[m - 1 - j] + dk + (j + 1) * rk for j in range(m)]
+        rk_done = max(v[i] + dk + (m - i) * rk for i in range(m))
+    else:  # a resident stage 0: the model input is sent again after the first upload
+        ready = [st.w[0] / up0 + (j + 1) * c.r[0] for j in range(m)]
+    if k == s - 1:  # the output's gradient comes back from the host after the output went
+        v = V[k]
+        ready = [max(x, v[m - 1 - j] + c.copy[k] + (j + 1) * c.out_up) for j, x in enumerate(ready)]
+    return t0, ready, rk_done
+
+
+def _backward_starts(problem: Any, st: Any, c: _CopyTimes, F: list[list[float]], V: dict[int, list[float]],
+                     ) -> tuple[list[list[float]], list[float], list[float], list[float]]:
+    """(B, q, A, R) of `Timeline`: each stage's backward run starts (in run order), the bytes
+    prefetched for it, its weights back (k < S-N) and its restores done, in reverse stage order."""
+    n, m, s, b, wb, r = c.n, c.m, c.s, c.b, c.wb, c.r
+    up, cap, hop_back_t = problem.up, problem.capacity, c.hop_back_t
     B: list[list[float]] = [[0.0] * m for _ in range(s)]
     q = [0.0] * s
     A = [0.0] * s  # stage k's weights back for backward (k < S-N), at the least
     R = [0.0] * s  # the restores of stage k (and the uploads before them on its GPU) done, at the least
     for k in range(s - 1, -1, -1):
         sl = k % n
-        # ready[j] / first, last: the least start of the j-th backward run (micro-batch M-1-j)
-        # from the uploads it waits for: the restores of micro-batches M-1..M-1-j, serial on the
-        # upload stream, each after its offload and after the stage's weights.
         ready, last = None, -math.inf
-        if k >= s - n:  # resident: restore j after offload M-1-j (and the later ones after theirs)
-            t0 = F[k][m - 1] + f[k] if k == s - 1 else 0.0
-            if k:
-                v, dk, rk = V[k], d[k], r[k]
-                ready = [v[m - 1 - j] + dk + (j + 1) * rk for j in range(m)]
-                R[k] = max(v[i] + dk + (m - i) * rk for i in range(m))
-            else:  # a resident stage 0: the model input is sent again after the first upload
-                ready = [w[0] / up[0] + (j + 1) * r[0] for j in range(m)]
-            if k == s - 1:  # the output's gradient comes back from the host after the output went
-                v = V[k]
-                ready = [max(x, v[m - 1 - j] + copy[k] + (j + 1) * out_up) for j, x in enumerate(ready)]
+        if k >= s - n:
+            t0, ready, R[k] = _backward_ready(c, st, k, F, V, up[0])
         else:  # the prefetch starts with stage k+N's backward and queues after its restores (its
             # offloads are older than the resident stage's, so they are implied); the first
             # run waits for one restore, the last for all M (the MIP keeps these two rows)
             nxt = B[k + n]
             end = nxt[m - 1] + b[k + n]
-            start = max([nxt[0], *(A[j] for j in up_bwd[k])])
+            start = max([nxt[0], *(A[j] for j in c.up_bwd[k])])
             q[k] = max(0.0, min(wb[k], up[sl] * (end - start), cap[sl] - st.bmem[k + n]))
             t0 = max(end, start) + (wb[k] - q[k]) / up[sl]
             A[k] = max(R[k + n], start) + wb[k] / up[sl]
@@ -413,19 +461,25 @@ def timeline(problem: Any, st: Any, full: bool = False):
                 t += bk
         if last > row[m - 1]:  # the last run waits for all M restores
             row[m - 1] = last
-    # Gradient downloads queue per GPU: stage k's after stage k+N's. From its start, stage k's
-    # (k >= N) overlaps the GPU's uploads for stage k-N (busy until R[k-N]) and, if it lasts,
-    # those of k-2N (its weights and M restores back to back; UPLOADS_PER_DOWNLOAD of them at most): one
-    # row per how many of them it outlasts, each charging 2(1-d) x the upload time. A row that
-    # assumes more overlap than there is overshoots, but never past that upload's end (a
-    # download that ends before it is charged at most 2(1-d) of the time left to it).
-    busy = [wb[j] / up[j % n] + m * r[j] for j in range(s)]  # stage j's backward uploads
+    return B, q, A, R
+
+
+def _gradient_downloads(problem: Any, st: Any, c: _CopyTimes, B: list[list[float]], R: list[float]) -> list[float]:
+    """D of `Timeline`. Gradient downloads queue per GPU: stage k's after stage k+N's. From its
+    start, stage k's (k >= N) overlaps the GPU's uploads for stage k-N (busy until R[k-N]) and, if
+    it lasts, those of k-2N (its weights and M restores back to back; UPLOADS_PER_DOWNLOAD of them
+    at most): one row per how many of them it outlasts, each charging 2(1-d) x the upload time. A
+    row that assumes more overlap than there is overshoots, but never past that upload's end (a
+    download that ends before it is charged at most 2(1-d) of the time left to it)."""
+    n, m, s, b, dx = c.n, c.m, c.s, c.b, c.dx
+    up, down = problem.up, problem.down
+    busy = [c.wb[j] / up[j % n] + m * c.r[j] for j in range(s)]  # stage j's backward uploads
     D = [0.0] * s
     for k in range(s - 1, -1, -1):
         done = B[k][m - 1] + b[k]
         if k + n < s and D[k + n] > done:
             done = D[k + n]
-        for j in down_q[k]:
+        for j in c.down_q[k]:
             done = max(done, D[j])
         D[k] = done + st.g[k] / down[k % n]
         if k >= n and dx[k % n] < 1:
@@ -433,8 +487,4 @@ def timeline(problem: Any, st: Any, full: bool = False):
             for j in range(k - n, max(-1, k - (UPLOADS_PER_DOWNLOAD + 1) * n), -n):
                 overlap += busy[j] if j < k - n else 0.0
                 D[k] = max(D[k], done + st.g[k] / down[k % n] + 2 * (1 - dx[k % n]) * overlap)
-    makespan = max(D)
-    if getattr(problem, "links", ()):  # no link carries more than its bandwidth (`LinkLoad`)
-        per_slot = slot_bytes(problem, copy_terms(problem, st))
-        makespan = max(makespan, max(link_time(x, per_slot) for x in problem.links))
-    return Timeline(makespan, p, q, F, B, D, V, E, A, R, U) if full else makespan
+    return D

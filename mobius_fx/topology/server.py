@@ -37,8 +37,9 @@ bytes/s, host copy bytes/s, cores: `HostFigures`, written by `benchmarks/cpu_opt
 The rules a description must meet, and the reading of this schema, live in
 `mobius_fx.topology.schema`; reading the server from the driver (`Topology.from_nvidia_smi`,
 `Topology.detect`) in `mobius_fx.topology.detect`, which hands back a dict in this schema; the
-link bandwidth figures the presets use in `mobius_fx.topology.links`. Each imports none of the others'
-private names, and none imports this module.
+link bandwidth figures the presets use in `mobius_fx.topology.links`; the preset servers
+(`Topology.preset`, `PRESETS`), as schema dicts, in `mobius_fx.topology.presets`. Each imports
+none of the others' private names, and none imports this module.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ import networkx as nx
 
 from mobius_fx.topology.device_specs import DEVICE_SPECS, DeviceSpec
 from mobius_fx.errors import TopologyError
-from mobius_fx.topology.links import GB, NVLINK2, PCIE3_X8, PCIE3_X16, PCIE4_X16, SWITCH_DUPLEX, UPI_GOLD6130
+from mobius_fx.topology.links import GB, NVLINK2, PCIE3_X16, SWITCH_DUPLEX, UPI_GOLD6130
 from mobius_fx.kinds import HOST
 from mobius_fx.topology.detect import NoGPUFound, detect_layout, nvidia_smi_layout
+from mobius_fx.topology.presets import PRESET_LAYOUTS, PRESETS
 from mobius_fx.topology.schema import (LINK_KINDS, NODE_KINDS, HostFigures, check_graph, graph_from_dict, layout, natural_key,
                               parse_bandwidths, parse_memory, parse_spec)
 from mobius_fx.units import fmt_bytes
@@ -91,7 +93,7 @@ class Topology:
     Treat it as immutable: routes are cached and equal topologies hash equal.
     """
 
-    PRESETS: tuple[str, ...]  # the preset names, assigned below the preset builders
+    PRESETS: tuple[str, ...]  # the preset names (`presets.PRESETS`), assigned below the class
 
     def __init__(self, graph: nx.DiGraph, *, name: str = "custom", p2p: bool = False,
                  virtual: bool = False, host: HostFigures | None = None):
@@ -371,10 +373,10 @@ class Topology:
         >>> Topology.preset("rtx4090x8").gpus[5].root_complex
         'cpu1'
         """
-        if name not in _PRESETS:
+        if name not in PRESET_LAYOUTS:
             raise TopologyError(f"unknown topology preset {name!r}; valid presets: {', '.join(PRESETS)}. "
                                 f"Describe another server with Topology.from_json or Topology.virtual")
-        return _PRESETS[name]()
+        return _from_dict(PRESET_LAYOUTS[name](), f"preset {name}")
 
     @staticmethod
     def virtual(*, gpus: int = 4, memory: int | str = "256MiB", root_complexes: int = 1,
@@ -481,47 +483,4 @@ def _each(value: Any, parse: Callable[[Any, str], Any], where: str) -> Any:
     return parse(value, where)
 
 
-# --------------------------------------------------------------------- presets
-def _mobius_testbed() -> Topology:
-    # Feng et al., "Mobius", ASPLOS 2023, evaluation setup: 2x Xeon Gold 6130, 8 GPUs
-    # ("8x3090-Ti", 24 GB); "every 4 GPUs are connected to a CPU root complex via PCIe 3.0x8
-    # and a PCIe switch". The switch uplink is PCIe 3.0 x16 (~13 GB/s); GPU links x8
-    # (~6.5 GB/s); UPI ~20 GB/s per direction. GeForce cards have no PCIe P2P.
-    return _from_dict(layout("mobius-testbed", [[[0, 1, 2, 3]], [[4, 5, 6, 7]]], spec="rtx3090ti",
-                              memory="24GiB", gpu_link=PCIE3_X8, uplink=PCIE3_X16, upi=UPI_GOLD6130,
-                              p2p=False), "preset mobius-testbed")
-
-
-def _rtx4090x8() -> Topology:
-    # RoundPipe (2026) evaluation server: 8x RTX 4090 24 GB, PCIe 4.0, 800 GB DDR4, two sockets
-    # of four GPUs. Its switch layout is not published; we assume each GPU has its own x16
-    # CPU link (~25 GB/s effective of 31.5 raw). The CPU is not named either; we assume three
-    # UPI links at 11.2 GT/s (67 GB/s raw per direction) and ~60% of it, 40 GB/s, for DMA.
-    return _from_dict(layout("rtx4090x8", [[[0], [1], [2], [3]], [[4], [5], [6], [7]]], spec="rtx4090",
-                              memory="24GiB", gpu_link=PCIE4_X16, uplink=None, upi=40e9, p2p=False),
-                      "preset rtx4090x8")
-
-
-def _v100x4_nvlink() -> Topology:
-    # AWS EC2 p3.8xlarge (the Mobius paper's second setup): 4x V100-SXM2 16 GB, one socket,
-    # each GPU on PCIe 3.0 x16 (~13 GB/s) to the host, NVLink 2.0 hybrid cube mesh, as
-    # `nvidia-smi topo -m` shows on p3 instances: 0-1 NV1, 0-2 NV1, 0-3 NV2, 1-2 NV2,
-    # 1-3 NV1, 2-3 NV2 (six links per GPU, ~24 GB/s each per direction). P2P is on.
-    nv = {(0, 1): 1, (0, 2): 1, (0, 3): 2, (1, 2): 2, (1, 3): 1, (2, 3): 2}
-    return _from_dict(layout("v100x4-nvlink", [[[0], [1], [2], [3]]], spec="v100-16gb", memory="16GiB",
-                              gpu_link=PCIE3_X16, uplink=None, upi=UPI_GOLD6130, p2p=True,
-                              nvlinks={k: c * NVLINK2 for k, c in nv.items()}), "preset v100x4-nvlink")
-
-
-def _single_3090() -> Topology:
-    # One RTX 3090 24 GB in a desktop, on its native PCIe 4.0 x16 link (~25 GB/s effective).
-    return _from_dict(layout("single-3090", [[[0]]], spec="rtx3090", memory="24GiB", gpu_link=PCIE4_X16,
-                              uplink=None, upi=UPI_GOLD6130, p2p=False), "preset single-3090")
-
-
-_PRESETS: dict[str, Callable[[], Topology]] = {
-    "mobius-testbed": _mobius_testbed, "rtx4090x8": _rtx4090x8,
-    "v100x4-nvlink": _v100x4_nvlink, "single-3090": _single_3090,
-}
-PRESETS = tuple(_PRESETS)
 Topology.PRESETS = PRESETS  # also reachable from the class: Topology.PRESETS

@@ -1,5 +1,5 @@
 """The memory terms of issue 26 part 5b: what annotate measures per layer on meta tensors
-(`LayerCost.saved_bytes`, `peak_bytes`: `passes/annotate._layer_peaks`), how the step model
+(`LayerCost.saved_bytes`, `peak_bytes`: `passes/annotate_layer_peaks.layer_peaks`), how the step model
 sums them (`MemoryModel.footprint`), and what a stage's GPU holds for the stages around it
 (`step_model.memory_rows`)."""
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mobius_fx.passes import annotate as A
+from mobius_fx.passes import annotate_layer_peaks as peaks
 from mobius_fx.passes.annotate import annotate
 from mobius_fx.passes.annotate_tools import LiveBytes
 from mobius_fx.planning.step_model import MemoryModel, memory_rows, stage_memory
@@ -88,7 +88,7 @@ def test_a_layer_meta_cannot_run_again_keeps_the_nodes_bound(monkeypatch):
     def refuse(run, members):
         raise RuntimeError("no meta kernel")
 
-    monkeypatch.setattr(A, "_replay", refuse)
+    monkeypatch.setattr(peaks, "_replay", refuse)
     x, t = torch.randn(B, 16), torch.zeros(B, dtype=torch.long)
     gm = trace(_Loss(), example_inputs=(x, t))
     (loss,) = [l for l in annotate(gm, example_inputs=(x, t)) if "head" in l.name]
