@@ -78,7 +78,7 @@ def _run(passes: PassPipeline, *, model, topology, example_inputs, example_kwarg
                           f"model's positional inputs, e.g. example_inputs=(x,)")
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise MobiusError(f"example_kwargs is a {type(example_kwargs).__name__}; pass a dict of keyword inputs")
-    from mobius_fx.runtime.variants import bind_call
+    from mobius_fx.runtime.call_signatures import bind_call
 
     bind_call(model, tuple(example_inputs), dict(example_kwargs or {}))  # refuses an argument forward does not take
     ctx = CompileContext(model=model, topology=_topology(topology), example_inputs=tuple(example_inputs),

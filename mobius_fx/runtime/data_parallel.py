@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.runtime.stage_calls import host_gradient
+from mobius_fx.runtime.host_gradients import host_gradient
 
 __all__ = ["GradientReducer", "default_group"]
 

@@ -223,7 +223,7 @@ def place_stage(spec: Any, src: torch.device, dst: torch.device) -> list[str]:
     """Bind stage `spec`'s graph to `dst`: `rewrite_graph` on its graph (recompiled when it
     changed) and its tensor constants that are not weights moved to `dst` when on `src`.
     Returns what changed (node names, then attribute names)."""
-    from mobius_fx.runtime.stage_calls import bind
+    from mobius_fx.runtime.stage_state import bind
 
     module = spec.module
     changed = rewrite_graph(module.graph, src, dst)

@@ -62,7 +62,10 @@ from mobius_fx.errors import BudgetError, MobiusError
 from mobius_fx.runtime.placement import sent_device
 from mobius_fx.precision import Precision
 from mobius_fx.runtime.python_state import sync_shells
-from mobius_fx.runtime.stage_calls import GradHomes, StageCall, StageCalls, StageState, Step, logged_grad
+from mobius_fx.runtime.host_gradients import GradHomes
+from mobius_fx.runtime.stage_autograd import logged_grad
+from mobius_fx.runtime.stage_calls import StageCalls
+from mobius_fx.runtime.stage_state import StageCall, StageState, Step
 from mobius_fx.planning.microbatch import batch_rows
 from mobius_fx.runtime.microbatch_outputs import combine, guess_kind
 from mobius_fx.planning.microbatch import split as split_inputs

@@ -3,9 +3,10 @@
 `StageCalls` is the part of the runtime (`mobius_fx.runtime.engine.Runtime` mixes it in) that runs
 one stage call of one micro-batch: in forward without a graph (`StageFunction`), in backward by
 recomputation with grad, the input gradients returned and the weight gradients summed on the
-GPU, downloaded after the stage's last micro-batch and handed to autograd through `Masters`.
-The state it acts on -- `StageState` (a stage's module, slots and masters), `Step` (one
-forward and its backward), `StageCall` -- is defined here too.
+GPU, downloaded after the stage's last micro-batch and handed to autograd through `Masters`
+(both in `stage_autograd.py`). The state it acts on -- `StageState` (a stage's module, slots
+and masters), `Step` (one forward and its backward), `StageCall` -- is in `stage_state.py`;
+the host gradients the downloads are summed into, in `host_gradients.py`.
 
 Mixed precision (`dtype=torch.bfloat16 | torch.float16`): every floating weight's GPU copy
 is the master cast to `dtype` (CUDA: the cast happens on the host into a pinned staging copy,
@@ -32,6 +33,7 @@ accumulation), not eager on the whole batch. With one micro-batch it equals eage
 with M > 1 says so once in the log (a warning) when the model has a BatchNorm layer.
 """
 
+
 from __future__ import annotations
 
 import functools
@@ -41,135 +43,15 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch import nn
-from torch.autograd.function import once_differentiable
 
-from mobius_fx.runtime.devices import Device, nbytes
 from mobius_fx.errors import MobiusError
-from mobius_fx.runtime.host_counters import COUNTERS, watch_masters
+from mobius_fx.runtime.devices import Device, nbytes
+# convert_span and sum_downloads: overlap.py imports them from here until it imports host_gradients
+from mobius_fx.runtime.host_gradients import convert_span, finite_flag, host_gradient, sum_downloads
+from mobius_fx.runtime.stage_autograd import Masters, StageFunction
+from mobius_fx.runtime.stage_state import OnHost, StageCall, StageState, Step
 
-__all__ = ["StageCalls", "StageState", "Step", "StageCall", "StageFunction", "Masters", "GradLog", "OnHost",
-           "bind", "rebuild", "autocast_for", "logged_grad", "host_gradient", "sum_downloads", "convert_span",
-           "finite_flag", "GradHomes"]
-
-
-class StageState:
-    """A stage at run time: its module, its weight slots on its device and their masters."""
-
-    def __init__(self, spec: Any, device: Device, masters: list[torch.Tensor], dtype: torch.dtype | None) -> None:
-        if getattr(spec.module, "_mobius_bound", False):
-            raise MobiusError(f"stage {spec.index}'s module already runs in another Pipeline; a schedule backs one "
-                              f"pipeline: run insert_transfers again (or build_pipeline without schedule=)")
-        spec.module._mobius_bound = True
-        self.index = spec.index
-        self.spec = spec
-        self.device = device
-        self.module = spec.module
-        self.masters = masters
-        self.is_param = [isinstance(m, nn.Parameter) for m in masters]
-        self.kinds = [(m.shape, m.dtype, m.device) for m in masters]  # checked by Runtime.follow
-        watch_masters(m for m, p in zip(masters, self.is_param) if p)  # their optimizer steps bump versions
-        self.slots = [device.new_slot(m, dtype, p) for m, p in zip(masters, self.is_param)]
-        for w, slot in zip(spec.weights, self.slots):
-            for path, attr in w.slots:
-                bind(self.module, path, attr, slot)
-        self.buffer_idx = [j for j, p in enumerate(self.is_param) if not p]
-        # Buffers grouped by the module holding them: native batch_norm updates running stats
-        # without bumping their version counter, but num_batches_tracked beside them is bumped.
-        groups: dict[str, list[int]] = {}
-        for j in self.buffer_idx:
-            groups.setdefault(spec.weights[j].slots[0][0], []).append(j)
-        self.buffer_groups = list(groups.values())
-        self.changing: set[int] = set()  # buffer slots a forward has changed: copied before each call
-        self.weight_bytes = sum(nbytes(s) for s in self.slots)
-        self.shells = spec.shells
-        self.resident = False
-        self.token: Any = None
-        self.versions: list[int] = []
-        self.train: list[int] = []  # slots that take gradients (set at each prefetch)
-
-
-class GradHomes:
-    """Per master, host storage its gradient is converted into, kept across steps: a step does not
-    allocate (and fault in) a new fp32 gradient per master after `zero_grad(set_to_none=True)`
-    freed the last. `.grad` is still None between `zero_grad` and the next backward, as torch
-    users expect; the hand-over points it at the master's home again. A home someone else still
-    holds (`g = p.grad` kept across steps, a view of it, async's update in flight) is left to
-    them and a new one made, so no gradient a user kept is overwritten."""
-
-    def __init__(self) -> None:
-        self._homes: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-
-    def take(self, master: torch.Tensor) -> torch.Tensor:
-        entry = self._homes.get(id(master))
-        if entry is not None and entry[0]() is master and entry[1].shape == master.shape \
-                and entry[1].dtype == master.dtype and _alone(entry[1]):
-            return entry[1]
-        home = torch.empty_like(master, memory_format=torch.contiguous_format)
-        COUNTERS.add("grad_alloc", nbytes(home))
-        self._homes[id(master)] = (weakref.ref(master), home)
-        return home
-
-
-def _alone(t: torch.Tensor) -> bool:
-    """Only GradHomes holds `t` (no Python reference, no view, no `.grad` slot elsewhere)."""
-    import sys
-    return sys.getrefcount(t) <= 3 and torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
-
-
-def host_gradient(master: torch.Tensor, thunks: Sequence[Any], homes: GradHomes | None = None) -> torch.Tensor | None:
-    """A master's host gradient: the downloads of every stage that holds it (each thunk gives
-    one, in the streamed dtype, or None), summed in order in the master's dtype on its device;
-    None when there is none. The runtime (`_gradients`), the optimizer overlap and the
-    data-parallel reducer all sum this one way, so their results are bit for bit the same.
-    A download already in the master's dtype is the gradient itself (no pass); one to convert is
-    converted into the master's home in `homes` when given (kept across steps), else into new
-    memory. The passes are counted (`host_counters.COUNTERS`)."""
-    return sum_downloads(master, [g for g in (thunk() for thunk in thunks) if g is not None], homes)
-
-
-def sum_downloads(master: torch.Tensor, downloads: Sequence[torch.Tensor],
-                  homes: GradHomes | None = None) -> torch.Tensor | None:
-    """`host_gradient` of downloads already waited for (None entries dropped by the caller)."""
-    total = None
-    for g in downloads:
-        if total is None:
-            if g.dtype == master.dtype and g.device == master.device:
-                total = g
-                COUNTERS.add("grad_alloc", nbytes(g))  # the download's own buffer, handed on
-            else:
-                if homes is not None:
-                    total = homes.take(master)
-                else:
-                    total = torch.empty_like(master, memory_format=torch.contiguous_format)
-                    COUNTERS.add("grad_alloc", nbytes(total))
-                with torch.no_grad():
-                    total.copy_(g)
-                COUNTERS.add("grad_convert", nbytes(g) + nbytes(total))
-        else:
-            with torch.no_grad():  # in the master's dtype: the same bits as adding g.to(master.dtype), no temporary
-                total.add_(g.to(device=master.device) if g.device != master.device else g)
-            COUNTERS.add("grad_convert", nbytes(g) + 2 * nbytes(total))
-    return total
-
-
-def convert_span(home: torch.Tensor, downloads: Sequence[torch.Tensor], a: int, b: int) -> None:
-    """Elements [a, b) of `sum_downloads` (the first download copied and converted, the others
-    added in the master's dtype: the same operations, so the same bits) into `home`, a
-    contiguous gradient home: the optimizer overlap converts a gradient span by span, each right
-    before the optimizer steps it, while it is in cache."""
-    span = home.view(-1)[a:b]
-    span.copy_(downloads[0].reshape(-1)[a:b])
-    for g in downloads[1:]:
-        span.add_(g.reshape(-1)[a:b])
-
-
-def finite_flag(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A 0-d bool on the gradients' device: False when any element of `grads` is non-finite.
-    Sums in fp32 (a reduction, no temporary the size of a gradient): a NaN or an infinity
-    always makes the sum non-finite; finite values so large that their sum overflows read as
-    non-finite too, which only makes the optimizer overlap leave those stages to opt.step()."""
-    return torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum().isfinite()
+__all__ = ["StageCalls", "rebuild", "autocast_for", "convert_span", "sum_downloads"]
 
 
 def _own(st: StageState, t: torch.Tensor) -> torch.Tensor:
@@ -179,63 +61,6 @@ def _own(st: StageState, t: torch.Tensor) -> torch.Tensor:
     if ptr and any(s.untyped_storage().data_ptr() == ptr for s in st.slots):
         return t.clone()
     return t
-
-
-def bind(module: nn.Module, path: str, attr: str, value: torch.Tensor) -> None:
-    owner = module.get_submodule(path) if path else module
-    if attr in owner._parameters:
-        owner._parameters[attr] = value
-    elif attr in owner._buffers:
-        owner._buffers[attr] = value
-    else:
-        object.__setattr__(owner, attr, value)
-
-
-class Step:
-    """Book-keeping of one forward (and its backward): calls per stage, gradients in flight."""
-
-    def __init__(self, num_stages: int) -> None:
-        self.fwd_calls = [0] * num_stages
-        self.bwd_calls = [0] * num_stages
-        self.acc: dict[int, dict[int, torch.Tensor]] = {}  # stage -> slot -> gradient on its GPU
-        self.calls: dict[int, list[weakref.ref]] = {}  # stage -> its calls that saved inputs (weak: autograd owns them)
-        self.pending: list[tuple[torch.Tensor, Any]] = []  # (master, thunk giving the host gradient)
-        self.buffers: list[tuple[torch.Tensor, Any]] = []  # (master buffer, thunk giving its new value)
-        self.state = "forward"  # forward | backward | done | aborted
-        self.mb_rows = 0
-        self.marks: dict[int, bool] = {}  # id(input tensor) -> batched, from batch_dims (mobius_fx/planning/microbatch.py)
-        self.hub: torch.Tensor | None = None  # Masters' output: every stage call hangs off it
-        # pipe.overlap(mode="sync"): whether this backward hands complete gradients to the
-        # optimizer (decided at its first flush), the stages flushed, the masters handed over
-        # and, per master, the stages holding it that ran
-        self.overlap: bool | None = None
-        self.flushed: set[int] = set()
-        self.handed: set[int] = set()
-        self.holders: dict[int, set[int]] = {}
-        # per stage flushed with gradients while overlapping: a thunk giving whether all of them
-        # are finite, computed on its GPU before the download (None: the device cannot; the
-        # optimizer then reads the gradients on the host)
-        self.finite: dict[int, Any] = {}
-
-
-class StageCall:
-    """One stage call of one micro-batch, as the autograd Function sees it."""
-
-    __slots__ = ("rt", "step", "stage", "mb", "in_leaves", "in_spec", "in_pos", "out_leaves", "out_spec",
-                 "out_pos", "saved", "restored", "rng", "amp", "state", "__weakref__")
-
-    def __init__(self, rt: Any, step: Step, stage: int, mb: int, leaves: list, spec: Any, pos: list[int]):
-        self.rt, self.step, self.stage, self.mb = rt, step, stage, mb
-        self.in_leaves = [None if j in pos else x for j, x in enumerate(leaves)]
-        self.in_spec, self.in_pos = spec, pos
-        self.out_leaves: list = []
-        self.out_spec: Any = None
-        self.out_pos: list[int] = []
-        self.saved: list = []
-        self.restored: tuple[list, list] | None = None  # (inputs back on the GPU, their copies' events)
-        self.rng: Any = None
-        self.amp: tuple[str, bool, torch.dtype] = rt.amp_state(rt.stages[stage].device)
-        self.state: list[tuple[int, torch.Tensor]] = []  # (buffer slot, its value before the forward changed it)
 
 
 def rebuild(leaves: list, pos: list[int], tensors: Sequence[torch.Tensor], spec: Any) -> Any:
@@ -250,96 +75,6 @@ def autocast_for(amp: tuple[str, bool, torch.dtype]) -> torch.autocast:
     cached cast of a weight slot would outlive the slot's eviction."""
     device_type, enabled, dtype = amp
     return torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False)
-
-
-class OnHost:
-    """A stage input that came from the host: kept there for backward (no offload copy)."""
-
-    __slots__ = ("host", "version")
-
-    def __init__(self, host: torch.Tensor, version: int) -> None:
-        self.host, self.version = host, version
-
-
-class GradLog(torch.autograd.Function):
-    """Identity that logs the gradient's copy when it flows back through a send."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, dev: Device, direction: str, stage: int | None):
-        ctx.dev, ctx.direction, ctx.stage = dev, direction, stage
-        return t.view_as(t)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        if grad is not None:
-            with ctx.dev.log.stage(ctx.stage):
-                ctx.dev.log.add("activation", ctx.direction, nbytes(grad))
-        return grad, None, None, None
-
-
-def logged_grad(t: torch.Tensor, dev: Device, direction: str, stage: int | None) -> torch.Tensor:
-    return GradLog.apply(t, dev, direction, stage) if t.requires_grad else t
-
-
-class StageFunction(torch.autograd.Function):
-    """One stage call: forward without a graph, backward by recomputation (see module docstring)."""
-
-    @staticmethod
-    def forward(ctx, call: StageCall, anchor: torch.Tensor, *tensors: torch.Tensor):
-        ctx.set_materialize_grads(False)
-        ctx.call = call
-        outs, nondiff = call.rt._forward(call, tensors)
-        if nondiff:
-            ctx.mark_non_differentiable(*nondiff)
-        return outs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        # What a call keeps for backward lives outside autograd (offloaded to the host), so a
-        # second backward would run it again and double every gradient. Reading saved_tensors
-        # asks autograd whether this node's graph was freed (a backward without retain_graph):
-        # then it raises torch's own "Trying to backward through the graph a second time".
-        ctx.saved_tensors  # noqa: B018
-        refuse_double_backward()
-        return _stage_backward(ctx, *grads)
-
-
-def refuse_double_backward() -> None:
-    """Refuse `backward(create_graph=True)` / `autograd.grad(..., create_graph=True)` (grad mode
-    is on in a backward only then): a stage's backward is a recomputation whose own graph is not
-    kept, so gradients of gradients (a gradient penalty, Hessian-vector products) cannot flow."""
-    if torch.is_grad_enabled():
-        raise MobiusError("backward with create_graph=True (double backward: a gradient penalty, a Hessian-vector "
-                          "product) is not supported by a Mobius pipeline: each stage's backward recomputes the stage "
-                          "and returns plain gradients, with no graph to differentiate again. Compute higher-order "
-                          "gradients with the eager model, or call backward without create_graph (the step is kept: "
-                          "backward can run again)")
-
-
-@once_differentiable
-def _stage_backward(ctx, *grads):
-    call = ctx.call
-    return (None, None, *call.rt._backward(call, grads, ctx.needs_input_grad[2:]))
-
-
-class Masters(torch.autograd.Function):
-    """The masters' place in the autograd graph: every stage call of a step hangs off its output,
-    so its backward runs after the step's last stage backward and hands autograd the host
-    gradients. `loss.backward()` accumulates them into `.grad` (hooks run), `backward(inputs=[...])`
-    only into those asked for, `torch.autograd.grad(loss, params)` returns them; a backward that
-    needs no master (the gradient of an input alone) leaves `.grad` alone (`Runtime._finish`)."""
-
-    @staticmethod
-    def forward(ctx, rt: Any, step: Step, anchor: torch.Tensor, *masters: torch.Tensor):
-        ctx.rt, ctx.step, ctx.ids = rt, step, [id(m) for m in masters]
-        return anchor.detach().clone()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, _):
-        grads = ctx.rt._gradients(ctx.step)
-        return (None, None, None, *(grads.get(i) for i in ctx.ids))
 
 
 class StageCalls:

@@ -1,0 +1,121 @@
+"""The state stage calls act on: `StageState` (a stage at run time: its module, its weight slots on
+its GPU and their masters), `Step` (the book-keeping of one forward and its backward),
+`StageCall` (one stage call of one micro-batch, as the autograd Function sees it) and `OnHost`
+(a stage input kept on the host for backward). The calls themselves: `stage_calls.StageCalls`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from mobius_fx.errors import MobiusError
+from mobius_fx.runtime.devices import Device, nbytes
+from mobius_fx.runtime.host_counters import watch_masters
+
+__all__ = ["StageState", "Step", "StageCall", "OnHost", "bind"]
+
+
+class StageState:
+    """A stage at run time: its module, its weight slots on its device and their masters."""
+
+    def __init__(self, spec: Any, device: Device, masters: list[torch.Tensor], dtype: torch.dtype | None) -> None:
+        if getattr(spec.module, "_mobius_bound", False):
+            raise MobiusError(f"stage {spec.index}'s module already runs in another Pipeline; a schedule backs one "
+                              f"pipeline: run insert_transfers again (or build_pipeline without schedule=)")
+        spec.module._mobius_bound = True
+        self.index = spec.index
+        self.spec = spec
+        self.device = device
+        self.module = spec.module
+        self.masters = masters
+        self.is_param = [isinstance(m, nn.Parameter) for m in masters]
+        self.kinds = [(m.shape, m.dtype, m.device) for m in masters]  # checked by Runtime.follow
+        watch_masters(m for m, p in zip(masters, self.is_param) if p)  # their optimizer steps bump versions
+        self.slots = [device.new_slot(m, dtype, p) for m, p in zip(masters, self.is_param)]
+        for w, slot in zip(spec.weights, self.slots):
+            for path, attr in w.slots:
+                bind(self.module, path, attr, slot)
+        self.buffer_idx = [j for j, p in enumerate(self.is_param) if not p]
+        # Buffers grouped by the module holding them: native batch_norm updates running stats
+        # without bumping their version counter, but num_batches_tracked beside them is bumped.
+        groups: dict[str, list[int]] = {}
+        for j in self.buffer_idx:
+            groups.setdefault(spec.weights[j].slots[0][0], []).append(j)
+        self.buffer_groups = list(groups.values())
+        self.changing: set[int] = set()  # buffer slots a forward has changed: copied before each call
+        self.weight_bytes = sum(nbytes(s) for s in self.slots)
+        self.shells = spec.shells
+        self.resident = False
+        self.token: Any = None
+        self.versions: list[int] = []
+        self.train: list[int] = []  # slots that take gradients (set at each prefetch)
+
+
+def bind(module: nn.Module, path: str, attr: str, value: torch.Tensor) -> None:
+    owner = module.get_submodule(path) if path else module
+    if attr in owner._parameters:
+        owner._parameters[attr] = value
+    elif attr in owner._buffers:
+        owner._buffers[attr] = value
+    else:
+        object.__setattr__(owner, attr, value)
+
+
+class Step:
+    """Book-keeping of one forward (and its backward): calls per stage, gradients in flight."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.fwd_calls = [0] * num_stages
+        self.bwd_calls = [0] * num_stages
+        self.acc: dict[int, dict[int, torch.Tensor]] = {}  # stage -> slot -> gradient on its GPU
+        self.calls: dict[int, list[weakref.ref]] = {}  # stage -> its calls that saved inputs (weak: autograd owns them)
+        self.pending: list[tuple[torch.Tensor, Any]] = []  # (master, thunk giving the host gradient)
+        self.buffers: list[tuple[torch.Tensor, Any]] = []  # (master buffer, thunk giving its new value)
+        self.state = "forward"  # forward | backward | done | aborted
+        self.mb_rows = 0
+        self.marks: dict[int, bool] = {}  # id(input tensor) -> batched, from batch_dims (mobius_fx/planning/microbatch.py)
+        self.hub: torch.Tensor | None = None  # Masters' output: every stage call hangs off it
+        # pipe.overlap(mode="sync"): whether this backward hands complete gradients to the
+        # optimizer (decided at its first flush), the stages flushed, the masters handed over
+        # and, per master, the stages holding it that ran
+        self.overlap: bool | None = None
+        self.flushed: set[int] = set()
+        self.handed: set[int] = set()
+        self.holders: dict[int, set[int]] = {}
+        # per stage flushed with gradients while overlapping: a thunk giving whether all of them
+        # are finite, computed on its GPU before the download (None: the device cannot; the
+        # optimizer then reads the gradients on the host)
+        self.finite: dict[int, Any] = {}
+
+
+class StageCall:
+    """One stage call of one micro-batch, as the autograd Function sees it."""
+
+    __slots__ = ("rt", "step", "stage", "mb", "in_leaves", "in_spec", "in_pos", "out_leaves", "out_spec",
+                 "out_pos", "saved", "restored", "rng", "amp", "state", "__weakref__")
+
+    def __init__(self, rt: Any, step: Step, stage: int, mb: int, leaves: list, spec: Any, pos: list[int]):
+        self.rt, self.step, self.stage, self.mb = rt, step, stage, mb
+        self.in_leaves = [None if j in pos else x for j, x in enumerate(leaves)]
+        self.in_spec, self.in_pos = spec, pos
+        self.out_leaves: list = []
+        self.out_spec: Any = None
+        self.out_pos: list[int] = []
+        self.saved: list = []
+        self.restored: tuple[list, list] | None = None  # (inputs back on the GPU, their copies' events)
+        self.rng: Any = None
+        self.amp: tuple[str, bool, torch.dtype] = rt.amp_state(rt.stages[stage].device)
+        self.state: list[tuple[int, torch.Tensor]] = []  # (buffer slot, its value before the forward changed it)
+
+
+class OnHost:
+    """A stage input that came from the host: kept there for backward (no offload copy)."""
+
+    __slots__ = ("host", "version")
+
+    def __init__(self, host: torch.Tensor, version: int) -> None:
+        self.host, self.version = host, version
