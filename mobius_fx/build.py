@@ -96,7 +96,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     path's streams, events and slot pool: mobius_fx.runtime.devices.VirtualAsyncDevice), "cuda", "auto"
     (virtual for a virtual topology or without CUDA, else CUDA) or a `{gpu name: Device}` of your own; `gpu_indices`
     maps GPU names to CUDA indices. The model is left as it was. Given example inputs, the
-    pipeline (a `signatures.VariantPipeline`) serves calls like them: a call with other keyword
+    pipeline (a `variants.VariantPipeline`) serves calls like them: a call with other keyword
     arguments, or shapes the traced graph does not hold for, is refused with a MobiusError
     naming the argument or dimension (`mobius_fx.compile` traces a variant for it instead).
     `batch_dims` ({forward argument: 0 or None}) says which inputs carry the batch; with several

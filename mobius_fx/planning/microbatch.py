@@ -138,7 +138,7 @@ def declared(model: torch.nn.Module | None, args: tuple, kwargs: dict, batch_dim
     try:
         sig = inspect.signature(model.forward)
         bound = sig.bind_partial(*args, **kwargs).arguments
-    except (TypeError, ValueError):  # a call forward does not take is refused by signatures.bind_call
+    except (TypeError, ValueError):  # a call forward does not take is refused by call_signatures.bind_call
         sig, bound = None, {f"args[{i}]": a for i, a in enumerate(args)} | dict(kwargs)
     values: dict[str, Any] = {}
     for name, value in bound.items():

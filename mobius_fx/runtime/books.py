@@ -25,7 +25,7 @@ Either way the plan's per-stage peak (`Stage.peak_bytes`) comes from the IR's ac
 (mobius_fx/planning/costs.py, step_model.py) and bounds `stage_peaks`. `TransferLog` counts the bytes moved
 per kind, direction and stage, as the schedule IR books them.
 
-    dev = VirtualDevice("gpu0", budget=parse_bytes("64MiB"))     # mobius_fx.runtime.devices
+    dev = VirtualDevice("gpu0", budget=parse_bytes("64MiB"))     # mobius_fx.runtime.device_virtual
     with dev.working(stage=0):                                   # charges what the work creates
         y = layer(x)
     dev.stats()                                                  # {"peak_bytes": ..., "current_bytes": ...}

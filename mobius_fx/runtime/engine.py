@@ -17,7 +17,7 @@ How a step runs:
   (gradients land in `param.grad`, buffer updates such as BatchNorm statistics are copied
   back once per forward). Each stage owns GPU *slots* for its weights; `prefetch` gives them
   storage and copies the masters in, `evict` frees the storage again. On stream devices (CUDA
-  and its CPU stand-in, mobius_fx/runtime/devices.py `StreamDevice`) that storage is a slot of a fixed
+  and its CPU stand-in, mobius_fx/runtime/device_stream.py `StreamDevice`) that storage is a slot of a fixed
   per-GPU pool: as many slots as the schedule IR has stages resident on the GPU at once, each
   sized for the largest stage the IR's order puts in it (`_plan_slots`), refilled only after
   the events of its last use.
@@ -56,7 +56,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from mobius_fx.runtime.devices import Device, nbytes
+from mobius_fx.runtime.books import Device, nbytes
 from mobius_fx.kinds import HOST
 from mobius_fx.errors import BudgetError, MobiusError
 from mobius_fx.runtime.placement import sent_device

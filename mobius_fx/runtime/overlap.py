@@ -36,7 +36,7 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   A forward between `loss.backward()` and `opt.step()` is refused once stages were stepped
   (it would see some stages' new weights and others' old ones).
   The hand-over makes no host pass of its own: whether a stage's gradients are all finite is
-  computed on its GPU before they are downloaded (`stage_calls.finite_flag`; a loop may skip the
+  computed on its GPU before they are downloaded (`host_gradients.finite_flag`; a loop may skip the
   step on a non-finite loss, so no stage is stepped from a non-finite gradient: from the first,
   the rest is left to `opt.step()`), and a gradient to convert (bf16 download, fp32 master) is
   converted into `.grad` -- storage kept across steps -- inside the stage's step, span by span,
@@ -62,14 +62,15 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   `opt.step()`, on the gradients the update then uses).
 
 - `mode="none"` returns `opt` itself: stepped serially after backward.
+
+`OverlapOptimizer` is assembled here from its parts: `overlap_handover.GradHandover` (what the
+runtime calls during backward, sync), `overlap_fused.FusedStep` (a stage's span-by-span step),
+`overlap_async.AsyncUpdate` (mode="async") and the helpers of `overlap_watch`.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-import sys
-import weakref
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -77,101 +78,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from mobius_fx.runtime import host_threads
 from mobius_fx.errors import MobiusError
-from mobius_fx.runtime.books import nbytes
-from mobius_fx.runtime.host_counters import COUNTERS
 from mobius_fx.kinds import OVERLAP_MODES
-from mobius_fx.runtime.stage_calls import convert_span, sum_downloads
+from mobius_fx.runtime import host_threads
+from mobius_fx.runtime.overlap_async import AsyncUpdate
+from mobius_fx.runtime.overlap_fused import FusedStep
+from mobius_fx.runtime.overlap_handover import GradHandover
+from mobius_fx.runtime.overlap_watch import called_by_grad_scaler, fingerprint, hyper_params, partition_owners, same_hyper
 
 __all__ = ["OverlapOptimizer"]
 
 log = logging.getLogger("mobius_fx")
-
-
-class _WeakHook:
-    """A hook that calls `method` of an overlap held weakly, and nothing once it is gone. Copying
-    or pickling the model it hangs on (`copy.deepcopy(model)` for a best-model copy,
-    `torch.save(model)`) gives an inert hook: the copy is not the overlap's."""
-
-    def __init__(self, owner: Any, method: str, *args: Any) -> None:
-        self._ref = weakref.ref(owner) if owner is not None else None
-        self._method, self._args = method, args
-
-    def __call__(self, *a: Any) -> Any:
-        owner = self._ref() if self._ref is not None else None
-        if owner is not None:
-            return getattr(owner, self._method)(*self._args, *a)
-        return None
-
-    def __deepcopy__(self, memo: dict) -> "_WeakHook":
-        return _WeakHook(None, self._method)
-
-    def __reduce__(self) -> tuple:
-        return (_WeakHook, (None, self._method))
-
-
-def _accumulator(p: torch.Tensor) -> Any:
-    """The AccumulateGrad node autograd runs for leaf `p` (kept alive by the caller)."""
-    with torch.enable_grad():  # called inside backward, where grad mode is off
-        return p.view_as(p).grad_fn.next_functions[0][0]
-
-
-def _engine_accumulates(node: Any) -> bool:
-    """True when the backward pass running now will accumulate into this leaf's `.grad`:
-    `loss.backward()` and `backward(inputs=[... p ...])` do; `torch.autograd.grad` does not (torch
-    refuses to answer for leaves there, which means no)."""
-    try:
-        return bool(torch._C._will_engine_execute_node(node))
-    except RuntimeError:
-        return False
-
-
-def _fingerprint(g: torch.Tensor) -> int:
-    """A checksum of `g`'s bits, for the first step's watch: some in-place kernels
-    (GradScaler's unscale) do not bump the version counter."""
-    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(g.element_size())
-    if bits is None or g.is_sparse:
-        return g._version
-    return int(g.detach().contiguous().view(bits).sum(dtype=torch.int64))
-
-
-def _partition(params: list[torch.Tensor], world: int) -> dict[int, int]:
-    """shard=True: which rank steps each parameter (trainable ones), balancing bytes greedily in
-    the optimizer's order, the same on every rank."""
-    load = [0] * world
-    owners: dict[int, int] = {}
-    for p in params:
-        if p.requires_grad and id(p) not in owners:
-            r = min(range(world), key=lambda i: (load[i], i))
-            owners[id(p)] = r
-            load[r] += p.numel() * p.element_size()
-    return owners
-
-
-def _hyper(groups: list[dict]) -> list[dict]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
-
-
-def _same_hyper(a: list[dict], b: list[dict]) -> bool:
-    def same(x: Any, y: Any) -> bool:
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
-        return x == y
-    return len(a) == len(b) and all(g.keys() == h.keys() and all(same(g[k], h[k]) for k in g) for g, h in zip(a, b))
-
-
-def _called_by_grad_scaler() -> bool:
-    """Whether opt.step() was called by torch.amp.GradScaler.step (directly or through an LR
-    scheduler's wrapper of step)."""
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return False
-        if frame.f_code.co_filename.endswith("grad_scaler.py"):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _inner(name: str) -> property:
@@ -179,42 +96,31 @@ def _inner(name: str) -> property:
     return property(lambda self: getattr(self.inner, name), lambda self, v: setattr(self.inner, name, v))
 
 
-# The optimizers whose step `_step_fused` runs span by span: each element is updated from its own
-# gradient and state, and from per-parameter scalars (Adam's `step`) the same for every span.
-# Exact classes (a subclass may change the update); the kind says when a parameter's state is made.
-_CHUNKED = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
-
-# Spans of `_step_fused`. torch's fused CPU optimizers (`fused=True`) step a tensor in units of
-# UNIT elements, one thread per unit, vectorised with a scalar tail only at the tensor's end (whose
-# bits differ from the vector path's): spans of whole units split it the same way. Its other
-# implementations are TensorIterator loops whose elements get the same bits wherever they fall.
-# A span gives each of the worker's threads SPAN_UNITS units: for each thread the fp32 parameter,
-# gradient and moments of its share (1 MiB) and the half-precision download stay in its core's
-# cache between the conversion and the step, and every thread works, as on a whole tensor.
-UNIT = 32768
-SPAN_UNITS = 2
-SPAN: int | None = None  # elements per span; None: UNIT * SPAN_UNITS * the worker's threads
-
-
-def _span() -> int:
-    return SPAN if SPAN is not None else UNIT * SPAN_UNITS * max(1, torch.get_num_threads())
-
-
-def _raw_step(cls: type) -> Callable[[Any], Any] | None:
-    """`cls.step` without torch's wrappers (the step hooks, the grad-mode switch): `_step_fused`
-    runs the hooks once per stage and calls this once per span, under no_grad."""
-    step = getattr(cls, "step", None) if cls in _CHUNKED else None
-    if step is None or not getattr(step, "hooked", False):
-        return None
-    raw = inspect.unwrap(step)
-    return raw if raw is not step else None
+def _checked(pipeline: Any, optimizer: torch.optim.Optimizer, mode: str, shard: bool) -> Any:
+    """The overlap's arguments refused with the reason and the remedy; the data-parallel reducer
+    that shard=True divides the optimizer over (None without shard)."""
+    if mode == "none" or mode not in OVERLAP_MODES:
+        raise MobiusError(f"overlap mode={mode!r}; use 'sync' (exact: stages stepped during backward), 'async' "
+                          f"(staleness 1, as RoundPipe) or 'none' (serial, after backward)")
+    if isinstance(optimizer, OverlapOptimizer):
+        raise MobiusError("this optimizer is already overlapped with a pipeline; pass the torch optimizer itself")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise MobiusError(f"pipe.overlap needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise MobiusError("LBFGS re-evaluates the loss over all parameters in its step (a closure), so it cannot "
+                          "step stage by stage or one step late; use it without pipe.overlap")
+    reducer = pipeline._rt.reducer if shard else None
+    if shard and reducer is None:
+        raise MobiusError("shard=True divides the optimizer over the ranks of a data-parallel run, but this "
+                          "pipeline has none: compile with process_group=... (or under an initialised "
+                          "torch.distributed with several ranks), or use shard=False")
+    if shard and mode != "sync":
+        raise MobiusError(f"shard=True steps each rank's share of the parameters and then gathers them, which "
+                          f"mode={mode!r} does not do; use mode='sync' with shard=True")
+    return reducer
 
 
-def _hooked(p: torch.Tensor) -> bool:
-    return bool(getattr(p, "_backward_hooks", None)) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
-
-
-class OverlapOptimizer(torch.optim.Optimizer):
+class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimizer):
     """`opt` stepped off the critical path of a `Pipeline` (see the module docstring).
 
     It shares `param_groups`, `state` and `defaults` with the optimizer it wraps, so LR
@@ -224,24 +130,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def __init__(self, pipeline: Any, optimizer: torch.optim.Optimizer, mode: str,  # noqa: D107
                  shard: bool = False, refresh_copies: bool = True) -> None:
         # Optimizer.__init__ is not called: this object owns no parameters of its own.
-        if mode == "none" or mode not in OVERLAP_MODES:
-            raise MobiusError(f"overlap mode={mode!r}; use 'sync' (exact: stages stepped during backward), 'async' "
-                              f"(staleness 1, as RoundPipe) or 'none' (serial, after backward)")
-        if isinstance(optimizer, OverlapOptimizer):
-            raise MobiusError("this optimizer is already overlapped with a pipeline; pass the torch optimizer itself")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise MobiusError(f"pipe.overlap needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise MobiusError("LBFGS re-evaluates the loss over all parameters in its step (a closure), so it cannot "
-                              "step stage by stage or one step late; use it without pipe.overlap")
-        reducer = pipeline._rt.reducer if shard else None
-        if shard and reducer is None:
-            raise MobiusError("shard=True divides the optimizer over the ranks of a data-parallel run, but this "
-                              "pipeline has none: compile with process_group=... (or under an initialised "
-                              "torch.distributed with several ranks), or use shard=False")
-        if shard and mode != "sync":
-            raise MobiusError(f"shard=True steps each rank's share of the parameters and then gathers them, which "
-                              f"mode={mode!r} does not do; use mode='sync' with shard=True")
+        reducer = _checked(pipeline, optimizer, mode, shard)
         self.inner = optimizer
         self.mode = mode
         self.shard = shard
@@ -285,20 +174,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._shadows: dict[int, nn.Parameter] = {}
         self._flight: Future | None = None
         self._flight_params: list[torch.Tensor] = []
-        # async: the model's state_dict() and load_state_dict() (of any of its modules) and an eager call
-        # of the model first finish the update in flight, so `{"model": m.state_dict(), "opt":
-        # opt.state_dict()}` is one step, and a loaded checkpoint is not overwritten by it
         if mode == "async":
-            model = pipeline.model
-            reading = _WeakHook(self, "_reading")
-            self._handles += [m.register_state_dict_pre_hook(reading) for m in model.modules()]
-            self._handles += [m.register_load_state_dict_pre_hook(reading) for m in model.modules()]
-            self._handles.append(model.register_forward_pre_hook(reading))
-            # a gradient arriving for a parameter whose .grad the update in flight reads: unshare it first
-            self._handles += [p.register_hook(_WeakHook(self, "_arriving", p)) for p in self._params()
-                            if p.requires_grad]
+            self._hook_model()
         if shard:
-            self._owners = _partition(self._params(), reducer.world)
+            self._owners = partition_owners(self._params(), reducer.world)
             reducer.owners = self._owners
             self.owned = sum(1 for r in self._owners.values() if r == reducer.rank)
         else:
@@ -335,32 +214,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.unshare_grads(zero=True)
         self.inner.zero_grad(set_to_none)
 
-    def _reading(self, *_: Any) -> None:
-        """A (load_)state_dict and forward pre-hook on the model (async): its weights are read or
-        replaced, so the update in flight lands first. Not while torch.export traces the model (a
-        variant compiled for a new call): it runs on fake tensors then, and a weight swap there
-        would change the trajectory the user chose (staleness 1) for no read of theirs."""
-        if not torch.compiler.is_compiling():
-            self.synchronize()
-
-    def _arriving(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        """A tensor hook on each parameter (async): runs as its gradient arrives, before autograd
-        accumulates it into `.grad`; a loop that zeroed `.grad` (set_to_none) pays nothing."""
-        q = self._shadows.get(id(p))
-        if q is not None and p.grad is not None and p.grad is q.grad:
-            p.grad = p.grad.clone()
-
-    def unshare_grads(self, zero: bool = False) -> None:
-        """async: after `step()` a parameter's `.grad` is the gradient that step uses, as in eager
-        (the update in flight reads the very tensor). Before anything writes into it -- the next
-        backward accumulating (a loop without zero_grad, as eager accumulates), zero_grad(
-        set_to_none=False) -- the parameter gets a copy (zeros, for `zero`) of its own
-        (`_arriving` does it for backward, only when a gradient arrives)."""
-        for p in self._flight_params:
-            q = self._shadows.get(id(p))
-            if q is not None and p.grad is not None and p.grad is q.grad:
-                p.grad = torch.zeros_like(p.grad) if zero else p.grad.clone()
-
     def state_dict(self) -> dict:
         self.synchronize()
         return self.inner.state_dict()
@@ -373,284 +226,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         self.synchronize()
         self.inner.add_param_group(param_group)
-
-    # ------------------------------------------------------------------ the pipeline's side (sync)
-    def before_forward(self) -> None:
-        """A forward of the pipeline begins: refused between a backward that stepped stages and
-        the opt.step() that completes the update."""
-        self._check_dirty()
-        if self._stepped:
-            raise MobiusError(f"a forward ran between loss.backward() and opt.step() under pipe.overlap(mode='sync'), "
-                              f"after {len(self._stepped)} parameters were already stepped: it would run on some "
-                              f"stages' new weights and others' old ones. Call opt.step() before the next forward "
-                              f"(evaluate after it), or use mode='none'")
-
-    def backward_started(self) -> None:
-        """A backward pass of the pipeline begins (first stage backward of a step)."""
-        self._check_dirty()
-        self._backwards += 1
-        if self.mode != "sync":
-            return
-        for p in self._params():
-            self._watch(p)
-        if self._backwards > 1:
-            self._serialize("opt.step() was not called between two backward passes (gradient accumulation, or a loop "
-                            "that skips steps, e.g. on a non-finite loss): a stage cannot be stepped before it is known "
-                            "that the step will be taken with these gradients", refuse=bool(self._stepped))
-
-    def _check_dirty(self) -> None:
-        if self._dirty is not None:
-            raise MobiusError(f"pipe.overlap(mode='sync'): {self._dirty}; the model's weights and the optimizer state "
-                              f"are those of a partial step. Reload both from a checkpoint (opt.load_state_dict clears "
-                              f"this), or use mode='none' to retry failed steps")
-
-    def _watch(self, p: torch.Tensor) -> None:
-        """Pre-hook p's AccumulateGrad node: it sees every gradient autograd accumulates into
-        `.grad`, so a gradient from outside the pipeline (a regulariser, an auxiliary loss on
-        model.parameters()) shows up there."""
-        if id(p) in self._watched or not p.requires_grad:
-            return
-        node = self._nodes.get(id(p))
-        if node is None:
-            node = self._nodes[id(p)] = _accumulator(p)
-        # The node outlives this optimizer (autograd keeps it while `p` lives): the hook holds it
-        # weakly and close() removes it, so a replaced or closed overlap and its state are freed.
-        self._handles.append(node.register_prehook(_WeakHook(self, "_arrives", id(p))))
-        self._watched.add(id(p))
-
-    def _arrives(self, pid: int, grad_outputs: tuple) -> None:
-        """What autograd accumulates into parameter `pid`'s `.grad` (its AccumulateGrad pre-hook)."""
-        g = grad_outputs[0] if grad_outputs else None
-        if g is None:
-            return
-        if pid in self._stepped:
-            self._late.add(pid)
-        elif self._probing and pid in self._handed_fp:
-            mine, version = self._handed_fp[pid]
-            if g is not mine or g._version != version:  # summed with another gradient (even a zero one)
-                self._outside.add(pid)
-
-    def handed_by_autograd(self, grads: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The runtime's `Masters` hands these (id -> (master, gradient)) to autograd; while
-        probing, remember them, to tell gradients from outside the pipeline (`_watch`)."""
-        if self._probing:
-            self._handed_fp = {i: (g, g._version) for i, (_, g) in grads.items()}
-
-    def overlapping(self) -> bool:
-        """Whether this backward steps stages as their gradients complete."""
-        return self.mode == "sync" and self._serial is None and not self._probing and self._error is None
-
-    def wants(self, p: torch.Tensor) -> bool:
-        """Whether `p` can be stepped now, during the backward that runs: it is one of this
-        optimizer's parameters, this backward accumulates into its `.grad`, and no hook on it
-        expects autograd to do so."""
-        if torch.is_grad_enabled():  # backward(create_graph=True): autograd builds on the gradients it accumulates
-            return False
-        node = self._nodes.get(id(p))
-        if node is None:
-            if not any(q is p for q in self._params()):
-                return False
-            node = self._nodes[id(p)] = _accumulator(p)
-        return id(p) not in self._outside and not _hooked(p) and _engine_accumulates(node)
-
-    def ready(self, groups: list[tuple[torch.Tensor, list[Callable[[], torch.Tensor]]]],
-              finite: list[Callable[[], bool]] | None = None) -> None:
-        """Gradients of these masters are complete (each: the thunks giving its host gradient
-        from every stage that holds it, in the order the runtime summed them): put them in
-        `.grad` and step them, on the workers. `finite`: thunks telling whether the gradients of
-        the stages they came from are all finite, computed on the GPUs (None: read them here)."""
-        params = [p for p, _ in groups]
-        self._stepped.update(id(p) for p in params)
-        if self._hp is None:  # the hyper-parameters of this round: every stage is stepped with them
-            self._hp = _hyper(self.param_groups)
-        hp = [{**h, "params": g["params"]} for h, g in zip(self._hp, self.param_groups)]
-
-        homes = self._pipeline._rt.grad_homes
-        if finite is not None and self.fuse:
-            # the hand-over and the step in one job: each gradient converted span by span right
-            # before the optimizer steps that span (`_step_fused`); `.grad` is final when it ends,
-            # so backward's end (`backward_done`) waits for it as for an addition
-            def fused() -> None:
-                ok = not self._nonfinite and all(f() for f in finite)
-                downloads = [(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups]
-                if not ok:
-                    self._hand(downloads, homes)
-                    self._skip(params)
-                    return
-                self._step_fused(downloads, hp, homes)
-                self._refresh(params)
-
-            job = self._submit(self._stepper, fused)
-            self._adds.append(job)
-            self._steps.append(job)
-            return
-
-        def add() -> None:
-            self._hand([(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups], homes)
-
-        added = self._submit(self._adder, add)
-        self._adds.append(added)
-
-        def step() -> None:
-            added.result()
-            COUNTERS.add("finite_check", sum(nbytes(p.grad) for p in params if p.grad is not None))
-            if not self._nonfinite and all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params):
-                self._step_only(params, hp)
-                self._refresh(params)
-                return
-            self._skip(params)
-
-        self._steps.append(self._submit(self._stepper, step))
-
-    def _hand(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], homes: Any) -> None:
-        """The downloaded gradients into `.grad`: summed into the master's home (`GradHomes`)
-        when `.grad` is None, else added into the `.grad` the loop kept (it accumulates)."""
-        with torch.no_grad():
-            for p, gs in downloads:
-                fresh = p.grad is None
-                total = sum_downloads(p, gs, homes if fresh else None)
-                if total is None:
-                    continue
-                if fresh:
-                    p.grad = total
-                else:
-                    p.grad.add_(total)
-                    COUNTERS.add("grad_add", 3 * nbytes(total))
-
-    def _skip(self, params: list[torch.Tensor]) -> None:
-        """A non-finite gradient: step nothing more during this backward; opt.step() steps the
-        rest serially if the loop takes the step (a loop that skips it then changed nothing)."""
-        self._nonfinite = True
-        self._stepped.difference_update(id(p) for p in params)
-
-    def _refresh(self, params: list[torch.Tensor]) -> None:
-        if self.refresh_copies:  # the streamed copies the next step uploads (see refresh_copies)
-            for dev in self._pipeline._rt.devices.values():
-                refresh = getattr(dev, "refresh", None)
-                if refresh is not None:
-                    refresh(params)
-
-    def _fusable(self, p: torch.Tensor, gs: list[torch.Tensor], group: dict, homes: Any) -> bool:
-        """Whether `p` can be handed over and stepped span by span (`_step_fused`): its downloads
-        need a conversion into a fresh `.grad` (a gradient home), the optimizer is one whose
-        update is elementwise and whose state for `p` is made (`_CHUNKED`), and every tensor is
-        contiguous, so a span of each is the same elements."""
-        if homes is None or p.grad is not None or not gs or gs[0].dtype == p.dtype or p.is_sparse:
-            return False
-        if not p.is_contiguous() or any(not g.is_contiguous() or g.shape != p.shape or g.device != p.device
-                                        for g in gs):
-            return False
-        kind = _CHUNKED.get(type(self.inner))
-        if kind is None or group.get("differentiable") or group.get("capturable"):
-            return False
-        if group.get("fused") and _span() % UNIT:
-            return False  # spans of part units would split the fused kernel's work differently
-        state = self.inner.state.get(p)
-        if kind == "adam" and not state:
-            return False  # made by its first step: whole
-        if kind == "sgd" and group.get("momentum", 0) != 0 and (state or {}).get("momentum_buffer") is None:
-            return False
-        for v in (state or {}).values():
-            if not isinstance(v, torch.Tensor):
-                return False
-            if not (v.dim() == 0 or (v.shape == p.shape and v.is_contiguous() and v.device == p.device)):
-                return False
-        return True
-
-    def _step_fused(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict],
-                    homes: Any) -> None:
-        """Hand over and step a stage's parameters in one pass (`ready`, finiteness known from the
-        GPUs): for the parameters `_fusable` allows, span by span (`_span()` elements), the
-        downloaded gradient is converted into the span of `.grad` (its home, kept across steps)
-        and the wrapped optimizer's own step (`_raw_step`) runs at once over views of that span
-        of the parameter, its gradient and its state, while the span is in cache. The optimizers
-        in `_CHUNKED` update every element from its own gradient and state and the per-parameter
-        scalars (`step`), so the spans give the bits of one whole step (tests/unit/test_host_path.py
-        checks it against serial stepping). Each span steps its own copy of the scalar state,
-        written back once. The others (first step, a `.grad` the loop kept, another optimizer)
-        are handed over and stepped whole, as `_step_only` does. The optimizer's step hooks run
-        once for the stage, as for `_step_only`."""
-        where = {id(q): i for i, g in enumerate(hp) for q in g["params"]}
-        fused, whole = [], []
-        for p, gs in downloads:
-            (fused if id(p) in where and self._fusable(p, gs, hp[where[id(p)]], homes) else whole).append((p, gs))
-        self._hand(whole, homes)
-        params = [p for p, _ in downloads]
-        want = {id(p) for p in params}
-        sub = self._sub([{**g, "params": [p for p in g["params"] if id(p) in want]} for g in hp])
-        raw = _raw_step(type(self.inner))
-        if not fused or raw is None:
-            self._hand(fused, homes)
-            type(self.inner).step(sub)
-            return
-        rest = {id(p) for p, _ in whole}
-
-        def body(opt: torch.optim.Optimizer, *_: Any, **__: Any) -> None:
-            with torch.no_grad():
-                if rest:
-                    raw(self._sub([{**g, "params": [p for p in g["params"] if id(p) in rest]} for g in hp]))
-                self._chunks(fused, hp, where, homes, raw)
-
-        torch.optim.Optimizer.profile_hook_step(body)(sub)
-
-    def _chunks(self, fused: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict], where: dict[int, int],
-                homes: Any, raw: Callable[[Any], Any]) -> None:
-        """`_step_fused`'s spans: batches of at most `_span()` elements (one span of a large
-        parameter, or several small parameters), each converted then stepped."""
-        state = self.inner.state
-        chunk = _span()
-        spans: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, int, int]] = []
-        for p, gs in fused:
-            home = homes.take(p)
-            p.grad = home
-            n = p.numel()
-            spans += [(p, gs, home, a, min(n, a + chunk)) for a in range(0, n, chunk)]
-            COUNTERS.add("grad_fused", sum(nbytes(g) for g in gs) + nbytes(home) * (2 * len(gs) - 1))
-        scalars: dict[int, dict] = {}
-        i = 0
-        while i < len(spans):
-            j, size = i, 0
-            while j < len(spans) and (j == i or size + spans[j][4] - spans[j][3] <= chunk):
-                size += spans[j][4] - spans[j][3]
-                j += 1
-            sub = self._sub([])
-            groups: dict[int, list[torch.Tensor]] = {}
-            for p, gs, home, a, b in spans[i:j]:
-                convert_span(home, gs, a, b)
-                q = p.detach().view(-1)[a:b]
-                q.grad = home.view(-1)[a:b]
-                own = {k: (v.view(-1)[a:b] if v.dim() else v.clone()) for k, v in state.get(p, {}).items()}
-                sub.state[q] = own
-                scalars[id(p)] = (p, own)
-                groups.setdefault(where[id(p)], []).append(q)
-            sub.param_groups = [{**hp[g], "params": qs} for g, qs in sorted(groups.items())]
-            raw(sub)
-            del sub, groups
-            i = j
-        for p, own in scalars.values():  # every span stepped the same scalars: the last one's are theirs
-            for k, v in own.items():
-                if v.dim() == 0:
-                    state[p][k].copy_(v)
-
-    def backward_done(self) -> None:
-        """End of a backward pass: every `.grad` is final when it returns."""
-        self._wait_adds()
-        if self._hp is None:
-            self._hp = _hyper(self.param_groups)
-        self._after_backward = {id(p): (p.grad, p.grad._version, _fingerprint(p.grad) if self._probing else None)
-                                for p in self._params() if p.grad is not None}
-
-    def aborted(self, e: BaseException) -> None:
-        for f in self._steps:  # let the work already handed over finish, then account for it
-            f.result()
-        self._backwards = max(0, self._backwards - 1)  # a backward that failed does not count
-        if self._stepped and self._dirty is None:
-            self._dirty = (f"a backward failed after {len(self._stepped)} parameters of the stages it had finished "
-                           f"were stepped")
-            if hasattr(e, "add_note"):
-                e.add_note(f"[mobius_fx] pipe.overlap(mode='sync') had already stepped {len(self._stepped)} parameters "
-                           f"of stages whose backward finished before the error; their new weights stay, and the "
-                           f"next backward or opt.step() refuses until the state is reloaded")
 
     # ------------------------------------------------------------------ workers
     def _submit(self, executor: ThreadPoolExecutor | None, fn: Callable[[], Any]) -> Future:
@@ -727,7 +302,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._wait_adds()
         now = {id(p): p for p in self._params()}
         changed = [i for i, (g, v, f) in self._after_backward.items()
-                   if i not in now or now[i].grad is not g or g._version != v or (f is not None and _fingerprint(g) != f)]
+                   if i not in now or now[i].grad is not g or g._version != v or (f is not None and fingerprint(g) != f)]
         stepped, self._stepped = self._stepped, set()
         self.stepped_in_backward = len(stepped)
         backwards, self._backwards = self._backwards, 0
@@ -736,10 +311,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
         late, self._late = self._late, set()
         self._nonfinite = False
         self._handed_fp = {}
-        if _called_by_grad_scaler():
+        if called_by_grad_scaler():
             self._serialize("a GradScaler steps this optimizer: its inf check needs every gradient before any update",
                             refuse=bool(stepped))
-        if hp is not None and not _same_hyper(hp, _hyper(self.param_groups)):
+        if hp is not None and not same_hyper(hp, hyper_params(self.param_groups)):
             self._serialize("hyper-parameters (lr, momentum, weight decay ...) changed between the end of backward and "
                             "opt.step(): the stages are stepped during backward", refuse=bool(stepped))
         if late:
@@ -782,54 +357,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
                         p.copy_(flat[offset:offset + p.numel()].view_as(p))
                         offset += p.numel()
 
-    def _step_async(self) -> None:
-        self._finish_flight()
-        params = [p for p in self._params() if p.grad is not None]
-        if not params:
-            return
-        shadows = []
-        for p in params:
-            q = self._shadows.get(id(p))
-            if q is None or q.shape != p.shape or q.dtype != p.dtype:
-                q = self._shadows[id(p)] = nn.Parameter(torch.empty_like(p, memory_format=torch.preserve_format),
-                                                        requires_grad=p.requires_grad)
-            q.grad = p.grad  # p.grad shows it too, as eager's does after step (unshare_grads before a write)
-            shadows.append(q)
-        ids = {id(p) for p in params}
-        groups = [{**g, "params": [self._shadows[id(p)] for p in g["params"] if id(p) in ids]}
-                  for g in self.param_groups]
-        state = self.inner.state
-        for p, q in zip(params, shadows):
-            if p in state:
-                state[q] = state.pop(p)
-
-        def update() -> None:
-            with torch.no_grad():
-                for p, q in zip(params, shadows):
-                    q.copy_(p)  # w(t); the model keeps running on p meanwhile
-            self._step_only(shadows, groups)
-
-        self._flight_params = params
-        self._flight = self._submit(self._stepper, update)
-
-    def _finish_flight(self) -> None:
-        """Wait for the async update in flight and make it the model's weights."""
-        flight, self._flight = self._flight, None
-        if flight is None:
-            return
-        flight.result()
-        params, self._flight_params = self._flight_params, []
-        state = self.inner.state
-        for p in params:
-            q = self._shadows[id(p)]
-            if q in state:
-                state[p] = state.pop(q)
-            q.grad = None
-        self._raise()
-        with torch.no_grad():
-            for p in params:
-                q = self._shadows[id(p)]
-                p.data, q.data = q.data, p.data  # a pointer swap: the model now holds w(t+1)
 
     def synchronize(self) -> None:
         """Wait for the optimizer work in flight and leave the model with the newest weights
@@ -858,4 +385,3 @@ class OverlapOptimizer(torch.optim.Optimizer):
         for rt in runtimes:
             if rt.overlap is self:
                 rt.overlap = None
-

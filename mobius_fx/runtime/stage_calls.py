@@ -46,12 +46,11 @@ import torch.utils._pytree as pytree
 
 from mobius_fx.errors import MobiusError
 from mobius_fx.runtime.devices import Device, nbytes
-# convert_span and sum_downloads: overlap.py imports them from here until it imports host_gradients
-from mobius_fx.runtime.host_gradients import convert_span, finite_flag, host_gradient, sum_downloads
+from mobius_fx.runtime.host_gradients import finite_flag, host_gradient
 from mobius_fx.runtime.stage_autograd import Masters, StageFunction
 from mobius_fx.runtime.stage_state import OnHost, StageCall, StageState, Step
 
-__all__ = ["StageCalls", "rebuild", "autocast_for", "convert_span", "sum_downloads"]
+__all__ = ["StageCalls", "rebuild", "autocast_for"]
 
 
 def _own(st: StageState, t: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Streams, events and the slot pool: the ordering a pipeline GPU's copies and compute follow.
 
-`StreamDevice` (mobius_fx/runtime/devices.py) drives four streams per pipeline GPU -- compute, upload
+`StreamDevice` (mobius_fx/runtime/device_stream.py) drives four streams per pipeline GPU -- compute, upload
 (weights), download (gradients, offloaded inputs, values for the host) and copy (activations
 between GPUs and from the host) -- and orders them with events: `event.record(stream)`,
 `stream.wait_event(event)`, `event.query()`, `event.synchronize()`. On CUDA these are

@@ -19,7 +19,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from mobius_fx import MobiusError, trace
 from mobius_fx.runtime.books import CudaAllocator
-from mobius_fx.runtime.devices import CudaDevice
+from mobius_fx.runtime.device_cuda import CudaDevice
 from mobius_fx.build import build_pipeline
 
 try:

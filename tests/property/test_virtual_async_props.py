@@ -36,7 +36,7 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from mobius_fx.runtime.devices import VirtualAsyncDevice
+from mobius_fx.runtime.device_virtual_async import VirtualAsyncDevice
 from mobius_fx.build import build_pipeline
 
 from tests.property.test_runtime_props import _eager_by_microbatch, _step, cases

@@ -14,7 +14,7 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import BudgetError, Topology
-from mobius_fx.runtime.devices import VirtualDevice
+from mobius_fx.runtime.device_virtual import VirtualDevice
 from mobius_fx.build import build_pipeline
 from mobius_fx.zoo import GPT, GPTConfig
 

@@ -26,7 +26,9 @@ from torch import nn
 import mobius_fx
 from mobius_fx import BudgetError, MobiusError, Topology
 from mobius_fx.runtime.books import CudaAllocator, Mark, MemorySource
-from mobius_fx.runtime.devices import VirtualAsyncDevice, VirtualDevice, make_devices
+from mobius_fx.runtime.device_virtual import VirtualDevice
+from mobius_fx.runtime.device_virtual_async import VirtualAsyncDevice
+from mobius_fx.runtime.devices import make_devices
 from mobius_fx.options import CompileOptions
 from mobius_fx.build import build_pipeline
 

@@ -429,7 +429,7 @@ def test_under_refresh_copies_buffers_a_module_updates_unseen_are_still_copied_e
     """BatchNorm's forward updates its running statistics in place inside its kernel, which
     bumps no version counter: the promise covers parameters only, so an eager re-estimate of
     the statistics (torch.optim.swa_utils.update_bn) reaches the pipeline's next evaluation."""
-    from mobius_fx.runtime.devices import VirtualAsyncDevice
+    from mobius_fx.runtime.device_virtual_async import VirtualAsyncDevice
     from mobius_fx.build import build_pipeline
     from tests.unit.test_virtual_async import even_cut
 

@@ -45,6 +45,24 @@ def test_a_model_under_an_async_overlap_deep_copies_and_saves_with_inert_hooks()
     assert all(p.grad is not None for p in twin.parameters())
 
 
+def test_reading_the_model_under_an_async_overlap_lands_the_update_in_flight():
+    """async: model.state_dict() (a hook on the model) waits for the update opt.step() launched and
+    puts it in the model, without opt.synchronize(): w1 = w0 - lr * g0 for SGD."""
+    model, pipe, x = _pipe()
+    lr = 1e-2
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = pipe.overlap(torch.optim.SGD(model.parameters(), lr=lr), mode="async")
+    pipe(x).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    state = model.state_dict()
+    for n, g in grads.items():
+        assert not torch.equal(state[n], before[n]), n  # the update landed, not the weights it started from
+        # SGD adds -lr * g in fp32 (weights ~0.3, ulp ~3e-8): a few ulps apart at most
+        torch.testing.assert_close(state[n], before[n] - lr * g, rtol=0, atol=1e-6, msg=n)
+    opt.close()
+
+
 def test_a_replaced_overlap_is_freed_when_another_variant_ran():
     model, pipe, x = _pipe()
     opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="sync")

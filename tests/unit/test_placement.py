@@ -19,7 +19,7 @@ from torch import nn
 import mobius_fx.runtime.device_rewrite as device_rewrite
 import mobius_fx.runtime.placement as placement
 from mobius_fx import MobiusError, trace, zoo
-from mobius_fx.runtime.devices import VirtualDevice
+from mobius_fx.runtime.device_virtual import VirtualDevice
 from mobius_fx.build import build_pipeline
 from tests.models import HF_ZOO, ResidualMLP, SkipNet, gpt, gpt_inputs, hf_inputs, mlp
 

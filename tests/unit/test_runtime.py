@@ -17,7 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mobius_fx import MobiusError
-from mobius_fx.runtime.devices import nbytes
+from mobius_fx.runtime.books import nbytes
 from mobius_fx.build import build_pipeline
 
 from tests.models import BF16_UNIT_ROUNDOFF, ResidualMLP, SkipNet, bf16_roundings
@@ -633,7 +633,7 @@ def test_bfloat16_streaming_equals_bf16_eager_is_close_to_fp32_eager_and_keeps_f
 
 def test_uploads_in_flight_are_awaited_before_use_and_before_freeing():
     # The CPU stand-in of CUDA devices hands out futures for uploads, as CUDA devices do.
-    from mobius_fx.runtime.devices import VirtualAsyncDevice
+    from mobius_fx.runtime.device_virtual_async import VirtualAsyncDevice
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(),

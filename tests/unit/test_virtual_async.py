@@ -27,7 +27,8 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import MobiusError, Topology, trace
-from mobius_fx.runtime.devices import VirtualAsyncDevice, make_devices
+from mobius_fx.runtime.device_virtual_async import VirtualAsyncDevice
+from mobius_fx.runtime.devices import make_devices
 from mobius_fx.errors import BudgetError
 from mobius_fx.options import CompileOptions
 from mobius_fx.build import build_pipeline
@@ -424,7 +425,7 @@ def test_a_stage_output_that_is_a_view_of_its_weights_is_read_before_the_slot_is
 
     from torch import nn
 
-    from mobius_fx.runtime.devices import VirtualAsyncDevice
+    from mobius_fx.runtime.device_virtual_async import VirtualAsyncDevice
     from mobius_fx.build import build_pipeline
 
     torch.manual_seed(0)

@@ -1,0 +1,99 @@
+"""`CudaDevice` (`device="cuda"`): `StreamDevice` on a real GPU's `torch.cuda` streams and
+events, weights uploaded from pinned staging copies of the masters."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from mobius_fx.runtime.books import CudaAllocator, empty_slot
+from mobius_fx.runtime.device_stream import StreamDevice
+
+
+class CudaDevice(StreamDevice):
+    """A real GPU (one pipeline GPU; several may share one CUDA device, each with its streams).
+
+    Weights upload from pinned host copies of the masters in the streamed dtype, kept across
+    steps (`StreamDevice._staged`): made again by the upload worker only for masters that
+    changed, or written by the optimizer overlap right after a stage's step (`refresh`).
+    """
+
+    kind = "cuda"
+    granule = 512  # CUDACachingAllocator rounds every block up to 512 bytes (memory_allocated counts blocks)
+    align = 512
+    default_books = "allocator"  # no Python per op on the critical path; "ops" is the debug measurement
+
+    def __init__(self, name: str, budget: int | None, index: int) -> None:
+        super().__init__(name, budget, torch.device("cuda", index))
+        least, greatest = torch.cuda.Stream.priority_range()
+        with torch.cuda.device(index):
+            # Compute and activation copies carry the critical path; the next stage's weights come
+            # next; gradients and offloads, needed last, go at the lowest priority.
+            self.compute_stream = torch.cuda.Stream(priority=greatest)
+            self.copy_stream = torch.cuda.Stream(priority=greatest)
+            self.upload_stream = torch.cuda.Stream(priority=(least + greatest) // 2)
+            self.download_stream = torch.cuda.Stream(priority=least)
+
+    @contextlib.contextmanager
+    def compute(self):
+        with torch.cuda.stream(self.compute_stream), self.books():  # books(): a no-op in "allocator"
+            yield
+
+    def _default_source(self):
+        return CudaAllocator.of(self.torch_device.index)  # shared by the pipeline GPUs on this CUDA device
+
+    def new_slot(self, like, dtype, parameter):
+        return empty_slot(like, dtype, parameter, self.torch_device)
+
+    def _event(self):
+        return torch.cuda.Event()
+
+    def _region(self, n):
+        with torch.cuda.stream(self.upload_stream):
+            t = torch.empty(n, dtype=torch.uint8, device=self.torch_device)
+        for s in (self.compute_stream, self.download_stream, self.copy_stream):
+            t.record_stream(s)  # freed (end of step) only after the work queued on them
+        return t
+
+    def _issue_copy(self, stream, value, device, dtype, src_stream=None):
+        outer = torch.cuda.stream(src_stream) if src_stream is not None else contextlib.nullcontext()
+        with outer, torch.cuda.stream(stream):
+            if device.type == "cpu":  # non_blocking: ATen pins the destination and copies asynchronously
+                return value.to("cpu", dtype=dtype or value.dtype, non_blocking=True)
+            if value.device == device:
+                return value.to(dtype) if dtype is not None and dtype != value.dtype else value.clone()
+            return value.to(device, dtype=dtype or value.dtype, non_blocking=True)
+
+    def _used_by(self, t, stream):
+        if t.is_cuda:
+            t.record_stream(stream)
+
+    def _differentiable(self, value, there, back):
+        return there(value)  # torch's copies are differentiable (their backward copies back)
+
+    def _host_buffer(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def _copy_in(self, targets, sources, last):
+        with torch.cuda.stream(self.upload_stream), torch.no_grad():
+            for t, s in zip(targets, sources):
+                t.copy_(s, non_blocking=True)
+
+    def _arrive(self, t):
+        if t.device == self.torch_device:  # autograd copied it here (the backward of a send)
+            self.track(t, "gradient")
+            return t
+        return t.to(self.torch_device, non_blocking=True)
+
+    def rng_state(self):
+        return torch.cuda.get_rng_state(self.torch_device)
+
+    @contextlib.contextmanager
+    def rng(self, state):
+        now = torch.cuda.get_rng_state(self.torch_device)
+        torch.cuda.set_rng_state(state, self.torch_device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_rng_state(now, self.torch_device)

@@ -1,0 +1,83 @@
+"""`VirtualDevice` (`device="virtual"`): a GPU of the topology played by the CPU with a byte
+budget; copies made at once, storage freed on eviction (see `mobius_fx.runtime.devices`)."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from mobius_fx.runtime.books import Device, SavedInput, empty_slot, nbytes
+from mobius_fx.runtime.device_common import CpuRng, check_unchanged
+
+
+class VirtualDevice(CpuRng, Device):
+    """A GPU played by the CPU: real copies made at once, a byte budget, freed storage after
+    eviction. (`VirtualAsyncDevice` plays the CUDA path's streams, events and slot pool.)"""
+
+    kind = "virtual"
+
+    def __init__(self, name: str, budget: int | None) -> None:
+        super().__init__(name, budget, torch.device("cpu"))
+
+    def compute(self) -> contextlib.AbstractContextManager:
+        return self.books()
+
+    def new_slot(self, like, dtype, parameter):
+        return empty_slot(like, dtype, parameter, self.torch_device)
+
+    def upload(self, slots, masters):
+        slots, masters = list(slots), list(masters)
+
+        def work() -> None:
+            with torch.no_grad():
+                for s, m in zip(slots, masters):
+                    s.untyped_storage().resize_(nbytes(s))
+                    s.copy_(m)
+
+        self.log.add("weight", "h2d", sum(nbytes(s) for s in slots), len(slots))
+        work()
+        return None
+
+    def ready(self, token, slots):
+        pass
+
+    def receive(self, value, src, dtype=None, kind="activation"):
+        out = value.to(dtype) if dtype is not None and dtype != value.dtype else value.clone()
+        self.log.add(kind, "h2d" if src is None else "d2d", nbytes(out))
+        return out
+
+    def to_host(self, value):
+        out = value.clone()
+        self.log.add("activation", "d2h", nbytes(out))
+        return out
+
+    def _arrive(self, t):
+        # The copy a GPU receives: host memory and other GPUs' books keep theirs until it dies.
+        return t.clone()
+
+    def offload(self, t):
+        # A real host copy, as a CUDA device makes (an alias would keep the GPU tensor's storage,
+        # and its charge, alive until backward). The input, while it lives, tells whether it was
+        # changed in place before backward: an error, as in eager checkpointing.
+        self.log.add("input", "d2h", nbytes(t))
+        with self.untracked():
+            host = t.detach().clone()
+        return SavedInput(host, (weakref.ref(t), t._version))
+
+    def restore(self, saved):
+        check_unchanged(self.name, *saved.event)
+        self.log.add("input", "h2d", nbytes(saved.host))
+        return saved.host.clone()  # the copy on this GPU (charged to it inside compute())
+
+    def download(self, t, kind):
+        self.log.add(kind, "d2h", nbytes(t))
+        host = t.detach().clone() if kind == "buffer" else t.detach()
+        return lambda: host
+
+    def fetch(self, t):
+        """A small value the runtime reads on the host (a stage's gradient finiteness flag): not
+        a transfer of the plan, so not logged."""
+        value = t.detach()
+        return lambda: bool(value)

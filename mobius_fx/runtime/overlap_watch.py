@@ -1,0 +1,104 @@
+"""What `OverlapOptimizer` (mobius_fx/runtime/overlap.py) watches the training loop and autograd
+with: hooks that hold it weakly, the AccumulateGrad node of a parameter and whether the backward
+running now reaches it, a checksum of a gradient's bits, the hyper-parameters a round was stepped
+with, whether a GradScaler is the caller, and which rank steps each parameter (shard=True)."""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["WeakHook", "accumulator", "engine_accumulates", "has_grad_hooks", "fingerprint", "partition_owners",
+           "hyper_params", "same_hyper", "called_by_grad_scaler"]
+
+
+class WeakHook:
+    """A hook that calls `method` of an overlap held weakly, and nothing once it is gone. Copying
+    or pickling the model it hangs on (`copy.deepcopy(model)` for a best-model copy,
+    `torch.save(model)`) gives an inert hook: the copy is not the overlap's."""
+
+    def __init__(self, owner: Any, method: str, *args: Any) -> None:
+        self._ref = weakref.ref(owner) if owner is not None else None
+        self._method, self._args = method, args
+
+    def __call__(self, *a: Any) -> Any:
+        owner = self._ref() if self._ref is not None else None
+        if owner is not None:
+            return getattr(owner, self._method)(*self._args, *a)
+        return None
+
+    def __deepcopy__(self, memo: dict) -> "WeakHook":
+        return WeakHook(None, self._method)
+
+    def __reduce__(self) -> tuple:
+        return (WeakHook, (None, self._method))
+
+
+def accumulator(p: torch.Tensor) -> Any:
+    """The AccumulateGrad node autograd runs for leaf `p` (kept alive by the caller)."""
+    with torch.enable_grad():  # called inside backward, where grad mode is off
+        return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+def engine_accumulates(node: Any) -> bool:
+    """True when the backward pass running now will accumulate into this leaf's `.grad`:
+    `loss.backward()` and `backward(inputs=[... p ...])` do; `torch.autograd.grad` does not (torch
+    refuses to answer for leaves there, which means no)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
+
+
+def has_grad_hooks(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "_backward_hooks", None)) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def fingerprint(g: torch.Tensor) -> int:
+    """A checksum of `g`'s bits, for the first step's watch: some in-place kernels
+    (GradScaler's unscale) do not bump the version counter."""
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(g.element_size())
+    if bits is None or g.is_sparse:
+        return g._version
+    return int(g.detach().contiguous().view(bits).sum(dtype=torch.int64))
+
+
+def partition_owners(params: list[torch.Tensor], world: int) -> dict[int, int]:
+    """shard=True: which rank steps each parameter (trainable ones), balancing bytes greedily in
+    the optimizer's order, the same on every rank."""
+    load = [0] * world
+    owners: dict[int, int] = {}
+    for p in params:
+        if p.requires_grad and id(p) not in owners:
+            r = min(range(world), key=lambda i: (load[i], i))
+            owners[id(p)] = r
+            load[r] += p.numel() * p.element_size()
+    return owners
+
+
+def hyper_params(groups: list[dict]) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def same_hyper(a: list[dict], b: list[dict]) -> bool:
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+        return x == y
+    return len(a) == len(b) and all(g.keys() == h.keys() and all(same(g[k], h[k]) for k in g) for g, h in zip(a, b))
+
+
+def called_by_grad_scaler() -> bool:
+    """Whether opt.step() was called by torch.amp.GradScaler.step (directly or through an LR
+    scheduler's wrapper of step)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith("grad_scaler.py"):
+            return True
+        frame = frame.f_back
+    return False
