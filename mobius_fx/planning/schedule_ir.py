@@ -3,6 +3,7 @@
 Everything that needs to know what a step does reads this, instead of deriving it again: the
 plan's transfer table is a sum over its ops, the runtime's backward takes its prefetches from
 it, `pipe.code` prints it, and the conformance tests compare what the runtime moved with it.
+The simulator's baselines are lists of the same ops (mobius_fx/schedules/looped_ir.py).
 
 A step is a list of `Op`s in issue order. Each op belongs to one place (a GPU name, or "host"
 for the CPU optimizer), moves `bytes` from `src` to `dst` when it is a copy, and names the ops

@@ -25,7 +25,7 @@ __all__ = ["tasks_from_ir", "copy_need", "check_transfers"]
 def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, costs: Costs | None = None, prefetch: bool = True) -> None:
     """One task per op of a schedule IR (mobius_fx/planning/schedule_ir.py), stage k's times and
     master bytes from `costs` (default: the plan's stages, `ctx.stages`). A `run` computes f or b
-    on its GPU; a copy with bytes is a flow on the route src -> dst (`copy_task`); `evict`/`wait`/
+    on its GPU; a copy with bytes is a flow on the route src -> dst (`_copy_task`); `evict`/`wait`/
     `hold` are markers; a `step` on a GPU is its optimizer step after the whole pipeline (GPipe's),
     the host's `step`s the one CPU optimizer of `ir.host_optimizer` at the end. Deps are the IR's
     (`starts`: on the start of those ops), through zero-byte copies and, with `ir.through_markers`,
@@ -57,7 +57,7 @@ def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, costs: Costs | None = None, p
                                         phase=o.phase, stage=o.stage, microbatch=o.microbatch)
         elif o.kind in (*TRANSFER_KIND, "collective") and o.direction and o.bytes > 0:  # a copy (an evict has no direction)
             waits = [d for d in o.deps if o.kind == "prefetch" and ops[d].kind == "wait"]
-            task[o.index], staged = copy_task(ctx, ir, o, c, tag, after, [t for d in o.starts for t in ends(d)],
+            task[o.index], staged = _copy_task(ctx, ir, o, c, tag, after, [t for d in o.starts for t in ends(d)],
                                               slot[(o.phase, o.stage)] if o.slot is None else o.slot)
             if staged is not None:
                 staging.setdefault(staged, waits)
@@ -74,7 +74,7 @@ def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, costs: Costs | None = None, p
     _host_optimizer(ctx, ir, c)
 
 
-def copy_task(ctx: Context, ir: ScheduleIR, o: Op, c: Costs, tag: str, after: list[int], starts: list[int],
+def _copy_task(ctx: Context, ir: ScheduleIR, o: Op, c: Costs, tag: str, after: list[int], starts: list[int],
               slot: int) -> tuple[int | None, int | None]:
     """Copy `o` as a flow on the route src -> dst (and the staging of its streamed copy, for a
     prefetch: `Context.stage_copy`), on the receiving GPU's upload stream (prefetch, restore, an
