@@ -3,6 +3,7 @@
 Everything that needs to know what a step does reads this, instead of deriving it again: the
 plan's transfer table is a sum over its ops, the runtime's backward takes its prefetches from
 it, `pipe.code` prints it, and the conformance tests compare what the runtime moved with it.
+The simulator's baselines are lists of the same ops (mobius_fx/schedules/looped_ir.py).
 
 A step is a list of `Op`s in issue order. Each op belongs to one place (a GPU name, or "host"
 for the CPU optimizer), moves `bytes` from `src` to `dst` when it is a copy, and names the ops
@@ -62,7 +63,8 @@ class OpKind(StrEnum):
     DOWNLOAD = "download"  # a stage's weight gradients GPU -> host
     EVICT = "evict"  # a stage's weights leave its GPU
     HOLD = "hold"  # the last forward stage on a GPU stays for its backward
-    STEP = "step"  # the host's optimizer step of one stage
+    STEP = "step"  # the optimizer step of one stage: on the host, or on its GPU (GPipe's)
+    COLLECTIVE = "collective"  # a GPU's share of a collective routed through host memory (ZeRO-3)
 
 
 OP_KINDS = tuple(OpKind)
@@ -71,10 +73,11 @@ OP_KINDS = tuple(OpKind)
 PHASES = {"forward": "F", "backward": "B", "optimizer": "O"}
 _PHASE_OF = {v: k for k, v in PHASES.items()}
 # `str(op)`: "12: send F3.1 @gpu0 activation gpu0->gpu1 1000B v0 <- 11,12" (index, kind, phase,
-# stage[.micro-batch], place, [what src->dst bytes], [value], [deps]).
+# stage[.micro-batch], place, [what src->dst bytes], [value], [slot], [need], [deps], [starts]).
 _OP_TEXT = re.compile(r"(?P<index>\d+): (?P<kind>[a-z]+) (?P<phase>[A-Z])(?P<stage>\d+)(?:\.(?P<mb>\d+))? "
-                      r"@(?P<place>\S+)(?: (?P<what>[a-z]+) (?P<src>\S+?)->(?P<dst>\S+) (?P<bytes>\d+)B)?"
-                      r"(?: v(?P<value>\d+))?(?: <- (?P<deps>\d+(?:,\d+)*))?")
+                      r"@(?P<place>\S+)(?: (?P<what>[a-z]+) (?P<src>\S+?)->(?P<dst>\S+) "
+                      r"(?P<bytes>\d+(?:\.\d*)?(?:e[+-]?\d+)?)B)?(?: v(?P<value>\d+))?(?: slot(?P<slot>\d+))?"
+                      r"(?: need(?P<need>\d+))?(?: <- (?P<deps>\d+(?:,\d+)*))?(?: <-start (?P<starts>\d+(?:,\d+)*))?")
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,13 @@ class StageIO:
 class Op:
     """One operation of a step. `kind` is an OpKind (a string is taken as one); `place` is the
     GPU whose list it is in (or "host"); copies have `src`, `dst`, `what` (weight | activation |
-    gradient | input) and `bytes`. Printed, it parses back: `Op.parse(str(op)) == op`.
+    gradient | input) and `bytes` (an int; a float where a baseline's costs are shares of a
+    stage's), other ops none of them. Printed, it parses back: `Op.parse(str(op)) == op`.
+
+    `slot`, `need` and `starts` say what the simulator otherwise derives (ir_tasks.tasks_from_ir):
+    which of its GPU's turns the op belongs to (its streams serve turn by turn), when the step
+    needs a copy (a rank; smaller goes first on a shared link) and the ops whose *start* it
+    waits for (`deps`: whose end).
 
     >>> op = Op(7, "send", "gpu0", 3, "forward", 1, "gpu0", "gpu1", "activation", 1000, (5, 6), 0)
     >>> str(op)
@@ -165,10 +174,13 @@ class Op:
     src: str = ""
     dst: str = ""
     what: str = ""
-    bytes: int = 0
+    bytes: int | float = 0
     deps: tuple[int, ...] = ()
     value: int | None = None  # which input of `stage` a send/offload/restore carries, or which of
     #                           its host outputs a copy to the host carries (their positions)
+    slot: int | None = None  # its GPU's turn (None: the turn of the stage's `wait`)
+    need: int | None = None  # when the step needs this copy (None: ir_tasks.copy_need)
+    starts: tuple[int, ...] = ()  # ops whose start it waits for
 
     def __post_init__(self) -> None:
         try:
@@ -177,6 +189,13 @@ class Op:
             raise MobiusError(f"op kind {self.kind!r} is not one of {', '.join(OP_KINDS)}") from None
         if self.phase not in PHASES:
             raise MobiusError(f"op phase {self.phase!r} is not one of {', '.join(PHASES)}")
+        named = [bool(x) for x in (self.src, self.dst, self.what)]
+        if any(named) and not all(named) or not any(named) and self.bytes \
+                or not 0 <= self.bytes < float("inf"):
+            raise MobiusError(f"op {self.index} ({self.kind}) has src={self.src!r}, dst={self.dst!r}, "
+                              f"what={self.what!r}, bytes={self.bytes!r}: a copy names all of src, dst and what, "
+                              f"with finite bytes >= 0 (0: a copy of unknown size), and any other op none of "
+                              f"them and 0 bytes; give all four or none")
 
     @classmethod
     def parse(cls, text: str) -> "Op":
@@ -184,15 +203,16 @@ class Op:
         m = _OP_TEXT.fullmatch(text.strip())
         if m is None or m["phase"] not in _PHASE_OF:
             raise MobiusError(f"{text!r} is not an op as Op prints one: 'INDEX: KIND PHASE-LETTER STAGE[.MB] @PLACE"
-                              f"[ WHAT SRC->DST BYTESB][ vVALUE][ <- DEP,DEP]', phase letters "
-                              f"{', '.join(_PHASE_OF)}, e.g. '7: run F3.1 @gpu0 <- 5,6'")
+                              f"[ WHAT SRC->DST BYTESB][ vVALUE][ slotN][ needN][ <- DEP,DEP][ <-start OP,OP]', "
+                              f"phase letters {', '.join(_PHASE_OF)}, e.g. '7: run F3.1 @gpu0 <- 5,6'")
         g = m.groupdict()
         num = lambda key: None if g[key] is None else int(g[key])  # noqa: E731
+        ints = lambda key: tuple(int(d) for d in g[key].split(",")) if g[key] else ()  # noqa: E731
         copy = g["what"] is not None
+        size = (int(g["bytes"]) if g["bytes"].isdigit() else float(g["bytes"])) if copy else 0
         return cls(int(g["index"]), g["kind"], g["place"], int(g["stage"]), _PHASE_OF[g["phase"]], num("mb"),
-                   g["src"] if copy else "", g["dst"] if copy else "", g["what"] if copy else "",
-                   int(g["bytes"]) if copy else 0,
-                   tuple(int(d) for d in g["deps"].split(",")) if g["deps"] else (), num("value"))
+                   g["src"] if copy else "", g["dst"] if copy else "", g["what"] if copy else "", size,
+                   ints("deps"), num("value"), num("slot"), num("need"), ints("starts"))
 
     @property
     def direction(self) -> str:
@@ -205,7 +225,9 @@ class Op:
         mb = f".{self.microbatch}" if self.microbatch is not None else ""
         move = f" {self.what} {self.src}->{self.dst} {self.bytes}B" if self.src else ""
         value = f" v{self.value}" if self.value is not None else ""
+        value += (f" slot{self.slot}" if self.slot is not None else "") + (f" need{self.need}" if self.need is not None else "")
         deps = f" <- {','.join(map(str, self.deps))}" if self.deps else ""
+        deps += f" <-start {','.join(map(str, self.starts))}" if self.starts else ""
         return f"{self.index}: {self.kind} {PHASES[self.phase]}{self.stage}{mb} @{self.place}{move}{value}{deps}"
 
 
@@ -220,6 +242,11 @@ class ScheduleIR:
     next_on_gpu: tuple[int | None, ...]  # the stage its GPU runs after it in forward
     prev_on_gpu: tuple[int | None, ...]  # the stage its GPU ran before it in forward
     by_place: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
+    sharded: bool = False  # host memory per (GPU, stage): each data-parallel rank its own partition
+    host_optimizer: str | None = "user"  # whose CPU optimizer steps the host `step`s (schedules.OPTIMIZERS);
+    #                                      None: no host step (the GPUs step, `step` ops on GPUs)
+    through_markers: bool = True  # an op that names a marker (evict, wait, hold) waits, in the simulator,
+    #   for the marker's own deps (the Mobius IR) or for the marker (the looped pipelines'): the order of events
 
     def place(self, name: str) -> list[Op]:
         return [self.ops[i] for i in self.by_place.get(name, ())]
@@ -316,134 +343,154 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
             if not -1 <= inp.source < k:
                 raise MobiusError(f"stage {k} reads an input of stage {inp.source}; a stage reads model inputs (-1) "
                                   f"or values of earlier stages")
-    gpu = [s.gpu for s in stages]
-    nxt, prev = neighbours(gpu)
-    ops: list[Op] = []
-    places: dict[str, list[int]] = defaultdict(list)
+    b = _Steps(stages, m)
+    for k in range(len(stages)):
+        if b.prev[k] is None:
+            b.fetched[k] = b.up(k, "forward", [])
+    for k in range(len(stages)):
+        b.forward(k)
+    for k in reversed(range(len(stages))):
+        if b.has_bwd[k]:
+            b.backward(k)
+    if optimizer:
+        for k in sorted(b.downloads):
+            b.op("step", HOST, k, "optimizer", [b.downloads[k]])
+    return ScheduleIR(ops=tuple(b.ops), stages=stages, microbatches=m, gpus=tuple(dict.fromkeys(b.gpu)),
+                      next_on_gpu=tuple(b.nxt), prev_on_gpu=tuple(b.prev),
+                      by_place={p: tuple(v) for p, v in b.places.items()})
 
-    def op(kind: str, place: str, stage: int, phase: str, deps: Sequence[int | None] = (), **kw) -> int:
-        i = len(ops)
-        ops.append(Op(i, kind, place, stage, phase, deps=tuple(d for d in deps if d is not None), **kw))
-        places[place].append(i)
+
+class _Steps:
+    """`build_schedule`'s op list under construction, and what its forward leaves its backward."""
+
+    def __init__(self, stages: tuple[StageIO, ...], m: int) -> None:
+        self.stages, self.m = stages, m
+        self.gpu = [s.gpu for s in stages]
+        self.nxt, self.prev = neighbours(self.gpu)
+        self.ops: list[Op] = []
+        self.places: dict[str, list[int]] = defaultdict(list)
+        self.fetched: dict[int, int] = {}
+        self.evicted: dict[int, int] = {}
+        self.run_f: dict[tuple[int, int], int] = {}
+        self.hosted: dict[tuple[int, int], int] = {}  # (stage, mb) -> its last copy to the host
+        self.hosted_all: dict[tuple[int, int], list[int]] = defaultdict(list)  # (stage, mb) -> all its copies to the host
+        self.pushed: dict[tuple[int, int, int], int] = {}  # (consumer, input j, mb) -> the push from the stage before
+        self.saved: dict[tuple[int, int, int], int] = {}  # (stage, input j, mb) -> offload op
+        self.direct = [[inp.source >= 0 and inp.source == k - 1 for inp in st.inputs] for k, st in enumerate(stages)]
+        # Which values carry gradients: an input does when it needs one and its producer runs backward
+        # (a model input: when it needs one); a stage runs backward when it has weight gradients or
+        # such an input. A frozen stage on plain inputs (a frozen embedding, a frozen prefix of a
+        # LoRA model) runs forward only: nothing saved, held, restored or fetched again for it.
+        self.grad_in: list[list[bool]] = []
+        self.has_bwd: list[bool] = []
+        for k, st in enumerate(stages):
+            self.grad_in.append([inp.needs_grad and (inp.source < 0 or self.has_bwd[inp.source]) for inp in st.inputs])
+            self.has_bwd.append(st.grad_bytes > 0 or any(self.grad_in[k]))
+        self.run_b: dict[tuple[int, int], int] = {}
+        self.evicted_b: dict[int, int] = {}
+        self.grads_back: dict[tuple[int, int], list[int]] = defaultdict(list)  # (stage, mb) -> gradient copies it waits for
+        self.downloads: dict[int, int] = {}
+        self.fetched_b: set[int] = set()  # stages whose backward prefetch the stage after them on their GPU issued
+
+    def op(self, kind: str, place: str, stage: int, phase: str, deps: Sequence[int | None] = (), **kw) -> int:
+        i = len(self.ops)
+        self.ops.append(Op(i, kind, place, stage, phase, deps=tuple(d for d in deps if d is not None), **kw))
+        self.places[place].append(i)
         return i
 
-    def up(k: int, phase: str, deps: Sequence[int | None]) -> int:
-        return op("prefetch", gpu[k], k, phase, deps, src=HOST, dst=gpu[k], what="weight",
-                  bytes=stages[k].weight_bytes)
+    def up(self, k: int, phase: str, deps: Sequence[int | None]) -> int:
+        return self.op("prefetch", self.gpu[k], k, phase, deps, src=HOST, dst=self.gpu[k], what="weight",
+                       bytes=self.stages[k].weight_bytes)
 
-    # ---- forward
-    fetched: dict[int, int] = {}
-    evicted: dict[int, int] = {}
-    run_f: dict[tuple[int, int], int] = {}
-    hosted: dict[tuple[int, int], int] = {}  # (stage, mb) -> its last copy to the host
-    hosted_all: dict[tuple[int, int], list[int]] = defaultdict(list)  # (stage, mb) -> all its copies to the host
-    pushed: dict[tuple[int, int, int], int] = {}  # (consumer, input j, mb) -> the push from the stage before
-    saved: dict[tuple[int, int, int], int] = {}  # (stage, input j, mb) -> offload op
-    direct = [[inp.source >= 0 and inp.source == k - 1 for inp in st.inputs] for k, st in enumerate(stages)]
-    # Which values carry gradients: an input does when it needs one and its producer runs backward
-    # (a model input: when it needs one); a stage runs backward when it has weight gradients or
-    # such an input. A frozen stage on plain inputs (a frozen embedding, a frozen prefix of a
-    # LoRA model) runs forward only: nothing saved, held, restored or fetched again for it.
-    grad_in: list[list[bool]] = []
-    has_bwd: list[bool] = []
-    for k, st in enumerate(stages):
-        grad_in.append([inp.needs_grad and (inp.source < 0 or has_bwd[inp.source]) for inp in st.inputs])
-        has_bwd.append(st.grad_bytes > 0 or any(grad_in[k]))
-    for k in range(len(stages)):
-        if prev[k] is None:
-            fetched[k] = up(k, "forward", [])
-    for k, st in enumerate(stages):
-        g = gpu[k]
-        wait = op("wait", g, k, "forward", [fetched[k]])
+    def forward(self, k: int) -> None:
+        """Stage k's forward: its wait, the next stage's prefetch on its GPU, its micro-batches
+        with the values they read and send, then its evict (or hold for backward)."""
+        st, g, gpu, m, op = self.stages[k], self.gpu[k], self.gpu, self.m, self.op
+        nxt, prev, direct = self.nxt, self.prev, self.direct
+        wait = op("wait", g, k, "forward", [self.fetched[k]])
         if nxt[k] is not None:
-            fetched[nxt[k]] = up(nxt[k], "forward", [evicted.get(prev[k]) if prev[k] is not None else None, wait])
-        consumer = stages[k + 1] if k + 1 < len(stages) else None
+            self.fetched[nxt[k]] = self.up(nxt[k], "forward",
+                                           [self.evicted.get(prev[k]) if prev[k] is not None else None, wait])
+        consumer = self.stages[k + 1] if k + 1 < len(self.stages) else None
         for i in range(m):
             deps: list[int | None] = [wait]
             for j, inp in enumerate(st.inputs):
                 if direct[k][j]:
-                    deps.append(pushed.get((k, j, i), run_f[(k - 1, i)]))
+                    deps.append(self.pushed.get((k, j, i), self.run_f[(k - 1, i)]))
                 else:
-                    src_op = hosted.get((inp.source, i)) if inp.source >= 0 else None
+                    src_op = self.hosted.get((inp.source, i)) if inp.source >= 0 else None
                     deps.append(op("send", g, k, "forward", [src_op], microbatch=i, src=HOST, dst=g,
                                    what="activation", bytes=inp.bytes, value=j))
             r = op("run", g, k, "forward", deps, microbatch=i)
-            run_f[(k, i)] = r
+            self.run_f[(k, i)] = r
             for j, inp in enumerate(st.inputs):
-                if direct[k][j] and has_bwd[k]:
-                    saved[(k, j, i)] = op("offload", g, k, "forward", [r], microbatch=i, src=g, dst=HOST,
-                                          what="input", bytes=inp.bytes, value=j)
+                if direct[k][j] and self.has_bwd[k]:
+                    self.saved[(k, j, i)] = op("offload", g, k, "forward", [r], microbatch=i, src=g, dst=HOST,
+                                               what="input", bytes=inp.bytes, value=j)
             if consumer is not None and gpu[k + 1] != g:
                 for j, inp in enumerate(consumer.inputs):
                     if direct[k + 1][j]:
-                        pushed[(k + 1, j, i)] = op("send", g, k + 1, "forward", [r], microbatch=i, src=g,
-                                                   dst=gpu[k + 1], what="activation", bytes=inp.bytes, value=j)
+                        self.pushed[(k + 1, j, i)] = op("send", g, k + 1, "forward", [r], microbatch=i, src=g,
+                                                        dst=gpu[k + 1], what="activation", bytes=inp.bytes, value=j)
             for p, b in enumerate(st.host_outputs):
-                hosted[(k, i)] = op("send", g, k, "forward", [r], microbatch=i, src=g, dst=HOST, what="activation",
-                                    bytes=b, value=p)
-                hosted_all[(k, i)].append(hosted[(k, i)])
-        last = run_f[(k, m - 1)]
-        if nxt[k] is not None or not has_bwd[k]:
-            evicted[k] = op("evict", g, k, "forward", [last])
+                self.hosted[(k, i)] = op("send", g, k, "forward", [r], microbatch=i, src=g, dst=HOST,
+                                         what="activation", bytes=b, value=p)
+                self.hosted_all[(k, i)].append(self.hosted[(k, i)])
+        last = self.run_f[(k, m - 1)]
+        if nxt[k] is not None or not self.has_bwd[k]:
+            self.evicted[k] = op("evict", g, k, "forward", [last])
         else:
             op("hold", g, k, "forward", [last])
 
-    # ---- backward
-    run_b: dict[tuple[int, int], int] = {}
-    evicted_b: dict[int, int] = {}
-    grads_back: dict[tuple[int, int], list[int]] = defaultdict(list)  # (stage, mb) -> gradient copies it waits for
-    downloads: dict[int, int] = {}
-    fetched_b: set[int] = set()  # stages whose backward prefetch the stage after them on their GPU issued
-    for k in reversed(range(len(stages))):
-        if not has_bwd[k]:
-            continue
-        g = gpu[k]
-        st = stages[k]
-        if nxt[k] is not None and k not in fetched_b:  # the stage after it on this GPU ran no backward:
+    def backward(self, k: int) -> None:
+        """Stage k's backward: its weights (fetched again if they left), the stage before it on
+        its GPU prefetched, its micro-batches newest first, its gradients to the host, its evict."""
+        st, g, op, nxt, prev = self.stages[k], self.gpu[k], self.op, self.nxt, self.prev
+        if nxt[k] is not None and k not in self.fetched_b:  # the stage after it on this GPU ran no backward:
             j = nxt[k]  # fetched again at its own turn, after the last eviction on its GPU
-            while j is not None and j not in evicted_b:
+            while j is not None and j not in self.evicted_b:
                 j = nxt[j]
-            fetched[k] = up(k, "backward", [evicted_b.get(j)])
-        wait = op("wait", g, k, "backward", [fetched.get(k)])
-        if prev[k] is not None and has_bwd[prev[k]]:  # as in forward: only after the stage before on this GPU left it
-            fetched_b.add(prev[k])
-            fetched[prev[k]] = up(prev[k], "backward", [wait, evicted_b.get(nxt[k]) if nxt[k] is not None else None])
-        for i in reversed(range(m)):
-            deps = [wait, *grads_back.pop((k, i), [])]
+            self.fetched[k] = self.up(k, "backward", [self.evicted_b.get(j)])
+        wait = op("wait", g, k, "backward", [self.fetched.get(k)])
+        if prev[k] is not None and self.has_bwd[prev[k]]:  # as in forward: only after the stage before on this GPU left it
+            self.fetched_b.add(prev[k])
+            self.fetched[prev[k]] = self.up(prev[k], "backward",
+                                            [wait, self.evicted_b.get(nxt[k]) if nxt[k] is not None else None])
+        for i in reversed(range(self.m)):
+            deps = [wait, *self.grads_back.pop((k, i), [])]
             for j, inp in enumerate(st.inputs):
-                if direct[k][j]:
-                    deps.append(op("restore", g, k, "backward", [saved[(k, j, i)], wait], microbatch=i, src=HOST,
-                                   dst=g, what="input", bytes=inp.bytes, value=j))
+                if self.direct[k][j]:
+                    deps.append(op("restore", g, k, "backward", [self.saved[(k, j, i)], wait], microbatch=i,
+                                   src=HOST, dst=g, what="input", bytes=inp.bytes, value=j))
                 else:
                     deps.append(op("send", g, k, "backward", [wait], microbatch=i, src=HOST, dst=g, what="input",
                                    bytes=inp.bytes, value=j))
             for p, b in enumerate(st.host_outputs):  # the gradient of what went to the host (the loss, long skips)
                 if st.host_grads and not st.host_grads[p]:
                     continue
-                deps.append(op("send", g, k, "backward", hosted_all[(k, i)], microbatch=i, src=HOST, dst=g,
+                deps.append(op("send", g, k, "backward", self.hosted_all[(k, i)], microbatch=i, src=HOST, dst=g,
                                what="activation", bytes=b))
             r = op("run", g, k, "backward", deps, microbatch=i)
-            run_b[(k, i)] = r
-            for j, inp in enumerate(st.inputs):  # input gradients go back the way the inputs came
-                if not grad_in[k][j]:
-                    continue
-                if direct[k][j]:
-                    if gpu[k - 1] != g:
-                        grads_back[(k - 1, i)].append(op("send", g, k - 1, "backward", [r], microbatch=i, src=g,
-                                                         dst=gpu[k - 1], what="activation", bytes=inp.bytes))
-                    else:
-                        grads_back[(k - 1, i)].append(r)
-                else:
-                    op("send", g, k, "backward", [r], microbatch=i, src=g, dst=HOST, what="activation",
-                       bytes=inp.bytes)
-        last = run_b[(k, 0)]
+            self.run_b[(k, i)] = r
+            self._grads_out(k, i, r)
+        last = self.run_b[(k, 0)]
         if st.grad_bytes:
-            downloads[k] = op("download", g, k, "backward", [last], src=g, dst=HOST, what="gradient",
-                              bytes=st.grad_bytes)
-        evicted_b[k] = op("evict", g, k, "backward", [last])  # the weights; the gradients are a copy of their own
-    if optimizer:
-        for k in sorted(downloads):
-            op("step", HOST, k, "optimizer", [downloads[k]])
-    return ScheduleIR(ops=tuple(ops), stages=stages, microbatches=m, gpus=tuple(dict.fromkeys(gpu)),
-                      next_on_gpu=tuple(nxt), prev_on_gpu=tuple(prev),
-                      by_place={p: tuple(v) for p, v in places.items()})
+            self.downloads[k] = op("download", g, k, "backward", [last], src=g, dst=HOST, what="gradient",
+                                   bytes=st.grad_bytes)
+        self.evicted_b[k] = op("evict", g, k, "backward", [last])  # the weights; the gradients are a copy of their own
+
+    def _grads_out(self, k: int, i: int, r: int) -> None:
+        """Micro-batch i's input gradients of stage k (its backward run r) go back the way the inputs came."""
+        g = self.gpu[k]
+        for j, inp in enumerate(self.stages[k].inputs):
+            if not self.grad_in[k][j]:
+                continue
+            if self.direct[k][j]:
+                if self.gpu[k - 1] != g:
+                    self.grads_back[(k - 1, i)].append(self.op("send", g, k - 1, "backward", [r], microbatch=i, src=g,
+                                                               dst=self.gpu[k - 1], what="activation", bytes=inp.bytes))
+                else:
+                    self.grads_back[(k - 1, i)].append(r)
+            else:
+                self.op("send", g, k, "backward", [r], microbatch=i, src=g, dst=HOST, what="activation",
+                        bytes=inp.bytes)

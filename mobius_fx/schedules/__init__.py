@@ -7,14 +7,14 @@
     mobius_fx/schedules/gpipe.py           "gpipe": every weight resident
     mobius_fx/schedules/zero3_offload.py   "zero3-offload": DeepSpeed ZeRO-3 with CPU offload
     mobius_fx/schedules/roundpipe.py       "roundpipe": RoundPipe-style round-robin dispatch
-    mobius_fx/schedules/ir_tasks.py        the task builder from the schedule IR
-    mobius_fx/schedules/looped.py          the looped pipeline the baselines are built from
+    mobius_fx/schedules/ir_tasks.py        the one task builder, from the schedule IR
+    mobius_fx/schedules/looped_ir.py       the schedule IR of a looped pipeline (slots): the baselines'
 
 Importing this package registers the schedules above, in this order (the comparison table's).
 To add one: a module that calls `register("name", build)` and is imported (here, or by the
 user before `simulate(plan, schedule="name")`); `simulate`, `report.compare` and the CLI's
-table then run it. `build(ctx)` adds one step's tasks to a `sim.tasks.Context`; a schedule that
-produces the schedule IR hands it to `ir_tasks.tasks_from_ir`.
+table then run it. `build(ctx)` produces one step's schedule IR (mobius_fx/planning/schedule_ir.py)
+and hands it to `ir_tasks.tasks_from_ir`, which adds its tasks to the `sim.tasks.Context`.
 """
 
 from __future__ import annotations

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 from mobius_fx.errors import PlanError
-from mobius_fx.sim.network import Task
 from mobius_fx.planning.plans import MemoryModel, Plan
-from mobius_fx.sim.tasks import STATE_BYTES, TOUCHED_BYTES, Context, Costs
+from mobius_fx.planning.schedule_ir import ScheduleIR
+from mobius_fx.sim.tasks import STATE_BYTES, Context, Costs
 from mobius_fx.units import fmt_bytes
+from mobius_fx.schedules.ir_tasks import tasks_from_ir
 from mobius_fx.schedules.layer_units import layer_units
-from mobius_fx.schedules.looped import Slot, looped_pipeline
+from mobius_fx.schedules.looped_ir import LoopedIR, Slot
 from mobius_fx.schedules.registry import register
 
-__all__ = ["build"]
+__all__ = ["build", "schedule_ir"]
 
 
 def build(ctx: Context) -> None:
+    """GPipe's schedule IR (`schedule_ir`) as tasks."""
+    ir, costs = schedule_ir(ctx)
+    tasks_from_ir(ctx, ir, costs=costs)
+
+
+def schedule_ir(ctx: Context) -> tuple[ScheduleIR, Costs]:
     """GPipe (Huang et al., 2019; torchgpipe) with every weight resident: the plan's layers
     re-cut into N stages balanced by compute, stage j on the j-th GPU, all forwards then all
     backwards (with recompute), activations hop between GPUs, no weight traffic. The
@@ -50,13 +57,11 @@ def build(ctx: Context) -> None:
                 f"weight resident, so this model does not fit {n} GPU(s): use the 'mobius' schedule or more GPUs")
     slots = [Slot("forward", j, ctx.gpus[j]) for j in range(len(groups))]
     slots += [Slot("backward", j, ctx.gpus[j]) for j in reversed(range(len(groups)))]
-    looped_pipeline(ctx, c, slots, m, resident=True, offload_activations=False, grads_to_host=False)
-    barrier = ctx.mark("backward done", list(range(len(ctx.tasks))), kind="barrier")
-    for j in range(len(groups)):
-        gpu = ctx.gpus[j]
-        t = c.master[j] / 4.0 * TOUCHED_BYTES[ctx.optimizer] / by_name[gpu].spec.memory_bandwidth
-        ctx.add(Task(f"optimizer {gpu}", f"{gpu}/optimizer", (), t, after=[barrier],
-                     meta={"kind": "optimizer", "phase": "step", "gpu": gpu}))
+    ir = LoopedIR()
+    ir.pipeline(c, slots, m, resident=True, offload_activations=False, grads_to_host=False)
+    ir.gpu_steps(ctx.gpus[:len(groups)])
+    return ir.build(m, host_optimizer=None), c
+
 
 def _balanced(u: Costs, n: int) -> list[tuple[int, int]]:
     """Contiguous groups of units, at most n, minimising the largest compute (f + b)."""

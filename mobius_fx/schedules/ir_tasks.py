@@ -1,7 +1,8 @@
 """The one task builder from the schedule IR (mobius_fx/planning/schedule_ir.py): one simulator task per op.
 
-A schedule that produces the IR (the Mobius variants) hands it to `tasks_from_ir`; the IR of a
-plan is `plan.schedule()` (with stage k moved to gpus[k % N]: `plan.schedule(gpus)`).
+Every schedule produces the IR and hands it here: the Mobius variants the plan's
+(`plan.schedule()`; with stage k moved to gpus[k % N]: `plan.schedule(gpus)`), the baselines
+theirs (`looped_ir.LoopedIR`: GPipe, ZeRO-3 offload, RoundPipe).
 
     tasks_from_ir(ctx, ctx.plan.schedule())   # the plan as the runtime runs it
     check_transfers(ctx)                    # ... moving exactly plan.transfers
@@ -14,24 +15,23 @@ from typing import Any
 
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.plans import TRANSFER_KIND
-from mobius_fx.planning.schedule_ir import ScheduleIR
+from mobius_fx.planning.schedule_ir import Op, ScheduleIR
 from mobius_fx.kinds import HOST
-from mobius_fx.sim.tasks import Context, cpu_optimizer
+from mobius_fx.sim.tasks import Context, Costs, cpu_optimizer, gpu_optimizer
 
 __all__ = ["tasks_from_ir", "copy_need", "check_transfers"]
 
 
-def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> None:
-    """One task per op of a schedule IR (mobius_fx/planning/schedule_ir.py). A `run` computes f or b on its
-    GPU; a copy with bytes is a flow on the route src -> dst, on the receiving GPU's upload stream
-    (prefetch, restore, an input sent again), its activation stream (other sends to a GPU) or the
-    sending GPU's download stream (offload, download, sends to the host), served by slot (a stage's
-    forward or backward on that GPU), then IR order; `evict`/`wait`/`hold` are markers; the host
-    `step`s are the one CPU optimizer task at the end. Deps are the IR's, through markers and
-    zero-byte copies: a `wait` stands for the stage's weights, but a prefetch it triggers starts
-    with the stage's first run (with `prefetch=False`: after its last). On a shared link a copy
-    ranks by when the step needs it (`copy_need`); its host end is the stage's home (`ctx.home`)."""
-    ops, c = ir.ops, ctx.stages
+def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, costs: Costs | None = None, prefetch: bool = True) -> None:
+    """One task per op of a schedule IR (mobius_fx/planning/schedule_ir.py), stage k's times and
+    master bytes from `costs` (default: the plan's stages, `ctx.stages`). A `run` computes f or b
+    on its GPU; a copy with bytes is a flow on the route src -> dst (`_copy_task`); `evict`/`wait`/
+    `hold` are markers; a `step` on a GPU is its optimizer step after the whole pipeline (GPipe's),
+    the host's `step`s the one CPU optimizer of `ir.host_optimizer` at the end. Deps are the IR's
+    (`starts`: on the start of those ops), through zero-byte copies and, with `ir.through_markers`,
+    through markers: a `wait` stands for the stage's weights, but a prefetch it triggers starts
+    with the stage's first run (with `prefetch=False`: after its last)."""
+    ops, c = ir.ops, costs if costs is not None else ctx.stages
     slot = {(o.phase, o.stage): p for g in ir.gpus for p, o in enumerate(x for x in ir.place(g) if x.kind == "wait")}
     runs: dict[int, list[int]] = defaultdict(list)  # wait -> the runs that wait for it
     for o in ops:
@@ -42,6 +42,7 @@ def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> Non
     through: dict[int, list[int]] = {}
     triggers: list[tuple[int, int]] = []
     staging: dict[int, list[int]] = {}  # staging task -> the waits whose first run triggers it (as its upload)
+    flush: list[int] = []  # the barrier before the GPUs' optimizer steps
 
     def ends(d: int) -> list[int]:  # the tasks whose ends op d stands for
         if d not in task and d not in through:
@@ -54,26 +55,65 @@ def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, prefetch: bool = True) -> Non
         if o.kind == "run":
             task[o.index] = ctx.compute(o.place, c.f[o.stage] if o.phase == "forward" else c.b[o.stage], tag, after,
                                         phase=o.phase, stage=o.stage, microbatch=o.microbatch)
-        elif o.kind in TRANSFER_KIND and o.direction and o.bytes > 0:  # a copy (an evict has no direction)
-            gpu = o.src if o.dst == HOST else o.dst
-            staged = ctx.stage_copy(gpu, o.stage, c.master[o.stage]) if o.kind == "prefetch" else None
+        elif o.kind in (*TRANSFER_KIND, "collective") and o.direction and o.bytes > 0:  # a copy (an evict has no direction)
+            waits = [d for d in o.deps if o.kind == "prefetch" and ops[d].kind == "wait"]
+            task[o.index], staged = _copy_task(ctx, ir, o, c, tag, after, [t for d in o.starts for t in ends(d)],
+                                              slot[(o.phase, o.stage)] if o.slot is None else o.slot)
             if staged is not None:
-                after.append(staged)
-                staging.setdefault(staged, [d for d in o.deps if ops[d].kind == "wait"])
-            stream = ("download" if o.dst == HOST else "upload" if o.kind == "prefetch" or o.what == "input"
-                      else "activation")
-            task[o.index] = ctx.move(f"{gpu}/{stream}", (slot[(o.phase, o.stage)], o.index),
-                                     o.src, o.dst, o.bytes, f"{o.kind} {tag}", after=after,
-                                     need=copy_need(o, len(ir.stages)),
-                                     home=ctx.home(o.stage, gpu) if HOST in (o.src, o.dst) else None,
-                                     kind=TRANSFER_KIND[o.kind], phase=o.phase, gpu=gpu, stage=o.stage, microbatch=o.microbatch)
-            triggers += [(task[o.index], d) for d in o.deps if o.kind == "prefetch" and ops[d].kind == "wait"]
+                staging.setdefault(staged, waits)
+            triggers += [(task[o.index], d) for d in waits]
         elif o.kind in ("evict", "wait", "hold"):
-            ctx.mark(f"{o.kind} {tag}", after, kind=o.kind, phase=o.phase, gpu=o.place, stage=o.stage)
+            mark = ctx.mark(f"{o.kind} {tag}", after, kind=o.kind, phase=o.phase, gpu=o.place, stage=o.stage)
+            if not ir.through_markers:
+                task[o.index] = mark
+        elif o.kind == "step" and o.place != HOST:
+            flush = flush or [ctx.mark("backward done", list(range(len(ctx.tasks))), kind="barrier")]
+            task[o.index] = gpu_optimizer(ctx, o.place, c.master[o.stage], flush)
     for t, w in triggers + [(t, w) for t, ws in staging.items() for w in ws]:
         (ctx.tasks[t].after_start if prefetch else ctx.tasks[t].after).append(task[runs[w][0 if prefetch else -1]])
-    steps = {o.stage: c.master[o.stage] for o in ops if o.kind == "step"}
-    cpu_optimizer(ctx, sum(steps.values()), per_stage=steps)
+    _host_optimizer(ctx, ir, c)
+
+
+def _copy_task(ctx: Context, ir: ScheduleIR, o: Op, c: Costs, tag: str, after: list[int], starts: list[int],
+              slot: int) -> tuple[int | None, int | None]:
+    """Copy `o` as a flow on the route src -> dst (and the staging of its streamed copy, for a
+    prefetch: `Context.stage_copy`), on the receiving GPU's upload stream (prefetch, restore, an
+    input sent again), its activation stream (other sends to a GPU) or the sending GPU's
+    download stream (offload, download, sends to the host); a collective's host-routed share on
+    the GPU's "allgather" (weights) or "reduce-scatter" (gradients) stream. A stream serves its
+    copies by `slot` (the op's turn on its GPU), then IR order; on a shared link a copy ranks by
+    when the step needs it (`o.need`, else `copy_need`); its host end is the stage's home
+    (`ctx.home`, per (GPU, stage) when `ir.sharded`; a collective's is its GPU's own socket).
+    Returns the copy's task and the staging task (None: none)."""
+    gpu = o.src if o.dst == HOST else o.dst
+    staged = ctx.stage_copy(gpu, o.stage, c.master[o.stage], starts) if o.kind == "prefetch" else None
+    if o.kind == "collective":
+        stream = "allgather" if o.what == "weight" else "reduce-scatter"
+    else:
+        stream = ("download" if o.dst == HOST else "upload" if o.kind == "prefetch" or o.what == "input"
+                  else "activation")
+    home = None
+    if HOST in (o.src, o.dst) and o.kind != "collective":
+        home = ctx.home((gpu, o.stage) if ir.sharded else o.stage, gpu)
+    kind = "collective" if o.kind == "collective" else TRANSFER_KIND[o.kind]
+    t = ctx.move(f"{gpu}/{stream}", (slot, o.index), o.src, o.dst, o.bytes, f"{o.kind} {tag}",
+                 after=after + ([staged] if staged is not None else []), after_start=starts,
+                 need=(copy_need(o, len(ir.stages)) if o.need is None else (o.need,)), home=home,
+                 kind=kind, phase=o.phase, gpu=gpu, stage=o.stage, microbatch=o.microbatch)
+    return t, staged
+
+
+def _host_optimizer(ctx: Context, ir: ScheduleIR, c: Costs) -> None:
+    """The host's `step`s: the user's CPU optimizer per stage (`cpu_optimizer(per_stage=)`), or
+    DeepSpeed's CPU Adam after the pipeline, writing the streamed copy as it steps."""
+    steps = {o.stage: c.master[o.stage] for o in ir.ops if o.kind == "step" and o.place == HOST}
+    if ir.host_optimizer == "user":
+        cpu_optimizer(ctx, sum(steps.values()), per_stage=steps)
+    elif ir.host_optimizer == "deepspeed":
+        cpu_optimizer(ctx, sum(steps.values()), ctx.deepspeed_adam_bw, overlap="none", fused_refresh=True)
+    elif ir.host_optimizer is not None:
+        raise MobiusError(f"ScheduleIR.host_optimizer={ir.host_optimizer!r}; use 'user' (the user's CPU optimizer), "
+                          f"'deepspeed' (DeepSpeedCPUAdam) or None (the GPUs step)")
 
 
 def copy_need(o: Any, stages: int) -> tuple[int]:

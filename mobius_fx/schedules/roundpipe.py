@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from mobius_fx.sim.tasks import Context, cpu_optimizer
-from mobius_fx.schedules.looped import Slot, looped_pipeline
+from mobius_fx.planning.schedule_ir import ScheduleIR
+from mobius_fx.sim.tasks import Context, Costs
+from mobius_fx.schedules.ir_tasks import tasks_from_ir
+from mobius_fx.schedules.looped_ir import LoopedIR, Slot
 from mobius_fx.schedules.registry import register
 
-__all__ = ["build"]
+__all__ = ["build", "schedule_ir"]
 
 
 def build(ctx: Context) -> None:
+    """RoundPipe's schedule IR (`schedule_ir`) as tasks."""
+    tasks_from_ir(ctx, schedule_ir(ctx)[0])
+
+
+def schedule_ir(ctx: Context) -> tuple[ScheduleIR, Costs]:
     """RoundPipe-style stateless round-robin dispatch (Luo et al., arXiv 2604.27085, 2026).
 
     Slot i goes to GPU (g0 + i) mod N (g0 = 0, GPUs by CUDA index); every slot runs all
@@ -27,8 +34,10 @@ def build(ctx: Context) -> None:
     slots = [Slot("forward", k, ctx.gpus[k % n]) for k in range(s - 1)]
     slots.append(Slot("fused", s - 1, ctx.gpus[(s - 1) % n]))
     slots += [Slot("backward", k, ctx.gpus[(2 * s - 2 - k) % n]) for k in reversed(range(s - 1))]
-    looped_pipeline(ctx, ctx.stages, slots, ctx.plan.microbatches, loss_on_host=False)
-    cpu_optimizer(ctx, sum(ctx.stages.master), per_stage={k: m for k, m in enumerate(ctx.stages.master) if m})
+    ir = LoopedIR()
+    ir.pipeline(ctx.stages, slots, ctx.plan.microbatches, loss_on_host=False)
+    ir.host_steps(ctx.stages)
+    return ir.build(ctx.plan.microbatches), ctx.stages
 
 
 register("roundpipe", build, data_parallel=True, summary="round-robin slots over the GPUs, fused last stage")

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-from mobius_fx.sim.tasks import Context, Costs, cpu_optimizer
+from mobius_fx.planning.schedule_ir import ScheduleIR
+from mobius_fx.sim.tasks import Context, Costs
+from mobius_fx.schedules.ir_tasks import tasks_from_ir
 from mobius_fx.schedules.layer_units import layer_units
-from mobius_fx.schedules.looped import Slot, looped_pipeline
+from mobius_fx.schedules.looped_ir import LoopedIR, Slot
 from mobius_fx.schedules.registry import register
 
-__all__ = ["build"]
+__all__ = ["build", "schedule_ir"]
 
 
 def build(ctx: Context) -> None:
+    """ZeRO-3 offload's schedule IR (`schedule_ir`) as tasks; nothing staged before the uploads."""
+    ir, costs = schedule_ir(ctx)
+    ctx.staging = False  # DeepSpeed's CPU Adam wrote the fp16 copy the uploads read
+    tasks_from_ir(ctx, ir, costs=costs)
+
+
+def schedule_ir(ctx: Context) -> tuple[ScheduleIR, Costs]:
     """DeepSpeed ZeRO-3 with CPU offload (ZeRO-Offload/ZeRO-Infinity, Rajbhandari et al.
     SC'21; Ren et al. ATC'21), data parallel: each GPU runs 1/N of the batch through every
     layer, fetching each layer's weights from DRAM in forward and again in backward (one layer
@@ -29,7 +38,7 @@ def build(ctx: Context) -> None:
     D2H download). On GPUs without peer-to-peer (`topology.p2p` False: GeForce cards) NCCL
     routes both through host memory, so each GPU also sends its share of the ring to the host
     with every all-gather ((N-1)/N of the layer, D2H) and receives it with every
-    reduce-scatter ((N-1)/N of the gradient, H2D): `looped_pipeline(host_collectives=...)`.
+    reduce-scatter ((N-1)/N of the gradient, H2D): `LoopedIR.pipeline(host_collectives=...)`.
     With peer-to-peer (or NVLink) that half goes GPU to GPU and is not modelled. Each rank
     keeps its own partition in host memory (`sharded`: on its socket under masters="local").
     Simplifications: one pass per GPU (no gradient accumulation), no activation traffic, the
@@ -40,14 +49,13 @@ def build(ctx: Context) -> None:
     m = ctx.plan.microbatches
     c = Costs([f * m / n for f in u.f], [b * m / n for b in u.b], u.w, u.g, u.inp, u.out, u.master, u.names)
     routed = 0.0 if ctx.topo.p2p or n == 1 else (n - 1) / n
+    ir = LoopedIR()
     for gpu in ctx.gpus:
         slots = [Slot("forward", k, gpu) for k in range(len(u.f))]
         slots += [Slot("backward", k, gpu) for k in reversed(range(len(u.f)))]
-        ctx.staging = False  # DeepSpeed's CPU Adam wrote the fp16 copy the uploads read
-        looped_pipeline(ctx, c, slots, 1, offload_activations=False, activations=False, sharded=True,
-                        host_collectives=routed)
-    # DeepSpeed steps after the step, writing the fp16 copy in its kernel
-    cpu_optimizer(ctx, sum(u.master), ctx.deepspeed_adam_bw, overlap="none", fused_refresh=True)
+        ir.pipeline(c, slots, 1, offload_activations=False, activations=False, host_collectives=routed)
+    ir.host_steps(c)  # DeepSpeed steps after the step, writing the fp16 copy in its kernel
+    return ir.build(1, sharded=True, host_optimizer="deepspeed"), c
 
 
 register("zero3-offload", build, optimizer="deepspeed", summary="every GPU fetches every layer; DeepSpeedCPUAdam")

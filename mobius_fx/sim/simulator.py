@@ -21,9 +21,9 @@ comparisons are like for like.
 
 Schedules: those of the registry, `mobius_fx.schedules.names()` -- one module each under
 mobius_fx/schedules/ (each docstring says where its model comes from), on the task graph of
-mobius_fx/sim/tasks.py. The three "mobius" ones are read from the schedule IR (`plan.schedule()`,
-mobius_fx/planning/schedule_ir.py) by the one task builder (schedules/ir_tasks.py): one task per op, so a
-change of the schedule is made there.
+mobius_fx/sim/tasks.py. Each produces the schedule IR (mobius_fx/planning/schedule_ir.py: the "mobius"
+ones the plan's, `plan.schedule()`; the baselines theirs from slots, schedules/looped_ir.py), which the one
+task builder (schedules/ir_tasks.py) turns into tasks, one per op: a change of a schedule is made in its IR.
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ from typing import Any
 from mobius_fx import schedules
 from mobius_fx.errors import MobiusError
 from mobius_fx.kinds import OVERLAP_MODES
+from mobius_fx.sim.arguments import check_gpus, host_copies_of, host_rates, masters_of, network_of, topology_of
 from mobius_fx.sim.network import Link, LinkSegment, Task, replay
 from mobius_fx.planning.plans import Plan
-from mobius_fx.sim.tasks import (CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, MASTERS, NETWORK_LATENCY,
+from mobius_fx.sim.tasks import (CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, MASTERS, NETWORK_LATENCY,
                         Context, optimizer_bytes_touched, ring_allreduce_time)
-from mobius_fx.topology.server import PRESETS, Topology
-from mobius_fx.topology.schema import MIN_BANDWIDTH
-from mobius_fx.units import check_positive, fmt_bytes, fmt_time, parse_network
+from mobius_fx.units import fmt_bytes, fmt_time
 
 __all__ = ["simulate", "SimResult", "SimEvent", "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH",
            "optimizer_bytes_touched", "ring_allreduce_time", "NETWORK_LATENCY"]
@@ -227,7 +226,7 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     host copies' bytes/s (the staging of the streamed copies before uploads, the gradient
     hand-over, sync's refresh and finite check, async's shadow copy: sim.tasks.HOST_COPY_KINDS,
     each where the runtime makes it); None takes the host section's `host_copy_bytes_per_s`, else
-    HOST_COPY_BANDWIDTH. `host_copies` sets a kind's bytes per fp32 master parameter
+    HOST_COPY_BANDWIDTH. `host_copies` sets a kind's bytes per parameter (per 4 master bytes)
     ({"handover": 0}: the runtime no longer makes that pass); the others as
     sim.tasks.host_copy_bytes. The result says which figures it used (`SimResult.host_sources`,
     `host_line()`).
@@ -245,7 +244,7 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     (mobius_fx/runtime/data_parallel.py; the Mobius schedules and RoundPipe's): every server runs the
     same step on its own slice of an R x larger global batch, so one server's step is the
     cluster's. Once a stage's gradients are in host memory (its gradient downloads, from every
-    GPU holding a copy, have ended), its trainable fp32 master gradients are averaged across the
+    GPU holding a copy, have ended), its gradients (its trainable master bytes) are averaged across the
     servers by a ring all-reduce (reduce-scatter + all-gather, 2(R-1) steps): 2(R-1)/R x bytes
     sent and as many received on the server's NIC, taking 2(R-1)/R x bytes / `network` +
     2(R-1) x `network_latency` (`ring_allreduce_time`), one stage at a time on a "host/nic"
@@ -267,52 +266,17 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     if not isinstance(plan, Plan):
         raise MobiusError(f"simulate needs a Plan, got {plan!r} (a {type(plan).__name__}); pass the result of "
                           f"mobius_fx.plan(model, topology, example_inputs=...)")
-    if topology is not None and not isinstance(topology, Topology):
-        if not isinstance(topology, str):
-            raise MobiusError(f"topology={topology!r} is a {type(topology).__name__}; pass a Topology, a preset name "
-                              f"({', '.join(PRESETS)}) or a JSON file path, or None for the plan's")
-        text = topology.strip()
-        topology = Topology.from_json(topology) if text.endswith(".json") or text.startswith("{") else \
-            Topology.preset(topology)
-    topo = topology if topology is not None else plan.topology
-    if topo is None:
-        raise MobiusError("the plan carries no topology; pass simulate(plan, topology=Topology.preset(...))")
+    topo = topology_of(plan, topology)
     spec = schedules.get(schedule)
     optimizer_bytes_touched(optimizer)
-    bw, ds_bw, copy_bw, sources = _host_rates(topo, cpu_adam_bandwidth, deepspeed_adam_bandwidth, host_copy_bandwidth)
-    copies = _host_copies(host_copies)
+    bw, ds_bw, copy_bw, sources = host_rates(topo, cpu_adam_bandwidth, deepspeed_adam_bandwidth, host_copy_bandwidth)
+    copies = host_copies_of(host_copies)
     if optimizer_overlap not in OVERLAP_MODES:
         raise MobiusError(f"optimizer_overlap={optimizer_overlap!r}; use one of {', '.join(map(repr, OVERLAP_MODES))}: "
                           f"the optimizer after the step, per stage as gradients land, or a step late")
-    masters = MASTERS if masters is None else masters
-    if masters != "local" and masters not in topo.root_complexes:
-        raise MobiusError(f"masters={masters!r}; host memory lives either 'local' (each stage on its GPU's socket) "
-                          f"or on one root complex of topology {getattr(topo, 'name', '')!r}: "
-                          f"{', '.join(topo.root_complexes)}; pass one of those")
-    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
-        raise MobiusError(f"servers={servers!r}; give the number of data-parallel servers, an integer >= 1 "
-                          f"(1: this server alone)")
-    net = math.inf
-    if servers > 1:
-        if network is None:
-            raise MobiusError(f"servers={servers} needs the network: pass network= each server's NIC bandwidth, "
-                              f"bytes/s or a string such as '100Gbps' or '12.5GB/s'")
-        if not spec.data_parallel:
-            raise MobiusError(f"servers={servers} simulates data parallel over the schedules that step a CPU optimizer "
-                              f"per stage ({', '.join(schedules.data_parallel_names())}), not {schedule!r}; simulate "
-                              f"{schedule!r} with servers=1")
-        net = math.inf if _ideal(network) else _rate(parse_network(network, "network"), "network", network)
-    elif network is not None and not _ideal(network):
-        _rate(parse_network(network, "network"), "network", network)  # checked; one server sends nothing
-    alpha = NETWORK_LATENCY if network_latency is None else network_latency
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha < math.inf:
-        raise MobiusError(f"network_latency={network_latency!r}; give the seconds one ring step adds (>= 0, "
-                          f"finite), e.g. 30e-6, or None for {NETWORK_LATENCY}")
-    by_name = {g.name: g for g in topo.gpus}
-    missing = [g for g in plan.order if g not in by_name]
-    if missing:
-        raise MobiusError(f"the plan runs on {', '.join(missing)}, which topology {getattr(topo, 'name', '')!r} "
-                          f"lacks ({', '.join(by_name)}); simulate on the plan's topology or re-plan")
+    masters = masters_of(MASTERS if masters is None else masters, topo)
+    net, alpha = network_of(spec, servers, network, network_latency)
+    check_gpus(plan, topo)
     ctx = Context(plan, topo, optimizer, bw, use_plan_routes=topo is plan.topology, masters=masters,
                   deepspeed_adam_bw=ds_bw, overlap=optimizer_overlap, servers=servers, network=net,
                   network_latency=float(alpha), copy_bw=copy_bw, copies=copies)
@@ -324,82 +288,6 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
         sources.pop("deepspeed")
     return dataclasses.replace(_run(ctx, schedule), host_sources=sources, host_copy_bandwidth=copy_bw,
                                optimizer_bandwidth=ctx.deepspeed_adam_bw if deepspeed else bw)
-
-
-MEASURED = "measured on this host"  # a figure from the topology's "host" section (SimResult.host_sources)
-
-
-def _host_rates(topo: Any, cpu_adam_bandwidth: Any, deepspeed_adam_bandwidth: Any,
-                host_copy_bandwidth: Any) -> tuple[float, float | None, float, dict[str, str]]:
-    """The optimizer's, DeepSpeed's (None: the optimizer's) and the host copies' bytes/s, each
-    from its argument, else the topology's host section, else the default; and where each came
-    from (SimResult.host_sources)."""
-    host = getattr(topo, "host", None)
-    measured = host.optimizer_bytes_per_s if host is not None else None
-    deepspeed = host is not None and host.implementation == "deepspeed"
-    kernel = f"{host.optimizer}, {host.implementation or 'kernel not named'}" if host is not None else ""
-    sources: dict[str, str] = {}
-    if cpu_adam_bandwidth is not None:
-        bw, sources["optimizer"] = _rate(check_positive(
-            cpu_adam_bandwidth, "cpu_adam_bandwidth",
-            f"give the optimizer's bytes/s, e.g. {CPU_ADAM_BANDWIDTH:.3g}, or None for the topology's or the default"),
-            "cpu_adam_bandwidth", cpu_adam_bandwidth), "given"
-    elif measured is not None and not deepspeed:
-        bw, sources["optimizer"] = measured, f"{MEASURED}: {kernel}"
-    else:
-        bw, sources["optimizer"] = CPU_ADAM_BANDWIDTH, "default: fused AdamW measured on the H200 run's 16-core host"
-    if deepspeed_adam_bandwidth is not None:
-        ds, sources["deepspeed"] = _rate(check_positive(
-            deepspeed_adam_bandwidth, "deepspeed_adam_bandwidth",
-            "give DeepSpeedCPUAdam's bytes/s, e.g. 1.1e11, or None for the topology's or the optimizer's"),
-            "deepspeed_adam_bandwidth", deepspeed_adam_bandwidth), "given"
-    elif measured is not None and deepspeed:
-        ds, sources["deepspeed"] = measured, f"{MEASURED}: {kernel}"
-    else:
-        ds, sources["deepspeed"] = None, f"DeepSpeed's not measured: the optimizer's speed, {sources['optimizer']}"
-    if host_copy_bandwidth is not None:
-        copy, sources["host copies"] = _rate(check_positive(
-            host_copy_bandwidth, "host_copy_bandwidth",
-            f"give the host copies' bytes/s, e.g. {HOST_COPY_BANDWIDTH:.3g}, or None for the topology's or the default"),
-            "host_copy_bandwidth", host_copy_bandwidth), "given"
-    elif host is not None and host.host_copy_bytes_per_s is not None:
-        copy, sources["host copies"] = host.host_copy_bytes_per_s, MEASURED
-    else:
-        copy, sources["host copies"] = HOST_COPY_BANDWIDTH, "default: the gradient hand-over measured on the H200 run's host"
-    return bw, ds, copy, sources
-
-
-def _host_copies(given: Any) -> dict[str, float]:
-    """`simulate(host_copies=)`: kind -> bytes per fp32 master parameter, checked."""
-    if given is None:
-        return {}
-    if not isinstance(given, Mapping):
-        raise MobiusError(f"host_copies={given!r}; give a dict of host copy kind -> bytes per fp32 master parameter, "
-                          f"e.g. {{'handover': 0}}; kinds: {', '.join(HOST_COPY_KINDS)}")
-    out = {}
-    for kind, nbytes in given.items():
-        if kind not in HOST_COPY_KINDS:
-            raise MobiusError(f"host_copies has {kind!r}, not a host copy the simulator models; use one of "
-                              f"{', '.join(HOST_COPY_KINDS)}")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not 0 <= nbytes < math.inf:
-            raise MobiusError(f"host_copies[{kind!r}] is {nbytes!r}; give the bytes read + written per fp32 master "
-                              f"parameter, a finite number >= 0 (0: the runtime makes no such pass)")
-        out[kind] = float(nbytes)
-    return out
-
-
-def _rate(x: float, name: str, given: Any) -> float:
-    """A bandwidth in bytes/s of at least 1 MB/s (topology.schema.MIN_BANDWIDTH): slower is a unit
-    mistake (GB/s given as bytes/s) that would simulate hour-long steps."""
-    if x < MIN_BANDWIDTH:
-        raise MobiusError(f"{name}={given!r} is {x:.3g} bytes/s; a rate must be at least 1 MB/s (1e6 bytes/s), "
-                          f"slower is a unit mistake: give bytes/s, e.g. 2e10")
-    return x
-
-
-def _ideal(network: Any) -> bool:
-    """`network=math.inf`: an infinitely fast network (the all-reduces take no time)."""
-    return isinstance(network, (int, float)) and not isinstance(network, bool) and network == math.inf
 
 
 # ---------------------------------------------------------------------------------- run

@@ -18,17 +18,24 @@ from mobius_fx.sim.network import Link, Task
 from mobius_fx.planning.plans import Plan
 from mobius_fx.kinds import HOST
 
-__all__ = ["Costs", "Context", "cpu_optimizer", "optimizer_bytes_touched",
+__all__ = ["Costs", "Context", "cpu_optimizer", "gpu_optimizer", "optimizer_bytes_touched",
            "ring_allreduce_time", "gradient_allreduce", "NETWORK_LATENCY", "TOUCHED_BYTES", "STATE_BYTES",
            "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH", "HOST_COPY_KINDS", "RUNTIME_HOST_COPIES", "NO_HOST_COPIES",
            "MASTERS", "host_copy_bytes"]
 
-# Bytes of memory traffic per fp32 master parameter in one optimizer step. Adam reads the
-# parameter, its gradient and both moments (4 x 4 B) and writes the parameter and both moments
-# (3 x 4 B): 28 B. SGD with momentum reads p, g, m and writes p, m: 20 B. The step is memory
-# bound on a CPU, so time = params x bytes / sustained bandwidth.
+# Master bytes: the simulator knows each stage's trainable master bytes (`Costs.master`: its
+# gradient bytes in the masters' dtype, `Stage.grad_bytes / Precision.scale`), not a count of
+# parameters. Every per-parameter figure below (TOUCHED_BYTES, STATE_BYTES, `host_copy_bytes`,
+# `simulate(host_copies=)`) is charged per 4 master bytes (`master_bytes / 4.0`), and "streamed
+# bytes per element" is 4 x Precision.scale: one parameter per 4 bytes, exact for fp32 masters;
+# with 2-byte masters the same bytes count half as many parameters.
+#
+# Bytes of memory traffic per parameter (per 4 master bytes) in one optimizer step. Adam reads
+# the parameter, its gradient and both moments (4 x 4 B) and writes the parameter and both
+# moments (3 x 4 B): 28 B. SGD with momentum reads p, g, m and writes p, m: 20 B. The step is
+# memory bound on a CPU, so time = master bytes / 4 x bytes / sustained bandwidth.
 TOUCHED_BYTES = {"adam": 28, "adamw": 28, "sgd": 20, "none": 0}
-STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "none": 0}  # optimizer state bytes per fp32 param
+STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "none": 0}  # optimizer state bytes per 4 master bytes
 
 # The default optimizer speed when the topology has no measured "host" section (`HostFigures`,
 # written by benchmarks/cpu_optimizer.py --topology-out and benchmarks/gpu_check.py): torch's
@@ -56,7 +63,7 @@ CPU_ADAM_BANDWIDTH = H200_HOST_PARAMS * TOUCHED_BYTES["adamw"] / H200_HOST_ADAMW
 H200_HOST_HANDOVER_SECONDS = 0.6537
 HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e9 B/s
 
-# The copies, per fp32 master parameter of a trainable weight, each where the runtime makes it
+# The copies, per parameter of a trainable weight (per 4 master bytes), each where the runtime makes it
 # (`host_copy_bytes` gives its bytes with weights streamed at `s` bytes per element):
 # - "staging": the master copied (cast) into the streamed copy an upload reads, by the GPU's
 #   upload worker before the stage's first upload of the step (StreamDevice._staged: again every
@@ -83,7 +90,7 @@ NO_HOST_COPIES = dict.fromkeys(HOST_COPY_KINDS, 0.0)
 
 
 def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam") -> float:
-    """Bytes read + written per fp32 master parameter of host copy `kind` (HOST_COPY_KINDS) with
+    """Bytes read + written per parameter (per 4 master bytes) of host copy `kind` (HOST_COPY_KINDS) with
     weights streamed at `streamed` bytes per element, as the runtime makes it (0 for a kind left
     out of RUNTIME_HOST_COPIES, and for every kind without an optimizer: nothing changes).
 
@@ -99,7 +106,7 @@ def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam") -> floa
         return 0 if streamed >= 4 else streamed + 4
     return {"staging": 4 + streamed, "refresh": 4 + streamed, "finite_check": 4, "shadow": 8}[kind]
 
-# Where host memory (a stage's fp32 masters, its gradients, its saved inputs) lives, per socket:
+# Where host memory (a stage's masters, its gradients, its saved inputs) lives, per socket:
 # "local": in the DRAM of the socket of the GPU that first moves it (first touch by that GPU's
 # upload worker, bound to its socket: what a NUMA-aware runtime gets; for the Mobius schedules
 # the socket of the GPU the stage is mapped to, so cross or identity mapping alike read local
@@ -120,7 +127,7 @@ NETWORK_LATENCY = 0.0
 
 
 def optimizer_bytes_touched(optimizer: str) -> int:
-    """Bytes read + written per fp32 parameter by one step of `optimizer` (adam: 28)."""
+    """Bytes read + written per parameter (per 4 master bytes) by one step of `optimizer` (adam: 28)."""
     try:
         return TOUCHED_BYTES[optimizer]
     except KeyError:
@@ -137,7 +144,7 @@ class Costs:
     g: list[float]
     inp: list[float]  # boundary input bytes per micro-batch
     out: list[float]
-    master: list[float]  # trainable fp32 master bytes (optimizer)
+    master: list[float]  # trainable master bytes (the gradients in the masters' dtype: the optimizer's)
     names: list[str]
 
 
@@ -147,7 +154,7 @@ class Context:
 
     `cpu_bw` is the user's torch optimizer's bytes/s, `deepspeed_adam_bw` the "zero3-offload"
     baseline's DeepSpeedCPUAdam (None: the same speed), `copy_bw` the host copies' bytes/s and
-    `copies` their bytes per fp32 master parameter by kind (HOST_COPY_KINDS; a kind not given:
+    `copies` their bytes per 4 master bytes by kind (HOST_COPY_KINDS; a kind not given:
     `host_copy_bytes`, as the runtime makes it)."""
 
     def __init__(self, plan: Plan, topo: Any, optimizer: str, cpu_bw: float, use_plan_routes: bool, *,
@@ -190,11 +197,11 @@ class Context:
         self.copies.update(copies or {})
 
     def copy_seconds(self, kind: str, master_bytes: float) -> float:
-        """Seconds host copy `kind` takes over `master_bytes` of fp32 masters at `copy_bw`."""
+        """Seconds host copy `kind` takes over `master_bytes` of masters (its bytes per 4 of them) at `copy_bw`."""
         return master_bytes / 4.0 * self.copies[kind] / self.copy_bw
 
     def stage_copy(self, gpu: str, stage: int, master_bytes: float, after_start: list = ()) -> int | None:
-        """The staging of stage `stage`'s streamed copy (its `master_bytes` of trainable fp32
+        """The staging of stage `stage`'s streamed copy (its `master_bytes` of trainable
         masters; frozen weights are staged once, not every step) by `gpu`'s upload worker, on the
         "<gpu>/staging" resource, once per step and GPU (each GPU keeps its own copies), started
         when the upload is triggered (`after_start`). The stage's uploads wait for the task
@@ -282,7 +289,8 @@ def gradient_allreduce(ctx: Context, per_stage: dict[int, float]) -> dict[int, i
     """The inter-server traffic of `ctx.servers` data-parallel servers, as one server sees it
     (every server runs the same plan on its own slice of the global batch, so all are alike).
 
-    Per stage of `per_stage` (stage -> its trainable fp32 master-gradient bytes), once its
+    Per stage of `per_stage` (stage -> its trainable master bytes: its gradients in the masters'
+    dtype), once its
     gradients are in host memory (its gradient downloads have ended, from every GPU holding a
     copy; with none, after every task so far), one all-reduce task of `ring_allreduce_time` on
     the "host/nic" stream: one collective at a time, in the order stages complete (the later
@@ -313,10 +321,20 @@ def gradient_allreduce(ctx: Context, per_stage: dict[int, float]) -> dict[int, i
     return out
 
 
+def gpu_optimizer(ctx: Context, gpu: str, master_bytes: float, after: list[int]) -> int:
+    """GPU `gpu`'s optimizer step over the parameters of `master_bytes` master bytes (GPipe's, on
+    the GPU), on its "<gpu>/optimizer" resource after `after`: TOUCHED_BYTES per 4 master bytes
+    at the GPU's memory bandwidth."""
+    spec = next(g.spec for g in ctx.topo.gpus if g.name == gpu)
+    seconds = master_bytes / 4.0 * TOUCHED_BYTES[ctx.optimizer] / spec.memory_bandwidth
+    return ctx.add(Task(f"optimizer {gpu}", f"{gpu}/optimizer", (), seconds, after=after,
+                        meta={"kind": "optimizer", "phase": "step", "gpu": gpu}))
+
+
 def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = None, *,
                   per_stage: dict[int, float] | None = None, overlap: str | None = None,
                   fused_refresh: bool = False) -> None:
-    """The optimizer step over `master_bytes` of fp32 masters on the CPU, at `bandwidth` bytes/s
+    """The optimizer step over `master_bytes` of masters on the CPU (TOUCHED_BYTES per 4 of them), at `bandwidth` bytes/s
     (default: the context's `cpu_bw`, the user's torch optimizer), on the "host/optimizer"
     resource, with the host copies around it where the runtime makes them (HOST_COPY_KINDS, at
     `ctx.copy_bw`; the staging before uploads is `Context.stage_copy`'s).

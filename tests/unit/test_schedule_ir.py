@@ -8,7 +8,7 @@ import torch
 
 import mobius_fx
 from mobius_fx import MobiusError, Topology
-from mobius_fx.planning.schedule_ir import StageInput, StageIO, build_schedule
+from mobius_fx.planning.schedule_ir import Op, StageInput, StageIO, build_schedule
 from mobius_fx.kinds import HOST
 from mobius_fx.zoo import GPT, GPTConfig
 
@@ -85,6 +85,19 @@ def test_the_host_steps_each_stage_after_its_gradients_are_downloaded():
 def test_a_stage_reading_a_later_stage_is_refused():
     with pytest.raises(MobiusError, match="stage 0 reads an input of stage 1"):
         build_schedule([StageIO("a", 1, 1, (StageInput(1, 4),)), StageIO("a", 1, 1)], 1)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(src="gpu0"), dict(dst=HOST), dict(what="weight"), dict(bytes=8),  # one copy field alone
+    dict(src="gpu0", dst=HOST, bytes=8), dict(src=HOST, dst="gpu0", what="weight", bytes=-1),
+    dict(src=HOST, dst="gpu0", what="weight", bytes=float("inf"))])
+def test_an_op_is_a_copy_with_all_four_fields_or_none(fields):
+    """src, dst, what and bytes: a copy names all of them (0 bytes: a copy of unknown size, as the
+    traced graph's IR has), any other op none; a half-made copy is refused with the rule."""
+    with pytest.raises(MobiusError, match="give all four or none"):
+        Op(3, "send", "gpu0", 1, "forward", **fields)
+    assert Op(3, "send", "gpu0", 1, "forward", src=HOST, dst="gpu0", what="input", bytes=0).direction == "h2d"
+    assert Op(3, "run", "gpu0", 1, "forward").bytes == 0
 
 
 def test_the_timeline_prints_each_gpu_and_phase():
