@@ -33,6 +33,9 @@
   trace, topology, planning, sim (with schedules) | runtime, passes, front (api, compiler,
   options, build, pass_adapters, the CLI) -- and imports only its own phase or earlier ones;
   sim and runtime are siblings. Exceptions are named in KNOWN_PHASE_EDGES with the reason.
+- Benchmarks and examples stand on the package alone (issue 29 part 4): no file under
+  `benchmarks/` or `examples/` imports `tests` or puts a `tests/` folder on `sys.path`; the
+  models they share with the tests live in the package's zoo (`mobius_fx/zoo/`).
 
 Run as a script to print the import graph's cycles: `python tests/unit/test_architecture.py`.
 """
@@ -521,7 +524,7 @@ PHASE_ORDER = ("base", "trace", "topology", "planning", "sim|runtime", "passes",
 TOP_LEVEL_PHASES = {  # modules directly in mobius_fx/, by phase; a new one must be placed here
     "base": {"mobius_fx", "errors", "units", "kinds", "precision"},
     "trace": {"tracing", "trace_semantics", "export_front", "grad_modes", "module_paths"},
-    "front": {"api", "compiler", "options", "__main__", "zoo", "build", "pass_adapters"},
+    "front": {"api", "compiler", "options", "__main__", "build", "pass_adapters"},
 }
 KNOWN_PHASE_EDGES: dict[tuple[str, str], str] = {  # (importer, imported) -> why
     ("mobius_fx.passes.partition", "mobius_fx.options"):
@@ -529,7 +532,10 @@ KNOWN_PHASE_EDGES: dict[tuple[str, str], str] = {  # (importer, imported) -> why
 }
 
 
-SUBPACKAGE_PHASES = {"schedules": "sim"}  # the schedules the simulator runs, one module each
+SUBPACKAGE_PHASES = {  # subpackages named for what they hold rather than for their phase
+    "schedules": "sim",  # the schedules the simulator runs, one module each
+    "zoo": "front",  # the models the CLI, the benchmarks, the examples and the tests build
+}
 
 
 def phase_of(module: str) -> str:
@@ -575,3 +581,50 @@ def test_each_phase_imports_only_earlier_phases():
 def test_every_module_has_a_phase():
     for m in MODULES:
         phase_of(m)
+
+
+# ----------------------------------------------------------------------------- benchmarks and examples (issue 29 part 4)
+SCRIPT_FOLDERS = ("benchmarks", "examples")  # scripts run from a checkout; they may use the package, not the tests
+
+
+def _names_a_tests_folder(node: ast.AST) -> bool:
+    """Whether a string in `node` is a path with a `tests` component ("tests", "../tests", "tests/unit")."""
+    return any(isinstance(c, ast.Constant) and isinstance(c.value, str)
+               and "tests" in c.value.replace("\\", "/").split("/") for c in ast.walk(node))
+
+
+def reaches_tests(source: str) -> list[tuple[int, str]]:
+    """(line, what) for each way `source` reaches the tests: an import of `tests` or `tests.*`
+    (at module level or inside a function), or a `sys.path.insert/append` of a path naming a
+    `tests` folder (after which a test module imports under its bare name)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names if a.name.split(".")[0] == "tests"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "tests":
+            found.append((node.lineno, f"from {node.module} import ..."))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("insert", "append", "extend") and ast.unparse(node.func.value) == "sys.path"
+              and any(_names_a_tests_folder(a) for a in node.args)):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_benchmarks_and_examples_do_not_import_the_tests():
+    found = [f"{path.relative_to(ROOT)}:{line}: {what}"
+             for folder in SCRIPT_FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))
+             for line, what in reaches_tests(path.read_text())]
+    assert not found, ("benchmarks and examples import only the package (a model they need goes in mobius_fx/zoo/, "
+                       "which the tests import too):\n" + "\n".join(found))
+
+
+def test_the_tests_import_rule_sees_each_way_in():
+    assert reaches_tests("import mobius_fx\nfrom mobius_fx.zoo import nanogpt\nimport testsuite\n"
+                         "sys.path.insert(0, ROOT)\nsys.path.insert(0, str(ROOT / 'benchmarks'))\n") == []
+    assert [line for line, _ in reaches_tests(
+        "from tests.models import gpt\n"
+        "import tests.unit.test_books\n"
+        "def f():\n    import tests\n"
+        "sys.path.insert(0, str(Path(__file__).parents[1] / 'tests'))\n"
+        "sys.path.append(os.path.join(HERE, '..', 'tests', 'unit'))\n"
+        "sys.path.insert(0, '../tests')\n")] == [1, 2, 4, 5, 6, 7]
