@@ -33,6 +33,10 @@
   trace, topology, planning, sim (with schedules) | runtime, passes, front (api, compiler,
   options, build, pass_adapters, the CLI) -- and imports only its own phase or earlier ones;
   sim and runtime are siblings. Exceptions are named in KNOWN_PHASE_EDGES with the reason.
+- "Stage" means one thing (issue 29 part 4): a pipeline stage (docs/architecture.md, "Glossary").
+  No name in `mobius_fx` or `passes/` -- identifier, attribute, argument or a key-like string
+  constant -- uses the verb ("staged", "staging"): a pinned copy is a pin, a copy through host
+  memory is relayed. The names still to rename are in KNOWN_STAGING_NAMES.
 - Benchmarks and examples stand on the package alone (issue 29 part 4): no file under
   `benchmarks/` or `examples/` imports `tests` or puts a `tests/` folder on `sys.path`; the
   models they share with the tests live in the package's zoo (`mobius_fx/zoo/`).
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -628,3 +633,73 @@ def test_the_tests_import_rule_sees_each_way_in():
         "sys.path.insert(0, str(Path(__file__).parents[1] / 'tests'))\n"
         "sys.path.append(os.path.join(HERE, '..', 'tests', 'unit'))\n"
         "sys.path.insert(0, '../tests')\n")] == [1, 2, 4, 5, 6, 7]
+
+
+# ----------------------------------------------------------------------------- one meaning of "stage" (issue 29 part 4)
+STAGING = re.compile(r"stag(ed|ing)", re.IGNORECASE)  # the verb: a name saying "stage" as something else
+# Still to rename (issue 29 part 4): (module, name) -> what it should say. Remove an entry once renamed.
+KNOWN_STAGING_NAMES: dict[tuple[str, str], str] = {
+    ("mobius_fx.runtime.devices", "_staged"): "_pinned_copy (the master's pinned copy an upload reads)",
+    ("mobius_fx.runtime.devices", "forget_staged"): "forget_pinned_copies",
+    ("mobius_fx.runtime.devices", "staging"): "pinned_copies (the counters of copies into them)",
+    ("mobius_fx.runtime.pipeline", "forget_staged"): "forget_pinned_copies",
+    ("mobius_fx.runtime.host_counters", "staging"): 'the host-copy kind "pin"',
+    ("mobius_fx.runtime.stage_calls", "staged"): "handed (the gradients handed to autograd)",
+    ("mobius_fx.schedules.ir_tasks", "staged"): "pin (the pin task of a prefetch)",
+    ("mobius_fx.schedules.ir_tasks", "staging"): "pins",
+    ("mobius_fx.schedules.looped", "staged"): "pin",
+    ("mobius_fx.schedules.zero3_offload", "staging"): "Context.pin_before_upload",
+    ("mobius_fx.sim.tasks", "staging"): 'Context.pin_before_upload; the host-copy kind "pin"',
+    ("mobius_fx.sim.tasks", "_staged"): "_pins",
+    ("mobius_fx.sim.tasks", "/staging"): 'the "<gpu>/pin" resource',
+}
+
+
+def names_in(source: str) -> list[tuple[int, str]]:
+    """(line, name) for every name `source` gives or uses: identifiers, attributes, arguments,
+    keywords, imported names, and string constants that look like a key (no spaces)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, ast.keyword):
+            names = [node.arg] if node.arg else []
+        elif isinstance(node, ast.alias):
+            names = [node.asname or node.name]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value] if re.fullmatch(r"[\w/.:-]+", node.value) else []
+        else:
+            names = []
+        found += [(node.lineno, n) for n in names]
+    return found
+
+
+def staging_names() -> dict[tuple[str, str], list[int]]:
+    out: dict[tuple[str, str], list[int]] = {}
+    for module, path in MODULES.items():
+        for line, name in names_in(path.read_text()):
+            if STAGING.search(name):
+                out.setdefault((module, name), []).append(line)
+    return out
+
+
+def test_stage_names_mean_a_pipeline_stage():
+    found = staging_names()
+    new = sorted(f"{m} line {min(lines)}: {n!r}" for (m, n), lines in found.items() if (m, n) not in KNOWN_STAGING_NAMES)
+    stale = sorted(k for k in KNOWN_STAGING_NAMES if k not in found)
+    assert not new, ('"stage" names a pipeline stage only (docs/architecture.md, "Glossary"); say what these are '
+                     '(a pinned copy: pin; a copy through host memory: relayed):\n' + "\n".join(new))
+    assert not stale, f"renamed: remove {stale} from KNOWN_STAGING_NAMES"
+
+
+def test_the_stage_name_rule_sees_each_kind_of_name():
+    src = ("staged = 1\nx.staging_buffer\ndef forget_staged(staging_bytes, *, n=0): pass\nf(staged_bytes=1)\n"
+           "from m import staged_copy\nd = {'staging': 1}\nr = f'{gpu}/staging'\n"
+           "stage = stages = StageIO = stage_peaks = 1\ns = 'the staging before uploads'\n")
+    assert sorted({line for line, n in names_in(src) if STAGING.search(n)}) == [1, 2, 3, 4, 5, 6, 7]
