@@ -14,20 +14,16 @@ import os
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from models import gpt, gpt_inputs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
 from mobius_fx.passes.annotate import annotate  # noqa: E402
 from mobius_fx.tracing import trace  # noqa: E402
 from mobius_fx.units import fmt_bytes, fmt_time  # noqa: E402
+from mobius_fx.zoo import nanogpt, nanogpt_inputs  # noqa: E402
 
 # name, (hidden, blocks, vocab, seq, heads), batch
 CONFIGS = {
@@ -40,8 +36,8 @@ CONFIGS = {
 def run(name: str) -> list[object]:
     (hidden, blocks, vocab, seq, heads), batch = CONFIGS[name]
     with torch.device("meta"):
-        model = gpt(hidden, blocks, vocab, seq, heads)
-    inputs = gpt_inputs(model, batch=batch, device="meta")
+        model = nanogpt(hidden, blocks, vocab, seq, heads)
+    inputs = nanogpt_inputs(model, batch=batch, device="meta")
     t0 = time.perf_counter()
     gm = trace(model, example_inputs=inputs)
     t1 = time.perf_counter()

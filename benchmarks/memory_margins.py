@@ -1,7 +1,8 @@
-"""The plan's predicted peak per stage against what the books measure, over the test zoo.
+"""The plan's predicted peak per stage against what the books measure, over the zoo's training cases.
 
-Each model is compiled (`mobius_fx.compile`) on 2 virtual GPUs, twice: with a tight budget
-(twice its weights + 1 MiB) and a roomy one (64 MiB), so the planner picks different cuts;
+Each model of `mobius_fx.zoo.training_cases()` (the cases `tests/unit/test_books.py` checks) is
+compiled (`mobius_fx.compile`) on 2 virtual GPUs, twice: with a tight budget (twice its weights
++ 1 MiB) and a roomy one (64 MiB), so the planner picks different cuts;
 one training step runs and each stage's measured peak (`Pipeline.stage_peaks()`: the most its
 GPU's books held while it worked, less what the GPU held for other stages) is compared with
 `plan.stages[k].peak_bytes`. The README quotes min / median / max of predicted / measured.
@@ -21,11 +22,11 @@ import sys
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
-from tests.unit.test_books import ZOO  # noqa: E402
+from mobius_fx.zoo import training_cases  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     dtype = torch.bfloat16 if args.bf16 else None
     ratios = []
-    for name, model0, inputs, kwargs, loss, m in ZOO.values():
+    for name, model0, inputs, kwargs, loss, m in training_cases():
         weights = sum(p.numel() * 4 for p in model0.parameters())
         for memory in (2 * weights + 2**20, 64 * 2**20):
             model = copy.deepcopy(model0)

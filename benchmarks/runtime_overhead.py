@@ -1,6 +1,6 @@
 """Runtime overhead: a Mobius pipeline on virtual GPUs against eager PyTorch doing the same work.
 
-The model is the nanoGPT-style GPT of tests/models.py (tied embedding / lm_head, ~23M parameters
+The model is nanoGPT's GPT-2 (`mobius_fx.zoo.nanogpt`: tied embedding / lm_head, ~23M parameters
 by default), traced with mobius_fx.trace and cut at block boundaries into 8 stages on 4 virtual
 GPUs (stage k on gpu k mod 4). The baseline runs the same stages eagerly, each under
 torch.utils.checkpoint (the same recompute in backward) and, for M micro-batches, the same
@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
 from mobius_fx import trace  # noqa: E402
 from mobius_fx.build import build_pipeline  # noqa: E402
 from mobius_fx.tracing import module_path  # noqa: E402
-from tests.models import gpt  # noqa: E402
+from mobius_fx.zoo import nanogpt  # noqa: E402
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -52,7 +52,7 @@ def stage_nodes(gm: torch.fx.GraphModule, blocks: int) -> list[list[str]]:
 
 
 def eager_checkpointed(model, idx, targets):
-    """GPT.forward of tests/models.py, each pipeline stage under torch.utils.checkpoint."""
+    """NanoGPT.forward (mobius_fx/zoo/nanogpt.py), each pipeline stage under torch.utils.checkpoint."""
     t = idx.size(1)
     tr = model.transformer
 
@@ -85,7 +85,7 @@ def pipe_step(pipe, model, idx, targets):
 
 def measure(args, microbatches: int) -> float:
     torch.manual_seed(0)
-    model = gpt(hidden=args.hidden, blocks=args.blocks, vocab=args.vocab, seq=args.seq, heads=args.heads)
+    model = nanogpt(hidden=args.hidden, blocks=args.blocks, vocab=args.vocab, seq=args.seq, heads=args.heads)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

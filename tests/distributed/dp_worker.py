@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
-from tests.models import gpt  # noqa: E402
+from mobius_fx.zoo import nanogpt  # noqa: E402
 
 GLOBAL_BATCH, SEQ, STEPS, MICROBATCHES = 12, 8, 5, 2
 LR, MOMENTUM = 0.1, 0.9
@@ -29,7 +29,7 @@ def build_model(rank: int = 0) -> torch.nn.Module:
     """The test model: tied wte/lm_head, one frozen LayerNorm. Ranks other than 0 start from
     other weights on purpose: compile must broadcast rank 0's."""
     torch.manual_seed(0 if rank == 0 else 100 + rank)
-    model = gpt(hidden=32, blocks=3, vocab=64, seq=SEQ)
+    model = nanogpt(hidden=32, blocks=3, vocab=64, seq=SEQ)
     for p in model.transformer.h[1].ln_1.parameters():
         p.requires_grad_(False)
     return model

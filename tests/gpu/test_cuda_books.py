@@ -17,11 +17,7 @@ from torch import nn
 from mobius_fx import BudgetError, trace
 from mobius_fx.runtime.books import CudaAllocator
 from mobius_fx.build import build_pipeline
-
-try:
-    from tests.models import gpt, gpt_inputs
-except ImportError:  # pragma: no cover
-    from models import gpt, gpt_inputs
+from mobius_fx.zoo import nanogpt, nanogpt_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -58,9 +54,9 @@ def train(pipe, model, x, steps):
 
 def test_cuda_runs_no_python_per_op_by_default_and_the_allocator_peak_stays_within_the_budget():
     torch.manual_seed(0)
-    model = gpt(hidden=256, blocks=4, vocab=512, seq=128)
+    model = nanogpt(hidden=256, blocks=4, vocab=512, seq=128)
     debug = copy.deepcopy(model)
-    (x,) = gpt_inputs(model, batch=8, device="cpu")
+    (x,) = nanogpt_inputs(model, batch=8, device="cpu")
     budget = 2**30  # each pipeline GPU; both on cuda:0
     pipe = two_on_cuda0(model, x, budget=budget)
     devs = list(pipe.devices.values())

@@ -4,7 +4,7 @@ checked on a machine without one).
 
 Why: the first real GPU run failed in stage 0 of HF GPT-2 on a device constant fixed at trace
 time ("index is on cpu"); the CPU stand-ins cannot see that, these tests can. Each model of the
-HF zoo (tests/models.HF_ZOO: GPT-2, Llama, Mistral, Qwen2, OPT, BERT, T5), tiny and built from
+HF zoo (mobius_fx/zoo/tiny_hf.TINY_HF: GPT-2, Llama, Mistral, Qwen2, OPT, BERT, T5), tiny and built from
 its config class, is compiled onto min(2, CUDA devices) pipeline GPUs with four stages (fixed
 `cuts`, so every model streams weights through its GPUs whatever the partitioner would pick),
 two micro-batches, and compared with CUDA eager on the same inputs:
@@ -26,11 +26,12 @@ import torch
 
 import mobius_fx
 from mobius_fx import Topology
+from mobius_fx.zoo import TINY_HF
 
 try:
-    from tests.models import BF16_UNIT_ROUNDOFF, HF_ZOO, bf16_roundings
+    from tests.models import BF16_UNIT_ROUNDOFF, bf16_roundings
 except ImportError:  # pragma: no cover
-    from models import BF16_UNIT_ROUNDOFF, HF_ZOO, bf16_roundings
+    from models import BF16_UNIT_ROUNDOFF, bf16_roundings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -94,7 +95,7 @@ def compare(name: str, *, device: str = "cuda", dtype: torch.dtype | None = None
     gradient against at least `gradient_floor`).
     Raises AssertionError when a gradient is missing or all-zero where eager's is not."""
     torch.manual_seed(0)
-    model = HF_ZOO[name]()
+    model = TINY_HF[name]()
     model.train()
     call = hf_call(name, model.config.vocab_size)
     eager_dev = "cuda" if device == "cuda" else "cpu"
@@ -124,13 +125,13 @@ def _within(errs: dict[str, float], bound: float, what: str) -> None:
     assert not over, f"{what}: relative error in norm above {bound:.3g}: {over}"
 
 
-@pytest.mark.parametrize("name", list(HF_ZOO))
+@pytest.mark.parametrize("name", list(TINY_HF))
 def test_hf_model_on_the_cuda_pipeline_equals_cuda_eager_in_fp32(name):
     errs = compare(name)
-    _within(errs, fp32_bound(HF_ZOO[name](), MICROBATCHES), f"{name} fp32")
+    _within(errs, fp32_bound(TINY_HF[name](), MICROBATCHES), f"{name} fp32")
 
 
-@pytest.mark.parametrize("name", list(HF_ZOO))
+@pytest.mark.parametrize("name", list(TINY_HF))
 def test_hf_model_on_the_cuda_pipeline_in_bf16_is_close_to_cuda_eager_fp32(name):
     errs = compare(name, dtype=torch.bfloat16)
-    _within(errs, bf16_roundings(HF_ZOO[name](), MICROBATCHES) * BF16_UNIT_ROUNDOFF, f"{name} bf16")
+    _within(errs, bf16_roundings(TINY_HF[name](), MICROBATCHES) * BF16_UNIT_ROUNDOFF, f"{name} bf16")

@@ -21,11 +21,12 @@ from mobius_fx import MobiusError, trace
 from mobius_fx.runtime.books import CudaAllocator
 from mobius_fx.runtime.device_cuda import CudaDevice
 from mobius_fx.build import build_pipeline
+from mobius_fx.zoo import ResidualMLP, hf_gpt2, hf_inputs, nanogpt, nanogpt_inputs
 
 try:
-    from tests.models import BF16_UNIT_ROUNDOFF, ResidualMLP, bf16_roundings, gpt, gpt_inputs, hf_gpt2, hf_inputs
+    from tests.models import BF16_UNIT_ROUNDOFF, bf16_roundings
 except ImportError:  # pragma: no cover
-    from models import BF16_UNIT_ROUNDOFF, ResidualMLP, bf16_roundings, gpt, gpt_inputs, hf_gpt2, hf_inputs
+    from models import BF16_UNIT_ROUNDOFF, bf16_roundings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -126,8 +127,8 @@ def test_streams_have_priorities_compute_above_upload_above_download():
 
 def test_dropout_on_cuda_with_one_microbatch_matches_cuda_eager():
     torch.manual_seed(0)
-    model = gpt(hidden=64, blocks=2, vocab=128, seq=16, heads=2, dropout=0.2)
-    (idx,) = gpt_inputs(model, batch=4)
+    model = nanogpt(hidden=64, blocks=2, vocab=128, seq=16, heads=2, dropout=0.2)
+    (idx,) = nanogpt_inputs(model, batch=4)
     targets = torch.roll(idx, 1, dims=1)
     reference = copy.deepcopy(model).cuda()
     torch.manual_seed(3)
@@ -262,7 +263,7 @@ def test_a_budget_smaller_than_a_stage_raises_before_allocating():
 
 def test_adamw_steps_on_cuda_follow_the_cpu_loss_curve():
     torch.manual_seed(0)
-    model = gpt(hidden=64, blocks=2, vocab=128, seq=16, heads=2)
+    model = nanogpt(hidden=64, blocks=2, vocab=128, seq=16, heads=2)
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, 128, (4, 17), generator=g) for _ in range(2)] * 5
@@ -336,8 +337,8 @@ def test_peak_gpu_memory_stays_within_the_plan():
     from mobius_fx import Topology
 
     torch.manual_seed(0)
-    model = gpt(hidden=256, blocks=6, vocab=512, seq=128)
-    (x,) = gpt_inputs(model, batch=8, device="cpu")
+    model = nanogpt(hidden=256, blocks=6, vocab=512, seq=128)
+    (x,) = nanogpt_inputs(model, batch=8, device="cpu")
     weights = sum(p.numel() * 4 for p in model.parameters())
     topo = Topology.virtual(gpus=1, memory=3 * weights)  # too small for the model resident with its work: 8 stages
     pipe = mobius_fx.compile(model, topo, example_inputs=(x,), microbatches=4, device="cuda", verbose=False)

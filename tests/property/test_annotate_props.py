@@ -8,11 +8,12 @@ from hypothesis import strategies as st
 
 from mobius_fx.passes.annotate import annotate
 from mobius_fx.tracing import trace
+from mobius_fx.zoo import mlp
 
 try:
-    from tests.models import mlp, unique_param_bytes
+    from tests.models import unique_param_bytes
 except ImportError:  # run as `pytest` (tests/ on sys.path) rather than `python -m pytest`
-    from models import mlp, unique_param_bytes
+    from models import unique_param_bytes
 
 widths = st.lists(st.integers(1, 48), min_size=2, max_size=6)
 

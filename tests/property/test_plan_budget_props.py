@@ -27,10 +27,8 @@ from mobius_fx import Topology
 from mobius_fx.passes.annotate import annotate
 from mobius_fx.planning.step_model import PartitionProblem, PrefixSums, memory_rows, tied_weights
 from mobius_fx.tracing import trace
-from mobius_fx.zoo import GPT, GPTConfig
 from mobius_fx.precision import Precision
-
-from tests.models import gpt, gpt_inputs, mlp
+from mobius_fx.zoo import GPT, GPTConfig, mlp, nanogpt, nanogpt_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,8 +54,8 @@ def _zoo(name: str):
         idx = torch.randint(0, 512, (4, 32))
         return _GPTWithFp32Loss(), (idx, torch.roll(idx, 1, 1)), lambda o: o
     if name in ("tied-gpt-loss-inside", "tied-gpt-loss-outside"):
-        model = gpt(hidden=32, blocks=2, vocab=256, seq=16, heads=2)
-        (idx,) = gpt_inputs(model, batch=4)
+        model = nanogpt(hidden=32, blocks=2, vocab=256, seq=16, heads=2)
+        (idx,) = nanogpt_inputs(model, batch=4)
         if name.endswith("inside"):
             return model, (idx, torch.roll(idx, 1, 1)), lambda o: o[1]
         return model, (idx,), lambda o: F.cross_entropy(o.reshape(-1, o.size(-1)), idx.reshape(-1))

@@ -22,8 +22,7 @@ from torch import nn
 
 from mobius_fx import MobiusError
 from mobius_fx.build import build_pipeline
-
-from tests.models import ResidualMLP, SkipNet
+from mobius_fx.zoo import ResidualMLP, SkipNet
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 _EPS = torch.finfo(torch.float32).eps  # 2**-23: one ulp at 1.0, twice the unit roundoff

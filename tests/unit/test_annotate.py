@@ -12,13 +12,12 @@ from mobius_fx.topology.device_specs import DEVICE_SPECS
 from mobius_fx.passes.annotate import annotate
 from mobius_fx.tracing import trace
 from mobius_fx.precision import Precision
+from mobius_fx.zoo import ResidualMLP, SkipNet, hf_gpt2, hf_inputs, hf_llama, mlp, nanogpt, nanogpt_inputs
 
 try:
-    from tests.models import (ResidualMLP, SkipNet, gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama, mlp,
-                              unique_param_bytes)
+    from tests.models import unique_param_bytes
 except ImportError:  # run as `pytest` (tests/ on sys.path) rather than `python -m pytest`
-    from models import (ResidualMLP, SkipNet, gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama, mlp,
-                        unique_param_bytes)
+    from models import unique_param_bytes
 
 
 def _annotated(model: nn.Module, inputs: tuple, **kw) -> tuple[torch.fx.GraphModule, list[LayerCost]]:
@@ -28,8 +27,8 @@ def _annotated(model: nn.Module, inputs: tuple, **kw) -> tuple[torch.fx.GraphMod
 
 @pytest.fixture(scope="module")
 def tiny_gpt():
-    model = gpt(hidden=32, blocks=3, vocab=64, seq=8, heads=2)
-    inputs = gpt_inputs(model, batch=2)
+    model = nanogpt(hidden=32, blocks=3, vocab=64, seq=8, heads=2)
+    inputs = nanogpt_inputs(model, batch=2)
     gm, layers = _annotated(model, inputs)
     return model, gm, layers
 
@@ -127,7 +126,7 @@ def test_output_bytes_are_the_nodes_output_tensors():
 # ---------------------------------------------------------------------------- parameters once
 
 @pytest.mark.parametrize("build,inputs", [
-    (lambda: gpt(blocks=2), lambda m: gpt_inputs(m)),
+    (lambda: nanogpt(blocks=2), lambda m: nanogpt_inputs(m)),
     (lambda: hf_gpt2(layers=2), lambda m: hf_inputs(m)),
     (lambda: hf_llama(layers=2), lambda m: hf_inputs(m)),
     (lambda: ResidualMLP(depth=3), lambda m: (torch.randn(4, 8),)),
@@ -229,16 +228,16 @@ def test_shared_module_called_again_later_starts_a_new_layer():
 
 def test_blocks_plus_two_layers_for_a_deeper_gpt():
     with torch.device("meta"):
-        model = gpt(hidden=64, blocks=12, vocab=256, seq=16, heads=4)
-    inputs = gpt_inputs(model, batch=2, device="meta")
+        model = nanogpt(hidden=64, blocks=12, vocab=256, seq=16, heads=4)
+    inputs = nanogpt_inputs(model, batch=2, device="meta")
     _, layers = _annotated(model, inputs)
     assert len(layers) == 12 + 2
 
 
 def test_meta_model_is_modelled_without_allocating():
     with torch.device("meta"):
-        model = gpt(hidden=64, blocks=2, vocab=256, seq=16, heads=4)
-    inputs = gpt_inputs(model, batch=2, device="meta")
+        model = nanogpt(hidden=64, blocks=2, vocab=256, seq=16, heads=4)
+    inputs = nanogpt_inputs(model, batch=2, device="meta")
     gm, layers = _annotated(model, inputs, costs="auto")
     assert not any(layer.measured for layer in layers)
     assert sum(layer.param_bytes for layer in layers) == unique_param_bytes(model)
@@ -367,8 +366,8 @@ def test_view_nodes_move_no_bytes_and_take_no_time():
 @pytest.mark.slow
 def test_gpt3_8b_on_meta_is_annotated_at_planner_scale():
     with torch.device("meta"):
-        model = gpt(hidden=3072, blocks=72, vocab=50257, seq=1024, heads=24)
-    inputs = gpt_inputs(model, batch=8, device="meta")
+        model = nanogpt(hidden=3072, blocks=72, vocab=50257, seq=1024, heads=24)
+    inputs = nanogpt_inputs(model, batch=8, device="meta")
     gm = trace(model, example_inputs=inputs, dynamic_batch=False)  # static shapes export faster
     layers = annotate(gm, example_inputs=inputs)
     assert len(layers) == 72 + 2

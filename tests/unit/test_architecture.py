@@ -34,6 +34,13 @@
   trace, topology, planning, sim (with schedules) | runtime, passes, front (api, compiler,
   options, build, pass_adapters, the CLI) -- and imports only its own phase or earlier ones;
   sim and runtime are siblings. Exceptions are named in KNOWN_PHASE_EDGES with the reason.
+- "Stage" means one thing (issue 29 part 4): a pipeline stage (docs/architecture.md, "Glossary").
+  No name in `mobius_fx` or `passes/` -- identifier, attribute, argument or a key-like string
+  constant -- uses the verb ("staged", "staging"): a pinned copy is a pin, a copy through host
+  memory is relayed. The names still to rename are in KNOWN_STAGING_NAMES.
+- Benchmarks and examples stand on the package alone (issue 29 part 4): no file under
+  `benchmarks/` or `examples/` imports `tests` or puts a `tests/` folder on `sys.path`; the
+  models they share with the tests live in the package's zoo (`mobius_fx/zoo/`).
 
 Run as a script to print the import graph's cycles: `python tests/unit/test_architecture.py`.
 """
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -505,7 +513,7 @@ PHASE_ORDER = ("base", "trace", "topology", "planning", "sim|runtime", "passes",
 TOP_LEVEL_PHASES = {  # modules directly in mobius_fx/, by phase; a new one must be placed here
     "base": {"mobius_fx", "errors", "units", "kinds", "precision"},
     "trace": {"tracing", "trace_semantics", "export_front", "grad_modes", "module_paths"},
-    "front": {"api", "compiler", "options", "__main__", "zoo", "build", "pass_adapters"},
+    "front": {"api", "compiler", "options", "__main__", "build", "pass_adapters"},
 }
 KNOWN_PHASE_EDGES: dict[tuple[str, str], str] = {  # (importer, imported) -> why
     ("mobius_fx.passes.partition", "mobius_fx.options"):
@@ -513,7 +521,10 @@ KNOWN_PHASE_EDGES: dict[tuple[str, str], str] = {  # (importer, imported) -> why
 }
 
 
-SUBPACKAGE_PHASES = {"schedules": "sim"}  # the schedules the simulator runs, one module each
+SUBPACKAGE_PHASES = {  # subpackages named for what they hold rather than for their phase
+    "schedules": "sim",  # the schedules the simulator runs, one module each
+    "zoo": "front",  # the models the CLI, the benchmarks, the examples and the tests build
+}
 
 
 def phase_of(module: str) -> str:
@@ -559,3 +570,120 @@ def test_each_phase_imports_only_earlier_phases():
 def test_every_module_has_a_phase():
     for m in MODULES:
         phase_of(m)
+
+
+# ----------------------------------------------------------------------------- benchmarks and examples (issue 29 part 4)
+SCRIPT_FOLDERS = ("benchmarks", "examples")  # scripts run from a checkout; they may use the package, not the tests
+
+
+def _names_a_tests_folder(node: ast.AST) -> bool:
+    """Whether a string in `node` is a path with a `tests` component ("tests", "../tests", "tests/unit")."""
+    return any(isinstance(c, ast.Constant) and isinstance(c.value, str)
+               and "tests" in c.value.replace("\\", "/").split("/") for c in ast.walk(node))
+
+
+def reaches_tests(source: str) -> list[tuple[int, str]]:
+    """(line, what) for each way `source` reaches the tests: an import of `tests` or `tests.*`
+    (at module level or inside a function), or a `sys.path.insert/append` of a path naming a
+    `tests` folder (after which a test module imports under its bare name)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names if a.name.split(".")[0] == "tests"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "tests":
+            found.append((node.lineno, f"from {node.module} import ..."))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("insert", "append", "extend") and ast.unparse(node.func.value) == "sys.path"
+              and any(_names_a_tests_folder(a) for a in node.args)):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_benchmarks_and_examples_do_not_import_the_tests():
+    found = [f"{path.relative_to(ROOT)}:{line}: {what}"
+             for folder in SCRIPT_FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))
+             for line, what in reaches_tests(path.read_text())]
+    assert not found, ("benchmarks and examples import only the package (a model they need goes in mobius_fx/zoo/, "
+                       "which the tests import too):\n" + "\n".join(found))
+
+
+def test_the_tests_import_rule_sees_each_way_in():
+    assert reaches_tests("import mobius_fx\nfrom mobius_fx.zoo import nanogpt\nimport testsuite\n"
+                         "sys.path.insert(0, ROOT)\nsys.path.insert(0, str(ROOT / 'benchmarks'))\n") == []
+    assert [line for line, _ in reaches_tests(
+        "from tests.models import gpt\n"
+        "import tests.unit.test_books\n"
+        "def f():\n    import tests\n"
+        "sys.path.insert(0, str(Path(__file__).parents[1] / 'tests'))\n"
+        "sys.path.append(os.path.join(HERE, '..', 'tests', 'unit'))\n"
+        "sys.path.insert(0, '../tests')\n")] == [1, 2, 4, 5, 6, 7]
+
+
+# ----------------------------------------------------------------------------- one meaning of "stage" (issue 29 part 4)
+STAGING = re.compile(r"stag(ed|ing)", re.IGNORECASE)  # the verb: a name saying "stage" as something else
+# Still to rename (issue 29 part 4): (module, name) -> what it should say. Remove an entry once renamed.
+KNOWN_STAGING_NAMES: dict[tuple[str, str], str] = {
+    ("mobius_fx.runtime.devices", "_staged"): "_pinned_copy (the master's pinned copy an upload reads)",
+    ("mobius_fx.runtime.devices", "forget_staged"): "forget_pinned_copies",
+    ("mobius_fx.runtime.devices", "staging"): "pinned_copies (the counters of copies into them)",
+    ("mobius_fx.runtime.pipeline", "forget_staged"): "forget_pinned_copies",
+    ("mobius_fx.runtime.host_counters", "staging"): 'the host-copy kind "pin"',
+    ("mobius_fx.runtime.stage_calls", "staged"): "handed (the gradients handed to autograd)",
+    ("mobius_fx.schedules.ir_tasks", "staged"): "pin (the pin task of a prefetch)",
+    ("mobius_fx.schedules.ir_tasks", "staging"): "pins",
+    ("mobius_fx.schedules.looped", "staged"): "pin",
+    ("mobius_fx.schedules.zero3_offload", "staging"): "Context.pin_before_upload",
+    ("mobius_fx.sim.tasks", "staging"): 'Context.pin_before_upload; the host-copy kind "pin"',
+    ("mobius_fx.sim.tasks", "_staged"): "_pins",
+    ("mobius_fx.sim.tasks", "/staging"): 'the "<gpu>/pin" resource',
+}
+
+
+def names_in(source: str) -> list[tuple[int, str]]:
+    """(line, name) for every name `source` gives or uses: identifiers, attributes, arguments,
+    keywords, imported names, and string constants that look like a key (no spaces)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, ast.keyword):
+            names = [node.arg] if node.arg else []
+        elif isinstance(node, ast.alias):
+            names = [node.asname or node.name]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value] if re.fullmatch(r"[\w/.:-]+", node.value) else []
+        else:
+            names = []
+        found += [(node.lineno, n) for n in names]
+    return found
+
+
+def staging_names() -> dict[tuple[str, str], list[int]]:
+    out: dict[tuple[str, str], list[int]] = {}
+    for module, path in MODULES.items():
+        for line, name in names_in(path.read_text()):
+            if STAGING.search(name):
+                out.setdefault((module, name), []).append(line)
+    return out
+
+
+def test_stage_names_mean_a_pipeline_stage():
+    found = staging_names()
+    new = sorted(f"{m} line {min(lines)}: {n!r}" for (m, n), lines in found.items() if (m, n) not in KNOWN_STAGING_NAMES)
+    stale = sorted(k for k in KNOWN_STAGING_NAMES if k not in found)
+    assert not new, ('"stage" names a pipeline stage only (docs/architecture.md, "Glossary"); say what these are '
+                     '(a pinned copy: pin; a copy through host memory: relayed):\n' + "\n".join(new))
+    assert not stale, f"renamed: remove {stale} from KNOWN_STAGING_NAMES"
+
+
+def test_the_stage_name_rule_sees_each_kind_of_name():
+    src = ("staged = 1\nx.staging_buffer\ndef forget_staged(staging_bytes, *, n=0): pass\nf(staged_bytes=1)\n"
+           "from m import staged_copy\nd = {'staging': 1}\nr = f'{gpu}/staging'\n"
+           "stage = stages = StageIO = stage_peaks = 1\ns = 'the staging before uploads'\n")
+    assert sorted({line for line, n in names_in(src) if STAGING.search(n)}) == [1, 2, 3, 4, 5, 6, 7]

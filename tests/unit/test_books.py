@@ -16,44 +16,18 @@ import mobius_fx
 from mobius_fx import BudgetError, Topology
 from mobius_fx.runtime.device_virtual import VirtualDevice
 from mobius_fx.build import build_pipeline
-from mobius_fx.zoo import GPT, GPTConfig
-
-from tests.models import ResidualMLP, SkipNet, gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama, mlp
+from mobius_fx.zoo import expand16, training_cases
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
 
-def expand16(d: int = 8, hidden: int = 128) -> nn.Sequential:
-    """A small Linear expanding 16x, then contracting: the hidden activation dwarfs the weights."""
-    return nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, d))
-
-
 def weight_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def zoo():
-    """(name, model, args, kwargs, loss of the output, micro-batches): the test zoo."""
-    torch.manual_seed(0)
-    yield "zoo-gpt", GPT(GPTConfig(vocab=256, seq=32, hidden=64, blocks=4, heads=2)), \
-        (torch.randint(0, 256, (8, 32)),), {}, lambda o: o.pow(2).mean(), 4
-    model = gpt(hidden=32, blocks=2, vocab=64, seq=8, heads=2)
-    (idx,) = gpt_inputs(model, batch=4)
-    yield "tied-gpt", model, (idx, torch.roll(idx, 1, 1)), {}, lambda o: o[1], 2
-    for name, build in (("hf-gpt2", hf_gpt2), ("hf-llama", hf_llama)):
-        model = build()
-        (ids,) = hf_inputs(model, batch=4, seq=8)
-        yield name, model, (ids,), {"labels": ids}, lambda o: o.loss, 2
-    yield "mlp", mlp((16, 64, 64, 8)), (torch.randn(16, 16),), {}, lambda o: o.pow(2).mean(), 2
-    yield "residual", ResidualMLP(d_in=8, width=16, depth=4, d_out=4), (torch.randn(8, 8),), {}, \
-        lambda o: o.pow(2).mean(), 2
-    yield "skip", SkipNet(d_in=8, width=16, depth=4, d_out=4), (torch.randn(8, 8),), {}, lambda o: o.pow(2).mean(), 2
-    yield "expand16", nn.Sequential(expand16(), expand16()), (torch.randn(256, 8),), {}, lambda o: o.pow(2).mean(), 2
-
-
-ZOO = {case[0]: case for case in zoo()}
+ZOO = {case.name: case for case in training_cases()}
 
 
 @pytest.mark.parametrize("device", ["virtual", "virtual-async"])

@@ -17,8 +17,7 @@ from torch import nn
 import mobius_fx
 from mobius_fx import MobiusError, Topology
 from mobius_fx.build import build_pipeline
-
-from tests.models import HF_ZOO, hf_llama
+from mobius_fx.zoo import TINY_HF, hf_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,14 +88,14 @@ def assert_matches_eager(eager, pipe, model, call):
 
 # ----------------------------------------------------------------------------- the HF zoo
 
-@pytest.mark.parametrize("name", list(HF_ZOO))
+@pytest.mark.parametrize("name", list(TINY_HF))
 def test_hf_zoo_masks_labels_and_lengths_at_call_time_match_eager(name, caplog):
     """Compiled on token ids alone (length 16). Called with a left-padded mask and labels at
     another length: the variant traced for them gives eager's logits, loss and gradients (the
     mask used to be dropped: max diff 0.66, and labels gave loss=None). Other lengths, with or
     without the mask, run on the graphs already traced (export keeps the sequence symbolic)."""
     torch.manual_seed(0)
-    model = HF_ZOO[name]()
+    model = TINY_HF[name]()
     model.train()
     eager = copy.deepcopy(model)
     pipe = _compile(model, kwargs=hf_call(name))

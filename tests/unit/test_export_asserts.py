@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from tests.gpu.test_cuda_hf_models import BF16_UNIT_ROUNDOFF, HF_ZOO, MICROBATCHES, bf16_roundings, compare
+from mobius_fx.zoo import TINY_HF
+from tests.gpu.test_cuda_hf_models import BF16_UNIT_ROUNDOFF, MICROBATCHES, bf16_roundings, compare
 
 
 def test_llama_in_bf16_runs_and_is_close_to_eager_fp32_on_virtual_gpus():
     errs = compare("llama", device="virtual", dtype=torch.bfloat16)
-    bound = bf16_roundings(HF_ZOO["llama"](), MICROBATCHES) * BF16_UNIT_ROUNDOFF
+    bound = bf16_roundings(TINY_HF["llama"](), MICROBATCHES) * BF16_UNIT_ROUNDOFF
     over = {k: v for k, v in errs.items() if not v <= bound}
     assert not over, (bound, over)
 
@@ -20,7 +21,7 @@ def test_llama_in_bf16_runs_and_is_close_to_eager_fp32_on_virtual_gpus():
 def test_no_metadata_assert_is_left_in_an_exported_graph():
     from mobius_fx.tracing import trace
 
-    model = HF_ZOO["llama"]()
+    model = TINY_HF["llama"]()
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
     gm = trace(model, example_inputs=(ids,))
     target = torch.ops.aten._assert_tensor_metadata.default

@@ -19,11 +19,7 @@ import mobius_fx
 from mobius_fx import Topology
 from mobius_fx.runtime import overlap_fused
 from mobius_fx.runtime.host_counters import COUNTERS, HostCounters
-
-try:
-    from tests.models import gpt, gpt_inputs
-except ImportError:  # pragma: no cover
-    from models import gpt, gpt_inputs
+from mobius_fx.zoo import nanogpt, nanogpt_inputs
 
 
 def _loss(out, x):
@@ -32,9 +28,9 @@ def _loss(out, x):
 
 def _fused_pair(tmp_path, opt_name, vocab=64):
     torch.manual_seed(0)
-    model = gpt(hidden=32, blocks=3, vocab=vocab, seq=8)
+    model = nanogpt(hidden=32, blocks=3, vocab=vocab, seq=8)
     twin = copy.deepcopy(model)
-    data = [gpt_inputs(model, batch=4, seed=s) for s in range(5)]
+    data = [nanogpt_inputs(model, batch=4, seed=s) for s in range(5)]
     topo = Topology.virtual(gpus=2, memory=8 * sum(p.numel() * 4 for p in model.parameters()))
     kw = dict(example_inputs=data[0], microbatches=2, cuts=[1, 2, 3], cache_dir=str(tmp_path), verbose=False,
               dtype=torch.bfloat16)
@@ -161,8 +157,8 @@ def test_optimizer_steps_bump_the_versions_of_pipeline_masters_only(tmp_path):
     """The process-wide post-hook that tells the streamed copies a fused optimizer changed a
     master leaves the parameters of an optimizer unrelated to any pipeline alone."""
     torch.manual_seed(0)
-    model = gpt(hidden=32, blocks=2, vocab=64, seq=8)
-    x, = gpt_inputs(model, batch=4, seed=0)
+    model = nanogpt(hidden=32, blocks=2, vocab=64, seq=8)
+    x, = nanogpt_inputs(model, batch=4, seed=0)
     topo = Topology.virtual(gpus=2, memory=8 * sum(p.numel() * 4 for p in model.parameters()))
     pipe = mobius_fx.compile(model, topo, example_inputs=(x,), microbatches=2, cache_dir=str(tmp_path),
                              verbose=False, device="virtual-async", dtype=torch.bfloat16)

@@ -14,11 +14,7 @@ import torch.nn.functional as F
 import mobius_fx
 from mobius_fx import MobiusError, Topology
 from mobius_fx.runtime import host_threads
-
-try:
-    from tests.models import gpt, gpt_inputs
-except ImportError:  # pragma: no cover
-    from models import gpt, gpt_inputs
+from mobius_fx.zoo import nanogpt, nanogpt_inputs
 
 
 @pytest.fixture(autouse=True)
@@ -82,9 +78,9 @@ def test_a_worker_gets_its_team_and_leaves_the_callers_and_new_threads_alone():
 def pair():
     """Two pipelines over copies of one GPT (compiled once for the module), its first weights and data."""
     torch.manual_seed(0)
-    model = gpt(hidden=32, blocks=3, vocab=64, seq=8)
+    model = nanogpt(hidden=32, blocks=3, vocab=64, seq=8)
     twin = copy.deepcopy(model)
-    data = [gpt_inputs(model, batch=4, seed=s)[0] for s in range(3)]
+    data = [nanogpt_inputs(model, batch=4, seed=s)[0] for s in range(3)]
     topo = Topology.virtual(gpus=2, memory=8 * sum(p.numel() * 4 for p in model.parameters()))
     pipes = [mobius_fx.compile(m, topo, example_inputs=(data[0],), microbatches=2, cuts=[1, 2, 3], verbose=False)
              for m in (model, twin)]

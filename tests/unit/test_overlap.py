@@ -19,11 +19,7 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import MobiusError, Topology
-
-try:
-    from tests.models import gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama
-except ImportError:  # pragma: no cover
-    from models import gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama
+from mobius_fx.zoo import hf_gpt2, hf_inputs, hf_llama, nanogpt, nanogpt_inputs
 
 STEPS = 10
 
@@ -31,7 +27,7 @@ STEPS = 10
 def _model(kind: str, seed: int = 0):
     torch.manual_seed(seed)
     if kind == "gpt":  # tied wte / lm_head, read by the first and the last stage
-        return gpt(hidden=32, blocks=3, vocab=64, seq=8)
+        return nanogpt(hidden=32, blocks=3, vocab=64, seq=8)
     if kind == "hf_gpt2":
         return hf_gpt2(layers=2, hidden=32, vocab=64, positions=8)
     return hf_llama(layers=2, hidden=32)
@@ -39,7 +35,7 @@ def _model(kind: str, seed: int = 0):
 
 def _batches(model, kind: str, n: int):
     if kind == "gpt":
-        return [gpt_inputs(model, batch=4, seed=s) for s in range(n)]
+        return [nanogpt_inputs(model, batch=4, seed=s) for s in range(n)]
     return [hf_inputs(model, batch=4, seq=8, seed=s) for s in range(n)]
 
 

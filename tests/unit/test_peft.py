@@ -19,8 +19,7 @@ from torch import nn
 import mobius_fx
 from mobius_fx import MobiusError, Topology
 from mobius_fx.tracing import trace_info
-
-from tests.models import hf_gpt2, hf_llama
+from mobius_fx.zoo import hf_gpt2, hf_llama
 
 peft = pytest.importorskip("peft")
 

@@ -21,7 +21,7 @@ import mobius_fx.runtime.placement as placement
 from mobius_fx import MobiusError, trace, zoo
 from mobius_fx.runtime.device_virtual import VirtualDevice
 from mobius_fx.build import build_pipeline
-from tests.models import HF_ZOO, ResidualMLP, SkipNet, gpt, gpt_inputs, hf_inputs, mlp
+from mobius_fx.zoo import ResidualMLP, SkipNet, TINY_HF, hf_inputs, mlp, nanogpt, nanogpt_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,10 +95,10 @@ MODELS = {
     "regions": (Regions, lambda m: (torch.randn(4, 8),), {}, ("export",)),
     "handoff": (Handoff, lambda m: (torch.randn(4, 8),), {}, ("fx", "export")),
     "zoo_gpt": (_tiny_zoo_gpt, lambda m: _ids(64), {}, ("fx", "export")),
-    "gpt": (lambda: gpt(hidden=16, blocks=2, vocab=64, seq=8), lambda m: gpt_inputs(m, batch=4), {}, ("export",)),
-    **{name: (HF_ZOO[name], lambda m: hf_inputs(m, batch=4), {}, ("export",))
+    "gpt": (lambda: nanogpt(hidden=16, blocks=2, vocab=64, seq=8), lambda m: nanogpt_inputs(m, batch=4), {}, ("export",)),
+    **{name: (TINY_HF[name], lambda m: hf_inputs(m, batch=4), {}, ("export",))
        for name in ("gpt2", "llama", "opt", "bert")},
-    "t5": (HF_ZOO["t5"], lambda m: hf_inputs(m, batch=4), "decoder", ("export",)),
+    "t5": (TINY_HF["t5"], lambda m: hf_inputs(m, batch=4), "decoder", ("export",)),
 }
 CASES = [(name, fe) for name, spec in MODELS.items() for fe in spec[3]]
 

@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mobius_fx import MobiusError
 from mobius_fx.runtime.books import nbytes
 from mobius_fx.build import build_pipeline
-
-from tests.models import BF16_UNIT_ROUNDOFF, ResidualMLP, SkipNet, bf16_roundings
+from mobius_fx.zoo import ResidualMLP, SkipNet
+from tests.models import BF16_UNIT_ROUNDOFF, bf16_roundings
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 

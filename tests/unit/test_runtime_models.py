@@ -8,8 +8,7 @@ import torch.fx as fx
 
 from mobius_fx import trace
 from mobius_fx.build import build_pipeline
-
-from tests.models import gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama
+from mobius_fx.zoo import hf_gpt2, hf_inputs, hf_llama, nanogpt, nanogpt_inputs
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -42,8 +41,8 @@ def assert_grads_close(a, b, **tol):
 
 def test_nanogpt_with_tied_weights_through_export_matches_eager():
     torch.manual_seed(0)
-    model = gpt(hidden=32, blocks=2, vocab=64, seq=8, heads=2)
-    (idx,) = gpt_inputs(model, batch=4)
+    model = nanogpt(hidden=32, blocks=2, vocab=64, seq=8, heads=2)
+    (idx,) = nanogpt_inputs(model, batch=4)
     targets = torch.roll(idx, 1, dims=1)
     pipe = compile_(model, (idx, targets), stages=4, gpus=2, microbatches=2)
     assert pipe._gm.meta["mobius_trace"].front_end == "export"
@@ -86,7 +85,7 @@ def test_hf_causal_lm_through_export_matches_eager(builder, microbatches):
 
 def test_twenty_adamw_steps_on_a_tiny_gpt_follow_the_eager_loss_curve():
     torch.manual_seed(0)
-    model = gpt(hidden=32, blocks=2, vocab=64, seq=8, heads=2, dropout=0.1)
+    model = nanogpt(hidden=32, blocks=2, vocab=64, seq=8, heads=2, dropout=0.1)
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     tokens = [torch.randint(0, 64, (4, 9), generator=g) for _ in range(2)] * 10  # two batches to learn

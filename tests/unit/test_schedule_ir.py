@@ -192,7 +192,7 @@ def test_the_planned_step_counts_the_tied_copy_and_the_model_input(tmp_path):
 from torch.fx.passes.shape_prop import ShapeProp  # noqa: E402
 
 from mobius_fx.build import build_pipeline  # noqa: E402
-from tests.models import ResidualMLP, SkipNet  # noqa: E402
+from mobius_fx.zoo import ResidualMLP, SkipNet  # noqa: E402
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -284,7 +284,7 @@ def _cases():
     h = len(names) // 3
     yield "lora-gpt-3on2", lora, gm, [names[:h], names[h:2 * h], names[2 * h:]], ["gpu0", "gpu1", "gpu0"], (ids,)
 
-    from tests.models import hf_inputs, hf_llama
+    from mobius_fx.zoo import hf_inputs, hf_llama
 
     llama = hf_llama(layers=3)
     ids = hf_inputs(llama, batch=4, seq=8)

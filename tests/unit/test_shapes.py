@@ -19,8 +19,7 @@ from torch import nn
 import mobius_fx
 from mobius_fx import MobiusError, Topology
 from mobius_fx.build import build_pipeline
-
-from tests.models import ResidualMLP, hf_bert, hf_opt
+from mobius_fx.zoo import ResidualMLP, hf_bert, hf_opt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

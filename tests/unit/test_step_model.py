@@ -432,7 +432,7 @@ def test_stacked_switches_queue_once_on_the_link_with_the_fewest_servers():
     import torch
 
     import mobius_fx
-    from tests.models import mlp
+    from mobius_fx.zoo import mlp
 
     gpus = [{"name": f"gpu{i}", "kind": "gpu", "memory": "64MiB", "spec": "cpu"} for i in range(4)]
     links = [{"a": "cpu0", "b": "swA", "bandwidth_gbps": 13.0}, {"a": "swA", "b": "swB", "bandwidth_gbps": 6.5}]

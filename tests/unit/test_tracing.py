@@ -9,11 +9,12 @@ from torch import nn
 
 from mobius_fx import TraceError
 from mobius_fx.tracing import TraceInfo, flatten_inputs, module_path, trace
+from mobius_fx.zoo import ResidualMLP, hf_gpt2, hf_inputs, hf_llama, mlp, nanogpt, nanogpt_inputs
 
 try:
-    from tests.models import (BranchOnValue, ResidualMLP, gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama, mlp)
+    from tests.models import BranchOnValue
 except ImportError:  # run as `pytest` (tests/ on sys.path) rather than `python -m pytest`
-    from models import BranchOnValue, ResidualMLP, gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama, mlp
+    from models import BranchOnValue
 
 
 def _info(gm: fx.GraphModule) -> TraceInfo:
@@ -73,8 +74,8 @@ def test_sequential_mlp_traces_with_fx():
 
 
 def test_gpt_with_mask_built_in_forward_falls_back_to_export():
-    model = gpt(blocks=2).eval()
-    (idx,) = gpt_inputs(model, batch=2)
+    model = nanogpt(blocks=2).eval()
+    (idx,) = nanogpt_inputs(model, batch=2)
     gm = trace(model, example_inputs=(idx,))
     info = _info(gm)
     assert info.front_end == "export"
@@ -100,18 +101,18 @@ def test_hf_llama_traces_through_export():
 
 def test_meta_model_traces_without_allocating():
     with torch.device("meta"):
-        model = gpt(hidden=64, blocks=3, vocab=500, seq=32, heads=4)
-    inputs = gpt_inputs(model, batch=2, device="meta")
+        model = nanogpt(hidden=64, blocks=3, vocab=500, seq=32, heads=4)
+    inputs = nanogpt_inputs(model, batch=2, device="meta")
     gm = trace(model, example_inputs=inputs)
     assert all(t.is_meta for t in gm.parameters())
     assert gm(*inputs).shape == (2, 32, 500)
 
 
 def test_export_graph_accepts_another_batch_size():
-    model = gpt(blocks=1).eval()
-    gm = trace(model, example_inputs=gpt_inputs(model, batch=4))
+    model = nanogpt(blocks=1).eval()
+    gm = trace(model, example_inputs=nanogpt_inputs(model, batch=4))
     assert _info(gm).dynamic_batch
-    (small,) = gpt_inputs(model, batch=1, seed=3)
+    (small,) = nanogpt_inputs(model, batch=1, seed=3)
     torch.testing.assert_close(gm(small), model(small))
 
 
@@ -135,8 +136,8 @@ def test_graph_parameters_are_the_models_own_tensors(front_end):
 
 
 def test_tied_head_maps_to_the_embedding_name():
-    model = gpt(blocks=1)
-    gm = trace(model, example_inputs=gpt_inputs(model))
+    model = nanogpt(blocks=1)
+    gm = trace(model, example_inputs=nanogpt_inputs(model))
     names = _info(gm).names
     assert names["lm_head.weight"] == "transformer.wte.weight"
     state = dict(model.named_parameters())
@@ -146,8 +147,8 @@ def test_tied_head_maps_to_the_embedding_name():
 
 
 def test_functional_call_with_model_masters_matches_model():
-    model = gpt(blocks=1).eval()
-    (idx,) = gpt_inputs(model)
+    model = nanogpt(blocks=1).eval()
+    (idx,) = nanogpt_inputs(model)
     gm = trace(model, example_inputs=(idx,))
     names = _info(gm).names
     own = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # tied listed once
@@ -176,8 +177,8 @@ def test_export_nodes_carry_their_module_paths():
 
 
 def test_get_attr_nodes_sit_right_before_their_first_user():
-    model = gpt(blocks=2)
-    gm = trace(model, example_inputs=gpt_inputs(model))
+    model = nanogpt(blocks=2)
+    gm = trace(model, example_inputs=nanogpt_inputs(model))
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.find_nodes(op="get_attr"):
         first = min(node.users, key=order.__getitem__)
@@ -221,9 +222,9 @@ def test_untraceable_model_raises_trace_error_quoting_both_front_ends():
 
 
 def test_fx_only_front_end_reports_its_failure():
-    model = gpt(blocks=1)
+    model = nanogpt(blocks=1)
     with pytest.raises(TraceError, match="front_end='auto'"):
-        trace(model, example_inputs=gpt_inputs(model), front_end="fx")
+        trace(model, example_inputs=nanogpt_inputs(model), front_end="fx")
 
 
 def test_unknown_front_end_is_rejected():

@@ -33,8 +33,7 @@ from mobius_fx.errors import BudgetError
 from mobius_fx.options import CompileOptions
 from mobius_fx.build import build_pipeline
 from mobius_fx.runtime.streams import PENDING, HostWaits, RaceError, ThreadEvent, ThreadStream
-
-from tests.models import ResidualMLP, SkipNet, gpt, gpt_inputs, hf_gpt2, hf_inputs, hf_llama
+from mobius_fx.zoo import ResidualMLP, SkipNet, hf_gpt2, hf_inputs, hf_llama, nanogpt, nanogpt_inputs
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -332,8 +331,8 @@ def test_values_skipping_stages_go_through_pending_host_buffers_without_a_host_w
 def _zoo(name):
     torch.manual_seed(0)
     if name == "gpt":
-        model = gpt(hidden=32, blocks=2, vocab=64, seq=8, heads=2)
-        (idx,) = gpt_inputs(model, batch=4)
+        model = nanogpt(hidden=32, blocks=2, vocab=64, seq=8, heads=2)
+        (idx,) = nanogpt_inputs(model, batch=4)
         return model, (idx, torch.roll(idx, 1, dims=1)), None, lambda out: out[1]
     model = {"hf_llama": hf_llama, "hf_gpt2": hf_gpt2}[name]()
     (ids,) = hf_inputs(model, batch=4, seq=8)
