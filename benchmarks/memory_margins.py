@@ -20,7 +20,6 @@ import statistics
 import sys
 
 import torch
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
