@@ -8,6 +8,7 @@ names, so `passes/` runs as `mobius_fx.passes`).
 import doctest
 import importlib
 import pkgutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +19,29 @@ import mobius_fx.passes
 
 
 def _modules() -> list[str]:
-    names = []
+    """Every module of the package, subpackages (`mobius_fx.runtime`, ...) included."""
+    names = set()
     for pkg in (mobius_fx, mobius_fx.passes):
-        for info in pkgutil.iter_modules(pkg.__path__):
-            if info.name != "__main__":
-                names.append(f"{pkg.__name__}.{info.name}")
+        names.add(pkg.__name__)
+        for info in pkgutil.walk_packages(pkg.__path__, prefix=f"{pkg.__name__}."):
+            if not info.name.endswith(".__main__"):
+                names.add(info.name)
     return sorted(names)
+
+
+def _files() -> set[str]:
+    """The same, read off the source files: `pkg/sub/mod.py` -> `pkg.sub.mod`."""
+    names = set()
+    for pkg in (mobius_fx, mobius_fx.passes):
+        root = Path(pkg.__path__[0])
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            if parts and parts[-1] == "__main__":
+                continue
+            names.add(".".join((pkg.__name__, *parts)))
+    return names
 
 
 def _tests(name: str) -> list[doctest.DocTest]:
@@ -34,6 +52,11 @@ def _tests(name: str) -> list[doctest.DocTest]:
 
 
 _WITH_EXAMPLES = [name for name in _modules() if _tests(name)]
+
+
+def test_every_module_of_the_package_is_searched_for_examples():
+    missed = sorted(_files() - set(_modules()))
+    assert not missed, f"modules the doctest search does not reach: {missed}"
 
 
 def test_the_package_has_runnable_examples():
