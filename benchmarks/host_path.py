@@ -5,7 +5,7 @@ A GPT (mobius_fx.zoo.GPT, ~100M parameters by default) fine-tuned through a pipe
 stepped by `pipe.overlap(mode="sync")`. Per step it prints, from the runtime's own counters
 (mobius_fx/runtime/host_counters.py):
 
-- host bytes per parameter read and written by passes outside the optimizer: staging copies of
+- host bytes per parameter read and written by passes outside the optimizer: pinned copies of
   the masters into the streamed copies, gradient conversions, fresh gradient memory, additions
   into `.grad`, gradients read for a non-finite value; shown apart, beside the optimizer: the
   copies its worker writes right after a stage's step (`refresh`) and the gradients converted

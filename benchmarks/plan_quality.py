@@ -8,8 +8,8 @@ The normal planner (the MIP) plans the same case. Times are the pipeline's forwa
 gradient download (`SimResult.pipeline_time`, what the planner predicts; the CPU optimizer step
 after it is the same for every partition), simulated as the runtime runs under
 `pipe.overlap(opt, mode="sync")`, the examples' default: the optimizer writes the streamed copies
-as it steps, so no host staging precedes the uploads (the planner models none; `--overlap none`
-simulates the staging a serial optimizer leaves before each stage's first upload). Columns:
+as it steps, so no host pinning precedes the uploads (the planner models none; `--overlap none`
+simulates the pinning a serial optimizer leaves before each stage's first upload). Columns:
 
 - partitions: how many fit the GPUs (of all contiguous ones);
 - MIP pick: its cuts and simulated time; best: the partition the simulator times fastest;
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--time-limit", type=float, default=10.0, help="the MIP's budget per case, seconds")
     ap.add_argument("--overlap", choices=[m for m in OVERLAP_MODES if m != "async"], default="sync",
-                    help="the optimizer placement simulated: sync (no staging before uploads) or none")
+                    help="the optimizer placement simulated: sync (no pinning before uploads) or none")
     args = ap.parse_args(argv)
     rows, out = [], []
     with tempfile.TemporaryDirectory() as cache:  # fresh: every MIP really solved

@@ -117,7 +117,7 @@ class LinkLoad:
     slot (i+1) % N does. No schedule moves the bytes of all of them in less than their sum
     over `bandwidth` (bytes/s): `timeline`'s makespan is at least that (`link_time`), as
     `Plan.lower_bound` is. The timeline's own rows see each copy at its route's bottleneck
-    alone, so without this row a link that several kinds of copies share (activations staged
+    alone, so without this row a link that several kinds of copies share (activations relayed
     through the host behind a switch uplink, with the weights) let the prediction fall below
     the plan's lower bound (issue 26: 342 ms predicted, 391 ms bound)."""
 

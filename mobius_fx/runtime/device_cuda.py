@@ -1,5 +1,5 @@
 """`CudaDevice` (`device="cuda"`): `StreamDevice` on a real GPU's `torch.cuda` streams and
-events, weights uploaded from pinned staging copies of the masters."""
+events, weights uploaded from pinned copies of the masters."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class CudaDevice(StreamDevice):
     """A real GPU (one pipeline GPU; several may share one CUDA device, each with its streams).
 
     Weights upload from pinned host copies of the masters in the streamed dtype, kept across
-    steps (`StreamDevice._staged`): made again by the upload worker only for masters that
+    steps (`StreamDevice._pinned_copy`): made again by the upload worker only for masters that
     changed, or written by the optimizer overlap right after a stage's step (`refresh`).
     """
 

@@ -44,18 +44,18 @@ class StreamDevice(Device):
         self.upload_stream: Any = None
         self.download_stream: Any = None
         self.copy_stream: Any = None
-        # The streamed copies of the masters the slots upload from (`_staged`): id(master) ->
+        # The streamed copies of the masters the slots upload from (`_pinned_copy`): id(master) ->
         # [master, step it was last used in, host copy in the slot's dtype, event of its last
         # upload, (master's storage pointer, version) when `refresh` wrote it]. Kept across steps;
         # `refresh` (the optimizer overlap) writes a stepped stage's new values right after its
         # step, so the next step's upload copies nothing.
         self._pinned: dict[int, list[Any]] = {}
         self._epoch = 0
-        # An unchanged (storage pointer, version) needs no new copy (`_staged`); False copies
+        # An unchanged (storage pointer, version) needs no new copy (`_pinned_copy`); False copies
         # every master at its first upload of every step (the behaviour before issue 27)
         self.trust_versions = True
         watch_optimizer_steps()
-        self.staging = {"copies": 0, "bytes": 0, "refreshed_copies": 0, "refreshed_bytes": 0}
+        self.pinned_copies = {"copies": 0, "bytes": 0, "refreshed_copies": 0, "refreshed_bytes": 0}
 
     # ------------------------------------------------------------------ backend
     def _event(self) -> Any:
@@ -103,7 +103,7 @@ class StreamDevice(Device):
         """A host tensor the upload stream copies from (CUDA: pinned)."""
         return torch.empty(shape, dtype=dtype)
 
-    def _staged(self, master: torch.Tensor, dtype: torch.dtype) -> list[Any]:
+    def _pinned_copy(self, master: torch.Tensor, dtype: torch.dtype) -> list[Any]:
         """The streamed copy of `master` in `dtype` (upload worker only), kept across steps and
         written again only when the master changed since it was last written: another storage
         (`p.data = ...`, a replaced parameter, async's swap) or another version (every in-place
@@ -122,14 +122,14 @@ class StreamDevice(Device):
                 entry[3].synchronize()  # an earlier upload may still read the old copy
             with torch.no_grad():
                 entry[2].copy_(master.detach())
-            self.staging["copies"] += 1
-            self.staging["bytes"] += nbytes(entry[2])
-            COUNTERS.add("staging", nbytes(master) + nbytes(entry[2]))
+            self.pinned_copies["copies"] += 1
+            self.pinned_copies["bytes"] += nbytes(entry[2])
+            COUNTERS.add("pin", nbytes(master) + nbytes(entry[2]))
             entry[4] = now if self.trust_versions and isinstance(master, torch.nn.Parameter) else None
         entry[1] = self._epoch
         return entry
 
-    def forget_staged(self) -> None:
+    def forget_pinned_copies(self) -> None:
         """Every streamed copy is made again at its next upload (`Pipeline.refresh_weights`)."""
         for entry in self._pinned.values():
             entry[4] = None
@@ -147,12 +147,12 @@ class StreamDevice(Device):
             with torch.no_grad():
                 entry[2].copy_(m.detach())
             entry[4] = (m.data_ptr(), m._version)
-            self.staging["refreshed_copies"] += 1
-            self.staging["refreshed_bytes"] += nbytes(entry[2])
+            self.pinned_copies["refreshed_copies"] += 1
+            self.pinned_copies["refreshed_bytes"] += nbytes(entry[2])
             COUNTERS.add("refresh", nbytes(m) + nbytes(entry[2]))
 
     def _sources(self, targets: list[torch.Tensor], masters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-        entries = [self._staged(m, t.dtype) for t, m in zip(targets, masters)]
+        entries = [self._pinned_copy(m, t.dtype) for t, m in zip(targets, masters)]
 
         def uploaded(event: Any) -> None:
             for e in entries:

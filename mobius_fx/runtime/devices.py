@@ -20,7 +20,7 @@ Everything above this module (runtime.py) is one code path; only the copies diff
   updates) waits on the host.
 - `CudaDevice` — a real GPU (`torch.cuda.Stream`/`Event`; compute and copy streams at the highest
   priority, upload next, download last; `record_stream` keeps freed memory from being reused while
-  another stream still reads it; weights upload from pinned staging copies of the masters -- the
+  another stream still reads it; weights upload from pinned copies of the masters -- the
   user's tensors are never moved, pinned or replaced).
 - `VirtualAsyncDevice` — the CPU stand-in (`device="virtual-async"`): the same stream, event and
   slot-pool code on thread-backed streams with seeded random delays, an access sanitizer (a copy

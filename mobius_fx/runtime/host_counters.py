@@ -4,8 +4,8 @@ On a host-bound pipeline every pass the CPU makes over the weights or gradients 
 optimizer's own is on the critical path (issue 27: 40 bytes per parameter per step where the fused
 optimizer needs 28). The runtime counts those passes here, in bytes read plus written:
 
-- `staging`      — a master copied (and cast) into the streamed copy an upload reads, by the upload
-                   worker (`StreamDevice._staged`);
+- `pin`          — a master copied (and cast) into the streamed copy an upload reads, by the upload
+                   worker (`StreamDevice._pinned_copy`);
 - `refresh`      — the same copy written by the optimizer overlap right after a stage's step
                    (`StreamDevice.refresh`): beside the optimizer, off the critical path in sync mode;
 - `grad_convert` — a downloaded gradient converted into the master's dtype, or summed with another
@@ -43,7 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["COUNTERS", "HostCounters", "watch_optimizer_steps", "watch_masters", "BESIDE"]
 
-KINDS = ("staging", "refresh", "grad_convert", "grad_fused", "grad_alloc", "grad_add", "finite_check")
+KINDS = ("pin", "refresh", "grad_convert", "grad_fused", "grad_alloc", "grad_add", "finite_check")
 BESIDE = ("refresh", "grad_fused")  # written inside or right after the optimizer's step
 
 

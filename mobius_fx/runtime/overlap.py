@@ -31,7 +31,7 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   uploads from (`refresh_copies=True`, the default), on the optimizer's worker, so the next step
   makes no copy-and-cast pass over them. Weights it does not step (frozen ones: a LoRA model's
   base) are copied at their first upload and again only when their storage or version changes
-  (`StreamDevice._staged`); after a write in place through `.data` (`p.data.clamp_()`), which
+  (`StreamDevice._pinned_copy`); after a write in place through `.data` (`p.data.clamp_()`), which
   neither changes, call `pipe.refresh_weights()`.
   A forward between `loss.backward()` and `opt.step()` is refused once stages were stepped
   (it would see some stages' new weights and others' old ones).

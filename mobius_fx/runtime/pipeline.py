@@ -308,7 +308,7 @@ class Pipeline(nn.Module):
         (`p.data.clamp_(-c, c)`, a WGAN's clipping) bumps no version counter and keeps the
         storage: call this after one (on "virtual" every step copies anyway)."""
         for dev in self._rt.devices.values():
-            forget = getattr(dev, "forget_staged", None)
+            forget = getattr(dev, "forget_pinned_copies", None)
             if forget is not None:
                 forget()
 

@@ -9,7 +9,7 @@ and masters), `Step` (one forward and its backward), `StageCall` -- is in `stage
 the host gradients the downloads are summed into, in `host_gradients.py`.
 
 Mixed precision (`dtype=torch.bfloat16 | torch.float16`): every floating weight's GPU copy
-is the master cast to `dtype` (CUDA: the cast happens on the host into a pinned staging copy,
+is the master cast to `dtype` (CUDA: the cast happens on the host into a pinned copy,
 so the upload moves half the bytes), floating inputs are cast as they go up, and each stage
 runs — and is recomputed in backward — under `torch.autocast(<its device type>, dtype)`, so
 ops on autocast's fp32 list (losses, softmax-with-loss, norms where the backend lists them)
@@ -431,16 +431,16 @@ class StageCalls:
                 by_master: dict[int, tuple[torch.Tensor, list]] = {}
                 for master, thunk in step.pending:
                     by_master.setdefault(id(master), (master, []))[1].append(thunk)
-                staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+                handed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
                 for i, (master, thunks) in by_master.items():
                     g = host_gradient(master, thunks)
                     if g is not None:
-                        staged[i] = (master, g)
+                        handed[i] = (master, g)
                 step.pending.clear()
                 step.state = "done"
                 if self.overlap is not None:
-                    self.overlap.handed_by_autograd(staged)
-                return {i: g for i, (_, g) in staged.items()}
+                    self.overlap.handed_by_autograd(handed)
+                return {i: g for i, (_, g) in handed.items()}
             except BaseException:
                 self.abort(step)
                 raise

@@ -41,7 +41,7 @@ def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, costs: Costs | None = None, p
     task: dict[int, int] = {}
     through: dict[int, list[int]] = {}
     triggers: list[tuple[int, int]] = []
-    staging: dict[int, list[int]] = {}  # staging task -> the waits whose first run triggers it (as its upload)
+    pins: dict[int, list[int]] = {}  # pin task -> the waits whose first run triggers it (as its upload)
     flush: list[int] = []  # the barrier before the GPUs' optimizer steps
 
     def ends(d: int) -> list[int]:  # the tasks whose ends op d stands for
@@ -57,10 +57,10 @@ def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, costs: Costs | None = None, p
                                         phase=o.phase, stage=o.stage, microbatch=o.microbatch)
         elif o.kind in (*TRANSFER_KIND, "collective") and o.direction and o.bytes > 0:  # a copy (an evict has no direction)
             waits = [d for d in o.deps if o.kind == "prefetch" and ops[d].kind == "wait"]
-            task[o.index], staged = _copy_task(ctx, ir, o, c, tag, after, [t for d in o.starts for t in ends(d)],
+            task[o.index], pin = _copy_task(ctx, ir, o, c, tag, after, [t for d in o.starts for t in ends(d)],
                                               slot[(o.phase, o.stage)] if o.slot is None else o.slot)
-            if staged is not None:
-                staging.setdefault(staged, waits)
+            if pin is not None:
+                pins.setdefault(pin, waits)
             triggers += [(task[o.index], d) for d in waits]
         elif o.kind in ("evict", "wait", "hold"):
             mark = ctx.mark(f"{o.kind} {tag}", after, kind=o.kind, phase=o.phase, gpu=o.place, stage=o.stage)
@@ -69,24 +69,24 @@ def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, costs: Costs | None = None, p
         elif o.kind == "step" and o.place != HOST:
             flush = flush or [ctx.mark("backward done", list(range(len(ctx.tasks))), kind="barrier")]
             task[o.index] = gpu_optimizer(ctx, o.place, c.master[o.stage], flush)
-    for t, w in triggers + [(t, w) for t, ws in staging.items() for w in ws]:
+    for t, w in triggers + [(t, w) for t, ws in pins.items() for w in ws]:
         (ctx.tasks[t].after_start if prefetch else ctx.tasks[t].after).append(task[runs[w][0 if prefetch else -1]])
     _host_optimizer(ctx, ir, c)
 
 
 def _copy_task(ctx: Context, ir: ScheduleIR, o: Op, c: Costs, tag: str, after: list[int], starts: list[int],
               slot: int) -> tuple[int | None, int | None]:
-    """Copy `o` as a flow on the route src -> dst (and the staging of its streamed copy, for a
-    prefetch: `Context.stage_copy`), on the receiving GPU's upload stream (prefetch, restore, an
+    """Copy `o` as a flow on the route src -> dst (and the pinning of its streamed copy, for a
+    prefetch: `Context.pin_copy`), on the receiving GPU's upload stream (prefetch, restore, an
     input sent again), its activation stream (other sends to a GPU) or the sending GPU's
     download stream (offload, download, sends to the host); a collective's host-routed share on
     the GPU's "allgather" (weights) or "reduce-scatter" (gradients) stream. A stream serves its
     copies by `slot` (the op's turn on its GPU), then IR order; on a shared link a copy ranks by
     when the step needs it (`o.need`, else `copy_need`); its host end is the stage's home
     (`ctx.home`, per (GPU, stage) when `ir.sharded`; a collective's is its GPU's own socket).
-    Returns the copy's task and the staging task (None: none)."""
+    Returns the copy's task and the pin task (None: none)."""
     gpu = o.src if o.dst == HOST else o.dst
-    staged = ctx.stage_copy(gpu, o.stage, c.master[o.stage], starts) if o.kind == "prefetch" else None
+    pin = ctx.pin_copy(gpu, o.stage, c.master[o.stage], starts) if o.kind == "prefetch" else None
     if o.kind == "collective":
         stream = "allgather" if o.what == "weight" else "reduce-scatter"
     else:
@@ -97,10 +97,10 @@ def _copy_task(ctx: Context, ir: ScheduleIR, o: Op, c: Costs, tag: str, after: l
         home = ctx.home((gpu, o.stage) if ir.sharded else o.stage, gpu)
     kind = "collective" if o.kind == "collective" else TRANSFER_KIND[o.kind]
     t = ctx.move(f"{gpu}/{stream}", (slot, o.index), o.src, o.dst, o.bytes, f"{o.kind} {tag}",
-                 after=after + ([staged] if staged is not None else []), after_start=starts,
+                 after=after + ([pin] if pin is not None else []), after_start=starts,
                  need=(copy_need(o, len(ir.stages)) if o.need is None else (o.need,)), home=home,
                  kind=kind, phase=o.phase, gpu=gpu, stage=o.stage, microbatch=o.microbatch)
-    return t, staged
+    return t, pin
 
 
 def _host_optimizer(ctx: Context, ir: ScheduleIR, c: Costs) -> None:

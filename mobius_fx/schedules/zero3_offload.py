@@ -13,9 +13,9 @@ __all__ = ["build", "schedule_ir"]
 
 
 def build(ctx: Context) -> None:
-    """ZeRO-3 offload's schedule IR (`schedule_ir`) as tasks; nothing staged before the uploads."""
+    """ZeRO-3 offload's schedule IR (`schedule_ir`) as tasks; nothing pinned before the uploads."""
     ir, costs = schedule_ir(ctx)
-    ctx.staging = False  # DeepSpeed's CPU Adam wrote the fp16 copy the uploads read
+    ctx.pin_before_upload = False  # DeepSpeed's CPU Adam wrote the fp16 copy the uploads read
     tasks_from_ir(ctx, ir, costs=costs)
 
 
@@ -28,7 +28,7 @@ def schedule_ir(ctx: Context) -> tuple[ScheduleIR, Costs]:
     `ctx.deepspeed_adam_bw`: the Mobius optimizer's speed unless DeepSpeed's was measured on the
     machine (the topology's host section with implementation "deepspeed") or given
     (`simulate(deepspeed_adam_bandwidth=)`). Its kernel writes the fp16 copy of the weights as
-    it steps (those bytes count in the step), so nothing is staged before the uploads; the
+    it steps (those bytes count in the step), so nothing is pinned before the uploads; the
     gradients it steps are made fp32 on the host first (the "handover" host copy).
     All N GPUs fetch the same bytes, so shared switch uplinks and root complexes carry N x
     the traffic.

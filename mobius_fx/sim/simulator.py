@@ -76,7 +76,7 @@ class SimResult:
     `pipeline_time` is forward + backward + gradient offload (what the partitioner predicts),
     `step_time` adds what the host does after it: `optimizer_time`, the gradient hand-over and
     the optimizer step with the copies around it (sim.tasks.HOST_COPY_KINDS; `host_copy_time`
-    is the seconds all host copies ran, the staging before uploads included). The host ran at
+    is the seconds all host copies ran, the pinning before uploads included). The host ran at
     `optimizer_bandwidth` (the schedule's CPU optimizer: DeepSpeed's for "zero3-offload") and
     `host_copy_bandwidth` bytes/s; `host_sources` says where each figure came from: "given"
     (an argument of `simulate`), "measured on this host" (the topology's "host" section) or
@@ -223,7 +223,7 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     run's 16-core host, 111 GB/s). `deepspeed_adam_bandwidth` is the "zero3-offload" baseline's
     DeepSpeedCPUAdam; None takes a host section measured with implementation "deepspeed", else
     the same speed as Mobius's optimizer (no assumed speed-up). `host_copy_bandwidth` is the
-    host copies' bytes/s (the staging of the streamed copies before uploads, the gradient
+    host copies' bytes/s (the pinning of the streamed copies before uploads, the gradient
     hand-over, sync's refresh and finite check, async's shadow copy: sim.tasks.HOST_COPY_KINDS,
     each where the runtime makes it); None takes the host section's `host_copy_bytes_per_s`, else
     HOST_COPY_BANDWIDTH. `host_copies` sets a kind's bytes per parameter (per 4 master bytes)

@@ -58,18 +58,18 @@ CPU_ADAM_BANDWIDTH = H200_HOST_PARAMS * TOUCHED_BYTES["adamw"] / H200_HOST_ADAMW
 # (`host_copy_bytes_per_s`): on the same H200 host the gradient hand-over (`MastersBackward` in
 # profile.log: every bf16 gradient made a new fp32 tensor, 6 B per parameter) took 653.7 ms,
 #     3,000,238,080 x 6 B / 0.6537 s = 18.0e9 B / 0.6537 s = 27.5e9 B/s,
-# the slowest copy of that step (the staging cast ran ~470 ms, ~38 GB/s) -- the slowest, as
+# the slowest copy of that step (the pin cast ran ~470 ms, ~38 GB/s) -- the slowest, as
 # cpu_optimizer.py's host section takes its slowest copy.
 H200_HOST_HANDOVER_SECONDS = 0.6537
 HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e9 B/s
 
 # The copies, per parameter of a trainable weight (per 4 master bytes), each where the runtime makes it
 # (`host_copy_bytes` gives its bytes with weights streamed at `s` bytes per element):
-# - "staging": the master copied (cast) into the streamed copy an upload reads, by the GPU's
-#   upload worker before the stage's first upload of the step (StreamDevice._staged: again every
+# - "pin": the master copied (cast) into the streamed copy an upload reads, by the GPU's
+#   upload worker before the stage's first upload of the step (StreamDevice._pinned_copy: again every
 #   step the optimizer changed the master), read 4 + write s -- unless the step refreshed it;
 # - "refresh": the same copy written by pipe.overlap(mode="sync")'s worker right after a stage's
-#   step (refresh_copies=True, its default), so nothing is staged: on the optimizer's resource;
+#   step (refresh_copies=True, its default), so nothing is pinned: on the optimizer's resource;
 # - "handover": a downloaded gradient made the master's fp32 `.grad` (host_gradient), read s +
 #   write 4, none when gradients stream in fp32; on the main thread after backward ("none",
 #   "async"); in "sync" span by span inside the stage's step (overlap_fused.FusedStep._step_fused: each span is
@@ -82,7 +82,7 @@ HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e
 # RUNTIME_HOST_COPIES are the kinds today's runtime makes; a kind left out (or `simulate(...,
 # host_copies={"handover": 0})`) costs nothing -- when the runtime fuses a pass into the
 # optimizer's step, count its bytes in the step instead (TOUCHED_BYTES).
-HOST_COPY_KINDS = ("staging", "refresh", "handover", "finite_check", "shadow")
+HOST_COPY_KINDS = ("pin", "refresh", "handover", "finite_check", "shadow")
 RUNTIME_HOST_COPIES = HOST_COPY_KINDS
 # `simulate(plan, host_copies=NO_HOST_COPIES)`: no host copy at all -- the network and the
 # schedule alone, as the planner's step model sees them (it models no host copies).
@@ -104,7 +104,7 @@ def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam") -> floa
         return 0
     if kind == "handover":
         return 0 if streamed >= 4 else streamed + 4
-    return {"staging": 4 + streamed, "refresh": 4 + streamed, "finite_check": 4, "shadow": 8}[kind]
+    return {"pin": 4 + streamed, "refresh": 4 + streamed, "finite_check": 4, "shadow": 8}[kind]
 
 # Where host memory (a stage's masters, its gradients, its saved inputs) lives, per socket:
 # "local": in the DRAM of the socket of the GPU that first moves it (first touch by that GPU's
@@ -165,10 +165,10 @@ class Context:
         self.plan, self.topo, self.optimizer, self.cpu_bw = plan, topo, optimizer, cpu_bw
         self.overlap = overlap  # one of kinds.OVERLAP_MODES: when the CPU optimizer steps (see cpu_optimizer)
         self.copy_bw = copy_bw
-        # Whether uploads stage the streamed copies (`stage_copy`): not where the optimizer's step
+        # Whether uploads stage the streamed copies (`pin_copy`): not where the optimizer's step
         # writes them ("sync" refreshes them; DeepSpeed's CPU Adam writes its fp16 copy itself).
-        self.staging = overlap != "sync"
-        self._staged: dict[tuple[str, int], int] = {}  # (gpu, stage) -> its staging task this step
+        self.pin_before_upload = overlap != "sync"
+        self._pins: dict[tuple[str, int], int] = {}  # (gpu, stage) -> its pin task this step
         # Data-parallel servers, each server's NIC bandwidth (bytes/s per direction) and the
         # latency of one ring step (s): see gradient_allreduce.
         self.servers, self.network, self.network_latency = servers, network, network_latency
@@ -200,21 +200,21 @@ class Context:
         """Seconds host copy `kind` takes over `master_bytes` of masters (its bytes per 4 of them) at `copy_bw`."""
         return master_bytes / 4.0 * self.copies[kind] / self.copy_bw
 
-    def stage_copy(self, gpu: str, stage: int, master_bytes: float, after_start: list = ()) -> int | None:
-        """The staging of stage `stage`'s streamed copy (its `master_bytes` of trainable
-        masters; frozen weights are staged once, not every step) by `gpu`'s upload worker, on the
-        "<gpu>/staging" resource, once per step and GPU (each GPU keeps its own copies), started
+    def pin_copy(self, gpu: str, stage: int, master_bytes: float, after_start: list = ()) -> int | None:
+        """The pinning of stage `stage`'s streamed copy (its `master_bytes` of trainable
+        masters; frozen weights are pinned once, not every step) by `gpu`'s upload worker, on the
+        "<gpu>/pin" resource, once per step and GPU (each GPU keeps its own copies), started
         when the upload is triggered (`after_start`). The stage's uploads wait for the task
-        returned; None when nothing is staged (`staging` off, no bytes)."""
-        seconds = self.copy_seconds("staging", master_bytes) if self.staging else 0.0
+        returned; None when nothing is pinned (`pin_before_upload` off, no bytes)."""
+        seconds = self.copy_seconds("pin", master_bytes) if self.pin_before_upload else 0.0
         if seconds <= 0:
             return None
-        if (gpu, stage) not in self._staged:
-            self._staged[(gpu, stage)] = self.add(Task(
-                f"staging s{stage} {gpu}", f"{gpu}/staging", (stage,), seconds,
+        if (gpu, stage) not in self._pins:
+            self._pins[(gpu, stage)] = self.add(Task(
+                f"pin s{stage} {gpu}", f"{gpu}/pin", (stage,), seconds,
                 after_start=[d for d in after_start if d is not None],
-                meta={"kind": "host-copy", "copy": "staging", "phase": "forward", "gpu": gpu, "stage": stage}))
-        return self._staged[(gpu, stage)]
+                meta={"kind": "host-copy", "copy": "pin", "phase": "forward", "gpu": gpu, "stage": stage}))
+        return self._pins[(gpu, stage)]
 
     def route(self, src: str, dst: str) -> tuple[str, ...]:
         if (src, dst) not in self._routes:
@@ -337,7 +337,7 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
     """The optimizer step over `master_bytes` of masters on the CPU (TOUCHED_BYTES per 4 of them), at `bandwidth` bytes/s
     (default: the context's `cpu_bw`, the user's torch optimizer), on the "host/optimizer"
     resource, with the host copies around it where the runtime makes them (HOST_COPY_KINDS, at
-    `ctx.copy_bw`; the staging before uploads is `Context.stage_copy`'s).
+    `ctx.copy_bw`; the pinning before uploads is `Context.pin_copy`'s).
 
     `overlap` (default the context's, one of `kinds.OVERLAP_MODES`):
     - "none": the gradient hand-over on the main thread ("host/handover") once every task so far

@@ -28,7 +28,7 @@ among the GPU nodes::
                {"a": "sw0", "b": "gpu1", "bandwidth_gbps": [6.5, 6.2]}]}
 
 `p2p` says whether GPUs may copy to each other directly over PCIe (consumer cards such as
-the RTX 3090/4090 cannot; then GPU-to-GPU traffic is staged through host memory).
+the RTX 3090/4090 cannot; then GPU-to-GPU traffic is relayed through host memory).
 Bandwidths are stored as whole bytes/s, so a topology survives `to_json`/`from_json` exactly.
 An optional top-level "host" object holds the host's own measured figures (the CPU optimizer's
 bytes/s, host copy bytes/s, cores: `HostFigures`, written by `benchmarks/cpu_optimizer.py
@@ -172,7 +172,7 @@ class Topology:
 
         "host" stands for the host memory of the other end's own root complex. GPU to GPU:
         a direct NVLink if one joins them; else, with P2P, the shortest PCIe path (across the
-        inter-socket link if needed); else staged through host memory: up to a's root complex,
+        inter-socket link if needed); else relayed through host memory: up to a's root complex,
         across UPI when b sits on another socket, and down to b.
 
         >>> Topology.preset("mobius-testbed").route("gpu0", "gpu1")
@@ -204,7 +204,7 @@ class Topology:
         if kinds[a]["kind"] == "gpu" and kinds[b]["kind"] == "gpu":
             if self.graph.has_edge(a, b) and self.graph.edges[a, b]["kind"] == "nvlink":
                 return (a, b)
-            if not self.p2p:  # staged through host memory
+            if not self.p2p:  # relayed through host memory
                 return tuple(self._up(a) + self._upi_path(self._rc[a], self._rc[b])[1:] + self._up(b)[::-1][1:])
         up_a, up_b = self._up(a), self._up(b)
         if self._rc[a] != self._rc[b]:

@@ -1,7 +1,7 @@
 """The plan's numbers hold together (issue 26, part 5): no plan predicts a step below its own
 lower bound. `Plan.lower_bound` counts every byte the plan moves on each link over that link's
 bandwidth; the step model (`step_model.timeline`, the MIP) must count them too
-(`step_model.LinkLoad`), or a link that activations staged through the host share with the
+(`step_model.LinkLoad`), or a link that activations relayed through the host share with the
 weights (a switch uplink, P2P off) lets the prediction fall below the bound."""
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def test_mobius_is_never_faster_than_the_partitioners_model_and_within_10_percen
                                              input_bytes=1000)  # as `plans()` builds them
     ev = evaluate(problem, cuts)
     if ev is not None:
-        # the partitioner models no host copies (the staging before uploads): compare without them
+        # the partitioner models no host copies (the pinning before uploads): compare without them
         sim = simulate(plan, host_copies=dict.fromkeys(HOST_COPY_KINDS, 0)).pipeline_time
         assert sim >= ev.makespan * (1 - 1e-6)  # the model keeps fractional bytes
         # ... and, without contention to leave out, agrees with it within 10% (at most 1.0001

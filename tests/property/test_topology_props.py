@@ -88,7 +88,7 @@ def test_gpu_to_gpu_routes_follow_nvlink_p2p_or_host_memory(d):
             elif topo.p2p:
                 assert len(set(r)) == len(r)  # a simple path
             else:
-                assert ga.root_complex in r and gb.root_complex in r  # staged through DRAM
+                assert ga.root_complex in r and gb.root_complex in r  # relayed through DRAM
 
 
 @given(servers())

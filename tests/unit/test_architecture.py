@@ -37,7 +37,7 @@
 - "Stage" means one thing (issue 29 part 4): a pipeline stage (docs/architecture.md, "Glossary").
   No name in `mobius_fx` or `passes/` -- identifier, attribute, argument or a key-like string
   constant -- uses the verb ("staged", "staging"): a pinned copy is a pin, a copy through host
-  memory is relayed. The names still to rename are in KNOWN_STAGING_NAMES.
+  memory is relayed. None remain; an exception would be named in KNOWN_STAGING_NAMES with what it should say.
 - Benchmarks and examples stand on the package alone (issue 29 part 4): no file under
   `benchmarks/` or `examples/` imports `tests` or puts a `tests/` folder on `sys.path`; the
   models they share with the tests live in the package's zoo (`mobius_fx/zoo/`).
@@ -281,7 +281,7 @@ SCHEDULES = "mobius_fx.schedules"
 # graph's own primitives (streams, the host's optimizer and copies, all-reduce) and the event
 # engine (`network.run_flows`: flows on an idle network).
 TASK_BUILDERS = {f"{SCHEDULES}.ir_tasks", "mobius_fx.sim.tasks", "mobius_fx.sim.network"}
-TASK_CALLS = {"compute", "move", "mark", "stage_copy"}  # sim.tasks.Context's task makers (its `add` takes a Task)
+TASK_CALLS = {"compute", "move", "mark", "pin_copy"}  # sim.tasks.Context's task makers (its `add` takes a Task)
 
 
 def schedule_languages() -> dict[str, list[str]]:
@@ -621,22 +621,8 @@ def test_the_tests_import_rule_sees_each_way_in():
 
 # ----------------------------------------------------------------------------- one meaning of "stage" (issue 29 part 4)
 STAGING = re.compile(r"stag(ed|ing)", re.IGNORECASE)  # the verb: a name saying "stage" as something else
-# Still to rename (issue 29 part 4): (module, name) -> what it should say. Remove an entry once renamed.
-KNOWN_STAGING_NAMES: dict[tuple[str, str], str] = {
-    ("mobius_fx.runtime.devices", "_staged"): "_pinned_copy (the master's pinned copy an upload reads)",
-    ("mobius_fx.runtime.devices", "forget_staged"): "forget_pinned_copies",
-    ("mobius_fx.runtime.devices", "staging"): "pinned_copies (the counters of copies into them)",
-    ("mobius_fx.runtime.pipeline", "forget_staged"): "forget_pinned_copies",
-    ("mobius_fx.runtime.host_counters", "staging"): 'the host-copy kind "pin"',
-    ("mobius_fx.runtime.stage_calls", "staged"): "handed (the gradients handed to autograd)",
-    ("mobius_fx.schedules.ir_tasks", "staged"): "pin (the pin task of a prefetch)",
-    ("mobius_fx.schedules.ir_tasks", "staging"): "pins",
-    ("mobius_fx.schedules.looped", "staged"): "pin",
-    ("mobius_fx.schedules.zero3_offload", "staging"): "Context.pin_before_upload",
-    ("mobius_fx.sim.tasks", "staging"): 'Context.pin_before_upload; the host-copy kind "pin"',
-    ("mobius_fx.sim.tasks", "_staged"): "_pins",
-    ("mobius_fx.sim.tasks", "/staging"): 'the "<gpu>/pin" resource',
-}
+# Exceptions, none now: (module, name) -> what it should say.
+KNOWN_STAGING_NAMES: dict[tuple[str, str], str] = {}
 
 
 def names_in(source: str) -> list[tuple[int, str]]:

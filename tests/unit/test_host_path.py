@@ -1,7 +1,7 @@
 """The host's passes outside the optimizer (issue 27), counted by mobius_fx.runtime.host_counters.
 
 Under pipe.overlap(mode="sync") on the CUDA stand-in, once the first (serial, probing) step is
-behind: no master is staged again at upload (the optimizer's worker refreshed the streamed
+behind: no master is pinned again at upload (the optimizer's worker refreshed the streamed
 copies), gradients are converted into storage kept across steps (no new fp32 `.grad` per step),
 `.grad` is None after zero_grad(set_to_none=True) as torch users expect, and a gradient a user
 kept from an earlier step is never overwritten. The weights stay those of serial stepping.
@@ -78,7 +78,7 @@ def test_steady_sync_steps_stage_nothing_and_reuse_gradient_storage(tmp_path):
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p, q), j
         if j >= 2:  # the probe (0) and the first overlapping step (1) are behind
-            assert counts["staging"] == 0 and counts["grad_add"] == 0
+            assert counts["pin"] == 0 and counts["grad_add"] == 0
             assert counts["grad_alloc"] == (params[0].numel() * 4 if j == 4 else 0)  # only the kept one anew
             assert counts["refresh"] >= n * 6  # read fp32, write bf16, beside the optimizer
     assert homes[2] == homes[3]  # the same storage, step after step

@@ -367,21 +367,21 @@ def test_on_the_cuda_stand_in_the_step_refreshes_the_streamed_copies(tmp_path):
     devs = list(pipe.devices.values())
     copies = []
     for (x,) in data:
-        before = sum(d.staging["copies"] for d in devs)
+        before = sum(d.pinned_copies["copies"] for d in devs)
         for p_, o in ((pipe, opt), (ref_pipe, ref)):
             _loss(p_(x), x).backward()
             o.step()
             o.zero_grad()
-        copies.append(sum(d.staging["copies"] for d in devs) - before)
+        copies.append(sum(d.pinned_copies["copies"] for d in devs) - before)
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p, q)
     streamed = sum(len(d._pinned) for d in devs)
     assert copies[0] == copies[1] == streamed  # the first step is serial: every copy made at upload
     assert copies[2:] == [0] * (len(data) - 2)  # then the optimizer's step writes them all
-    assert sum(d.staging["refreshed_copies"] for d in devs) >= (len(data) - 2) * streamed
+    assert sum(d.pinned_copies["refreshed_copies"] for d in devs) >= (len(data) - 2) * streamed
 
 
-def test_under_refresh_copies_frozen_weights_are_staged_once_and_again_only_when_changed(tmp_path):
+def test_under_refresh_copies_frozen_weights_are_pinned_once_and_again_only_when_changed(tmp_path):
     """refresh_copies=True promises that weights change only in ways version counters see; then
     a weight the optimizer does not step (frozen: a LoRA model's base) keeps its streamed copy
     from step to step, and an in-place change to it (`torch.no_grad(): p.mul_`) is copied again
@@ -399,7 +399,7 @@ def test_under_refresh_copies_frozen_weights_are_staged_once_and_again_only_when
     devs = list(pipe.devices.values())
     copies = []
     for j, (x,) in enumerate(data):
-        before = sum(d.staging["copies"] for d in devs)
+        before = sum(d.pinned_copies["copies"] for d in devs)
         if j == 4:
             with torch.no_grad():
                 frozen[0].mul_(0.5)  # a version counter sees it
@@ -409,7 +409,7 @@ def test_under_refresh_copies_frozen_weights_are_staged_once_and_again_only_when
         _loss(out, x).backward()
         opt.step()
         opt.zero_grad()
-        copies.append(sum(d.staging["copies"] for d in devs) - before)
+        copies.append(sum(d.pinned_copies["copies"] for d in devs) - before)
     streamed = sum(len(d._pinned) for d in devs)
     assert copies[0] == streamed and copies[2:4] == [0, 0]  # frozen ones too, after their first copy
     assert copies[4] == 1  # the one frozen weight that changed

@@ -14,7 +14,7 @@ from mobius_fx.topology.server import HostFigures, Topology
 
 GB = 1e9
 W = 100e6  # bytes of one layer's weights (fp32, as traced)
-NO_HOST_COPIES = dict.fromkeys(HOST_COPY_KINDS, 0)  # the network's physics alone (the staging delays uploads)
+NO_HOST_COPIES = dict.fromkeys(HOST_COPY_KINDS, 0)  # the network's physics alone (the pinning delays uploads)
 
 
 def layers(n):

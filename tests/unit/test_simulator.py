@@ -433,23 +433,23 @@ def test_the_host_copies_are_where_the_runtime_makes_them(testbed_plan):
     master = {st.index: st.grad_bytes / (s / 4) for st in testbed_plan.stages}
     secs = lambda kind, k: master[k] / 4 * host_copy_bytes(kind, s) / HOST_COPY_BANDWIDTH
     copies = lambda r, kind: [e for e in r.events if e.kind == "host-copy" and e.name.startswith(kind)]
-    # "none": each stage's streamed copy staged by its GPU's upload worker before its first upload
+    # "none": each stage's streamed copy pinned by its GPU's upload worker before its first upload
     r = simulate(testbed_plan)
-    staged = copies(r, "staging")
-    assert sorted(e.stage for e in staged) == sorted(k for k in master if master[k] > 0)
-    for e in staged:
-        assert e.end - e.start == pytest.approx(secs("staging", e.stage))
+    pinned = copies(r, "pin")
+    assert sorted(e.stage for e in pinned) == sorted(k for k in master if master[k] > 0)
+    for e in pinned:
+        assert e.end - e.start == pytest.approx(secs("pin", e.stage))
         for up in events(r, "prefetch", stage=e.stage):
             assert up.start >= e.end - 1e-12
     assert r.host_copy_time == pytest.approx(sum(e.end - e.start for e in r.events if e.kind == "host-copy"))
-    bare = simulate(testbed_plan, host_copies={"staging": 0})
-    assert not copies(bare, "staging") and bare.pipeline_time < r.pipeline_time
-    # "sync" with half-precision gradients: the step refreshes the copies (nothing staged), the
+    bare = simulate(testbed_plan, host_copies={"pin": 0})
+    assert not copies(bare, "pin") and bare.pipeline_time < r.pipeline_time
+    # "sync" with half-precision gradients: the step refreshes the copies (nothing pinned), the
     # hand-over is fused into the step (span by span: the streamed bytes more per parameter, at
     # the optimizer's speed), and no host finite check (the GPUs read finiteness before the download)
     assert s < 4
     sync = simulate(testbed_plan, optimizer_overlap="sync")
-    assert not copies(sync, "staging") and not copies(sync, "finite check") and not copies(sync, "hand-over")
+    assert not copies(sync, "pin") and not copies(sync, "finite check") and not copies(sync, "hand-over")
     for k in (k for k in master if master[k] > 0):
         (o,), (f,) = ([e for e in x if e.stage == k] for x in (events(sync, "optimizer"), copies(sync, "refresh")))
         assert o.stream == f.stream == "host/optimizer" and o.end <= f.start + 1e-12
@@ -462,8 +462,8 @@ def test_the_host_copies_are_where_the_runtime_makes_them(testbed_plan):
     assert shadow.end == pytest.approx(sum(secs("shadow", k) for k in master))
     with pytest.raises(MobiusError, match="host_copies has 'grad'"):
         simulate(testbed_plan, host_copies={"grad": 0})
-    with pytest.raises(MobiusError, match=r"host_copies\['staging'\] is -1"):
-        simulate(testbed_plan, host_copies={"staging": -1})
+    with pytest.raises(MobiusError, match=r"host_copies\['pin'\] is -1"):
+        simulate(testbed_plan, host_copies={"pin": -1})
 
 
 def test_critical_path_adds_up_to_the_step_time(testbed_plan):
@@ -541,9 +541,9 @@ def test_a_synchronous_overlap_steps_each_stage_once_its_gradients_have_landed(t
     s = testbed_plan.precision.stream_bytes
     assert work(sync) == pytest.approx(work(serial) * (TOUCHED_BYTES["adam"] + s) / TOUCHED_BYTES["adam"], rel=1e-9)
     # sync's step refreshes the streamed copies, so its uploads stage nothing: never a slower pipeline,
-    # the same one when nothing is staged in either
+    # the same one when nothing is pinned in either
     assert sync.pipeline_time <= serial.pipeline_time
-    bare = {"staging": 0}
+    bare = {"pin": 0}
     assert simulate(testbed_plan, schedule=schedule, optimizer_overlap="sync", host_copies=bare).pipeline_time == \
         pytest.approx(simulate(testbed_plan, schedule=schedule, host_copies=bare).pipeline_time, rel=1e-12)
     # without host copies the per-stage steps end sooner than one step after the pipeline; with
