@@ -267,7 +267,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     before its result is used (a `TorchDispatchMode`: Python on every op, counted in
     `Device.dispatch_calls`). "auto": per device. On CUDA, "allocator" resets the device's peak
     statistics at each stage's work (`torch.cuda.reset_peak_memory_stats`); the device's peak
-    over a step is `mobius_fx.runtime.books.CudaAllocator.of(index).max_allocated()`.
+    over a step is `mobius_fx.runtime.device_books.CudaAllocator.of(index).max_allocated()`.
     """
     if isinstance(model, torch.nn.Module) and not isinstance(example_inputs, (str, bytes)):
         inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs

@@ -103,7 +103,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     micro-batches the example call's graph is analysed (mobius_fx/planning/microbatch.py: how each output
     combines; row-mixing values refused) — README "Micro-batch semantics". `memory_books`: how
     each GPU measures its stages' work, "ops" | "allocator" | "auto" (compile's `memory_books=`;
-    mobius_fx/runtime/books.py).
+    mobius_fx/runtime/device_books.py).
 
     gm = torch.fx.symbolic_trace(model)
     pipe = build_pipeline(model, gm, stage_nodes=[["fc1", "relu"], ["fc2"]], stage_gpus=["gpu0", "gpu1"],

@@ -104,7 +104,7 @@ class CompileOptions:
     1 keeps the compiled signature fixed and refuses any other call with a MobiusError.
     `batch_dims`: None (guess: README "Micro-batch semantics") or {forward argument name: 0 (batched
     along dim 0, split into micro-batches) or None (not batched: whole to every micro-batch)}.
-    `memory_books` (compile only): how each GPU measures its stages' work (mobius_fx/runtime/books.py):
+    `memory_books` (compile only): how each GPU measures its stages' work (mobius_fx/runtime/device_books.py):
     "ops" charges every tensor per op (Python on every op), "allocator" measures each stage's
     work by the allocator and checks the budget when it ends, "auto" (the default) is "ops" on
     virtual devices and "allocator" on CUDA.
@@ -158,7 +158,7 @@ class CompileOptions:
         _positive_int("max_variants", self.max_variants,
                       "compiled variants per pipeline, one per call signature; 1 = a fixed signature")
         set_("batch_dims", check_batch_dims(self.batch_dims))
-        from mobius_fx.runtime.books import check_memory_books
+        from mobius_fx.runtime.device_books import check_memory_books
 
         check_memory_books(self.memory_books)
         if not isinstance(self.microbatches_rule, str):

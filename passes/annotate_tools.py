@@ -160,7 +160,7 @@ def median_time(fn: Callable[..., None], warmup: int, repeats: int, sync: Callab
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages the ops run under it create, while they live, and their peak:
-    what a device's books (mobius_fx/runtime/books.py) would charge, on meta tensors. Views of one
+    what a device's books (mobius_fx/runtime/device_books.py) would charge, on meta tensors. Views of one
     storage count once; a storage counts from the op that makes it until it dies."""
 
     def __init__(self) -> None:

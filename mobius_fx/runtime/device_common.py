@@ -1,5 +1,5 @@
 """What every device kind of `mobius_fx.runtime.devices` shares beyond the books
-(`mobius_fx.runtime.books.Device`): the check that a saved stage input is unchanged, and the
+(`mobius_fx.runtime.device_books.Device`): the check that a saved stage input is unchanged, and the
 RNG of a GPU played by the CPU."""
 
 from __future__ import annotations

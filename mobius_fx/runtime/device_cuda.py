@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from mobius_fx.runtime.books import CudaAllocator, empty_slot
+from mobius_fx.runtime.device_books import CudaAllocator, empty_slot
 from mobius_fx.runtime.device_stream import StreamDevice
 
 

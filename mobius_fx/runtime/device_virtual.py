@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from mobius_fx.runtime.books import Device, SavedInput, empty_slot, nbytes
+from mobius_fx.runtime.device_books import Device, SavedInput, empty_slot, nbytes
 from mobius_fx.runtime.device_common import CpuRng, check_unchanged
 
 

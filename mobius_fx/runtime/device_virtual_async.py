@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from mobius_fx.runtime.books import empty_slot
+from mobius_fx.runtime.device_books import empty_slot
 from mobius_fx.runtime.device_common import CpuRng
 from mobius_fx.runtime.device_stream import StreamDevice
 from mobius_fx.runtime.streams import PENDING, RaceError, ThreadEvent, ThreadStream

@@ -27,7 +27,7 @@ Everything above this module (runtime.py) is one code path; only the copies diff
   into a slot whose last use has not completed raises `RaceError`) and a log of the host's
   blocking waits (`waits`), so races, over-allocation and host syncs show up in CI.
 
-All keep the same books (`mobius_fx.runtime.books.Device`): bytes held now and at peak, a budget that
+All keep the same books (`mobius_fx.runtime.device_books.Device`): bytes held now and at peak, a budget that
 raises `BudgetError` when exceeded, and a log of the bytes moved per kind and direction. What a
 stage's work creates is charged per op on virtual devices (memory_books="ops") and measured by
 CUDA's caching allocator per stage's work on `CudaDevice` ("allocator": no Python per op); either
@@ -48,7 +48,7 @@ import torch
 from mobius_fx.errors import MobiusError
 from mobius_fx.kinds import DEVICES, HOST
 from mobius_fx.runtime import host_threads
-from mobius_fx.runtime.books import Device, TransferLog, check_memory_books, nbytes
+from mobius_fx.runtime.device_books import Device, TransferLog, check_memory_books, nbytes
 from mobius_fx.runtime.device_cuda import CudaDevice
 from mobius_fx.runtime.device_stream import StreamDevice
 from mobius_fx.runtime.device_virtual import VirtualDevice

@@ -56,7 +56,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from mobius_fx.runtime.books import Device, nbytes
+from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.kinds import HOST
 from mobius_fx.errors import BudgetError, MobiusError
 from mobius_fx.runtime.placement import sent_device

@@ -1,4 +1,4 @@
-"""Where a device in memory_books="allocator" measures a stage's work (mobius_fx/runtime/books.py): a
+"""Where a device in memory_books="allocator" measures a stage's work (mobius_fx/runtime/device_books.py): a
 `MemorySource` says the bytes allocated now and the most allocated at once since a `Mark` --
 the device's own books (`BookedBytes`, virtual devices) or CUDA's caching allocator
 (`CudaAllocator`, one per CUDA device, shared by the pipeline GPUs on it).

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from mobius_fx.runtime.books import nbytes
+from mobius_fx.runtime.device_books import nbytes
 from mobius_fx.runtime.host_counters import COUNTERS
 from mobius_fx.runtime.host_gradients import convert_span
 

@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from mobius_fx.runtime.books import Device, nbytes
+from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.errors import MobiusError
 from mobius_fx.runtime.program_ops import running
 from mobius_fx.kinds import OVERLAP_MODES

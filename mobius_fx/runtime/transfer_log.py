@@ -1,5 +1,5 @@
 """`TransferLog`: the bytes and copies a device moved, per kind, direction and stage, as the
-schedule IR books them (a `Device` keeps one; mobius_fx/runtime/books.py).
+schedule IR books them (a `Device` keeps one; mobius_fx/runtime/device_books.py).
 """
 
 from __future__ import annotations

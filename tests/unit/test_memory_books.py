@@ -1,4 +1,4 @@
-"""How a GPU measures its stages' work (`memory_books`, mobius_fx/runtime/books.py): "ops" charges every
+"""How a GPU measures its stages' work (`memory_books`, mobius_fx/runtime/device_books.py): "ops" charges every
 tensor per op through a dispatch mode (Python on every op); "allocator" runs no Python per op
 and measures each stage's work window by a `MemorySource` -- CUDA's caching allocator on CUDA;
 here, on the CPU stand-in of the CUDA path, the books themselves or an allocator the test drives
@@ -25,7 +25,7 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import BudgetError, MobiusError, Topology
-from mobius_fx.runtime.books import CudaAllocator, Mark, MemorySource
+from mobius_fx.runtime.device_books import CudaAllocator, Mark, MemorySource
 from mobius_fx.runtime.device_virtual import VirtualDevice
 from mobius_fx.runtime.device_virtual_async import VirtualAsyncDevice
 from mobius_fx.runtime.devices import make_devices

@@ -17,7 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mobius_fx import MobiusError
-from mobius_fx.runtime.books import nbytes
+from mobius_fx.runtime.device_books import nbytes
 from mobius_fx.build import build_pipeline
 from mobius_fx.zoo import ResidualMLP, SkipNet
 from tests.models import BF16_UNIT_ROUNDOFF, bf16_roundings

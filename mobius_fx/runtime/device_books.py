@@ -1,5 +1,5 @@
-"""A GPU's books: what it holds, its budget, and what moved -- the `Device` interface that
-runtime.py drives and devices.py implements (virtual and CUDA).
+"""The `Device` interface and a GPU's books (what it holds, its budget, and what moved): the
+interface the runtime (`engine.py`) drives and each device kind (`device_<kind>.py`) implements.
 
 The runtime books, per tensor: weight slots and gradient accumulators (`alloc`/`free`,
 `claim`) and activations it hands out (`track`, until the storage dies: a weakref callback).
