@@ -289,7 +289,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
         reducer.broadcast([*model.parameters(), *model.buffers()])  # every rank starts from rank 0's model
         pipe._rt.reducer = reducer
     variants = getattr(pipe, "_variants", None)
-    if variants:  # other call signatures and shapes get variants of it (signatures.py)
+    if variants:  # other call signatures and shapes get variants of it (runtime/variants.py)
         variants[0].layers = tuple(layer.name for layer in ctx.layers)
         variants[0].boundaries = tuple(ctx.partition.boundaries) if ctx.partition is not None else ()
         object.__setattr__(pipe, "_recompiler", _Recompiler(passes, ctx))

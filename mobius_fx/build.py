@@ -143,7 +143,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     _warn_batch_norms(model, schedule.microbatches)
     code = program.code.strip("\n") + "\n\n" + backward_summary(schedule) + "\n"
     pipe = VariantPipeline(model, gm, schedule, program, runtime, plan, code)
-    if example_inputs or example_kwargs:  # the call it serves (signatures.py); mobius_fx.compile adds variants
+    if example_inputs or example_kwargs:  # the call it serves (call_signatures.py); compile adds variants
         pipe._add_variant(tuple(example_inputs), dict(example_kwargs or {}))
     return pipe
 
