@@ -34,6 +34,9 @@
   trace, topology, planning, sim (with schedules) | runtime, passes, front (api, compiler,
   options, build, pass_adapters, the CLI) -- and imports only its own phase or earlier ones;
   sim and runtime are siblings. Exceptions are named in KNOWN_PHASE_EDGES with the reason.
+- One file per device kind (issue 29 part 4): each kind of `kinds.DEVICES` but "auto" has its
+  module `runtime/device_<kind>.py` defining exactly one Device class; no other module defines
+  one, except the shared bases (`Device`, `StreamDevice`) in DEVICE_BASES.
 - "Stage" means one thing (issue 29 part 4): a pipeline stage (docs/architecture.md, "Glossary").
   No name in `mobius_fx` or `passes/` -- identifier, attribute, argument or a key-like string
   constant -- uses the verb ("staged", "staging"): a pinned copy is a pin, a copy through host
@@ -617,6 +620,65 @@ def test_the_tests_import_rule_sees_each_way_in():
         "sys.path.insert(0, str(Path(__file__).parents[1] / 'tests'))\n"
         "sys.path.append(os.path.join(HERE, '..', 'tests', 'unit'))\n"
         "sys.path.insert(0, '../tests')\n")] == [1, 2, 4, 5, 6, 7]
+
+
+# ----------------------------------------------------------------------------- one file per device kind (issue 29 part 4)
+# The classes every device kind builds on, shared by several kinds: module -> class.
+DEVICE_BASES = {"mobius_fx.runtime.device_books": "Device", "mobius_fx.runtime.device_stream": "StreamDevice"}
+
+
+def device_module(kind: str) -> str:
+    """The module that holds device kind `kind` (`kinds.DEVICES`): "virtual-async" -> device_virtual_async."""
+    return f"mobius_fx.runtime.device_{kind.replace('-', '_')}"
+
+
+def device_classes() -> dict[str, list[str]]:
+    """module -> the classes it defines that derive (directly, by name) from a class named *Device."""
+    out: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        for node in ast.walk(parsed(path)):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+                if any(b.endswith("Device") for b in bases):
+                    out.setdefault(module, []).append(node.name)
+    return out
+
+
+def device_rule_problems(device_kinds: tuple[str, ...], classes: dict[str, list[str]]) -> list[str]:
+    problems = []
+    for kind in device_kinds:
+        if kind == "auto":  # picks one of the others
+            continue
+        found = classes.get(device_module(kind), [])
+        if len(found) != 1:
+            problems.append(f"device kind {kind!r}: {device_module(kind)} defines {found or 'no'} Device classes, "
+                            f"want exactly one")
+    owners = {device_module(k) for k in device_kinds} | set(DEVICE_BASES)
+    for module, names in classes.items():
+        if module not in owners:
+            problems.append(f"{module} defines device classes {names}: each kind lives in its own "
+                            f"runtime/device_<kind>.py, named in kinds.DEVICES")
+    return problems
+
+
+def test_one_module_per_device_kind():
+    from mobius_fx.kinds import DEVICES
+    problems = device_rule_problems(DEVICES, device_classes())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_device_rule_sees_a_missing_or_stray_kind():
+    classes = device_classes()
+    kinds = ("auto", "virtual", "virtual-async", "cuda")
+    assert device_rule_problems(kinds, classes) == []
+    assert device_rule_problems(kinds + ("tpu",), classes) == [
+        "device kind 'tpu': mobius_fx.runtime.device_tpu defines no Device classes, want exactly one"]
+    unlisted = device_rule_problems(("virtual", "cuda"), classes)  # a kind's module not in kinds.DEVICES
+    assert [p.split()[0] for p in unlisted] == ["mobius_fx.runtime.device_virtual_async"]
+    stray = dict(classes, **{"mobius_fx.runtime.devices": ["TpuDevice"]})
+    assert [p.split()[0] for p in device_rule_problems(kinds, stray)] == ["mobius_fx.runtime.devices"]
+    two = dict(classes, **{"mobius_fx.runtime.device_cuda": ["CudaDevice", "CudaGraphDevice"]})
+    assert device_rule_problems(kinds, two)[0].startswith("device kind 'cuda'")
 
 
 # ----------------------------------------------------------------------------- one meaning of "stage" (issue 29 part 4)
