@@ -93,7 +93,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     stay on the host with their gradients (for fp16, scale the loss with
     `torch.amp.GradScaler("cpu")`); streaming in the masters' own dtype casts nothing.
     `device`: "virtual" (GPUs played by the CPU), "virtual-async" (the CPU stand-in of the CUDA
-    path's streams, events and slot pool: mobius_fx.runtime.devices.VirtualAsyncDevice), "cuda", "auto"
+    path's streams, events and slot pool: runtime/device_virtual_async.py), "cuda", "auto"
     (virtual for a virtual topology or without CUDA, else CUDA) or a `{gpu name: Device}` of your own; `gpu_indices`
     maps GPU names to CUDA indices. The model is left as it was. Given example inputs, the
     pipeline (a `variants.VariantPipeline`) serves calls like them: a call with other keyword

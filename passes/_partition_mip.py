@@ -22,8 +22,8 @@ from typing import Any
 
 import pulp
 
-from mobius_fx.planning.step_timeline import UPLOADS_PER_DOWNLOAD
 from mobius_fx.planning.step_model import (
+    UPLOADS_PER_DOWNLOAD,
     Evaluation, PartitionProblem, PrefixSums, link_time, queue_before, queue_window, slot_bytes,
 )
 

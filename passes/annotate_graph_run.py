@@ -18,8 +18,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from mobius_fx.errors import MobiusError
-from mobius_fx.passes.annotate_tools import (cuda_devices, first_line, holding, meta_like, median_time, node_key,
+from mobius_fx.errors import MobiusError, first_line
+from mobius_fx.passes.annotate_tools import (cuda_devices, holding, meta_like, median_time, node_key,
                                              report, roofline, synchronizer, tensor_leaves, unique_tensors,
                                              value_bytes)
 from mobius_fx.planning.costs import NodeCost
@@ -123,7 +123,7 @@ class GraphRun:
                     hint = ("; this op may need real data (data-dependent shapes): try costs='measure' "
                             "with real example inputs" if not self.measure else "")
                     raise MobiusError(f"annotate failed while {mode} at node {node.format_node()}: "
-                                      f"{type(e).__name__}: {first_line(e)}{hint}") from e
+                                      f"{first_line(e)}{hint}") from e
                 self.costs[node] = cost
                 if not self.measure:  # meta: free to keep, `layer_peaks` runs layers again from them
                     self.values[node] = env.get(node)

@@ -16,8 +16,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from mobius_fx.errors import first_line
 from mobius_fx.passes.annotate_graph_run import GraphRun
-from mobius_fx.passes.annotate_tools import LiveBytes, first_line, tensor_leaves, unique_tensors, value_bytes
+from mobius_fx.passes.annotate_tools import LiveBytes, tensor_leaves, unique_tensors, value_bytes
 from mobius_fx.planning.costs import LayerCost
 
 __all__ = ["layer_peaks"]
@@ -59,8 +60,8 @@ def layer_peaks(gm: fx.GraphModule, layers: list[LayerCost], act_bytes: dict[fx.
                 try:
                     done[key] = tuple(b * scale for b in _replay(held, members))
                 except Exception as e:  # an op meta cannot run again: the nodes' bound stands
-                    _log.info("annotate: layer %s cannot run again on meta tensors (%s: %s); its peak is "
-                              "bounded from its nodes' bytes", layer.name, type(e).__name__, first_line(e))
+                    _log.info("annotate: layer %s cannot run again on meta tensors (%s); its peak is "
+                              "bounded from its nodes' bytes", layer.name, first_line(e))
         if done[key] is None:  # every tensor it makes kept, and as many gradients
             out.append(dataclasses.replace(layer, peak_bytes=int(live_in + 2 * made), saved_bytes=int(made)))
             continue

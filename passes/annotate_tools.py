@@ -25,7 +25,7 @@ from mobius_fx.topology.device_specs import DEVICE_SPECS, DeviceSpec
 _log = logging.getLogger("mobius_fx")
 
 __all__ = ["node_key", "Unkeyable", "value_spec", "tensor_leaves", "unique_tensors", "value_bytes", "roofline", "meta_like", "all_real", "host_spec", "cuda_devices", "holding", "synchronizer", "median_time", "LiveBytes",
-           "first_line", "report"]
+           "report"]
 
 
 def node_key(node: fx.Node, fn: Any, args: Any, kwargs: Any, state: dict[str, torch.Tensor]) -> Any:
@@ -194,12 +194,6 @@ def _storage_id(t: torch.Tensor) -> int | None:
         return id(t.untyped_storage())
     except (RuntimeError, NotImplementedError):  # storage-less layouts
         return None
-
-
-def first_line(e: BaseException) -> str:
-    """The first non-blank line of `e`'s message (its type's name for none), at most 300 characters."""
-    text = str(e).strip()
-    return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)[:300]
 
 
 def report(progress: Callable[[str], None] | None, message: str) -> None:

@@ -56,7 +56,7 @@ from mobius_fx.planning.step_memory import (
 )
 from mobius_fx.planning.step_timeline import (
     Evaluation, LinkLoad, SharedLink, Timeline, copy_terms, freed, link_loads, link_time, queue_before, queue_window, shared_links,
-    slot_bytes, timeline,
+    slot_bytes, timeline, UPLOADS_PER_DOWNLOAD,
 )
 
 __all__ = [
@@ -64,6 +64,7 @@ __all__ = [
     "shared_links", "queue_before", "queue_window", "freed", "LinkLoad", "link_loads", "copy_terms", "slot_bytes", "link_time",
     "PartitionProblem", "Evaluation",
     "StageTotals", "PrefixSums", "layer_runs", "memory_rows", "memory_violation", "Timeline", "timeline", "evaluate",
+    "UPLOADS_PER_DOWNLOAD",
 ]
 
 

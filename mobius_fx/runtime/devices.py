@@ -1,11 +1,12 @@
 """The device layer: where a pipeline's weights, gradients and activations live, and how they move.
 
-Everything above this module (runtime.py) is one code path; only the copies differ:
+Everything above the devices (the engine, `engine.py`) is one code path; only the copies differ.
+One module per kind, built here by `make_devices` and re-exported here (the public import path):
 
-- `VirtualDevice` — a GPU of the topology played by the CPU with a byte budget (tests, CI, laptops).
+- `VirtualDevice` (`device_virtual.py`) — a GPU of the topology played by the CPU with a byte budget (tests, CI, laptops).
   Uploads make real copies into slots whose storage is freed again on eviction
   (`untyped_storage().resize_(0)`), so a schedule that touches an evicted weight fails loudly.
-- `StreamDevice` — the CUDA path's logic, shared by the two below: per pipeline GPU a compute
+- `StreamDevice` (`device_stream.py`) — the CUDA path's logic, shared by the two below: per pipeline GPU a compute
   stream, an upload stream (weights), a download stream (gradients, offloaded inputs, values sent
   to the host) and a copy stream (activations from other GPUs and from the host), ordered by
   events (mobius_fx/runtime/streams.py). Weights live in a fixed pool of stage slots (`SlotPool`: as many
@@ -18,11 +19,11 @@ Everything above this module (runtime.py) is one code path; only the copies diff
   (`streams.PENDING`); the copy up to the GPU that reads it waits for that event on its copy
   stream, and only a host read (the model's outputs, the gradients handed to the optimizer, buffer
   updates) waits on the host.
-- `CudaDevice` — a real GPU (`torch.cuda.Stream`/`Event`; compute and copy streams at the highest
+- `CudaDevice` (`device_cuda.py`) — a real GPU (`torch.cuda.Stream`/`Event`; compute and copy streams at the highest
   priority, upload next, download last; `record_stream` keeps freed memory from being reused while
   another stream still reads it; weights upload from pinned copies of the masters -- the
   user's tensors are never moved, pinned or replaced).
-- `VirtualAsyncDevice` — the CPU stand-in (`device="virtual-async"`): the same stream, event and
+- `VirtualAsyncDevice` (`device_virtual_async.py`) — the CPU stand-in (`device="virtual-async"`): the same stream, event and
   slot-pool code on thread-backed streams with seeded random delays, an access sanitizer (a copy
   into a slot whose last use has not completed raises `RaceError`) and a log of the host's
   blocking waits (`waits`), so races, over-allocation and host syncs show up in CI.

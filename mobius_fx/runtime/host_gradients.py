@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mobius_fx.runtime.devices import nbytes
+from mobius_fx.runtime.device_books import nbytes
 from mobius_fx.runtime.host_counters import COUNTERS
 
 __all__ = ["GradHomes", "host_gradient", "sum_downloads", "convert_span", "finite_flag"]

@@ -12,7 +12,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.runtime.devices import Device, nbytes
+from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.stage_state import StageCall, Step
 
 __all__ = ["StageFunction", "Masters", "GradLog", "logged_grad", "refuse_double_backward"]

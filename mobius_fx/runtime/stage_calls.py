@@ -45,7 +45,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.runtime.devices import Device, nbytes
+from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.host_gradients import finite_flag, host_gradient
 from mobius_fx.runtime.stage_autograd import Masters, StageFunction
 from mobius_fx.runtime.stage_state import OnHost, StageCall, StageState, Step

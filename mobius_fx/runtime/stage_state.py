@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.runtime.devices import Device, nbytes
+from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.host_counters import watch_masters
 
 __all__ = ["StageState", "Step", "StageCall", "OnHost", "bind"]

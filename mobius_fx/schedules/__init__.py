@@ -9,6 +9,7 @@
     mobius_fx/schedules/roundpipe.py       "roundpipe": RoundPipe-style round-robin dispatch
     mobius_fx/schedules/ir_tasks.py        the one task builder, from the schedule IR
     mobius_fx/schedules/looped_ir.py       the schedule IR of a looped pipeline (slots): the baselines'
+    mobius_fx/schedules/layer_units.py     per-layer costs, for the baselines that re-cut a plan
 
 Importing this package registers the schedules above, in this order (the comparison table's).
 To add one: a module that calls `register("name", build)` and is imported (here, or by the

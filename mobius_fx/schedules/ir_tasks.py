@@ -58,7 +58,7 @@ def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, costs: Costs | None = None, p
         elif o.kind in (*TRANSFER_KIND, "collective") and o.direction and o.bytes > 0:  # a copy (an evict has no direction)
             waits = [d for d in o.deps if o.kind == "prefetch" and ops[d].kind == "wait"]
             task[o.index], pin = _copy_task(ctx, ir, o, c, tag, after, [t for d in o.starts for t in ends(d)],
-                                              slot[(o.phase, o.stage)] if o.slot is None else o.slot)
+                                            slot[(o.phase, o.stage)] if o.slot is None else o.slot)
             if pin is not None:
                 pins.setdefault(pin, waits)
             triggers += [(task[o.index], d) for d in waits]
@@ -75,7 +75,7 @@ def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, costs: Costs | None = None, p
 
 
 def _copy_task(ctx: Context, ir: ScheduleIR, o: Op, c: Costs, tag: str, after: list[int], starts: list[int],
-              slot: int) -> tuple[int | None, int | None]:
+               slot: int) -> tuple[int | None, int | None]:
     """Copy `o` as a flow on the route src -> dst (and the pinning of its streamed copy, for a
     prefetch: `Context.pin_copy`), on the receiving GPU's upload stream (prefetch, restore, an
     input sent again), its activation stream (other sends to a GPU) or the sending GPU's

@@ -13,7 +13,8 @@ from mobius_fx.errors import MobiusError
 from mobius_fx.planning.plans import Plan
 from mobius_fx.sim.tasks import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, NETWORK_LATENCY
 from mobius_fx.topology.schema import MIN_BANDWIDTH
-from mobius_fx.topology.server import PRESETS, Topology
+from mobius_fx.topology.presets import PRESETS
+from mobius_fx.topology.server import Topology
 from mobius_fx.units import check_positive, parse_network
 
 __all__ = ["topology_of", "masters_of", "network_of", "check_gpus", "host_rates", "host_copies_of", "rate", "ideal",
@@ -131,8 +132,9 @@ def host_copies_of(given: Any) -> dict[str, float]:
     out = {}
     for kind, nbytes in given.items():
         if kind not in HOST_COPY_KINDS:
+            renamed = "; 'staging' is now called 'pin'" if kind == "staging" else ""
             raise MobiusError(f"host_copies has {kind!r}, not a host copy the simulator models; use one of "
-                              f"{', '.join(HOST_COPY_KINDS)}")
+                              f"{', '.join(HOST_COPY_KINDS)}{renamed}")
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not 0 <= nbytes < math.inf:
             raise MobiusError(f"host_copies[{kind!r}] is {nbytes!r}; give the bytes read + written per "
                               f"parameter, a finite number >= 0 (0: the runtime makes no such pass)")

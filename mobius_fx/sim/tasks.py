@@ -165,7 +165,7 @@ class Context:
         self.plan, self.topo, self.optimizer, self.cpu_bw = plan, topo, optimizer, cpu_bw
         self.overlap = overlap  # one of kinds.OVERLAP_MODES: when the CPU optimizer steps (see cpu_optimizer)
         self.copy_bw = copy_bw
-        # Whether uploads stage the streamed copies (`pin_copy`): not where the optimizer's step
+        # Whether uploads pin the streamed copies first (`pin_copy`): not where the optimizer's step
         # writes them ("sync" refreshes them; DeepSpeed's CPU Adam writes its fp16 copy itself).
         self.pin_before_upload = overlap != "sync"
         self._pins: dict[tuple[str, int], int] = {}  # (gpu, stage) -> its pin task this step

@@ -33,24 +33,26 @@ class TrainingCase(NamedTuple):
 
 
 def training_cases() -> list[TrainingCase]:
-    """The cases, built afresh (weights drawn after `torch.manual_seed(0)`, so the same each call):
+    """The cases, built afresh (weights drawn after `torch.manual_seed(0)`, so the same each call; the
+    caller's random state is restored):
     both GPTs (the tied nanoGPT with targets, its loss the model's own), HF GPT-2 and Llama with
     labels, an MLP, residual and skip stacks, and two 16x-expanding blocks."""
-    torch.manual_seed(0)
-    cases = [TrainingCase("zoo-gpt", GPT(GPTConfig(vocab=256, seq=32, hidden=64, blocks=4, heads=2)),
-                          (torch.randint(0, 256, (8, 32)),), {}, lambda o: o.pow(2).mean(), 4)]
-    model = nanogpt(hidden=32, blocks=2, vocab=64, seq=8, heads=2)
-    (idx,) = nanogpt_inputs(model, batch=4)
-    cases.append(TrainingCase("tied-gpt", model, (idx, torch.roll(idx, 1, 1)), {}, lambda o: o[1], 2))
-    for name, build in (("hf-gpt2", hf_gpt2), ("hf-llama", hf_llama)):
-        model = build()
-        (ids,) = hf_inputs(model, batch=4, seq=8)
-        cases.append(TrainingCase(name, model, (ids,), {"labels": ids}, lambda o: o.loss, 2))
-    square = lambda o: o.pow(2).mean()  # noqa: E731
-    cases += [
-        TrainingCase("mlp", mlp((16, 64, 64, 8)), (torch.randn(16, 16),), {}, square, 2),
-        TrainingCase("residual", ResidualMLP(d_in=8, width=16, depth=4, d_out=4), (torch.randn(8, 8),), {}, square, 2),
-        TrainingCase("skip", SkipNet(d_in=8, width=16, depth=4, d_out=4), (torch.randn(8, 8),), {}, square, 2),
-        TrainingCase("expand16", nn.Sequential(expand16(), expand16()), (torch.randn(256, 8),), {}, square, 2),
-    ]
-    return cases
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        torch.manual_seed(0)
+        cases = [TrainingCase("zoo-gpt", GPT(GPTConfig(vocab=256, seq=32, hidden=64, blocks=4, heads=2)),
+                              (torch.randint(0, 256, (8, 32)),), {}, lambda o: o.pow(2).mean(), 4)]
+        model = nanogpt(hidden=32, blocks=2, vocab=64, seq=8, heads=2)
+        (idx,) = nanogpt_inputs(model, batch=4)
+        cases.append(TrainingCase("tied-gpt", model, (idx, torch.roll(idx, 1, 1)), {}, lambda o: o[1], 2))
+        for name, build in (("hf-gpt2", hf_gpt2), ("hf-llama", hf_llama)):
+            model = build()
+            (ids,) = hf_inputs(model, batch=4, seq=8)
+            cases.append(TrainingCase(name, model, (ids,), {"labels": ids}, lambda o: o.loss, 2))
+        square = lambda o: o.pow(2).mean()  # noqa: E731
+        cases += [
+            TrainingCase("mlp", mlp((16, 64, 64, 8)), (torch.randn(16, 16),), {}, square, 2),
+            TrainingCase("residual", ResidualMLP(d_in=8, width=16, depth=4, d_out=4), (torch.randn(8, 8),), {}, square, 2),
+            TrainingCase("skip", SkipNet(d_in=8, width=16, depth=4, d_out=4), (torch.randn(8, 8),), {}, square, 2),
+            TrainingCase("expand16", nn.Sequential(expand16(), expand16()), (torch.randn(256, 8),), {}, square, 2),
+        ]
+        return cases

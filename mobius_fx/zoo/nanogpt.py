@@ -129,7 +129,7 @@ class NanoGPT(nn.Module):
 
 
 def nanogpt(hidden: int = 32, blocks: int = 2, vocab: int = 128, seq: int = 16, heads: int = 2,
-        *, dropout: float = 0.0, bias: bool = True) -> NanoGPT:
+            *, dropout: float = 0.0, bias: bool = True) -> NanoGPT:
     """A GPT-3-like nanoGPT model by size; wrap in `torch.device("meta")` for big ones.
 
     nanogpt(3072, 72, 50257, 1024, 24) is the ~8.3B model of the planner-scale tests.
@@ -139,7 +139,7 @@ def nanogpt(hidden: int = 32, blocks: int = 2, vocab: int = 128, seq: int = 16, 
 
 
 def nanogpt_inputs(model: NanoGPT, *, batch: int = 2, seq: int | None = None, device: str | torch.device | None = None,
-               seed: int = 0) -> tuple[torch.Tensor]:
+                   seed: int = 0) -> tuple[torch.Tensor]:
     """Token ids (batch, seq) for a `NanoGPT` (random, from a private generator)."""
     cfg = model.config
     seq = cfg.block_size if seq is None else seq

@@ -1,4 +1,4 @@
-"""A pipeline honours every argument a call passes, like eager (mobius_fx/runtime/variants.py).
+"""A pipeline honours every argument a call passes, like eager (mobius_fx/runtime/variants.py, call_signatures.py).
 
 Keyword arguments given at call time but not at compile time (`attention_mask` with left
 padding, `labels=`) get a variant traced for them; arguments given at compile time but not at

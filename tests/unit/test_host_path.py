@@ -56,7 +56,7 @@ def _fused_pair(tmp_path, opt_name, vocab=64):
     return model, twin, data, pipe, ref_pipe, opt, make(twin.parameters())
 
 
-def test_steady_sync_steps_stage_nothing_and_reuse_gradient_storage(tmp_path):
+def test_steady_sync_steps_pin_nothing_and_reuse_gradient_storage(tmp_path):
     model, twin, data, pipe, ref_pipe, opt, ref = _fused_pair(tmp_path, "adamw")
     params = list(model.parameters())
     n = sum(p.numel() for p in params)

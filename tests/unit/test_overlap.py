@@ -350,7 +350,7 @@ def test_a_scheduler_still_reaches_the_optimizer_after_load_state_dict(tmp_path)
 
 
 def test_on_the_cuda_stand_in_the_step_refreshes_the_streamed_copies(tmp_path):
-    """device="virtual-async" stages the masters into host copies the uploads read (pinned on
+    """device="virtual-async" pins the masters into host copies the uploads read (pinned on
     CUDA). Under pipe.overlap(mode="sync") a stage's step writes its new weights there, so later
     steps copy only what nothing stepped (here: nothing), and the weights still equal serial
     stepping on plain virtual GPUs bit for bit (a copy left stale would show)."""

@@ -1,5 +1,5 @@
 """Shapes may vary between calls, like eager; a shape the model cannot take is a MobiusError
-that names the dimension — never a silently wrong result (mobius_fx/runtime/variants.py).
+that names the dimension — never a silently wrong result (mobius_fx/runtime/variants.py, call_signatures.py).
 
 torch.export traces every dim of the inputs symbolic where the model allows (so sequence length
 and batch vary without a new trace) and its guards check each call. A shape a graph does not hold

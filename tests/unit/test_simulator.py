@@ -464,6 +464,8 @@ def test_the_host_copies_are_where_the_runtime_makes_them(testbed_plan):
         simulate(testbed_plan, host_copies={"grad": 0})
     with pytest.raises(MobiusError, match=r"host_copies\['pin'\] is -1"):
         simulate(testbed_plan, host_copies={"pin": -1})
+    with pytest.raises(MobiusError, match="'staging' is now called 'pin'"):  # the old name of the kind
+        simulate(testbed_plan, host_copies={"staging": 0})
 
 
 def test_critical_path_adds_up_to_the_step_time(testbed_plan):
@@ -548,7 +550,7 @@ def test_a_synchronous_overlap_steps_each_stage_once_its_gradients_have_landed(t
         pytest.approx(simulate(testbed_plan, schedule=schedule, host_copies=bare).pipeline_time, rel=1e-12)
     # without host copies the per-stage steps end sooner than one step after the pipeline; with
     # them (the measured default) sync's worker also converts each stage's gradients and writes
-    # its streamed copy, serially, where serial mode stages the copies on the upload workers
+    # its streamed copy, serially, where serial mode pins the copies on the upload workers
     # during the next pipeline: not always faster (README, "The paper's comparison")
     none = {k: 0 for k in HOST_COPY_KINDS}
     assert sync.pipeline_time <= sync.step_time

@@ -12,7 +12,8 @@ import pytest
 
 from mobius_fx import TopologyError
 from mobius_fx.topology.device_specs import DeviceSpec
-from mobius_fx.topology.server import PRESETS, Topology
+from mobius_fx.topology.presets import PRESETS
+from mobius_fx.topology.server import Topology
 
 DATA = Path(__file__).parent.parent / "data"
 GB = 1e9

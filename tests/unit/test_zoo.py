@@ -18,7 +18,9 @@ def test_training_cases_are_the_same_on_every_call_whatever_the_global_seed():
     first = training_cases()
     torch.manual_seed(2)
     torch.rand(7)
+    state = torch.get_rng_state()
     second = training_cases()
+    assert torch.equal(torch.get_rng_state(), state), "training_cases() moved the caller's random state"
     assert [c.name for c in first] == [c.name for c in second]
     assert len({c.name for c in first}) == len(first)
     for a, b in zip(first, second):
