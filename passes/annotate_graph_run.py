@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from mobius_fx.errors import MobiusError, first_line
-from mobius_fx.passes.annotate_tools import (cuda_devices, holding, meta_like, median_time, node_key,
+from mobius_fx.passes.annotate_tools import (cuda_devices, holding, last_uses, meta_like, median_time, node_key,
                                              report, roofline, synchronizer, tensor_leaves, unique_tensors,
                                              value_bytes)
 from mobius_fx.planning.costs import NodeCost
@@ -101,13 +101,7 @@ class GraphRun:
     def execute(self) -> dict[fx.Node, NodeCost]:
         graph = self.gm.graph
         nodes = list(graph.nodes)
-        last_use: dict[fx.Node, fx.Node] = {}
-        for node in nodes:
-            for inp in node.all_input_nodes:
-                last_use[inp] = node
-        frees: dict[fx.Node, list[fx.Node]] = {}
-        for value, user in last_use.items():
-            frees.setdefault(user, []).append(value)
+        frees = last_uses(nodes)
 
         env: dict[fx.Node, Any] = {}
         inputs = iter(self.flat_inputs)

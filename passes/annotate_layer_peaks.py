@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from mobius_fx.errors import first_line
 from mobius_fx.passes.annotate_graph_run import GraphRun
-from mobius_fx.passes.annotate_tools import LiveBytes, tensor_leaves, unique_tensors, value_bytes
+from mobius_fx.passes.annotate_tools import LiveBytes, last_uses, tensor_leaves, unique_tensors, value_bytes
 from mobius_fx.planning.costs import LayerCost
 
 __all__ = ["layer_peaks"]
@@ -103,14 +103,7 @@ def _replay(run: "GraphRun", members: list[fx.Node]) -> tuple[int, int, int]:
     inside = set(members)
     inputs = list(dict.fromkeys(i for n in members for i in n.all_input_nodes if i not in inside))
     outputs = [n for n in members if n.op != "output" and any(u not in inside or u.op == "output" for u in n.users)]
-    last: dict[fx.Node, fx.Node] = {}
-    for n in members:
-        for i in n.all_input_nodes:
-            last[i] = n
-    frees: dict[fx.Node, list[fx.Node]] = {}
-    for v, n in last.items():
-        if v in inside and v not in outputs:
-            frees.setdefault(n, []).append(v)
+    frees = last_uses(members, keep=lambda v: v in inside and v not in outputs)
 
     def fresh(v: Any) -> Any:  # a leaf like v (an activation arriving), a model tensor as it is
         def leaf(t: torch.Tensor) -> torch.Tensor:

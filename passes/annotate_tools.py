@@ -25,7 +25,7 @@ from mobius_fx.topology.device_specs import DEVICE_SPECS, DeviceSpec
 _log = logging.getLogger("mobius_fx")
 
 __all__ = ["node_key", "Unkeyable", "value_spec", "tensor_leaves", "unique_tensors", "value_bytes", "roofline", "meta_like", "all_real", "host_spec", "cuda_devices", "holding", "synchronizer", "median_time", "LiveBytes",
-           "report"]
+           "last_uses", "report"]
 
 
 def node_key(node: fx.Node, fn: Any, args: Any, kwargs: Any, state: dict[str, torch.Tensor]) -> Any:
@@ -194,6 +194,20 @@ def _storage_id(t: torch.Tensor) -> int | None:
         return id(t.untyped_storage())
     except (RuntimeError, NotImplementedError):  # storage-less layouts
         return None
+
+
+def last_uses(nodes: list[fx.Node], keep: Callable[[fx.Node], bool] = lambda v: True) -> dict[fx.Node, list[fx.Node]]:
+    """node -> the values (those `keep` accepts) whose last use among `nodes`, in order, is that node:
+    where a run over `nodes` may free them."""
+    last: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        for value in node.all_input_nodes:
+            last[value] = node
+    frees: dict[fx.Node, list[fx.Node]] = {}
+    for value, node in last.items():
+        if keep(value):
+            frees.setdefault(node, []).append(value)
+    return frees
 
 
 def report(progress: Callable[[str], None] | None, message: str) -> None:
