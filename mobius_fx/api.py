@@ -168,6 +168,16 @@ def _check_batch(ctx: CompileContext) -> None:
                                   f"divisors of {rows} nearest {m}), or a batch size that is a multiple of {m}"))
 
 
+def _refuse_meta(model: Any, example_inputs: Any, example_kwargs: dict | None) -> None:
+    if isinstance(model, torch.nn.Module) and not isinstance(example_inputs, (str, bytes)):
+        inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+        where = _on_meta(model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (), example_kwargs or {})
+        if where is not None:
+            raise MobiusError(f"compile needs real weights and inputs, but {where} is on the meta device (the pipeline "
+                              f"copies the weights to the GPUs and runs them); use mobius_fx.plan(...) to plan a meta "
+                              f"model, or build it on the CPU to compile it")
+
+
 def _on_meta(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict) -> str | None:
     from torch.utils._pytree import tree_leaves
 
@@ -226,7 +236,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, device: str = _D.device,
             verbose: bool = _D.verbose, max_variants: int = _D.max_variants, pipeline: PassPipeline | None = None,
             process_group: Any = None, batch_dims: dict | None = _D.batch_dims,
-            memory_books: str = _D.memory_books):
+            memory_books: str = _D.memory_books, loss_fn: Any = None, example_target: Any = None):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -268,14 +278,14 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     `Device.dispatch_calls`). "auto": per device. On CUDA, "allocator" resets the device's peak
     statistics at each stage's work (`torch.cuda.reset_peak_memory_stats`); the device's peak
     over a step is `mobius_fx.runtime.device_books.CudaAllocator.of(index).max_allocated()`.
+    `loss_fn`: fn(outputs, target) -> the batch's 0-dim loss, for `pipe.train_step(*args,
+    target=y, **kwargs)`, which runs forward, the loss and backward as one pipeline whose last
+    stage computes the loss, so the outputs (an LLM's logits) never leave the GPUs
+    (mobius_fx/train_step.py). Without it, `train_step` uses the model's own loss (HF models
+    called with `labels=`). The step is compiled at its first call, or here when
+    `example_target` (a target for `example_inputs`) is given.
     """
-    if isinstance(model, torch.nn.Module) and not isinstance(example_inputs, (str, bytes)):
-        inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
-        where = _on_meta(model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (), example_kwargs or {})
-        if where is not None:
-            raise MobiusError(f"compile needs real weights and inputs, but {where} is on the meta device (the pipeline "
-                              f"copies the weights to the GPUs and runs them); use mobius_fx.plan(...) to plan a meta "
-                              f"model, or build it on the CPU to compile it")
+    _refuse_meta(model, example_inputs, example_kwargs)
     passes = pipeline or default_pipeline()
     ctx = _run(passes, model=model, topology=topology, example_inputs=example_inputs, example_kwargs=example_kwargs,
                microbatches=microbatches, cuts=cuts, verbose=verbose, costs=costs, dtype=dtype,
@@ -294,4 +304,31 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
         variants[0].boundaries = tuple(ctx.partition.boundaries) if ctx.partition is not None else ()
         object.__setattr__(pipe, "_recompiler", _Recompiler(passes, ctx))
         object.__setattr__(pipe, "max_variants", ctx.settings.max_variants)
+    _attach_step(pipe, ctx, loss_fn, example_target, pipeline=passes, memory_books=memory_books)
     return pipe
+
+
+def _attach_step(pipe, ctx: CompileContext, loss_fn: Any, example_target: Any, *, pipeline: PassPipeline,
+                 memory_books: str) -> None:
+    """Give `pipe` its training step (`Pipeline.train_step`): the model and its loss compiled as
+    one more pipeline, with the same settings, on the same devices; now when `example_target`
+    lets the example call serve it, else at the first `train_step`."""
+    from mobius_fx.train_step import StepCompiler
+
+    s = ctx.settings
+
+    def compile_step(wrapper, args: tuple, kwargs: dict):
+        return compile(wrapper, ctx.topology, example_inputs=args, example_kwargs=kwargs,
+                       microbatches=s.microbatches, cuts=s.cuts, dtype=s.dtype, costs=s.costs,
+                       memory_fraction=s.memory_fraction, solver=s.solver, time_limit=s.time_limit,
+                       cross_map=s.cross_map, cache_dir=s.cache_dir, device=pipe.devices, verbose=s.verbose,
+                       max_variants=s.max_variants, pipeline=pipeline, process_group=False,
+                       batch_dims=s.batch_dims, memory_books=memory_books)
+
+    step = StepCompiler(ctx.model, loss_fn, compile_step)
+    object.__setattr__(pipe, "_step", step)
+    if example_target is not None:
+        if loss_fn is None:
+            raise MobiusError("example_target was given without loss_fn; the target is what loss_fn compares the "
+                              "outputs with: pass loss_fn=fn too, or drop example_target")
+        step.get(*step.arguments(ctx.example_inputs, ctx.example_kwargs, example_target))

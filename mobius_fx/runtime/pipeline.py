@@ -156,6 +156,41 @@ class Pipeline(nn.Module):
                       f"{other} mode (a pipeline per mode), or make it traceable by torch.fx, whose graphs follow "
                       f"train()/eval()", stacklevel=3)
 
+    def train_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """Forward, the loss and backward of one batch, with the loss on the last stage: only the
+        loss leaves the GPUs, never the outputs it is computed from (an LLM's logits).
+
+            pipe = mobius_fx.compile(model, topo, example_inputs=(x,), loss_fn=F.cross_entropy)
+            loss = pipe.train_step(x, target=y)        # then opt.step(), or the overlap steps it
+            loss = pipe.train_step(ids, labels=ids)    # HF: the model's own loss, no loss_fn
+
+        Afterwards the masters' `.grad` is what `loss_fn(model(x), y).backward()` leaves; the
+        returned loss is the whole batch's, detached. The step is its own compiled pipeline
+        (mobius_fx/train_step.py), on this pipeline's devices, with its optimizer overlap."""
+        step = self.__dict__.get("_step")
+        if step is None:
+            raise MobiusError("train_step needs a pipeline made by mobius_fx.compile (it compiles the model with its "
+                              "loss); this one was built by build_pipeline: call it and backward the loss yourself")
+        if not torch.is_grad_enabled():
+            raise MobiusError("train_step runs backward, but gradients are disabled here (torch.no_grad or "
+                              "inference_mode); call pipe(x) for a forward only, or call train_step outside no_grad")
+        a, k = step.arguments(args, kwargs, target)
+        with self._one_call():
+            program = step.get(a, k)
+            rt, srt = self._rt, program._rt
+            # the optimizer overlap, the data-parallel reducer and the host gradient storage are this pipeline's
+            srt.overlap, srt.reducer, srt.grad_homes = rt.overlap, rt.reducer, rt.grad_homes
+            loss = program(*a, **k)
+            loss.backward()
+        return loss.detach()
+
+    @property
+    def step_pipeline(self) -> "Pipeline | None":
+        """The compiled training step (`train_step`; its `plan` and `code`), or None before its first
+        call when compile had no `example_target`."""
+        step = self.__dict__.get("_step")
+        return None if step is None else step.pipeline
+
     def __deepcopy__(self, memo: dict) -> "Pipeline":
         raise MobiusError(_NO_COPY.format(op="copied (copy.deepcopy)"))
 
