@@ -163,6 +163,10 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", metavar="OUT", type=_out_path, help="write the plan as JSON")
     pl.add_argument("--trace", metavar="OUT", type=_out_path,
                     help="write a Chrome/Perfetto trace of the simulated step")
+    pl.add_argument("--forward-only", action="store_true",
+                    help="plan the model's forward as called (its outputs, e.g. the logits, go to the host); by "
+                         "default a language model's training step is planned, the loss on the last stage "
+                         "(pipe.train_step): HF models get labels, the zoo's GPT the next-token cross-entropy")
     pl.add_argument("--quiet", action="store_true", help="no progress messages")
 
     tp = sub.add_parser("topology", help="print a server topology as a tree",
@@ -203,7 +207,8 @@ def _cmd_plan(args) -> int:
                                       f"the largest divisor of the batch below the GPU count)"))
     t0 = time.perf_counter()
     model, inputs = zoo.build(args.model, batch=args.batch, seq=args.seq, device="meta")
-    p = api.plan(model, topo, example_inputs=inputs, microbatches=micro, cuts=args.cuts,
+    step = {} if args.forward_only else zoo.step_arguments(model, inputs)
+    p = api.plan(model, topo, example_inputs=inputs, microbatches=micro, cuts=args.cuts, **step,
                  dtype=args.dtype, memory_fraction=args.memory_fraction,
                  time_limit=args.time_limit, verbose=not args.quiet)
     print(p)

@@ -198,7 +198,8 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
          dtype: torch.dtype | None = _D.dtype,
          memory_fraction: float = _D.memory_fraction, solver: str = _D.solver, time_limit: float = _D.time_limit,
          cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, verbose: bool = _D.verbose,
-         pipeline: PassPipeline | None = None) -> Plan:
+         pipeline: PassPipeline | None = None, loss_fn: Any = None, example_target: Any = None,
+         train_step: bool = False) -> Plan:
     """Plan a Mobius pipeline for `model` on `topology`; nothing is run on a GPU.
 
     Works on the meta device, so a 15B model plans on a laptop:
@@ -222,7 +223,18 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     candidate stage counts; the gap reached is reported in `plan.solver`). Every setting is
     checked by `CompileOptions` (one set of defaults) before any work: a bad value raises
     `MobiusError` saying the value, the rule and the remedy.
+    `loss_fn` + `example_target`, or `train_step=True` for a model that returns its own loss (HF
+    models with `labels` in `example_kwargs`): plan the training step `pipe.train_step` runs, with
+    the loss on the last stage, so only the loss leaves the GPUs (no logits on any link).
     """
+    if loss_fn is not None or example_target is not None or train_step:
+        from mobius_fx.train_step import StepCompiler
+
+        step = StepCompiler(model, loss_fn, lambda *_: None)
+        model = step.wrapper
+        example_inputs, example_kwargs = step.arguments(
+            (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs),
+            dict(example_kwargs or {}), example_target)
     return _run((pipeline or default_pipeline()).until("plan"), model=model, topology=topology,
                 example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
                 cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,

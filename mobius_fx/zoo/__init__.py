@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from mobius_fx.zoo.cases import TrainingCase, training_cases
 from mobius_fx.zoo.gpt import GPT, GPTConfig
-from mobius_fx.zoo.named import MODELS, build, model_names
+from mobius_fx.zoo.named import MODELS, build, model_names, step_arguments
 from mobius_fx.zoo.nanogpt import NanoGPT, NanoGPTConfig, nanogpt, nanogpt_inputs
 from mobius_fx.zoo.small import ResidualMLP, SkipNet, expand16, mlp
 from mobius_fx.zoo.tiny_hf import (TINY_HF, hf_bert, hf_gpt2, hf_inputs, hf_llama, hf_mistral, hf_opt, hf_qwen2,
                                    hf_t5)
 
 __all__ = [
-    "GPT", "GPTConfig", "MODELS", "build", "model_names", "NanoGPT", "NanoGPTConfig", "nanogpt", "nanogpt_inputs",
+    "GPT", "GPTConfig", "MODELS", "build", "model_names", "step_arguments", "NanoGPT", "NanoGPTConfig", "nanogpt", "nanogpt_inputs",
     "TINY_HF", "hf_bert", "hf_gpt2", "hf_inputs", "hf_llama", "hf_mistral", "hf_opt", "hf_qwen2", "hf_t5",
     "ResidualMLP", "SkipNet", "expand16", "mlp", "TrainingCase", "training_cases",
 ]

@@ -96,3 +96,9 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def next_token_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The language-model loss of `GPT`'s logits (b, t, vocab) on token ids `idx` (b, t): each
+    position predicts the next token; mean cross-entropy over the b x (t - 1) predictions."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())  # (b*(t-1), vocab), (b*(t-1),)

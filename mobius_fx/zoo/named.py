@@ -21,7 +21,7 @@ import torch.nn as nn
 from mobius_fx.errors import MobiusError
 from mobius_fx.zoo.gpt import GPT, GPTConfig
 
-__all__ = ["MODELS", "build", "model_names"]
+__all__ = ["MODELS", "build", "model_names", "step_arguments"]
 
 
 def _gpt(hidden: int, blocks: int, heads: int) -> Callable[..., nn.Module]:
@@ -126,6 +126,27 @@ def _describe(out: object) -> str:
     if isinstance(out, tuple):
         return f"a tuple of {len(out)} ({', '.join(type(x).__name__ for x in out)})"
     return f"a {type(out).__name__}"
+
+
+def step_arguments(model: nn.Module, inputs: tuple) -> dict:
+    """What `mobius_fx.plan` needs to plan `model`'s training step (the loss on the last stage)
+    on token ids `inputs`: HF models with a `labels` argument compute their own loss on them,
+    the zoo's GPT gets the next-token cross-entropy; {} for a model whose loss is unknown."""
+    import inspect
+
+    if not inputs or not isinstance(inputs[0], torch.Tensor) or inputs[0].is_floating_point():
+        return {}
+    if isinstance(model, GPT):
+        from mobius_fx.zoo.gpt import next_token_loss
+
+        return {"loss_fn": next_token_loss, "example_target": inputs[0]}
+    try:
+        takes_labels = "labels" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes_labels = False
+    if takes_labels and getattr(getattr(model, "config", None), "vocab_size", None):
+        return {"example_kwargs": {"labels": inputs[0]}, "train_step": True}
+    return {}
 
 
 def _vocab(model: nn.Module) -> int:

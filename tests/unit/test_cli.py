@@ -142,3 +142,20 @@ def test_servers_must_be_a_positive_integer(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", "gpt2", "--topology", "mobius-testbed", "--servers", "0", "--network", "1Gbps"])
     assert e.value.code == 2 and "argument --servers" in capsys.readouterr().err
+
+
+def _host_activation_rows(out, stage):
+    return [line for line in out.splitlines() if re.match(rf"activation\s+forward\s+{stage}\s+gpu\d+ -> host", line)]
+
+
+def test_plan_plans_the_training_step_so_no_logits_reach_the_host(tiny, capsys):
+    """By default a language model's training step is planned, the loss on the last stage: the
+    last stage sends the host only its loss; --forward-only plans the logits going there."""
+    assert main([*tiny]) == 0
+    step = capsys.readouterr().out
+    assert main([*tiny, "--forward-only"]) == 0
+    forward = capsys.readouterr().out
+    logits = f"{16 * _TINY.vocab * 2 / 1024:.2f} KiB x8"  # fp16, one micro-batch's (1 x 16 x vocab), 8 of them
+    assert any(logits in row for row in _host_activation_rows(forward, 2))
+    assert not any(logits in row for row in _host_activation_rows(step, 2))
+    assert [line for line in step.splitlines() if "LossModel" in line] == []
