@@ -230,6 +230,7 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     if loss_fn is not None or example_target is not None or train_step:
         from mobius_fx.train_step import StepCompiler
 
+        pipeline = step_passes(pipeline or default_pipeline())
         step = StepCompiler(model, loss_fn, lambda *_: None)
         model = step.wrapper
         example_inputs, example_kwargs = step.arguments(
@@ -320,6 +321,18 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     return pipe
 
 
+def step_passes(passes: PassPipeline) -> PassPipeline:
+    """`passes` for a training step's graph: its cross-entropy chunked after tracing
+    (passes/chunk_loss.py: no fp32 copy of the logits)."""
+    from mobius_fx.compiler import FunctionPass
+    from mobius_fx.passes.chunk_loss import chunk_loss_pass
+
+    out = PassPipeline(list(passes.passes), given=passes.given)
+    if "trace" in out.names and "chunk_loss" not in out.names:
+        out.insert_after("trace", FunctionPass("chunk_loss", chunk_loss_pass, reads=("graph",), writes=("graph",)))
+    return out
+
+
 def _attach_step(pipe, ctx: CompileContext, loss_fn: Any, example_target: Any, *, pipeline: PassPipeline,
                  memory_books: str) -> None:
     """Give `pipe` its training step (`Pipeline.train_step`): the model and its loss compiled as
@@ -334,7 +347,7 @@ def _attach_step(pipe, ctx: CompileContext, loss_fn: Any, example_target: Any, *
                        microbatches=s.microbatches, cuts=s.cuts, dtype=s.dtype, costs=s.costs,
                        memory_fraction=s.memory_fraction, solver=s.solver, time_limit=s.time_limit,
                        cross_map=s.cross_map, cache_dir=s.cache_dir, device=pipe.devices, verbose=s.verbose,
-                       max_variants=s.max_variants, pipeline=pipeline, process_group=False,
+                       max_variants=s.max_variants, pipeline=step_passes(pipeline), process_group=False,
                        batch_dims=s.batch_dims, memory_books=memory_books)
 
     step = StepCompiler(ctx.model, loss_fn, compile_step)

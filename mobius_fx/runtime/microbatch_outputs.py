@@ -46,7 +46,7 @@ _MEAN = {"mean", "nanmean"}
 _MAX = {"max", "amax"}
 _MIN = {"min", "amin"}
 _LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "cross_entropy", "nll_loss", "binary_cross_entropy",
-           "binary_cross_entropy_with_logits", "kl_div", "soft_margin_loss", "cross_entropy_loss",
+           "binary_cross_entropy_with_logits", "kl_div", "soft_margin_loss", "cross_entropy_loss", "chunked_cross_entropy",
            "MSELoss", "L1Loss", "SmoothL1Loss", "HuberLoss", "CrossEntropyLoss", "NLLLoss", "BCELoss",
            "BCEWithLogitsLoss", "SoftMarginLoss"}
 _CASTS = {"float", "double", "half", "bfloat16", "to", "type_as", "_to_copy", "clone", "contiguous", "detach",

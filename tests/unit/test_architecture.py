@@ -514,7 +514,7 @@ if __name__ == "__main__":
 # front (api, compiler, options, the CLI) is last: it wires the phases together.
 PHASE_ORDER = ("base", "trace", "topology", "planning", "sim|runtime", "passes", "front")
 TOP_LEVEL_PHASES = {  # modules directly in mobius_fx/, by phase; a new one must be placed here
-    "base": {"mobius_fx", "errors", "units", "kinds", "precision"},
+    "base": {"mobius_fx", "errors", "units", "kinds", "precision", "losses"},
     "trace": {"tracing", "trace_semantics", "export_front", "grad_modes", "module_paths"},
     "front": {"api", "compiler", "options", "__main__", "build", "pass_adapters", "train_step"},
 }

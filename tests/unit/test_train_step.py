@@ -103,6 +103,9 @@ def test_hf_labels_step_sends_no_logits_and_equals_eager():
     last = pipe.step_pipeline.plan.num_stages - 1
     assert sum(per.get(last, 0) for per in sent.values()) == 2 * 4  # the loss, not 2 x 2 x 16 x 1000 x 4 B
     assert pipe.step_pipeline.plan.stages[-1].output_bytes < out.logits.numel() * 4 // 2
+    from mobius_fx.losses import chunked_cross_entropy
+
+    assert [n for n in pipe.step_pipeline._gm.graph.nodes if n.target is chunked_cross_entropy]  # passes/chunk_loss.py
 
 
 def test_llama_step_equals_eager_over_two_steps_with_the_sync_overlap():
