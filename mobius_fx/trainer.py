@@ -40,16 +40,12 @@ from mobius_fx.kinds import OVERLAP_MODES
 from mobius_fx.runtime.overlap import OverlapOptimizer
 from mobius_fx.runtime.pipeline import Pipeline
 
-__all__ = ["PipelineTrainer"]
+__all__ = ["PipelineTrainer", "PipelineTrainerMixin"]
 
 
-class PipelineTrainer(Trainer):
-    """`transformers.Trainer` over a `Pipeline` (see the module docstring).
-
-        pipe = mobius_fx.compile(model, topology, example_inputs=(ids,), example_kwargs={"labels": ids})
-        trainer = PipelineTrainer(model=pipe, args=TrainingArguments(...), train_dataset=ds)
-        trainer.train()
-    """
+class PipelineTrainerMixin:
+    """What `PipelineTrainer` adds to a Trainer, for any Trainer subclass (TRL's, say):
+    `class PipelineSFTTrainer(PipelineTrainerMixin, SFTTrainer): pass`."""
 
     def __init__(self, model: Any = None, *args: Any, optimizer_overlap: str = "sync", **kwargs: Any) -> None:
         if not isinstance(model, Pipeline):
@@ -103,3 +99,12 @@ class PipelineTrainer(Trainer):
     def _load_best_model(self) -> None:
         with self._as_model():
             super()._load_best_model()
+
+
+class PipelineTrainer(PipelineTrainerMixin, Trainer):
+    """`transformers.Trainer` over a `Pipeline` (see the module docstring).
+
+        pipe = mobius_fx.compile(model, topology, example_inputs=(ids,), example_kwargs={"labels": ids})
+        trainer = PipelineTrainer(model=pipe, args=TrainingArguments(...), train_dataset=ds)
+        trainer.train()
+    """

@@ -13,6 +13,8 @@ the optimizer overlap and HF-format checkpoints; docs/trainer.md).
 - `accepts_loss_kwargs = False`: Trainer then passes no `num_items_in_batch` (the pipeline
   combines its micro-batches' losses itself) and divides the loss by its gradient
   accumulation steps, as for any model whose forward takes no loss keywords.
+- `activation_checkpointing_enable()` (Trainer's `activation_checkpointing=True`) is a no-op:
+  every stage's forward is recomputed in its backward already.
 - `state_dict()` holds a tied weight once (the first name `named_parameters()` gives it), so
   safetensors can save it; `load_state_dict` fills the other names from it.
 """
@@ -20,6 +22,7 @@ the optimizer overlap and HF-format checkpoints; docs/trainer.md).
 from __future__ import annotations
 
 import inspect
+import logging
 import types
 from typing import Any
 
@@ -27,6 +30,8 @@ import torch
 from torch import nn
 
 __all__ = ["ModelFace", "PASSTHROUGH"]
+
+log = logging.getLogger("mobius_fx")
 
 # What code written for an HF model reads off it, read here off the wrapped model.
 PASSTHROUGH = ("config", "generation_config", "main_input_name", "name_or_path", "_keys_to_ignore_on_save",
@@ -64,6 +69,14 @@ class ModelFace:
             if name in PASSTHROUGH and model is not None and hasattr(model, name):
                 return getattr(model, name)
             raise
+
+    def activation_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
+        """A no-op (Trainer's `activation_checkpointing=True`): each stage's forward is already
+        recomputed in its backward, from the stage's saved inputs."""
+        log.info("activation checkpointing: a pipeline already recomputes each stage's forward in its backward; "
+                 "nothing to enable")
+
+    gradient_checkpointing_enable = activation_checkpointing_enable
 
     def _own_device(self, device: torch.device) -> bool:
         if device.type == "cpu":

@@ -143,6 +143,8 @@ def test_sync_overlap_steps_stages_during_backward_without_clipping(pipe, tmp_pa
     trainer.train()
     opt = trainer.optimizer.optimizer
     assert opt.mode == "sync" and opt._serial is None and opt.stepped_in_backward == len(list(pipe.parameters()))
+    metrics = trainer.evaluate(eval_dataset=torch.utils.data.Subset(Rows(), range(8)))
+    assert "eval_loss" in metrics  # label_names read off the model's class, not Pipeline's
 
 
 def test_plain_trainer_takes_the_pipeline_and_saves_tied_weights(pipe, tmp_path):
