@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mobius_fx.errors import MobiusError
+
 __all__ = ["ModelFace", "PASSTHROUGH"]
 
 log = logging.getLogger("mobius_fx")
@@ -90,7 +92,12 @@ class ModelFace:
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         if dtype is None and memory_format is None and (device is None or self._own_device(torch.device(device))):
             return self
-        return self._apply(None)  # raises the pipeline's MobiusError
+        given = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        own = "the CPU" + (" or CUDA" if self._own_device(torch.device("cuda")) else "")
+        raise MobiusError(f"pipe.to({given}): a Pipeline keeps the master weights on the CPU and copies them to its "
+                          f"GPUs itself, so .to() takes only a device it lives on ({own}: a no-op) and no dtype or "
+                          f"memory format; move or cast the model before compiling it, not the pipeline (for bf16 "
+                          f"compute, compile with dtype=torch.bfloat16)")
 
     def cpu(self) -> Any:
         return self

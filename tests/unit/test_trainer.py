@@ -161,10 +161,12 @@ def test_plain_trainer_takes_the_pipeline_and_saves_tied_weights(pipe, tmp_path)
 def test_pipeline_face(pipe):
     model = pipe.model
     assert pipe.to("cpu") is pipe and pipe.to(torch.device("cpu")) is pipe and pipe.cpu() is pipe and pipe.to() is pipe
-    for bad in (lambda: pipe.to(torch.float16), lambda: pipe.to("cuda"), lambda: pipe.cuda(), lambda: pipe.half(),
-                lambda: pipe.to("cpu", torch.bfloat16)):
-        with pytest.raises(MobiusError, match="copies them to its GPUs itself"):
+    for bad, text in ((lambda: pipe.to(torch.float16), "pipe.to(torch.float16)"), (lambda: pipe.to("cuda"), "'cuda'"),
+                      (lambda: pipe.cuda(), "device(type='cuda')"), (lambda: pipe.to("cpu", torch.bfloat16), "'cpu'"),
+                      (lambda: pipe.half(), "")):
+        with pytest.raises(MobiusError, match="copies them to its GPUs itself") as e:
             bad()
+        assert text in str(e.value)
     assert inspect.signature(pipe.forward) == inspect.signature(model.forward)
     assert pipe.config is model.config and pipe.main_input_name == "input_ids"
     assert pipe.generation_config is model.generation_config and pipe.accepts_loss_kwargs is False
