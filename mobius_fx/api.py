@@ -114,11 +114,14 @@ class _Recompiler:
             out.replace("partition", FunctionPass("partition", reuse, reads=part.reads, writes=part.writes))
         return out
 
-    def _compile(self, passes: PassPipeline, pipe, call, gm=None) -> CompileContext:
+    def _compile(self, passes: PassPipeline, pipe, call, gm=None, form=None) -> CompileContext:
         settings = {name: getattr(self.options, name) for name in CompileOptions.names()}
         settings.update(device=pipe.devices, verbose=False)
-        return _run(passes, model=self.model, topology=self.topology, example_inputs=call.args,
-                    example_kwargs=call.kwargs, gm=gm, **settings)
+        # a graph traced for another call takes this one laid out as it was traced (a positional
+        # argument given by keyword, as Trainer calls model(**batch), goes back to its place)
+        args, kwargs = form.arrange(call) if form is not None else (call.args, call.kwargs)
+        return _run(passes, model=self.model, topology=self.topology, example_inputs=args,
+                    example_kwargs=kwargs, gm=gm, **settings)
 
     @staticmethod
     def _add(pipe, ctx: CompileContext, call):
@@ -131,7 +134,7 @@ class _Recompiler:
 
     def replan(self, pipe, like, call, *, allow_new: bool = True):
         passes = self._passes(like, graph=True)
-        ctx = self._compile(passes.until("partition"), pipe, call, gm=like.gm)
+        ctx = self._compile(passes.until("partition"), pipe, call, gm=like.gm, form=like.form)
         if tuple(ctx.partition.boundaries) == tuple(like.boundaries):  # the cuts fit: kept
             like.sizes = {n: max(like.sizes.get(n, 0), k) for n, k in {**like.sizes, **call.sizes}.items()}
             return like

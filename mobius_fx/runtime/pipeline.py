@@ -5,7 +5,6 @@ program (mobius_fx.runtime.program_ops on a `runtime.Runtime`); `mobius_fx.build
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
@@ -24,6 +23,7 @@ from mobius_fx.planning.microbatch import batch_rows, declared
 from mobius_fx.runtime.microbatch_outputs import prepare
 from mobius_fx.runtime.python_state import PythonState, reads_training
 from mobius_fx.runtime.engine import Runtime
+from mobius_fx.runtime.model_face import ModelFace
 
 __all__ = ["Pipeline"]
 
@@ -33,7 +33,7 @@ _NO_COPY = ("a Pipeline cannot be {op}: it holds GPU weight slots (storage freed
             "again with mobius_fx.compile")
 
 
-class Pipeline(nn.Module):
+class Pipeline(ModelFace, nn.Module):
     """A model compiled into a Mobius pipeline; call it like the model.
 
     Attributes: `plan` (the Plan it was built from, or None), `code` (the schedule as Python),
@@ -43,7 +43,8 @@ class Pipeline(nn.Module):
     was traced in baked in, and a call in another mode warns). Outputs come back on the host,
     in the dtype autocast gives them when a `dtype` was given (matmul outputs in that dtype,
     fp32-list ops such as a loss in fp32). The pipeline cannot be moved or cast (`.to`, `.cuda`, `.half`): it copies the CPU
-    masters to the GPUs itself.
+    masters to the GPUs itself; `.to()` its own device is a no-op, and Trainer and accelerate take it as a
+    model (runtime/model_face.py, mobius_fx/trainer.py).
 
     pipe = build_pipeline(model, gm, stage_nodes=..., stage_gpus=..., gpu_budgets=..., microbatches=2,
                           example_inputs=(x,), device="virtual")
@@ -65,10 +66,7 @@ class Pipeline(nn.Module):
         object.__setattr__(self, "_calling", threading.Lock())  # one forward at a time (see forward)
         object.__setattr__(self, "_python_state", PythonState(model))  # attributes the graph baked in
         runtime.watch(model)
-        try:
-            self.__signature__ = inspect.signature(model.forward)
-        except (TypeError, ValueError):
-            pass
+        self._show_model(model)  # forward's signature, config, .to(own device): runtime/model_face.py
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the schedule on this call's inputs. One call at a time: a pipeline's GPU slots,

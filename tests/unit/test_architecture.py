@@ -516,7 +516,7 @@ PHASE_ORDER = ("base", "trace", "topology", "planning", "sim|runtime", "passes",
 TOP_LEVEL_PHASES = {  # modules directly in mobius_fx/, by phase; a new one must be placed here
     "base": {"mobius_fx", "errors", "units", "kinds", "precision", "losses"},
     "trace": {"tracing", "trace_semantics", "export_front", "grad_modes", "module_paths"},
-    "front": {"api", "compiler", "options", "__main__", "build", "pass_adapters", "train_step"},
+    "front": {"api", "compiler", "options", "__main__", "build", "pass_adapters", "train_step", "trainer"},
 }
 KNOWN_PHASE_EDGES: dict[tuple[str, str], str] = {  # (importer, imported) -> why
     ("mobius_fx.passes.partition", "mobius_fx.options"):
