@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import mobius_fx  # noqa: E402
 from mobius_fx import schedules, zoo  # noqa: E402
+from mobius_fx.kinds import OVERLAP_MODES  # noqa: E402
 
 CASES = {  # name -> (model, topology, batch, seq)
     "llama-8b": ("llama-8b", "rtx4090x8", 64, 1024),
@@ -51,7 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="llama-8b,gpt3-8b")
     ap.add_argument("--microbatches", default="8,16,32")
-    ap.add_argument("--overlap", default="async", choices=["none", "sync", "async"])
+    ap.add_argument("--overlap", default="async", choices=OVERLAP_MODES)
     ap.add_argument("--time-limit", type=float, default=20.0)
     args = ap.parse_args()
     rows, tokens_rows = [], []
