@@ -188,7 +188,8 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
          dtype: torch.dtype | None = _D.dtype,
          memory_fraction: float = _D.memory_fraction, solver: str = _D.solver, time_limit: float = _D.time_limit,
          cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, verbose: bool = _D.verbose,
-         pipeline: PassPipeline | None = None) -> Plan:
+         pipeline: PassPipeline | None = None, optimizer: str = _D.optimizer,
+         host_memory_fraction: float | None = _D.host_memory_fraction) -> Plan:
     """Plan a Mobius pipeline for `model` on `topology`; nothing is run on a GPU.
 
     Works on the meta device, so a 15B model plans on a laptop:
@@ -209,14 +210,19 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     in DRAM in the model's own dtype; None, the default, streams that dtype; a dtype wider than
     the masters' is refused; `plan.precision` records both); `memory_fraction` the share of each GPU's memory the plan may use; `solver`
     "auto" | "highs" | "cbc"; `time_limit` the MIP's whole budget in seconds (shared by the
-    candidate stage counts; the gap reached is reported in `plan.solver`). Every setting is
+    candidate stage counts; the gap reached is reported in `plan.solver`). `optimizer` ("adamw",
+    "adam", "sgd-momentum", "sgd", "none") is the one whose state the host memory budget counts
+    (`plan.host_budget()`, printed with the plan); a plan that needs more than
+    `host_memory_fraction` (default 0.9) of the topology's host DRAM raises `PlanError` naming the
+    remedies (None: not checked). Every setting is
     checked by `CompileOptions` (one set of defaults) before any work: a bad value raises
     `MobiusError` saying the value, the rule and the remedy.
     """
     return _run((pipeline or default_pipeline()).until("plan"), model=model, topology=topology,
                 example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
                 cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
-                time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir).plan
+                time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, optimizer=optimizer,
+                host_memory_fraction=host_memory_fraction).plan
 
 
 def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,
@@ -226,7 +232,8 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, device: str = _D.device,
             verbose: bool = _D.verbose, max_variants: int = _D.max_variants, pipeline: PassPipeline | None = None,
             process_group: Any = None, batch_dims: dict | None = _D.batch_dims,
-            memory_books: str = _D.memory_books):
+            memory_books: str = _D.memory_books, optimizer: str = _D.optimizer,
+            host_memory_fraction: float | None = _D.host_memory_fraction):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -268,6 +275,8 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     `Device.dispatch_calls`). "auto": per device. On CUDA, "allocator" resets the device's peak
     statistics at each stage's work (`torch.cuda.reset_peak_memory_stats`); the device's peak
     over a step is `mobius_fx.runtime.device_books.CudaAllocator.of(index).max_allocated()`.
+    `optimizer` and `host_memory_fraction`: the host memory budget, as for `plan`; a pipeline
+    whose host would not hold it is refused before anything is emitted.
     """
     if isinstance(model, torch.nn.Module) and not isinstance(example_inputs, (str, bytes)):
         inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
@@ -281,7 +290,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
                microbatches=microbatches, cuts=cuts, verbose=verbose, costs=costs, dtype=dtype,
                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
                cache_dir=cache_dir, device=device, max_variants=max_variants, batch_dims=batch_dims,
-               memory_books=memory_books)
+               memory_books=memory_books, optimizer=optimizer, host_memory_fraction=host_memory_fraction)
     pipe = ctx.pipeline
     group = default_group(process_group)
     if group is not None:
