@@ -137,8 +137,9 @@ class HostBudget:
             if self.master_itemsize > 2 and lora.total > allowed:
                 remedies.append(f"LoRA on bf16 masters: about {fmt_bytes(both.total)}, {fits(both)}")
         if self.activations >= 0.1 * self.total and microbatches:
-            remedies.append(f"fewer micro-batches or a smaller batch (activations are {fmt_bytes(self.activations)} "
-                            f"for {microbatches} micro-batches)")
+            remedies.append(f"a smaller batch or shorter sequences (the activations held for backward are "
+                            f"{fmt_bytes(self.activations)} for the whole batch in {microbatches} micro-batches; they "
+                            f"grow with the batch, not with how many micro-batches it is split into)")
         lighter = [o for o in ("sgd-momentum", "sgd") if OPTIMIZER_STATE[o] < OPTIMIZER_STATE[self.optimizer]]
         for o in lighter:
             other = replace(self, optimizer=o, optimizer_state=self.optimizer_state * OPTIMIZER_STATE[o]

@@ -135,8 +135,11 @@ def test_the_rule_is_the_fraction_of_the_hosts_dram_exactly():
     b.check(1.0)
     b.check(None)
     dataclasses.replace(b, limit=None).check(0.5)  # unknown DRAM refuses nothing
-    with pytest.raises(PlanError, match="over 99%"):
-        b.check(0.99)
+    with pytest.raises(PlanError, match="over 99%") as e:
+        b.check(0.99, microbatches=4)
+    assert "a smaller batch" not in str(e.value)  # activations are 7.5% of it
+    with pytest.raises(PlanError, match="a smaller batch or shorter sequences .* in 4 micro-batches"):
+        dataclasses.replace(b, activations=5000).check(0.99, microbatches=4)
     fine = b.bf16_masters()
     assert (fine.masters, fine.grads, fine.optimizer_state, fine.streamed_copy) == (200, 200, 400, 200)
 
