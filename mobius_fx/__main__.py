@@ -3,6 +3,7 @@
     mobius-fx plan --model gpt3-8b --topology mobius-testbed --microbatches 8
     mobius-fx plan --model gpt2 --topology rtx4090x8 --cuts 1,5,9     # a given partition
     mobius-fx plan --model gpt3-15b --topology mobius-testbed --servers 4 --network 100Gbps
+    mobius-fx plan --model path/to/config.json --topology rtx4090x8 --master-dtype bf16 --dtype bf16
     mobius-fx topology rtx4090x8
     mobius-fx topology --detect --json server.json
 """
@@ -80,6 +81,13 @@ def _dtype(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _host_fraction(text: str) -> float | None:
+    """An argparse `type=` for --host-memory-fraction: a number in (0, 1], or "off" (not checked)."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    return _checked(float, lambda v: 0 < v <= 1, "a number in (0, 1], or 'off' to plan without checking")(text)
+
+
 _POSITIVE_INT = _checked(int, lambda v: v > 0, "a positive integer")
 _SIZE = _checked(int, lambda v: 0 < v < 2**31, "a positive integer below 2**31")
 
@@ -124,7 +132,10 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="plan a model on a server and compare schedules (no GPU needed)",
                         description="Build the model on the meta device, plan its Mobius pipeline, print the stage "
                                     "and transfer tables, the simulated step time and the schedule comparison.")
-    pl.add_argument("--model", required=True, help=f"one of: {', '.join(zoo.model_names())}; or module:factory")
+    pl.add_argument("--model", required=True, help=f"one of: {', '.join(zoo.model_names())}; or module:factory "
+                                                    f"(importable from the current directory); or the path of a "
+                                                    f"Hugging Face config.json (or its directory), built on the meta "
+                                                    f"device, nothing downloaded")
     pl.add_argument("--topology", required=True, help=f"a preset ({presets}) or a topology JSON file")
     pl.add_argument("--microbatches", default=None,
                     type=_checked(int, lambda v: v > 0, "a positive integer; omit it for one per GPU"),
@@ -139,6 +150,19 @@ def _parser() -> argparse.ArgumentParser:
                     help="dtype streamed to and computed on the GPUs: a torch dtype name or an alias "
                          "(mobius_fx.precision.DTYPE_ALIASES); the masters keep the model's dtype (fp32) "
                          "(default fp16, as the paper)")
+    pl.add_argument("--master-dtype", default=None, type=_dtype, metavar="{fp32,bf16,...}",
+                    help="the masters' dtype in host memory (default: the model's own, fp32); bf16 masters halve the "
+                         "masters, gradients and optimizer state in the host memory budget")
+    from mobius_fx.planning.host_memory import OPTIMIZERS
+
+    pl.add_argument("--optimizer", choices=OPTIMIZERS, default=CompileOptions.optimizer,
+                    help=f"the optimizer whose state the host memory budget counts (default "
+                         f"{CompileOptions.optimizer}: 2x the trainable masters; sgd-momentum 1x; sgd and none 0)")
+    pl.add_argument("--host-memory-fraction", type=_host_fraction, default=CompileOptions.host_memory_fraction,
+                    metavar="F",
+                    help=f"share of the topology's host DRAM (its JSON's \"host\": {{\"memory\": ...}}) the plan "
+                         f"may need, in (0, 1], or 'off' (default {CompileOptions.host_memory_fraction}); a plan "
+                         f"needing more is refused, naming the remedies")
     pl.add_argument("--memory-fraction", type=_checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
                     default=CompileOptions.memory_fraction,
                     help=f"share of GPU memory a plan may use, in (0, 1] (default {CompileOptions.memory_fraction})")
@@ -207,10 +231,13 @@ def _cmd_plan(args) -> int:
                                       f"the largest divisor of the batch below the GPU count)"))
     t0 = time.perf_counter()
     model, inputs = zoo.build(args.model, batch=args.batch, seq=args.seq, device="meta")
+    if args.master_dtype is not None:
+        model = model.to(args.master_dtype)  # on the meta device: nothing is allocated
     step = {} if args.forward_only else zoo.step_arguments(model, inputs)
     p = api.plan(model, topo, example_inputs=inputs, microbatches=micro, cuts=args.cuts, **step,
                  dtype=args.dtype, memory_fraction=args.memory_fraction,
-                 time_limit=args.time_limit, verbose=not args.quiet)
+                 time_limit=args.time_limit, verbose=not args.quiet, optimizer=args.optimizer,
+                 host_memory_fraction=args.host_memory_fraction)
     print(p)
     cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None,
                   optimizer_overlap=args.optimizer_overlap)

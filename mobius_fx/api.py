@@ -201,8 +201,9 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
          dtype: torch.dtype | None = _D.dtype,
          memory_fraction: float = _D.memory_fraction, solver: str = _D.solver, time_limit: float = _D.time_limit,
          cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, verbose: bool = _D.verbose,
-         pipeline: PassPipeline | None = None, loss_fn: Any = None, example_target: Any = None,
-         train_step: bool = False) -> Plan:
+         pipeline: PassPipeline | None = None, optimizer: str = _D.optimizer,
+         host_memory_fraction: float | None = _D.host_memory_fraction, loss_fn: Any = None,
+         example_target: Any = None, train_step: bool = False) -> Plan:
     """Plan a Mobius pipeline for `model` on `topology`; nothing is run on a GPU.
 
     Works on the meta device, so a 15B model plans on a laptop:
@@ -223,7 +224,11 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     in DRAM in the model's own dtype; None, the default, streams that dtype; a dtype wider than
     the masters' is refused; `plan.precision` records both); `memory_fraction` the share of each GPU's memory the plan may use; `solver`
     "auto" | "highs" | "cbc"; `time_limit` the MIP's whole budget in seconds (shared by the
-    candidate stage counts; the gap reached is reported in `plan.solver`). Every setting is
+    candidate stage counts; the gap reached is reported in `plan.solver`). `optimizer` ("adamw",
+    "adam", "sgd-momentum", "sgd", "none") is the one whose state the host memory budget counts
+    (`plan.host_budget()`, printed with the plan); a plan that needs more than
+    `host_memory_fraction` (default 0.9) of the topology's host DRAM raises `PlanError` naming the
+    remedies (None: not checked). Every setting is
     checked by `CompileOptions` (one set of defaults) before any work: a bad value raises
     `MobiusError` saying the value, the rule and the remedy.
     `loss_fn` + `example_target`, or `train_step=True` for a model that returns its own loss (HF
@@ -242,7 +247,8 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     return _run((pipeline or default_pipeline()).until("plan"), model=model, topology=topology,
                 example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
                 cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
-                time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir).plan
+                time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, optimizer=optimizer,
+                host_memory_fraction=host_memory_fraction).plan
 
 
 def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,
@@ -252,7 +258,9 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, device: str = _D.device,
             verbose: bool = _D.verbose, max_variants: int = _D.max_variants, pipeline: PassPipeline | None = None,
             process_group: Any = None, batch_dims: dict | None = _D.batch_dims,
-            memory_books: str = _D.memory_books, loss_fn: Any = None, example_target: Any = None):
+            memory_books: str = _D.memory_books, optimizer: str = _D.optimizer,
+            host_memory_fraction: float | None = _D.host_memory_fraction, loss_fn: Any = None,
+            example_target: Any = None):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -300,6 +308,8 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     (mobius_fx/train_step.py). Without it, `train_step` uses the model's own loss (HF models
     called with `labels=`). The step is compiled at its first call, or here when
     `example_target` (a target for `example_inputs`) is given.
+    `optimizer` and `host_memory_fraction`: the host memory budget, as for `plan`; a pipeline
+    whose host would not hold it is refused before anything is emitted.
     """
     _refuse_meta(model, example_inputs, example_kwargs)
     passes = pipeline or default_pipeline()
@@ -307,7 +317,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
                microbatches=microbatches, cuts=cuts, verbose=verbose, costs=costs, dtype=dtype,
                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
                cache_dir=cache_dir, device=device, max_variants=max_variants, batch_dims=batch_dims,
-               memory_books=memory_books)
+               memory_books=memory_books, optimizer=optimizer, host_memory_fraction=host_memory_fraction)
     pipe = ctx.pipeline
     group = default_group(process_group)
     if group is not None:
@@ -351,7 +361,8 @@ def _attach_step(pipe, ctx: CompileContext, loss_fn: Any, example_target: Any, *
                        memory_fraction=s.memory_fraction, solver=s.solver, time_limit=s.time_limit,
                        cross_map=s.cross_map, cache_dir=s.cache_dir, device=pipe.devices, verbose=s.verbose,
                        max_variants=s.max_variants, pipeline=step_passes(pipeline), process_group=False,
-                       batch_dims=s.batch_dims, memory_books=memory_books)
+                       batch_dims=s.batch_dims, memory_books=memory_books, optimizer=s.optimizer,
+                       host_memory_fraction=s.host_memory_fraction)
 
     step = StepCompiler(ctx.model, loss_fn, compile_step)
     object.__setattr__(pipe, "_step", step)

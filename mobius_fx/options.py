@@ -108,6 +108,11 @@ class CompileOptions:
     "ops" charges every tensor per op (Python on every op), "allocator" measures each stage's
     work by the allocator and checks the budget when it ends, "auto" (the default) is "ops" on
     virtual devices and "allocator" on CUDA.
+    `optimizer`: the optimizer you step the masters with, for the host memory budget ("adamw" (the
+    default), "adam", "sgd-momentum", "sgd" or "none": mobius_fx/planning/host_memory.py; it plans
+    the bytes only, the optimizer itself is yours). `host_memory_fraction`: the share of the
+    topology's host DRAM (`Topology.host_memory`) the plan may need, in (0, 1] (default 0.9); a plan
+    that needs more is refused with a `PlanError` naming the remedies; None plans without checking.
     """
 
     microbatches: int | None = None
@@ -126,6 +131,8 @@ class CompileOptions:
     max_variants: int = 8
     batch_dims: Any = None
     memory_books: str = "auto"
+    optimizer: str = "adamw"
+    host_memory_fraction: float | None = 0.9
     microbatches_rule: str = ""  # why microbatches is what it is, when plan/compile chose it (`resolved`)
 
     def __post_init__(self) -> None:
@@ -161,6 +168,10 @@ class CompileOptions:
         from mobius_fx.runtime.device_books import check_memory_books
 
         check_memory_books(self.memory_books)
+        from mobius_fx.planning.host_memory import check_host_memory_fraction, check_optimizer
+
+        check_optimizer(self.optimizer)
+        set_("host_memory_fraction", check_host_memory_fraction(self.host_memory_fraction))
         if not isinstance(self.microbatches_rule, str):
             raise MobiusError(f"microbatches_rule={self.microbatches_rule!r}; it must be a str (set by `resolved`)")
 

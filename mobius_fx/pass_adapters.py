@@ -41,7 +41,9 @@ def plan_pass(gm, ctx: CompileContext):
                           step_time=part.makespan, precision=s.precision,
                           memory_fraction=s.memory_fraction, prefetch_fwd=part.prefetch_fwd,
                           solver=part.solver, param_sizes=sizes, trainable=trainable,
-                          input_bytes=input_bytes(ctx))
+                          input_bytes=input_bytes(ctx), optimizer=s.optimizer)
+    # the host's memory: refused here, before anything is emitted (plan and compile alike)
+    ctx.plan.host_budget().check(s.host_memory_fraction, microbatches=s.microbatches)
     return None
 
 

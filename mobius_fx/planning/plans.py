@@ -21,6 +21,7 @@ import torch
 from tabulate import tabulate
 
 from mobius_fx.planning.costs import LayerCost
+from mobius_fx.planning.host_memory import HostBudget, check_optimizer, host_budget
 from mobius_fx.errors import MobiusError
 from mobius_fx.precision import Precision, dtype_name, parse_dtype
 from mobius_fx.planning.schedule_ir import ScheduleIR, StageIO, build_schedule
@@ -100,12 +101,14 @@ class Plan:
     layers: tuple[LayerCost, ...] = ()
     precision: Precision = field(default_factory=Precision)  # the streamed and the masters' dtype
     microbatches_rule: str = ""  # why `microbatches` is what it is, when the planner chose it
+    optimizer: str = "adamw"  # the optimizer the host memory budget counts the state of (`host_budget`)
     topology: "Topology | None" = field(default=None, compare=False, repr=False)
     # The plan's memory model (`MemoryModel(microbatches, precision)`: what its stages' bytes were
     # scaled by); `build_plan` hands over the one it sized the stages with, else it is made here.
     memory: MemoryModel = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        check_optimizer(self.optimizer)
         if not isinstance(self.precision, Precision):
             raise MobiusError(f"Plan.precision={self.precision!r} is not a Precision; build it with "
                               f"Precision.of(dtype, master=...)")
@@ -199,11 +202,19 @@ class Plan:
                          " > ".join(t.route), fmt_time(t.time)])
         return tabulate(rows, headers=["kind", "phase", "stage", "from -> to", "size", "route", "time"])
 
+    def host_budget(self, optimizer: str | None = None) -> HostBudget:
+        """What a step of this plan keeps in host memory, term by term, for `optimizer` (default:
+        the plan's, `Plan.optimizer`), and the topology's host DRAM: mobius_fx/planning/host_memory.py."""
+        return host_budget(layers=self.layers, stages=self.stages, ir=self.schedule(), precision=self.precision,
+                           optimizer=self.optimizer if optimizer is None else optimizer,
+                           limit=self.topology.host_memory if self.topology is not None else None)
+
     def host_memory(self) -> str:
-        """What the pipeline keeps in host memory besides the model's masters (and what
-        the optimizer holds): the streamed copy of the weights the uploads read."""
-        return (f"host memory besides the masters: {fmt_bytes(sum(s.param_bytes for s in self.stages))} streamed copy "
-                f"of the weights ({dtype_name(self.precision.stream)}; pinned on CUDA, kept across steps)")
+        """The host memory line: everything a step keeps in host DRAM (masters, gradients,
+        optimizer state, the streamed copy of the weights the uploads read, activations held for
+        backward, pinned transfer buffers) against the host's DRAM (`host_budget`)."""
+        return (self.host_budget().line() + f"; streamed copy in {dtype_name(self.precision.stream)}, "
+                f"pinned on CUDA, kept across steps")
 
     def __str__(self) -> str:
         return "\n\n".join([self.summary() + "\n" + self.host_memory(), self.stage_table(), self.transfer_table()])
@@ -243,6 +254,7 @@ class Plan:
                 solver=SolverInfo(**_tuples(d["solver"])),
                 layers=tuple(LayerCost(**_tuples(l)) for l in d["layers"]),
                 precision=_precision(d), microbatches_rule=d.get("microbatches_rule", ""),  # absent in older JSON
+                optimizer=d.get("optimizer", "adamw"),  # absent in older JSON
                 topology=topo,
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -296,6 +308,7 @@ def build_plan(
     param_sizes: dict[str, int] | None = None,
     trainable: Sequence[str] | None = None,
     input_bytes: int = 0,
+    optimizer: str = "adamw",
 ) -> Plan:
     """Stages and transfers (docs/schedule.md) for layers cut at `boundaries` on `order`.
 
@@ -309,6 +322,7 @@ def build_plan(
     are); the layers' bytes are in the masters' dtype and the stages' as streamed.
     `microbatches_rule` says why `microbatches` is what it is (the plan's header shows it). The transfers
     are a sum over the plan's schedule IR (`Plan.schedule()`, mobius_fx/planning/schedule_ir.py).
+    `optimizer`: the one whose state the plan's host memory budget counts (`Plan.host_budget`).
     """
     layers = tuple(layers)
     m = microbatches
@@ -349,7 +363,8 @@ def build_plan(
     ir = build_schedule(StageIO.from_plan(stages), m)
     plan = Plan(stages=tuple(stages), transfers=tuple(_transfers(ir, topology)), order=tuple(order),
                 microbatches=m, step_time=step_time, solver=solver or SolverInfo(), layers=layers,
-                precision=precision, microbatches_rule=microbatches_rule, topology=topology, memory=mm)
+                precision=precision, microbatches_rule=microbatches_rule, optimizer=optimizer, topology=topology,
+                memory=mm)
     plan.__dict__["_schedules"] = {None: ir}  # Plan.schedule()'s cache: the IR is built once per plan
     return plan
 

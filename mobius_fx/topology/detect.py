@@ -29,11 +29,35 @@ from mobius_fx.topology.device_specs import DEVICE_SPECS
 from mobius_fx.errors import TopologyError
 from mobius_fx.topology.links import GB, PCIE3_X16, pcie_bandwidth
 
-__all__ = ["nvidia_smi_layout", "detect_layout", "NoGPUFound"]
+__all__ = ["nvidia_smi_layout", "detect_layout", "NoGPUFound", "host_memory_bytes"]
 
 
 class NoGPUFound(TopologyError):
     """No detection route found a GPU on this machine; the message says what each route tried."""
+
+
+def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """This machine's DRAM in bytes: psutil's `virtual_memory().total` when psutil is importable,
+    else MemTotal of `meminfo` (Linux); None when neither tells (the host budget is then printed
+    without a limit and nothing is refused for it)."""
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        try:
+            return int(psutil.virtual_memory().total)
+        except (OSError, AttributeError):  # pragma: no cover (a sandbox without /proc)
+            pass
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    value, unit = line.split()[1:3]
+                    return int(value) * {"kb": 1024, "mb": 2**20, "gb": 2**30}.get(unit.lower(), 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def nvidia_smi_layout(text: str, *, spec: Any, memory: Any, p2p: bool, pcie: float, uplink: float | None,
@@ -62,7 +86,9 @@ def detect_layout(*, spec: Any, p2p: bool | None, upi: float, nvlink: float) -> 
     tried = []
     for probe in (_detect_nvml, _detect_smi):
         try:
-            return probe(spec=spec, p2p=p2p, upi=upi, nvlink=nvlink)
+            out = probe(spec=spec, p2p=p2p, upi=upi, nvlink=nvlink)
+            dram = host_memory_bytes()
+            return out if dram is None else {**out, "host": {"memory": dram}}
         except _NotHere as e:
             tried.append(str(e))
     raise NoGPUFound("found no GPUs to build a topology from: " + "; ".join(tried))

@@ -26,7 +26,7 @@ from mobius_fx.topology.links import GB
 from mobius_fx.units import check_positive, parse_bandwidth, parse_bytes
 
 __all__ = ["NODE_KINDS", "LINK_KINDS", "HostFigures", "check_graph", "graph_from_dict", "layout", "parse_spec",
-           "parse_memory", "parse_bandwidths", "parse_host", "natural_key"]
+           "parse_memory", "parse_bandwidths", "parse_host", "parse_host_memory", "natural_key"]
 
 NODE_KINDS = ("root_complex", "switch", "gpu")
 LINK_KINDS = ("pcie", "upi", "nvlink")
@@ -192,7 +192,10 @@ def natural_key(name: str) -> tuple:
 
 # ------------------------------------------------------------------------ JSON
 _TOP_KEYS = {"name", "p2p", "virtual", "nodes", "links", "comment", "host"}
-_HOST_KEYS = {"optimizer", "implementation", "optimizer_bytes_per_s", "host_copy_bytes_per_s", "cores"}
+_HOST_KEYS = {"optimizer", "implementation", "optimizer_bytes_per_s", "host_copy_bytes_per_s", "cores", "memory"}
+# The host's DRAM ("host": {"memory": "256GiB"}) is not a measured speed: it is kept on the Topology
+# (`Topology.host_memory`), not in `HostFigures`, so a host section of only "memory" leaves `topo.host` None.
+MIN_HOST_MEMORY = 2**20  # bytes: a host of less than 1 MiB is a unit mistake (GiB given as bytes)
 # The optimizers whose bytes touched per parameter the simulator knows (sim.tasks.TOUCHED_BYTES;
 # not imported: this module imports no simulator code).
 HOST_OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -246,13 +249,35 @@ def parse_host(data: Any, source: str) -> HostFigures:
     return HostFigures(**_check_host(data, source))
 
 
+def parse_host_memory(value: Any, where: str) -> int:
+    """The host's DRAM (bytes, or a string with a unit: "256GiB") as int bytes; TopologyError at
+    `where` when it is not a positive size of at least 1 MiB.
+
+    >>> parse_host_memory("256GiB", "x") == 256 * 2**30
+    True
+    >>> parse_host_memory(256, "server.json: host")
+    Traceback (most recent call last):
+        ...
+    mobius_fx.errors.TopologyError: server.json: host: memory is 256 bytes; the host's DRAM is at least 1 MiB, smaller is a unit mistake; give bytes or a string with a unit, e.g. "256GiB"
+    """
+    n = _parse(parse_bytes, value, f"{where}: memory")
+    if n < MIN_HOST_MEMORY:
+        raise TopologyError(f"{where}: memory is {value!r}{'' if n == value else f' = {n}'} bytes; the host's DRAM is "
+                            f"at least 1 MiB, smaller is a unit mistake; give bytes or a string with a unit, "
+                            f"e.g. \"256GiB\"")
+    return n
+
+
 def _check_host(data: Any, source: str) -> dict[str, Any]:
-    """The host object's figures, checked (rates as float bytes/s); TopologyError naming the key."""
+    """The host object's figures, checked (rates as float bytes/s); TopologyError naming the key.
+    "memory" is checked by `parse_host_memory` and not returned (it is not a HostFigures field)."""
     where = f"{source}: host"
     if not isinstance(data, Mapping):
-        raise TopologyError(f"{where}: expected an object with the host's measured figures (keys "
+        raise TopologyError(f"{where}: expected an object with the host's DRAM and measured figures (keys "
                             f"{', '.join(sorted(_HOST_KEYS))}), got {data!r}")
     _no_unknown_keys(data, _HOST_KEYS, "host", lambda w, msg: TopologyError(f"{source}: {w}: {msg}"))
+    if "memory" in data:
+        parse_host_memory(data["memory"], where)
     opt, impl = data.get("optimizer"), data.get("implementation")
     if opt is not None and opt not in HOST_OPTIMIZERS:
         raise TopologyError(f"{where}: optimizer is {opt!r}; give the optimizer the speed was measured for, one of "
@@ -303,8 +328,13 @@ def graph_from_dict(data: Any, source: str) -> tuple[nx.DiGraph, dict[str, Any]]
         raise fail("name", f"expected a non-empty string naming the topology, got {data['name']!r}")
     attrs = {"name": data.get("name", "custom"), "p2p": data.get("p2p", False),
              "virtual": data.get("virtual", False)}
-    if data.get("host") is not None:
-        attrs["host"] = parse_host(data["host"], source)
+    host = data.get("host")
+    if host is not None:
+        figures = _check_host(host, source)  # every key checked, "memory" too, each located
+        if "memory" in host:
+            attrs["host_memory"] = parse_host_memory(host["memory"], f"{source}: host")
+        if set(host) - {"memory"} or "memory" not in host:  # measured figures (or an empty section, as before)
+            attrs["host"] = HostFigures(**figures)
     return graph, attrs
 
 
@@ -381,9 +411,10 @@ def _add_links(graph: nx.DiGraph, links: list, source: str, fail: Callable[[str,
 
 def layout(name: str, sockets: list[list[list[int]]], *, spec: Any, memory: Any, gpu_link: float,
             uplink: float | None, upi: float, p2p: bool, virtual: bool = False,
-            nvlinks: Mapping[tuple[int, int], float] | None = None) -> dict[str, Any]:
+            nvlinks: Mapping[tuple[int, int], float] | None = None, host_memory: Any = None) -> dict[str, Any]:
     """A JSON-schema dict: socket r holds groups of GPU indices; each group sits under one
-    switch with `uplink`, or with `uplink=None` every GPU links straight to the socket."""
+    switch with `uplink`, or with `uplink=None` every GPU links straight to the socket.
+    `host_memory`: the host's DRAM ("host": {"memory": ...}), None for none."""
     nodes: list[dict] = [{"name": f"cpu{r}", "kind": "root_complex"} for r in range(len(sockets))]
     links: list[dict] = [{"a": f"cpu{r}", "b": f"cpu{s}", "kind": "upi", "bandwidth_gbps": upi / GB}
                          for r in range(len(sockets)) for s in range(r + 1, len(sockets))]
@@ -401,8 +432,11 @@ def layout(name: str, sockets: list[list[list[int]]], *, spec: Any, memory: Any,
                 links.append({"a": top, "b": f"gpu{g}", "bandwidth_gbps": gpu_link / GB})
     links += [{"a": f"gpu{i}", "b": f"gpu{j}", "kind": "nvlink", "bandwidth_gbps": bw / GB}
               for (i, j), bw in (nvlinks or {}).items()]
-    return {"name": name, "p2p": p2p, "virtual": virtual, "nodes": nodes + sorted(gpus, key=lambda g: g["index"]),
-            "links": links}
+    out = {"name": name, "p2p": p2p, "virtual": virtual, "nodes": nodes + sorted(gpus, key=lambda g: g["index"]),
+           "links": links}
+    if host_memory is not None:
+        out["host"] = {"memory": host_memory}
+    return out
 
 
 def _no_unknown_keys(d: Mapping, allowed: set[str], where: str, fail: Callable[[str, str], Exception]) -> None:

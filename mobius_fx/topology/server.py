@@ -32,7 +32,9 @@ the RTX 3090/4090 cannot; then GPU-to-GPU traffic is relayed through host memory
 Bandwidths are stored as whole bytes/s, so a topology survives `to_json`/`from_json` exactly.
 An optional top-level "host" object holds the host's own measured figures (the CPU optimizer's
 bytes/s, host copy bytes/s, cores: `HostFigures`, written by `benchmarks/cpu_optimizer.py
---topology-out` and `benchmarks/gpu_check.py`); `topo.host` is None without one.
+--topology-out` and `benchmarks/gpu_check.py`); `topo.host` is None without one. Its "memory"
+("256GiB") is the host's DRAM, `topo.host_memory` (bytes; None: unknown), which the plan's host
+budget is checked against (`mobius_fx.planning.host_memory`); `detect` and `virtual` read this machine's.
 
 The rules a description must meet, and the reading of this schema, live in
 `mobius_fx.topology.schema`; reading the server from the driver (`Topology.from_nvidia_smi`,
@@ -58,10 +60,10 @@ from mobius_fx.topology.device_specs import DEVICE_SPECS, DeviceSpec
 from mobius_fx.errors import TopologyError
 from mobius_fx.topology.links import GB, NVLINK2, PCIE3_X16, SWITCH_DUPLEX, UPI_GOLD6130
 from mobius_fx.kinds import HOST
-from mobius_fx.topology.detect import NoGPUFound, detect_layout, nvidia_smi_layout
+from mobius_fx.topology.detect import NoGPUFound, detect_layout, host_memory_bytes, nvidia_smi_layout
 from mobius_fx.topology.presets import PRESET_LAYOUTS, PRESETS
 from mobius_fx.topology.schema import (LINK_KINDS, NODE_KINDS, HostFigures, check_graph, graph_from_dict, layout, natural_key,
-                              parse_bandwidths, parse_memory, parse_spec)
+                              parse_bandwidths, parse_host_memory, parse_memory, parse_spec)
 from mobius_fx.units import fmt_bytes
 
 __all__ = ["GPU", "Topology", "HostFigures", "PRESETS", "NODE_KINDS", "LINK_KINDS"]
@@ -96,7 +98,7 @@ class Topology:
     PRESETS: tuple[str, ...]  # the preset names (`presets.PRESETS`), assigned below the class
 
     def __init__(self, graph: nx.DiGraph, *, name: str = "custom", p2p: bool = False,
-                 virtual: bool = False, host: HostFigures | None = None):
+                 virtual: bool = False, host: HostFigures | None = None, host_memory: int | None = None):
         if not isinstance(name, str) or not name:
             raise TopologyError(f"topology name {name!r} is not a non-empty string; name it, e.g. name='my-server'")
         for flag, value in (("p2p", p2p), ("virtual", virtual)):
@@ -107,6 +109,7 @@ class Topology:
         if host is not None and not isinstance(host, HostFigures):
             raise TopologyError(f"host is {host!r}; give a mobius_fx.topology.server.HostFigures or None")
         self.host = host  # the host's measured figures (JSON "host"), None when not measured
+        self.host_memory = None if host_memory is None else parse_host_memory(host_memory, "Topology: host")  # DRAM
         # An instance attribute: `topo.virtual` is this flag, `Topology.virtual(...)` the factory.
         self.virtual = bool(virtual)
         self.graph, self._parent, self._rc = check_graph(graph)
@@ -234,7 +237,7 @@ class Topology:
                              for n, d in self.graph.nodes(data=True)))
         edges = tuple(sorted((u, v, d["bandwidth"], d["kind"], d["name"], d.get("duplex") or 0.0)
                              for u, v, d in self.graph.edges(data=True)))
-        return (self.name, self.p2p, self.virtual, nodes, edges, self.host)
+        return (self.name, self.p2p, self.virtual, nodes, edges, self.host, self.host_memory)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Topology) and self._key() == other._key()
@@ -244,7 +247,8 @@ class Topology:
 
     def __repr__(self) -> str:
         return (f"Topology({self.name!r}, {len(self.gpus)} GPUs, root complexes "
-                f"{list(self.root_complexes)}, p2p={self.p2p}{', virtual' if self.virtual else ''})")
+                f"{list(self.root_complexes)}, p2p={self.p2p}{', virtual' if self.virtual else ''}"
+                f"{f', host memory {fmt_bytes(self.host_memory)}' if self.host_memory else ''})")
 
     def tree(self) -> str:
         """The server as a tree a person reads: root complexes > switches > GPUs.
@@ -259,7 +263,8 @@ class Topology:
         for kids in children.values():
             kids.sort(key=natural_key)
         lines = [f"{self.name}: {len(self.gpus)} GPU(s) under {len(self.root_complexes)} root complex(es), "
-                 f"P2P {'on' if self.p2p else 'off'}{', virtual GPUs' if self.virtual else ''}"]
+                 f"P2P {'on' if self.p2p else 'off'}{', virtual GPUs' if self.virtual else ''}"
+                 f"{f', host memory {fmt_bytes(self.host_memory)}' if self.host_memory else ''}"]
 
         def label(n: str) -> str:
             d = self.graph.nodes[n]
@@ -313,13 +318,20 @@ class Topology:
                 link["duplex"] = d["duplex"]
             links.append(link)
         out = {"name": self.name, "p2p": self.p2p, "virtual": self.virtual, "nodes": nodes, "links": links}
-        if self.host is not None:
-            out["host"] = self.host.to_dict()
+        if self.host is not None or self.host_memory is not None:
+            out["host"] = {**(self.host.to_dict() if self.host is not None else {}),
+                           **({"memory": self.host_memory} if self.host_memory is not None else {})}
         return out
 
     def with_host(self, host: HostFigures | None) -> "Topology":
-        """This topology with the host's measured figures `host` (None: without any)."""
-        return Topology(self.graph, name=self.name, p2p=self.p2p, virtual=self.virtual, host=host)
+        """This topology with the host's measured figures `host` (None: without any), its DRAM kept."""
+        return Topology(self.graph, name=self.name, p2p=self.p2p, virtual=self.virtual, host=host,
+                        host_memory=self.host_memory)
+
+    def with_host_memory(self, memory: int | str | None) -> "Topology":
+        """This topology with the host's DRAM `memory` (bytes or "256GiB"; None: unknown)."""
+        return Topology(self.graph, name=self.name, p2p=self.p2p, virtual=self.virtual, host=self.host,
+                        host_memory=memory)
 
     def to_json(self) -> str:
         """JSON text that `Topology.from_json` reads back into an equal topology."""
@@ -381,7 +393,7 @@ class Topology:
     @staticmethod
     def virtual(*, gpus: int = 4, memory: int | str = "256MiB", root_complexes: int = 1,
                 bandwidth: float | str = 16e9, uplink: float | str | None = None, upi: float | str = 20e9,
-                p2p: bool = False) -> "Topology":
+                p2p: bool = False, host_memory: int | str | None = "detect") -> "Topology":
         """CPU-backed "GPUs" with a byte budget each, for tests and CI.
 
         GPUs are spread over `root_complexes` in contiguous blocks (gpu0.. on cpu0), each
@@ -389,6 +401,7 @@ class Topology:
         `uplink` the switch's (default 2x, like x8 GPUs under an x16 uplink), `upi` the link
         between root complexes. Memory is bytes or a string with a unit ("256MiB"); bandwidths
         are bytes/s or a string in the same units, per second: "16GB/s" (or "16GB") is 16e9.
+        `host_memory`: the host's DRAM (bytes, "64GiB"); "detect": this machine's; None: unknown.
 
         >>> Topology.virtual(gpus=4, memory="256MiB", root_complexes=2).gpu("gpu2").root_complex
         'cpu1'
@@ -408,8 +421,9 @@ class Topology:
             size = base + (r < extra)
             blocks.append([list(range(start, start + size))])
             start += size
+        dram = host_memory_bytes() if isinstance(host_memory, str) and host_memory == "detect" else host_memory
         return _from_dict(layout("virtual", blocks, spec="cpu", memory=mem, gpu_link=bw["bandwidth"], uplink=uplink,
-                                  upi=bw["upi"], p2p=p2p, virtual=True), "Topology.virtual")
+                                  upi=bw["upi"], p2p=p2p, virtual=True, host_memory=dram), "Topology.virtual")
 
     # ------------------------------------------------------------ discovery
     @staticmethod
@@ -443,7 +457,7 @@ class Topology:
 
         The device spec is guessed from the GPU product name unless `spec` is given; P2P is
         read from the driver unless `p2p` is given; GPU link bandwidths from the PCIe
-        generation and width (x 0.82 effective).
+        generation and width (x 0.82 effective); the host's DRAM from psutil or /proc/meminfo.
         """
         bw = parse_bandwidths("Topology.detect", upi=upi, nvlink=nvlink)
         spec = None if spec is None else parse_spec(spec, "Topology.detect: spec")

@@ -264,7 +264,8 @@ def test_from_json_reads_a_file(tmp_path):
 
 def test_to_json_writes_the_documented_schema():
     d = json.loads(Topology.preset("mobius-testbed").to_json())
-    assert set(d) == {"name", "p2p", "virtual", "nodes", "links"}
+    assert set(d) == {"name", "p2p", "virtual", "nodes", "links", "host"}
+    assert d["host"] == {"memory": 384 * 2**30}  # the preset's DRAM (presets.py says why)
     assert {"a": "cpu0", "b": "sw0", "kind": "pcie", "bandwidth_gbps": 13.0} in d["links"]
 
 
