@@ -188,7 +188,7 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
          dtype: torch.dtype | None = _D.dtype,
          memory_fraction: float = _D.memory_fraction, solver: str = _D.solver, time_limit: float = _D.time_limit,
          cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, verbose: bool = _D.verbose,
-         pipeline: PassPipeline | None = None) -> Plan:
+         pipeline: PassPipeline | None = None, cache: bool = _D.cache) -> Plan:
     """Plan a Mobius pipeline for `model` on `topology`; nothing is run on a GPU.
 
     Works on the meta device, so a 15B model plans on a laptop:
@@ -216,7 +216,7 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     return _run((pipeline or default_pipeline()).until("plan"), model=model, topology=topology,
                 example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
                 cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
-                time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir).plan
+                time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, cache=cache).plan
 
 
 def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,
@@ -226,7 +226,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, device: str = _D.device,
             verbose: bool = _D.verbose, max_variants: int = _D.max_variants, pipeline: PassPipeline | None = None,
             process_group: Any = None, batch_dims: dict | None = _D.batch_dims,
-            memory_books: str = _D.memory_books):
+            memory_books: str = _D.memory_books, cache: bool = _D.cache):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -281,7 +281,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
                microbatches=microbatches, cuts=cuts, verbose=verbose, costs=costs, dtype=dtype,
                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
                cache_dir=cache_dir, device=device, max_variants=max_variants, batch_dims=batch_dims,
-               memory_books=memory_books)
+               memory_books=memory_books, cache=cache)
     pipe = ctx.pipeline
     group = default_group(process_group)
     if group is not None:
