@@ -164,6 +164,10 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--trace", metavar="OUT", type=_out_path,
                     help="write a Chrome/Perfetto trace of the simulated step")
     pl.add_argument("--quiet", action="store_true", help="no progress messages")
+    pl.add_argument("--no-cache", dest="cache", action="store_false",
+                    help="trace and annotate the model anew instead of reading its graph and layer costs from the "
+                         "cache ($MOBIUS_FX_CACHE/traces or ~/.cache/mobius_fx/traces; MOBIUS_FX_TRACE_CACHE=0 "
+                         "does the same)")
 
     tp = sub.add_parser("topology", help="print a server topology as a tree",
                         description="Print a topology (preset, JSON file, or detected) as a tree with link "
@@ -205,7 +209,7 @@ def _cmd_plan(args) -> int:
     model, inputs = zoo.build(args.model, batch=args.batch, seq=args.seq, device="meta")
     p = api.plan(model, topo, example_inputs=inputs, microbatches=micro, cuts=args.cuts,
                  dtype=args.dtype, memory_fraction=args.memory_fraction,
-                 time_limit=args.time_limit, verbose=not args.quiet)
+                 time_limit=args.time_limit, verbose=not args.quiet, cache=args.cache)
     print(p)
     cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None,
                   optimizer_overlap=args.optimizer_overlap)
