@@ -148,10 +148,11 @@ def _attributes(m: nn.Module, objects: dict[int, Any]) -> list:
 
 @functools.lru_cache(maxsize=None)
 def _class_source(cls: type) -> str:
-    """A hash of the file defining `cls` and its package's version (torch's version for torch's own)."""
+    """A hash of the file defining `cls` and its package's version (torch's and the standard
+    library's classes: their version; Python's is in the key)."""
     top = cls.__module__.split(".")[0]
     version = str(getattr(sys.modules.get(top), "__version__", ""))
-    if top in ("torch", "builtins"):
+    if top in ("torch", "builtins") or top in sys.stdlib_module_names:
         return f"{_qualname(cls)} {top} {version}"
     try:
         path = inspect.getsourcefile(cls)

@@ -14,6 +14,12 @@ takes as long as exporting again. What the later passes read from a traced graph
 - the pytree calling convention (`graph._codegen`), the bodies of higher-order ops (nested
   graph modules), the front end's own constants (export's lifted ones), and `TraceInfo`.
 
+What a restored graph does not keep: torch.export's forward hooks on the graph module (a
+direct `gm(...)` call does not check export's input constraints; the pipeline checks every call
+with `input_guards` and the placeholders' shapes, mobius_fx/runtime/call_signatures.py), node
+metadata nothing reads (`stack_trace`, `source_fn_stack`, `from_node`) and fake tensors beyond
+the placeholders.
+
 The parameters and buffers are never written: each is stored as its name in the model
 (`TraceInfo.names`), and `load` binds the graph to the model's own tensors, as a fresh trace
 does; it then checks the binding against the stored one. Anything the store cannot write
@@ -85,6 +91,7 @@ def save(gm: fx.GraphModule, path: Path, info: dict) -> None:
     guards = gm.meta.get("mobius_guards")
     entry["guards"] = _encode_guards(guards) if guards is not None else None
     entry["ranges"] = dict(getattr(gm, "range_constraints", None) or {}) or None
+    entry["fixed_mode"] = "train" in vars(gm)  # export's graph refuses train()/eval(): its modes are baked in
     try:
         blob = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # an arg or meta value pickle cannot write
@@ -248,7 +255,18 @@ def load(path: Path, model: nn.Module) -> tuple[fx.GraphModule, dict]:
         gm.range_constraints = shapes.ranges
     if entry.get("guards") is not None:
         gm.meta["mobius_guards"] = _decode_guards(entry["guards"])
+    if entry.get("fixed_mode"):
+        gm.train = types.MethodType(_refuse_train, gm)  # type: ignore[method-assign]
+        gm.eval = types.MethodType(_refuse_eval, gm)  # type: ignore[method-assign]
     return gm, info
+
+
+def _refuse_train(self: nn.Module, mode: bool = True) -> nn.Module:
+    raise NotImplementedError("Calling train() is not supported yet.")  # as torch.export's graph module says
+
+
+def _refuse_eval(self: nn.Module) -> nn.Module:
+    raise NotImplementedError("Calling eval() is not supported yet.")
 
 
 def _decode_module(enc: dict, model: nn.Module | None, state: dict[str, torch.Tensor],

@@ -217,3 +217,13 @@ def test_layer_costs_are_keyed_by_the_cost_settings(tmp_path):
     assert a.layers != b.layers  # bf16 activations: other saved bytes
     c = mobius_fx.plan(model, TOPO, dtype=torch.bfloat16, **kw)
     assert c.layers == b.layers
+
+
+def test_a_restored_export_graph_keeps_its_modes_fixed(tmp_path):
+    model, inputs = _llama()
+    cold = trace(model, example_inputs=inputs, cache_dir=tmp_path)
+    warm = trace(copy.deepcopy(model), example_inputs=inputs, cache_dir=tmp_path)
+    assert warm.meta["mobius_trace"].cached and warm.meta["mobius_trace"].modes == cold.meta["mobius_trace"].modes
+    for gm in (cold, warm):
+        with pytest.raises(NotImplementedError):
+            gm.eval()
