@@ -212,6 +212,10 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     candidate stage counts; the gap reached is reported in `plan.solver`). Every setting is
     checked by `CompileOptions` (one set of defaults) before any work: a bad value raises
     `MobiusError` saying the value, the rule and the remedy.
+    `cache` (default True): read the traced graph and the layer costs from the cache under
+    `cache_dir` (default $MOBIUS_FX_CACHE or ~/.cache/mobius_fx) when this model, its inputs and
+    these settings were planned before, and keep them there otherwise (mobius_fx/compile_cache.py,
+    docs/checkpointing.md); False, or MOBIUS_FX_TRACE_CACHE=0, traces and annotates anew.
     """
     return _run((pipeline or default_pipeline()).until("plan"), model=model, topology=topology,
                 example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
@@ -254,6 +258,8 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     this plan on its own slice of the batch and gradients are averaged across the group as each
     stage's are complete; default: the world group when torch.distributed is initialised with
     more than one rank; `False`: none.
+    `cache`: as for `plan` (a second compile of the same model reads its graph, layer costs and
+    cuts from disk: docs/checkpointing.md).
     `batch_dims`: which forward arguments carry the batch, {name: 0 or None} (None: not batched,
     every micro-batch gets it whole); by default dim 0 of the first batched input is the batch and
     every input with a dim 0 of its size is split. How outputs are combined across micro-batches,
