@@ -192,6 +192,10 @@ def _parser() -> argparse.ArgumentParser:
                          "default a language model's training step is planned, the loss on the last stage "
                          "(pipe.train_step): HF models get labels, the zoo's GPT the next-token cross-entropy")
     pl.add_argument("--quiet", action="store_true", help="no progress messages")
+    pl.add_argument("--no-cache", dest="cache", action="store_false",
+                    help="trace and annotate the model anew instead of reading its graph and layer costs from the "
+                         "cache ($MOBIUS_FX_CACHE/traces or ~/.cache/mobius_fx/traces; MOBIUS_FX_TRACE_CACHE=0 "
+                         "does the same)")
 
     tp = sub.add_parser("topology", help="print a server topology as a tree",
                         description="Print a topology (preset, JSON file, or detected) as a tree with link "
@@ -237,7 +241,7 @@ def _cmd_plan(args) -> int:
     p = api.plan(model, topo, example_inputs=inputs, microbatches=micro, cuts=args.cuts, **step,
                  dtype=args.dtype, memory_fraction=args.memory_fraction,
                  time_limit=args.time_limit, verbose=not args.quiet, optimizer=args.optimizer,
-                 host_memory_fraction=args.host_memory_fraction)
+                 host_memory_fraction=args.host_memory_fraction, cache=args.cache)
     print(p)
     cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None,
                   optimizer_overlap=args.optimizer_overlap)

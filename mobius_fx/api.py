@@ -202,8 +202,8 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
          memory_fraction: float = _D.memory_fraction, solver: str = _D.solver, time_limit: float = _D.time_limit,
          cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, verbose: bool = _D.verbose,
          pipeline: PassPipeline | None = None, optimizer: str = _D.optimizer,
-         host_memory_fraction: float | None = _D.host_memory_fraction, loss_fn: Any = None,
-         example_target: Any = None, train_step: bool = False) -> Plan:
+         host_memory_fraction: float | None = _D.host_memory_fraction, cache: bool = _D.cache,
+         loss_fn: Any = None, example_target: Any = None, train_step: bool = False) -> Plan:
     """Plan a Mobius pipeline for `model` on `topology`; nothing is run on a GPU.
 
     Works on the meta device, so a 15B model plans on a laptop:
@@ -231,6 +231,10 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     remedies (None: not checked). Every setting is
     checked by `CompileOptions` (one set of defaults) before any work: a bad value raises
     `MobiusError` saying the value, the rule and the remedy.
+    `cache` (default True): read the traced graph and the layer costs from the cache under
+    `cache_dir` (default $MOBIUS_FX_CACHE or ~/.cache/mobius_fx) when this model, its inputs and
+    these settings were planned before, and keep them there otherwise (mobius_fx/compile_cache.py,
+    docs/checkpointing.md); False, or MOBIUS_FX_TRACE_CACHE=0, traces and annotates anew.
     `loss_fn` + `example_target`, or `train_step=True` for a model that returns its own loss (HF
     models with `labels` in `example_kwargs`): plan the training step `pipe.train_step` runs, with
     the loss on the last stage, so only the loss leaves the GPUs (no logits on any link).
@@ -248,7 +252,7 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
                 example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
                 cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
                 time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, optimizer=optimizer,
-                host_memory_fraction=host_memory_fraction).plan
+                host_memory_fraction=host_memory_fraction, cache=cache).plan
 
 
 def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,
@@ -259,8 +263,8 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             verbose: bool = _D.verbose, max_variants: int = _D.max_variants, pipeline: PassPipeline | None = None,
             process_group: Any = None, batch_dims: dict | None = _D.batch_dims,
             memory_books: str = _D.memory_books, optimizer: str = _D.optimizer,
-            host_memory_fraction: float | None = _D.host_memory_fraction, loss_fn: Any = None,
-            example_target: Any = None):
+            host_memory_fraction: float | None = _D.host_memory_fraction, cache: bool = _D.cache,
+            loss_fn: Any = None, example_target: Any = None):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -288,6 +292,8 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     this plan on its own slice of the batch and gradients are averaged across the group as each
     stage's are complete; default: the world group when torch.distributed is initialised with
     more than one rank; `False`: none.
+    `cache`: as for `plan` (a second compile of the same model reads its graph, layer costs and
+    cuts from disk: docs/checkpointing.md).
     `batch_dims`: which forward arguments carry the batch, {name: 0 or None} (None: not batched,
     every micro-batch gets it whole); by default dim 0 of the first batched input is the batch and
     every input with a dim 0 of its size is split. How outputs are combined across micro-batches,
@@ -317,7 +323,8 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
                microbatches=microbatches, cuts=cuts, verbose=verbose, costs=costs, dtype=dtype,
                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
                cache_dir=cache_dir, device=device, max_variants=max_variants, batch_dims=batch_dims,
-               memory_books=memory_books, optimizer=optimizer, host_memory_fraction=host_memory_fraction)
+               memory_books=memory_books, optimizer=optimizer, host_memory_fraction=host_memory_fraction,
+               cache=cache)
     pipe = ctx.pipeline
     group = default_group(process_group)
     if group is not None:
@@ -362,7 +369,7 @@ def _attach_step(pipe, ctx: CompileContext, loss_fn: Any, example_target: Any, *
                        cross_map=s.cross_map, cache_dir=s.cache_dir, device=pipe.devices, verbose=s.verbose,
                        max_variants=s.max_variants, pipeline=step_passes(pipeline), process_group=False,
                        batch_dims=s.batch_dims, memory_books=memory_books, optimizer=s.optimizer,
-                       host_memory_fraction=s.host_memory_fraction)
+                       host_memory_fraction=s.host_memory_fraction, cache=s.cache)
 
     step = StepCompiler(ctx.model, loss_fn, compile_step)
     object.__setattr__(pipe, "_step", step)

@@ -95,7 +95,9 @@ class CompileOptions:
     masters stay in DRAM in their own dtype; None streams that one); `precision` (set by `for_model`,
     not given): the `Precision` record of `dtype` and the model's masters every pass reads. `memory_fraction`: the share of each GPU a plan may use. `solver`:
     "auto" | "highs" | "cbc". `time_limit`: the MIP's whole budget in seconds. `cross_map`:
-    "contention" | "paper" | "identity". `cache_dir`: where solved partitions are kept.
+    "contention" | "paper" | "identity". `cache_dir`: where solved partitions are kept (and, under
+    `traces/`, traced graphs and layer costs). `cache`: reuse traced graphs and layer costs from
+    the cache (mobius_fx/compile_cache.py; also off with MOBIUS_FX_TRACE_CACHE=0).
     `device`: "auto" | "virtual" | "virtual-async" (the CPU stand-in of the CUDA path) | "cuda" or
     `{gpu name: Device}` (compile only). `device_spec`: the cost model's device (default: the
     topology's first GPU). `verbose`: progress on stderr.
@@ -125,6 +127,7 @@ class CompileOptions:
     time_limit: float = 20.0
     cross_map: str = "contention"
     cache_dir: str | None = None
+    cache: bool = True
     device: Any = "auto"
     device_spec: Any = None
     verbose: bool = True
@@ -158,6 +161,9 @@ class CompileOptions:
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, bytes)) \
                 and not hasattr(self.cache_dir, "__fspath__"):
             raise MobiusError(f"cache_dir={self.cache_dir!r} is not a path; pass a directory path or None")
+        if not isinstance(self.cache, bool):
+            raise MobiusError(f"cache={self.cache!r}; it must be True (reuse traced graphs and layer costs kept on disk) "
+                              f"or False (trace and annotate anew)")
         if not isinstance(self.device, Mapping):
             _choice("device", self.device, DEVICES)
         if not isinstance(self.verbose, bool):

@@ -14,18 +14,27 @@ __all__ = ["trace_pass", "annotate_pass", "plan_pass", "insert_transfers_pass", 
 
 
 def trace_pass(gm, ctx: CompileContext):
+    """Trace the model, or read its graph from the trace cache (mobius_fx/compile_cache.py)."""
+    from mobius_fx.compile_cache import trace_dir
     from mobius_fx.tracing import trace
 
-    return trace(ctx.model, example_inputs=ctx.example_inputs, example_kwargs=ctx.example_kwargs or None)
+    return trace(ctx.model, example_inputs=ctx.example_inputs, example_kwargs=ctx.example_kwargs or None,
+                 cache_dir=trace_dir(ctx.settings))
 
 
 def annotate_pass(gm, ctx: CompileContext):
+    """Annotate the graph, or read its layers and node costs from the cache (modelled costs only)."""
+    from mobius_fx.compile_cache import cached_layers, store_layers
     from mobius_fx.passes.annotate import annotate
 
     s = ctx.settings
-    spec = s.device_spec or ctx.topology.gpus[0].spec
-    ctx.layers = tuple(annotate(gm, example_inputs=ctx.example_inputs, example_kwargs=ctx.example_kwargs or None,
+    layers = cached_layers(gm, ctx)
+    if layers is None:
+        spec = s.device_spec or ctx.topology.gpus[0].spec
+        layers = tuple(annotate(gm, example_inputs=ctx.example_inputs, example_kwargs=ctx.example_kwargs or None,
                                 costs=s.costs, device_spec=spec, precision=s.precision))
+        store_layers(gm, ctx, layers)
+    ctx.layers = layers
     return None
 
 

@@ -18,11 +18,14 @@ from" (it reads `node.meta["nn_module_stack"]`, which both tracers record).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
+import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +37,8 @@ from mobius_fx import grad_modes
 from mobius_fx.errors import TraceError, first_line
 from mobius_fx.export_front import forward_signature, input_guards, try_export
 from mobius_fx.module_paths import module_path, module_stack
+from mobius_fx.trace_key import Unkeyable, trace_key
+from mobius_fx import trace_store
 from mobius_fx.trace_semantics import autograd_functions, describe, refuse_parameter_writes, refuse_traced_functions
 
 __all__ = ["trace", "TraceInfo", "module_path", "module_stack", "flatten_inputs", "trace_info", "input_guards",
@@ -70,6 +75,10 @@ class TraceInfo:
     # the device the example inputs were on (the model's when no input is a tensor): what the
     # trace baked into factory ops and `.to` calls (mobius_fx/runtime/placement.py rewrites it per stage)
     device: str | None = None
+    # the trace cache's key for this graph ("" when not cached: mobius_fx/trace_key.py), and
+    # whether this graph was read from the cache instead of traced (mobius_fx/trace_store.py)
+    key: str = ""
+    cached: bool = False
 
     def model_name(self, gm_name: str) -> str:
         """The user model's name for a GraphModule parameter/buffer name."""
@@ -78,7 +87,8 @@ class TraceInfo:
 
 def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
           example_kwargs: dict[str, Any] | None = None, front_end: str = "auto", dynamic_batch: bool = True,
-          progress: Callable[[str], None] | None = None) -> fx.GraphModule:
+          progress: Callable[[str], None] | None = None,
+          cache_dir: str | os.PathLike | None = None) -> fx.GraphModule:
     """Capture `model` as a flat `GraphModule` that shares the model's tensors.
 
     Guarantees:
@@ -117,6 +127,11 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
     `front_end`: "auto" (symbolic_trace, then export), "fx" or "export" (that one only).
     Raises `TraceError` quoting the front ends' failures when none captures the model.
 
+    `cache_dir`: a directory of traced graphs (None: no cache), kept without weights under a key
+    of the model, its code, the inputs and these settings (mobius_fx/trace_key.py, trace_store.py);
+    a trace with the same key reads the graph back bound to the model's own tensors ("trace:
+    cached (key ...)"); an entry that does not read back or bind as stored is ignored (logged).
+
     >>> gm = trace(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), example_inputs=(torch.randn(2, 4),))
     >>> gm.meta["mobius_trace"].front_end
     'fx'
@@ -125,6 +140,30 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
         raise TraceError(f"front_end={front_end!r} is not a front end; use 'auto', 'fx' or 'export'")
     args = tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
+    path = None
+    if cache_dir is not None:
+        try:
+            path = Path(cache_dir) / f"{trace_key(model, args, kwargs, front_end=front_end, dynamic_batch=dynamic_batch)}.graph"
+        except Unkeyable as e:
+            _report(progress, f"trace: not cached ({e})")
+    gm = _cached(path, model, progress) if path is not None and path.exists() else None
+    if gm is not None:
+        return gm
+    gm = _traced(model, args, kwargs, front_end, dynamic_batch, progress, key=path.stem if path is not None else "")
+    if path is not None:
+        try:
+            trace_store.save(gm, path, asdict(gm.meta["mobius_trace"]))
+        except trace_store.Unstorable as e:
+            gm.meta["mobius_trace"] = dataclasses.replace(gm.meta["mobius_trace"], key="")
+            _report(progress, f"trace: not cached ({e})")
+        except OSError as e:  # a read-only or full cache directory is not an error: the graph is good
+            _report(progress, f"trace: not cached (cannot write {path}: {e.strerror or e})")
+    return gm
+
+
+def _traced(model: nn.Module, args: tuple, kwargs: dict, front_end: str, dynamic_batch: bool,
+            progress: Callable[[str], None] | None, key: str) -> fx.GraphModule:
+    """`trace`'s work when the cache does not answer: the front ends, the checks, the TraceInfo."""
     t0 = time.perf_counter()
     modes = tuple(m.training for m in model.modules())
     with _preserve_model(model):
@@ -142,12 +181,32 @@ def trace(model: nn.Module, *, example_inputs: tuple[Any, ...] | list[Any] = (),
         refuse_parameter_writes(model, gm, _run_on_copies(gm, args, kwargs)[1] or [], _name_map(gm, model)[0])
     _place_get_attrs(gm)
     names, constants = _name_map(gm, model)
-    gm.meta["mobius_trace"] = TraceInfo(front_end=used, names=names, constants=constants,
-                                        fx_error=fx_error, dynamic_batch=dynamic,
-                                        seconds=time.perf_counter() - t0, modes=modes,
-                                        device=_input_device(model, args, kwargs))
+    gm.meta["mobius_trace"] = TraceInfo(front_end=used, names=names, constants=constants, fx_error=fx_error,
+                                        dynamic_batch=dynamic, seconds=time.perf_counter() - t0, modes=modes,
+                                        device=_input_device(model, args, kwargs), key=key)
     _report(progress, f"traced {type(model).__name__} with {used}: {len(gm.graph.nodes)} nodes "
                       f"in {time.perf_counter() - t0:.2f} s")
+    return gm
+
+
+def _cached(path: Path, model: nn.Module, progress: Callable[[str], None] | None) -> fx.GraphModule | None:
+    """The graph cached at `path` bound to `model`, or None (with a log line) when it does not
+    read back, or binds to the model's tensors otherwise than when it was traced."""
+    t0 = time.perf_counter()
+    try:
+        gm, fields = trace_store.load(path, model)
+        info = TraceInfo(**{**fields, "modes": tuple(fields["modes"]), "constants": tuple(fields["constants"])})
+        names, constants = _name_map(gm, model)
+        if names != info.names or constants != info.constants:
+            raise ValueError("its parameters and buffers bind to the model otherwise than when it was traced")
+        gm.graph.lint()
+    except Exception as e:  # anything: a corrupt, truncated or stale entry is never trusted
+        _log.warning("trace: ignoring the cached graph %s (%s: %s); tracing again", path, type(e).__name__,
+                     first_line(e))
+        return None
+    gm.meta["mobius_trace"] = dataclasses.replace(info, cached=True, seconds=time.perf_counter() - t0)
+    _report(progress, f"trace: cached (key {path.stem[:12]}): {type(model).__name__}, {len(gm.graph.nodes)} nodes "
+                      f"({info.front_end}) in {time.perf_counter() - t0:.2f} s")
     return gm
 
 
@@ -432,8 +491,6 @@ def _preserve_model(model: nn.Module):
                 b = current.get(k)
                 if b is not None and b.shape == saved.shape and not torch.equal(b, saved):
                     b.copy_(saved)
-
-
 
 
 def _report(progress: Callable[[str], None] | None, message: str) -> None:

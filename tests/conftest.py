@@ -13,6 +13,10 @@ settings.register_profile(
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Every test traces and annotates anew: a graph cached by an earlier run (or test) would skip
+# the tracing a test means to exercise. The cache's own tests turn it on (tests/unit/test_trace_cache.py).
+os.environ.setdefault("MOBIUS_FX_TRACE_CACHE", "0")
+
 
 @pytest.fixture(scope="module")
 def one_thread():

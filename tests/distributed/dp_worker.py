@@ -44,7 +44,8 @@ def train(model: torch.nn.Module, rank: int, world: int, overlap: str, process_g
           steps: range = range(STEPS), opt_state: dict | None = None, fail_at: int | None = None,
           report: dict | None = None) -> dict:
     """Train `steps` of the common data on this rank's rows; returns the final weights. `report`
-    (a dict) receives the optimizer's state_dict, how many parameters this rank stepped, and --
+    (a dict) receives the optimizer's state_dict, how many parameters this rank stepped, each
+    step's loss (`losses`: step -> this rank's loss), and --
     with `fail_at`, on the ranks that did not fail -- the error and whether the weights were
     left as the step before."""
     data = batches()
@@ -57,9 +58,11 @@ def train(model: torch.nn.Module, rank: int, world: int, overlap: str, process_g
                                        momentum=MOMENTUM, weight_decay=1e-2), mode=overlap, shard=shard)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
+    losses = {}
     for t in steps:
         x = data[t][rank * rows:(rank + 1) * rows]
         loss = F.cross_entropy(pipe(x).flatten(0, 1), x.flatten())
+        losses[t] = loss.item()
         if t == fail_at:
             if rank == world - 1:
                 raise SystemExit(f"rank {rank}: failing on purpose in step {t}")
@@ -77,7 +80,7 @@ def train(model: torch.nn.Module, rank: int, world: int, overlap: str, process_g
     if hasattr(opt, "synchronize"):
         opt.synchronize()
     if report is not None:
-        report.update(opt_state=opt.state_dict(), owned=getattr(opt, "owned", None))
+        report.update(opt_state=opt.state_dict(), owned=getattr(opt, "owned", None), losses=losses)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -91,7 +94,8 @@ def main() -> None:
     ap.add_argument("--shard", action="store_true")
     ap.add_argument("--steps", type=int, nargs=2, default=(0, STEPS), help="train steps [a, b)")
     ap.add_argument("--resume", help="a checkpoint saved by --save: model and optimizer state")
-    ap.add_argument("--save", help="rank 0 saves the model and optimizer state here after training")
+    ap.add_argument("--save", help="rank 0 saves the model and optimizer state here after training; with --shard "
+                                   "each rank saves its share of the optimizer state beside it, in FILE.rank<R>")
     ap.add_argument("--fail-at", type=int, help="the last rank exits in this step, after its forward")
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args()
@@ -103,15 +107,18 @@ def main() -> None:
     try:
         model = build_model(args.rank)
         opt_state = None
-        if args.resume:
+        if args.resume:  # docs/checkpointing.md
             ckpt = torch.load(args.resume)
             model.load_state_dict(ckpt["model"])
-            opt_state = ckpt["optimizer"]
+            opt_state = torch.load(f"{args.resume}.rank{args.rank}") if args.shard else ckpt["optimizer"]
         report: dict = {}
         weights = train(model, args.rank, args.world, args.overlap, shard=args.shard, steps=range(*args.steps),
                         opt_state=opt_state, fail_at=args.fail_at, report=report)
+        if args.save and args.shard:  # each rank holds the optimizer state of its own share of the parameters
+            torch.save(report["opt_state"], f"{args.save}.rank{args.rank}")
         if args.save and args.rank == 0:
-            torch.save({"model": model.state_dict(), "optimizer": report["opt_state"]}, args.save)
+            torch.save({"model": model.state_dict(), "optimizer": None if args.shard else report["opt_state"]},
+                       args.save)
         torch.save({"weights": weights, **{k: v for k, v in report.items() if k != "opt_state"},
                     "state_entries": len(report.get("opt_state", {}).get("state", {}))}, args.out)
     finally:

@@ -518,8 +518,9 @@ if __name__ == "__main__":
 PHASE_ORDER = ("base", "trace", "topology", "planning", "sim|runtime", "passes", "front")
 TOP_LEVEL_PHASES = {  # modules directly in mobius_fx/, by phase; a new one must be placed here
     "base": {"mobius_fx", "errors", "units", "kinds", "precision", "losses"},
-    "trace": {"tracing", "trace_semantics", "export_front", "grad_modes", "module_paths"},
-    "front": {"api", "compiler", "options", "__main__", "build", "pass_adapters", "train_step", "trainer"},
+    "trace": {"tracing", "trace_semantics", "export_front", "grad_modes", "module_paths", "trace_key", "trace_store"},
+    "front": {"api", "compiler", "options", "__main__", "build", "pass_adapters", "train_step", "trainer",
+              "compile_cache"},
 }
 KNOWN_PHASE_EDGES: dict[tuple[str, str], str] = {  # (importer, imported) -> why
     ("mobius_fx.passes.partition", "mobius_fx.options"):

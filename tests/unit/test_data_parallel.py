@@ -88,3 +88,20 @@ def test_a_saved_run_resumes_on_the_same_loss_curve(tmp_path, two_ranks):
     resumed = _results(tmp_path, 2, "--steps", "3", str(dp_worker.STEPS), "--resume", str(ckpt), tag="second")
     for name, w in whole[0]["weights"].items():
         assert torch.equal(resumed[0]["weights"][name], w), name
+
+
+def test_a_sharded_run_resumes_with_one_optimizer_file_per_rank(tmp_path):
+    """pipe.overlap(shard=True): the weights are the same on every rank after step(), the optimizer
+    state is each rank's own share; a checkpoint is the model once plus one optimizer file per rank
+    (docs/checkpointing.md), and resuming on as many ranks gives the same next losses and weights."""
+    shard = ("--overlap", "sync", "--shard")
+    whole = _results(tmp_path, 2, *shard, tag="whole")
+    ckpt = tmp_path / "ckpt.pt"
+    first = _results(tmp_path, 2, *shard, "--steps", "0", "3", "--save", str(ckpt), tag="first")
+    assert sorted(p.name for p in tmp_path.glob("ckpt.pt*")) == ["ckpt.pt", "ckpt.pt.rank0", "ckpt.pt.rank1"]
+    resumed = _results(tmp_path, 2, *shard, "--steps", "3", str(dp_worker.STEPS), "--resume", str(ckpt), tag="second")
+    for r in range(2):
+        assert first[r]["losses"] == {t: whole[r]["losses"][t] for t in range(3)}
+        assert resumed[r]["losses"] == {t: whole[r]["losses"][t] for t in range(3, dp_worker.STEPS)}  # bit for bit
+        for name, w in whole[r]["weights"].items():
+            assert torch.equal(resumed[r]["weights"][name], w), name
