@@ -551,7 +551,7 @@ def test_a_synchronous_overlap_steps_each_stage_once_its_gradients_have_landed(t
     # without host copies the per-stage steps end sooner than one step after the pipeline; with
     # them (the measured default) sync's worker also converts each stage's gradients and writes
     # its streamed copy, serially, where serial mode pins the copies on the upload workers
-    # during the next pipeline: not always faster (README, "The paper's comparison")
+    # during the next pipeline: not always faster (docs/benchmarks.md, "The paper's comparison")
     none = {k: 0 for k in HOST_COPY_KINDS}
     assert sync.pipeline_time <= sync.step_time
     assert simulate(testbed_plan, schedule=schedule, optimizer_overlap="sync", host_copies=none).step_time < \
