@@ -16,6 +16,8 @@ with its optimizer stepped serially after backward and checkpoints holding `pipe
 - checkpoints (`save_steps`, `save_model`) are the wrapped model's `save_pretrained` (an HF
   model or PEFT directory that `from_pretrained` reads), and `resume_from_checkpoint` /
   `load_best_model_at_end` load them back into the model whose masters the pipeline streams.
+- each training step is the pipeline's (`pipe.train_step`): the loss on the last stage, only the
+  loss leaving the GPUs (Trainer's own route where a loss scaler or a custom loss needs it).
 - `label_names` and `can_return_loss` read off the wrapped model's class (Trainer reads them off
   the class of `model`, which is `Pipeline`), so evaluation computes the loss.
 
@@ -71,6 +73,24 @@ class PipelineTrainerMixin:
         if self.optimizer_overlap != "none" and not isinstance(opt, OverlapOptimizer):
             opt = self.optimizer = self.pipeline.overlap(opt, self.optimizer_overlap)
         return opt
+
+    def training_step(self, model: Any, inputs: dict, num_items_in_batch: Any = None) -> Any:
+        """Trainer's step as the pipeline's training step (`pipe.train_step`): the model's loss on
+        its last stage, so the logits never leave the GPUs; backward from the loss over the
+        accumulation steps, as Trainer's own. Trainer's route (`compute_loss`, then
+        `accelerator.backward`) where that cannot be: a loss scaler (fp16), a `compute_loss_func`,
+        several devices, or a subclass that overrides `compute_loss`."""
+        own = type(self).compute_loss is Trainer.compute_loss
+        if (model is not self.pipeline or not own or self.compute_loss_func is not None or self.args.n_gpu > 1
+                or getattr(self.accelerator, "scaler", None) is not None
+                or self.pipeline.__dict__.get("_step") is None):
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        accumulate = self.current_gradient_accumulation_steps
+        with self.compute_loss_context_manager():
+            loss = self.pipeline._train_step((), dict(inputs), None, scale=1.0 / accumulate)
+        return loss / accumulate
 
     @contextlib.contextmanager
     def _as_model(self) -> Iterator[Any]:

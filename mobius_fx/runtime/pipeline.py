@@ -165,6 +165,11 @@ class Pipeline(ModelFace, nn.Module):
         Afterwards the masters' `.grad` is what `loss_fn(model(x), y).backward()` leaves; the
         returned loss is the whole batch's, detached. The step is its own compiled pipeline
         (mobius_fx/train_step.py), on this pipeline's devices, with its optimizer overlap."""
+        return self._train_step(args, kwargs, target)
+
+    def _train_step(self, args: tuple, kwargs: dict, target: Any, scale: float = 1.0) -> torch.Tensor:
+        """`train_step`, its backward from `scale` x the loss (HF Trainer's gradient accumulation:
+        mobius_fx/trainer.py); the loss it returns is not scaled."""
         step = self.__dict__.get("_step")
         if step is None:
             raise MobiusError("train_step needs a pipeline made by mobius_fx.compile (it compiles the model with its "
@@ -179,7 +184,7 @@ class Pipeline(ModelFace, nn.Module):
             # the optimizer overlap, the data-parallel reducer and the host gradient storage are this pipeline's
             srt.overlap, srt.reducer, srt.grad_homes = rt.overlap, rt.reducer, rt.grad_homes
             loss = program(*a, **k)
-            loss.backward()
+            (loss if scale == 1.0 else loss * scale).backward()
         return loss.detach()
 
     @property
