@@ -44,6 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
+from mobius_fx.kinds import OVERLAP_MODES  # noqa: E402
 from mobius_fx.runtime import overlap_fused  # noqa: E402
 from mobius_fx.runtime.host_counters import BESIDE, COUNTERS, HostCounters  # noqa: E402
 from mobius_fx.zoo import GPT, GPTConfig  # noqa: E402
@@ -107,7 +108,8 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=100e6, help="about how many parameters (default 1e8)")
     ap.add_argument("--steps", type=int, default=3, help="steps per run (the first runs serially: sync's probe)")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the streamed dtype")
-    ap.add_argument("--mode", choices=("sync", "async"), default="sync", help="the overlap mode (default sync)")
+    ap.add_argument("--mode", choices=[m for m in OVERLAP_MODES if m != "none"], default="sync",
+                    help="the overlap mode (default sync)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
