@@ -12,6 +12,16 @@ against it, over GPT-like tensors totalling
 the median of `--steps` timed steps after one warm-up step, all variants interleaved in one run.
 
     python benchmarks/cpu_optimizer.py [--params 64e6] [--steps 5] [--threads N] [--topology-out server.json]
+                                       [--sweep-params 32e6] [--sweep-threads 1,2,4] [--no-sweep]
+
+Then, per thread count (1, 2, 4, ... and this process's cores), the host's ceiling beside the
+optimizers over the same 28 bytes per parameter (`sweep`): a STREAM-like triad (one compiled loop
+reading p, m, v in fp32 and a bf16 gradient, writing p, m, v and a bf16 copy, with one
+multiply-add each), torch's AdamW(fused=True) on fp32 gradients (which writes no copy), and the
+fused host pass (`mobius_fx.runtime.host_optimizer`: bf16 gradient in, the streamed bf16 copy
+out), in GB/s, with the pass's ratio to torch's fused AdamW (the acceptance bar: >= 1.0 on a quiet
+machine) and to the triad; each the median of `--steps` interleaved repeats, all in one run. It
+ends with the JSON "host" snippet for the topology (the pass's bytes/s at the most threads).
 
 With `--topology-out PATH` it writes what it measured into the "host" section of the topology
 JSON at PATH (`mobius_fx.topology.server.HostFigures`: the fastest torch AdamW's bytes/s and kernel,
@@ -102,7 +112,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size of the GPT-like tensors (default 1024)")
     ap.add_argument("--topology-out", default=None,
                     help="a topology JSON to write the host figures into (its 'host' section; the file must exist)")
+    ap.add_argument("--sweep-params", type=float, default=32e6,
+                    help="parameters of the per-thread-count sweep (triad, torch fused AdamW, the fused pass)")
+    ap.add_argument("--sweep-threads", default=None,
+                    help="thread counts of the sweep, comma-separated (default 1, 2, 4, ... and the cores)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the per-thread-count sweep")
+    ap.add_argument("--sweep-only", action="store_true", help="only the per-thread-count sweep")
     args = ap.parse_args(argv)
+    if args.sweep_only:
+        host = sweep(args.sweep_params, args.steps, _thread_counts(args.sweep_threads), args.hidden)
+        if args.topology_out and host is not None:
+            write_host(args.topology_out, host)
+            print(f"host figures written to {args.topology_out}: {host.to_dict()}")
+        return
     if args.topology_out and not os.path.exists(args.topology_out):  # refused before minutes of measuring
         try:
             write_host(args.topology_out, HostFigures())
@@ -134,7 +156,14 @@ def main(argv: list[str] | None = None) -> None:
           f"CLI default to {CPU_ADAM_BANDWIDTH / 1e9:.1f} GB/s (sim.tasks.CPU_ADAM_BANDWIDTH: fused AdamW measured on "
           f"the H200 run's 16-core host; --topology-out writes this machine's figures, --adam-gbps passes one)")
     speeds = copies(params, best[0], args.steps)
-    if args.topology_out:
+    passed = None
+    if not args.no_sweep:
+        del opts, params
+        passed = sweep(args.sweep_params, args.steps, _thread_counts(args.sweep_threads), args.hidden)
+    if args.topology_out and passed is not None:
+        write_host(args.topology_out, passed.__class__(**{**passed.to_dict(), "host_copy_bytes_per_s": min(speeds.values())}))
+        print(f"host figures written to {args.topology_out} (the fused host pass's)")
+    elif args.topology_out:
         # the user's torch optimizer, not DeepSpeed's: that is what a Mobius step runs
         bw, name = max((touched / statistics.median(ts), n) for n, ts in times.items() if n in _IMPLEMENTATION)
         host = HostFigures(optimizer="adamw", implementation=_IMPLEMENTATION[name], optimizer_bytes_per_s=bw,
@@ -191,6 +220,99 @@ def copy_speeds(params: list[torch.Tensor], steps: int) -> dict[str, float]:
             f()
             times[name].append(time.perf_counter() - t0)
     return {name: _COPY_BYTES[name] * n / statistics.median(times[name]) for name in cases}
+
+
+def _thread_counts(spec: str | None) -> list[int]:
+    if spec:
+        return [int(t) for t in spec.split(",") if t.strip()]
+    n, out, t = cores(), [], 1
+    while t < n:
+        out.append(t)
+        t *= 2
+    return out + [n]
+
+
+def sweep(total: float, steps: int, threads: list[int], hidden: int = 1024) -> HostFigures | None:
+    """Per thread count: the triad, torch's AdamW(fused=True) on fp32 gradients and the fused
+    host pass over the same GPT-like tensors (`total` parameters), in bytes/s of 28 B/param;
+    prints a table and the topology's "host" JSON snippet; returns the pass's HostFigures at the
+    most threads (None where the pass could not be compiled)."""
+    import json
+
+    from mobius_fx.runtime import host_optimizer as H
+
+    params = gpt_like(total, hidden=hidden)
+    n = sum(p.numel() for p in params)
+    touched = TOUCHED_BYTES["adamw"] * n
+    torch_opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+    torch_opt.step()  # makes its state
+    gen = torch.Generator().manual_seed(1)
+    ours = [p.detach().clone() for p in params]
+    grads16 = [(torch.randn(p.shape, generator=gen) * 1e-3).to(torch.bfloat16) for p in params]
+    copies16 = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
+    states = [{"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p), "step": torch.tensor(1.0)}
+              for p in ours]
+    group = dict(torch_opt.param_groups[0])
+    flat = [(p.view(-1), g.view(-1), {k: (v.view(-1) if v.dim() else v) for k, v in st.items()}, c.view(-1))
+            for p, g, st, c in zip(ours, grads16, states, copies16)]
+
+    def our_pass() -> None:
+        step = float(states[0]["step"]) + 1
+        for st in states:
+            st["step"] += 1
+        for p, g, st, c in flat:
+            H.step_span("adamw", group, p, g, st, step=step, copy_out=c)
+
+    def _triad(p, g16, m, v, out, a):  # the same bytes as the pass, one multiply-add per tensor
+        g = g16.float()
+        p2 = p + a * g
+        p.copy_(p2)
+        m.copy_(m + a * g)
+        v.copy_(v + a * g)
+        out.copy_(p2)
+
+    triad_k = torch.compile(_triad, dynamic=True, fullgraph=True)
+    a = torch.tensor(1e-9)
+    tri = [(p.view(-1), g.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1), c.view(-1))
+           for p, g, st, c in zip(ours, grads16, states, copies16)]
+
+    def triad() -> None:
+        for t in tri:
+            triad_k(*t, a)
+
+    cases = {"triad": triad, "torch AdamW(fused=True), fp32 grad": torch_opt.step, "fused pass, bf16 grad + copy": our_pass}
+    print(f"\nper thread count, {n / 1e6:.1f}M parameters, {TOUCHED_BYTES['adamw']} B/param (GB/s, median of {steps}; "
+          f"ratio = fused pass / torch fused):")
+    print(f"{'threads':>8s}{'triad':>10s}{'torch fused':>13s}{'fused pass':>12s}{'ratio':>8s}{'pass/triad':>12s}")
+    default = torch.get_num_threads()
+    rows = []
+    try:
+        for t in threads:
+            torch.set_num_threads(t)
+            for f in cases.values():  # warm-up (and compile) at this thread count
+                f()
+            times: dict[str, list[float]] = {k: [] for k in cases}
+            for _ in range(steps):
+                for k, f in cases.items():
+                    t0 = time.perf_counter()
+                    f()
+                    times[k].append(time.perf_counter() - t0)
+            bw = {k: touched / statistics.median(v) for k, v in times.items()}
+            tb, ob, pb = bw["triad"], bw["torch AdamW(fused=True), fp32 grad"], bw["fused pass, bf16 grad + copy"]
+            rows.append((t, tb, ob, pb))
+            print(f"{t:>8d}{tb / 1e9:>10.2f}{ob / 1e9:>13.2f}{pb / 1e9:>12.2f}{pb / ob:>8.2f}{pb / tb:>12.2f}", flush=True)
+    finally:
+        torch.set_num_threads(default)
+    if not H.compiled():
+        print(f"the fused pass ran in eager ops: it could not be compiled here ({H.reason_not_compiled()})")
+        return None
+    t, tb, ob, pb = rows[-1]
+    host = HostFigures(optimizer="adamw", implementation="mobius-host-pass", optimizer_bytes_per_s=round(pb, -6),
+                       cores=cores())
+    print("topology 'host' section (the fused pass at the most threads; triad %.3g B/s, torch fused AdamW %.3g B/s "
+          "at %d threads):" % (tb, ob, t))
+    print(json.dumps({"host": host.to_dict()}))
+    return host
 
 
 if __name__ == "__main__":

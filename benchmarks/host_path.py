@@ -16,11 +16,18 @@ stepped by `pipe.overlap(mode="sync")`. Per step it prints, from the runtime's o
 
 "before" is the behaviour before issue 27 (every master copied at its first upload of every
 step, no refresh, a new fp32 gradient per master per step converted in a pass of its own, every
-gradient read on the host for a non-finite value); "after" the defaults now. The ideal is 0
-bytes outside the optimizer.
+gradient read on the host for a non-finite value); "spans" the issue-27 path (gradients converted
+span by span inside the stage's step, the streamed copy refreshed by a pass of its own after it:
+the fused host pass off, `overlap_fused.HOST_PASS = False`); "after" the defaults now: the fused
+host pass (mobius_fx/runtime/host_optimizer.py) steps each parameter in one pass that reads the
+bf16 download and writes the streamed copy and the fp32 `.grad`. The ideal is 0 bytes outside the
+optimizer; "no .grad" the same with `opt.keep_grads = False` (the pass writes no fp32 `.grad`:
+for loops that do not read it after backward). The row "total" is the bytes touched per
+parameter per step: the optimizer's own 28 (AdamW) + outside + beside, ideally 28.
 
     python benchmarks/host_path.py                  # ~100M parameters, bf16 streamed, 3 steps
     python benchmarks/host_path.py --params 5e6 --steps 4 --dtype fp32
+    python benchmarks/host_path.py --mode async     # the async overlap (no host pass there yet)
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
+from mobius_fx.kinds import OVERLAP_MODES  # noqa: E402
+from mobius_fx.runtime import overlap_fused  # noqa: E402
 from mobius_fx.runtime.host_counters import BESIDE, COUNTERS, HostCounters  # noqa: E402
 from mobius_fx.zoo import GPT, GPTConfig  # noqa: E402
 
@@ -50,7 +59,9 @@ def _config(params: float) -> GPTConfig:
     return GPTConfig(vocab=vocab, seq=64, hidden=hidden, blocks=blocks, heads=max(1, hidden // 64), dropout=0.0)
 
 
-def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before: bool) -> list[dict]:
+def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before: bool, host_pass: bool = True,
+        mode: str = "sync", keep_grads: bool = True) -> list[dict]:
+    overlap_fused.HOST_PASS = host_pass and not before
     torch.manual_seed(0)
     model = GPT(_config(params))
     n = sum(p.numel() for p in model.parameters())
@@ -64,8 +75,9 @@ def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before
         for d in devs:
             d.trust_versions = False
         pipe._rt.grad_homes = None
-    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4), mode="sync", refresh_copies=not before)
+    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4), mode=mode, refresh_copies=not before)
     opt.fuse = not before  # before: whole gradients converted, then read on the host, then stepped
+    opt.keep_grads = keep_grads  # False: no fp32 .grad written by the fused host pass (overlap_fused)
     rows = []
     for step in range(steps):
         c0 = COUNTERS.snapshot()
@@ -96,21 +108,36 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=100e6, help="about how many parameters (default 1e8)")
     ap.add_argument("--steps", type=int, default=3, help="steps per run (the first runs serially: sync's probe)")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the streamed dtype")
+    ap.add_argument("--mode", choices=[m for m in OVERLAP_MODES if m != "none"], default="sync",
+                    help="the overlap mode (default sync)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
-    results = {label: run(label, args.params, args.steps, dtype, before) for label, before in
-               (("before", True), ("after", False))}
+    runs = (("before", True, False, True), ("spans", False, False, True), ("after", False, True, True),
+            ("no .grad", False, True, False))
+    results = {label: run(label, args.params, args.steps, dtype, before, host_pass, args.mode, keep)
+               for label, before, host_pass, keep in runs}
     last = {k: v[-1] for k, v in results.items()}
+    labels = [label for label, _, _, _ in runs]
     print(f"\nsteady state (step {args.steps - 1}), {last['after']['params'] / 1e6:.1f}M parameters, "
-          f"{args.dtype} streamed, bytes per parameter per step:")
-    print(f"{'':28s}{'ideal':>10s}{'before':>10s}{'after':>10s}")
-    print(f"{'outside the optimizer':28s}{0:>10.2f}{last['before']['outside']:>10.2f}{last['after']['outside']:>10.2f}")
-    print(f"{'beside it: refresh':28s}{'-':>10s}{last['before']['refresh']:>10.2f}{last['after']['refresh']:>10.2f}")
-    print(f"{'beside it: grad_fused':28s}{'-':>10s}{last['before']['fused']:>10.2f}{last['after']['fused']:>10.2f}")
-    print(f"{'dispatch calls':28s}{'-':>10s}{last['before']['dispatch']:>10d}{last['after']['dispatch']:>10d}")
-    print(f"{'main-thread waits':28s}{0:>10d}{last['before']['waits']:>10d}{last['after']['waits']:>10d}")
-    print(f"{'step wall time (s)':28s}{'-':>10s}{last['before']['wall']:>10.2f}{last['after']['wall']:>10.2f}")
+          f"{args.dtype} streamed, mode={args.mode}, bytes per parameter per step:")
+    print(f"{'':28s}{'ideal':>10s}" + "".join(f"{k:>10s}" for k in labels))
+
+    def row(name: str, ideal: str, key: str, fmt: str = ">10.2f") -> None:
+        print(f"{name:28s}{ideal:>10s}" + "".join(f"{last[k][key]:{fmt}}" for k in labels))
+
+    row("outside the optimizer", "0.00", "outside")
+    row("beside it: refresh", "-", "refresh")
+    row("beside it: grad_fused", "-", "fused")
+    for k in labels:
+        last[k]["total"] = 28 + last[k]["outside"] + last[k]["refresh"] + last[k]["fused"]
+    row("total (28 + the above)", "28.00", "total")
+    row("dispatch calls", "-", "dispatch", ">10d")
+    row("main-thread waits", "0", "waits", ">10d")
+    row("step wall time (s)", "-", "wall")
+    if args.mode == "async":
+        print("async: the update copies w(t) into the shadow (8 B/param, not counted above) and steps with torch's "
+              "optimizer from the fp32 .grad the runtime converted; the fused host pass is not used there yet")
 
 
 if __name__ == "__main__":

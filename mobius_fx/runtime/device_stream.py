@@ -137,10 +137,12 @@ class StreamDevice(Device):
     def refresh(self, masters: Sequence[torch.Tensor]) -> None:
         """The optimizer stepped `masters` (pipe.overlap, on its worker, after a stage's last
         backward): write their new values into the streamed copies now, so the next step's
-        uploads need no copy of their own."""
+        uploads need no copy of their own. A copy already current -- written by the fused host
+        pass in the step itself (`overlap_fused.FusedStep._host_pass`), its (storage pointer,
+        version) recorded after the step -- is left as it is."""
         for m in masters:
             entry = self._pinned.get(id(m))
-            if entry is None or entry[0] is not m:
+            if entry is None or entry[0] is not m or entry[4] == (m.data_ptr(), m._version):
                 continue
             if entry[3] is not None:
                 entry[3].synchronize()  # the stage's last upload has been read (it ran its backward)

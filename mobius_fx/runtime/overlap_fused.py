@@ -1,20 +1,39 @@
-"""The sync overlap's fused hand-over and step (`FusedStep`, a part of `OverlapOptimizer`): a
-stage's downloaded gradients converted into `.grad` span by span, each span right before the
-wrapped optimizer's own step runs over views of that span of the parameter, gradient and state
-(Adam, AdamW and SGD, whose updates are elementwise). See mobius_fx/runtime/overlap.py."""
+"""The sync overlap's fused hand-over and step (`FusedStep`, a part of `OverlapOptimizer`).
+
+A stage's parameters whose optimizer the host pass knows (torch's Adam, AdamW, SGD:
+`host_optimizer.kind_of`) are stepped by it, one parameter per call, in ONE pass over host
+memory: it reads the downloaded half-precision gradient, updates the fp32 master and torch's
+own state, and writes the fp32 `.grad` (its home, kept across steps) and the streamed copy the
+next upload reads (`StreamDevice._pinned`), so no refresh pass follows for them
+(`_host_pass`; `HOST_PASS = False` or `MOBIUS_FX_HOST_PASS=0` turns it off; where it cannot be
+built, the log says so once and the path below runs).
+
+The others: the downloaded gradients converted into `.grad` span by span, each span right
+before the wrapped optimizer's own step runs over views of that span of the parameter, gradient
+and state (Adam, AdamW and SGD, whose updates are elementwise). See mobius_fx/runtime/overlap.py."""
 
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Callable
 
 import torch
 
 from mobius_fx.runtime.device_books import nbytes
 from mobius_fx.runtime.host_counters import COUNTERS
+from mobius_fx.runtime import host_optimizer
 from mobius_fx.runtime.host_gradients import convert_span
 
-__all__ = ["FusedStep", "UNIT", "SPAN_UNITS", "SPAN"]
+__all__ = ["FusedStep", "UNIT", "SPAN_UNITS", "SPAN", "HOST_PASS"]
+
+# Whether sync's stage step uses the fused host pass (`host_optimizer`) where it can.
+HOST_PASS = os.environ.get("MOBIUS_FX_HOST_PASS", "1") != "0"
+# An OverlapOptimizer's `keep_grads` (default True): the pass writes the fp32 `.grad` (+4 B per
+# parameter), as torch users expect after backward. False: the parameters it steps have no
+# `.grad` after backward (28 B per parameter for AdamW in bf16); a loop that reads or edits
+# `.grad` between backward and step (clip_grad_norm_) then sees none: only for loops that do not.
+_ALIGN = 64  # bytes: every tensor the compiled pass reads or writes starts at this alignment
 
 
 # The optimizers whose step `_step_fused` runs span by span: each element is updated from its own
@@ -92,27 +111,43 @@ class FusedStep:
         are handed over and stepped whole, as `_step_only` does. The optimizer's step hooks run
         once for the stage, as for `_step_only`."""
         where = {id(q): i for i, g in enumerate(hp) for q in g["params"]}
-        fused, whole = [], []
+        fused, whole, passed = [], [], []
         for p, gs in downloads:
-            (fused if id(p) in where and self._fusable(p, gs, hp[where[id(p)]], homes) else whole).append((p, gs))
+            if id(p) in where and self._fusable(p, gs, hp[where[id(p)]], homes):
+                kind = self._passable(p, gs, hp[where[id(p)]], homes)
+                if kind is not None:
+                    passed.append((p, gs, kind))
+                else:
+                    fused.append((p, gs))
+            else:
+                whole.append((p, gs))
+        if passed and _raw_step(type(self.inner)) is None:
+            fused += [(p, gs) for p, gs, _ in passed]
+            passed = []
         self._hand(whole, homes)
         params = [p for p, _ in downloads]
         want = {id(p) for p in params}
         sub = self._sub([{**g, "params": [p for p in g["params"] if id(p) in want]} for g in hp])
         raw = _raw_step(type(self.inner))
-        if not fused or raw is None:
+        if not (fused or passed) or raw is None:
             self._hand(fused, homes)
             type(self.inner).step(sub)
             return
         rest = {id(p) for p, _ in whole}
+        written: list[tuple[torch.Tensor, list]] = []
 
         def body(opt: torch.optim.Optimizer, *_: Any, **__: Any) -> None:
             with torch.no_grad():
                 if rest:
                     raw(self._sub([{**g, "params": [p for p in g["params"] if id(p) in rest]} for g in hp]))
-                self._chunks(fused, hp, where, homes, raw)
+                if fused:
+                    self._chunks(fused, hp, where, homes, raw)
+                if passed:
+                    written.extend(self._host_pass(passed, hp, where, homes))
 
         torch.optim.Optimizer.profile_hook_step(body)(sub)
+        for p, entry in written:  # after the step hooks (which bump the version): the copy is current
+            entry[4] = (p.data_ptr(), p._version)
 
     def _chunks(self, fused: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict], where: dict[int, int],
                 homes: Any, raw: Callable[[Any], Any]) -> None:
@@ -152,3 +187,67 @@ class FusedStep:
             for k, v in own.items():
                 if v.dim() == 0:
                     state[p][k].copy_(v)
+
+    # ------------------------------------------------------------------ the fused host pass
+    def _passable(self, p: torch.Tensor, gs: list[torch.Tensor], group: dict, homes: Any) -> str | None:
+        """The host pass's kind for `p` (`_fusable` already holds), or None: the pass is on and
+        built, the optimizer and group are ones it steps as torch does (`host_optimizer.kind_of`),
+        one download, an fp32 master with its state made, every tensor aligned."""
+        if not (HOST_PASS and getattr(self, "host_pass", True) and host_optimizer.compiled()):
+            return None
+        kind = host_optimizer.kind_of(self.inner, group)
+        if kind is None or len(gs) != 1 or p.dtype != torch.float32 or not gs[0].is_floating_point():
+            return None
+        state = self.inner.state.get(p) or {}
+        names = (("exp_avg", "exp_avg_sq") if kind != "sgd"
+                 else (("momentum_buffer",) if float(group.get("momentum", 0)) != 0 else ()))
+        tensors = [p, gs[0]] + [state.get(k) for k in names]
+        if kind != "sgd" and not isinstance(state.get("step"), torch.Tensor):
+            return None
+        if any(t is None or t.dtype not in (torch.float32, gs[0].dtype) or t.data_ptr() % _ALIGN for t in tensors):
+            return None
+        return kind
+
+    def _streamed(self, p: torch.Tensor) -> list | None:
+        """The first streamed copy of `p` a device keeps (`StreamDevice._pinned` entry), if any."""
+        for dev in self._pipeline._rt.devices.values():
+            entry = getattr(dev, "_pinned", {}).get(id(p))
+            if (entry is not None and entry[0] is p and entry[2].shape == p.shape and entry[2].is_contiguous()
+                    and entry[2].data_ptr() % _ALIGN == 0):
+                return entry
+        return None
+
+    def _host_pass(self, passed: list[tuple[torch.Tensor, list[torch.Tensor], str]], hp: list[dict],
+                   where: dict[int, int], homes: Any) -> list[tuple[torch.Tensor, list]]:
+        """Step each parameter in one pass (`host_optimizer.step_span`): the download in, the
+        master, torch's state, `.grad` (its home) and the streamed copy out. Returns the
+        (parameter, streamed-copy entry) pairs it wrote, for `_step_fused` to mark current."""
+        state = self.inner.state
+        written = []
+        keep = getattr(self, "keep_grads", True)
+        for p, gs, kind in passed:
+            home = homes.take(p) if keep else None
+            p.grad = home
+            st = state[p]
+            step = None
+            if kind != "sgd":
+                st["step"] += 1  # once per parameter, as torch's step
+                step = float(st["step"])
+            entry = self._streamed(p) if self.refresh_copies else None
+            if entry is not None and entry[3] is not None:
+                entry[3].synchronize()  # the stage's last upload has read the old copy
+            flat = {k: (v.view(-1) if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in st.items()}
+            ok = host_optimizer.step_span(kind, hp[where[id(p)]], p.detach().view(-1), gs[0].reshape(-1), flat,
+                                          step=step, grad_out=None if home is None else home.view(-1),
+                                          copy_out=None if entry is None else entry[2].view(-1))
+            if not bool(ok):
+                self.host_pass_nonfinite = True  # the GPUs said finite: a download went wrong
+            if home is None:  # no .grad: the step hooks' version bump (host_counters) skips it
+                torch.autograd.graph.increment_version(p)
+            else:
+                # beside the optimizer's own 28 B/param: the fp32 .grad written (the download read
+                # replaces the fp32 gradient's read, the copy written within the same bytes)
+                COUNTERS.add("grad_fused", nbytes(home))
+            if entry is not None:
+                written.append((p, entry))
+        return written

@@ -22,6 +22,14 @@ from mobius_fx.runtime.host_counters import COUNTERS, HostCounters
 from mobius_fx.zoo import nanogpt, nanogpt_inputs
 
 
+@pytest.fixture(autouse=True)
+def _span_path(monkeypatch):
+    """These tests cover the span-by-span hand-over with its refresh pass: the path of optimizers
+    the fused host pass does not step, and of every one where it cannot be built. The pass
+    (on by default) is tested in test_overlap_host_pass.py."""
+    monkeypatch.setattr(overlap_fused, "HOST_PASS", False)
+
+
 def _loss(out, x):
     return F.cross_entropy(out.flatten(0, 1).float(), x.flatten())
 

@@ -1,0 +1,271 @@
+"""One pass over host memory per parameter and step: torch's Adam, AdamW and SGD (momentum)
+stepped by a kernel that reads the gradient as it was downloaded (bf16/fp16, or fp32), updates
+the fp32 master and the optimizer's state in place -- kept in torch's own `opt.state[p]`
+(`exp_avg`, `exp_avg_sq`, `momentum_buffer`, `step`), so `state_dict()` stays torch's -- and
+writes, in the same loop, the streamed copy the next upload reads (bf16/fp16), optionally the
+fp32 `.grad` users read after backward, and whether the gradient was all finite.
+
+Bytes per parameter for AdamW with a bf16 gradient and a bf16 streamed copy: read p, m, v (12) and
+the gradient (2), write p, m, v (12) and the copy (2): 28, the bytes torch's own fused AdamW
+touches on an fp32 gradient without writing any copy (`benchmarks/cpu_optimizer.py` measures both
+beside a STREAM-like triad over the same bytes); + 4 when the fp32 `.grad` is written too.
+
+How it is built: `torch.compile` (inductor), which emits one vectorised C++/OpenMP loop per
+kernel on the CPU with the host's C++ compiler. Chosen over DeepSpeed's CPU Adam (an optional
+extension, AdamW only, its own state layout) and a hand-written extension (a build step) because
+it needs nothing but torch and a C++ compiler, fuses any elementwise formula of ours into one
+loop, and measured as fast as torch's fused AdamW on the same bytes (README, cpu_optimizer.py).
+Where it cannot be built (no C++ compiler, an inductor error) `compiled()` says False, the
+reason is logged once (`logging.getLogger("mobius_fx")`) and callers step with torch's own
+optimizer and copy as before (`overlap_fused`); `step_span(..., compiled=False)` runs the same
+formula in eager torch ops (several passes).
+
+The hyper-parameters are read from the param group at every step (LR schedulers work) and are
+passed to the kernel as one fp32 tensor of scalars (`scalars`): a new lr, step or beta does not
+recompile (tests/unit/test_host_optimizer.py checks it with `torch._dynamo.config.error_on_recompile`).
+One compiled kernel per (optimizer kind, its flags, the gradient's and the copy's dtypes, whether
+`.grad` is written); sizes are dynamic.
+
+Exactness. The formulas are torch's fused CPU kernels' (aten/src/ATen/native/cpu/FusedAdamKernel.cpp),
+operation for operation, scalars rounded from double to fp32 as there; compiled with
+floating-point contraction (`-ffp-contract=fast`), gcc contracts the lerp and the second moment
+into the same FMAs as torch's build, and a `where` keeps the decayed parameter from being
+contracted into the update, as in torch's. On this machine (gcc 12, AVX-512) AdamW and Adam
+equal `fused=True` bit for bit (tests). Against any implementation of the same formula (torch's
+`foreach=False` one: addcdiv as p + s*(m/d) instead of p + (s*m)/d, no FMA), per step from the
+same state, elementwise with u = 2^-24 (fp32 unit roundoff), the derived bound (`adam_bound`) is
+
+    |dm| <= 4u (|m| + |g|)                      two roundings of m + w(g - m) in each, |w| <= 1
+    |dv| <= 8u v'                               <= 4 roundings of non-negative terms in each
+    |dp| <= 2u (|p| + |p'|) + 8u (|U| + |s| (|m| + |g|) / d)
+
+where U = s m'/d is the update (s = -lr/(1 - beta1^t), d = sqrt(v')/sqrt(1 - beta2^t) + eps):
+each side rounds p*(1 - lr wd) and the final sum once (u each), d carries <= 3 roundings plus
+half of v's relative error (<= 7u), the quotient and the product one each, and m' enters with
+its absolute error dm scaled by |s|/d. The difference of two implementations is at most twice
+one's error. SGD: `sgd_bound`, likewise. Mutations of the formula (bias correction off by one
+step, eps inside the square root, coupled instead of decoupled decay, ...) break these bounds
+(tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["KINDS", "kind_of", "compiled", "step_span", "adam_scalars", "sgd_scalars", "adam_bound", "sgd_bound",
+           "OPTIONS", "reason_not_compiled"]
+
+log = logging.getLogger("mobius_fx")
+
+# The optimizers stepped here (exact classes: a subclass may change the update) and their kind.
+KINDS = {torch.optim.Adam: "adam", torch.optim.AdamW: "adamw", torch.optim.SGD: "sgd"}
+
+U = 2.0 ** -24  # fp32 unit roundoff
+
+# inductor's options for the kernels: contraction as gcc does in torch's own build (see the module docstring)
+OPTIONS: dict[str, Any] = {"cpp.enable_floating_point_contract_flag": "fast"}
+
+_lock = threading.Lock()
+_kernels: dict[tuple, Callable[..., Any]] = {}
+_broken: str | None = None  # why the kernels could not be built (None: not known to fail)
+
+
+def kind_of(opt: torch.optim.Optimizer, group: dict) -> str | None:
+    """The kernel kind ("adam", "adamw", "sgd") that steps `group` of `opt` exactly as its own step,
+    or None (another optimizer, amsgrad, differentiable, capturable, a GradScaler's grad_scale,
+    SGD without momentum's `nesterov`/`dampening` rules are kept: those are stepped)."""
+    kind = KINDS.get(type(opt))
+    if kind is None or group.get("differentiable") or group.get("capturable"):
+        return None
+    if kind in ("adam", "adamw"):
+        if group.get("amsgrad") or isinstance(group.get("betas", (0, 0))[0], torch.Tensor):
+            return None
+        if kind == "adam" and group.get("decoupled_weight_decay"):
+            kind = "adamw"
+    return kind
+
+
+# ------------------------------------------------------------------ the formulas (one per kind)
+def _adam(p: torch.Tensor, g16: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor | None,
+          copy_out: torch.Tensor | None, s: torch.Tensor, decoupled: bool, decay: bool, maximize: bool,
+          small_w: bool) -> torch.Tensor:
+    """One Adam/AdamW step of flat fp32 `p`, `m`, `v` from gradient `g16`, in place; `s` = the fp32
+    scalars of `adam_scalars`. Returns whether `g16` is all finite (a 0-d bool)."""
+    g = g16.float()
+    if grad_out is not None:
+        grad_out.copy_(g)
+    ok = torch.isfinite(g).all()
+    if maximize:
+        g = -g
+    wdf, w1, b2, c2, bc2s, eps, nss = s[0], s[1], s[2], s[3], s[4], s[5], s[6]
+    p1 = p
+    if decay:
+        if decoupled:  # p * (1 - lr*wd), kept out of the update's FMA as in torch's kernel
+            p1 = torch.where(p == p, p * wdf, p)
+        else:  # Adam: the gradient coupled with the weight decay
+            g = g + p * wdf
+    m1 = m + w1 * (g - m) if small_w else g + (w1 - 1) * (g - m)  # lerp, as torch's
+    v1 = (c2 * g) * g + v * b2
+    den = v1.sqrt() / bc2s + eps
+    p2 = p1 + (nss * m1) / den
+    p.copy_(p2)
+    m.copy_(m1)
+    v.copy_(v1)
+    if copy_out is not None:
+        copy_out.copy_(p2)
+    return ok
+
+
+def _sgd(p: torch.Tensor, g16: torch.Tensor, buf: torch.Tensor | None, grad_out: torch.Tensor | None,
+         copy_out: torch.Tensor | None, s: torch.Tensor, decay: bool, nesterov: bool, maximize: bool) -> torch.Tensor:
+    """One SGD step (momentum when `buf` is given) of flat fp32 `p` from `g16`, in place, as torch's
+    per-tensor step (`a.add(b, alpha=c)` is fma(b, c, a) there); `s` = `sgd_scalars`."""
+    g = g16.float()
+    if grad_out is not None:
+        grad_out.copy_(g)
+    ok = torch.isfinite(g).all()
+    if maximize:
+        g = -g
+    wd, mom, damp1, neg_lr = s[0], s[1], s[2], s[3]
+    if decay:
+        g = g + p * wd
+    if buf is not None:
+        b1 = torch.where(buf == buf, buf * mom, buf) + g * damp1
+        buf.copy_(b1)
+        g = g + b1 * mom if nesterov else b1
+    p2 = p + g * neg_lr
+    p.copy_(p2)
+    if copy_out is not None:
+        copy_out.copy_(p2)
+    return ok
+
+
+def adam_scalars(group: dict, step: float, kind: str) -> tuple[torch.Tensor, bool, bool]:
+    """The fp32 scalars of `_adam` for `group` at `step` (already incremented), rounded from the
+    doubles torch's fused kernel computes; and its flags (decay, small_w)."""
+    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    bc1 = 1 - beta1 ** step
+    bc2 = 1 - beta2 ** step
+    first = 1 - lr * wd if kind == "adamw" else wd
+    w = 1 - beta1
+    s = torch.tensor([first, w, beta2, 1 - beta2, math.sqrt(bc2), eps, -(lr / bc1)], dtype=torch.float32)
+    return s, wd != 0, abs(float(torch.tensor(w, dtype=torch.float32))) < 0.5
+
+
+def sgd_scalars(group: dict) -> torch.Tensor:
+    lr, wd, mom, damp = (float(group[k]) for k in ("lr", "weight_decay", "momentum", "dampening"))
+    return torch.tensor([wd, mom, 1 - damp, -lr], dtype=torch.float32)
+
+
+# ------------------------------------------------------------------ building
+def reason_not_compiled() -> str | None:
+    """Why the compiled kernels are not used in this process (None: they are, or not tried yet)."""
+    return _broken
+
+
+def compiled() -> bool:
+    """Whether the compiled kernels may be used (False once building one failed: logged once)."""
+    return _broken is None
+
+
+def _kernel(key: tuple) -> Callable[..., Any]:
+    with _lock:
+        k = _kernels.get(key)
+        if k is None:
+            fn = _adam if key[0] in ("adam", "adamw") else _sgd
+            k = _kernels[key] = torch.compile(fn, dynamic=True, fullgraph=True, options=dict(OPTIONS))
+        return k
+
+
+def _failed(e: BaseException) -> None:
+    global _broken
+    with _lock:
+        if _broken is None:
+            _broken = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            log.warning("mobius_fx: the fused host optimizer pass could not be built with torch.compile (%s); "
+                        "the optimizer steps with torch's own kernels and the streamed copy is written by a separate "
+                        "pass (a C++ compiler is needed: install g++ or set CXX)", _broken)
+
+
+def _reset_for_tests() -> None:
+    global _broken
+    with _lock:
+        _broken = None
+        _kernels.clear()
+
+
+def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state: dict, step: float | None = None,
+              grad_out: torch.Tensor | None = None, copy_out: torch.Tensor | None = None,
+              compiled: bool = True) -> torch.Tensor:
+    """Step elements of one parameter in one pass: `p` (fp32), `grad` (its gradient, any float
+    dtype), the state tensors in `state` (torch's names; views of the same elements) and the
+    outputs `grad_out` (fp32 `.grad`) and `copy_out` (the streamed copy) are flat and contiguous.
+    `step`: Adam's step count after this step (the caller increments `state["step"]` once per
+    parameter, not per span). Returns the finite flag of `grad` (a 0-d bool tensor). `compiled`:
+    the compiled kernel (building it on first use; on failure, logged once, this call and
+    `compiled()` fall back to eager ops), else the formula in eager torch ops."""
+    with torch.no_grad():
+        if kind in ("adam", "adamw"):
+            s, decay, small_w = adam_scalars(group, float(step), kind)
+            args = (p, grad, state["exp_avg"], state["exp_avg_sq"], grad_out, copy_out, s)
+            flags = (kind == "adamw", decay, bool(group.get("maximize")), small_w)
+            fn: Callable[..., Any] = _adam
+        else:
+            s = sgd_scalars(group)
+            buf = state.get("momentum_buffer") if float(group["momentum"]) != 0 else None
+            args = (p, grad, buf, grad_out, copy_out, s)
+            flags = (float(group["weight_decay"]) != 0, bool(group.get("nesterov")), bool(group.get("maximize")))
+            fn = _sgd
+        if compiled and _broken is None:
+            key = (kind, flags, grad.dtype, None if copy_out is None else copy_out.dtype, grad_out is not None,
+                   buf is None if kind == "sgd" else None)
+            try:
+                return _kernel(key)(*args, *flags)
+            except Exception as e:  # noqa: BLE001 - no C++ compiler, an inductor error: torch's path
+                _failed(e)
+        return fn(*args, *flags)
+
+
+# ------------------------------------------------------------------ the derived bounds (see the module docstring)
+def adam_bound(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p_new: torch.Tensor,
+               m_new: torch.Tensor, v_new: torch.Tensor, group: dict, step: float) -> dict[str, torch.Tensor]:
+    """Elementwise bounds on the difference of two implementations of one Adam(W) step from the
+    same state (p, g, m, v: before, fp32; *_new: one implementation's result)."""
+    p, g, m, v = (t.double() for t in (p, g.float(), m, v))
+    p_new, m_new, v_new = (t.double() for t in (p_new, m_new, v_new))
+    lr, eps = float(group["lr"]), float(group["eps"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    s = -lr / (1 - beta1 ** step)
+    d = v_new.sqrt() / math.sqrt(1 - beta2 ** step) + eps
+    upd = s * m_new / d
+    mg = m.abs() + g.abs()
+    return {"m": 4 * U * mg, "v": 8 * U * v_new,
+            "p": 2 * U * (p.abs() + p_new.abs()) + 8 * U * (upd.abs() + abs(s) * mg / d)}
+
+
+def sgd_bound(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None, p_new: torch.Tensor,
+              buf_new: torch.Tensor | None, group: dict) -> dict[str, torch.Tensor]:
+    """Elementwise bounds on the difference of two implementations of one SGD step from the same
+    state: each rounds the decayed gradient, the momentum (buf*mom, + d(1-damp)), the nesterov
+    term and p + (-lr) d at most twice per operation; terms may cancel, so every bound is in
+    the sum of the magnitudes that enter."""
+    lr, wd, mom, damp = (float(group[k]) for k in ("lr", "weight_decay", "momentum", "dampening"))
+    p, g = p.double(), g.float().double()
+    d = g.abs() + abs(wd) * p.abs()  # |g + wd p| <= d (before rounding)
+    out: dict[str, torch.Tensor] = {}
+    if buf is not None:
+        b = buf.double().abs() * abs(mom) + d * abs(1 - damp)  # >= |buf'|
+        out["momentum_buffer"] = 4 * U * b + 4 * U * d * abs(1 - damp)
+        e_buf = out["momentum_buffer"]
+        dd = d + abs(mom) * b if group.get("nesterov") else b
+        e_d = (4 * U * d + e_buf * abs(mom) + 4 * U * dd) if group.get("nesterov") else e_buf
+    else:
+        dd, e_d = d, 4 * U * d
+    out["p"] = 2 * U * (p.abs() + p_new.double().abs()) + abs(lr) * (e_d + 4 * U * dd)
+    return out
