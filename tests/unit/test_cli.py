@@ -142,3 +142,24 @@ def test_servers_must_be_a_positive_integer(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", "gpt2", "--topology", "mobius-testbed", "--servers", "0", "--network", "1Gbps"])
     assert e.value.code == 2 and "argument --servers" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ quiet defaults: the transfer summary, the overlap mode
+def test_plan_prints_the_transfer_summary_and_the_full_table_on_request(tiny, capsys):
+    assert main(tiny) == 0
+    out = capsys.readouterr().out
+    assert "stage  gpu" in out and "bytes per step" in out and "transfer rows summed" in out
+    assert " > " not in out  # no route column: the full table is not printed
+    assert main([*tiny, "--transfers"]) == 0
+    full = capsys.readouterr().out
+    assert "bytes per step" not in full and "cpu0 > " in full  # every transfer, with its route
+
+
+def test_the_cli_overlap_default_is_the_library_s(tiny, capsys):
+    import inspect
+
+    from mobius_fx.runtime.pipeline import Pipeline
+
+    assert main(tiny) == 0
+    default = inspect.signature(Pipeline.overlap).parameters["mode"].default
+    assert default == "sync" and f"CPU optimizer overlap: {default})" in capsys.readouterr().out
