@@ -13,6 +13,13 @@ settings.register_profile(
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# The host thread plan sizes the pipeline thread's intra-op team on the cores other processes leave
+# free (mobius_fx/runtime/host_threads.py, `steer`): on a shared machine that count, and with it the
+# last bits of reductions, would follow the load from step to step, and tests compare bits. So the
+# suite (and the subprocesses it starts) keeps torch's counts as they are;
+# tests/unit/test_host_threads.py turns steering on for itself.
+os.environ.setdefault("MOBIUS_HOST_THREADS", "steer=0")
+
 
 @pytest.fixture(scope="module")
 def one_thread():
