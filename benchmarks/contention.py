@@ -9,7 +9,9 @@ nothing, started just before and killed just after), for each mode:
   (mobius_fx/runtime/host_threads.py, `steer`);
 - `today`: `MOBIUS_HOST_THREADS=steer=0`, torch's counts left as the user (here: torch's
   default, every core) set them: the behaviour before the plan owned them.
-- `omp1`: `OMP_NUM_THREADS=1`, for reference (the workaround the issue measured).
+- `omp1`: `OMP_NUM_THREADS=1`, for reference (the workaround the issue measured);
+- `passive`: today's counts with `OMP_WAIT_POLICY=PASSIVE` (OpenMP threads sleep at once instead
+  of spinning; it must be set before torch loads OpenMP, so mobius_fx does not set it for you).
 
 It prints each run's wall time (the whole process: start, compile, the steps, the samples),
 the ratio contended / alone per mode, and plan's alone against today's alone. Runs are
@@ -32,14 +34,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {"plan": {}, "today": {"MOBIUS_HOST_THREADS": "steer=0"}, "omp1": {"OMP_NUM_THREADS": "1"}}
+MODES = {"plan": {}, "today": {"MOBIUS_HOST_THREADS": "steer=0"}, "omp1": {"OMP_NUM_THREADS": "1"},
+         "passive": {"MOBIUS_HOST_THREADS": "steer=0", "OMP_WAIT_POLICY": "PASSIVE"}}
 BUSY = "while True:\n    pass\n"
 
 
 def run_example(steps: int, env: dict[str, str]) -> float:
     """Wall seconds of one run of the main example with `env` added to ours."""
     full = {**os.environ, **env, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    for k in ("MOBIUS_HOST_THREADS", "OMP_NUM_THREADS"):  # the mode decides these, not our caller
+    for k in ("MOBIUS_HOST_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY"):  # the mode decides these, not our caller
         if k not in env:
             full.pop(k, None)
     t0 = time.perf_counter()
