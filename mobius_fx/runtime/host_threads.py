@@ -50,6 +50,9 @@ step begins, on the pipeline's thread):
   team that fits, about as long as alone (`benchmarks/contention.py`). Alone, the team is the
   intra-op count the user gave (`torch.set_num_threads`, read at the first step and whenever the
   user changes it between steps): no slower than before. `release()` puts the user's count back.
+  The team's size decides how reductions split, so their last bits follow the host's load from
+  step to step: for bit-for-bit repeatable runs pin it (`MOBIUS_HOST_THREADS="main=2"`, or
+  `steer=0` with `torch.set_num_threads`); the test suite runs with `steer=0`.
 - inter-op: `interop` (1): the pipeline's parallelism is its own threads; torch's inter-op pool
   (`torch.jit.fork`) is set to it once per process, when torch still allows it (before any
   inter-op work), else left as it is.
@@ -265,6 +268,9 @@ def steer(devices: Iterable[Any], *, busy_elsewhere: float | None = None, now: f
     if st.set_to is None or current != st.set_to:
         st.ceiling = current  # the user's count (first step, or changed by the user since)
     streamed, host_compute = _shape(devices)
+    if not plan(streamed, host_compute, main=st.ceiling).steer:  # torch's counts left alone, the load unread
+        st.set_to, st.elsewhere = None, 0.0
+        return plan(streamed, host_compute, main=st.ceiling)
     now = time.monotonic() if now is None else now
     if busy_elsewhere is not None:
         st.elsewhere, st.looked = busy_elsewhere, now
@@ -272,9 +278,6 @@ def steer(devices: Iterable[Any], *, busy_elsewhere: float | None = None, now: f
         seen = st.load.sample()
         st.elsewhere, st.looked = (st.elsewhere if seen is None else seen), now
     p = plan(streamed, host_compute, main=st.ceiling, busy_elsewhere=st.elsewhere)
-    if not p.steer:
-        st.set_to = None
-        return p
     if not st.interop_tried:
         st.interop_tried = True
         if torch.get_num_interop_threads() != p.interop:
