@@ -326,6 +326,11 @@ def _median_after_first(xs: Sequence[float]) -> float | None:
     return statistics.median(rest) if rest else None
 
 
+# What the planned figure counts, beside the simulated ones (a dry run prints them side by side)
+_PLANNED = ("plan.step_time: the partitioner's model of fwd+bwd, the stages' compute and the weight uploads it "
+            "cannot hide, each link as if alone; no host copies, gradient hand-over or optimizer")
+
+
 def format_run(r: RunFigures) -> str:
     """The GPT phase's lines, each figure labelled [measured], [simulated], [planned] or [books];
     without training (a dry run) the planned and simulated ones only."""
@@ -339,8 +344,10 @@ def format_run(r: RunFigures) -> str:
         lines.append(f"  note: {r.note}")
     step, pipe = _median_after_first(r.step_times), _median_after_first(r.pipeline_times)
     opt = _median_after_first(r.optimizer_times)
-    rows = [("step (fwd+bwd+AdamW)", step, r.sim_step, "simulate(plan).step_time"),
-            ("fwd+bwd", pipe, r.sim_pipeline, "simulate(plan).pipeline_time"),
+    rows = [("step (fwd+bwd+AdamW)", step, r.sim_step, "simulate(plan).step_time: fwd+bwd below plus the host's "
+             "work after it, the gradient hand-over, the CPU AdamW and the host copies around them"),
+            ("fwd+bwd", pipe, r.sim_pipeline, "simulate(plan).pipeline_time: forward, backward and the gradient "
+             "offload, each transfer on the links it shares with the others in flight; no optimizer"),
             ("opt.step() after backward", opt, r.sim_optimizer, "simulate(plan).optimizer_time: the host's work after the "
              "pipeline ends (the optimizer and hand-over not overlapped)")]
     if trained:
@@ -352,12 +359,12 @@ def format_run(r: RunFigures) -> str:
             lines.append(f"    {what:<21} [measured] {fmt_time(meas):>9} vs [simulated] {fmt_time(sim):>9}  ratio "
                          f"{ratio(meas, sim):>6}  ({src})")
         lines.append(f"    {'fwd+bwd':<21} [measured] {fmt_time(pipe):>9} vs [planned]   {fmt_time(r.planned_step):>9}"
-                     f"  ratio {ratio(pipe, r.planned_step):>6}  (plan.step_time, the partitioner's model)")
+                     f"  ratio {ratio(pipe, r.planned_step):>6}  ({_PLANNED})")
     else:
         lines.append("  time per step")
         for what, _, sim, src in rows:
             lines.append(f"    {what:<21} [simulated] {fmt_time(sim):>9}  ({src})")
-        lines.append(f"    {'fwd+bwd':<21} [planned]   {fmt_time(r.planned_step):>9}  (plan.step_time)")
+        lines.append(f"    {'fwd+bwd':<21} [planned]   {fmt_time(r.planned_step):>9}  ({_PLANNED})")
     lines.append("  peak GPU memory (plan: per pipeline GPU the largest of a stage's Stage.peak_bytes with the weights and "
                  "boundary activations of the stages around it on that GPU, the double buffer it is planned for "
                  "(step_model.memory_rows); summed over the GPUs sharing a device)")

@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--log-every", type=int, default=100)
+    ap.add_argument("--progress-every", type=float, default=10.0,
+                    help="when stderr is not a terminal (a log file or a pipe: no progress bar shows there), a "
+                         "progress line every this many seconds (default 10; 0: none)")
+    ap.add_argument("--transfers", action="store_true",
+                    help="print every transfer of the plan (default: summed by kind, phase and link)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--optimizer-overlap", choices=("sync", "async", "none"), default="sync",
                     help="when the CPU optimizer steps: during backward, stage by stage (sync, exact), one step late "
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
 
     x0, _ = batch(train)
     pipe = mobius_fx.compile(model, topo, example_inputs=(x0,), microbatches=args.microbatches, verbose=False)
-    say(pipe.plan)
+    say(pipe.plan.describe("full" if args.transfers else "summary"))  # print(pipe.plan): both full tables
     say()
     if world > 1:
         say(f"data parallel: {world} processes, {args.batch} rows each ({world * args.batch} per step), gradients "
@@ -138,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     # disable=None: a live bar on a terminal, none in logs (the loss lines still print)
     bar = tqdm(range(1, args.steps + 1), desc="fine-tuning", unit="step", dynamic_ncols=True,
                disable=None if rank == 0 else True)
+    lines = rank == 0 and args.progress_every > 0 and not sys.stderr.isatty()  # no bar: a line every so often
+    last_line = t0
     for step in bar:
         x, y = batch(train)
         logits = pipe(x)  # (b, t, vocab), streamed through the pipeline
@@ -146,6 +153,11 @@ def main(argv: list[str] | None = None) -> None:
         loss.backward()
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if lines and time.perf_counter() - last_line >= args.progress_every and step < args.steps:
+            last_line = time.perf_counter()
+            per = (last_line - t0) / step
+            print(f"step {step}/{args.steps}: train loss {loss.item():.3f}, {per:.2f} s/step, about "
+                  f"{per * (args.steps - step):.0f} s left", flush=True)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps):
             tqdm.write(f"step {step}: train loss {loss.item():.3f}, validation loss {val_loss():.3f}")
     if args.optimizer_overlap == "async":

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.kinds import OVERLAP_MODES
+from mobius_fx.kinds import OVERLAP_DEFAULT, OVERLAP_MODES
 
 __all__ = ["main"]
 
@@ -173,9 +173,10 @@ def _parser() -> argparse.ArgumentParser:
                     default=None,
                     help="sustained bandwidth of the CPU optimizer in GB/s (default: the topology's measured host section, "
                          "else a fused AdamW measured on a 16-core H200 host, 111)")
-    pl.add_argument("--optimizer-overlap", choices=OVERLAP_MODES, default="none",
-                    help="when the CPU optimizer steps in the simulated comparison: after the step (none, default), "
-                         "per stage as its gradients land (sync) or a step late (async); Mobius and RoundPipe")
+    pl.add_argument("--optimizer-overlap", choices=OVERLAP_MODES, default=OVERLAP_DEFAULT,
+                    help="when the CPU optimizer steps in the simulated comparison: per stage as its gradients land "
+                         "(sync), a step late (async) or after the step (none); Mobius and RoundPipe (default "
+                         f"{OVERLAP_DEFAULT}, as Pipeline.overlap)")
     pl.add_argument("--servers", type=_checked(int, lambda v: v > 0, "a positive integer (servers, 1 or more)"),
                     default=None, metavar="R",
                     help="also simulate R servers running this plan data parallel (each its own slice of an R x "
@@ -191,6 +192,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="plan the model's forward as called (its outputs, e.g. the logits, go to the host); by "
                          "default a language model's training step is planned, the loss on the last stage "
                          "(pipe.train_step): HF models get labels, the zoo's GPT the next-token cross-entropy")
+    pl.add_argument("--transfers", action="store_true",
+                    help="print every transfer of the plan (the full transfer table, as print(plan) does); by "
+                         "default the transfers are summed by kind, phase and link")
     pl.add_argument("--quiet", action="store_true", help="no progress messages")
     pl.add_argument("--no-cache", dest="cache", action="store_false",
                     help="trace and annotate the model anew instead of reading its graph and layer costs from the "
@@ -242,7 +246,7 @@ def _cmd_plan(args) -> int:
                  dtype=args.dtype, memory_fraction=args.memory_fraction,
                  time_limit=args.time_limit, verbose=not args.quiet, optimizer=args.optimizer,
                  host_memory_fraction=args.host_memory_fraction, cache=args.cache)
-    print(p)
+    print(p.describe("full" if args.transfers else "summary"))
     cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None,
                   optimizer_overlap=args.optimizer_overlap)
     print()

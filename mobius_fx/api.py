@@ -86,7 +86,18 @@ def _run(passes: PassPipeline, *, model, topology, example_inputs, example_kwarg
     _check_batch(ctx)
     with _verbosity(options.verbose):
         passes.run(ctx)
+        if ctx.pipeline is not None and isinstance(ctx.plan, Plan):
+            _log_plan(ctx.plan)
     return ctx
+
+
+def _log_plan(plan: Plan) -> None:
+    """Compile's log of the plan it built: the stage table and the transfers summed by kind, phase
+    and link at INFO; every transfer (the full table, as `print(pipe.plan)`) at DEBUG."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s", plan.describe("full"))
+    elif log.isEnabledFor(logging.INFO):
+        log.info("%s", plan.describe("summary"))
 
 
 class _Recompiler:

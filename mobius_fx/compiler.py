@@ -20,7 +20,9 @@ Passes are `torch.fx.passes.infra.PassBase` subclasses, so each also runs on its
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -31,7 +33,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from mobius_fx.errors import MobiusError
 from mobius_fx.options import CompileContext  # lives with the options it carries; re-exported here
 
-__all__ = ["CompileContext", "MobiusPass", "FunctionPass", "PassPipeline", "Touched", "default_pipeline",
+__all__ = ["CompileContext", "MobiusPass", "FunctionPass", "PassPipeline", "Touched", "default_pipeline", "heartbeat",
            "PASS_ORDER"]
 
 log = logging.getLogger("mobius_fx")
@@ -160,11 +162,40 @@ class PassPipeline:
         ctx.facts.update(self.given)
         for p in self.passes:
             t0 = time.perf_counter()
-            ctx.touched[p.name] = _run_recorded(p, ctx)
+            with heartbeat(f"pass {p.name}"):
+                ctx.touched[p.name] = _run_recorded(p, ctx)
             ctx.facts.update(p.writes)
             ctx.timings[p.name] = time.perf_counter() - t0
             log.info("pass %s done in %.2f s", p.name, ctx.timings[p.name])
         return ctx
+
+
+PROGRESS_EVERY = 10.0  # seconds between two "still running" lines of a long pass (`heartbeat`)
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, every: float | None = None):
+    """While the block runs, log "`what`: still running (N s)" at INFO every `every` seconds
+    (default `PROGRESS_EVERY`): a long trace or MIP says it is alive in a log file or pipe too,
+    where no progress bar shows. Nothing when the "mobius_fx" logger does not log INFO."""
+    every = PROGRESS_EVERY if every is None else every
+    if not log.isEnabledFor(logging.INFO) or every <= 0:
+        yield
+        return
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def beat() -> None:
+        while not done.wait(every):
+            log.info("%s: still running (%.0f s)", what, time.perf_counter() - t0)
+
+    thread = threading.Thread(target=beat, name="mobius-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 # ---------------------------------------------------------------- recording what a pass touches

@@ -13,13 +13,16 @@ module registers its own name.
 - `OVERLAP_MODES`: when the CPU optimizer steps relative to the pipeline ("none": after the
   step; "sync": per stage as its gradients land; "async": a step late), for the runtime
   (`Pipeline.overlap(optimizer, mode=...)`), the simulator (`optimizer_overlap=`) and the CLI.
+- `OVERLAP_DEFAULT`: the mode `Pipeline.overlap` steps in when none is given, and the CLI's
+  `--optimizer-overlap` default ("sync": the same weights as stepping after backward).
 """
 
 from __future__ import annotations
 
-__all__ = ["HOST", "DEVICES", "SOLVERS", "OVERLAP_MODES"]
+__all__ = ["HOST", "DEVICES", "SOLVERS", "OVERLAP_MODES", "OVERLAP_DEFAULT"]
 
 HOST = "host"  # the host's DRAM (masters, saved inputs, long-lived values): its name in the topology, the IR and the devices
 DEVICES = ("auto", "virtual", "virtual-async", "cuda")
 SOLVERS = ("auto", "highs", "cbc")
 OVERLAP_MODES = ("none", "sync", "async")
+OVERLAP_DEFAULT = "sync"

@@ -166,7 +166,7 @@ def _traced(model: nn.Module, args: tuple, kwargs: dict, front_end: str, dynamic
     """`trace`'s work when the cache does not answer: the front ends, the checks, the TraceInfo."""
     t0 = time.perf_counter()
     modes = tuple(m.training for m in model.modules())
-    with _preserve_model(model):
+    with _preserve_model(model), _no_kv_cache(model, kwargs, progress):
         gm, fx_error, dynamic, applied = None, "not tried (front_end='export')", False, []
         if front_end in ("auto", "fx"):
             gm, fx_error = _try_fx(model, args, kwargs)
@@ -208,6 +208,35 @@ def _cached(path: Path, model: nn.Module, progress: Callable[[str], None] | None
     _report(progress, f"trace: cached (key {path.stem[:12]}): {type(model).__name__}, {len(gm.graph.nodes)} nodes "
                       f"({info.front_end}) in {time.perf_counter() - t0:.2f} s")
     return gm
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: nn.Module, kwargs: dict, progress: Callable[[str], None] | None):
+    """Trace an HF model without its key/value cache: `config.use_cache` (True in HF's default
+    configs) makes forward build and return a cache, which no tracer captures (the trace failed
+    after minutes, naming `use_cache=False` as the fix). Every module config that has it on is set
+    to False for the trace, said in the log, and put back afterwards (`generate()` reads it); a
+    `use_cache` the example passes is the user's choice and left alone."""
+    if "use_cache" in kwargs:
+        yield
+        return
+    configs: dict[int, Any] = {}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and getattr(cfg, "use_cache", None) is True:
+            configs.setdefault(id(cfg), cfg)
+    if not configs:
+        yield
+        return
+    for cfg in configs.values():
+        cfg.use_cache = False
+    _report(progress, f"{type(model).__name__}: config.use_cache=False while tracing (a training graph keeps no "
+                      f"key/value cache); put back to True afterwards")
+    try:
+        yield
+    finally:
+        for cfg in configs.values():
+            cfg.use_cache = True
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, front_end: str, dynamic_batch: bool, fx_error: str,

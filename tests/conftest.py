@@ -16,6 +16,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Every test traces and annotates anew: a graph cached by an earlier run (or test) would skip
 # the tracing a test means to exercise. The cache's own tests turn it on (tests/unit/test_trace_cache.py).
 os.environ.setdefault("MOBIUS_FX_TRACE_CACHE", "0")
+# The host thread plan sizes the pipeline thread's intra-op team on the cores other processes leave
+# free (mobius_fx/runtime/host_threads.py, `steer`): on a shared machine that count, and with it the
+# last bits of reductions, would follow the load from step to step, and tests compare bits. So the
+# suite (and the subprocesses it starts) keeps torch's counts as they are;
+# tests/unit/test_host_threads.py turns steering on for itself.
+os.environ.setdefault("MOBIUS_HOST_THREADS", "steer=0")
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from tabulate import tabulate
 from mobius_fx.planning.costs import LayerCost
 from mobius_fx.planning.host_memory import HostBudget, check_optimizer, host_budget
 from mobius_fx.errors import MobiusError
+from mobius_fx.kinds import HOST
 from mobius_fx.precision import Precision, dtype_name, parse_dtype
 from mobius_fx.planning.schedule_ir import ScheduleIR, StageIO, build_schedule
 from mobius_fx.planning.step_model import MemoryModel, SolverInfo, stage_memory, tied_copy_bytes, tied_weights
@@ -209,6 +210,42 @@ class Plan:
                            optimizer=self.optimizer if optimizer is None else optimizer,
                            limit=self.topology.host_memory if self.topology is not None else None)
 
+    def transfer_summary(self) -> str:
+        """The transfers per step summed by kind, phase and link (host -> GPU, GPU -> GPU, GPU ->
+        host; an eviction frees in place: "on the GPU"), with their count, bytes and modelled time
+        (each transfer at its route's bottleneck, added up as if one after another; the schedule
+        overlaps them with compute). `transfer_table()` lists every one."""
+        rows: dict[tuple[str, str, str], list] = {}
+        for t in self.transfers:
+            link = "on the GPU" if t.src == t.dst else f"{_end(t.src)} -> {_end(t.dst)}"
+            row = rows.setdefault((t.kind, t.phase, link), [0, 0, 0.0])
+            row[0] += t.count
+            row[1] += t.bytes * t.count
+            row[2] += t.time * t.count
+        order = {k: i for i, k in enumerate(TRANSFER_KINDS)}
+        body = [[kind, phase, link, n, fmt_bytes(b), fmt_time(sec)]
+                for (kind, phase, link), (n, b, sec) in sorted(
+                    rows.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][1] != "forward", kv[0][2]))]
+        total = [sum(r[0] for r in rows.values()), sum(r[1] for r in rows.values()), sum(r[2] for r in rows.values())]
+        body.append(["total", "", "", total[0], fmt_bytes(total[1]), fmt_time(total[2])])
+        return tabulate(body, headers=["kind", "phase", "link", "transfers", "bytes per step", "time (serial)"])
+
+    def describe(self, transfers: str = "full") -> str:
+        """The summary, the stage table and the transfers: `transfers="full"` (what `str(plan)`
+        prints) lists every transfer (`transfer_table`), "summary" sums them by kind, phase and
+        link (`transfer_summary`: what compile's log and the CLI show unless asked for the full
+        table), "none" leaves them out."""
+        if transfers not in ("full", "summary", "none"):
+            raise MobiusError(f"Plan.describe(transfers={transfers!r}); use 'full' (every transfer), 'summary' (by "
+                              f"kind, phase and link) or 'none'")
+        parts = [self.summary() + "\n" + self.host_memory(), self.stage_table()]
+        if transfers == "full":
+            parts.append(self.transfer_table())
+        elif transfers == "summary":
+            parts.append(self.transfer_summary() + f"\n({len(self.transfers)} transfer rows summed; print(plan) "
+                         f"or plan.transfer_table() lists each)")
+        return "\n\n".join(parts)
+
     def host_memory(self) -> str:
         """The host memory line: everything a step keeps in host DRAM (masters, gradients,
         optimizer state, the streamed copy of the weights the uploads read, activations held for
@@ -217,7 +254,7 @@ class Plan:
                 f"pinned on CUDA, kept across steps")
 
     def __str__(self) -> str:
-        return "\n\n".join([self.summary() + "\n" + self.host_memory(), self.stage_table(), self.transfer_table()])
+        return self.describe("full")
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
@@ -367,6 +404,11 @@ def build_plan(
                 memory=mm)
     plan.__dict__["_schedules"] = {None: ir}  # Plan.schedule()'s cache: the IR is built once per plan
     return plan
+
+
+def _end(place: str) -> str:
+    """A transfer's end as the summary groups it: the host, or a GPU."""
+    return "host" if place == HOST else "GPU"
 
 
 # A schedule IR op's kind -> its kind in plan.transfers (the IR's other ops move nothing).

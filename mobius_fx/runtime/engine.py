@@ -56,6 +56,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
+from mobius_fx.runtime import host_threads
 from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.kinds import HOST
 from mobius_fx.errors import BudgetError, MobiusError
@@ -351,6 +352,7 @@ class Runtime(StageCalls):
                                   f"in another precision keep the weights fp32 and compile with dtype=torch.bfloat16")
 
     def begin_step(self) -> None:
+        host_threads.steer(self.devices.values())  # torch's thread counts: the plan's, for the cores free now
         if self.overlap is not None:
             self.overlap.before_forward()
         self.follow()

@@ -18,7 +18,7 @@ from torch import nn
 from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.errors import MobiusError
 from mobius_fx.runtime.program_ops import running
-from mobius_fx.kinds import OVERLAP_MODES
+from mobius_fx.kinds import OVERLAP_DEFAULT, OVERLAP_MODES
 from mobius_fx.planning.microbatch import batch_rows, declared
 from mobius_fx.runtime.microbatch_outputs import prepare
 from mobius_fx.runtime.python_state import PythonState, reads_training
@@ -247,7 +247,7 @@ class Pipeline(ModelFace, nn.Module):
             output_size=lambda k, j: size(specs[k].outputs[j]), output_grad=self._rt.carries_grad)
         return build_schedule(ios, self.schedule.microbatches, optimizer=optimizer)
 
-    def overlap(self, optimizer: torch.optim.Optimizer, mode: str = "sync", *,
+    def overlap(self, optimizer: torch.optim.Optimizer, mode: str = OVERLAP_DEFAULT, *,
                 shard: bool = False, refresh_copies: bool = True) -> torch.optim.Optimizer:
         """The optimizer to use in the training loop instead of `optimizer`, stepped off the
         pipeline's critical path (mobius_fx/runtime/overlap.py): "sync" steps each stage's parameters on a

@@ -36,6 +36,7 @@ with M > 1 says so once in the log (a warning) when the model has a BatchNorm la
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Sequence
@@ -69,11 +70,41 @@ def rebuild(leaves: list, pos: list[int], tensors: Sequence[torch.Tensor], spec:
     return pytree.tree_unflatten(out, spec)
 
 
-def autocast_for(amp: tuple[str, bool, torch.dtype]) -> torch.autocast:
+def autocast_for(amp: tuple[str, bool, torch.dtype]) -> Any:
     """The autocast a stage call runs (and is recomputed) under. The cast cache stays off: a
-    cached cast of a weight slot would outlive the slot's eviction."""
+    cached cast of a weight slot would outlive the slot's eviction. On the CPU (the GPUs'
+    stand-ins) in a narrower dtype, layer norms run in fp32 too, as CUDA's autocast runs them
+    (`NormsInFp32`)."""
     device_type, enabled, dtype = amp
-    return torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False)
+    cast = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False)
+    if device_type == "cpu" and enabled and dtype in (torch.bfloat16, torch.float16):
+        stack = contextlib.ExitStack()
+        stack.enter_context(cast)
+        stack.enter_context(NormsInFp32())
+        return stack
+    return cast
+
+
+@functools.lru_cache(maxsize=None)
+def _norms() -> frozenset:
+    aten = torch.ops.aten
+    return frozenset({torch.nn.functional.layer_norm, torch.layer_norm, aten.layer_norm.default,
+                      aten.native_layer_norm.default})
+
+
+class NormsInFp32(torch.overrides.TorchFunctionMode):
+    """Layer norms in fp32, as CUDA's autocast has them (its fp32 list): input, weight and bias
+    cast up, the result fp32. The CPU's autocast leaves layer_norm in the dtypes it is given and
+    refuses an fp32 input with bf16 weights ("mixed dtype (CPU)"), which HF GPT-2 in bf16 gives
+    it; the virtual GPUs compute as the GPUs they stand in for do."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _norms():
+            up = (lambda a: a.float() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                  and a.dtype != torch.float32 else a)
+            args, kwargs = tuple(up(a) for a in args), {k: up(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
 
 
 class StageCalls:

@@ -151,11 +151,32 @@ def _host_activation_rows(out, stage):
 def test_plan_plans_the_training_step_so_no_logits_reach_the_host(tiny, capsys):
     """By default a language model's training step is planned, the loss on the last stage: the
     last stage sends the host only its loss; --forward-only plans the logits going there."""
-    assert main([*tiny]) == 0
+    assert main([*tiny, "--transfers"]) == 0
     step = capsys.readouterr().out
-    assert main([*tiny, "--forward-only"]) == 0
+    assert main([*tiny, "--forward-only", "--transfers"]) == 0
     forward = capsys.readouterr().out
     logits = f"{16 * _TINY.vocab * 2 / 1024:.2f} KiB x8"  # fp16, one micro-batch's (1 x 16 x vocab), 8 of them
     assert any(logits in row for row in _host_activation_rows(forward, 2))
     assert not any(logits in row for row in _host_activation_rows(step, 2))
     assert [line for line in step.splitlines() if "LossModel" in line] == []
+
+
+# ------------------------------------------------------------ quiet defaults: the transfer summary, the overlap mode
+def test_plan_prints_the_transfer_summary_and_the_full_table_on_request(tiny, capsys):
+    assert main(tiny) == 0
+    out = capsys.readouterr().out
+    assert "stage  gpu" in out and "bytes per step" in out and "transfer rows summed" in out
+    assert " > " not in out  # no route column: the full table is not printed
+    assert main([*tiny, "--transfers"]) == 0
+    full = capsys.readouterr().out
+    assert "bytes per step" not in full and "cpu0 > " in full  # every transfer, with its route
+
+
+def test_the_cli_overlap_default_is_the_library_s(tiny, capsys):
+    import inspect
+
+    from mobius_fx.runtime.pipeline import Pipeline
+
+    assert main(tiny) == 0
+    default = inspect.signature(Pipeline.overlap).parameters["mode"].default
+    assert default == "sync" and f"CPU optimizer overlap: {default})" in capsys.readouterr().out

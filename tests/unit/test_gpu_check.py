@@ -183,6 +183,17 @@ def test_a_dry_run_plans_and_simulates_without_measuring(capsys):
     assert "gpu0, gpu1 share cuda:0" in text
 
 
+def test_each_dry_run_figure_says_what_it_counts():
+    text = gc.format_run(_figures())  # nothing measured: a dry run's figures
+    rows = [ln for ln in text.splitlines() if "[simulated]" in ln or ln.strip().startswith("fwd+bwd")]
+    step = next(ln for ln in rows if "step (fwd+bwd+AdamW)" in ln)
+    sim = next(ln for ln in rows if "fwd+bwd" in ln and "[simulated]" in ln and "AdamW" not in ln)
+    planned = next(ln for ln in rows if "[planned]" in ln)
+    assert "hand-over" in step and "CPU AdamW" in step and "host copies" in step
+    assert "gradient offload" in sim and "no optimizer" in sim
+    assert "partitioner's model" in planned and "no host copies, gradient hand-over or optimizer" in planned
+
+
 def test_plan_only_gives_the_simulated_and_planned_figures_for_the_budget():
     args = _args(*SMALL)
     topo = Topology.from_dict(gc.budget_topology_dict(2, 16 * 2**20, [gc.LinkFigures(50e9, 50e9)], spec="h200"))

@@ -256,3 +256,29 @@ def test_cuda_bf16_pipeline_matches_eager_autocast(tmp_path):
     st = pipe.devices["gpu0"]._pinned
     assert st and all(e[2].dtype == torch.bfloat16 and e[2].is_pinned() for e in st.values()
                       if e[0].is_floating_point())
+
+
+class _UpcastThenNorm(torch.nn.Module):
+    """As HF GPT-2 in bf16 does: an fp32 activation into a LayerNorm whose GPU copy is bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.ln, self.b = torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(self.ln(self.a(x).float()))
+
+
+def test_bf16_on_the_cpu_runs_layer_norm_in_fp32_as_cuda_autocast_does():
+    torch.manual_seed(0)
+    model, x = _UpcastThenNorm(), torch.randn(4, 16)
+    eager = copy.deepcopy(model)
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(x,), microbatches=2,
+                             cuts=[1, 2], dtype=torch.bfloat16, verbose=False)
+    y = pipe(x)  # CPU autocast alone: "mixed dtype (CPU): expect parameter to have scalar type of Float"
+    y.float().square().sum().backward()
+    ref = eager(x)
+    ref.square().sum().backward()
+    # every operand and result rounded to bf16 (about 8 roundings of u each on the way): well within 16u
+    assert (y.float() - ref).abs().max() <= 16 * BF16_U * ref.abs().max()
+    assert _max_rel_err(model, eager) <= 16 * BF16_U

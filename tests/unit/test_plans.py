@@ -98,3 +98,20 @@ def test_boundaries_must_start_at_zero_and_increase():
     topo = Topology.virtual(gpus=2)
     with pytest.raises(MobiusError, match=r"\(1, 3\)"):
         build_plan(_layers(), (1, 3), order=("gpu0", "gpu1"), topology=topo, microbatches=1, step_time=0.0)
+
+
+def test_the_transfer_summary_sums_every_transfer_by_kind_phase_and_link():
+    plan = _plan()
+    text = plan.transfer_summary()
+    rows = {}
+    for line in text.splitlines()[2:]:
+        cells = [c for c in line.split("  ") if c.strip()]
+        rows[tuple(c.strip() for c in cells[:3]) if cells[0] != "total" else ("total",)] = int(cells[-3].strip() if cells[0] != "total" else cells[1].strip())
+    assert rows[("total",)] == sum(t.count for t in plan.transfers)
+    grads = sum(t.count for t in plan.transfers if t.kind == "gradient")
+    assert rows[("gradient", "backward", "GPU -> host")] == grads
+    assert str(plan) == plan.describe("full") and plan.transfer_table() in str(plan)  # print(plan): both full tables
+    brief = plan.describe("summary")
+    assert plan.stage_table() in brief and text in brief and plan.transfer_table() not in brief
+    with pytest.raises(MobiusError, match="transfers='all'"):
+        plan.describe("all")

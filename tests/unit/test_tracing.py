@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.fx as fx
@@ -230,3 +232,37 @@ def test_fx_only_front_end_reports_its_failure():
 def test_unknown_front_end_is_rejected():
     with pytest.raises(TraceError, match="front_end='jit'"):
         trace(mlp(), example_inputs=(torch.randn(1, 16),), front_end="jit")
+
+
+class _CacheConfig:
+    """An HF-style config: `use_cache` on, as HF's defaults have it."""
+
+    def __init__(self) -> None:
+        self.use_cache = True
+
+
+class _CachingModel(nn.Module):
+    """Fails to trace, as an HF model does, while its config asks for a key/value cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = _CacheConfig()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, use_cache=None):
+        if self.config.use_cache if use_cache is None else use_cache:
+            raise RuntimeError("a key/value cache cannot be traced")
+        return self.lin(x)
+
+
+def test_hf_use_cache_is_off_while_tracing_and_put_back(caplog):
+    model = _CachingModel()
+    x = torch.randn(2, 4)
+    with caplog.at_level(logging.INFO, logger="mobius_fx"):
+        gm = trace(model, example_inputs=(x,))
+    assert torch.equal(gm(x), model.lin(x))
+    assert model.config.use_cache is True  # the user's value, back
+    assert "config.use_cache=False while tracing" in caplog.text
+    with pytest.raises(TraceError):  # a use_cache the example passes is the user's: left as given
+        trace(model, example_inputs=(x,), example_kwargs={"use_cache": True})
+    assert model.config.use_cache is True
