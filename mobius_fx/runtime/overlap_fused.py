@@ -13,6 +13,7 @@ import torch
 from mobius_fx.runtime.device_books import nbytes
 from mobius_fx.runtime.host_counters import COUNTERS
 from mobius_fx.runtime.host_gradients import convert_span
+from mobius_fx.runtime.overlap_watch import raw_step, stepped_masters
 
 __all__ = ["FusedStep", "UNIT", "SPAN_UNITS", "SPAN"]
 
@@ -40,7 +41,7 @@ def _span() -> int:
 
 def _raw_step(cls: type) -> Callable[[Any], Any] | None:
     """`cls.step` without torch's wrappers (the step hooks, the grad-mode switch): `_step_fused`
-    runs the hooks once per stage and calls this once per span, under no_grad."""
+    runs no step hook (opt.step() runs them once) and calls this once per span, under no_grad."""
     step = getattr(cls, "step", None) if cls in _CHUNKED else None
     if step is None or not getattr(step, "hooked", False):
         return None
@@ -89,8 +90,8 @@ class FusedStep:
         scalars (`step`), so the spans give the bits of one whole step (tests/unit/test_host_path.py
         checks it against serial stepping). Each span steps its own copy of the scalar state,
         written back once. The others (first step, a `.grad` the loop kept, another optimizer)
-        are handed over and stepped whole, as `_step_only` does. The optimizer's step hooks run
-        once for the stage, as for `_step_only`."""
+        are handed over and stepped whole, as `_step_only` does. No step hook runs here:
+        opt.step() runs them once for the whole update."""
         where = {id(q): i for i, g in enumerate(hp) for q in g["params"]}
         fused, whole = [], []
         for p, gs in downloads:
@@ -102,7 +103,8 @@ class FusedStep:
         raw = _raw_step(type(self.inner))
         if not fused or raw is None:
             self._hand(fused, homes)
-            type(self.inner).step(sub)
+            raw_step(type(self.inner))(sub)  # no step hooks: opt.step() runs them once (`_pre_hooks`)
+            stepped_masters(sub)
             return
         rest = {id(p) for p, _ in whole}
 
@@ -112,7 +114,8 @@ class FusedStep:
                     raw(self._sub([{**g, "params": [p for p in g["params"] if id(p) in rest]} for g in hp]))
                 self._chunks(fused, hp, where, homes, raw)
 
-        torch.optim.Optimizer.profile_hook_step(body)(sub)
+        body(sub)  # no step hooks: opt.step() runs them once (`_pre_hooks`)
+        stepped_masters(sub)
 
     def _chunks(self, fused: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict], where: dict[int, int],
                 homes: Any, raw: Callable[[Any], Any]) -> None:
