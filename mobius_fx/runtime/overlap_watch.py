@@ -137,8 +137,8 @@ def stepped_masters(sub: torch.optim.Optimizer) -> None:
     """What `host_counters.watch_optimizer_steps`' global post-hook does after a step, done by the
     overlap after each of its own calls of the step (`raw_step`, which runs no hook): the pipeline
     masters it stepped get a new version, before their streamed copies are refreshed."""
-    from mobius_fx.runtime.host_counters import _stepped
-    _stepped(sub, (), {})
+    from mobius_fx.runtime.host_counters import masters_stepped
+    masters_stepped(sub, (), {})
 
 
 def pre_hooks(opt: torch.optim.Optimizer) -> list:
@@ -152,6 +152,6 @@ def post_hooks(opt: torch.optim.Optimizer) -> list:
     the pipeline's own, which the overlap runs after each of its calls: `stepped_masters`)."""
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
-    from mobius_fx.runtime.host_counters import _stepped
+    from mobius_fx.runtime.host_counters import masters_stepped
     return [*opt._optimizer_step_post_hooks.values(), *(h for h in _global_optimizer_post_hooks.values()
-                                                        if h is not _stepped)]
+                                                        if h is not masters_stepped)]
