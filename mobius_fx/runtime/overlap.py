@@ -12,15 +12,20 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   parameters while the GPUs go on with earlier stages; `opt.step()` waits for the rest and steps
   whatever backward left (parameters outside the pipeline, ones with gradient hooks). Every
   parameter gets the same update as a serial `opt.step()` after backward, bit for bit: the
-  optimizers of torch update each parameter from its own gradient and state (LBFGS, which needs
-  a closure over all parameters, is refused).
+  optimizers of torch update each parameter from its own gradient and state
+  (`overlap_watch.PER_PARAMETER`; any other optimizer -- LBFGS, one whose step reads every
+  gradient -- is stepped serially, whole, at opt.step(), said once in the log). Step pre- and
+  post-hooks (the optimizer's and torch's global ones) run once per opt.step().
 
-  What needs every gradient before any update cannot overlap: `clip_grad_norm_` over all
-  parameters, fp16 `GradScaler.unscale_`'s inf check, several backward passes per step (gradient
-  accumulation), a closure. The first step after `overlap()` therefore runs serially and watches
-  the loop; if gradients change between the end of backward and `opt.step()`, or two backward
-  passes come before one step, the optimizer steps serially from then on and says why once in the
-  log (`logging.getLogger("mobius_fx")`). A loop that changes its shape later (clipping switched
+  What needs every gradient before any update cannot be stepped during backward: `clip_grad_norm_`
+  over all parameters, fp16 `GradScaler.unscale_`'s inf check, several backward passes per step
+  (gradient accumulation), a step pre-hook. The first step after `overlap()` therefore runs
+  serially and watches the loop; if gradients change between the end of backward and `opt.step()`,
+  a GradScaler steps, or two backward passes come before one step, the update waits for
+  opt.step() from then on (with a pre-hook, from the first step), said once in the log
+  (`logging.getLogger("mobius_fx")`): gradients are still handed over into `.grad` during
+  backward, the loop's code runs on the final ones, and opt.step() steps what it leaves --
+  serial's bits (docs/overlap_semantics.md). A loop that changes its shape later (clipping switched
   on after a warm-up) is caught at `opt.step()` with a `MobiusError`: in sync mode those stages
   were already stepped with the gradients backward produced. `torch.autograd.grad` and
   `backward(inputs=...)` only overlap for the tensors they accumulate into `.grad`.
