@@ -78,6 +78,8 @@ class VirtualDevice(CpuRng, Device):
 
     def fetch(self, t):
         """A small value the runtime reads on the host (a stage's gradient finiteness flag): not
-        a transfer of the plan, so not logged."""
-        value = t.detach()
-        return lambda: bool(value)
+        a transfer of the plan, so not logged. Read now (a virtual GPU computes synchronously):
+        the thunk keeps no tensor charged to this device, which would stay booked while the
+        step that holds the thunk lives (`current_bytes` grew by a byte per stage per step)."""
+        value = bool(t)
+        return lambda: value

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["COUNTERS", "HostCounters", "watch_optimizer_steps", "watch_masters", "BESIDE"]
+__all__ = ["COUNTERS", "HostCounters", "watch_optimizer_steps", "watch_masters", "masters_stepped", "BESIDE"]
 
 KINDS = ("pin", "refresh", "grad_convert", "grad_fused", "grad_alloc", "grad_add", "finite_check")
 BESIDE = ("refresh", "grad_fused")  # written inside or right after the optimizer's step
@@ -91,7 +91,10 @@ def watch_masters(masters: Iterable[torch.Tensor]) -> None:
         _MASTERS[id(m)] = m
 
 
-def _stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+def masters_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The global step post-hook `watch_optimizer_steps` installs: the pipeline masters `optimizer`
+    stepped (those with a gradient) get a new version (the optimizer overlap calls it after each
+    of its own, hook-less, calls of the step)."""
     params = [p for g in optimizer.param_groups for p in g["params"]
               if p.grad is not None and _MASTERS.get(id(p)) is p]
     if params:
@@ -105,5 +108,5 @@ def watch_optimizer_steps() -> None:
     global _installed
     with _install_lock:
         if not _installed:
-            register_optimizer_step_post_hook(_stepped)
+            register_optimizer_step_post_hook(masters_stepped)
             _installed = True

@@ -12,15 +12,20 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   parameters while the GPUs go on with earlier stages; `opt.step()` waits for the rest and steps
   whatever backward left (parameters outside the pipeline, ones with gradient hooks). Every
   parameter gets the same update as a serial `opt.step()` after backward, bit for bit: the
-  optimizers of torch update each parameter from its own gradient and state (LBFGS, which needs
-  a closure over all parameters, is refused).
+  optimizers of torch update each parameter from its own gradient and state
+  (`overlap_watch.PER_PARAMETER`; any other optimizer -- LBFGS, one whose step reads every
+  gradient -- is stepped serially, whole, at opt.step(), said once in the log). Step pre- and
+  post-hooks (the optimizer's and torch's global ones) run once per opt.step().
 
-  What needs every gradient before any update cannot overlap: `clip_grad_norm_` over all
-  parameters, fp16 `GradScaler.unscale_`'s inf check, several backward passes per step (gradient
-  accumulation), a closure. The first step after `overlap()` therefore runs serially and watches
-  the loop; if gradients change between the end of backward and `opt.step()`, or two backward
-  passes come before one step, the optimizer steps serially from then on and says why once in the
-  log (`logging.getLogger("mobius_fx")`). A loop that changes its shape later (clipping switched
+  What needs every gradient before any update cannot be stepped during backward: `clip_grad_norm_`
+  over all parameters, fp16 `GradScaler.unscale_`'s inf check, several backward passes per step
+  (gradient accumulation), a step pre-hook. The first step after `overlap()` therefore runs
+  serially and watches the loop; if gradients change between the end of backward and `opt.step()`,
+  a GradScaler steps, or two backward passes come before one step, the update waits for
+  opt.step() from then on (with a pre-hook, from the first step), said once in the log
+  (`logging.getLogger("mobius_fx")`): gradients are still handed over into `.grad` during
+  backward, the loop's code runs on the final ones, and opt.step() steps what it leaves --
+  serial's bits (docs/overlap_semantics.md). A loop that changes its shape later (clipping switched
   on after a warm-up) is caught at `opt.step()` with a `MobiusError`: in sync mode those stages
   were already stepped with the gradients backward produced. `torch.autograd.grad` and
   `backward(inputs=...)` only overlap for the tensors they accumulate into `.grad`.
@@ -80,11 +85,14 @@ from torch import nn
 
 from mobius_fx.errors import MobiusError
 from mobius_fx.kinds import OVERLAP_MODES
-from mobius_fx.runtime import host_threads
+from mobius_fx.runtime import host_threads, overlap_watch
 from mobius_fx.runtime.overlap_async import AsyncUpdate
 from mobius_fx.runtime.overlap_fused import FusedStep
 from mobius_fx.runtime.overlap_handover import GradHandover
-from mobius_fx.runtime.overlap_watch import called_by_grad_scaler, fingerprint, hyper_params, partition_owners, same_hyper
+from mobius_fx.runtime.overlap_watch import (
+    called_by_grad_scaler, fingerprint, hyper_params, partition_owners, per_parameter, post_hooks, pre_hooks, raw_step,
+    same_hyper, stepped_masters,
+)
 
 __all__ = ["OverlapOptimizer"]
 
@@ -106,9 +114,10 @@ def _checked(pipeline: Any, optimizer: torch.optim.Optimizer, mode: str, shard: 
         raise MobiusError("this optimizer is already overlapped with a pipeline; pass the torch optimizer itself")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise MobiusError(f"pipe.overlap needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, torch.optim.LBFGS):
+    if isinstance(optimizer, torch.optim.LBFGS) and mode == "async":
         raise MobiusError("LBFGS re-evaluates the loss over all parameters in its step (a closure), so it cannot "
-                          "step stage by stage or one step late; use it without pipe.overlap")
+                          "step one update late; use it with mode='sync' (which steps it serially) or without "
+                          "pipe.overlap")
     reducer = pipeline._rt.reducer if shard else None
     if shard and reducer is None:
         raise MobiusError("shard=True divides the optimizer over the ranks of a data-parallel run, but this "
@@ -117,6 +126,10 @@ def _checked(pipeline: Any, optimizer: torch.optim.Optimizer, mode: str, shard: 
     if shard and mode != "sync":
         raise MobiusError(f"shard=True steps each rank's share of the parameters and then gathers them, which "
                           f"mode={mode!r} does not do; use mode='sync' with shard=True")
+    if shard and not per_parameter(optimizer):
+        raise MobiusError(f"shard=True steps each rank's share of the parameters, but {type(optimizer).__name__}'s "
+                          f"update is not per parameter (it may read every gradient: not one of "
+                          f"{', '.join(c.__name__ for c in overlap_watch.PER_PARAMETER)}); use shard=False")
     return reducer
 
 
@@ -157,7 +170,16 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
         self._steps: list[Future] = []
         self._stepped: set[int] = set()  # ids of parameters stepped during this round's backward
         self._nodes: dict[int, Any] = {}  # id(param) -> its AccumulateGrad node
-        self._serial: str | None = None  # why sync mode steps serially (None: it overlaps)
+        # sync: why the optimizer is stepped serially, whole, by its own step (None: the pipeline
+        # may step it stage by stage): one whose update is not per parameter (`per_parameter`)
+        self._serial: str | None = None
+        # sync: why the update waits for opt.step() (None: stages are stepped during backward).
+        # Gradients are still handed over into .grad during backward, as their stages complete;
+        # the loop's code between backward and step (clip_grad_norm_, GradScaler) and the step's
+        # pre-hooks then run on the final gradients, and the update after them: serial's bits.
+        self._defer: str | None = None
+        self._handed: set[int] = set()  # ids of parameters handed over (not stepped) during this round's backward
+        self.handed_in_backward = 0  # parameters the last step() found handed over, unstepped, during backward
         self._probing = mode == "sync"  # the first round runs serially and watches the loop
         self._backwards = 0  # backward passes since the last step()
         self.stepped_in_backward = 0  # parameters the last step() found already stepped during backward
@@ -176,6 +198,13 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
         self._flight_params: list[torch.Tensor] = []
         if mode == "async":
             self._hook_model()
+        if mode == "sync" and not per_parameter(optimizer):
+            self._serial = (f"{type(optimizer).__name__} is not one of the optimizers whose update is per parameter "
+                            f"({', '.join(c.__name__ for c in overlap_watch.PER_PARAMETER)}, exact classes or "
+                            f"subclasses that keep their step): its step may read every parameter (a closure, a "
+                            f"global norm), so it is stepped whole at opt.step(), after backward")
+            self._probing = False
+            log.warning("pipe.overlap(mode='sync') steps the optimizer serially: %s", self._serial)
         if shard:
             self._owners = partition_owners(self._params(), reducer.world)
             reducer.owners = self._owners
@@ -190,8 +219,10 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
     param_groups = _inner("param_groups")
     state = _inner("state")
     defaults = _inner("defaults")
-    # Hooks registered here are the wrapped optimizer's: its step runs them (once per stage
-    # stepped during backward, or per step), its state_dict and load_state_dict theirs.
+    # Hooks registered here are the wrapped optimizer's. Its step hooks (and torch's global ones)
+    # run once per opt.step(), by `step` (`_pre_hooks`, `_post_hooks`), however many calls of the
+    # optimizer's step the update takes: those calls run its step without torch's hook wrapper
+    # (`raw_step`). Its state_dict and load_state_dict hooks are theirs.
     _optimizer_step_pre_hooks = _inner("_optimizer_step_pre_hooks")
     _optimizer_step_post_hooks = _inner("_optimizer_step_post_hooks")
     _optimizer_state_dict_pre_hooks = _inner("_optimizer_state_dict_pre_hooks")
@@ -275,26 +306,52 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
         of `groups`, a snapshot of param_groups taken when the step was launched)."""
         want = {id(p) for p in params}
         source = groups if groups is not None else self.inner.param_groups
-        type(self.inner).step(self._sub([{**g, "params": [p for p in g["params"] if id(p) in want]} for g in source]))
+        sub = self._sub([{**g, "params": [p for p in g["params"] if id(p) in want]} for g in source])
+        raw_step(type(self.inner))(sub)
+        stepped_masters(sub)
+
+    def _pre_hooks(self) -> None:
+        """torch's and the optimizer's step pre-hooks, once for this opt.step(), before any of
+        its update (as `Optimizer.profile_hook_step` runs them, with this object as the optimizer)."""
+        for hook in pre_hooks(self.inner):
+            result = hook(self, (self,), {})
+            if result is not None and not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"{hook} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
+
+    def _post_hooks(self) -> None:
+        """The step post-hooks, once for this opt.step(), after its update (async: launched)."""
+        self.inner._optimizer_step_code()
+        for hook in post_hooks(self.inner):
+            hook(self, (self,), {})
 
     # ------------------------------------------------------------------ the loop's side
-    def _serialize(self, why: str, refuse: bool = False) -> None:
+    def _deferring(self, why: str, refuse: bool = False) -> None:
+        """The loop needs every gradient before any update: from now on stages are handed over,
+        not stepped, during backward, and the update runs at opt.step() (`_defer`); said once.
+        `refuse`: this round's stages were already stepped, which nothing can undo exactly."""
         if refuse:
             raise MobiusError(f"pipe.overlap(mode='sync'): {why}. This step's stages were already stepped during "
                               f"backward with the gradients it produced. Use mode='async' (which steps after your "
                               f"changes) or mode='none', or keep the loop as it was in its first step")
-        if self._serial is None:
-            self._serial = why
-            log.warning("pipe.overlap(mode='sync') steps the optimizer serially after backward from now on: %s", why)
+        if self._defer is None and self._serial is None:
+            self._defer = why
+            log.warning("pipe.overlap(mode='sync'): from now on the update waits for opt.step() (gradients are still "
+                        "handed over during backward, as their stages complete; the update then runs after your "
+                        "code, on the gradients it leaves, exactly as a serial step): %s", why)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Finish this step's update (sync) or launch it (async); see the module docstring."""
-        if closure is not None:
+        serial = self.mode == "sync" and self._serial is not None
+        if closure is not None and not serial:
             raise MobiusError("pipe.overlap's optimizer takes no closure: the pipeline's backward already computed the "
                               "gradients; call loss.backward() and then opt.step()")
         self.inner._opt_called = True  # for an LR scheduler built on the wrapped optimizer
         if self.mode == "async":
-            return self._step_async()
+            self._finish_flight()
+            self._pre_hooks()
+            self._step_async()
+            self._post_hooks()
+            return None
         self._check_dirty()
         steps, self._steps = self._steps, []
         for f in steps:
@@ -305,27 +362,37 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
                    if i not in now or now[i].grad is not g or g._version != v or (f is not None and fingerprint(g) != f)]
         stepped, self._stepped = self._stepped, set()
         self.stepped_in_backward = len(stepped)
+        handed, self._handed = self._handed, set()
+        self.handed_in_backward = len(handed)
         backwards, self._backwards = self._backwards, 0
         self._after_backward = {}
         hp, self._hp = self._hp, None
         late, self._late = self._late, set()
         self._nonfinite = False
         self._handed_fp = {}
+        if serial:  # the optimizer's own step over its own groups, torch's hooks and all: a serial step
+            self._backwards = 0
+            return self.inner.step(closure) if closure is not None else self.inner.step()
+        if stepped and pre_hooks(self.inner):
+            raise MobiusError(f"pipe.overlap(mode='sync'): an optimizer step pre-hook was registered after this step's "
+                              f"backward began, when {len(stepped)} parameters were already stepped; a pre-hook runs "
+                              f"before any update (with one, the update waits for opt.step()). Register it before "
+                              f"loss.backward(), or use mode='none'")
         if called_by_grad_scaler():
-            self._serialize("a GradScaler steps this optimizer: its inf check needs every gradient before any update",
+            self._deferring("a GradScaler steps this optimizer: its inf check needs every gradient before any update",
                             refuse=bool(stepped))
         if hp is not None and not same_hyper(hp, hyper_params(self.param_groups)):
-            self._serialize("hyper-parameters (lr, momentum, weight decay ...) changed between the end of backward and "
+            self._deferring("hyper-parameters (lr, momentum, weight decay ...) changed between the end of backward and "
                             "opt.step(): the stages are stepped during backward", refuse=bool(stepped))
         if late:
-            self._serialize(f"{len(late)} parameters got gradients from outside the pipeline (a regulariser or an "
+            self._deferring(f"{len(late)} parameters got gradients from outside the pipeline (a regulariser or an "
                             f"auxiliary loss on the model's parameters) after their stage was stepped",
                             refuse=bool(stepped))
         if self._outside and self._probing and backwards:
             log.info("pipe.overlap(mode='sync'): %d parameters also get gradients from outside the pipeline; they are "
                      "stepped at opt.step(), the others during backward", len(self._outside))
         if changed:
-            self._serialize(f"{len(changed)} gradients changed between the end of backward and opt.step() "
+            self._deferring(f"{len(changed)} gradients changed between the end of backward and opt.step() "
                             f"(clip_grad_norm_, GradScaler.unscale_, or code that edits .grad): every gradient "
                             f"is needed before any update", refuse=bool(stepped))
         if self._probing and backwards:
@@ -333,11 +400,13 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
             if self._serial is None:
                 log.info("pipe.overlap(mode='sync'): the first step ran serially; from the next one, stages are "
                          "stepped during backward as their gradients complete")
+        self._pre_hooks()
         rest = [p for p in self._params() if id(p) not in stepped and p.grad is not None]
         if rest:
             self._step_only(rest)
         if self.shard:
             self._gather()
+        self._post_hooks()
         return None
 
     def _gather(self) -> None:

@@ -24,6 +24,7 @@ from mobius_fx.runtime.device_books import nbytes
 from mobius_fx.runtime.host_counters import COUNTERS
 from mobius_fx.runtime import host_optimizer
 from mobius_fx.runtime.host_gradients import convert_span
+from mobius_fx.runtime.overlap_watch import raw_step, stepped_masters
 
 __all__ = ["FusedStep", "UNIT", "SPAN_UNITS", "SPAN", "HOST_PASS"]
 
@@ -59,7 +60,7 @@ def _span() -> int:
 
 def _raw_step(cls: type) -> Callable[[Any], Any] | None:
     """`cls.step` without torch's wrappers (the step hooks, the grad-mode switch): `_step_fused`
-    runs the hooks once per stage and calls this once per span, under no_grad."""
+    runs no step hook (opt.step() runs them once) and calls this once per span, under no_grad."""
     step = getattr(cls, "step", None) if cls in _CHUNKED else None
     if step is None or not getattr(step, "hooked", False):
         return None
@@ -108,8 +109,8 @@ class FusedStep:
         scalars (`step`), so the spans give the bits of one whole step (tests/unit/test_host_path.py
         checks it against serial stepping). Each span steps its own copy of the scalar state,
         written back once. The others (first step, a `.grad` the loop kept, another optimizer)
-        are handed over and stepped whole, as `_step_only` does. The optimizer's step hooks run
-        once for the stage, as for `_step_only`."""
+        are handed over and stepped whole, as `_step_only` does. No step hook runs here:
+        opt.step() runs them once for the whole update."""
         where = {id(q): i for i, g in enumerate(hp) for q in g["params"]}
         fused, whole, passed = [], [], []
         for p, gs in downloads:
@@ -131,7 +132,8 @@ class FusedStep:
         raw = _raw_step(type(self.inner))
         if not (fused or passed) or raw is None:
             self._hand(fused, homes)
-            type(self.inner).step(sub)
+            raw_step(type(self.inner))(sub)  # no step hooks: opt.step() runs them once (`_pre_hooks`)
+            stepped_masters(sub)
             return
         rest = {id(p) for p, _ in whole}
         written: list[tuple[torch.Tensor, list]] = []
@@ -145,8 +147,9 @@ class FusedStep:
                 if passed:
                     written.extend(self._host_pass(passed, hp, where, homes))
 
-        torch.optim.Optimizer.profile_hook_step(body)(sub)
-        for p, entry in written:  # after the step hooks (which bump the version): the copy is current
+        body(sub)  # no step hooks: opt.step() runs them once (`_pre_hooks`)
+        stepped_masters(sub)  # the version bump the global post-hook would give
+        for p, entry in written:  # after that bump: the copy the pass wrote is current
             entry[4] = (p.data_ptr(), p._version)
 
     def _chunks(self, fused: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict], where: dict[int, int],

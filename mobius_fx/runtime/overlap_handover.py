@@ -13,7 +13,7 @@ from mobius_fx.errors import MobiusError
 from mobius_fx.runtime.device_books import nbytes
 from mobius_fx.runtime.host_counters import COUNTERS
 from mobius_fx.runtime.overlap_watch import (
-    WeakHook, accumulator, engine_accumulates, fingerprint, has_grad_hooks, hyper_params,
+    WeakHook, accumulator, engine_accumulates, fingerprint, has_grad_hooks, hyper_params, pre_hooks,
 )
 from mobius_fx.runtime.host_gradients import sum_downloads
 
@@ -42,7 +42,7 @@ class GradHandover:
         for p in self._params():
             self._watch(p)
         if self._backwards > 1:
-            self._serialize("opt.step() was not called between two backward passes (gradient accumulation, or a loop "
+            self._deferring("opt.step() was not called between two backward passes (gradient accumulation, or a loop "
                             "that skips steps, e.g. on a non-finite loss): a stage cannot be stepped before it is known "
                             "that the step will be taken with these gradients", refuse=bool(self._stepped))
 
@@ -108,12 +108,22 @@ class GradHandover:
         `.grad` and step them, on the workers. `finite`: thunks telling whether the gradients of
         the stages they came from are all finite, computed on the GPUs (None: read them here)."""
         params = [p for p, _ in groups]
+        homes = self._pipeline._rt.grad_homes
+        if self._defer is not None or pre_hooks(self.inner):
+            # the update waits for opt.step() (`_defer`; a step pre-hook runs before any update):
+            # only the hand-over now, while the GPUs go on; `.grad` is final when backward returns
+            self._handed.update(id(p) for p in params)
+
+            def hand() -> None:
+                self._hand([(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups], homes)
+
+            self._adds.append(self._submit(self._adder, hand))
+            return
         self._stepped.update(id(p) for p in params)
         if self._hp is None:  # the hyper-parameters of this round: every stage is stepped with them
             self._hp = hyper_params(self.param_groups)
         hp = [{**h, "params": g["params"]} for h, g in zip(self._hp, self.param_groups)]
 
-        homes = self._pipeline._rt.grad_homes
         if finite is not None and self.fuse:
             # the hand-over and the step in one job: each gradient converted span by span right
             # before the optimizer steps that span (`_step_fused`); `.grad` is final when it ends,

@@ -1,7 +1,9 @@
 """What `OverlapOptimizer` (mobius_fx/runtime/overlap.py) watches the training loop and autograd
 with: hooks that hold it weakly, the AccumulateGrad node of a parameter and whether the backward
 running now reaches it, a checksum of a gradient's bits, the hyper-parameters a round was stepped
-with, whether a GradScaler is the caller, and which rank steps each parameter (shard=True)."""
+with, whether a GradScaler is the caller, which rank steps each parameter (shard=True), which
+optimizers update each parameter from its own gradient and state alone (`per_parameter`), and
+the optimizer's step hooks, run once per `opt.step()` (`pre_hooks`, `post_hooks`, `raw_step`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,21 @@ from typing import Any
 import torch
 
 __all__ = ["WeakHook", "accumulator", "engine_accumulates", "has_grad_hooks", "fingerprint", "partition_owners",
-           "hyper_params", "same_hyper", "called_by_grad_scaler"]
+           "hyper_params", "same_hyper", "called_by_grad_scaler", "PER_PARAMETER", "per_parameter", "raw_step",
+           "pre_hooks", "post_hooks", "stepped_masters"]
+
+# The optimizers the sync overlap steps stage by stage, during backward: torch's own, whose step
+# updates each parameter from its own gradient, its own state and the group's hyper-parameters
+# (scalars the same for every parameter), so stepping the parameters in several calls gives the
+# bits of one call. Matched by the step function the optimizer's class runs (a subclass that
+# keeps its parent's step is one of them; one that overrides step is not). Every other optimizer
+# -- LBFGS, which re-evaluates the loss over all parameters, or one whose step reads all
+# gradients (a global norm, a trust ratio over the model) -- is stepped whole at opt.step(),
+# serially, said once in the log (`OverlapOptimizer.__init__`): never silently differently.
+PER_PARAMETER: tuple[type, ...] = tuple(
+    getattr(torch.optim, name) for name in ("Adam", "AdamW", "SGD", "Adagrad", "Adamax", "NAdam", "RAdam",
+                                            "RMSprop", "Adadelta", "ASGD", "Rprop", "Adafactor")
+    if hasattr(torch.optim, name))
 
 
 class WeakHook:
@@ -102,3 +118,40 @@ def called_by_grad_scaler() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def per_parameter(opt: torch.optim.Optimizer) -> bool:
+    """Whether `opt`'s step is one of `PER_PARAMETER`'s (the sync overlap may split it by stage)."""
+    step = raw_step(type(opt))
+    return any(step is raw_step(cls) for cls in PER_PARAMETER)
+
+
+def raw_step(cls: type) -> Any:
+    """`cls.step` without torch's hook wrapper (`Optimizer.profile_hook_step`): the overlap runs
+    the step hooks itself, once per `opt.step()`, however many calls the update takes."""
+    step = cls.step
+    return step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
+
+
+def stepped_masters(sub: torch.optim.Optimizer) -> None:
+    """What `host_counters.watch_optimizer_steps`' global post-hook does after a step, done by the
+    overlap after each of its own calls of the step (`raw_step`, which runs no hook): the pipeline
+    masters it stepped get a new version, before their streamed copies are refreshed."""
+    from mobius_fx.runtime.host_counters import masters_stepped
+    masters_stepped(sub, (), {})
+
+
+def pre_hooks(opt: torch.optim.Optimizer) -> list:
+    """The step pre-hooks torch would run before `opt.step()`: the global ones, then opt's."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+    return [*_global_optimizer_pre_hooks.values(), *opt._optimizer_step_pre_hooks.values()]
+
+
+def post_hooks(opt: torch.optim.Optimizer) -> list:
+    """The step post-hooks torch would run after `opt.step()`: opt's, then the global ones (but
+    the pipeline's own, which the overlap runs after each of its calls: `stepped_masters`)."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    from mobius_fx.runtime.host_counters import masters_stepped
+    return [*opt._optimizer_step_post_hooks.values(), *(h for h in _global_optimizer_post_hooks.values()
+                                                        if h is not masters_stepped)]

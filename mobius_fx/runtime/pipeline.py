@@ -252,8 +252,10 @@ class Pipeline(ModelFace, nn.Module):
         """The optimizer to use in the training loop instead of `optimizer`, stepped off the
         pipeline's critical path (mobius_fx/runtime/overlap.py): "sync" steps each stage's parameters on a
         CPU worker as soon as its gradients are complete during backward (bit-identical to a serial
-        step; falls back to serial stepping, said once in the log, when the loop clips or unscales
-        gradients); "async" runs step t's update while step t+1 computes on weights one update old
+        step; when the loop clips or unscales gradients, or the optimizer has a step pre-hook, the
+        update waits for opt.step() -- gradients still handed over during backward -- said once in
+        the log; an optimizer whose update is not per parameter is stepped serially, said once:
+        docs/overlap_semantics.md); "async" runs step t's update while step t+1 computes on weights one update old
         (RoundPipe's staleness 1); "none" returns `optimizer` unchanged. A pipeline overlaps one
         optimizer at a time: a new call waits for the previous one's work and detaches it.
         `shard=True` (data parallel, mode "sync"): each rank keeps optimizer state for and steps
