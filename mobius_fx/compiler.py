@@ -293,7 +293,7 @@ def default_pipeline() -> PassPipeline:
     from mobius_fx.passes.partition import partition_pass
 
     return PassPipeline([
-        FunctionPass("trace", std.trace_pass, reads=("model", "example_inputs"), writes=("graph",)),
+        FunctionPass("trace", std.trace_pass, reads=("model", "example_inputs", "settings"), writes=("graph",)),
         FunctionPass("annotate", std.annotate_pass, reads=("graph", "example_inputs", "settings", "topology"),
                      writes=("node.meta.mobius", "layers")),
         FunctionPass("partition", partition_pass, reads=("layers", "topology", "settings", "model", "example_inputs"),

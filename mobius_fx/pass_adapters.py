@@ -14,9 +14,21 @@ __all__ = ["trace_pass", "annotate_pass", "plan_pass", "insert_transfers_pass", 
 
 
 def trace_pass(gm, ctx: CompileContext):
-    from mobius_fx.tracing import trace
+    from mobius_fx.planning import batch_sizes, loss_ratios, microbatch
+    from mobius_fx.tracing import flatten_inputs, trace
 
-    return trace(ctx.model, example_inputs=ctx.example_inputs, example_kwargs=ctx.example_kwargs or None)
+    args, kwargs = tuple(ctx.example_inputs), dict(ctx.example_kwargs or {})
+    gm = trace(ctx.model, example_inputs=args, example_kwargs=kwargs or None)
+    if args or kwargs:  # sizes read inside forward: the whole batch's where they become values
+        marks = microbatch.declared(ctx.model, args, kwargs, ctx.settings.batch_dims)
+        flat = flatten_inputs(gm, args, kwargs)
+        batch_sizes.rewrite(gm, flat, marks)
+        try:
+            values = batch_sizes.fake_values(gm, flat)
+        except Exception:  # noqa: BLE001 (not runnable on fake tensors: microbatch_outputs warns)
+            values = {}
+        loss_ratios.rewrite(gm, values)  # mean losses over class indices: a sum and a count each
+    return gm
 
 
 def annotate_pass(gm, ctx: CompileContext):
