@@ -19,7 +19,7 @@ def trace_pass(gm, ctx: CompileContext):
 
     args, kwargs = tuple(ctx.example_inputs), dict(ctx.example_kwargs or {})
     gm = trace(ctx.model, example_inputs=args, example_kwargs=kwargs or None)
-    if args or kwargs:  # sizes read inside forward: the whole batch's where they become values
+    if (args or kwargs) and ctx.settings.microbatches != 1:  # sizes read inside forward: the whole batch's where they become values
         marks = microbatch.declared(ctx.model, args, kwargs, ctx.settings.batch_dims)
         flat = flatten_inputs(gm, args, kwargs)
         batch_sizes.rewrite(gm, flat, marks)

@@ -33,7 +33,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.planning.microbatch import batch_rows, split
+from mobius_fx.planning.microbatch import batch_rows, divides, split
 
 __all__ = ["rewrite", "whole_size", "whole_shape", "set_microbatches", "fake_values", "REMEDY"]
 
@@ -54,7 +54,7 @@ _IGNORED = ("_assert", "sym_constrain_range", "_check", "sym_constrain")  # expo
 
 
 def whole_size(n: Any, microbatches: int = 1) -> Any:
-    """The whole batch's size for the size `n` one of `microbatches` equal micro-batches reads."""
+    """The whole batch's size for the size `n` that each of `microbatches` same-sized micro-batches reads."""
     return n * microbatches
 
 
@@ -136,9 +136,11 @@ def _positions(node: fx.Node, n: fx.Node) -> list[tuple[int | str, Any]]:
     return out
 
 
-def _role(node: fx.Node, n: fx.Node, values: Mapping[fx.Node, Any]) -> str:
+def _role(node: fx.Node, n: fx.Node, values: Mapping[fx.Node, Any]) -> Any:
     """How `node` (a use of the batch-dependent integer `n`) reads it: "shape", "value", "int"
-    (integer arithmetic: followed further), "ignore" (a guard) or "unknown"."""
+    (integer arithmetic: followed further), "ignore" (a guard), "unknown", or, for a call whose
+    arguments have roles of their own (`full(size, fill_value)`, an aten op's typed arguments),
+    {argument position or keyword: "shape" or "value"}."""
     if node.op == "output":
         return "value"
     name = _name(node)
@@ -148,28 +150,31 @@ def _role(node: fx.Node, n: fx.Node, values: Mapping[fx.Node, Any]) -> str:
     if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(v)) and (_is_int(v) or isinstance(v, bool)):
         return "int"
     if name in _VALUE_ARGS:
-        pos, kw = _VALUE_ARGS[name]
-        where = {p for p, _ in _positions(node, n)}
-        if where <= {pos, kw}:
-            return "value"
-        return "shape" if not where & {pos, kw} else "unknown"
+        return {p: "value" if p in _VALUE_ARGS[name] else "shape" for p, _ in _positions(node, n)}
     if name in _SHAPE_CALLS:  # before the schema: arange's end is typed Scalar, but is a size
         return "shape"
     schema = getattr(node.target, "_schema", None)
     if schema is not None:  # an aten op: its argument types say
         names = [a.name for a in schema.arguments]
-        roles = set()
+        roles = {}
         for pos, _ in _positions(node, n):
             i = pos if isinstance(pos, int) else names.index(pos) if pos in names else None
             typ = str(schema.arguments[i].type) if i is not None and i < len(schema.arguments) else ""
-            roles.add("value" if any(k in typ.lower() for k in ("scalar", "number", "tensor", "float")) else "shape")
-        return roles.pop() if len(roles) == 1 else "unknown"
+            roles[pos] = "value" if any(k in typ.lower() for k in ("scalar", "number", "tensor", "float")) else "shape"
+        return roles
     if node.op == "call_function" and node.target in (operator.add, operator.sub, operator.mul, operator.truediv,
                                                        operator.floordiv, operator.pow, operator.mod):
         return "value"  # arithmetic with a tensor (the result is a tensor)
     if name in _VALUE_CALLS:
         return "value"
     return "unknown"
+
+
+def _replace_at(node: fx.Node, n: fx.Node, new: fx.Node, where: set) -> None:
+    """Replace `n` by `new` in the arguments of `node` at the positions/keywords `where`."""
+    swap = lambda a: pytree.tree_map_only(fx.Node, lambda x: new if x is n else x, a)  # noqa: E731
+    node.args = tuple(swap(a) if i in where else a for i, a in enumerate(node.args))
+    node.kwargs = {k: swap(a) if k in where else a for k, a in node.kwargs.items()}
 
 
 def rewrite(gm: fx.GraphModule, flat: list, marks: Mapping[int, bool] | None = None) -> int:
@@ -185,7 +190,7 @@ def rewrite(gm: fx.GraphModule, flat: list, marks: Mapping[int, bool] | None = N
         rows = None
     if not rows or rows < 2:
         return 0
-    d = next(k for k in range(2, rows + 1) if rows % k == 0)
+    d = next(k for k in range(2, rows + 1) if divides(rows, k))
     try:
         parts, mb = split(tuple(flat), d, marks)
         whole = fake_values(gm, flat)
@@ -201,6 +206,10 @@ def rewrite(gm: fx.GraphModule, flat: list, marks: Mapping[int, bool] | None = N
             continue
         for user in list(n.users):
             role = _role(user, n, whole)
+            where = None
+            if isinstance(role, dict):  # per argument: rewrite only the values
+                where = {p for p, r in role.items() if r == "value"}
+                role = "value" if where else "shape"
             if role in ("shape", "ignore"):
                 continue
             if role == "int":
@@ -213,7 +222,10 @@ def rewrite(gm: fx.GraphModule, flat: list, marks: Mapping[int, bool] | None = N
                     f"`loss / b`); {REMEDY}")
             with gm.graph.inserting_before(user):
                 replacement = _whole(gm, n, whole, part, ratio, batchy, {})
-            user.replace_input_with(n, replacement)
+            if where is None:
+                user.replace_input_with(n, replacement)
+            else:
+                _replace_at(user, n, replacement, where)
             count += 1
     gm.meta["mobius_batch_sizes"] = count
     if count:
