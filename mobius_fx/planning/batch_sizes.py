@@ -48,7 +48,7 @@ _SHAPE_CALLS = {"view", "reshape", "expand", "repeat", "tile", "broadcast_to", "
                 "unfold", "tensor_split", "logspace", "randperm", "slice"}
 # the argument positions (after self/the size) that are values for calls mixing both roles
 _VALUE_ARGS = {"full": (1, "fill_value"), "new_full": (2, "fill_value")}
-_VALUE_CALLS = {"tensor", "as_tensor", "scalar_tensor", "full_like", "fill_", "fill", "clamp", "clip", "where",
+_VALUE_CALLS = {"tensor", "as_tensor", "scalar_tensor", "new_tensor", "full_like", "fill_", "fill", "clamp", "clip", "where",
                 "maximum", "minimum", "pow", "div", "mul", "add", "sub", "rsub", "true_divide", "floor_divide"}
 _IGNORED = ("_assert", "sym_constrain_range", "_check", "sym_constrain")  # export's guards: not values
 
