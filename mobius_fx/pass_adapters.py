@@ -19,15 +19,18 @@ def trace_pass(gm, ctx: CompileContext):
 
     args, kwargs = tuple(ctx.example_inputs), dict(ctx.example_kwargs or {})
     gm = trace(ctx.model, example_inputs=args, example_kwargs=kwargs or None)
-    if (args or kwargs) and ctx.settings.microbatches != 1:  # sizes read inside forward: the whole batch's where they become values
+    # with micro-batches, sizes read inside forward are the whole batch's where they become values
+    # (planning/batch_sizes.py), and mean losses over class indices a sum and a count each (loss_ratios.py)
+    if (args or kwargs) and ctx.settings.microbatches != 1:
         marks = microbatch.declared(ctx.model, args, kwargs, ctx.settings.batch_dims)
         flat = flatten_inputs(gm, args, kwargs)
-        batch_sizes.rewrite(gm, flat, marks)
         try:
             values = batch_sizes.fake_values(gm, flat)
-        except Exception:  # noqa: BLE001 (not runnable on fake tensors: microbatch_outputs warns)
-            values = {}
-        loss_ratios.rewrite(gm, values)  # mean losses over class indices: a sum and a count each
+        except Exception:  # noqa: BLE001 (not runnable on fake tensors: microbatch_outputs warns at build)
+            values = None
+        if values is not None:
+            batch_sizes.rewrite(gm, flat, marks, values)
+            loss_ratios.rewrite(gm, values)
     return gm
 
 

@@ -177,10 +177,12 @@ def _replace_at(node: fx.Node, n: fx.Node, new: fx.Node, where: set) -> None:
     node.kwargs = {k: swap(a) if k in where else a for k, a in node.kwargs.items()}
 
 
-def rewrite(gm: fx.GraphModule, flat: list, marks: Mapping[int, bool] | None = None) -> int:
+def rewrite(gm: fx.GraphModule, flat: list, marks: Mapping[int, bool] | None = None,
+            whole: Mapping[fx.Node, Any] | None = None) -> int:
     """Make every value use of a batch size in `gm` read the whole batch's (module docstring),
-    for the example call `flat` (the placeholders' values; `marks`: microbatch.declared's).
-    Returns how many uses were rewritten; MobiusError for a use no rule classifies."""
+    for the example call `flat` (the placeholders' values; `marks`: microbatch.declared's;
+    `whole`: `fake_values(gm, flat)` if already run). Returns how many uses were rewritten;
+    MobiusError for a use no rule classifies."""
     if gm.meta.get("mobius_batch_sizes") is not None:
         return 0
     marks = marks or {}
@@ -193,7 +195,7 @@ def rewrite(gm: fx.GraphModule, flat: list, marks: Mapping[int, bool] | None = N
     d = next(k for k in range(2, rows + 1) if divides(rows, k))
     try:
         parts, mb = split(tuple(flat), d, marks)
-        whole = fake_values(gm, flat)
+        whole = fake_values(gm, flat) if whole is None else whole
         part = fake_values(gm, [parts[i * d] for i in range(len(flat))])
     except Exception:  # noqa: BLE001 (a graph that does not run on a part: micro-batches refuse it later)
         return 0
