@@ -139,7 +139,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     if flat is not None:
         runtime.planned_rows = microbatch.batch_rows(flat, m, marks) or 0
         if m > 1 and flat:
-            microbatch_outputs.prepare(runtime, gm, flat, m, marks)
+            microbatch_outputs.prepare(runtime, gm, flat, m, marks, model)
     _warn_batch_norms(model, schedule.microbatches)
     code = program.code.strip("\n") + "\n\n" + backward_summary(schedule) + "\n"
     pipe = VariantPipeline(model, gm, schedule, program, runtime, plan, code)

@@ -14,12 +14,27 @@ __all__ = ["trace_pass", "annotate_pass", "plan_pass", "insert_transfers_pass", 
 
 
 def trace_pass(gm, ctx: CompileContext):
-    """Trace the model, or read its graph from the trace cache (mobius_fx/compile_cache.py)."""
+    """Trace the model, or read its graph from the trace cache (mobius_fx/compile_cache.py); then,
+    with micro-batches, sizes read inside forward are the whole batch's where they become values
+    (planning/batch_sizes.py), and mean losses over class indices a sum and a count each
+    (planning/loss_ratios.py)."""
     from mobius_fx.compile_cache import trace_dir
-    from mobius_fx.tracing import trace
+    from mobius_fx.planning import batch_sizes, loss_ratios, microbatch
+    from mobius_fx.tracing import flatten_inputs, trace
 
-    return trace(ctx.model, example_inputs=ctx.example_inputs, example_kwargs=ctx.example_kwargs or None,
-                 cache_dir=trace_dir(ctx.settings))
+    args, kwargs = tuple(ctx.example_inputs), dict(ctx.example_kwargs or {})
+    gm = trace(ctx.model, example_inputs=args, example_kwargs=kwargs or None, cache_dir=trace_dir(ctx.settings))
+    if (args or kwargs) and ctx.settings.microbatches != 1:
+        marks = microbatch.declared(ctx.model, args, kwargs, ctx.settings.batch_dims)
+        flat = flatten_inputs(gm, args, kwargs)
+        try:
+            values = batch_sizes.fake_values(gm, flat)
+        except Exception:  # noqa: BLE001 (not runnable on fake tensors: microbatch_outputs warns at build)
+            values = None
+        if values is not None:
+            batch_sizes.rewrite(gm, flat, marks, values)
+            loss_ratios.rewrite(gm, values)
+    return gm
 
 
 def annotate_pass(gm, ctx: CompileContext):

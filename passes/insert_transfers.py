@@ -44,6 +44,7 @@ from torch.fx.passes.split_module import split_module
 from mobius_fx.runtime import program_ops as _rt
 from mobius_fx.kinds import HOST
 from mobius_fx.errors import MobiusError
+from mobius_fx.planning.batch_sizes import set_microbatches
 from mobius_fx.planning.microbatch import check_count
 from mobius_fx.planning.schedule_ir import ScheduleIR, StageIO, build_schedule, neighbours
 
@@ -147,6 +148,8 @@ def insert_transfers(gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]]
         raise MobiusError(f"{len(stage_nodes)} stage node lists but {len(stage_gpus)} stage GPUs; give one GPU name "
                           f"per stage (and at least one stage)")
     work = _working_copy(gm)
+    set_microbatches(work.graph, microbatches)  # a size read as a value: the whole batch's (planning/batch_sizes.py)
+    work.recompile()
     stage_of, moved = _assign_stages(work, stage_nodes)
     _check_dependencies(work, stage_of)
 

@@ -32,6 +32,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from mobius_fx.errors import MobiusError
+from mobius_fx.planning.batch_sizes import fake_values
+from mobius_fx.planning.loss_ratios import combine_ratio, is_index_mean_loss
+from mobius_fx.planning import sequence_first
 from mobius_fx.planning.microbatch import ambiguous, batch_rows, is_split, split
 
 __all__ = ["Semantics", "analyse", "combine", "guess_kind", "prepare", "REMEDY"]
@@ -41,12 +44,13 @@ log = logging.getLogger("mobius_fx")
 REMEDY = ("use microbatches=1 (the whole batch in one pass), or move the reduction out of forward (return the "
           "per-row values and reduce them after the pipeline)")
 
-_SUM = {"sum", "nansum", "count_nonzero"}
+_SUM = {"sum", "nansum", "count_nonzero", "counted_targets"}
 _MEAN = {"mean", "nanmean"}
 _MAX = {"max", "amax"}
 _MIN = {"min", "amin"}
 _LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "cross_entropy", "nll_loss", "binary_cross_entropy",
            "binary_cross_entropy_with_logits", "kl_div", "soft_margin_loss", "cross_entropy_loss", "chunked_cross_entropy",
+           "nll_loss_nd", "nll_loss2d",
            "MSELoss", "L1Loss", "SmoothL1Loss", "HuberLoss", "CrossEntropyLoss", "NLLLoss", "BCELoss",
            "BCEWithLogitsLoss", "SoftMarginLoss"}
 _CASTS = {"float", "double", "half", "bfloat16", "to", "type_as", "_to_copy", "clone", "contiguous", "detach",
@@ -59,7 +63,8 @@ _ALONG = {"softmax", "log_softmax", "_softmax", "_log_softmax", "cumsum", "cumpr
           "logcumsumexp", "sort", "argsort", "topk", "normalize", "flip", "roll", "Softmax", "LogSoftmax"}
 
 
-def prepare(runtime: Any, gm: fx.GraphModule, flat: list, m: int, marks: Mapping[int, bool]) -> None:
+def prepare(runtime: Any, gm: fx.GraphModule, flat: list, m: int, marks: Mapping[int, bool],
+            model: torch.nn.Module | None = None) -> None:
     """Analyse the graph for `runtime` (its `output_kinds`) on the call `flat`, once: at compile
     with the example inputs, or at the first call of a pipeline built without them. Warns when
     the split guess is ambiguous, or when the graph cannot be analysed (outputs then guessed)."""
@@ -72,7 +77,7 @@ def prepare(runtime: Any, gm: fx.GraphModule, flat: list, m: int, marks: Mapping
                     "but the batch size also matches another of its dimensions: if it is not batched (a mask, a "
                     "table), say so with compile(..., batch_dims={'<its argument>': None}), or use microbatches=1 "
                     "(README \"Micro-batch semantics\")", shape, rows)
-    sem = analyse(gm, flat, m, marks)  # a refusal leaves `analysed` False: every call refuses
+    sem = analyse(gm, flat, m, marks, model)  # a refusal leaves `analysed` False: every call refuses
     runtime.output_kinds, runtime.analysed = sem.outputs, True
     if sem.outputs is None:
         log.warning("the graph could not be run on fake tensors (%s), so how its outputs combine across the %d "
@@ -87,6 +92,8 @@ def combine(kind: Any, leaves: list) -> Any:
         return leaves[0]
     if isinstance(kind, tuple):  # ("cat", dim)
         return torch.cat(leaves, dim=kind[1])
+    if kind == "ratio":  # loss_ratios.mean_ratio's (sum, count) pairs: Σ sum / Σ count
+        return combine_ratio(leaves)
     stacked = torch.stack(leaves)
     if kind == "sum":
         return stacked.sum(0)
@@ -167,41 +174,14 @@ def _scaled(a: Any, b: Any) -> list[int] | None:
 
 def _run(gm: fx.GraphModule, flat: list) -> dict[fx.Node, Any]:
     """Every node's value for `gm(*flat)`, on fake tensors (nothing computed, nothing changed)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    values: dict[fx.Node, Any] = {}
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            out = super().run_node(n)
-            values[n] = out
-            return out
-
-    class Whole(torch.nn.Module):  # runs gm's graph node by node; functional_call swaps in fake copies
-        def __init__(self) -> None:
-            super().__init__()
-            self.g = gm
-
-        def forward(self, *args: Any) -> Any:
-            return Recorder(self.g).run(*args)
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    quiet = logging.getLogger("torch._subclasses.fake_tensor")
-    was, quiet.disabled = quiet.disabled, True
-    try:
-        with mode, torch.no_grad():
-            state = {f"g.{k}": mode.from_tensor(v) for k, v in (*gm.named_parameters(remove_duplicate=False),
-                                                                 *gm.named_buffers(remove_duplicate=False))}
-            fake = [pytree.tree_map_only(torch.Tensor, mode.from_tensor, x) for x in flat]
-            torch.func.functional_call(Whole(), state, tuple(fake), strict=False, tie_weights=False)
-    finally:
-        quiet.disabled = was
-    return values
+    return fake_values(gm, flat)
 
 
-def analyse(gm: fx.GraphModule, flat: list, m: int, marks: Mapping[int, bool]) -> Semantics:
+def analyse(gm: fx.GraphModule, flat: list, m: int, marks: Mapping[int, bool],
+            model: torch.nn.Module | None = None) -> Semantics:
     """Classify each output of `gm` and refuse row-mixing values, for `m` micro-batches of the
-    example call `flat` (the placeholders' values). See the module docstring."""
+    example call `flat` (the placeholders' values), and a split that cuts the time dim of a
+    sequence-first module of `model` (planning/sequence_first.py). See the module docstring."""
     if m <= 1:
         return Semantics([])
     rows = batch_rows(tuple(flat), m, marks)
@@ -222,6 +202,7 @@ def analyse(gm: fx.GraphModule, flat: list, m: int, marks: Mapping[int, bool]) -
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); dim 0 of an input is "
                           f"not a batch? Give a batched input first (rows along dim 0), say which inputs are not "
                           f"batched with batch_dims={{'name': None}}, or use microbatches=1") from None
+    sequence_first.check(gm, whole, part, m, model)
     # Which nodes the batch reaches through tensor data (a size read is not data).
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     dep: set[fx.Node] = set()
@@ -266,6 +247,8 @@ def _classify(gm: fx.GraphModule, whole: dict, part: dict, dep: set, m: int) -> 
         kind = _kind(n, gm, kinds, dep, free)
         if kind is not None:
             kinds[n] = kind
+        if kind == "mean" and is_index_mean_loss(n, gm, name, whole):
+            _warn_mean_of_means(n, name, m)
     for n in reversed(list(gm.graph.nodes)):  # values that only feed buffer updates: state, as BatchNorm's
         if n in dep and n.users and all(u in exempt for u in n.users) and _scaled(whole.get(n), part.get(n)) == []:
             exempt.add(n)
@@ -280,6 +263,15 @@ def _classify(gm: fx.GraphModule, whole: dict, part: dict, dep: set, m: int) -> 
         if _scaled(whole.get(n), part.get(n)) == []:
             _refuse(n, n, gm, m)
     return kinds, exempt
+
+
+def _warn_mean_of_means(n: fx.Node, name: str, m: int) -> None:
+    log.warning("`%s`: a mean %s over class-index targets feeds more than the output, so with microbatches=%d "
+                "it is the mean of the micro-batches' means, which differs from eager's when the targets equal "
+                "to ignore_index (-100 by default) are spread unevenly over the micro-batches; for eager's value "
+                "return the loss itself as an output (it is then combined exactly, as a sum and a count), or "
+                "compute it with reduction='sum' and divide by the count of targets after the pipeline, or use "
+                "microbatches=1 (README \"Micro-batch semantics\")", n.format_node(), name, m)
 
 
 def _refuse_along_batch(n: fx.Node, name: str, gm: fx.GraphModule, whole: dict, part: dict, m: int) -> None:
@@ -356,6 +348,8 @@ def _kind(n: fx.Node, gm: fx.GraphModule, kinds: Mapping[fx.Node, str], dep: set
     combine into the whole batch's, or None when no rule says."""
     name = _name(n, gm)
     tensors = [a for a in n.all_input_nodes]
+    if name == "mean_ratio":  # loss_ratios: (sum, count) per micro-batch, divided once for the whole batch
+        return "ratio"
     if tensors and tensors[0] in free and name in _SUM | _MEAN | _MAX | _MIN | _LOSSES:
         # reducing a value already reduced over the batch (h.mean(0).sum()): linear reductions keep
         # its kind, max of a max stays a max; anything else has no rule

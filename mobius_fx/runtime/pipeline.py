@@ -111,7 +111,7 @@ class Pipeline(ModelFace, nn.Module):
         marks = declared(self.model, args, kwargs, rt.batch_dims)
         rows = batch_rows(flat, self.schedule.microbatches, marks)  # refuses an empty batch before anything runs
         if not rt.analysed:  # built without example inputs: how outputs combine is found on this first call
-            prepare(rt, self._gm, flat, self.schedule.microbatches, marks)
+            prepare(rt, self._gm, flat, self.schedule.microbatches, marks, self.model)
         rt.begin_step()
         rt.step.marks = marks
         rt.step.mb_rows = (rows or 0) // self.schedule.microbatches

@@ -16,7 +16,8 @@ reads it). Nothing a call passes is ever dropped:
   elements in an input than its example had) is re-costed on the same graph: the plan is kept
   when its stages still fit their GPUs, re-planned (and logged) when not.
 - `labels` that ignore (-100) more tokens in one micro-batch than in another are warned about
-  once: the runtime averages micro-batch losses, which then is not eager's mean over tokens.
+  once when the loss is averaged over micro-batches (not eager's mean over tokens); a loss the
+  graph returns as is, combined as one sum over one count (planning/loss_ratios.py), is exact.
 
 `VariantPipeline` is the `Pipeline` that `build_pipeline` returns; between calls it shows the
 variant of its last call (`plan`, `code`, `program`, `schedule`, `executed_ops()`); every
@@ -129,15 +130,18 @@ class VariantPipeline(Pipeline):
             call = bind_call(self.model, args, kwargs)
             v = self._select(call)
             self._use(v)
-            self._check_labels(call)
+            self._check_labels(call, v)
             a, k, _, _ = v.flat(call)
             return self._forward(a, k)
 
-    def _check_labels(self, call: Call) -> None:
+    def _check_labels(self, call: Call, v: Variant) -> None:
         """Warn (once) when `labels` ignores (-100, HF's ignore_index) more tokens in one
-        micro-batch than in another: the runtime averages the micro-batches' losses, which then
-        differs from eager's mean over all the batch's tokens."""
+        micro-batch than in another and the variant `v` averages the micro-batches' losses, which
+        then differs from eager's mean over all the batch's tokens; not when its loss is combined
+        as one sum over one count (planning/loss_ratios.py: output kind "ratio")."""
         m, labels = self.schedule.microbatches, call.values.get("labels")
+        if "ratio" in (getattr(v.runtime, "output_kinds", None) or []):
+            return
         if m <= 1 or getattr(self, "_warned_labels", False) or not isinstance(labels, torch.Tensor):
             return
         if labels.is_floating_point() or labels.dim() == 0 or not divides(labels.size(0), m):

@@ -5,6 +5,8 @@ batch's loss detached, moves exactly what its schedule IR says, and never sends 
 loss is computed from (an LLM's logits) to the host: only the loss leaves the GPUs.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import MobiusError, Topology
+from mobius_fx.planning.batch_sizes import set_microbatches
 from mobius_fx.tracing import flatten_inputs
 from mobius_fx.zoo.tiny_hf import hf_gpt2, hf_llama
 from tests.property.test_conformance_props import _moved
@@ -54,7 +57,10 @@ def _check_ir(step_pipe, args, kwargs, m):
     """The step's runtime moved exactly what its schedule IR says, in the IR's order."""
     flat = flatten_inputs(step_pipe._gm, args, kwargs)
     mb = [t[: t.size(0) // m] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in flat]
-    ir = step_pipe.schedule_ir(_values(step_pipe._gm, *mb))
+    gm = copy.deepcopy(step_pipe._gm)  # a micro-batch's values as the stages compute them: a mean loss
+    set_microbatches(gm.graph, m)  # leaves each micro-batch as its sum and count (planning/loss_ratios.py)
+    gm.recompile()
+    ir = step_pipe.schedule_ir(_values(gm, *mb))
     got, expected = _moved(step_pipe, ir)
     assert got == expected
     _check_executed_order(step_pipe, ir)
@@ -78,7 +84,7 @@ def test_loss_fn_step_equals_eager_and_only_the_loss_leaves(device):
     _assert_grads_equal(got, _grads(model))
     last = pipe.step_pipeline.plan.num_stages - 1
     sent = _host_activation_bytes(pipe)
-    assert sum(per.get(last, 0) for per in sent.values()) == 2 * 4  # one fp32 loss per micro-batch, no logits
+    assert sum(per.get(last, 0) for per in sent.values()) == 2 * 2 * 4  # per micro-batch: the loss's fp32 sum and count, no logits
     _check_ir(pipe.step_pipeline, (x,), {"target": y}, 2)
 
 
@@ -101,7 +107,7 @@ def test_hf_labels_step_sends_no_logits_and_equals_eager():
     _assert_grads_equal(got, _grads(model))
     sent = _host_activation_bytes(pipe)
     last = pipe.step_pipeline.plan.num_stages - 1
-    assert sum(per.get(last, 0) for per in sent.values()) == 2 * 4  # the loss, not 2 x 2 x 16 x 1000 x 4 B
+    assert sum(per.get(last, 0) for per in sent.values()) == 2 * 2 * 4  # the loss's sum and count, not 2 x 2 x 16 x 1000 x 4 B
     assert pipe.step_pipeline.plan.stages[-1].output_bytes < out.logits.numel() * 4 // 2
     from mobius_fx.losses import chunked_cross_entropy
 
@@ -166,3 +172,21 @@ def test_train_step_refuses_what_it_cannot_do():
     with pytest.raises(MobiusError, match="without loss_fn"):
         mobius_fx.compile(model, TOPO, example_inputs=(x,), microbatches=2, example_target=y, verbose=False)
     assert all(p.grad is None for p in model.parameters())  # nothing ran backward into the model
+
+
+def test_a_mean_cross_entropy_with_uneven_ignore_index_is_eagers_token_mean():
+    """Labels ignored (-100) unevenly across the micro-batches: the step's loss is the mean over
+    the batch's counted tokens, as eager's, not the mean of the micro-batch means."""
+    torch.manual_seed(0)
+    model = hf_gpt2(layers=1, vocab=100, positions=16)
+    ids = torch.randint(0, 100, (4, 16))
+    labels = ids.clone()
+    labels[:2, :12] = -100  # micro-batch 0 counts 2 x 3 tokens, micro-batch 1 counts 2 x 15
+    pipe = mobius_fx.compile(model, TOPO, example_inputs=(ids,), microbatches=2, verbose=False)
+    loss = pipe.train_step(ids, labels=labels)
+    got = _grads(model)
+    model.zero_grad()
+    ref = model(ids, labels=labels).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-6)
+    _assert_grads_equal(got, _grads(model))

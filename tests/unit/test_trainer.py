@@ -213,7 +213,7 @@ def test_accelerate_prepares_the_pipeline_with_device_placement(pipe):
 
 def test_pipeline_trainer_steps_with_the_loss_on_the_last_stage(pipe, tmp_path):
     """Each Trainer step is the pipeline's training step: the last stage sends the host its loss
-    (one fp32 number per micro-batch), never the logits (2 x 16 x 100 fp32 per micro-batch)."""
+    (its fp32 sum and count per micro-batch), never the logits (2 x 16 x 100 fp32 per micro-batch)."""
     trainer = PipelineTrainer(model=pipe, args=_args(tmp_path, max_steps=2, save_strategy="no"), train_dataset=Rows())
     trainer.train()
     step = pipe.step_pipeline
@@ -221,4 +221,4 @@ def test_pipeline_trainer_steps_with_the_loss_on_the_last_stage(pipe, tmp_path):
     last = step.plan.num_stages - 1
     sent = {g: kinds.get("activation d2h", {}).get(last, {}).get("bytes", 0)
             for g, kinds in pipe.transfer_stats(last_step=True, by_stage=True).items()}
-    assert sum(sent.values()) == 2 * 4
+    assert sum(sent.values()) == 2 * 2 * 4  # per micro-batch the loss's fp32 sum and count (planning/loss_ratios.py)
