@@ -113,6 +113,8 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     from mobius_fx.passes.emit import backward_summary, emit
     from mobius_fx.passes.insert_transfers import insert_transfers
 
+    _refuse_sparse_gradients(model, gm)
+
     topology = getattr(plan, "topology", None)
     if plan is not None:
         stage_nodes, stage_gpus, microbatches, gpu_budgets, gpu_indices, device = _plan_defaults(
@@ -211,3 +213,42 @@ def _warn_batch_norms(model: nn.Module, microbatches: int) -> None:
                     "own statistics (as eager run micro-batch by micro-batch), not by the whole batch's",
                     ", ".join(norms[:3]) + (" ..." if len(norms) > 3 else ""), "" if len(norms) > 1 else "s",
                     microbatches)
+
+
+def _refuse_sparse_gradients(model: nn.Module, gm: fx.GraphModule) -> None:
+    """Refuse an embedding with `sparse=True` over a trainable weight: its gradient is a sparse
+    tensor, which a stage's gradient sum and download (dense buffers on the GPU) cannot hold."""
+    sparse = [(n, m) for n, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+    if not sparse:
+        _refuse_sparse_calls(gm)
+        return
+    name, mod = sparse[0]
+    raise MobiusError(f"module `{name}` ({type(mod).__name__}) has sparse=True: its weight's gradient is a sparse "
+                      f"tensor, which the pipeline's gradient sums on the GPUs (dense buffers) cannot hold. Set "
+                      f"`{name}.sparse = False` before compiling (a dense gradient; SparseAdam then needs another "
+                      f"optimizer, e.g. Adam), or freeze its weight (requires_grad_(False)) to run it for inference")
+
+
+def _refuse_sparse_calls(gm: fx.GraphModule) -> None:
+    """`_refuse_sparse_gradients` for a functional embedding (`F.embedding(x, w, sparse=True)`,
+    export's `aten.embedding(w, x, ..., True)`) over a trainable weight of the graph."""
+    info = gm.meta.get("mobius_trace")
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.embedding.default:
+            weight, sparse = node.args[0], (node.args[4] if len(node.args) > 4 else node.kwargs.get("sparse"))
+        elif node.target is torch.nn.functional.embedding:
+            weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+            sparse = node.args[6] if len(node.args) > 6 else node.kwargs.get("sparse")
+        else:
+            continue
+        if sparse is not True or not isinstance(weight, fx.Node) or weight.op != "get_attr":
+            continue
+        tensor = gm.get_parameter(str(weight.target)) if str(weight.target) in dict(gm.named_parameters()) else None
+        if tensor is not None and tensor.requires_grad:
+            name = info.model_name(str(weight.target)) if info is not None else str(weight.target)
+            raise MobiusError(f"the model computes an embedding with sparse=True over parameter `{name}`: its "
+                              f"gradient is a sparse tensor, which the pipeline's gradient sums on the GPUs (dense "
+                              f"buffers) cannot hold; pass sparse=False (a dense gradient)")
