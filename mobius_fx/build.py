@@ -8,6 +8,7 @@ It lives apart from the runtime so that the runtime imports nothing from the pas
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -143,6 +144,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
         if m > 1 and flat:
             microbatch_outputs.prepare(runtime, gm, flat, m, marks)
     _warn_batch_norms(model, schedule.microbatches)
+    _warn_buffer_updates(model, gm, schedule.microbatches)
     code = program.code.strip("\n") + "\n\n" + backward_summary(schedule) + "\n"
     pipe = VariantPipeline(model, gm, schedule, program, runtime, plan, code)
     if example_inputs or example_kwargs:  # the call it serves (call_signatures.py); compile adds variants
@@ -252,3 +254,21 @@ def _refuse_sparse_calls(gm: fx.GraphModule) -> None:
             raise MobiusError(f"the model computes an embedding with sparse=True over parameter `{name}`: its "
                               f"gradient is a sparse tensor, which the pipeline's gradient sums on the GPUs (dense "
                               f"buffers) cannot hold; pass sparse=False (a dense gradient)")
+
+
+def _warn_buffer_updates(model: nn.Module, gm: fx.GraphModule, microbatches: int) -> None:
+    """Warn, with several micro-batches, that a buffer forward changes in place (a counter, an
+    EMA) is updated once per micro-batch, as eager run micro-batch by micro-batch updates it;
+    BatchNorm's statistics have their own warning (`_warn_batch_norms`)."""
+    info = gm.meta.get("mobius_trace")
+    if microbatches <= 1 or info is None:
+        return
+    norms = {n for n, mod in model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)}
+    names = [b for b in getattr(info, "buffer_writes", ()) if b.rpartition(".")[0] not in norms]
+    if names:
+        shown = ", ".join(f"`{b}`" for b in names[:3]) + (" ..." if len(names) > 3 else "")
+        warnings.warn(f"forward changes the buffer{'s' if len(names) > 1 else ''} {shown} in place: with "
+                      f"{microbatches} micro-batches the update runs once per micro-batch ({microbatches} times per "
+                      f"call, in micro-batch order, as eager run micro-batch by micro-batch), not once per call. "
+                      f"Compile with microbatches=1 for eager's once-per-call update, or make the update independent "
+                      f"of how the batch is split", stacklevel=3)

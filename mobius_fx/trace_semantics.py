@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,8 @@ from torch import nn
 
 from mobius_fx.errors import TraceError
 
-__all__ = ["function_call", "autograd_functions", "describe", "refuse_traced_functions", "refuse_parameter_writes"]
+__all__ = ["function_call", "autograd_functions", "describe", "refuse_traced_functions", "refuse_parameter_writes",
+           "forward_effects", "Effects", "refuse_effects", "refuse_input_writes"]
 
 _APPLY_CALLS: dict[type, Callable[..., Any]] = {}
 
@@ -98,3 +100,136 @@ def refuse_parameter_writes(model: nn.Module, gm: fx.GraphModule, written: list[
                          f"runs it again in backward's recompute. Change parameters outside forward (e.g. after "
                          f"optimizer.step(), under torch.no_grad()), or keep such state in a buffer "
                          f"(register_buffer): in-place buffer updates are copied back once per call")
+
+
+class Effects:
+    """What a traced forward did besides computing (`forward_effects`): tensor hooks it
+    registered and attributes of the model's modules it assigned or whose containers it changed."""
+
+    def __init__(self) -> None:
+        self.tensor_hooks: list[str] = []  # "the hook's name (file:line of the call)"
+        self.assigned: list[tuple[str, nn.Module, str]] = []  # (module path, module, attribute)
+        self.mutated: list[tuple[str, nn.Module, str]] = []  # a list, dict or set attribute changed
+
+
+def _user_frame(depth: int) -> Any:
+    """The frame `depth` levels up, None when it is torch's (or this package's) own code."""
+    frame = sys._getframe(depth + 1)
+    module = frame.f_globals.get("__name__", "")
+    own = module.split(".")[0] == "torch" or (module.startswith("mobius_fx.") and not module.startswith("mobius_fx.zoo"))
+    return None if own else frame
+
+
+def _containers(model: nn.Module) -> list[tuple[str, nn.Module, str, Any, Any]]:
+    """(path, module, attribute, the container, a shallow copy) for each list, dict and set a
+    module holds as a plain attribute."""
+    skip = frozenset(nn.Module().__dict__)
+    out = []
+    for path, module in model.named_modules():
+        for key, value in module.__dict__.items():
+            if key not in skip and type(value) in (list, dict, set):
+                out.append((path, module, key, value, type(value)(value) if type(value) is not dict else dict(value)))
+    return out
+
+
+def _changed(value: Any, saved: Any) -> bool:
+    if len(value) != len(saved):
+        return True
+    if isinstance(value, dict):
+        return list(value) != list(saved) or any(value[k] is not saved[k] for k in saved)
+    if isinstance(value, set):
+        return value != saved
+    return any(a is not b for a, b in zip(value, saved))
+
+
+@contextlib.contextmanager
+def forward_effects(model: nn.Module):
+    """Meanwhile record what forward does besides computing (yields an `Effects`), and undo its
+    changes to the model's Python state afterwards: an attribute a traced forward assigns
+    (`self.aux = loss`, which under symbolic_trace would leave an fx Proxy in the model) gets its
+    old value back, and a list, dict or set it changed its old contents. Assignments made by
+    torch's own code (spectral_norm's pre-hook) are not recorded."""
+    effects = Effects()
+    paths = {id(m): p for p, m in model.named_modules()}
+    saved: dict[tuple[int, str], Any] = {}
+    missing = object()
+    containers = _containers(model)
+    setattr_ = nn.Module.__setattr__
+    register_hook = torch.Tensor.register_hook
+
+    def setattr_recorded(self: nn.Module, name: str, value: Any) -> None:
+        if id(self) in paths and _user_frame(1) is not None and (id(self), name) not in saved:
+            saved[(id(self), name)] = self.__dict__.get(name, missing)
+            effects.assigned.append((paths[id(self)], self, name))
+        setattr_(self, name, value)
+
+    def register_hook_recorded(self: torch.Tensor, hook: Any) -> Any:
+        frame = _user_frame(1)
+        if frame is not None:
+            name = getattr(hook, "__qualname__", type(hook).__name__)
+            effects.tensor_hooks.append(f"{name} ({frame.f_code.co_filename}:{frame.f_lineno})")
+        return register_hook(self, hook)
+
+    nn.Module.__setattr__ = setattr_recorded  # type: ignore[method-assign]
+    torch.Tensor.register_hook = register_hook_recorded  # type: ignore[method-assign]
+    try:
+        yield effects
+    finally:
+        nn.Module.__setattr__ = setattr_  # type: ignore[method-assign]
+        torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+        for _, module, name in effects.assigned:
+            old = saved[(id(module), name)]
+            if old is missing:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = old
+        for path, module, key, value, copy in containers:
+            if _changed(value, copy):
+                effects.mutated.append((path, module, key))
+                value.clear()
+                if isinstance(value, list):
+                    value.extend(copy)
+                else:
+                    value.update(copy)
+
+
+def refuse_effects(model: nn.Module, effects: Effects, front_end: str) -> None:
+    """Refuse what a traced forward did that the pipeline would not repeat (`forward_effects`)."""
+    what = type(model).__name__
+    for path, module, name in effects.assigned:
+        full = f"{path}.{name}" if path else name
+        raise TraceError(f"{what}'s forward assigns the attribute `{full}` ({type(module).__name__}); a traced graph "
+                         f"records only the tensors forward computes and returns, so the pipeline would never set it "
+                         f"(eager sets it at every call: an auxiliary loss kept as `self.aux` would be lost). Return "
+                         f"the value from forward instead (e.g. `return out, aux_loss`), or keep state that changes in "
+                         f"a buffer updated in place (register_buffer)")
+    for path, module, name in effects.mutated:
+        full = f"{path}.{name}" if path else name
+        raise TraceError(f"{what}'s forward changes the container `{full}` ({type(getattr(module, name)).__name__} of "
+                         f"{type(module).__name__}) in place (an append, an item set); a traced graph does not record "
+                         f"it, so the pipeline would leave it as it is. Return the values from forward instead")
+    if effects.tensor_hooks and front_end == "export":
+        raise TraceError(f"{what}'s forward registers a tensor hook ({effects.tensor_hooks[0]}, "
+                         f"`tensor.register_hook`); torch.export drops such hooks, so gradients would differ from "
+                         f"eager (a gradient reversal would give +g). Write it as a torch.autograd.Function applied in "
+                         f"forward, and make the model traceable by torch.fx.symbolic_trace, which keeps a Function's "
+                         f"backward")
+
+
+def refuse_input_writes(model: nn.Module, args: tuple, kwargs: dict, written: list[int]) -> None:
+    """Refuse a forward that changes one of its input tensors in place (`x.clamp_()`; `written`:
+    indices into `pytree.tree_leaves((args, kwargs))`): the pipeline runs forward on copies of
+    each micro-batch, so the caller's tensor would not see the change eager makes to it."""
+    if not written:
+        return
+    path, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0][written[0]]
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        names = []
+    top, key = path[0].idx, path[1]
+    name = (names[key.idx] if key.idx < len(names) else f"args[{key.idx}]") if top == 0 else str(key.key)
+    raise TraceError(f"{type(model).__name__}'s forward changes its input `{name}{pytree.keystr(path[2:])}` in place "
+                     f"(e.g. `x.clamp_()`, `x[...] = v`); the pipeline runs forward on copies of each micro-batch, so "
+                     f"the caller's tensor would not see the change eager makes. Use the out-of-place op in forward "
+                     f"(`x = x.clamp(...)`), or make the change before the call")
