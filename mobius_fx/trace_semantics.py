@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch import nn
 from mobius_fx.errors import TraceError
 
 __all__ = ["function_call", "autograd_functions", "describe", "refuse_traced_functions", "refuse_parameter_writes",
-           "forward_effects", "Effects", "refuse_effects", "refuse_input_writes"]
+           "forward_effects", "Effects", "refuse_effects", "refuse_input_writes", "graph_checks"]
 
 _APPLY_CALLS: dict[type, Callable[..., Any]] = {}
 
@@ -110,6 +111,7 @@ class Effects:
         self.tensor_hooks: list[str] = []  # "the hook's name (file:line of the call)"
         self.assigned: list[tuple[str, nn.Module, str]] = []  # (module path, module, attribute)
         self.mutated: list[tuple[str, nn.Module, str]] = []  # a list, dict or set attribute changed
+        self.silent_hooks: list[tuple[str, str, str]] = []  # (module path, kind, hook): ran, returned None
 
 
 def _user_frame(depth: int) -> Any:
@@ -172,9 +174,13 @@ def forward_effects(model: nn.Module):
 
     nn.Module.__setattr__ = setattr_recorded  # type: ignore[method-assign]
     torch.Tensor.register_hook = register_hook_recorded  # type: ignore[method-assign]
+    hooks = _watch_module_hooks(model, effects)
     try:
         yield effects
     finally:
+        for table, key, hook in hooks:
+            if key in table:
+                table[key] = hook
         nn.Module.__setattr__ = setattr_  # type: ignore[method-assign]
         torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
         for _, module, name in effects.assigned:
@@ -193,6 +199,53 @@ def forward_effects(model: nn.Module):
                     value.update(copy)
 
 
+def _watch_module_hooks(model: nn.Module, effects: Effects) -> list[tuple[dict, Any, Any]]:
+    """Wrap the user's forward and forward-pre hooks of the model's submodules so that one
+    that runs while tracing (a module traced through) and returns None is recorded in
+    `effects.silent_hooks`: whatever it does besides (a log, a list of activations) happens once,
+    at trace time. Returns (dict, key, the hook) to put back."""
+    saved = []
+    for path, module in model.named_modules():
+        if not path:
+            continue  # the model's own hooks: refused by the runtime (module_hooks.py)
+        for attr, kind in (("_forward_pre_hooks", "forward-pre hook"), ("_forward_hooks", "forward hook")):
+            table = module.__dict__.get(attr)
+            for key, hook in list((table or {}).items()):
+                fn = getattr(hook, "__func__", hook)
+                owner = getattr(fn, "__module__", None) or type(fn).__module__
+                if owner.split(".")[0] == "torch" or (owner.startswith("mobius_fx.")
+                                                      and not owner.startswith("mobius_fx.zoo")):
+                    continue
+                saved.append((table, key, hook))
+                table[key] = _recording(hook, effects, path, kind)
+    return saved
+
+
+_CHECKING = threading.local()
+
+
+@contextlib.contextmanager
+def graph_checks():
+    """Meanwhile a hook that runs is not the tracer's (tracing.py runs the traced graph on
+    copies, which calls leaf modules, hooks included): `forward_effects` does not record it."""
+    was = getattr(_CHECKING, "on", False)
+    _CHECKING.on = True
+    try:
+        yield
+    finally:
+        _CHECKING.on = was
+
+
+def _recording(hook: Any, effects: Effects, path: str, kind: str) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = hook(*args, **kwargs)
+        if out is None and not getattr(_CHECKING, "on", False):
+            effects.silent_hooks.append((path, kind, getattr(hook, "__qualname__", type(hook).__name__)))
+        return out
+
+    return run
+
+
 def refuse_effects(model: nn.Module, effects: Effects, front_end: str) -> None:
     """Refuse what a traced forward did that the pipeline would not repeat (`forward_effects`)."""
     what = type(model).__name__
@@ -208,6 +261,12 @@ def refuse_effects(model: nn.Module, effects: Effects, front_end: str) -> None:
         raise TraceError(f"{what}'s forward changes the container `{full}` ({type(getattr(module, name)).__name__} of "
                          f"{type(module).__name__}) in place (an append, an item set); a traced graph does not record "
                          f"it, so the pipeline would leave it as it is. Return the values from forward instead")
+    for path, kind, name in effects.silent_hooks:
+        raise TraceError(f"the {kind} `{name}` on `{path}` returns None: it ran once, when {what} was traced, and "
+                         f"the graph keeps only what a hook returns, so whatever else it does (recording activations, "
+                         f"logging, editing a value in place) would not happen at the pipeline's calls. Register it "
+                         f"on a leaf module (a torch.nn layer: the stages call it, hooks included), or return the "
+                         f"value it computes")
     if effects.tensor_hooks and front_end == "export":
         raise TraceError(f"{what}'s forward registers a tensor hook ({effects.tensor_hooks[0]}, "
                          f"`tensor.register_hook`); torch.export drops such hooks, so gradients would differ from "

@@ -34,8 +34,8 @@ from mobius_fx import grad_modes
 from mobius_fx.errors import TraceError, first_line
 from mobius_fx.export_front import forward_signature, input_guards, try_export
 from mobius_fx.module_paths import module_path, module_stack
-from mobius_fx.trace_semantics import (autograd_functions, describe, forward_effects, refuse_effects, refuse_input_writes,
-                                       refuse_parameter_writes, refuse_traced_functions)
+from mobius_fx.trace_semantics import (autograd_functions, describe, forward_effects, graph_checks, refuse_effects,
+                                       refuse_input_writes, refuse_parameter_writes, refuse_traced_functions)
 
 __all__ = ["trace", "TraceInfo", "module_path", "module_stack", "flatten_inputs", "trace_info", "input_guards",
            "forward_signature"]
@@ -346,7 +346,7 @@ def _run_on_copies(gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[str, 
         versions = {k: t._version for k, t in copies.items()}
         given = [(i, t, t._version) for i, t in enumerate(pytree.tree_leaves(inputs)) if isinstance(t, torch.Tensor)]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), graph_checks():
                 torch.func.functional_call(gm, copies, inputs[0], inputs[1], strict=False, tie_weights=False)
         except Exception as e:
             error = first_line(e)

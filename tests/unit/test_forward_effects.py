@@ -158,6 +158,30 @@ def test_removing_a_hook_traced_into_the_graph_is_refused(tmp_path):
         pipe(x)
 
 
+@pytest.mark.parametrize("kind", ["forward", "forward_pre"])
+def test_a_recording_hook_on_a_traced_through_module_is_refused_at_compile(tmp_path, kind):
+    model, x = Net(), torch.randn(4, 4)
+    seen = []
+    if kind == "forward":
+        model.blk.register_forward_hook(lambda mod, a, o: seen.append(o))
+    else:
+        model.blk.register_forward_pre_hook(lambda mod, a: seen.append(a))
+    with pytest.raises(TraceError, match=r"hook `.*<lambda>` on `blk` returns None: it ran once"):
+        _compile(model, x, tmp_path)
+
+
+def test_a_recording_hook_on_a_leaf_runs_at_every_call(tmp_path):
+    model, x = Net(), torch.randn(4, 4)
+    seen = []
+    model.blk.a.register_forward_hook(lambda mod, a, o: seen.append(o.detach().clone()))
+    pipe = _compile(model, x, tmp_path, microbatches=1)
+    seen.clear()
+    with torch.no_grad():
+        out = pipe(x)
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], model.blk.a(x))
+
+
 def test_a_full_backward_hook_on_a_leaf_registered_after_compile_runs_as_in_eager(tmp_path):
     model, x = Net(), torch.randn(4, 4)
     eager = copy.deepcopy(model)
