@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -156,13 +158,18 @@ def forward_effects(model: nn.Module):
     saved: dict[tuple[int, str], Any] = {}
     missing = object()
     containers = _containers(model)
+    before = [(p, m, dict(m.__dict__)) for p, m in model.named_modules()]
+    by_torch: set[tuple[int, str]] = set()  # attributes torch's own code set (spectral_norm's `weight`)
     setattr_ = nn.Module.__setattr__
     register_hook = torch.Tensor.register_hook
 
     def setattr_recorded(self: nn.Module, name: str, value: Any) -> None:
-        if id(self) in paths and _user_frame(1) is not None and (id(self), name) not in saved:
-            saved[(id(self), name)] = self.__dict__.get(name, missing)
-            effects.assigned.append((paths[id(self)], self, name))
+        if id(self) in paths and (id(self), name) not in saved:
+            if _user_frame(1) is None:
+                by_torch.add((id(self), name))
+            else:
+                saved[(id(self), name)] = self.__dict__.get(name, missing)
+                effects.assigned.append((paths[id(self)], self, name))
         setattr_(self, name, value)
 
     def register_hook_recorded(self: torch.Tensor, hook: Any) -> Any:
@@ -176,7 +183,9 @@ def forward_effects(model: nn.Module):
     torch.Tensor.register_hook = register_hook_recorded  # type: ignore[method-assign]
     hooks = _watch_module_hooks(model, effects)
     try:
-        yield effects
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield effects
     finally:
         for table, key, hook in hooks:
             if key in table:
@@ -189,6 +198,8 @@ def forward_effects(model: nn.Module):
                 module.__dict__.pop(name, None)
             else:
                 module.__dict__[name] = old
+        _restore_dicts(before, by_torch, effects)
+        _export_assignments(model, caught if "caught" in locals() else [], effects)
         for path, module, key, value, copy in containers:
             if _changed(value, copy):
                 effects.mutated.append((path, module, key))
@@ -197,6 +208,54 @@ def forward_effects(model: nn.Module):
                     value.extend(copy)
                 else:
                     value.update(copy)
+
+
+def _restore_dicts(before: list[tuple[str, nn.Module, dict]], by_torch: set[tuple[int, str]], effects: Effects) -> None:
+    """Put every module's `__dict__` back as it was before tracing (an attribute set around
+    `nn.Module.__setattr__`, `object.__setattr__(self, "aux", v)`, would keep an fx Proxy);
+    one the user's code set is recorded in `effects.assigned`."""
+    recorded = {(id(m), n) for _, m, n in effects.assigned}
+    for path, module, old in before:
+        now = module.__dict__
+        for key in [k for k in now if k not in old or now[k] is not old[k]] + [k for k in old if k not in now]:
+            # export puts a copy back of containers (the container check's) and equal values (`normalized_shape`)
+            quiet = type(old.get(key)) in (list, dict, set) or (key in old and key in now and _equal(old[key], now[key]))
+            if (id(module), key) not in by_torch and (id(module), key) not in recorded and not quiet:
+                effects.assigned.append((path, module, key))
+            if key in old:
+                now[key] = old[key]
+            else:
+                del now[key]
+
+
+def _export_assignments(model: nn.Module, caught: list, effects: Effects) -> None:
+    """torch.export puts back a tensor attribute forward assigned (`object.__setattr__` too)
+    and says so in a warning ("The tensor attribute self.aux was assigned during export"): record
+    each such attribute in `effects.assigned`; re-issue every other warning caught meanwhile."""
+    recorded = {(p, n) for p, _, n in effects.assigned}
+    for w in caught:
+        found = re.match(r"The tensor attributes? (.*) (?:was|were) assigned during export", str(w.message))
+        if found is None:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+            continue
+        for full in found.group(1).split(", "):
+            path, _, name = full.removeprefix("self.").rpartition(".")
+            if "[" in full or (path, name) in recorded:
+                continue  # an item of a container: the container check's
+            try:
+                effects.assigned.append((path, model.get_submodule(path), name))
+            except AttributeError:
+                continue
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Whether two plain values are equal (tensors and fx Proxies never are, unless identical)."""
+    if any(isinstance(v, (torch.Tensor, fx.Proxy)) for v in (a, b)):
+        return a is b
+    try:
+        return bool(a == b)
+    except Exception:  # a value without a plain equality
+        return False
 
 
 def _watch_module_hooks(model: nn.Module, effects: Effects) -> list[tuple[dict, Any, Any]]:

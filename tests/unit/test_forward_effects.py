@@ -261,9 +261,17 @@ class ClampsInput(nn.Module):
         return self.a(x)
 
 
+class AuxAround(AuxLoss):
+    def forward(self, x):
+        h = self.a(x)
+        object.__setattr__(self, "aux", h.square().mean())  # around nn.Module.__setattr__
+        return self.b(h)
+
+
 @pytest.mark.parametrize("front_end", ["fx", "export"])
-def test_an_attribute_assigned_in_forward_is_refused_and_left_as_it_was(front_end):
-    model, x = AuxLoss(), torch.randn(4, 4)
+@pytest.mark.parametrize("cls", [AuxLoss, AuxAround])
+def test_an_attribute_assigned_in_forward_is_refused_and_left_as_it_was(front_end, cls):
+    model, x = cls(), torch.randn(4, 4)
     with pytest.raises(TraceError, match=r"assigns the attribute `aux`.*Return the value from forward"):
         trace(model, example_inputs=(x,), front_end=front_end)
     assert model.aux == 0.0 and type(model.aux) is float  # no fx Proxy, no fake tensor left behind
