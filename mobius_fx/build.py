@@ -8,6 +8,7 @@ It lives apart from the runtime so that the runtime imports nothing from the pas
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -113,6 +114,8 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     from mobius_fx.passes.emit import backward_summary, emit
     from mobius_fx.passes.insert_transfers import insert_transfers
 
+    _refuse_sparse_gradients(model, gm)
+
     topology = getattr(plan, "topology", None)
     if plan is not None:
         stage_nodes, stage_gpus, microbatches, gpu_budgets, gpu_indices, device = _plan_defaults(
@@ -141,6 +144,7 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
         if m > 1 and flat:
             microbatch_outputs.prepare(runtime, gm, flat, m, marks, model)
     _warn_batch_norms(model, schedule.microbatches)
+    _warn_buffer_updates(model, gm, schedule.microbatches)
     code = program.code.strip("\n") + "\n\n" + backward_summary(schedule) + "\n"
     pipe = VariantPipeline(model, gm, schedule, program, runtime, plan, code)
     if example_inputs or example_kwargs:  # the call it serves (call_signatures.py); compile adds variants
@@ -211,3 +215,60 @@ def _warn_batch_norms(model: nn.Module, microbatches: int) -> None:
                     "own statistics (as eager run micro-batch by micro-batch), not by the whole batch's",
                     ", ".join(norms[:3]) + (" ..." if len(norms) > 3 else ""), "" if len(norms) > 1 else "s",
                     microbatches)
+
+
+def _refuse_sparse_gradients(model: nn.Module, gm: fx.GraphModule) -> None:
+    """Refuse an embedding with `sparse=True` over a trainable weight: its gradient is a sparse
+    tensor, which a stage's gradient sum and download (dense buffers on the GPU) cannot hold."""
+    sparse = [(n, m) for n, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+    if not sparse:
+        _refuse_sparse_calls(gm)
+        return
+    name, mod = sparse[0]
+    raise MobiusError(f"module `{name}` ({type(mod).__name__}) has sparse=True: its weight's gradient is a sparse "
+                      f"tensor, which the pipeline's gradient sums on the GPUs (dense buffers) cannot hold. Set "
+                      f"`{name}.sparse = False` before compiling (a dense gradient; SparseAdam then needs another "
+                      f"optimizer, e.g. Adam), or freeze its weight (requires_grad_(False)) to run it for inference")
+
+
+def _refuse_sparse_calls(gm: fx.GraphModule) -> None:
+    """`_refuse_sparse_gradients` for a functional embedding (`F.embedding(x, w, sparse=True)`,
+    export's `aten.embedding(w, x, ..., True)`) over a trainable weight of the graph."""
+    info = gm.meta.get("mobius_trace")
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.embedding.default:
+            weight, sparse = node.args[0], (node.args[4] if len(node.args) > 4 else node.kwargs.get("sparse"))
+        elif node.target is torch.nn.functional.embedding:
+            weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+            sparse = node.args[6] if len(node.args) > 6 else node.kwargs.get("sparse")
+        else:
+            continue
+        if sparse is not True or not isinstance(weight, fx.Node) or weight.op != "get_attr":
+            continue
+        tensor = gm.get_parameter(str(weight.target)) if str(weight.target) in dict(gm.named_parameters()) else None
+        if tensor is not None and tensor.requires_grad:
+            name = info.model_name(str(weight.target)) if info is not None else str(weight.target)
+            raise MobiusError(f"the model computes an embedding with sparse=True over parameter `{name}`: its "
+                              f"gradient is a sparse tensor, which the pipeline's gradient sums on the GPUs (dense "
+                              f"buffers) cannot hold; pass sparse=False (a dense gradient)")
+
+
+def _warn_buffer_updates(model: nn.Module, gm: fx.GraphModule, microbatches: int) -> None:
+    """Warn, with several micro-batches, that a buffer forward changes in place (a counter, an
+    EMA) is updated once per micro-batch, as eager run micro-batch by micro-batch updates it;
+    BatchNorm's statistics have their own warning (`_warn_batch_norms`)."""
+    info = gm.meta.get("mobius_trace")
+    if microbatches <= 1 or info is None:
+        return
+    norms = {n for n, mod in model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)}
+    names = [b for b in getattr(info, "buffer_writes", ()) if b.rpartition(".")[0] not in norms]
+    if names:
+        shown = ", ".join(f"`{b}`" for b in names[:3]) + (" ..." if len(names) > 3 else "")
+        warnings.warn(f"forward changes the buffer{'s' if len(names) > 1 else ''} {shown} in place: with "
+                      f"{microbatches} micro-batches the update runs once per micro-batch ({microbatches} times per "
+                      f"call, in micro-batch order, as eager run micro-batch by micro-batch), not once per call. "
+                      f"Compile with microbatches=1 for eager's once-per-call update, or make the update independent "
+                      f"of how the batch is split", stacklevel=3)

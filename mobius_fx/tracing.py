@@ -39,7 +39,8 @@ from mobius_fx.export_front import forward_signature, input_guards, try_export
 from mobius_fx.module_paths import module_path, module_stack
 from mobius_fx.trace_key import Unkeyable, trace_key
 from mobius_fx import trace_store
-from mobius_fx.trace_semantics import autograd_functions, describe, refuse_parameter_writes, refuse_traced_functions
+from mobius_fx.trace_semantics import (autograd_functions, describe, forward_effects, graph_checks, refuse_effects,
+                                       refuse_input_writes, refuse_parameter_writes, refuse_traced_functions)
 
 __all__ = ["trace", "TraceInfo", "module_path", "module_stack", "flatten_inputs", "trace_info", "input_guards",
            "forward_signature"]
@@ -79,6 +80,9 @@ class TraceInfo:
     # whether this graph was read from the cache instead of traced (mobius_fx/trace_store.py)
     key: str = ""
     cached: bool = False
+    # the model's buffers forward changes in place (a counter, an EMA): with several micro-batches
+    # the update runs once per micro-batch (build_pipeline warns)
+    buffer_writes: tuple[str, ...] = ()
 
     def model_name(self, gm_name: str) -> str:
         """The user model's name for a GraphModule parameter/buffer name."""
@@ -167,23 +171,31 @@ def _traced(model: nn.Module, args: tuple, kwargs: dict, front_end: str, dynamic
     t0 = time.perf_counter()
     modes = tuple(m.training for m in model.modules())
     with _preserve_model(model), _no_kv_cache(model, kwargs, progress):
-        gm, fx_error, dynamic, applied = None, "not tried (front_end='export')", False, []
-        if front_end in ("auto", "fx"):
-            gm, fx_error = _try_fx(model, args, kwargs)
-        used = "fx"
-        if gm is None and front_end == "fx":
-            raise TraceError(f"torch.fx.symbolic_trace could not trace {type(model).__name__}: {fx_error}. "
-                             f"Try front_end='auto' (falls back to torch.export), or {_REMEDY}.")
-        if gm is None:
-            gm, dynamic, applied = _export(model, args, kwargs, front_end, dynamic_batch, fx_error, progress)
-            used = "export"
+        with forward_effects(model) as effects:
+            gm, fx_error, dynamic, applied = None, "not tried (front_end='export')", False, []
+            if front_end in ("auto", "fx"):
+                gm, fx_error = _try_fx(model, args, kwargs)
+            used = "fx"
+            if gm is None and front_end == "fx":
+                raise TraceError(f"torch.fx.symbolic_trace could not trace {type(model).__name__}: {fx_error}. "
+                                 f"Try front_end='auto' (falls back to torch.export), or {_REMEDY}.")
+            if gm is None:
+                gm, dynamic, applied = _export(model, args, kwargs, front_end, dynamic_batch, fx_error, progress)
+                used = "export"
+        refuse_effects(model, effects, used)
         refuse_traced_functions(model, applied, fx_error)
-        refuse_parameter_writes(model, gm, _run_on_copies(gm, args, kwargs)[1] or [], _name_map(gm, model)[0])
+        _, written, inputs_written = _run_on_copies(gm, args, kwargs)
+        refuse_parameter_writes(model, gm, written or [], _name_map(gm, model)[0])
+        refuse_input_writes(model, args, kwargs, inputs_written or [])
     _place_get_attrs(gm)
     names, constants = _name_map(gm, model)
-    gm.meta["mobius_trace"] = TraceInfo(front_end=used, names=names, constants=constants, fx_error=fx_error,
-                                        dynamic_batch=dynamic, seconds=time.perf_counter() - t0, modes=modes,
-                                        device=_input_device(model, args, kwargs), key=key)
+    buffers = {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+    buffer_writes = tuple(dict.fromkeys(names.get(n, n) for n in written or [] if n in buffers))
+    gm.meta["mobius_trace"] = TraceInfo(front_end=used, names=names, constants=constants,
+                                        fx_error=fx_error, dynamic_batch=dynamic,
+                                        seconds=time.perf_counter() - t0, modes=modes,
+                                        device=_input_device(model, args, kwargs), key=key,
+                                        buffer_writes=buffer_writes)
     _report(progress, f"traced {type(model).__name__} with {used}: {len(gm.graph.nodes)} nodes "
                       f"in {time.perf_counter() - t0:.2f} s")
     return gm
@@ -195,7 +207,8 @@ def _cached(path: Path, model: nn.Module, progress: Callable[[str], None] | None
     t0 = time.perf_counter()
     try:
         gm, fields = trace_store.load(path, model)
-        info = TraceInfo(**{**fields, "modes": tuple(fields["modes"]), "constants": tuple(fields["constants"])})
+        info = TraceInfo(**{**fields, "modes": tuple(fields["modes"]), "constants": tuple(fields["constants"]),
+                            "buffer_writes": tuple(fields.get("buffer_writes", ()))})
         names, constants = _name_map(gm, model)
         if names != info.names or constants != info.constants:
             raise ValueError("its parameters and buffers bind to the model otherwise than when it was traced")
@@ -403,11 +416,13 @@ def _check_runs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> str:
     return _run_on_copies(gm, args, kwargs)[0]
 
 
-def _run_on_copies(gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[str, list[str] | None]:
+def _run_on_copies(gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[str, list[str] | None, list[int] | None]:
     """Run `gm` once under no_grad on meta copies of everything (cheap, no side effects); if
     that fails and everything is real, on clones of the real inputs, parameters and buffers.
     Returns ("" or why it runs on neither, the names of gm's parameters and buffers the run
-    changed in place, None when it did not run). The model and the inputs are never touched."""
+    changed in place, the indices of the input tensors -- `pytree.tree_leaves((args, kwargs))`
+    order -- it changed in place; both None when it did not run). The model and the inputs are
+    never touched."""
     state = _state(gm)
     copies = {k: _meta_like(v) for k, v in state.items()}
     inputs = pytree.tree_map_only(torch.Tensor, _meta_like, (args, kwargs))
@@ -416,18 +431,20 @@ def _run_on_copies(gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[str, 
         if real:
             leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             if any(t.is_meta for t in leaves) or any(t.is_meta for t in state.values()):
-                return error, None
+                return error, None, None
             copies = {k: v.detach().clone() for k, v in state.items()}
             inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
         versions = {k: t._version for k, t in copies.items()}
+        given = [(i, t, t._version) for i, t in enumerate(pytree.tree_leaves(inputs)) if isinstance(t, torch.Tensor)]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), graph_checks():
                 torch.func.functional_call(gm, copies, inputs[0], inputs[1], strict=False, tie_weights=False)
         except Exception as e:
             error = first_line(e)
             continue
-        return "", [k for k, t in copies.items() if t._version != versions[k]]
-    return error, None
+        return ("", [k for k, t in copies.items() if t._version != versions[k]],
+                [i for i, t, v in given if t._version != v])
+    return error, None, None
 
 
 # ----------------------------------------------------------------------------- shared helpers

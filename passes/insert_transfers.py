@@ -147,6 +147,7 @@ def insert_transfers(gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]]
     if len(stage_nodes) != len(stage_gpus) or not stage_nodes:
         raise MobiusError(f"{len(stage_nodes)} stage node lists but {len(stage_gpus)} stage GPUs; give one GPU name "
                           f"per stage (and at least one stage)")
+    _refuse_attribute_outputs(gm)
     work = _working_copy(gm)
     set_microbatches(work.graph, microbatches)  # a size read as a value: the whole batch's (planning/batch_sizes.py)
     work.recompile()
@@ -346,6 +347,30 @@ def _value_ref(arg: Any) -> ValueRef:
     if arg.op == "call_module" and str(arg.target).startswith("submod_"):
         return ValueRef(int(str(arg.target).split("_")[1]), 0, arg.name)
     raise MobiusError(f"internal: cannot route value {arg.format_node()} between stages")
+
+
+def _refuse_attribute_outputs(gm: fx.GraphModule) -> None:
+    """Refuse a graph that returns one of its parameters, buffers or constant tensors itself
+    (`return y, self.fc.weight`): no stage computes it, so no stage can send it on."""
+    output = next((n for n in gm.graph.nodes if n.op == "output"), None)
+    if output is None:
+        return
+    leaves: list[fx.Node] = []
+    fx.node.map_arg(output.args, leaves.append)
+    for node in leaves:
+        if node.op != "get_attr":
+            continue
+        target = str(node.target)
+        names = getattr(gm.meta.get("mobius_trace"), "names", {}) or {}
+        value = _get_attr(gm, target)
+        if target in names:
+            kind = "parameter" if isinstance(value, nn.Parameter) else "buffer"
+            what, read = f"its {kind} `{names[target]}`", f"read it from the model after the call (model.{names[target]})"
+        else:
+            what = f"a constant tensor `{target}` (built in forward from no input, e.g. torch.tensor(...))"
+            read = "build it outside the model, after the call"
+        raise MobiusError(f"the model's forward returns {what} as an output itself; a pipeline returns what its "
+                          f"stages compute, and no stage computes this value. Do not return it from forward: {read}")
 
 
 def _resolve_output(arg: Any) -> Any:

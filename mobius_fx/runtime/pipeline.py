@@ -21,6 +21,7 @@ from mobius_fx.runtime.program_ops import running
 from mobius_fx.kinds import OVERLAP_DEFAULT, OVERLAP_MODES
 from mobius_fx.planning.microbatch import batch_rows, declared
 from mobius_fx.runtime.microbatch_outputs import prepare
+from mobius_fx.runtime.module_hooks import HookState
 from mobius_fx.runtime.python_state import PythonState, reads_training
 from mobius_fx.runtime.engine import Runtime
 from mobius_fx.runtime.model_face import ModelFace
@@ -65,6 +66,7 @@ class Pipeline(ModelFace, nn.Module):
         object.__setattr__(self, "_warned_modes", None)
         object.__setattr__(self, "_calling", threading.Lock())  # one forward at a time (see forward)
         object.__setattr__(self, "_python_state", PythonState(model))  # attributes the graph baked in
+        object.__setattr__(self, "_hooks", HookState(model, runtime.shell_users))  # hooks it cannot follow
         runtime.watch(model)
         self._show_model(model)  # forward's signature, config, .to(own device): runtime/model_face.py
 
@@ -96,6 +98,7 @@ class Pipeline(ModelFace, nn.Module):
             raise MobiusError(f"an input of shape {meta[0]} is on the meta device (no data): a pipeline computes on "
                               f"real tensors; pass CPU tensors (meta inputs are for mobius_fx.plan, which only plans)")
         self._python_state.check(self._rt.shell_users)
+        self._hooks.check()
         traced = trace_info(self._gm)
         if traced.modes and traced.front_end == "export":
             self._check_modes(traced.modes)

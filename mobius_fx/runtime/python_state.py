@@ -76,6 +76,8 @@ def _attributes(module: nn.Module) -> dict[str, tuple[Any, Any]]:
 def sync_shells(user: nn.Module, shell: nn.Module) -> None:
     """Give a stage's shell of a leaf module the module's current plain attributes (and mode)."""
     shell.training = user.training
+    # register_full_backward_hook sets this flag on the module (the hook dicts are shared)
+    shell.__dict__["_is_full_backward_hook"] = user.__dict__.get("_is_full_backward_hook")
     for key, value in user.__dict__.items():
         if key not in _TORCH_KEYS and shell.__dict__.get(key, _MISSING) is not value and plain(value) is not _NOT_PLAIN:
             shell.__dict__[key] = value

@@ -49,7 +49,7 @@ from mobius_fx.errors import MobiusError
 from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.host_gradients import finite_flag, host_gradient
 from mobius_fx.runtime.stage_autograd import Masters, StageFunction
-from mobius_fx.runtime.stage_state import OnHost, StageCall, StageState, Step
+from mobius_fx.runtime.stage_state import OnHost, StageCall, StageState, Step, refuse_changed_masters
 
 __all__ = ["StageCalls", "rebuild", "autocast_for"]
 
@@ -139,6 +139,8 @@ class StageCalls:
             if torch.is_grad_enabled() and (st.train or any(t.requires_grad for t in tensors)):
                 call = StageCall(self, step, k, i, leaves, spec, pos)
                 step.calls.setdefault(k, []).append(weakref.ref(call))
+                if k not in step.param_versions:  # checked at the stage's backward (refuse_changed_masters)
+                    step.param_versions[k] = [(j, m._version) for j, m in enumerate(st.masters) if st.is_param[j]]
                 if step.hub is None:
                     trainable = {id(m): m for s in self.stages for m, p in zip(s.masters, s.is_param)
                                  if p and m.requires_grad}
@@ -294,6 +296,8 @@ class StageCalls:
                 self.overlap.backward_started()
         k = call.stage
         st = self.stages[k]
+        if step.bwd_calls[k] == 0:
+            refuse_changed_masters(st, step.param_versions.get(k, []), self._places[k] if self._places else [])
         if step.bwd_calls[k] == 0 or not st.resident:
             self.wait(k, strict=False)
             for p in self._bwd_prefetch.get(k, ()):  # what the IR prefetches when this stage starts backward

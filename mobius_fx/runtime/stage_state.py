@@ -16,7 +16,7 @@ from mobius_fx.errors import MobiusError
 from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.host_counters import watch_masters
 
-__all__ = ["StageState", "Step", "StageCall", "OnHost", "bind"]
+__all__ = ["StageState", "Step", "StageCall", "OnHost", "bind", "refuse_changed_masters"]
 
 
 class StageState:
@@ -90,6 +90,9 @@ class Step:
         # are finite, computed on its GPU before the download (None: the device cannot; the
         # optimizer then reads the gradients on the host)
         self.finite: dict[int, Any] = {}
+        # per stage, the version counter of each of its parameters when its first forward call
+        # ran: its backward recomputes from the masters, so one changed since is refused
+        self.param_versions: dict[int, list[tuple[int, int]]] = {}
 
 
 class StageCall:
@@ -119,3 +122,23 @@ class OnHost:
 
     def __init__(self, host: torch.Tensor, version: int) -> None:
         self.host, self.version = host, version
+
+
+def refuse_changed_masters(st: StageState, recorded: list[tuple[int, int]], names: list[Any]) -> None:
+    """Refuse the backward of stage `st` when one of its parameters changed in place since the
+    forward that used it (`recorded`: (slot, version) at that forward; `names[j]`: where the model
+    holds slot j, `(module, attr, name)` or None). Eager raises too when the weight was saved for
+    backward ("modified by an inplace operation"); the pipeline recomputes the stage from the
+    masters, so it would silently differentiate the new weights."""
+    for j, version in recorded:
+        now = st.masters[j]._version
+        if now != version:
+            place = names[j] if j < len(names) else None
+            name = place[2] if place is not None else st.spec.weights[j].name
+            raise MobiusError(
+                f"parameter `{name}` was modified in place after the forward that used it and before its backward "
+                f"(version {version} -> {now}: an optimizer.step(), or an edit under torch.no_grad(), between the "
+                f"forward and loss.backward()); eager PyTorch raises too (\"one of the variables needed for gradient "
+                f"computation has been modified by an inplace operation\"), and stage {st.index}'s backward recomputes "
+                f"the stage from the changed weight. Call loss.backward() before changing the weights (forward, "
+                f"backward, then optimizer.step()), or run the forward again after the change")
