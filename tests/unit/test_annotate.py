@@ -291,8 +291,8 @@ def test_measure_does_not_modify_the_example_inputs():
             return x.add_(1.0)
 
     x = torch.zeros(3)
-    gm = trace(InPlace(), example_inputs=(x,))
-    annotate(gm, example_inputs=(x,), costs="measure", warmup=1, repeats=2)
+    gm = torch.fx.symbolic_trace(InPlace())  # mobius_fx.trace refuses the input edit (issue 39); annotate alone
+    annotate(gm, example_inputs=(x,), costs="measure", warmup=1, repeats=2)  # must still leave inputs alone
     assert torch.equal(x, torch.zeros(3))
 
 
