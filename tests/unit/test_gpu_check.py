@@ -325,7 +325,7 @@ def test_cpu_optimizer_writes_what_it_measured_into_the_topology(tmp_path, capsy
     finally:
         torch.set_num_threads(threads)
     host = Topology.from_json(path).host
-    assert host.optimizer == "adamw" and host.implementation in ("fused", "foreach", "for-loop")
+    assert host.optimizer == "adamw" and host.implementation in ("fused", "foreach", "for-loop", "mobius-host-pass")
     assert host.optimizer_bytes_per_s > 0 and host.host_copy_bytes_per_s > 0 and host.cores >= 1
     with pytest.raises(SystemExit, match="does not exist"):
         cpu_opt.main(["--params", "2e5", "--hidden", "64", "--topology-out", str(tmp_path / "missing.json")])

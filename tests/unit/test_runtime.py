@@ -587,12 +587,15 @@ def bf16_eager_by_microbatch(model, x, microbatches, loss_of):
     the loss, backward for micro-batches M-1, ..., 0 (the order autograd returns them to a
     stage) so the bf16 `.grad` sums them as the pipeline's GPU accumulator does. Returns the
     output and {name: fp32 gradient}."""
-    ref = copy.deepcopy(model).to(torch.bfloat16)
+    ref = copy.deepcopy(model).to(torch.bfloat16)  # (its layer norms then run in fp32 with bf16 weights cast up)
     ref.zero_grad(set_to_none=True)
     chunks = [c.to(torch.bfloat16) for c in x.split(x.size(0) // microbatches)]
     outs: list[torch.Tensor] = [torch.empty(0)] * microbatches
+    from mobius_fx.runtime.stage_calls import NormsInFp32
+
     for i in reversed(range(microbatches)):
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        # layer norms in fp32, as CUDA's autocast (and so the virtual GPUs standing in for it) runs them
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), NormsInFp32():
             out = ref(chunks[i])
         loss_of(out).backward()
         outs[i] = out.detach()
