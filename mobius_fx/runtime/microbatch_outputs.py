@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.batch_sizes import fake_values
 from mobius_fx.planning.loss_ratios import combine_ratio, is_index_mean_loss
+from mobius_fx.planning.loss_ratios import op_name as _name
 from mobius_fx.planning import sequence_first
 from mobius_fx.planning.microbatch import ambiguous, batch_rows, is_split, split
 
@@ -124,18 +125,6 @@ class Semantics:
 
     outputs: list | None
     why: str = ""
-
-
-def _name(node: fx.Node, gm: fx.GraphModule) -> str:
-    t = node.target
-    if node.op == "call_module":
-        return type(gm.get_submodule(str(t))).__name__
-    if node.op == "call_method":
-        return str(t)
-    packet = getattr(t, "overloadpacket", None)
-    if packet is not None:
-        return str(getattr(packet, "__name__", t)).split(".")[-1]
-    return str(getattr(t, "__name__", t))
 
 
 def _arg(node: fx.Node, gm: fx.GraphModule, name: str, default: Any) -> Any:
