@@ -222,3 +222,20 @@ def test_pipeline_trainer_steps_with_the_loss_on_the_last_stage(pipe, tmp_path):
     sent = {g: kinds.get("activation d2h", {}).get(last, {}).get("bytes", 0)
             for g, kinds in pipe.transfer_stats(last_step=True, by_stage=True).items()}
     assert sum(sent.values()) == 2 * 2 * 4  # per micro-batch the loss's fp32 sum and count (planning/loss_ratios.py)
+
+
+def test_report_to_tensorboard_writes_the_losses(pipe, tmp_path):
+    """`report_to="tensorboard"`: Trainer's TensorBoard callback logs the pipeline's training losses."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logs = tmp_path  # Trainer's TensorBoard callback writes under the output directory
+    trainer = PipelineTrainer(model=pipe, args=_args(tmp_path, max_steps=3, save_strategy="no", report_to=["tensorboard"]),
+                              train_dataset=Rows())
+    trainer.train()
+    runs = [p.parent for p in logs.rglob("events.out.tfevents.*")]
+    assert runs, f"no event file under {logs}"
+    acc = EventAccumulator(str(runs[0]))
+    acc.Reload()
+    losses = [e.value for e in acc.Scalars("train/loss")]
+    assert len(losses) == 3 and losses == pytest.approx(_losses(trainer), rel=1e-6)
