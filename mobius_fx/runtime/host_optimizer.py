@@ -91,17 +91,22 @@ def kind_of(opt: torch.optim.Optimizer, group: dict) -> str | None:
 
 
 # ------------------------------------------------------------------ the formulas (one per kind)
+def _gradient(g16: torch.Tensor, grad_out: torch.Tensor | None, maximize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's fp32 gradient from the streamed one (written to `grad_out`, the fp32 `.grad`, when
+    given), negated under `maximize`, and whether it is all finite (a 0-d bool)."""
+    g = g16.float()
+    if grad_out is not None:
+        grad_out.copy_(g)
+    ok = torch.isfinite(g).all()
+    return (-g if maximize else g), ok
+
+
 def _adam(p: torch.Tensor, g16: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor | None,
           copy_out: torch.Tensor | None, s: torch.Tensor, decoupled: bool, decay: bool, maximize: bool,
           small_w: bool) -> torch.Tensor:
     """One Adam/AdamW step of flat fp32 `p`, `m`, `v` from gradient `g16`, in place; `s` = the fp32
     scalars of `adam_scalars`. Returns whether `g16` is all finite (a 0-d bool)."""
-    g = g16.float()
-    if grad_out is not None:
-        grad_out.copy_(g)
-    ok = torch.isfinite(g).all()
-    if maximize:
-        g = -g
+    g, ok = _gradient(g16, grad_out, maximize)
     wdf, w1, b2, c2, bc2s, eps, nss = s[0], s[1], s[2], s[3], s[4], s[5], s[6]
     p1 = p
     if decay:
@@ -125,12 +130,7 @@ def _sgd(p: torch.Tensor, g16: torch.Tensor, buf: torch.Tensor | None, grad_out:
          copy_out: torch.Tensor | None, s: torch.Tensor, decay: bool, nesterov: bool, maximize: bool) -> torch.Tensor:
     """One SGD step (momentum when `buf` is given) of flat fp32 `p` from `g16`, in place, as torch's
     per-tensor step (`a.add(b, alpha=c)` is fma(b, c, a) there); `s` = `sgd_scalars`."""
-    g = g16.float()
-    if grad_out is not None:
-        grad_out.copy_(g)
-    ok = torch.isfinite(g).all()
-    if maximize:
-        g = -g
+    g, ok = _gradient(g16, grad_out, maximize)
     wd, mom, damp1, neg_lr = s[0], s[1], s[2], s[3]
     if decay:
         g = g + p * wd
