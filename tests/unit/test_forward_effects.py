@@ -27,17 +27,11 @@ from mobius_fx import MobiusError, Topology
 from mobius_fx.errors import TraceError
 from mobius_fx.tracing import trace
 
+from tests.unit.test_eager_semantics import _compile, _mlp  # noqa: E402  (the same small cases)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _compile(model, x, tmp_path, microbatches=2, **kw):
-    return mobius_fx.compile(model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(x,),
-                             cache_dir=str(tmp_path), verbose=False, microbatches=microbatches, **kw)
-
-
-def _mlp(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
 def _same_grads(model, eager):
