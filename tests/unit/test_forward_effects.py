@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mobius_fx
-from mobius_fx import MobiusError, Topology
+from mobius_fx import MobiusError
 from mobius_fx.errors import TraceError
 from mobius_fx.tracing import trace
 
