@@ -144,6 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--cuts", type=_cuts, default=None, metavar="I,J,...",
                     help="plan this partition instead of solving for one: the first layer index of every stage "
                          "after the first, e.g. 1,5 (stages [0,1), [1,5), [5,L)); 'none' is one stage")
+    pl.add_argument("--schedule", default=None,
+                    help="the registered schedule to run the plan (default: the candidate with the least simulated "
+                         "forward + backward that fits; the plan's first line says which and why)")
     pl.add_argument("--batch", type=_SIZE, default=8, help="sequences per step (default 8)")
     pl.add_argument("--seq", type=_SIZE, default=1024, help="tokens per sequence (default 1024)")
     pl.add_argument("--dtype", default="fp16", type=_dtype, metavar="{fp16,bf16,fp32,...}",
@@ -245,7 +248,7 @@ def _cmd_plan(args) -> int:
     p = api.plan(model, topo, example_inputs=inputs, microbatches=micro, cuts=args.cuts, **step,
                  dtype=args.dtype, memory_fraction=args.memory_fraction,
                  time_limit=args.time_limit, verbose=not args.quiet, optimizer=args.optimizer,
-                 host_memory_fraction=args.host_memory_fraction, cache=args.cache)
+                 host_memory_fraction=args.host_memory_fraction, cache=args.cache, schedule=args.schedule)
     print(p.describe("full" if args.transfers else "summary"))
     cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None,
                   optimizer_overlap=args.optimizer_overlap)

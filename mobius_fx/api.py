@@ -3,6 +3,7 @@ then rewrite and emit the pipeline you train with)."""
 
 from __future__ import annotations
 
+import dataclasses
 import contextlib
 import logging
 import sys
@@ -15,6 +16,7 @@ from mobius_fx.runtime.data_parallel import GradientReducer, default_group
 from mobius_fx.errors import MobiusError, PlanError
 from mobius_fx.options import CompileOptions
 from mobius_fx.planning.plans import Plan
+from mobius_fx.schedules.choice import choose as choose_schedule
 
 __all__ = ["plan", "compile"]
 
@@ -214,7 +216,8 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
          cross_map: str = _D.cross_map, cache_dir: str | None = _D.cache_dir, verbose: bool = _D.verbose,
          pipeline: PassPipeline | None = None, optimizer: str = _D.optimizer,
          host_memory_fraction: float | None = _D.host_memory_fraction, cache: bool = _D.cache,
-         loss_fn: Any = None, example_target: Any = None, train_step: bool = False) -> Plan:
+         loss_fn: Any = None, example_target: Any = None, train_step: bool = False,
+         schedule: str | None = None) -> Plan:
     """Plan a Mobius pipeline for `model` on `topology`; nothing is run on a GPU.
 
     Works on the meta device, so a 15B model plans on a laptop:
@@ -249,6 +252,10 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     `loss_fn` + `example_target`, or `train_step=True` for a model that returns its own loss (HF
     models with `labels` in `example_kwargs`): plan the training step `pipe.train_step` runs, with
     the loss on the last stage, so only the loss leaves the GPUs (no logits on any link).
+    `schedule`: the registered schedule to run the plan (`mobius_fx.schedules.names()`); by
+    default the candidate (`schedules.candidates()`, baselines left out) with the least simulated
+    forward + backward that fits. The plan's first line (`plan.schedule_choice`) says which and
+    why, and when the runtime does not execute it yet (compile then runs the fastest it does).
     """
     if loss_fn is not None or example_target is not None or train_step:
         from mobius_fx.train_step import StepCompiler
@@ -259,11 +266,12 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
         example_inputs, example_kwargs = step.arguments(
             (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs),
             dict(example_kwargs or {}), example_target)
-    return _run((pipeline or default_pipeline()).until("plan"), model=model, topology=topology,
-                example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
-                cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
-                time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, optimizer=optimizer,
-                host_memory_fraction=host_memory_fraction, cache=cache).plan
+    p = _run((pipeline or default_pipeline()).until("plan"), model=model, topology=topology,
+             example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
+             cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
+             time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, optimizer=optimizer,
+             host_memory_fraction=host_memory_fraction, cache=cache).plan
+    return dataclasses.replace(p, schedule_choice=choose_schedule(p, schedule).line)
 
 
 def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,

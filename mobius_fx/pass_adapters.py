@@ -8,6 +8,8 @@ partition pass (partition + cross map) is `mobius_fx.passes.partition.partition_
 
 from __future__ import annotations
 
+import dataclasses
+
 from mobius_fx.options import CompileContext
 
 __all__ = ["trace_pass", "annotate_pass", "plan_pass", "insert_transfers_pass", "emit_pass"]
@@ -57,6 +59,7 @@ def plan_pass(gm, ctx: CompileContext):
     """The Plan of the partition pass's facts: its cuts on its GPU order, timed on that order."""
     from mobius_fx.passes.partition import input_bytes, param_sizes
     from mobius_fx.planning.plans import build_plan
+    from mobius_fx.schedules.choice import choose
 
     s, part = ctx.settings, ctx.partition
     sizes, trainable = param_sizes(ctx)
@@ -68,6 +71,8 @@ def plan_pass(gm, ctx: CompileContext):
                           input_bytes=input_bytes(ctx), optimizer=s.optimizer)
     # the host's memory: refused here, before anything is emitted (plan and compile alike)
     ctx.plan.host_budget().check(s.host_memory_fraction, microbatches=s.microbatches)
+    # what the runtime will run (compile); `api.plan` chooses again among every candidate
+    ctx.plan = dataclasses.replace(ctx.plan, schedule_choice=choose(ctx.plan, runnable=True).line)
     return None
 
 

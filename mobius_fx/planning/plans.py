@@ -103,6 +103,9 @@ class Plan:
     precision: Precision = field(default_factory=Precision)  # the streamed and the masters' dtype
     microbatches_rule: str = ""  # why `microbatches` is what it is, when the planner chose it
     optimizer: str = "adamw"  # the optimizer the host memory budget counts the state of (`host_budget`)
+    # Which registered schedule runs this plan and why (mobius_fx/schedules/choice.py; the front
+    # sets it): the first line `describe` prints. Empty: not chosen (a plan built directly).
+    schedule_choice: str = ""
     topology: "Topology | None" = field(default=None, compare=False, repr=False)
     # The plan's memory model (`MemoryModel(microbatches, precision)`: what its stages' bytes were
     # scaled by); `build_plan` hands over the one it sized the stages with, else it is made here.
@@ -238,7 +241,8 @@ class Plan:
         if transfers not in ("full", "summary", "none"):
             raise MobiusError(f"Plan.describe(transfers={transfers!r}); use 'full' (every transfer), 'summary' (by "
                               f"kind, phase and link) or 'none'")
-        parts = [self.summary() + "\n" + self.host_memory(), self.stage_table()]
+        head = self.summary() + "\n" + self.host_memory()
+        parts = [(self.schedule_choice + "\n" + head) if self.schedule_choice else head, self.stage_table()]
         if transfers == "full":
             parts.append(self.transfer_table())
         elif transfers == "summary":
@@ -292,6 +296,7 @@ class Plan:
                 layers=tuple(LayerCost(**_tuples(l)) for l in d["layers"]),
                 precision=_precision(d), microbatches_rule=d.get("microbatches_rule", ""),  # absent in older JSON
                 optimizer=d.get("optimizer", "adamw"),  # absent in older JSON
+                schedule_choice=d.get("schedule_choice", ""),  # absent in older JSON
                 topology=topo,
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -106,4 +106,4 @@ def _gpipe_memory(plan: Plan, u: Costs) -> tuple[MemoryModel, list[float], list[
     return mm, rest, [0.0] * len(rest)
 
 
-register("gpipe", build, summary="every weight resident, N stages balanced by compute, optimizer on the GPUs")
+register("gpipe", build, summary="every weight resident, N stages balanced by compute, optimizer on the GPUs", baseline=True)

@@ -27,12 +27,14 @@ __all__ = ["Slot", "LoopedIR"]
 
 @dataclass(frozen=True)
 class Slot:
-    """All micro-batches of stage `stage` on `gpu`: its forward, its backward, or both ("fused":
-    a forward that doubles as the backward's recompute, RoundPipe's last stage)."""
+    """All micro-batches of stage `stage` on `gpu` (or those in `microbatches`, in that order:
+    one stage's micro-batches dealt to several GPUs): its forward, its backward, or both
+    ("fused": a forward that doubles as the backward's recompute, RoundPipe's last stage)."""
 
     phase: str  # forward | backward | fused
     stage: int
     gpu: str
+    microbatches: tuple[int, ...] | None = None  # None: all of them, in order
 
 
 @dataclass
@@ -48,9 +50,11 @@ class _Loop:
     loss_on_host: bool
     grads_to_host: bool
     host_collectives: float
+    hold: bool = False
     seq: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # GPU -> its slots
-    comp: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # (phase, stage) -> run per micro-batch
-    where: dict[tuple[str, int], str] = field(default_factory=dict)
+    comp: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)  # (phase, stage) -> mb -> its run
+    where: dict[tuple[str, int], dict[int, str]] = field(default_factory=dict)  # (phase, stage) -> mb -> its GPU
+    first: dict[int, int] = field(default_factory=dict)  # slot -> its first run
     save: dict[tuple[int, int], int | None] = field(default_factory=dict)  # (stage, mb) -> offload of its input
     out: dict[int, int | None] = field(default_factory=dict)  # mb -> the model output sent to the host
     evict: dict[int, int] = field(default_factory=dict)  # slot -> its evict
@@ -60,8 +64,18 @@ class _Loop:
             self.seq[s.gpu].append(j)
         self.pos = {j: p for js in self.seq.values() for p, j in enumerate(js)}
         self.last_stage = max(s.stage for s in self.slots)
-        self.bslot = {s.stage: j for j, s in enumerate(self.slots) if s.phase != "forward"}  # reads a saved input
+        self.bslot = {(s.stage, i): j for j, s in enumerate(self.slots) if s.phase != "forward"
+                      for i in self.mbs(s)}  # (stage, mb) -> the slot that reads its saved input
         self.done = len(self.slots)  # gradients: needed by the optimizer, after every slot
+
+    def mbs(self, s: Slot) -> Sequence[int]:
+        """The micro-batches slot `s` runs, in order."""
+        return range(self.m) if s.microbatches is None else s.microbatches
+
+    def reader(self, k: int, i: int) -> int:
+        """The list position of the slot that reads stage k's saved input of micro-batch i (its
+        backward, or its fused slot); after every slot when none does."""
+        return self.bslot.get((k, i), self.done)
 
 
 class LoopedIR:
@@ -92,7 +106,7 @@ class LoopedIR:
 
     def pipeline(self, c: Costs, slots: Sequence[Slot], m: int, *, resident: bool = False,
                  offload_activations: bool = True, activations: bool = True, loss_on_host: bool = True,
-                 grads_to_host: bool = True, host_collectives: float = 0.0) -> None:
+                 grads_to_host: bool = True, host_collectives: float = 0.0, hold: bool = False) -> None:
         """The ops of a looped pipeline: each slot runs all `m` micro-batches of one stage on a GPU
         (costs `c`, per stage).
 
@@ -111,9 +125,13 @@ class LoopedIR:
         receive side) the GPU sends f x w to host memory (its all-gather send) and the slot waits
         for both; with each gradient download of g bytes (the reduce-scatter's send side) it
         receives f x g from host memory. For a ring over N GPUs, f = (N-1)/N.
+        `hold`: a stage whose backward runs later on the GPU that ran its forward keeps its weights
+        there in between (uploaded once, evicted after its backward), and every upload starts as
+        soon as its GPU's upload stream is free, in slot order, waiting for no eviction: the
+        caller checks that what a GPU holds fits it.
         """
         loop = _Loop(c, slots, m, resident, offload_activations, activations, loss_on_host, grads_to_host,
-                     host_collectives)
+                     host_collectives, hold)
         for j in range(len(slots)):
             self._slot(loop, j)
 
@@ -126,17 +144,20 @@ class LoopedIR:
         prev = loop.slots[mine[p - 1]] if p > 0 else None
         nxt = loop.slots[mine[p + 1]] if p + 1 < len(mine) else None
         phase = "forward" if s.phase == "forward" else "backward"
-        trigger = [loop.comp[(prev.phase, prev.stage)][0]] if prev is not None else []
+        trigger = [loop.first[mine[p - 1]]] if prev is not None else []
         memory = next((loop.evict[q] for q in reversed(mine[:max(0, p - 1)]) if q in loop.evict), None)
+        held = loop.hold and s.phase == "backward" and set(loop.where.get(("forward", k), {}).values()) == {gpu}
+        keep = loop.hold and s.phase == "forward" and any(loop.slots[q].stage == k and loop.slots[q].phase == "backward"
+                                                          for q in mine[p + 1:])
         up = gather = None
-        if not (loop.resident or (prev is not None and prev.stage == k)):
-            up = self.copy("prefetch", gpu, k, phase, HOST, gpu, "weight", c.w[k], slot=p, need=j, deps=[memory],
-                           starts=trigger)
+        if not (loop.resident or held or (prev is not None and prev.stage == k)):
+            up = self.copy("prefetch", gpu, k, phase, HOST, gpu, "weight", c.w[k], slot=p, need=j,
+                           deps=[None if loop.hold else memory], starts=[] if loop.hold else trigger)
         if up is not None and loop.host_collectives > 0:
             gather = self.copy("collective", gpu, k, phase, gpu, HOST, "weight", loop.host_collectives * c.w[k],
                                slot=p, need=j, starts=[up])
         rows = []
-        for i in range(loop.m):
+        for i in loop.mbs(s):
             deps: list[int | None] = [up, gather]
             if s.phase != "backward" and loop.activations:
                 deps.append(self._forward_input(loop, j, i))
@@ -145,9 +166,10 @@ class LoopedIR:
             rows.append(self.op("run", gpu, k, phase, deps, microbatch=i))
             if s.phase == "forward" and k == loop.last_stage and loop.activations and loop.loss_on_host:
                 loop.out[i] = self.copy("send", gpu, k, "forward", gpu, HOST, "activation", c.out[k], slot=p,
-                                        need=loop.bslot.get(k, loop.done), deps=[rows[-1]], microbatch=i)
-        loop.comp[(s.phase, k)] = rows
-        loop.where[(s.phase, k)] = gpu
+                                        need=loop.reader(k, i), deps=[rows[-1]], microbatch=i)
+        loop.comp.setdefault((s.phase, k), {}).update(zip(loop.mbs(s), rows))
+        loop.where.setdefault((s.phase, k), {}).update((i, gpu) for i in loop.mbs(s))
+        loop.first[j] = rows[0]
         if s.phase != "forward" and loop.grads_to_host:
             grad = self.copy("download", gpu, k, "backward", gpu, HOST, "gradient", c.g[k], slot=p, need=loop.done,
                              deps=[rows[-1]])
@@ -155,7 +177,7 @@ class LoopedIR:
             if loop.host_collectives > 0:
                 self.copy("collective", gpu, k, "backward", HOST, gpu, "gradient", loop.host_collectives * c.g[k],
                           slot=p, need=loop.done, deps=[rows[-1]])
-        if not loop.resident and not (nxt is not None and nxt.stage == k):
+        if not loop.resident and not keep and not (nxt is not None and nxt.stage == k):
             loop.evict[j] = self.op("evict", gpu, k, phase, [rows[-1]])
 
     def _forward_input(self, loop: _Loop, j: int, i: int) -> int | None:
@@ -163,7 +185,7 @@ class LoopedIR:
         host) that made it; the input saved to the host for backward."""
         s, c, p = loop.slots[j], loop.c, loop.pos[j]
         k, gpu = s.stage, s.gpu
-        src, made = (HOST, None) if k == 0 else (loop.where[("forward", k - 1)], loop.comp[("forward", k - 1)][i])
+        src, made = (HOST, None) if k == 0 else (loop.where[("forward", k - 1)][i], loop.comp[("forward", k - 1)][i])
         arrive = None
         if src != gpu:
             arrive = self.copy("send", gpu, k, "forward", src, gpu, "activation", c.inp[k], slot=p, need=j,
@@ -171,7 +193,7 @@ class LoopedIR:
         arrive = arrive if arrive is not None else made
         if loop.offload_activations and k > 0 and s.phase == "forward":
             loop.save[(k, i)] = self.copy("offload", gpu, k, "forward", gpu, HOST, "input", c.inp[k], slot=p,
-                                          need=loop.bslot.get(k, loop.done), deps=[arrive], microbatch=i)
+                                          need=loop.reader(k, i), deps=[arrive], microbatch=i)
         return arrive
 
     def _backward_inputs(self, loop: _Loop, j: int, i: int, memory: int | None, trigger: list[int]) -> list:
@@ -191,7 +213,7 @@ class LoopedIR:
             made = loop.out.get(i) if loop.out.get(i) is not None else loop.comp[("forward", k)][i]
         else:
             nb = ("backward", k + 1) if ("backward", k + 1) in loop.comp else ("fused", k + 1)
-            src, made = loop.where[nb], loop.comp[nb][i]
+            src, made = loop.where[nb][i], loop.comp[nb][i]
         hop = None
         if src != gpu and (src != HOST or loop.loss_on_host):
             hop = self.copy("send", gpu, k, "backward", src, gpu, "activation", c.out[k], slot=p, need=j,

@@ -19,4 +19,4 @@ def build(ctx: Context) -> None:
     check_transfers(ctx)
 
 
-register("mobius", build, data_parallel=True, summary="the plan as the runtime runs it (cross-mapped, prefetching)")
+register("mobius", build, data_parallel=True, summary="the plan as the runtime runs it (cross-mapped, prefetching)", runnable=True)

@@ -18,4 +18,4 @@ def build(ctx: Context) -> None:
     tasks_from_ir(ctx, ctx.plan.schedule(ctx.gpus))
 
 
-register("mobius-identity-map", build, data_parallel=True, summary="Mobius with stage k on GPU k % N")
+register("mobius-identity-map", build, data_parallel=True, summary="Mobius with stage k on GPU k % N", baseline=True)

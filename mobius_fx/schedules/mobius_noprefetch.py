@@ -19,4 +19,4 @@ def build(ctx: Context) -> None:
     check_transfers(ctx)
 
 
-register("mobius-noprefetch", build, data_parallel=True, summary="Mobius with uploads after the previous stage")
+register("mobius-noprefetch", build, data_parallel=True, summary="Mobius with uploads after the previous stage", baseline=True)

@@ -7,6 +7,7 @@ and `benchmarks/paper.py` read the names from here, in registration order (the t
     from mobius_fx.schedules import register, unregister, names
     register("toy", build, summary="...")     # build(ctx): add the step's tasks to a sim.tasks.Context
     simulate(plan, schedule="toy"); names()   # (..., "roundpipe", "toy")
+    candidates(); candidates(runnable=True)   # what the planner chooses among: ("mobius", ..., "toy"); ("mobius",)
     unregister("toy")
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 from mobius_fx.errors import MobiusError
 
-__all__ = ["Schedule", "register", "unregister", "get", "names", "data_parallel_names", "OPTIMIZERS"]
+__all__ = ["Schedule", "register", "unregister", "get", "names", "data_parallel_names", "candidates", "OPTIMIZERS"]
 
 # Whose CPU optimizer a schedule's step runs (`Schedule.optimizer`): "user" is the user's torch
 # optimizer (`simulate(cpu_adam_bandwidth=)`), "deepspeed" DeepSpeedCPUAdam
@@ -33,21 +34,28 @@ class Schedule:
 
     `data_parallel`: `simulate(servers=R > 1)` takes it (it steps a CPU optimizer per stage);
     `optimizer`: whose CPU optimizer it steps (OPTIMIZERS), so `SimResult` reports that speed;
-    `summary`: one line on what it models."""
+    `summary`: one line on what it models;
+    `runnable`: the runtime executes it (`compile` picks only among these; `plan` and the CLI
+    name the fastest of all and say when it is not executable yet);
+    `baseline`: a comparison (another system's schedule, an ablation), simulated and tabled
+    but never chosen by the planner (`candidates`)."""
 
     name: str
     build: Callable[[Any], None]
     data_parallel: bool = False
     optimizer: str = "user"
     summary: str = ""
+    runnable: bool = False
+    baseline: bool = False
 
 
 _REGISTRY: dict[str, Schedule] = {}
 
 
 def register(name: str, build: Callable[[Any], None], *, data_parallel: bool = False, optimizer: str = "user",
-             summary: str = "") -> Schedule:
-    """Make `build` the schedule `name` for `simulate`, the comparison table and the CLI."""
+             summary: str = "", runnable: bool = False, baseline: bool = False) -> Schedule:
+    """Make `build` the schedule `name` for `simulate`, the comparison table, the CLI and (unless
+    `baseline`) the planner's choice (`runnable`: the runtime executes it; see `Schedule`)."""
     if not isinstance(name, str) or not name or name != name.strip():
         raise MobiusError(f"a schedule's name is a non-empty string without surrounding spaces, got {name!r}")
     if name in _REGISTRY:
@@ -58,7 +66,7 @@ def register(name: str, build: Callable[[Any], None], *, data_parallel: bool = F
                           f"simulator's context that adds the step's tasks")
     if optimizer not in OPTIMIZERS:
         raise MobiusError(f"schedule {name!r}: optimizer={optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-    _REGISTRY[name] = Schedule(name, build, data_parallel, optimizer, summary)
+    _REGISTRY[name] = Schedule(name, build, data_parallel, optimizer, summary, bool(runnable), bool(baseline))
     return _REGISTRY[name]
 
 
@@ -84,3 +92,9 @@ def names() -> tuple[str, ...]:
 def data_parallel_names() -> tuple[str, ...]:
     """The schedules `simulate(servers=R > 1)` runs data parallel."""
     return tuple(n for n, s in _REGISTRY.items() if s.data_parallel)
+
+
+def candidates(*, runnable: bool = False) -> tuple[str, ...]:
+    """The schedules the planner chooses among (every one not a `baseline`), in registration
+    order; with `runnable`, only those the runtime executes."""
+    return tuple(n for n, s in _REGISTRY.items() if not s.baseline and (s.runnable or not runnable))

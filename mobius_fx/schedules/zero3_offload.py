@@ -58,4 +58,4 @@ def schedule_ir(ctx: Context) -> tuple[ScheduleIR, Costs]:
     return ir.build(1, sharded=True, host_optimizer="deepspeed"), c
 
 
-register("zero3-offload", build, optimizer="deepspeed", summary="every GPU fetches every layer; DeepSpeedCPUAdam")
+register("zero3-offload", build, optimizer="deepspeed", summary="every GPU fetches every layer; DeepSpeedCPUAdam", baseline=True)

@@ -9,7 +9,7 @@ from mobius_fx.planning.schedule_ir import OP_KINDS, PHASES, Op, OpKind, StageIn
 from mobius_fx.kinds import HOST
 from mobius_fx.planning.costs import LayerCost
 from mobius_fx.planning.plans import build_plan
-from mobius_fx.schedules import gpipe, roundpipe, zero3_offload
+from mobius_fx.schedules import gpipe, roundpipe, split_head, zero3_offload
 from mobius_fx.sim.tasks import Context
 from mobius_fx.topology.server import Topology
 
@@ -42,8 +42,8 @@ def test_an_op_parses_back_from_its_printed_form(op):
     assert back == op and back.kind is op.kind and isinstance(back.kind, OpKind)
 
 
-@given(st.sampled_from([gpipe, zero3_offload, roundpipe]), st.integers(1, 5), st.integers(1, 3), st.integers(1, 3),
-       st.booleans())
+@given(st.sampled_from([gpipe, zero3_offload, roundpipe, split_head]), st.integers(1, 5), st.integers(1, 3),
+       st.integers(1, 3), st.booleans())
 def test_every_op_of_a_baselines_ir_round_trips(module, layers, gpus, m, p2p):
     """The baselines' IR (slots, turns, needs, float bytes, collectives, GPU steps) prints and parses back."""
     topo = Topology.virtual(gpus=gpus, memory="80GiB", bandwidth=10e9, p2p=p2p)

@@ -1,0 +1,174 @@
+""""split-head": fine round-robin slots, the loss stage dealt by micro-batch to every GPU (see `schedule_ir`)."""
+
+from __future__ import annotations
+
+from mobius_fx.errors import PlanError
+from mobius_fx.planning.schedule_ir import ScheduleIR
+from mobius_fx.sim.tasks import Context, Costs
+from mobius_fx.units import fmt_bytes
+from mobius_fx.schedules.ir_tasks import tasks_from_ir
+from mobius_fx.schedules.layer_units import layer_units
+from mobius_fx.schedules.looped_ir import LoopedIR, Slot
+from mobius_fx.schedules.registry import register
+
+__all__ = ["build", "schedule_ir", "slots", "memory_need"]
+
+
+def build(ctx: Context) -> None:
+    """The split-head schedule IR (`schedule_ir`) as tasks, after its memory check."""
+    ir, costs = schedule_ir(ctx)
+    tasks_from_ir(ctx, ir, costs=costs)
+
+
+def schedule_ir(ctx: Context, *, forward_units: int = 1, backward_units: int = 1,
+                heads: int | None = None, hold: bool | None = None) -> tuple[ScheduleIR, Costs]:
+    """A pipeline of fine slots whose loss stage is dealt, micro-batch by micro-batch, to the GPUs.
+
+    What paces a looped pipeline (RoundPipe's, Mobius's) is its slowest slot: every micro-batch
+    passes every slot one after another, so a slot that takes longer per micro-batch than the
+    others stretches every slot after it, and the first and last slots' per-micro-batch times
+    are the fill and drain bubbles. The loss stage (final norm, LM head and loss; as costly per
+    micro-batch as two or three transformer layers' forward and backward, and as heavy in weights)
+    is the slowest. Here:
+
+    - the plan's layers are re-cut into units of one layer (`layer_units`); forward slots of
+      `forward_units` units and backward slots of `backward_units` units, so fill and drain
+      cost a layer's time per micro-batch, not a stage's;
+    - forward slot j runs on GPU j mod N (GPUs by index); every micro-batch, in order;
+    - the loss stage is `heads` slots (default N), one per GPU continuing the rotation, slot a
+      running micro-batches a, a + heads, ... ("fused", as RoundPipe's last slot: its forward
+      doubles as the backward's recompute and computes the loss on the GPU, so no logits leave
+      it): each uploads the head's weights once and downloads its own partial weight
+      gradient (the host adds the partials as it takes them over: those adds are host work
+      this model does not charge, its downloads are charged);
+    - backward slots continue the rotation, every micro-batch in order.
+
+    Every other slot is as in `LoopedIR.pipeline`: weights uploaded while the slot before it on
+    the GPU runs (two resident at most), saved boundary inputs to host memory and back,
+    activations between GPUs through the host where there is no peer-to-peer, gradients to
+    host memory after each slot. The host optimizer steps per stage as `simulate`'s
+    `optimizer_overlap` says. Raises PlanError when a slot does not fit its GPU
+    (`memory_need`).
+    """
+    u = layer_units(ctx)
+    m = ctx.plan.microbatches
+    _, groups = slots(len(u.f), ctx.gpus, m, forward_units=forward_units, backward_units=backward_units,
+                      heads=heads)
+    c = _grouped(u, groups)
+    if hold is None:
+        hold = _hold_fits(ctx, u, c, groups, m)
+    order, _ = slots(len(u.f), ctx.gpus, m, forward_units=forward_units, backward_units=backward_units,
+                     heads=heads, hold=hold)
+    if hold and not _hold_fits(ctx, u, c, groups, m):
+        raise PlanError("split-head with hold=True: a GPU cannot hold all its slots' weights from forward to "
+                        "backward; leave hold out (it streams them twice then)")
+    if not hold:
+        _check_memory(ctx, u, c, groups, order, m)
+    ir = LoopedIR()
+    ir.pipeline(c, order, m, loss_on_host=False, hold=hold, offload_activations=not hold)
+    ir.host_steps(c)
+    return ir.build(m), c
+
+
+def slots(units: int, gpus: tuple[str, ...], m: int, *, forward_units: int = 1, backward_units: int = 1,
+          heads: int | None = None, hold: bool = False) -> tuple[list[Slot], list[tuple[int, int]]]:
+    """The slots of `units` layer units on `gpus` with `m` micro-batches, and the unit range of
+    each group (stage of the returned costs): forward groups of `forward_units` units, the last
+    unit alone (the loss stage), dealt to `heads` GPUs. Backward slots regroup the forward groups'
+    units in groups of `backward_units`: a group is both a forward and a backward unit of work,
+    so the two cuts are the same here (the finer of the two)."""
+    n = len(gpus)
+    heads = max(1, min(n if heads is None else heads, n, m))  # no GPU without micro-batches
+    size = max(1, min(forward_units, backward_units))
+    body = units - 1
+    groups = [(a, min(a + size, body)) for a in range(0, body, size)] + [(body, units)]
+    last = len(groups) - 1
+    out = [Slot("forward", k, gpus[k % n]) for k in range(last)]
+    turn = last
+    for a in range(heads):
+        out.append(Slot("fused", last, gpus[(turn + a) % n], tuple(range(a, m, heads))))
+    turn += heads
+    if hold:  # each stage's backward on the GPU that ran its forward (and kept its weights)
+        out += [Slot("backward", k, gpus[k % n]) for k in reversed(range(last))]
+    else:
+        out += [Slot("backward", k, gpus[(turn + q) % n]) for q, k in enumerate(reversed(range(last)))]
+    return out, groups
+
+
+def _grouped(u: Costs, groups: list[tuple[int, int]]) -> Costs:
+    """The units' costs summed per group (inputs of its first unit, outputs of its last)."""
+    c = Costs([], [], [], [], [], [], [], [])
+    for j, (a, z) in enumerate(groups):
+        for lst, src in ((c.f, u.f), (c.b, u.b), (c.w, u.w), (c.g, u.g), (c.master, u.master)):
+            lst.append(sum(src[a:z]))
+        c.inp.append(u.inp[a])
+        c.out.append(u.out[z - 1])
+        c.names.append(u.names[a] if z - a == 1 else f"{u.names[a]}..{u.names[z - 1]}")
+    return c
+
+
+def memory_need(ctx: Context, u: Costs, c: Costs, groups: list[tuple[int, int]], k: int, nxt: int | None,
+                microbatches: int) -> float:
+    """Bytes group k's slot needs on its GPU at most: its weights and gradients, the next slot's
+    weights (prefetched while it runs; `nxt`), the recompute and working memory of its layers
+    (the plan's memory model, as the partitioner uses), and every micro-batch's input and output
+    of this slot buffered at once (`microbatches` of them: an upper bound; a slot sends each
+    output on and offloads each input as soon as it can)."""
+    mm = ctx.plan.memory
+    by_name = {l.name: l for l in ctx.plan.layers}
+    a, z = groups[k]
+    names = u.names[a:z]
+    if all(n in by_name for n in names):
+        recompute = sum(mm.recompute_bytes(by_name[n]) for n in names)
+        work = max((mm.working(by_name[n]) for n in names), default=0.0)
+    else:  # units are the plan's stages: the stage's own peak stands for its activations
+        recompute = sum(ctx.plan.stages[i].peak_bytes for i in range(a, z))
+        work = 0.0
+    act = microbatches * (c.inp[k] + c.out[k])
+    extra = c.w[nxt] if nxt is not None else 0.0
+    return mm.footprint(c.w[k] + extra, c.g[k], recompute, act, work)[1]
+
+
+def _hold_fits(ctx: Context, u: Costs, c: Costs, groups: list[tuple[int, int]], m: int) -> bool:
+    """Whether every GPU holds all its forward slots' weights and saved inputs until their
+    backward: their weights, one slot's gradients, every micro-batch's input and output of each,
+    the loss stage's part (its weights and gradients) and the largest recompute and working
+    memory of its layers, by the plan's memory model."""
+    n, head = len(ctx.gpus), len(groups) - 1
+    caps = {s.gpu: s.capacity for s in ctx.plan.stages}
+    by_name = {g.name: g for g in ctx.topo.gpus}
+    mm = ctx.plan.memory
+    for g, gpu in enumerate(ctx.gpus):
+        mine = [k for k in range(head) if k % n == g]
+        w = sum(c.w[k] for k in mine) + c.w[head]
+        grads = max([c.g[k] for k in mine] + [c.g[head]])
+        act = sum(m * (c.inp[k] + c.out[k]) for k in mine)
+        peak = max(memory_need(ctx, u, c, groups, k, None, 0) - mm.footprint(c.w[k], c.g[k], 0.0, 0.0, 0.0)[1]
+                   for k in [*mine, head])
+        need = mm.footprint(w, grads, 0.0, act, 0.0)[1] + peak
+        if need > caps.get(gpu, by_name[gpu].memory):
+            return False
+    return True
+
+
+def _check_memory(ctx: Context, u: Costs, c: Costs, groups: list[tuple[int, int]], order: list[Slot],
+                  m: int) -> None:
+    """PlanError naming the slot, its GPU and its bytes when one does not fit (`memory_need`,
+    with the next slot on the same GPU as its prefetch)."""
+    caps = {s.gpu: s.capacity for s in ctx.plan.stages}
+    by_name = {g.name: g for g in ctx.topo.gpus}
+    for j, s in enumerate(order):
+        nxt = next((t.stage for t in order[j + 1:] if t.gpu == s.gpu), None)
+        per = m if s.microbatches is None else len(s.microbatches)
+        need = memory_need(ctx, u, c, groups, s.stage, nxt, per)
+        cap = caps.get(s.gpu, by_name[s.gpu].memory)
+        if need > cap:
+            raise PlanError(f"split-head slot {j} ({s.phase} of {c.names[s.stage]}) needs {fmt_bytes(need)} on "
+                            f"{s.gpu} (its weights {fmt_bytes(c.w[s.stage])} and gradients, the next slot's "
+                            f"prefetch, {per} micro-batches' inputs and outputs, recompute and working memory) but "
+                            f"the GPU has {fmt_bytes(cap)}; use more GPUs, or the 'mobius' schedule (its stages are "
+                            f"sized for the GPUs)")
+
+
+register("split-head", build, data_parallel=True,
+         summary="one-layer round-robin slots, the loss stage dealt by micro-batch to every GPU", runnable=False)
