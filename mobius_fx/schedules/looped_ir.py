@@ -146,7 +146,8 @@ class LoopedIR:
         phase = "forward" if s.phase == "forward" else "backward"
         trigger = [loop.first[mine[p - 1]]] if prev is not None else []
         memory = next((loop.evict[q] for q in reversed(mine[:max(0, p - 1)]) if q in loop.evict), None)
-        held = loop.hold and s.phase == "backward" and set(loop.where.get(("forward", k), {}).values()) == {gpu}
+        fwd = loop.where.get(("forward", k), {})
+        held = loop.hold and s.phase == "backward" and {fwd.get(i) for i in loop.mbs(s)} == {gpu}
         keep = loop.hold and s.phase == "forward" and any(loop.slots[q].stage == k and loop.slots[q].phase == "backward"
                                                           for q in mine[p + 1:])
         up = gather = None

@@ -11,7 +11,11 @@ from mobius_fx.schedules.layer_units import layer_units
 from mobius_fx.schedules.looped_ir import LoopedIR, Slot
 from mobius_fx.schedules.registry import register
 
-__all__ = ["build", "schedule_ir", "slots", "memory_need"]
+__all__ = ["build", "schedule_ir", "slots", "memory_need", "LOSS_BYTES"]
+
+# The most a plan's last stage outputs per micro-batch when it computes the loss (a loss, a token
+# count): more is a model output, sent to the host for its loss and its gradient back.
+LOSS_BYTES = 64
 
 
 def build(ctx: Context) -> None:
@@ -43,6 +47,15 @@ def schedule_ir(ctx: Context, *, forward_units: int = 1, backward_units: int = 1
       this model does not charge, its downloads are charged);
     - backward slots continue the rotation, every micro-batch in order.
 
+    A plan whose last stage outputs more than LOSS_BYTES per micro-batch (a model output, not a
+    training step's loss) is modelled with that output sent to the host and its gradient back:
+    each GPU's part of the loss stage then runs its forwards, then its backwards.
+
+    `hold` (default: when every GPU has room, `_hold_fits`): each layer's backward runs on the
+    GPU that ran its forward, which keeps its weights and its saved inputs in between (weights
+    uploaded once a step, all as early as the upload stream allows; nothing offloaded); else
+    backward slots continue the rotation and every slot uploads its weights.
+
     Every other slot is as in `LoopedIR.pipeline`: weights uploaded while the slot before it on
     the GPU runs (two resident at most), saved boundary inputs to host memory and back,
     activations between GPUs through the host where there is no peer-to-peer, gradients to
@@ -55,23 +68,24 @@ def schedule_ir(ctx: Context, *, forward_units: int = 1, backward_units: int = 1
     _, groups = slots(len(u.f), ctx.gpus, m, forward_units=forward_units, backward_units=backward_units,
                       heads=heads)
     c = _grouped(u, groups)
+    fused = c.out[-1] <= LOSS_BYTES  # the loss on the GPUs; else the model output goes to the host
     if hold is None:
         hold = _hold_fits(ctx, u, c, groups, m)
     order, _ = slots(len(u.f), ctx.gpus, m, forward_units=forward_units, backward_units=backward_units,
-                     heads=heads, hold=hold)
+                     heads=heads, hold=hold, fused=fused)
     if hold and not _hold_fits(ctx, u, c, groups, m):
         raise PlanError("split-head with hold=True: a GPU cannot hold all its slots' weights from forward to "
                         "backward; leave hold out (it streams them twice then)")
     if not hold:
         _check_memory(ctx, u, c, groups, order, m)
     ir = LoopedIR()
-    ir.pipeline(c, order, m, loss_on_host=False, hold=hold, offload_activations=not hold)
+    ir.pipeline(c, order, m, loss_on_host=not fused, hold=hold, offload_activations=not hold)
     ir.host_steps(c)
     return ir.build(m), c
 
 
 def slots(units: int, gpus: tuple[str, ...], m: int, *, forward_units: int = 1, backward_units: int = 1,
-          heads: int | None = None, hold: bool = False) -> tuple[list[Slot], list[tuple[int, int]]]:
+          heads: int | None = None, hold: bool = False, fused: bool = True) -> tuple[list[Slot], list[tuple[int, int]]]:
     """The slots of `units` layer units on `gpus` with `m` micro-batches, and the unit range of
     each group (stage of the returned costs): forward groups of `forward_units` units, the last
     unit alone (the loss stage), dealt to `heads` GPUs. Backward slots regroup the forward groups'
@@ -85,8 +99,11 @@ def slots(units: int, gpus: tuple[str, ...], m: int, *, forward_units: int = 1, 
     last = len(groups) - 1
     out = [Slot("forward", k, gpus[k % n]) for k in range(last)]
     turn = last
-    for a in range(heads):
-        out.append(Slot("fused", last, gpus[(turn + a) % n], tuple(range(a, m, heads))))
+    dealt = [(gpus[(turn + a) % n], tuple(range(a, m, heads))) for a in range(heads)]
+    if fused:
+        out += [Slot("fused", last, g, mbs) for g, mbs in dealt]
+    else:  # the output goes to the host (its loss there) and its gradient comes back: forward, then backward
+        out += [Slot("forward", last, g, mbs) for g, mbs in dealt] + [Slot("backward", last, g, mbs) for g, mbs in dealt]
     turn += heads
     if hold:  # each stage's backward on the GPU that ran its forward (and kept its weights)
         out += [Slot("backward", k, gpus[k % n]) for k in reversed(range(last))]

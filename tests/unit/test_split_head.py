@@ -19,11 +19,11 @@ from mobius_fx.sim.tasks import Context
 from mobius_fx.topology.server import Topology
 
 
-def layers(n, *, head_f=0.03, head_b=0.09, w=100e6, out=1e6):
+def layers(n, *, head_f=0.03, head_b=0.09, w=100e6, out=1e6, loss=4):
     """n - 1 equal layers and a loss stage three times as costly, as an LLM's head is."""
     ls = [LayerCost(f"h{i}", (f"n{i}",), 1.0, 1.0, 0.01, 0.03, int(w), int(w), int(out), int(out))
           for i in range(n - 1)]
-    return ls + [LayerCost("head", ("nh",), 1.0, 1.0, head_f, head_b, int(w), int(w), 4, 4)]
+    return ls + [LayerCost("head", ("nh",), 1.0, 1.0, head_f, head_b, int(w), int(w), loss, loss)]
 
 
 def plan_of(topo, n=12, m=8, step=2, **kw):
@@ -120,6 +120,28 @@ def test_a_slot_that_does_not_fit_its_gpu_is_refused_with_its_bytes():
     with pytest.raises(PlanError, match=r"split-head slot 0 \(forward of h0\) needs .* on gpu0 \(its weights 95.37 MiB .* but the GPU "
                                            r"has 253.44 MiB; use more GPUs"):
         simulate(plan, schedule="split-head")
+
+
+def test_a_model_output_goes_to_the_host_and_its_gradient_comes_back(topo):
+    plan = plan_of(topo, loss=8_000_000)  # logits, not a loss: the loss is the host's
+    ir, c = ir_of(plan, topo)
+    head = len(c.f) - 1
+    out = [o for o in ir.ops if o.stage == head and o.kind == "send" and o.dst == HOST]
+    back = [o for o in ir.ops if o.stage == head and o.kind == "send" and o.src == HOST and o.phase == "backward"]
+    assert sorted(o.microbatch for o in out) == sorted(o.microbatch for o in back) == list(range(8))
+    assert all(o.bytes == plan.stages[-1].output_bytes > 0 for o in out)
+    for gpu in {o.place for o in out}:  # each GPU's part: its forwards, then its backwards, weights kept
+        runs = [o.phase for o in ir.place(gpu) if o.kind == "run" and o.stage == head]
+        assert runs == sorted(runs, key=lambda p: p != "forward") and len(runs) == 4
+    assert Counter(o.stage for o in ir.ops if o.kind == "prefetch")[head] == 4
+    assert simulate(plan, schedule="split-head").pipeline_time > simulate(plan_of(topo), schedule="split-head").pipeline_time
+
+
+def test_fewer_micro_batches_than_gpus_deal_the_head_to_as_many_gpus(topo):
+    ir, c = ir_of(plan_of(topo, m=2), topo)
+    heads = Counter(o.place for o in ir.ops if o.kind == "run" and o.stage == len(c.f) - 1)
+    # the rotation goes on after the last forward slot (11 of them on 4 GPUs: gpu3, then gpu0)
+    assert heads == Counter({"gpu3": 1, "gpu0": 1})
 
 
 # ------------------------------------------------------------------------------ the choice
