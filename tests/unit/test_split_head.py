@@ -221,3 +221,24 @@ def test_the_plans_first_line_is_its_schedule_choice_and_survives_json(topo):
     assert str(plan).splitlines()[0] == plan.schedule_choice
     assert Plan.from_json(plan.to_json()).schedule_choice == plan.schedule_choice
     assert str(plan_of(topo)).startswith("Mobius plan:")  # none chosen: the summary first, as before
+
+
+def test_plan_and_compile_say_their_schedule_on_the_first_line(tmp_path):
+    import torch
+
+    import mobius_fx
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    x = torch.randn(8, 64)
+    kw = dict(example_inputs=(x,), microbatches=2, cache_dir=str(tmp_path), verbose=False)
+    plan = mobius_fx.plan(model, Topology.virtual(gpus=2, memory="256KiB"), **kw)
+    first = str(plan).splitlines()[0]
+    assert first == plan.schedule_choice and first.startswith("schedule: ")
+    assert "simulated fwd+bwd" in first and "mobius" in first  # every candidate simulated, mobius among them
+    mine = mobius_fx.plan(model, Topology.virtual(gpus=2, memory="256KiB"), schedule="roundpipe", **kw)
+    assert mine.schedule_choice.startswith("schedule: roundpipe (the caller's; simulated fwd+bwd ")
+    with pytest.raises(MobiusError, match="unknown schedule 'pipedream'"):
+        mobius_fx.plan(model, Topology.virtual(gpus=2, memory="256KiB"), schedule="pipedream", **kw)
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory="256KiB"), device="virtual", **kw)
+    assert pipe.plan.schedule_choice == "schedule: mobius (the only schedule the runtime executes)"
