@@ -16,7 +16,9 @@ Then tokens/s for Llama-8B on `rtx4090x8` at every schedule, beside RoundPipe's 
 run's batch and sequence length (their benchmark/train.py takes them as arguments); the table
 uses the issue's 64 x 1024 (`--roundpipe-batch`, `--roundpipe-seq` to change it).
 
-All figures are SIMULATED on preset topologies with modelled costs; none is measured.
+All figures are SIMULATED on preset topologies with modelled costs; none is measured. The exit
+status is 1 when a case misses its acceptance ratio (the paper's batch of 8 on mobius-testbed
+does: docs/schedule_choice.md says why).
 
     python benchmarks/schedules.py [--cases llama-8b,gpt3-8b,gpt3-3b-testbed,...] [--overlap async]
 """
