@@ -24,8 +24,8 @@ def build(ctx: Context) -> None:
     tasks_from_ir(ctx, ir, costs=costs)
 
 
-def schedule_ir(ctx: Context, *, forward_units: int = 1, backward_units: int = 1,
-                heads: int | None = None, hold: bool | None = None) -> tuple[ScheduleIR, Costs]:
+def schedule_ir(ctx: Context, *, layers_per_slot: int = 1, heads: int | None = None,
+                hold: bool | None = None) -> tuple[ScheduleIR, Costs]:
     """A pipeline of fine slots whose loss stage is dealt, micro-batch by micro-batch, to the GPUs.
 
     What paces a looped pipeline (RoundPipe's, Mobius's) is its slowest slot: every micro-batch
@@ -35,9 +35,9 @@ def schedule_ir(ctx: Context, *, forward_units: int = 1, backward_units: int = 1
     micro-batch as two or three transformer layers' forward and backward, and as heavy in weights)
     is the slowest. Here:
 
-    - the plan's layers are re-cut into units of one layer (`layer_units`); forward slots of
-      `forward_units` units and backward slots of `backward_units` units, so fill and drain
-      cost a layer's time per micro-batch, not a stage's;
+    - the plan's layers are re-cut into slots of `layers_per_slot` layers (`layer_units`; one
+      by default), forward and backward alike, so fill and drain cost a layer's time per
+      micro-batch, not a stage's;
     - forward slot j runs on GPU j mod N (GPUs by index); every micro-batch, in order;
     - the loss stage is `heads` slots (default N), one per GPU continuing the rotation, slot a
       running micro-batches a, a + heads, ... ("fused", as RoundPipe's last slot: its forward
@@ -65,14 +65,12 @@ def schedule_ir(ctx: Context, *, forward_units: int = 1, backward_units: int = 1
     """
     u = layer_units(ctx)
     m = ctx.plan.microbatches
-    _, groups = slots(len(u.f), ctx.gpus, m, forward_units=forward_units, backward_units=backward_units,
-                      heads=heads)
+    _, groups = slots(len(u.f), ctx.gpus, m, layers_per_slot=layers_per_slot, heads=heads)
     c = _grouped(u, groups)
     fused = c.out[-1] <= LOSS_BYTES  # the loss on the GPUs; else the model output goes to the host
     if hold is None:
         hold = _hold_fits(ctx, u, c, groups, m)
-    order, _ = slots(len(u.f), ctx.gpus, m, forward_units=forward_units, backward_units=backward_units,
-                     heads=heads, hold=hold, fused=fused)
+    order, _ = slots(len(u.f), ctx.gpus, m, layers_per_slot=layers_per_slot, heads=heads, hold=hold, fused=fused)
     if hold and not _hold_fits(ctx, u, c, groups, m):
         raise PlanError("split-head with hold=True: a GPU cannot hold all its slots' weights from forward to "
                         "backward; leave hold out (it streams them twice then)")
@@ -84,16 +82,15 @@ def schedule_ir(ctx: Context, *, forward_units: int = 1, backward_units: int = 1
     return ir.build(m), c
 
 
-def slots(units: int, gpus: tuple[str, ...], m: int, *, forward_units: int = 1, backward_units: int = 1,
-          heads: int | None = None, hold: bool = False, fused: bool = True) -> tuple[list[Slot], list[tuple[int, int]]]:
-    """The slots of `units` layer units on `gpus` with `m` micro-batches, and the unit range of
-    each group (stage of the returned costs): forward groups of `forward_units` units, the last
-    unit alone (the loss stage), dealt to `heads` GPUs. Backward slots regroup the forward groups'
-    units in groups of `backward_units`: a group is both a forward and a backward unit of work,
-    so the two cuts are the same here (the finer of the two)."""
+def slots(units: int, gpus: tuple[str, ...], m: int, *, layers_per_slot: int = 1, heads: int | None = None,
+          hold: bool = False, fused: bool = True) -> tuple[list[Slot], list[tuple[int, int]]]:
+    """The slots of `units` layer units on `gpus` with `m` micro-batches (see `schedule_ir`), and
+    the unit range of each group (a stage of the returned costs): groups of `layers_per_slot`
+    units, the last unit alone (the loss stage), dealt to `heads` GPUs (`fused`: one slot each,
+    else a forward and a backward slot each)."""
     n = len(gpus)
     heads = max(1, min(n if heads is None else heads, n, m))  # no GPU without micro-batches
-    size = max(1, min(forward_units, backward_units))
+    size = max(1, layers_per_slot)
     body = units - 1
     groups = [(a, min(a + size, body)) for a in range(0, body, size)] + [(body, units)]
     last = len(groups) - 1
@@ -103,7 +100,8 @@ def slots(units: int, gpus: tuple[str, ...], m: int, *, forward_units: int = 1, 
     if fused:
         out += [Slot("fused", last, g, mbs) for g, mbs in dealt]
     else:  # the output goes to the host (its loss there) and its gradient comes back: forward, then backward
-        out += [Slot("forward", last, g, mbs) for g, mbs in dealt] + [Slot("backward", last, g, mbs) for g, mbs in dealt]
+        out += [Slot("forward", last, g, mbs) for g, mbs in dealt]
+        out += [Slot("backward", last, g, mbs) for g, mbs in dealt]
     turn += heads
     if hold:  # each stage's backward on the GPU that ran its forward (and kept its weights)
         out += [Slot("backward", k, gpus[k % n]) for k in reversed(range(last))]
