@@ -522,7 +522,7 @@ def test_a_large_plan_simulates_in_seconds(testbed):
 
 
 # ------------------------------------------------------------------ the optimizer's overlap
-@pytest.mark.parametrize("schedule", ["mobius", "roundpipe"])
+@pytest.mark.parametrize("schedule", ["mobius", "roundpipe", "split-head"])
 def test_a_synchronous_overlap_steps_each_stage_once_its_gradients_have_landed(testbed_plan, schedule):
     # Per-stage steps on the one host optimizer, each after its stage's gradient downloads:
     # the step ends sooner than stepping everything after the pipeline, never before it, and
@@ -595,7 +595,7 @@ def _ring(nbytes, servers, bandwidth, alpha=0.0):
     return 2 * (servers - 1) * alpha + 2 * (servers - 1) / servers * nbytes / bandwidth
 
 
-@pytest.mark.parametrize("schedule", ["mobius", "roundpipe"])
+@pytest.mark.parametrize("schedule", ["mobius", "roundpipe", "split-head"])
 @pytest.mark.parametrize("mode", ["none", "sync", "async"])
 def test_one_server_is_exactly_the_single_server_step(testbed_plan, schedule, mode):
     one = simulate(testbed_plan, schedule=schedule, optimizer_overlap=mode)
