@@ -1,7 +1,7 @@
 """The runtime: runs a compiled Mobius schedule, forward by its program and backward by autograd.
 
 `mobius_fx.build.build_pipeline` cuts the traced graph into stages (`passes.insert_transfers`),
-emits the program (`passes.emit`, calling the ops of `mobius_fx.runtime.program_ops`) and returns a `Pipeline`,
+emits the program (`passes.emit`, calling the ops of `mobius_fx.planning.stage_contract`) and returns a `Pipeline`,
 an `nn.Module` you call like the model; this module holds the state those ops act on and
 imports nothing from the passes:
 

@@ -1,5 +1,5 @@
 """The `Pipeline`: the `nn.Module` a compiled model becomes. Calling it runs the schedule's
-program (mobius_fx.runtime.program_ops on a `runtime.Runtime`); `mobius_fx.build.build_pipeline` builds it.
+program (the ops of mobius_fx.planning.stage_contract on a `runtime.Runtime`); `mobius_fx.build.build_pipeline` builds it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 
 from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.errors import MobiusError
-from mobius_fx.runtime.program_ops import running
+from mobius_fx.planning.stage_contract import running
 from mobius_fx.kinds import OVERLAP_DEFAULT, OVERLAP_MODES
 from mobius_fx.planning.microbatch import batch_rows, declared
 from mobius_fx.runtime.microbatch_outputs import prepare

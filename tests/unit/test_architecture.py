@@ -5,6 +5,8 @@
   functions. A type-only or lazy import still makes two modules depend on each other's
   definitions; it only hides the cycle from the interpreter.
 - The passes do not import `mobius_fx.planning.plans`: the model they share is `mobius_fx.planning.step_model`.
+- The passes import nothing of the runtime (issue 37 part 5): the op contract they share with it
+  (`StageSpec`, the `Schedule` the runtime reads, the ops) is `mobius_fx.planning.stage_contract`.
 - No module imports a private name (`_x`) that another module defines, neither with
   `from m import _x` nor as `m._x`. A private *module* (`passes/_partition_mip.py`) is private to its package: modules of that package import it.
 - One home per list (issue 29): each kind list of `mobius_fx/kinds.py` (device kinds, solvers,
@@ -174,6 +176,19 @@ def test_passes_do_not_import_plans():
              for imp in imports_of(module) if imp.target == "mobius_fx.planning.plans"]
     assert not found, (f"passes import mobius_fx.planning.plans: {found}; import the step model (MemoryModel, "
                        f"stage_memory, SolverInfo) from mobius_fx.planning.step_model")
+
+
+def passes_importing_the_runtime() -> list[str]:
+    """'importer line N: target' for every import of a `mobius_fx.runtime` module by a pass."""
+    return [f"{imp.importer} line {imp.line}: {imp.target}" for module in MODULES if module.startswith("mobius_fx.passes.")
+            for imp in imports_of(module) if imp.target.startswith("mobius_fx.runtime")]
+
+
+def test_passes_do_not_import_the_runtime():
+    found = passes_importing_the_runtime()
+    assert not found, (f"passes import the runtime: {found}; what the passes and the runtime share (StageSpec, the "
+                       f"Schedule the runtime reads, the ops the program calls) is the contract of "
+                       f"mobius_fx.planning.stage_contract: import it from there, or add it there")
 
 
 def _private_name_uses(module: str) -> list[tuple[str, str, int]]:

@@ -6,7 +6,7 @@ import torch.fx as fx
 from torch import nn
 
 from mobius_fx import MobiusError
-from mobius_fx.runtime import program_ops as rt
+from mobius_fx.planning import stage_contract as rt
 from mobius_fx.passes.emit import emit
 from mobius_fx.passes.insert_transfers import insert_transfers
 from mobius_fx.build import build_pipeline
