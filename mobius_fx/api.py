@@ -10,10 +10,10 @@ from typing import Any, Sequence
 
 import torch
 
-from mobius_fx.compiler import CompileContext, PassPipeline, default_pipeline
+from mobius_fx.compiler import PassPipeline, default_pipeline
 from mobius_fx.runtime.data_parallel import GradientReducer, default_group
 from mobius_fx.errors import MobiusError, PlanError
-from mobius_fx.options import CompileOptions
+from mobius_fx.options import CompileContext, CompileOptions
 from mobius_fx.planning.plans import Plan
 
 __all__ = ["plan", "compile"]

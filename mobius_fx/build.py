@@ -58,7 +58,8 @@ def _place(gm: fx.GraphModule, schedule: Any, devices: Mapping[str, Device], fla
     """Bind each stage's graph to its device (`placement.place_stage`: the device constants the
     trace fixed follow the stage); on CUDA devices, first replay the stages under fake tensors
     (`placement.check_placement`), so a placement error is named before anything is allocated."""
-    from mobius_fx.runtime.placement import Placement, check_placement, example_spec, place_stage, traced_device
+    from mobius_fx.runtime.placement import Placement, check_placement, example_spec
+    from mobius_fx.runtime.device_rewrite import place_stage, traced_device
 
     placement = Placement(example_spec(flat) if flat is not None else None, traced_device(gm),
                           {g: int(i) for g, i in (gpu_indices or {}).items() if i is not None})

@@ -31,9 +31,9 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.options import CompileContext  # lives with the options it carries; re-exported here
+from mobius_fx.options import CompileContext
 
-__all__ = ["CompileContext", "MobiusPass", "FunctionPass", "PassPipeline", "Touched", "default_pipeline", "heartbeat",
+__all__ = ["MobiusPass", "FunctionPass", "PassPipeline", "Touched", "default_pipeline", "heartbeat",
            "PASS_ORDER"]
 
 log = logging.getLogger("mobius_fx")

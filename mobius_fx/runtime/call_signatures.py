@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.tracing import forward_signature, input_guards
+from mobius_fx.export_front import forward_signature, input_guards
 
 __all__ = ["Call", "CallForm", "bind_call", "check_shapes"]
 

@@ -44,12 +44,11 @@ import torch.utils._pytree as pytree
 
 from mobius_fx.errors import MobiusError
 from mobius_fx.runtime.device_rewrite import (
-    COMPUTE_OPS, copy_graph, moved_device, named_tensors, place_stage, rewrite_graph, rewritten_body, traced_device, weight_places,
+    COMPUTE_OPS, copy_graph, moved_device, named_tensors, rewrite_graph, rewritten_body, weight_places,
 )
 from mobius_fx.planning.microbatch import divides
 
-__all__ = ["traced_device", "rewrite_graph", "place_stage", "check_placement", "example_spec", "Placement",
-           "target_devices", "sent_device"]
+__all__ = ["check_placement", "example_spec", "Placement", "target_devices", "sent_device"]
 
 log = logging.getLogger("mobius_fx")
 

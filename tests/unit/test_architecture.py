@@ -5,6 +5,8 @@
   functions. A type-only or lazy import still makes two modules depend on each other's
   definitions; it only hides the cycle from the interpreter.
 - The passes do not import `mobius_fx.planning.plans`: the model they share is `mobius_fx.planning.step_model`.
+- One import path per name (issue 37 part 5): a module's `__all__` lists only what it defines; no
+  re-export shims (a package's `__init__` is its public face). Exceptions: KNOWN_REEXPORTS.
 - The passes import nothing of the runtime (issue 37 part 5): the op contract they share with it
   (`StageSpec`, the `Schedule` the runtime reads, the ops) is `mobius_fx.planning.stage_contract`.
 - No module imports a private name (`_x`) that another module defines, neither with
@@ -174,8 +176,9 @@ def test_no_import_cycles():
 def test_passes_do_not_import_plans():
     found = [f"{imp.importer} line {imp.line}" for module in MODULES if module.startswith("mobius_fx.passes.")
              for imp in imports_of(module) if imp.target == "mobius_fx.planning.plans"]
-    assert not found, (f"passes import mobius_fx.planning.plans: {found}; import the step model (MemoryModel, "
-                       f"stage_memory, SolverInfo) from mobius_fx.planning.step_model")
+    assert not found, (f"passes import mobius_fx.planning.plans: {found}; import the step model where it is defined "
+                       f"(MemoryModel, stage_memory: mobius_fx.planning.step_memory; SolverInfo: "
+                       f"mobius_fx.planning.step_model)")
 
 
 def passes_importing_the_runtime() -> list[str]:
@@ -189,6 +192,44 @@ def test_passes_do_not_import_the_runtime():
     assert not found, (f"passes import the runtime: {found}; what the passes and the runtime share (StageSpec, the "
                        f"Schedule the runtime reads, the ops the program calls) is the contract of "
                        f"mobius_fx.planning.stage_contract: import it from there, or add it there")
+
+
+# Modules whose `__all__` still lists names defined elsewhere (module -> why). Each is a file
+# another change of issue 37 rewrites now; the lead drops the entry when it lands.
+KNOWN_REEXPORTS: dict[str, str] = {
+    "mobius_fx.runtime.devices": "the device registry (issue 37 part 5, bullet 1) rewrites it: the device classes' home",
+    "mobius_fx.runtime.device_books": "the device registry (issue 37 part 5, bullet 1) rewrites the books' modules",
+    "mobius_fx.runtime.engine": "the one executor (issue 37 part 1) rewrites it (`batch_rows`: planning/microbatch.py)",
+    "mobius_fx.sim.simulator": "the host simulator change of issue 37 rewrites it (the constants: sim/tasks.py)",
+}
+
+
+def reexports() -> dict[str, list[str]]:
+    """module -> the names its `__all__` lists but takes from another module of the package (a
+    package's `__init__` is its public face and may)."""
+    out = {}
+    for module, path in MODULES.items():
+        if path.stem == "__init__":
+            continue
+        tree = parsed(path)
+        listed = [e.value for n in tree.body if isinstance(n, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
+                  for e in getattr(n.value, "elts", ()) if isinstance(e, ast.Constant)]
+        taken = {imp.name for imp in imports_of(module) if imp.name is not None and imp.target != module}
+        found = sorted(name for name in listed if name in taken)
+        if found:
+            out[module] = found
+    return out
+
+
+def test_no_module_re_exports_another_modules_names():
+    found = reexports()
+    stale = sorted(set(KNOWN_REEXPORTS) - set(found))
+    assert not stale, f"{stale} re-export nothing now: remove them from KNOWN_REEXPORTS"
+    new = sorted(f"{module}: {names}" for module, names in found.items() if module not in KNOWN_REEXPORTS)
+    assert not new, ("modules list names of other modules in __all__ (a second import path for one name); import "
+                     "each name from the module that defines it, and list in __all__ only what the module "
+                     "defines:\n" + "\n".join(new))
 
 
 def _private_name_uses(module: str) -> list[tuple[str, str, int]]:
