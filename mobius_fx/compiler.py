@@ -200,7 +200,7 @@ def heartbeat(what: str, every: float | None = None):
 
 # ---------------------------------------------------------------- recording what a pass touches
 _BOOKKEEPING = frozenset({"facts", "timings", "touched"})
-_FACT_OF_FIELD = {"gm": "graph", "example_kwargs": "example_inputs"}
+_FACT_OF_FIELD = {"gm": "graph", "example_kwargs": "example_inputs", "wiring": "settings"}
 
 
 def _fact(attr: str) -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
@@ -40,7 +40,7 @@ from mobius_fx.runtime.call_signatures import Call, CallForm, bind_call, check_s
 from mobius_fx.runtime.pipeline import Pipeline
 from mobius_fx.tracing import flatten_inputs, trace_info
 
-__all__ = ["Variant", "VariantPipeline"]
+__all__ = ["Variant", "VariantPipeline", "Recompiler", "StepSource"]
 
 log = logging.getLogger("mobius_fx")
 
@@ -87,17 +87,45 @@ class Variant:
         return all(n <= self.sizes.get(name, 0) for name, n in call.sizes.items())
 
 
+class Recompiler(Protocol):
+    """What compiles a pipeline's variants (`mobius_fx.compile` gives one; without it, a call the
+    compiled variants do not serve is refused): `variant` traces and plans the model for `call`
+    and adds it; `replan` costs a larger call again on variant `like`'s graph (returning `like`
+    when its plan still fits, else a new variant when `allow_new`)."""
+
+    def variant(self, pipe: VariantPipeline, call: Call) -> Variant: ...
+
+    def replan(self, pipe: VariantPipeline, like: Variant, call: Call, *, allow_new: bool = True) -> Variant: ...
+
+
+class StepSource(Protocol):
+    """What gives a pipeline its training step (`Pipeline.train_step`; mobius_fx/train_step.py's
+    `StepCompiler`): `arguments` turns a `train_step` call into the step pipeline's call, `get`
+    returns that pipeline (compiled at its first use), `pipeline` the one compiled so far."""
+
+    pipeline: Pipeline | None
+
+    def arguments(self, args: tuple, kwargs: dict, target: object) -> tuple[tuple, dict]: ...
+
+    def get(self, args: tuple, kwargs: dict) -> Pipeline: ...
+
+
 class VariantPipeline(Pipeline):
     """A `Pipeline` that serves each call with the compiled variant for its signature (see the
-    module docstring); its attributes are those of the variant its last call ran."""
+    module docstring); its attributes are those of the variant its last call ran. Built complete
+    by `build_pipeline`: `recompiler` compiles the variants of other calls (none: refused), at
+    most `max_variants` in all; `step` gives `train_step` its step pipeline (none: refused)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, recompiler: Recompiler | None = None, max_variants: int = 1,
+                 step: StepSource | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "_variants", [])
-        object.__setattr__(self, "_recompiler", None)
-        object.__setattr__(self, "max_variants", 1)
+        object.__setattr__(self, "_recompiler", recompiler)
+        object.__setattr__(self, "max_variants", max_variants)
+        if step is not None:  # read by Pipeline.train_step
+            object.__setattr__(self, "_step", step)
 
-    # -- set up by build_pipeline and mobius_fx.compile
+    # -- set up by build_pipeline, and by the Recompiler as it adds a variant
     def _add_variant(self, example_args: tuple, example_kwargs: dict | None, layers: tuple = (),
                      boundaries: tuple = (), state: Pipeline | None = None) -> Variant:
         src = state if state is not None else self

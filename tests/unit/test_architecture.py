@@ -495,7 +495,7 @@ MAX_FUNCTION_LINES = 80  # def line to last line (FunctionDef.end_lineno - linen
 LONG_FILES: set[str] = {"mobius_fx.tracing"}  # one idea (capture the model as one graph: the two front ends, the cache, the trace-time model state); issue 37: the limits are guidance
 LONG_FUNCTIONS: set[tuple[str, str]] = {  # one idea each, long by nature (issue 37: the limits are guidance)
     ("mobius_fx.__main__", "_parser"),  # the CLI's arguments, one add_argument each
-    ("mobius_fx.api", "compile"),  # the public entry point: its docstring documents every argument
+    ("mobius_fx.build", "build_pipeline"),  # the one builder of a complete Pipeline: its docstring documents every argument
 }
 
 
@@ -797,3 +797,68 @@ def test_the_stage_name_rule_sees_each_kind_of_name():
            "from m import staged_copy\nd = {'staging': 1}\nr = f'{gpu}/staging'\n"
            "stage = stages = StageIO = stage_peaks = 1\ns = 'the staging before uploads'\n")
     assert sorted({line for line, n in names_in(src) if STAGING.search(n)}) == [1, 2, 3, 4, 5, 6, 7]
+
+
+# ----------------------------------------------------------------------------- a built pipeline is complete (issue 37 part 5)
+# `build_pipeline` returns the Pipeline complete: no module but the runtime's and build.py reaches
+# into a Pipeline's or a Runtime's private attributes, to set them or to read what it then changes.
+PIPELINE_CLASSES = {"mobius_fx.runtime.pipeline": {"Pipeline"}, "mobius_fx.runtime.variants": {"VariantPipeline"},
+                    "mobius_fx.runtime.engine": {"Runtime"}, "mobius_fx.runtime.stage_calls": {"StageCalls"}}
+MAY_SET_PIPELINE_INTERNALS = ("mobius_fx.runtime", "mobius_fx.build")
+
+
+def pipeline_private_names() -> set[str]:
+    """The private attributes the Pipeline and Runtime classes keep (set on `self`, directly or
+    by `object.__setattr__(self, "_x", ...)`, or declared in the class body)."""
+    names = set()
+    for module, classes in PIPELINE_CLASSES.items():
+        for cls in (c for c in parsed(MODULES[module]).body if isinstance(c, ast.ClassDef) and c.name in classes):
+            for n in ast.walk(cls):
+                if (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+                        and n.value.id == "self"):
+                    names.add(n.attr)
+                elif (isinstance(n, ast.Call) and ast.unparse(n.func) == "object.__setattr__" and len(n.args) > 1
+                      and isinstance(n.args[1], ast.Constant)):
+                    names.add(n.args[1].value)
+                elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                    names.add(n.target.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def internals_reached(source: str, private: set[str]) -> list[str]:
+    """'line N: code' for each reach into another object's internals in `source`: an attribute
+    in `private` of anything but `self` (read or set: `pipe._rt.reducer = r`), `getattr` /
+    `setattr` / `delattr` of one by name, and `object.__setattr__` on anything but `self`."""
+    found = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Attribute) and n.attr in private and not (isinstance(n.value, ast.Name)
+                                                                        and n.value.id == "self"):
+            found.append(f"line {n.lineno}: {ast.unparse(n)}")
+        elif isinstance(n, ast.Call):
+            fn = ast.unparse(n.func)
+            name = n.args[1].value if len(n.args) > 1 and isinstance(n.args[1], ast.Constant) else None
+            if fn in ("getattr", "setattr", "delattr") and name in private:
+                found.append(f"line {n.lineno}: {fn}(..., {name!r})")
+            elif fn == "object.__setattr__" and not (n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == "self"):
+                found.append(f"line {n.lineno}: {ast.unparse(n)[:80]}")
+    return found
+
+
+def test_only_the_runtime_and_build_set_a_pipelines_internals():
+    private = pipeline_private_names()
+    assert {"_rt", "_step", "_variants", "_recompiler"} <= private, sorted(private)
+    found = [f"{module} {hit}" for module, path in MODULES.items() if not module.startswith(MAY_SET_PIPELINE_INTERNALS)
+             for hit in internals_reached(path.read_text(), private)]
+    assert not found, ("modules outside the runtime and build.py reach into a Pipeline's or Runtime's internals; "
+                       "build_pipeline returns the Pipeline complete: give what it needs to build_pipeline (its "
+                       "`wiring`, build.Wiring) or add a public method:\n" + "\n".join(found))
+
+
+def test_the_internals_rule_sees_each_way_in():
+    private = {"_rt", "_step", "_variants"}
+    assert internals_reached("pipe._rt.reducer = r", private) == ["line 1: pipe._rt"]
+    assert internals_reached("object.__setattr__(pipe, 'max_variants', 3)", private)
+    assert internals_reached("getattr(pipe, '_variants')[0].layers = ()", private)
+    assert internals_reached("setattr(pipe, '_step', s)", private)
+    assert not internals_reached("self._rt = rt\nobject.__setattr__(self, '_step', s)\npipe.train_step(x)", private)
+
