@@ -36,7 +36,10 @@ import torch.utils._pytree as pytree
 
 from mobius_fx.errors import MobiusError, PlanError, TraceError
 from mobius_fx.planning.microbatch import batch_rows, check_divides, declared, divides
+from mobius_fx.planning.plans import Plan
+from mobius_fx.planning.stage_contract import Schedule
 from mobius_fx.runtime.call_signatures import Call, CallForm, bind_call, check_shapes
+from mobius_fx.runtime.engine import Runtime
 from mobius_fx.runtime.pipeline import Pipeline
 from mobius_fx.tracing import flatten_inputs, trace_info
 
@@ -53,10 +56,10 @@ class Variant:
     example was traced in, and what it was planned for (`sizes`: elements per argument)."""
 
     gm: fx.GraphModule
-    schedule: Any
+    schedule: Schedule
     program: fx.GraphModule
-    runtime: Any
-    plan: Any
+    runtime: Runtime
+    plan: Plan | None
     code: str
     form: CallForm | None
     key: tuple
@@ -116,8 +119,8 @@ class VariantPipeline(Pipeline):
     by `build_pipeline`: `recompiler` compiles the variants of other calls (none: refused), at
     most `max_variants` in all; `step` gives `train_step` its step pipeline (none: refused)."""
 
-    def __init__(self, *args: Any, recompiler: Recompiler | None = None, max_variants: int = 1,
-                 step: StepSource | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: object, recompiler: Recompiler | None = None, max_variants: int = 1,
+                 step: StepSource | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "_variants", [])
         object.__setattr__(self, "_recompiler", recompiler)
@@ -151,7 +154,7 @@ class VariantPipeline(Pipeline):
         return list(self._variants)
 
     # -- a call
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         if not self._variants:  # built without an example: the call as given
             return super().forward(*args, **kwargs)
         with self._one_call():  # a second call is refused before it selects (and switches to) a variant
@@ -291,7 +294,7 @@ def _signature_text(values: dict) -> str:
     return ", ".join(parts) or "no arguments"
 
 
-def _what(desc: Any) -> str:
+def _what(desc: object) -> str:
     """One argument's entry of a `Call.key` in words (a 2-D int64 tensor, a value, a structure)."""
     leaves = desc[1]
     if len(leaves) == 1 and leaves[0][0] == "tensor":

@@ -862,3 +862,71 @@ def test_the_internals_rule_sees_each_way_in():
     assert internals_reached("setattr(pipe, '_step', s)", private)
     assert not internals_reached("self._rt = rt\nobject.__setattr__(self, '_step', s)\npipe.train_step(x)", private)
 
+
+# ----------------------------------------------------------------------------- runtime inputs are typed (issue 37 part 5)
+# No parameter of a runtime function is annotated `Any`: the contract's classes (StageSpec,
+# Schedule), Device, Precision, torch's types, or `object` for a value the function may not
+# assume anything of (a user's argument, an opaque token). Exceptions, named with the reason:
+KNOWN_ANY_PARAMETERS: dict[tuple[str, str], str] = {  # (module, "function(parameter)") -> why
+    ("mobius_fx.runtime.microbatch_outputs", "prepare(runtime)"):
+        "the Runtime, whose module (engine) imports this one: a type import would be a cycle",
+    ("mobius_fx.runtime.overlap", "_checked(pipeline)"):
+        "the Pipeline, whose module imports this one (pipe.overlap): a type import would be a cycle",
+    ("mobius_fx.runtime.overlap", "OverlapOptimizer.__init__(pipeline)"):
+        "the Pipeline, whose module imports this one (pipe.overlap): a type import would be a cycle",
+    ("mobius_fx.runtime.stage_autograd", "Masters.forward(rt)"):
+        "the Runtime (StageCalls), whose modules import this one: a type import would be a cycle",
+    ("mobius_fx.runtime.stage_state", "StageCall.__init__(rt)"):
+        "the Runtime (StageCalls), whose modules import this one: a type import would be a cycle",
+}
+# Modules another change of issue 37 rewrites now (module -> why): their parameters are typed there.
+KNOWN_ANY_MODULES: dict[str, str] = {
+    "mobius_fx.runtime.device_books": "the device interface (issue 37 part 5, bullet 1): tokens, events, saved inputs",
+    "mobius_fx.runtime.device_stream": "the device interface (issue 37 part 5, bullet 1): streams and events",
+    "mobius_fx.runtime.device_virtual_async": "the device interface (issue 37 part 5, bullet 1): streams and events",
+    "mobius_fx.runtime.memory_sources": "the device interface (issue 37 part 5, bullet 1): the Device it books for",
+}
+
+
+def any_parameters(source: str) -> list[str]:
+    """'function(parameter)' (methods and nested functions qualified) for every parameter of
+    `source` whose annotation mentions `Any` (`*args` and `**kwargs` included)."""
+    found = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = child.args
+                for arg in (*a.posonlyargs, *a.args, a.vararg, *a.kwonlyargs, a.kwarg):
+                    if arg is not None and arg.annotation is not None and any(
+                            isinstance(n, ast.Name) and n.id == "Any" or isinstance(n, ast.Attribute) and n.attr == "Any"
+                            for n in ast.walk(arg.annotation)):
+                        found.append(f"{prefix}{child.name}({arg.arg})")
+                walk(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, f"{prefix}{child.name}.")
+            else:
+                walk(child, prefix)
+
+    walk(ast.parse(source), "")
+    return found
+
+
+def test_no_runtime_parameter_is_typed_any():
+    runtime = {m: p for m, p in MODULES.items() if m.startswith("mobius_fx.runtime.")}
+    found = {(m, f): None for m, p in runtime.items() if m not in KNOWN_ANY_MODULES for f in any_parameters(p.read_text())}
+    stale = sorted(set(KNOWN_ANY_PARAMETERS) - set(found))
+    assert not stale, f"{stale} are typed now: remove them from KNOWN_ANY_PARAMETERS"
+    stale_modules = sorted(m for m in KNOWN_ANY_MODULES if not any_parameters(runtime[m].read_text()))
+    assert not stale_modules, f"{stale_modules} have no `Any` parameter now: remove them from KNOWN_ANY_MODULES"
+    new = sorted(f"{m}.{f}" for (m, f) in found if (m, f) not in KNOWN_ANY_PARAMETERS)
+    assert not new, ("runtime parameters typed `Any`; give the real type (the contract's StageSpec / Schedule, Device, "
+                     "Precision, torch's types), or `object` for a value the function may not assume anything of:\n"
+                     + "\n".join(new))
+
+
+def test_the_any_rule_sees_every_parameter():
+    src = ("from typing import Any\nimport typing\n"
+           "def f(a: Any, b: int, *c: Any, d: typing.Any = 1, **e: list[Any]): pass\n"
+           "class C:\n    def m(self, x: object, y: Any | None):\n        def inner(z: Any): pass\n")
+    assert any_parameters(src) == ["f(a)", "f(c)", "f(d)", "f(e)", "C.m(y)", "C.m.inner(z)"]
