@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from mobius_fx import Topology
 from mobius_fx.errors import TopologyError
 from mobius_fx.sim.tasks import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, TOUCHED_BYTES
-from mobius_fx.topology.server import HostFigures
+from mobius_fx.topology.schema import HostFigures
 
 
 def write_host(path: str | os.PathLike, host: HostFigures) -> Topology:

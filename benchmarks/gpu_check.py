@@ -221,7 +221,7 @@ def plan_gpu_peaks(plan: Any) -> dict[str, int]:
     """Per pipeline GPU, the plan's peak: the largest memory rule of the step model
     (`step_model.memory_rows`) on that GPU, each stage at its footprint (`Stage.peak_bytes`)
     with what the stages around it on the GPU hold meanwhile (weights, boundary activations)."""
-    from mobius_fx.planning.step_model import memory_rows
+    from mobius_fx.planning.step_memory import memory_rows
 
     m, by_gpu = plan.microbatches, {}
     for s in plan.stages:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from mobius_fx.topology.links import GB
-from mobius_fx.topology.server import HostFigures
+from mobius_fx.topology.schema import HostFigures
 from mobius_fx.units import fmt_bytes, fmt_time
 
 ADAMW_KINDS = ("fused", "foreach", "for-loop")

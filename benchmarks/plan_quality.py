@@ -39,9 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import mobius_fx
 from mobius_fx import PlanError, Topology
-from mobius_fx.compiler import CompileContext, PassPipeline, default_pipeline
+from mobius_fx.compiler import PassPipeline, default_pipeline
 from mobius_fx.kinds import OVERLAP_MODES
-from mobius_fx.options import CompileOptions
+from mobius_fx.options import CompileContext, CompileOptions
 from mobius_fx.zoo import GPT, GPTConfig
 
 

@@ -21,8 +21,8 @@ from tabulate import tabulate
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, uninstalled
 
 from mobius_fx import Topology
-from mobius_fx.compiler import CompileContext, default_pipeline
-from mobius_fx.options import CompileOptions
+from mobius_fx.compiler import default_pipeline
+from mobius_fx.options import CompileContext, CompileOptions
 from mobius_fx.zoo import GPT, GPTConfig
 
 

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from mobius_fx import trace  # noqa: E402
 from mobius_fx.build import build_pipeline  # noqa: E402
-from mobius_fx.tracing import module_path  # noqa: E402
+from mobius_fx.module_paths import module_path
 from mobius_fx.zoo import nanogpt  # noqa: E402
 
 _COMPUTE = ("call_function", "call_method", "call_module")

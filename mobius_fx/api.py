@@ -7,16 +7,21 @@ import dataclasses
 import contextlib
 import logging
 import sys
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
 
-from mobius_fx.compiler import CompileContext, PassPipeline, default_pipeline
+from mobius_fx.build import Wiring
+from mobius_fx.compiler import PassPipeline, default_pipeline
 from mobius_fx.runtime.data_parallel import GradientReducer, default_group
 from mobius_fx.errors import MobiusError, PlanError
-from mobius_fx.options import CompileOptions
+from mobius_fx.options import CompileContext, CompileOptions
 from mobius_fx.planning.plans import Plan
 from mobius_fx.schedules.choice import choose as choose_schedule
+from mobius_fx.runtime.devices import Device
+from mobius_fx.topology.server import Topology
+from mobius_fx.train_step import StepCompiler
 
 __all__ = ["plan", "compile"]
 
@@ -24,8 +29,6 @@ log = logging.getLogger("mobius_fx")
 
 
 def _topology(topology: Any):
-    from mobius_fx.topology.server import Topology
-
     if isinstance(topology, Topology):
         return topology
     if isinstance(topology, str):
@@ -61,9 +64,10 @@ def _verbosity(verbose: bool):
 
 
 def _run(passes: PassPipeline, *, model, topology, example_inputs, example_kwargs, gm=None,
-         **settings) -> CompileContext:
+         wiring: _CompileWiring | None = None, **settings) -> CompileContext:
     """Validate the user's arguments (`CompileOptions`) and run `passes` on a CompileContext of them.
 
+    `wiring`: compile's, what the emit pass wires into the Pipeline it builds (`_CompileWiring`).
     Everything that can be refused without running the model is refused here, before tracing:
     bad settings, a model or inputs on the meta device given to `compile`, and example inputs
     that micro-batches cannot split.
@@ -84,7 +88,7 @@ def _run(passes: PassPipeline, *, model, topology, example_inputs, example_kwarg
 
     bind_call(model, tuple(example_inputs), dict(example_kwargs or {}))  # refuses an argument forward does not take
     ctx = CompileContext(model=model, topology=_topology(topology), example_inputs=tuple(example_inputs),
-                         example_kwargs=dict(example_kwargs or {}), settings=options, gm=gm)
+                         example_kwargs=dict(example_kwargs or {}), settings=options, gm=gm, wiring=wiring)
     _check_batch(ctx)
     with _verbosity(options.verbose):
         passes.run(ctx)
@@ -109,9 +113,9 @@ class _Recompiler:
     the plan it varies when they fit (`passes.partition.reuse_partition_pass`), on the same devices, with
     the passes and settings the pipeline was compiled with."""
 
-    def __init__(self, passes: PassPipeline, ctx: CompileContext) -> None:
+    def __init__(self, passes: PassPipeline, model: torch.nn.Module, topology: Topology, options: CompileOptions) -> None:
         self.passes = passes
-        self.model, self.topology, self.options = ctx.model, ctx.topology, ctx.settings
+        self.model, self.topology, self.options = model, topology, options
 
     def _passes(self, like, *, graph: bool = False) -> PassPipeline:
         from mobius_fx.compiler import FunctionPass
@@ -258,8 +262,6 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     why, and when the runtime does not execute it yet (compile then runs the fastest it does).
     """
     if loss_fn is not None or example_target is not None or train_step:
-        from mobius_fx.train_step import StepCompiler
-
         pipeline = step_passes(pipeline or default_pipeline())
         step = StepCompiler(model, loss_fn, lambda *_: None)
         model = step.wrapper
@@ -337,27 +339,23 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     whose host would not hold it is refused before anything is emitted.
     """
     _refuse_meta(model, example_inputs, example_kwargs)
-    passes = pipeline or default_pipeline()
+    if example_target is not None and loss_fn is None:
+        raise MobiusError("example_target was given without loss_fn; the target is what loss_fn compares the "
+                          "outputs with: pass loss_fn=fn too, or drop example_target")
+    passes, topology = pipeline or default_pipeline(), _topology(topology)
+    reducer = None
+    group = default_group(process_group)
+    if group is not None:
+        reducer = GradientReducer(group)
+        reducer.broadcast([*model.parameters(), *model.buffers()])  # every rank starts from rank 0's model
+    wiring = _CompileWiring(passes, topology, loss_fn, example_target, reducer, memory_books)
     ctx = _run(passes, model=model, topology=topology, example_inputs=example_inputs, example_kwargs=example_kwargs,
                microbatches=microbatches, cuts=cuts, verbose=verbose, costs=costs, dtype=dtype,
                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
                cache_dir=cache_dir, device=device, max_variants=max_variants, batch_dims=batch_dims,
                memory_books=memory_books, optimizer=optimizer, host_memory_fraction=host_memory_fraction,
-               cache=cache)
-    pipe = ctx.pipeline
-    group = default_group(process_group)
-    if group is not None:
-        reducer = GradientReducer(group)
-        reducer.broadcast([*model.parameters(), *model.buffers()])  # every rank starts from rank 0's model
-        pipe._rt.reducer = reducer
-    variants = getattr(pipe, "_variants", None)
-    if variants:  # other call signatures and shapes get variants of it (runtime/variants.py)
-        variants[0].layers = tuple(layer.name for layer in ctx.layers)
-        variants[0].boundaries = tuple(ctx.partition.boundaries) if ctx.partition is not None else ()
-        object.__setattr__(pipe, "_recompiler", _Recompiler(passes, ctx))
-        object.__setattr__(pipe, "max_variants", ctx.settings.max_variants)
-    _attach_step(pipe, ctx, loss_fn, example_target, pipeline=passes, memory_books=memory_books)
-    return pipe
+               cache=cache, wiring=wiring)
+    return ctx.pipeline
 
 
 def step_passes(passes: PassPipeline) -> PassPipeline:
@@ -372,28 +370,37 @@ def step_passes(passes: PassPipeline) -> PassPipeline:
     return out
 
 
-def _attach_step(pipe, ctx: CompileContext, loss_fn: Any, example_target: Any, *, pipeline: PassPipeline,
-                 memory_books: str) -> None:
-    """Give `pipe` its training step (`Pipeline.train_step`): the model and its loss compiled as
-    one more pipeline, with the same settings, on the same devices; now when `example_target`
-    lets the example call serve it, else at the first `train_step`."""
-    from mobius_fx.train_step import StepCompiler
+class _CompileWiring:
+    """What a compile wires into the Pipeline its emit pass builds (`build.Wiring`), made from the
+    compile's context when the pass runs (`CompileContext.wiring`): the variants' recompiler with
+    the passes and settings of this compile, at most `max_variants`; the data-parallel reducer;
+    and the training step (`Pipeline.train_step`): the model and its loss compiled as one more
+    pipeline, with the same settings, on the same devices, now when `example_target` lets the
+    example call serve it, else at the first `train_step`."""
 
-    s = ctx.settings
+    def __init__(self, passes: PassPipeline, topology: Topology, loss_fn: Any, example_target: Any,
+                 reducer: GradientReducer | None, memory_books: str) -> None:
+        self.passes, self.topology, self.loss_fn, self.example_target = passes, topology, loss_fn, example_target
+        self.reducer, self.memory_books = reducer, memory_books
 
-    def compile_step(wrapper, args: tuple, kwargs: dict):
-        return compile(wrapper, ctx.topology, example_inputs=args, example_kwargs=kwargs,
-                       microbatches=s.microbatches, cuts=s.cuts, dtype=s.dtype, costs=s.costs,
-                       memory_fraction=s.memory_fraction, solver=s.solver, time_limit=s.time_limit,
-                       cross_map=s.cross_map, cache_dir=s.cache_dir, device=pipe.devices, verbose=s.verbose,
-                       max_variants=s.max_variants, pipeline=step_passes(pipeline), process_group=False,
-                       batch_dims=s.batch_dims, memory_books=memory_books, optimizer=s.optimizer,
-                       host_memory_fraction=s.host_memory_fraction, cache=s.cache)
+    def __call__(self, ctx: CompileContext) -> Wiring:
+        settings, topology, model = ctx.settings, self.topology, ctx.model
+        example = (ctx.example_inputs, ctx.example_kwargs)
+        passes, memory_books, loss_fn, example_target = self.passes, self.memory_books, self.loss_fn, self.example_target
 
-    step = StepCompiler(ctx.model, loss_fn, compile_step)
-    object.__setattr__(pipe, "_step", step)
-    if example_target is not None:
-        if loss_fn is None:
-            raise MobiusError("example_target was given without loss_fn; the target is what loss_fn compares the "
-                              "outputs with: pass loss_fn=fn too, or drop example_target")
-        step.get(*step.arguments(ctx.example_inputs, ctx.example_kwargs, example_target))
+        def step(devices: Mapping[str, Device]) -> StepCompiler:
+            s = settings
+
+            def compile_step(wrapper, args: tuple, kwargs: dict):
+                return compile(wrapper, topology, example_inputs=args, example_kwargs=kwargs,
+                               microbatches=s.microbatches, cuts=s.cuts, dtype=s.dtype, costs=s.costs,
+                               memory_fraction=s.memory_fraction, solver=s.solver, time_limit=s.time_limit,
+                               cross_map=s.cross_map, cache_dir=s.cache_dir, device=dict(devices), verbose=s.verbose,
+                               max_variants=s.max_variants, pipeline=step_passes(passes), process_group=False,
+                               batch_dims=s.batch_dims, memory_books=memory_books, optimizer=s.optimizer,
+                               host_memory_fraction=s.host_memory_fraction, cache=s.cache)
+
+            return StepCompiler(model, loss_fn, compile_step)
+
+        return Wiring(recompiler=_Recompiler(passes, model, topology, settings), max_variants=settings.max_variants,
+                      reducer=self.reducer, step=step, step_example=None if example_target is None else (*example, example_target))

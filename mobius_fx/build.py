@@ -1,15 +1,19 @@
 """`build_pipeline`: a traced graph and its stages -> the runnable `Pipeline`.
 
 It cuts the graph into stages (`passes.insert_transfers`), emits the program (`passes.emit`),
-makes the devices and binds the user's master weights; `compile` calls it through the emit pass.
+makes the devices and binds the user's master weights; `compile` calls it through the emit pass,
+with the `Wiring` of the compile (what compiles the variants, the data-parallel reducer, the
+training step), so the Pipeline it returns is complete: nothing sets its internals afterwards.
 It lives apart from the runtime so that the runtime imports nothing from the passes.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,11 +27,29 @@ from mobius_fx.planning import microbatch
 from mobius_fx.runtime import microbatch_outputs
 from mobius_fx.precision import Precision
 from mobius_fx.runtime.engine import Runtime
-from mobius_fx.runtime.variants import VariantPipeline
+from mobius_fx.runtime.data_parallel import GradientReducer
+from mobius_fx.runtime.variants import Recompiler, StepSource, VariantPipeline
 
-__all__ = ["build_pipeline"]
+__all__ = ["build_pipeline", "Wiring"]
 
 log = logging.getLogger("mobius_fx")
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What `mobius_fx.compile` wires into the Pipeline `build_pipeline` builds, beside its stages.
+
+    `recompiler` compiles a variant for a call the compiled ones do not serve, at most
+    `max_variants` in all (none: such calls are refused); `reducer` averages the gradients across
+    data-parallel ranks; `step(devices)` gives `train_step` its step compiler, on the pipeline's
+    devices (none: `train_step` is refused), which compiles the step pipeline for the call
+    `step_example` (args, kwargs, target) as the pipeline is built, else at the first `train_step`."""
+
+    recompiler: Recompiler | None = None
+    max_variants: int = 1
+    reducer: GradientReducer | None = None
+    step: Callable[[Mapping[str, Device]], StepSource] | None = None
+    step_example: tuple[tuple, dict, object] | None = None
 
 
 def _masters(model: nn.Module, gm: fx.GraphModule, spec: Any) -> list[torch.Tensor]:
@@ -58,7 +80,8 @@ def _place(gm: fx.GraphModule, schedule: Any, devices: Mapping[str, Device], fla
     """Bind each stage's graph to its device (`placement.place_stage`: the device constants the
     trace fixed follow the stage); on CUDA devices, first replay the stages under fake tensors
     (`placement.check_placement`), so a placement error is named before anything is allocated."""
-    from mobius_fx.runtime.placement import Placement, check_placement, example_spec, place_stage, traced_device
+    from mobius_fx.runtime.placement import Placement, check_placement, example_spec
+    from mobius_fx.runtime.device_rewrite import place_stage, traced_device
 
     placement = Placement(example_spec(flat) if flat is not None else None, traced_device(gm),
                           {g: int(i) for g, i in (gpu_indices or {}).items() if i is not None})
@@ -81,7 +104,8 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
                    microbatches: int | None = None, example_inputs: tuple = (), example_kwargs: dict | None = None,
                    plan: Any = None, device: str | Mapping[str, Device] = "auto", dtype: Any = None,
                    gpu_indices: Mapping[str, int] | None = None, schedule: Any = None,
-                   batch_dims: Mapping[str, int | None] | None = None, memory_books: str = "auto") -> Pipeline:
+                   batch_dims: Mapping[str, int | None] | None = None, memory_books: str = "auto",
+                   wiring: Wiring | None = None) -> Pipeline:
     """Build the runnable Mobius pipeline of `model` from its traced graph `gm`.
 
     Give the stages explicitly (`stage_nodes[k]`: gm's compute nodes of stage k, in graph order;
@@ -104,7 +128,8 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     micro-batches the example call's graph is analysed (mobius_fx/planning/microbatch.py: how each output
     combines; row-mixing values refused) — README "Micro-batch semantics". `memory_books`: how
     each GPU measures its stages' work, "ops" | "allocator" | "auto" (compile's `memory_books=`;
-    mobius_fx/runtime/device_books.py).
+    mobius_fx/runtime/device_books.py). `wiring`: what `mobius_fx.compile` wires in (`Wiring`;
+    default: none of it).
 
     gm = torch.fx.symbolic_trace(model)
     pipe = build_pipeline(model, gm, stage_nodes=[["fc1", "relu"], ["fc2"]], stage_gpus=["gpu0", "gpu1"],
@@ -136,9 +161,12 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     flat, marks = _example_batch(model, gm, example_inputs, example_kwargs, batch_dims, m)
     placement = _place(gm, schedule, devices, flat, gpu_indices)  # checked on CUDA before the Runtime allocates
     masters = [_masters(model, gm, spec) for spec in schedule.stages]
+    wiring = wiring if wiring is not None else Wiring()
     runtime = Runtime(schedule, devices, masters, precision)
     runtime.placement = placement
     runtime.batch_dims = batch_dims
+    if wiring.reducer is not None:
+        runtime.reducer = wiring.reducer
     if flat is not None:
         runtime.planned_rows = microbatch.batch_rows(flat, m, marks) or 0
         if m > 1 and flat:
@@ -146,10 +174,24 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     _warn_batch_norms(model, schedule.microbatches)
     _warn_buffer_updates(model, gm, schedule.microbatches)
     code = program.code.strip("\n") + "\n\n" + backward_summary(schedule) + "\n"
-    pipe = VariantPipeline(model, gm, schedule, program, runtime, plan, code)
-    if example_inputs or example_kwargs:  # the call it serves (call_signatures.py); compile adds variants
-        pipe._add_variant(tuple(example_inputs), dict(example_kwargs or {}))
+    step = wiring.step(devices) if wiring.step is not None else None
+    pipe = VariantPipeline(model, gm, schedule, program, runtime, plan, code, recompiler=wiring.recompiler,
+                           max_variants=wiring.max_variants, step=step)
+    if example_inputs or example_kwargs:  # the call it serves (call_signatures.py); the recompiler adds variants
+        pipe._add_variant(tuple(example_inputs), dict(example_kwargs or {}), *_plan_cuts(plan))
+    if step is not None and wiring.step_example is not None:
+        step.get(*step.arguments(*wiring.step_example))
     return pipe
+
+
+def _plan_cuts(plan: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(the plan's layer names, the index of each stage's first layer): the cuts a variant for
+    another call reuses when its layers are the same (`passes.partition.reuse_partition_pass`);
+    ((), ()) without a plan made of layers."""
+    if plan is None or not getattr(plan, "layers", ()):
+        return (), ()
+    starts = itertools.accumulate((len(s.layers) for s in plan.stages[:-1]), initial=0)
+    return tuple(layer.name for layer in plan.layers), tuple(starts)
 
 
 def _plan_defaults(plan: Any, stage_nodes: Any, stage_gpus: Any, microbatches: int | None,

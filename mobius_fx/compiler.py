@@ -31,9 +31,9 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.options import CompileContext  # lives with the options it carries; re-exported here
+from mobius_fx.options import CompileContext
 
-__all__ = ["CompileContext", "MobiusPass", "FunctionPass", "PassPipeline", "Touched", "default_pipeline", "heartbeat",
+__all__ = ["MobiusPass", "FunctionPass", "PassPipeline", "Touched", "default_pipeline", "heartbeat",
            "PASS_ORDER"]
 
 log = logging.getLogger("mobius_fx")
@@ -200,7 +200,7 @@ def heartbeat(what: str, every: float | None = None):
 
 # ---------------------------------------------------------------- recording what a pass touches
 _BOOKKEEPING = frozenset({"facts", "timings", "touched"})
-_FACT_OF_FIELD = {"gm": "graph", "example_kwargs": "example_inputs"}
+_FACT_OF_FIELD = {"gm": "graph", "example_kwargs": "example_inputs", "wiring": "settings"}
 
 
 def _fact(attr: str) -> str:

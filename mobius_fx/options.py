@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from mobius_fx.errors import MobiusError, PlanError
 from mobius_fx.kinds import DEVICES, SOLVERS
 from mobius_fx.planning.microbatch import check_batch_dims, check_count, default_microbatches
 from mobius_fx.precision import Precision
+
+if TYPE_CHECKING:  # pragma: no cover  (build imports the runtime: no need to load it for the options)
+    from mobius_fx.build import Wiring
 
 __all__ = ["CompileOptions", "CompileContext"]
 
@@ -207,7 +210,8 @@ class CompileContext:
     """Everything a compile carries between passes: inputs, settings and the facts passes write.
 
     `facts` names what is available so far; passes read inputs from attributes here. Each field
-    is the fact of its name, except `gm` ("graph") and `example_kwargs` ("example_inputs");
+    is the fact of its name, except `gm` ("graph"), `example_kwargs` ("example_inputs") and
+    `wiring` ("settings": compile's, what the emit pass wires into the Pipeline it builds);
     `settings.precision` is built for `model` here when the settings do not hold it yet;
     `facts`, `timings` and `touched` are the pipeline's bookkeeping, not facts.
     """
@@ -224,6 +228,7 @@ class CompileContext:
     plan: Any = None
     stages: Any = None
     pipeline: Any = None
+    wiring: Callable[[CompileContext], Wiring] | None = None  # mobius_fx.compile's: the build's Wiring of this context
     facts: set = field(default_factory=lambda: {"model", "topology", "example_inputs", "settings"})
     timings: dict = field(default_factory=dict)
     touched: dict = field(default_factory=dict)  # pass name -> Touched, as run

@@ -89,7 +89,8 @@ def emit_pass(gm, ctx: CompileContext):
     from mobius_fx.build import build_pipeline
 
     s = ctx.settings
+    wiring = ctx.wiring(ctx) if ctx.wiring is not None else None  # mobius_fx.compile's (build.Wiring)
     ctx.pipeline = build_pipeline(ctx.model, gm, schedule=ctx.stages, plan=ctx.plan, example_inputs=ctx.example_inputs,
                                   example_kwargs=ctx.example_kwargs or None, device=s.device,
-                                  batch_dims=s.batch_dims, memory_books=s.memory_books)
+                                  batch_dims=s.batch_dims, memory_books=s.memory_books, wiring=wiring)
     return None

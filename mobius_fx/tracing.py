@@ -35,15 +35,13 @@ from torch import nn
 
 from mobius_fx import grad_modes
 from mobius_fx.errors import TraceError, first_line
-from mobius_fx.export_front import forward_signature, input_guards, try_export
-from mobius_fx.module_paths import module_path, module_stack
+from mobius_fx.export_front import try_export
 from mobius_fx.trace_key import Unkeyable, trace_key
 from mobius_fx import trace_store
 from mobius_fx.trace_semantics import (autograd_functions, describe, forward_effects, graph_checks, refuse_effects,
                                        refuse_input_writes, refuse_parameter_writes, refuse_traced_functions)
 
-__all__ = ["trace", "TraceInfo", "module_path", "module_stack", "flatten_inputs", "trace_info", "input_guards",
-           "forward_signature"]
+__all__ = ["trace", "TraceInfo", "flatten_inputs", "trace_info"]
 
 _log = logging.getLogger("mobius_fx")
 

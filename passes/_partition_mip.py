@@ -3,7 +3,7 @@
 The model is `mobius_fx.planning.step_model` (docs/schedule.md); partition_solve.py owns the search over
 stage counts. This module turns one stage count S into a PuLP program over run-length-encoded
 layers (`step_model.layer_runs`) whose sums are `step_model.PrefixSums`; `run_solver`
-(passes/mip_solver.py, re-exported here) drives HiGHS (through highspy) or CBC on it. The formulation is explained in partition.py's docstring;
+(passes/mip_solver.py) drives HiGHS (through highspy) or CBC on it. The formulation is explained in partition.py's docstring;
 every row here is a row of `step_model.evaluate`, so a solver point is re-checked there
 exactly.
 
@@ -22,15 +22,14 @@ from typing import Any
 
 import pulp
 
-from mobius_fx.planning.step_model import (
-    UPLOADS_PER_DOWNLOAD,
-    Evaluation, PartitionProblem, PrefixSums, link_time, queue_before, queue_window, slot_bytes,
+from mobius_fx.planning.step_model import PartitionProblem, PrefixSums
+from mobius_fx.planning.step_timeline import (
+    UPLOADS_PER_DOWNLOAD, Evaluation, link_time, queue_before, queue_window, slot_bytes,
 )
 
 from ._partition_mip_rows import add_memory_rows, frozen_prefix, stage_working, tied_copies, var
-from .mip_solver import run_solver, solve_relaxation
 
-__all__ = ["Mip", "build_mip", "warm_start", "cuts_of", "run_solver", "solve_relaxation"]
+__all__ = ["Mip", "build_mip", "warm_start", "cuts_of"]
 
 
 @dataclass

@@ -10,7 +10,8 @@ from typing import Any
 
 import pulp
 
-from mobius_fx.planning.step_model import PartitionProblem, memory_rows
+from mobius_fx.planning.step_model import PartitionProblem
+from mobius_fx.planning.step_memory import memory_rows
 
 __all__ = ["var", "stage_working", "tied_copies", "frozen_prefix", "add_memory_rows"]
 

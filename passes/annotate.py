@@ -48,10 +48,10 @@ from mobius_fx.precision import Precision, dtype_name, master_dtype
 from mobius_fx.passes.annotate_graph_run import GraphRun
 from mobius_fx.passes.annotate_layer_peaks import layer_peaks
 from mobius_fx.passes.annotate_tools import all_real, host_spec, report, roofline
-from mobius_fx.passes.layers import TINY_LAYER_FRACTION, group_layers
+from mobius_fx.passes.layers import group_layers
 from mobius_fx.tracing import flatten_inputs, trace_info
 
-__all__ = ["annotate", "AUTO_MEASURE_BUDGET_S", "TINY_LAYER_FRACTION"]
+__all__ = ["annotate", "AUTO_MEASURE_BUDGET_S"]
 
 AUTO_MEASURE_BUDGET_S = 10.0  # "auto" measures when the modelled measuring time fits in this
 

@@ -27,10 +27,8 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.graph import CodeGen
 
-from mobius_fx.runtime.program_ops import OPS
+from mobius_fx.planning.stage_contract import OPS, Schedule
 from mobius_fx.units import fmt_bytes
-
-from .insert_transfers import Schedule
 
 __all__ = ["emit", "backward_summary"]
 

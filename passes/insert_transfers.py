@@ -10,7 +10,7 @@ Output: a `Schedule` with
   binds GPU copies of the weights into a stage without ever touching the user's model;
 - the top-level `torch.fx.Graph` of the schedule: the forward ops of the schedule IR
   (mobius_fx/planning/schedule_ir.py), lowered in their order to explicit calls of the runtime ops
-  (mobius_fx/runtime/program_ops.py) `prefetch`, `wait`, `run_stage`, `send`, `evict` and `hold_for_backward`,
+  (mobius_fx/planning/stage_contract.py) `prefetch`, `wait`, `run_stage`, `send`, `evict` and `hold_for_backward`,
   in Mobius order. Per GPU all M
   micro-batches of stage k run before stage k+N (GPipe order); the first stage of every GPU is
   uploaded at the start, stage k+N is prefetched before stage k runs, stage k is evicted after
@@ -33,7 +33,6 @@ from __future__ import annotations
 import inspect
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,92 +40,17 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
-from mobius_fx.runtime import program_ops as _rt
 from mobius_fx.kinds import HOST
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.batch_sizes import set_microbatches
 from mobius_fx.planning.microbatch import check_count
-from mobius_fx.planning.schedule_ir import ScheduleIR, StageIO, build_schedule, neighbours
+from mobius_fx.planning.schedule_ir import StageIO, build_schedule, neighbours
+from mobius_fx.planning import stage_contract as _ops
+from mobius_fx.planning.stage_contract import Schedule, StageSpec, ValueRef, WeightRef
 
-__all__ = ["insert_transfers", "Schedule", "StageSpec", "WeightRef", "ValueRef"]
+__all__ = ["insert_transfers"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
-
-
-@dataclass(frozen=True)
-class ValueRef:
-    """A value that crosses a stage boundary: output `index` of `stage` (stage -1: a model input).
-
-    Not a tuple on purpose: fx's `map_aggregate` would walk into it.
-    """
-
-    stage: int
-    index: int
-    name: str
-
-
-@dataclass(frozen=True, eq=False)
-class WeightRef:
-    """A tensor a stage reads (parameter, buffer or front-end constant), once per tensor object.
-
-    `name` is its qualified name in the traced GraphModule; `slots` are the (owner module path,
-    attribute) places in the stage module that hold it (tied weights: several places).
-    """
-
-    name: str
-    tensor: torch.Tensor
-    slots: tuple[tuple[str, str], ...]
-
-
-@dataclass(frozen=True, eq=False)
-class StageSpec:
-    """One stage: its module (inputs -> tuple of outputs), what flows in and out, its weights."""
-
-    index: int
-    gpu: str
-    module: fx.GraphModule
-    nodes: tuple[str, ...]
-    inputs: tuple[ValueRef, ...]
-    outputs: tuple[str, ...]
-    weights: tuple[WeightRef, ...]
-    shells: tuple[tuple[nn.Module, nn.Module], ...] = ()  # (user module, its shell in this stage)
-
-
-@dataclass(frozen=True, eq=False)
-class Schedule:
-    """The stages and the schedule graph; `emit` turns it into the pipeline's program."""
-
-    stages: tuple[StageSpec, ...]
-    graph: fx.Graph
-    microbatches: int
-    gpus: tuple[str, ...]  # distinct GPUs in order of first use (the cross-mapped order)
-    next_on_gpu: tuple[int | None, ...]  # the stage the same GPU runs next (prefetched ahead)
-    prev_on_gpu: tuple[int | None, ...]  # the stage the same GPU ran before (prefetched in backward)
-    inputs: tuple[str, ...]  # placeholder names of the traced graph, in order
-    out_spec: Any = None  # torch.export's output TreeSpec (None: the graph returns the structure)
-    moved: tuple[str, ...] = field(default=())  # compute nodes not listed, placed with their predecessor
-    to_host: tuple[tuple[int, ...], ...] = ()  # per stage: its outputs copied to the host (read later or returned)
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stages)
-
-    def last_on_gpu(self, k: int) -> bool:
-        return self.next_on_gpu[k] is None
-
-    def ir(self) -> ScheduleIR:
-        """The schedule IR of these stages: order and dependencies, weight and gradient bytes in
-        the masters' dtype, activations 0 bytes (the Pipeline's `schedule_ir(values)` gives the
-        exact one). The runtime takes its backward prefetches from it and `pipe.code` prints its
-        backward part."""
-        def size(ts) -> int:
-            return sum(t.numel() * t.element_size() for t in ts)
-
-        return build_schedule(StageIO.from_graph(
-            self.stages, self.to_host, weight_bytes=[size(w.tensor for w in st.weights) for st in self.stages],
-            grad_bytes=[size(w.tensor for w in st.weights
-                             if isinstance(w.tensor, nn.Parameter) and w.tensor.requires_grad) for st in self.stages]),
-            self.microbatches, optimizer=False)
 
 
 def insert_transfers(gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]], stage_gpus: Sequence[str],
@@ -383,7 +307,7 @@ def _resolve_output(arg: Any) -> Any:
 def _schedule_graph(stages: tuple[StageSpec, ...], inputs: list[str], out_arg: Any,
                     m: int) -> tuple[fx.Graph, set[tuple[int, int]]]:
     """The forward program: the schedule IR's forward ops, lowered in their order to calls of
-    the runtime ops (mobius_fx.runtime.program_ops); also which stage outputs go to the host."""
+    the ops of the contract (mobius_fx.planning.stage_contract); also which stage outputs go to the host."""
     program = _ForwardProgram(stages, inputs, m)
     to_host = _outputs_to_host(stages, out_arg)
     program.host_ids = [tuple(sorted(j for (st, j) in to_host if st == k)) for k in range(len(stages))]
@@ -421,7 +345,7 @@ class _ForwardProgram:
         ph = {name: self.graph.placeholder(name) for name in inputs}
         self.per_mb: dict[str, list[fx.Node]] = {name: [node] * m for name, node in ph.items()}
         if m > 1 and inputs:
-            split = self.call(_rt.split_microbatches, (tuple(ph.values()), m), "microbatches")
+            split = self.call(_ops.split_microbatches, (tuple(ph.values()), m), "microbatches")
             for j, name in enumerate(inputs):
                 self.per_mb[name] = [self.graph.create_node("call_function", operator.getitem, (split, j * m + i),
                                                             name=f"{name}_{i}") for i in range(m)]
@@ -444,13 +368,13 @@ class _ForwardProgram:
         itself, which saves the inputs it needs again in backward)."""
         k, i, st = o.stage, o.microbatch, self.stages[o.stage]
         if o.kind == "prefetch":
-            self.call(_rt.prefetch, (k,), stage=k, gpu=st.gpu)
+            self.call(_ops.prefetch, (k,), stage=k, gpu=st.gpu)
         elif o.kind == "wait":
-            self.call(_rt.wait, (k,), stage=k, gpu=st.gpu)
+            self.call(_ops.wait, (k,), stage=k, gpu=st.gpu)
         elif o.kind == "evict":
-            self.call(_rt.evict, (k,), stage=k, gpu=st.gpu)
+            self.call(_ops.evict, (k,), stage=k, gpu=st.gpu)
         elif o.kind == "hold":
-            self.call(_rt.hold_for_backward, (k,), stage=k, gpu=st.gpu)
+            self.call(_ops.hold_for_backward, (k,), stage=k, gpu=st.gpu)
         elif o.kind == "send":
             self._send(o, k, i, st)
         elif o.kind == "run":
@@ -460,17 +384,17 @@ class _ForwardProgram:
         if o.dst == HOST:  # a host copy of output `value` of stage k
             j = self.host_ids[k][o.value]
             name = st.outputs[j]
-            self.hosted[(k, j, i)] = self.call(_rt.send, (self.outputs[(k, j, i)], HOST, k), f"{name}_{i}_{HOST}",
+            self.hosted[(k, j, i)] = self.call(_ops.send, (self.outputs[(k, j, i)], HOST, k), f"{name}_{i}_{HOST}",
                                                stage=k, microbatch=i, gpu=HOST)
         elif o.src == HOST:  # input `value` of stage k from the host
             ref = st.inputs[o.value]
             name = ref.name if ref.stage < 0 else self.stages[ref.stage].outputs[ref.index]
-            self.fetched[(k, o.value, i)] = self.call(_rt.send, (self.source(ref, i), st.gpu, k),
+            self.fetched[(k, o.value, i)] = self.call(_ops.send, (self.source(ref, i), st.gpu, k),
                                                       f"{name}_{i}_{st.gpu}", stage=k, microbatch=i, gpu=st.gpu)
         else:  # a push of input `value` of stage k from the stage before
             ref = st.inputs[o.value]
             name = self.stages[ref.stage].outputs[ref.index]
-            self.pushed[(k, o.value, i)] = self.call(_rt.send, (self.outputs[(ref.stage, ref.index, i)], st.gpu, k),
+            self.pushed[(k, o.value, i)] = self.call(_ops.send, (self.outputs[(ref.stage, ref.index, i)], st.gpu, k),
                                                      f"{name}_{i}_{st.gpu}", stage=k, microbatch=i, gpu=st.gpu)
 
     def _run(self, k: int, i: int, st: StageSpec) -> None:
@@ -482,7 +406,7 @@ class _ForwardProgram:
                 args.append(self.pushed[(k, j, i)])
             else:  # made by the stage before on this GPU: no copy
                 args.append(self.outputs[(ref.stage, ref.index, i)])
-        out = self.call(_rt.run_stage, (k, i, *args), f"stage{k}_{i}", stage=k, microbatch=i, gpu=st.gpu)
+        out = self.call(_ops.run_stage, (k, i, *args), f"stage{k}_{i}", stage=k, microbatch=i, gpu=st.gpu)
         for j, name in enumerate(st.outputs):
             self.outputs[(k, j, i)] = self.graph.create_node("call_function", operator.getitem, (out, j),
                                                              name=f"{name}_{i}")
@@ -493,5 +417,5 @@ class _ForwardProgram:
             return lambda a: self.source(a, i) if isinstance(a, ValueRef) else a
 
         outs = [fx.node.map_aggregate(out_arg, resolve(i)) for i in range(m)]
-        merged = self.call(_rt.merge_microbatches, (outs,), "output_value", stages=len(self.stages))
+        merged = self.call(_ops.merge_microbatches, (outs,), "output_value", stages=len(self.stages))
         self.graph.output(merged)

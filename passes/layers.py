@@ -25,7 +25,8 @@ from typing import Any
 import torch.fx as fx
 
 from mobius_fx.planning.costs import LayerCost, NodeCost
-from mobius_fx.tracing import module_stack, trace_info
+from mobius_fx.tracing import trace_info
+from mobius_fx.module_paths import module_stack
 
 __all__ = ["group_layers", "TINY_LAYER_FRACTION"]
 

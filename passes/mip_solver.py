@@ -1,6 +1,6 @@
 """Running the partition MIP's solver: HiGHS (through highspy, quietly, with a cutoff and no
-MIP start) or CBC (with the warm start, its bound read from its log). Split from
-passes/_partition_mip.py (which re-exports `run_solver`) for size.
+MIP start) or CBC (with the warm start, its bound read from its log). The MIP it
+solves is built by passes/_partition_mip.py.
 
     run_solver(mip, "highs", 5.0, 1e-4, False, None)    # (status, objective, bound)
 """

@@ -60,23 +60,19 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from mobius_fx.errors import PlanError
-from mobius_fx.planning.step_model import Evaluation, PartitionProblem, SolverInfo, evaluate, tied_weights
+from mobius_fx.planning.step_model import PartitionProblem, SolverInfo, evaluate
+from mobius_fx.planning.step_memory import tied_weights
 
 from .cross_map import cross_map
-from .partition_bounds import lp_bound, stage_count_bound
 from .partition_infeasible import misfit
-from .partition_search import PartitionResult, brute_force, heuristic, plan_stage_count_candidates
+from .partition_search import PartitionResult
 from .partition_solve import solve
 
 if TYPE_CHECKING:  # pragma: no cover
     from mobius_fx.options import CompileContext
 
-__all__ = [
-    "partition_pass", "reuse_partition_pass", "cut_stages", "map_stages", "on_order", "given_partition",
-    "problem_of", "param_sizes", "input_bytes", "misfit",
-    "PartitionProblem", "PartitionResult", "Evaluation", "evaluate", "brute_force", "heuristic",
-    "solve", "plan_stage_count_candidates", "stage_count_bound", "lp_bound",
-]
+__all__ = ["partition_pass", "reuse_partition_pass", "cut_stages", "map_stages", "on_order", "given_partition",
+           "problem_of", "param_sizes", "input_bytes"]
 
 log = logging.getLogger("mobius_fx")
 

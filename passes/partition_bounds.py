@@ -8,9 +8,11 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from mobius_fx.planning.step_model import MEMORY_TOLERANCE, PartitionProblem, PrefixSums
+from mobius_fx.planning.step_model import PartitionProblem, PrefixSums
+from mobius_fx.planning.step_memory import MEMORY_TOLERANCE
 
-from ._partition_mip import build_mip, solve_relaxation
+from ._partition_mip import build_mip
+from .mip_solver import solve_relaxation
 
 __all__ = ["stage_count_bound", "lp_bound"]
 

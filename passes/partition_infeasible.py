@@ -9,7 +9,8 @@ import math
 import time
 from typing import Sequence
 
-from mobius_fx.planning.step_model import MEMORY_TOLERANCE, PartitionProblem, PrefixSums, memory_rows
+from mobius_fx.planning.step_model import PartitionProblem, PrefixSums
+from mobius_fx.planning.step_memory import MEMORY_TOLERANCE, memory_rows
 from mobius_fx.units import fmt_bytes
 
 from .partition_search import balanced_cuts, local_search

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from mobius_fx.errors import PlanError
-from mobius_fx.planning.step_model import Evaluation, PartitionProblem, PrefixSums, SolverInfo, evaluate
+from mobius_fx.planning.step_model import PartitionProblem, PrefixSums, SolverInfo, evaluate
+from mobius_fx.planning.step_timeline import Evaluation
 
 __all__ = ["PartitionResult", "result_of", "plan_stage_count_candidates", "candidates", "brute_force", "heuristic",
            "balanced_cuts", "seed_cuts", "local_search", "improve_count", "LOCAL_SEARCH_COUNTS"]

@@ -19,10 +19,12 @@ import pulp
 
 from mobius_fx.errors import PlanError
 from mobius_fx.kinds import SOLVERS
-from mobius_fx.planning.step_model import MEMORY_TOLERANCE, PartitionProblem, PrefixSums, SolverInfo, evaluate, layer_runs
+from mobius_fx.planning.step_model import PartitionProblem, PrefixSums, SolverInfo, evaluate, layer_runs
+from mobius_fx.planning.step_memory import MEMORY_TOLERANCE
 from mobius_fx.units import fmt_time
 
-from ._partition_mip import Mip, build_mip, cuts_of, run_solver, warm_start
+from ._partition_mip import Mip, build_mip, cuts_of, warm_start
+from .mip_solver import run_solver
 from .partition_bounds import lp_bound, stage_count_bound
 from .partition_infeasible import explain_infeasible
 from .partition_search import (

@@ -5,9 +5,9 @@ transfers (prefetch / evict / activation / gradient, with routes and modelled ti
 cross-mapped GPU order, the solver report and the layer costs it was made from, so that
 `simulate` and `lower_bound` need nothing else. `str(plan)` renders the tables users read.
 
-The memory model (`MemoryModel`, `stage_memory`) and the solver report (`SolverInfo`) are
-defined in `mobius_fx.planning.step_model`, the one statement of the model the planner solves, and
-re-exported here: there is exactly one definition of "a stage fits".
+The memory model (`MemoryModel`, `stage_memory`: `mobius_fx.planning.step_memory`) and the solver
+report (`SolverInfo`: `mobius_fx.planning.step_model`) are defined with the model the planner
+solves, and imported from there: there is exactly one definition of "a stage fits".
 """
 
 from __future__ import annotations
@@ -26,14 +26,15 @@ from mobius_fx.errors import MobiusError
 from mobius_fx.kinds import HOST
 from mobius_fx.precision import Precision, dtype_name, parse_dtype
 from mobius_fx.planning.schedule_ir import ScheduleIR, StageIO, build_schedule
-from mobius_fx.planning.step_model import MemoryModel, SolverInfo, stage_memory, tied_copy_bytes, tied_weights
+from mobius_fx.planning.step_model import SolverInfo
+from mobius_fx.planning.step_memory import MemoryModel, stage_memory, tied_copy_bytes, tied_weights
 from mobius_fx.units import fmt_bytes, fmt_time
 
 if TYPE_CHECKING:  # pragma: no cover
     from mobius_fx.topology.server import Topology
 
 __all__ = [
-    "Plan", "Stage", "Transfer", "SolverInfo", "MemoryModel", "stage_memory", "build_plan",
+    "Plan", "Stage", "Transfer", "build_plan",
     "TRANSFER_KINDS",
     "TRANSFER_KIND",
 ]

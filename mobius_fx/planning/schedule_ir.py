@@ -45,8 +45,7 @@ from mobius_fx.kinds import HOST
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.microbatch import check_count
 
-__all__ = ["Op", "OpKind", "StageIO", "StageInput", "ScheduleIR", "build_schedule", "neighbours", "HOST", "OP_KINDS",
-           "PHASES"]
+__all__ = ["Op", "OpKind", "StageIO", "StageInput", "ScheduleIR", "build_schedule", "neighbours", "OP_KINDS", "PHASES"]
 
 
 

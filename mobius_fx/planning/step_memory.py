@@ -1,5 +1,4 @@
-"""The memory side of the step model (`mobius_fx.planning.step_model`, which re-exports everything
-here): the bytes a stage holds on its GPU and the rules they must meet (docs/schedule.md).
+"""The memory side of the step model (`mobius_fx.planning.step_model`; import these from here): the bytes a stage holds on its GPU and the rules they must meet (docs/schedule.md).
 
 * `MemoryModel.footprint` and `stage_memory`, the (forward, backward) bytes of a stage: "a stage
   fits" for the plan tables, the partitioner, the rows of its MIP and the simulator's GPipe check;

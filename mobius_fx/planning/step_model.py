@@ -4,21 +4,20 @@ memory under a partition (docs/schedule.md writes it out in formulas).
 Every encoding of the model reads it from here, so they cannot drift apart:
 
 * memory: `MemoryModel.footprint` and `stage_memory`, the (forward, backward) bytes of a
-  stage: "a stage fits" for the plan tables (`mobius_fx.planning.plans` re-exports both), the
-  partitioner, the rows of its MIP (passes/_partition_mip.py) and the simulator's GPipe check
-  (in step_memory.py, re-exported);
+  stage: "a stage fits" for the plan tables, the partitioner, the rows of its MIP
+  (passes/_partition_mip.py) and the simulator's GPipe check (in step_memory.py);
 * the problem: `PartitionProblem`, the pure numbers a partition is solved for (no Topology);
 * stage sums: `PrefixSums` of every per-layer quantity the model reads, so a cut set's
   `StageTotals` cost O(S) (the local search) and are linear in the MIP's cut variables;
   `layer_runs`, the runs of layers the model cannot tell apart (the MIP decides over runs);
 * shared links: `SharedLink` / `shared_links`, a switch uplink several GPUs' weight uploads or
   gradient downloads cross, which carries `servers` of them at a time in the order the pipeline
-  needs them (`queue_before`, `queue_window`; in step_timeline.py, re-exported);
+  needs them (`queue_before`, `queue_window`; in step_timeline.py);
 * tied weights: `TiedWeight` / `tied_weights`, the extra copy (and gradient) a stage keeps of
   a parameter another stage's layer owns, `tied_copy_bytes` its bytes (`plans.build_plan` too;
-  in step_memory.py, re-exported);
+  in step_memory.py);
 * the timeline: `memory_violation` (the memory rules, `memory_rows`; in step_memory.py) and
-  `timeline` (least start times; in step_timeline.py), both for size, re-exported here, and
+  `timeline` (least start times; in step_timeline.py), and
   `evaluate`, the model solved exactly for fixed cuts: the reference every solver is checked on;
 * `SolverInfo`, the report of a solve, which a `Plan` carries.
 
@@ -51,21 +50,10 @@ from mobius_fx.planning.costs import LayerCost
 from mobius_fx.errors import PlanError
 from mobius_fx.planning.microbatch import check_count
 from mobius_fx.precision import Precision
-from mobius_fx.planning.step_memory import (
-    MEMORY_TOLERANCE, MemoryModel, TiedWeight, memory_rows, memory_violation, stage_memory, tied_copy_bytes, tied_weights,
-)
-from mobius_fx.planning.step_timeline import (
-    Evaluation, LinkLoad, SharedLink, Timeline, copy_terms, freed, link_loads, link_time, queue_before, queue_window, shared_links,
-    slot_bytes, timeline, UPLOADS_PER_DOWNLOAD,
-)
+from mobius_fx.planning.step_memory import MemoryModel, TiedWeight, memory_violation, stage_memory, tied_copy_bytes
+from mobius_fx.planning.step_timeline import Evaluation, LinkLoad, SharedLink, link_loads, shared_links, timeline
 
-__all__ = [
-    "MEMORY_TOLERANCE", "SolverInfo", "MemoryModel", "stage_memory", "TiedWeight", "tied_weights", "tied_copy_bytes", "SharedLink",
-    "shared_links", "queue_before", "queue_window", "freed", "LinkLoad", "link_loads", "copy_terms", "slot_bytes", "link_time",
-    "PartitionProblem", "Evaluation",
-    "StageTotals", "PrefixSums", "layer_runs", "memory_rows", "memory_violation", "Timeline", "timeline", "evaluate",
-    "UPLOADS_PER_DOWNLOAD",
-]
+__all__ = ["SolverInfo", "PartitionProblem", "StageTotals", "PrefixSums", "layer_runs", "evaluate"]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The timeline of the step model (`mobius_fx.planning.step_model`, which re-exports everything here):
+"""The timeline of the step model (`mobius_fx.planning.step_model`; import these from here):
 the least start times of docs/schedule.md for fixed stages, the records they come in, and the
 shared links whose copies queue (`SharedLink`, `shared_links`, `queue_before`).
 

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.utils._sympy.value_ranges import ValueRanges
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.tracing import forward_signature, input_guards
+from mobius_fx.export_front import forward_signature, input_guards
 
 __all__ = ["Call", "CallForm", "bind_call", "check_shapes"]
 
@@ -114,7 +115,7 @@ def _typed_kwargs(p: inspect.Parameter) -> frozenset[str] | None:
     return None
 
 
-def _absent(value: Any, default: Any) -> bool:
+def _absent(value: object, default: object) -> bool:
     """None (for an argument whose default is None or that has none), or a non-tensor equal to
     its default: what forward does without the argument."""
     if value is None:
@@ -129,7 +130,7 @@ def _absent(value: Any, default: Any) -> bool:
         return False
 
 
-def _describe(value: Any, typed: bool) -> Any:
+def _describe(value: object, typed: bool) -> Any:
     leaves, spec = pytree.tree_flatten(value)
     out = []
     for x in leaves:
@@ -260,7 +261,7 @@ def check_shapes(gm: fx.GraphModule, flat: list, labels: list[str]) -> str | Non
     return None
 
 
-def _bounds(vr: Any) -> tuple[float, float]:
+def _bounds(vr: ValueRanges | None) -> tuple[float, float]:
     if vr is None:
         return 0, math.inf
     out = []

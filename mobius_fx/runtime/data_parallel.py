@@ -26,7 +26,7 @@ A rank that fails or hangs makes the others' collective fail after the process g
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from mobius_fx.runtime.host_gradients import host_gradient
 __all__ = ["GradientReducer", "default_group"]
 
 
-def default_group(process_group: Any) -> Any:
+def default_group(process_group: dist.ProcessGroup | bool | None) -> dist.ProcessGroup | None:
     """The process group `compile(process_group=...)` means: the one given; the world group
     when None and torch.distributed is initialised with more than one rank; else no data
     parallelism (returns None). `False` turns it off."""
@@ -56,7 +56,7 @@ def default_group(process_group: Any) -> Any:
 class GradientReducer:
     """Averages complete stage gradients across the ranks of `group` (see the module docstring)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from mobius_fx.planning.stage_contract import StageSpec
+
 __all__ = ["traced_device", "rewrite_graph", "rewritten_body", "place_stage", "weight_places", "named_tensors",
            "moved_device", "copy_graph", "COMPUTE_OPS"]
 
@@ -40,7 +42,7 @@ def traced_device(gm: fx.GraphModule) -> torch.device:
     return torch.device("cpu")
 
 
-def _as_device(value: Any) -> torch.device | None:
+def _as_device(value: object) -> torch.device | None:
     if isinstance(value, torch.device):
         return value
     if isinstance(value, str):
@@ -51,7 +53,7 @@ def _as_device(value: Any) -> torch.device | None:
     return None
 
 
-def _same(value: Any, src: torch.device) -> bool:
+def _same(value: object, src: torch.device) -> bool:
     """Whether `value` (a device or its name) names `src`; a device without an index ("cuda")
     names any index of its type."""
     d = _as_device(value)
@@ -203,7 +205,7 @@ def _set_module(root: torch.nn.Module, target: str, module: torch.nn.Module) -> 
     owner._modules[name] = module
 
 
-def weight_places(spec: Any) -> set[str]:
+def weight_places(spec: StageSpec) -> set[str]:
     return {f"{path}.{attr}" if path else attr for w in spec.weights for path, attr in w.slots}
 
 
@@ -219,7 +221,7 @@ def moved_device(name: str, t: torch.Tensor, weights: set[str], src: torch.devic
     return t.device
 
 
-def place_stage(spec: Any, src: torch.device, dst: torch.device) -> list[str]:
+def place_stage(spec: StageSpec, src: torch.device, dst: torch.device) -> list[str]:
     """Bind stage `spec`'s graph to `dst`: `rewrite_graph` on its graph (recompiled when it
     changed) and its tensor constants that are not weights moved to `dst` when on `src`.
     Returns what changed (node names, then attribute names)."""

@@ -1,7 +1,7 @@
 """The runtime: runs a compiled Mobius schedule, forward by its program and backward by autograd.
 
 `mobius_fx.build.build_pipeline` cuts the traced graph into stages (`passes.insert_transfers`),
-emits the program (`passes.emit`, calling the ops of `mobius_fx.runtime.program_ops`) and returns a `Pipeline`,
+emits the program (`passes.emit`, calling the ops of `mobius_fx.planning.stage_contract`) and returns a `Pipeline`,
 an `nn.Module` you call like the model; this module holds the state those ops act on and
 imports nothing from the passes:
 
@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+import torch.fx as fx
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from mobius_fx.runtime import host_threads
@@ -71,6 +72,8 @@ from mobius_fx.planning.microbatch import batch_rows
 from mobius_fx.runtime.microbatch_outputs import combine, guess_kind
 from mobius_fx.planning.microbatch import split as split_inputs
 from mobius_fx.runtime.streams import PENDING, tick
+from mobius_fx.planning.schedule_ir import ScheduleIR
+from mobius_fx.planning.stage_contract import Schedule
 
 __all__ = ["Runtime", "batch_rows"]
 
@@ -79,7 +82,7 @@ log = logging.getLogger("mobius_fx")
 class Runtime(StageCalls):
     """Executes the schedule ops on the devices, for one Pipeline."""
 
-    def __init__(self, schedule: Any, devices: dict[str, Device], masters: list[list[torch.Tensor]],
+    def __init__(self, schedule: Schedule, devices: dict[str, Device], masters: list[list[torch.Tensor]],
                  precision: Precision) -> None:
         self.schedule = schedule
         self.m = schedule.microbatches
@@ -118,7 +121,7 @@ class Runtime(StageCalls):
         self.executed.append((kind, self.stages[k].device.name, k, phase, i))
         self.stamps.append(tick())
 
-    def _plan_slots(self, ir: Any) -> dict[tuple[int, str], int]:
+    def _plan_slots(self, ir: ScheduleIR) -> dict[tuple[int, str], int]:
         """Walk each GPU's ops in the IR's order, giving each prefetched stage the first slot
         free then: the slots' count is the IR's resident stages on the GPU, each sized for the
         largest stage it takes; tell each device (`Device.plan_slots`) and return the slot of
@@ -193,7 +196,7 @@ class Runtime(StageCalls):
                 return dev
         return None
 
-    def send(self, value: Any, gpu: str, stage: int | None = None) -> Any:
+    def send(self, value: object, gpu: str, stage: int | None = None) -> Any:
         if isinstance(value, torch.Tensor):
             return self._send(value, gpu, stage)
         if isinstance(value, (int, float, bool, str, type(None))):
@@ -260,7 +263,7 @@ class Runtime(StageCalls):
         if graph is not None:
             reach: dict[Any, bool] = {}
 
-            def floating(node: Any) -> bool | None:
+            def floating(node: fx.Node) -> bool | None:
                 val = node.meta.get("val", node.meta.get("tensor_meta"))
                 dtype = getattr(val, "dtype", None)
                 return None if dtype is None else (dtype.is_floating_point or dtype.is_complex)
@@ -418,7 +421,7 @@ class Runtime(StageCalls):
                 dev.untrack_all()
 
 
-def _thaw(x: Any) -> Any:
+def _thaw(x: object) -> Any:
     """fx hands structured args over as immutable_list/immutable_dict; give users plain ones."""
     if isinstance(x, immutable_list):
         return [_thaw(v) for v in x]

@@ -36,7 +36,6 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -91,7 +90,7 @@ def watch_masters(masters: Iterable[torch.Tensor]) -> None:
         _MASTERS[id(m)] = m
 
 
-def masters_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+def masters_stepped(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """The global step post-hook `watch_optimizer_steps` installs: the pipeline masters `optimizer`
     stepped (those with a gradient) get a new version (the optimizer overlap calls it after each
     of its own, hook-less, calls of the step)."""

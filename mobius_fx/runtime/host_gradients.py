@@ -11,8 +11,7 @@ a stage's gradients are all finite. Every pass over host memory is counted
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -50,7 +49,7 @@ def _alone(t: torch.Tensor) -> bool:
     return sys.getrefcount(t) <= 3 and torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
 
 
-def host_gradient(master: torch.Tensor, thunks: Sequence[Any], homes: GradHomes | None = None) -> torch.Tensor | None:
+def host_gradient(master: torch.Tensor, thunks: Sequence[Callable[[], torch.Tensor | None]], homes: GradHomes | None = None) -> torch.Tensor | None:
     """A master's host gradient: the downloads of every stage that holds it (each thunk gives
     one, in the streamed dtype, or None), summed in order in the master's dtype on its device;
     None when there is none. The runtime (`_gradients`), the optimizer overlap and the

@@ -81,6 +81,7 @@ from typing import Any, Callable
 import torch
 
 from mobius_fx.errors import MobiusError
+from mobius_fx.runtime.device_books import Device
 
 __all__ = ["HostThreadPlan", "plan", "plan_for", "configure", "cores", "worker", "start_thread", "copying",
            "size_uploads", "FIELDS", "HostLoad", "steer", "release", "STEER_EVERY"]
@@ -148,7 +149,7 @@ def _parse_env() -> dict[str, int]:
     return out
 
 
-def _check(key: str, value: Any, where: str) -> None:
+def _check(key: str, value: object, where: str) -> None:
     if key not in FIELDS:
         raise MobiusError(f"{where}: unknown host thread role {key!r}; the plan has {', '.join(FIELDS)} "
                           f"(e.g. {_ENV}=\"optimizer=2,grads=0\")")
@@ -188,14 +189,14 @@ def plan(gpus: int = 0, host_compute: bool = True, *, main: int | None = None, n
                           interop=given.get("interop", 1), steer=given.get("steer", 1), free=free)
 
 
-def _shape(devices: Iterable[Any]) -> tuple[int, bool]:
+def _shape(devices: Iterable[Device]) -> tuple[int, bool]:
     devices = list(devices)
     streamed = sum(1 for d in devices if hasattr(d, "upload_stream"))
     host_compute = any(getattr(d, "kind", "") != "cuda" for d in devices) or not devices
     return streamed, host_compute
 
 
-def plan_for(devices: Iterable[Any]) -> HostThreadPlan:
+def plan_for(devices: Iterable[Device]) -> HostThreadPlan:
     """The plan for a pipeline running on these devices (`mobius_fx.runtime.devices`), on the
     cores other processes leave free (as the last `steer` measured them; all before any step)."""
     streamed, host_compute = _shape(devices)
@@ -257,7 +258,7 @@ class _Steering:
 _steering = _Steering()
 
 
-def steer(devices: Iterable[Any], *, busy_elsewhere: float | None = None, now: float | None = None) -> HostThreadPlan:
+def steer(devices: Iterable[Device], *, busy_elsewhere: float | None = None, now: float | None = None) -> HostThreadPlan:
     """Set the calling (pipeline) thread's torch intra-op count to the plan's `main` for the
     cores other processes leave free, looking at the host's load at most every `STEER_EVERY`
     seconds (`busy_elsewhere`: given instead of measured, for tests), and torch's inter-op count to
@@ -333,7 +334,7 @@ def worker(name: str, threads: int) -> ThreadPoolExecutor:
     return ex
 
 
-def start_thread(target: Callable[..., Any], args: tuple, name: str, threads: int = 1) -> threading.Thread:
+def start_thread(target: Callable[..., object], args: tuple, name: str, threads: int = 1) -> threading.Thread:
     """Start a daemon thread running `target(*args)` with `threads` intra-op threads (as `worker`)."""
     started = threading.Event()
 

@@ -38,7 +38,7 @@ from mobius_fx.planning.loss_ratios import op_name as _name
 from mobius_fx.planning import sequence_first
 from mobius_fx.planning.microbatch import ambiguous, batch_rows, is_split, split
 
-__all__ = ["Semantics", "analyse", "combine", "guess_kind", "prepare", "REMEDY"]
+__all__ = ["Semantics", "OutputKind", "analyse", "combine", "guess_kind", "prepare", "REMEDY"]
 
 log = logging.getLogger("mobius_fx")
 
@@ -62,6 +62,9 @@ _META_ONLY = {"new_ones", "new_zeros", "new_full", "new_empty", "new_tensor", "z
               "full_like", "size", "dim", "numel"}  # read a tensor's shape, dtype or device, not its values
 _ALONG = {"softmax", "log_softmax", "_softmax", "_log_softmax", "cumsum", "cumprod", "cummax", "cummin",
           "logcumsumexp", "sort", "argsort", "topk", "normalize", "flip", "roll", "Softmax", "LogSoftmax"}
+
+# How an output combines across micro-batches (`analyse`): "same", "sum", "min", "ratio", ..., or ("cat", dim).
+OutputKind = str | tuple[str, int]
 
 
 def prepare(runtime: Any, gm: fx.GraphModule, flat: list, m: int, marks: Mapping[int, bool],
@@ -87,7 +90,7 @@ def prepare(runtime: Any, gm: fx.GraphModule, flat: list, m: int, marks: Mapping
                     "\"Micro-batch semantics\")", sem.why, m)
 
 
-def combine(kind: Any, leaves: list) -> Any:
+def combine(kind: OutputKind, leaves: list) -> Any:
     """One output from its micro-batches' values, by its kind (`analyse`)."""
     if kind == "same" or not isinstance(leaves[0], torch.Tensor):
         return leaves[0]
@@ -107,7 +110,7 @@ def combine(kind: Any, leaves: list) -> Any:
     raise MobiusError(f"internal: no rule combines outputs of kind {kind!r}")
 
 
-def guess_kind(x: Any, mb_rows: int) -> Any:
+def guess_kind(x: object, mb_rows: int) -> OutputKind:
     """The combination when the graph could not be analysed: concatenate dim 0 of the size of a
     micro-batch, else average floating values, else micro-batch 0 (README: warned once)."""
     if not isinstance(x, torch.Tensor):
@@ -127,7 +130,7 @@ class Semantics:
     why: str = ""
 
 
-def _arg(node: fx.Node, gm: fx.GraphModule, name: str, default: Any) -> Any:
+def _arg(node: fx.Node, gm: fx.GraphModule, name: str, default: object) -> Any:
     """Argument `name` of a call node, positional or keyword (None when it cannot be read)."""
     if name in node.kwargs:
         return node.kwargs[name]
@@ -147,11 +150,11 @@ def _arg(node: fx.Node, gm: fx.GraphModule, name: str, default: Any) -> Any:
     return default
 
 
-def _shape(v: Any) -> tuple | None:
+def _shape(v: object) -> tuple | None:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def _scaled(a: Any, b: Any) -> list[int] | None:
+def _scaled(a: object, b: object) -> list[int] | None:
     """Dims whose size differs between the whole-batch value `a` and the micro-batch value `b`."""
     sa, sb = _shape(a), _shape(b)
     if sa is None or sb is None:

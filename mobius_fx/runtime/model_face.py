@@ -72,7 +72,7 @@ class ModelFace:
                 return getattr(model, name)
             raise
 
-    def activation_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
+    def activation_checkpointing_enable(self, *args: object, **kwargs: object) -> None:
         """A no-op (Trainer's `activation_checkpointing=True`): each stage's forward is already
         recomputed in its backward, from the stage's saved inputs."""
         log.info("activation checkpointing: a pipeline already recomputes each stage's forward in its backward; "
@@ -86,7 +86,7 @@ class ModelFace:
         kinds = {d.torch_device.type for d in self._rt.devices.values()}
         return device.type == "cuda" and kinds == {"cuda"}
 
-    def to(self, *args: Any, **kwargs: Any) -> Any:
+    def to(self, *args: object, **kwargs: object) -> Any:
         """A no-op to a device the pipeline lives on (see the module docstring); anything else is
         refused: the pipeline copies the master weights to its GPUs itself."""
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
@@ -102,7 +102,7 @@ class ModelFace:
     def cpu(self) -> Any:
         return self
 
-    def cuda(self, device: Any = None) -> Any:
+    def cuda(self, device: int | str | torch.device | None = None) -> Any:
         return self.to(torch.device("cuda" if device is None else device if not isinstance(device, int)
                                     else f"cuda:{device}"))
 
@@ -120,12 +120,12 @@ def _aliases(pipe: nn.Module) -> dict[str, str]:
     return out
 
 
-def _drop_aliases(pipe: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+def _drop_aliases(pipe: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
     for alias in _aliases(pipe):
         state.pop(prefix + alias, None)
 
 
-def _fill_aliases(pipe: nn.Module, state: dict, prefix: str, *rest: Any) -> None:
+def _fill_aliases(pipe: nn.Module, state: dict, prefix: str, *rest: object) -> None:
     for alias, kept in _aliases(pipe).items():
         if prefix + alias not in state and prefix + kept in state:
             state[prefix + alias] = state[prefix + kept]

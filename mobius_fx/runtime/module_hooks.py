@@ -25,6 +25,7 @@ else a hook is either compiled into the graph or not run at all:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -45,13 +46,13 @@ def _keys(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
     return tuple(tuple(k for k, h in (getattr(module, attr, None) or {}).items() if not _own(h)) for attr, _ in KINDS)
 
 
-def _own(hook: Any) -> bool:
+def _own(hook: Callable[..., object]) -> bool:
     fn = getattr(hook, "__func__", hook)
     module = getattr(fn, "__module__", None) or type(fn).__module__
     return module.startswith("mobius_fx.") and not module.startswith("mobius_fx.zoo")
 
 
-def _name(hook: Any) -> str:
+def _name(hook: Callable[..., object]) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__name__
 
 
@@ -84,7 +85,7 @@ class HookState:
                                       f"graph, which goes on computing it. Compile the model again after removing it")
 
     @staticmethod
-    def _refuse(path: str, module: nn.Module, attr: str, kind: str, key: Any, verb: str) -> None:
+    def _refuse(path: str, module: nn.Module, attr: str, kind: str, key: int, verb: str) -> None:
         hook = _name(getattr(module, attr).get(key))
         where = f"`{path}` ({type(module).__name__})" if path else f"the top-level model ({type(module).__name__})"
         when = "after compile" if verb.startswith("was") else "at compile"

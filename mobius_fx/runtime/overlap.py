@@ -259,7 +259,7 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
         self.inner.add_param_group(param_group)
 
     # ------------------------------------------------------------------ workers
-    def _submit(self, executor: ThreadPoolExecutor | None, fn: Callable[[], Any]) -> Future:
+    def _submit(self, executor: ThreadPoolExecutor | None, fn: Callable[[], object]) -> Future:
         """Run `fn` on `executor`'s worker, or now on this thread when the plan has none (an
         error is kept for step() either way)."""
         if executor is not None:
@@ -269,7 +269,7 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
         done.set_result(None)
         return done
 
-    def _guarded(self, fn: Callable[[], Any]) -> None:
+    def _guarded(self, fn: Callable[[], object]) -> None:
         if self._error is not None:
             return
         try:
@@ -339,7 +339,7 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
                         "handed over during backward, as their stages complete; the update then runs after your "
                         "code, on the gradients it leaves, exactly as a serial step): %s", why)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], object] | None = None) -> Any:  # type: ignore[override]
         """Finish this step's update (sync) or launch it (async); see the module docstring."""
         serial = self.mode == "sync" and self._serial is not None
         if closure is not None and not serial:

@@ -5,8 +5,6 @@ See mobius_fx/runtime/overlap.py."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -31,7 +29,7 @@ class AsyncUpdate:
         self._handles += [p.register_hook(WeakHook(self, "_arriving", p)) for p in self._params()
                           if p.requires_grad]
 
-    def _reading(self, *_: Any) -> None:
+    def _reading(self, *_: object) -> None:
         """A (load_)state_dict and forward pre-hook on the model (async): its weights are read or
         replaced, so the update in flight lands first. Not while torch.export traces the model (a
         variant compiled for a new call): it runs on fake tensors then, and a weight swap there

@@ -23,7 +23,7 @@ import torch
 from mobius_fx.runtime.device_books import nbytes
 from mobius_fx.runtime.host_counters import COUNTERS
 from mobius_fx.runtime import host_optimizer
-from mobius_fx.runtime.host_gradients import convert_span
+from mobius_fx.runtime.host_gradients import GradHomes, convert_span
 from mobius_fx.runtime.overlap_watch import raw_step, stepped_masters
 
 __all__ = ["FusedStep", "UNIT", "SPAN_UNITS", "SPAN", "HOST_PASS"]
@@ -71,7 +71,7 @@ def _raw_step(cls: type) -> Callable[[Any], Any] | None:
 class FusedStep:
     """`OverlapOptimizer`'s span-by-span step of a stage (`_step_fused`, called by `ready`)."""
 
-    def _fusable(self, p: torch.Tensor, gs: list[torch.Tensor], group: dict, homes: Any) -> bool:
+    def _fusable(self, p: torch.Tensor, gs: list[torch.Tensor], group: dict, homes: GradHomes | None) -> bool:
         """Whether `p` can be handed over and stepped span by span (`_step_fused`): its downloads
         need a conversion into a fresh `.grad` (a gradient home), the optimizer is one whose
         update is elementwise and whose state for `p` is made (`_CHUNKED`), and every tensor is
@@ -99,7 +99,7 @@ class FusedStep:
         return True
 
     def _step_fused(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict],
-                    homes: Any) -> None:
+                    homes: GradHomes | None) -> None:
         """Hand over and step a stage's parameters in one pass (`ready`, finiteness known from the
         GPUs): for the parameters `_fusable` allows, span by span (`_span()` elements), the
         downloaded gradient is converted into the span of `.grad` (its home, kept across steps)
@@ -138,7 +138,7 @@ class FusedStep:
         rest = {id(p) for p, _ in whole}
         written: list[tuple[torch.Tensor, list]] = []
 
-        def body(opt: torch.optim.Optimizer, *_: Any, **__: Any) -> None:
+        def body(opt: torch.optim.Optimizer, *_: object, **__: object) -> None:
             with torch.no_grad():
                 if rest:
                     raw(self._sub([{**g, "params": [p for p in g["params"] if id(p) in rest]} for g in hp]))
@@ -153,7 +153,7 @@ class FusedStep:
             entry[4] = (p.data_ptr(), p._version)
 
     def _chunks(self, fused: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict], where: dict[int, int],
-                homes: Any, raw: Callable[[Any], Any]) -> None:
+                homes: GradHomes | None, raw: Callable[[torch.optim.Optimizer], object]) -> None:
         """`_step_fused`'s spans: batches of at most `_span()` elements (one span of a large
         parameter, or several small parameters), each converted then stepped."""
         state = self.inner.state
@@ -192,7 +192,7 @@ class FusedStep:
                     state[p][k].copy_(v)
 
     # ------------------------------------------------------------------ the fused host pass
-    def _passable(self, p: torch.Tensor, gs: list[torch.Tensor], group: dict, homes: Any) -> str | None:
+    def _passable(self, p: torch.Tensor, gs: list[torch.Tensor], group: dict, homes: GradHomes | None) -> str | None:
         """The host pass's kind for `p` (`_fusable` already holds), or None: the pass is on and
         built, the optimizer and group are ones it steps as torch does (`host_optimizer.kind_of`),
         one download, an fp32 master with its state made, every tensor aligned."""
@@ -221,7 +221,7 @@ class FusedStep:
         return None
 
     def _host_pass(self, passed: list[tuple[torch.Tensor, list[torch.Tensor], str]], hp: list[dict],
-                   where: dict[int, int], homes: Any) -> list[tuple[torch.Tensor, list]]:
+                   where: dict[int, int], homes: GradHomes | None) -> list[tuple[torch.Tensor, list]]:
         """Step each parameter in one pass (`host_optimizer.step_span`): the download in, the
         master, torch's state, `.grad` (its home) and the streamed copy out. Returns the
         (parameter, streamed-copy entry) pairs it wrote, for `_step_fused` to mark current."""

@@ -5,7 +5,7 @@ or autograd shows the step must wait for every gradient. See mobius_fx/runtime/o
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -15,7 +15,7 @@ from mobius_fx.runtime.host_counters import COUNTERS
 from mobius_fx.runtime.overlap_watch import (
     WeakHook, accumulator, engine_accumulates, fingerprint, has_grad_hooks, hyper_params, pre_hooks,
 )
-from mobius_fx.runtime.host_gradients import sum_downloads
+from mobius_fx.runtime.host_gradients import GradHomes, sum_downloads
 
 __all__ = ["GradHandover"]
 
@@ -160,7 +160,7 @@ class GradHandover:
 
         self._steps.append(self._submit(self._stepper, step))
 
-    def _hand(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], homes: Any) -> None:
+    def _hand(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], homes: GradHomes | None) -> None:
         """The downloaded gradients into `.grad`: summed into the master's home (`GradHomes`)
         when `.grad` is None, else added into the `.grad` the loop kept (it accumulates)."""
         with torch.no_grad():

@@ -36,11 +36,11 @@ class WeakHook:
     or pickling the model it hangs on (`copy.deepcopy(model)` for a best-model copy,
     `torch.save(model)`) gives an inert hook: the copy is not the overlap's."""
 
-    def __init__(self, owner: Any, method: str, *args: Any) -> None:
+    def __init__(self, owner: object, method: str, *args: object) -> None:
         self._ref = weakref.ref(owner) if owner is not None else None
         self._method, self._args = method, args
 
-    def __call__(self, *a: Any) -> Any:
+    def __call__(self, *a: object) -> Any:
         owner = self._ref() if self._ref is not None else None
         if owner is not None:
             return getattr(owner, self._method)(*self._args, *a)
@@ -59,7 +59,7 @@ def accumulator(p: torch.Tensor) -> Any:
         return p.view_as(p).grad_fn.next_functions[0][0]
 
 
-def engine_accumulates(node: Any) -> bool:
+def engine_accumulates(node: torch.autograd.graph.Node) -> bool:
     """True when the backward pass running now will accumulate into this leaf's `.grad`:
     `loss.backward()` and `backward(inputs=[... p ...])` do; `torch.autograd.grad` does not (torch
     refuses to answer for leaves there, which means no)."""
@@ -100,7 +100,7 @@ def hyper_params(groups: list[dict]) -> list[dict]:
 
 
 def same_hyper(a: list[dict], b: list[dict]) -> bool:
-    def same(x: Any, y: Any) -> bool:
+    def same(x: object, y: object) -> bool:
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
         return x == y

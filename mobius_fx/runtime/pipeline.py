@@ -1,5 +1,5 @@
 """The `Pipeline`: the `nn.Module` a compiled model becomes. Calling it runs the schedule's
-program (mobius_fx.runtime.program_ops on a `runtime.Runtime`); `mobius_fx.build.build_pipeline` builds it.
+program (the ops of mobius_fx.planning.stage_contract on a `runtime.Runtime`); `mobius_fx.build.build_pipeline` builds it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from torch import nn
 
 from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.errors import MobiusError
-from mobius_fx.runtime.program_ops import running
+from mobius_fx.planning.plans import Plan
+from mobius_fx.planning.stage_contract import Schedule, running
 from mobius_fx.kinds import OVERLAP_DEFAULT, OVERLAP_MODES
 from mobius_fx.planning.microbatch import batch_rows, declared
 from mobius_fx.runtime.microbatch_outputs import prepare
@@ -53,8 +54,8 @@ class Pipeline(ModelFace, nn.Module):
     pipe.memory_stats()["gpu0"]  # {'peak_bytes': ..., 'current_bytes': 0}
     """
 
-    def __init__(self, model: nn.Module, gm: fx.GraphModule, schedule: Any, program: fx.GraphModule,
-                 runtime: Runtime, plan: Any, code: str) -> None:
+    def __init__(self, model: nn.Module, gm: fx.GraphModule, schedule: Schedule, program: fx.GraphModule,
+                 runtime: Runtime, plan: Plan | None, code: str) -> None:
         super().__init__()
         self.model = model
         self.plan = plan
@@ -70,7 +71,7 @@ class Pipeline(ModelFace, nn.Module):
         runtime.watch(model)
         self._show_model(model)  # forward's signature, config, .to(own device): runtime/model_face.py
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         """Run the schedule on this call's inputs. One call at a time: a pipeline's GPU slots,
         streams and step book-keeping belong to the step in progress, so a second call from
         another thread (or from inside the first) is refused, not interleaved with it."""
@@ -157,7 +158,7 @@ class Pipeline(ModelFace, nn.Module):
                       f"{other} mode (a pipeline per mode), or make it traceable by torch.fx, whose graphs follow "
                       f"train()/eval()", stacklevel=3)
 
-    def train_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+    def train_step(self, *args: object, target: object = None, **kwargs: object) -> torch.Tensor:
         """Forward, the loss and backward of one batch, with the loss on the last stage: only the
         loss leaves the GPUs, never the outputs it is computed from (an LLM's logits).
 
@@ -170,7 +171,7 @@ class Pipeline(ModelFace, nn.Module):
         (mobius_fx/train_step.py), on this pipeline's devices, with its optimizer overlap."""
         return self._train_step(args, kwargs, target)
 
-    def _train_step(self, args: tuple, kwargs: dict, target: Any, scale: float = 1.0) -> torch.Tensor:
+    def _train_step(self, args: tuple, kwargs: dict, target: object, scale: float = 1.0) -> torch.Tensor:
         """`train_step`, its backward from `scale` x the loss (HF Trainer's gradient accumulation:
         mobius_fx/trainer.py); the loss it returns is not scaled."""
         step = self.__dict__.get("_step")

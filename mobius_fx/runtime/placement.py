@@ -44,12 +44,12 @@ import torch.utils._pytree as pytree
 
 from mobius_fx.errors import MobiusError
 from mobius_fx.runtime.device_rewrite import (
-    COMPUTE_OPS, copy_graph, moved_device, named_tensors, place_stage, rewrite_graph, rewritten_body, traced_device, weight_places,
+    COMPUTE_OPS, copy_graph, moved_device, named_tensors, rewrite_graph, rewritten_body, weight_places,
 )
 from mobius_fx.planning.microbatch import divides
+from mobius_fx.planning.stage_contract import Schedule
 
-__all__ = ["traced_device", "rewrite_graph", "place_stage", "check_placement", "example_spec", "Placement",
-           "target_devices", "sent_device"]
+__all__ = ["check_placement", "example_spec", "Placement", "target_devices", "sent_device"]
 
 log = logging.getLogger("mobius_fx")
 
@@ -70,17 +70,17 @@ def sent_device(value: torch.device, to: torch.device | None) -> torch.device:
     return value if to is None else to
 
 
-def example_spec(flat: Sequence[Any]) -> list[Any]:
+def example_spec(flat: Sequence[object]) -> list[Any]:
     """The example inputs as `check_placement` needs them: shapes, strides and dtypes on the
     meta device (no memory held), non-tensors as they are."""
-    def meta(x: Any) -> Any:
+    def meta(x: object) -> Any:
         if isinstance(x, torch.Tensor):
             return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
         return x
     return [pytree.tree_map(meta, x) for x in flat]
 
 
-def _microbatch(flat: Sequence[Any], m: int) -> list[Any]:
+def _microbatch(flat: Sequence[object], m: int) -> list[Any]:
     """Micro-batch 0 of the inputs, split as the runtime splits them (`Runtime.split`: dim 0 of
     the first tensor input with a dimension is the batch; build_pipeline refused a batch that
     does not split)."""
@@ -90,7 +90,7 @@ def _microbatch(flat: Sequence[Any], m: int) -> list[Any]:
         return list(flat)
     mb = rows // m
 
-    def part(x: Any) -> Any:
+    def part(x: object) -> Any:
         return x[:mb] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.size(0) == rows else x
     return [pytree.tree_map(part, x) for x in flat]
 
@@ -108,7 +108,7 @@ def _is_device_error(e: BaseException) -> bool:
     return isinstance(e, FakeTensorDeviceMismatchError) or bool(_DEVICE_ERROR.search(str(e)))
 
 
-def _devices_of(values: Iterable[Any]) -> list[str]:
+def _devices_of(values: Iterable[object]) -> list[str]:
     out: list[str] = []
     for x in pytree.tree_leaves(list(values)):
         d = None
@@ -161,7 +161,7 @@ class _Replay(fx.Interpreter):
             self.count += 1
         return out
 
-    def _foreign(self, v: Any) -> bool:
+    def _foreign(self, v: object) -> bool:
         return isinstance(v, torch.Tensor) and v.device != self.device and not (v.dim() == 0 and v.device.type == "cpu")
 
     def _origin(self, a: fx.Node) -> fx.Node:
@@ -199,7 +199,7 @@ class _Replay(fx.Interpreter):
         """An op fake tensors cannot run on the fake device (a kernel that needs the real
         backend, a data-dependent size): its result's shapes from the meta device, placed on
         the stage's device (where every input it got already was: no clash was raised)."""
-        def meta(x: Any) -> Any:
+        def meta(x: object) -> Any:
             if isinstance(x, torch.Tensor) and not (x.dim() == 0 and x.device.type == "cpu"):
                 return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
             return x
@@ -211,14 +211,14 @@ class _Replay(fx.Interpreter):
             self.stuck = f"node `{n.format_node()}` ({type(e).__name__}: {str(e).strip().splitlines()[0]})"
             raise _Unreplayable(self.stuck) from again
 
-        def back(x: Any) -> Any:
+        def back(x: object) -> Any:
             if isinstance(x, torch.Tensor) and x.device.type == "meta":
                 return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=self.device)
             return x
         return pytree.tree_map(back, out)
 
 
-def check_placement(schedule: Any, example: Sequence[Any] | None, devices: Mapping[str, torch.device],
+def check_placement(schedule: Schedule, example: Sequence[object] | None, devices: Mapping[str, torch.device],
                     traced: torch.device) -> int:
     """Replay every stage of `schedule` on `devices[stage.gpu]` under fake tensors (see the
     module docstring), `example` being the flat example inputs (`example_spec`) and `traced`
@@ -242,7 +242,7 @@ def check_placement(schedule: Any, example: Sequence[Any] | None, devices: Mappi
         for spec in schedule.stages:
             dev = torch.device(devices[spec.gpu])
 
-            def to_stage(x: Any) -> Any:  # the runtime's send: every tensor a stage gets is copied to its device
+            def to_stage(x: object) -> Any:  # the runtime's send: every tensor a stage gets is copied to its device
                 if isinstance(x, torch.Tensor):
                     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=dev)
                 return sent_device(x, dev) if isinstance(x, torch.device) else x

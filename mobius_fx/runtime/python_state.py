@@ -28,6 +28,7 @@ microseconds for a few hundred modules.
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ _TORCH_KEYS = frozenset(nn.Module().__dict__) | {"training"}
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
-def plain(value: Any, depth: int = 0) -> Any:
+def plain(value: object, depth: int = 0) -> Any:
     """A comparable frozen copy of a plain Python value, `_NOT_PLAIN` for anything else
     (tensors, modules, functions, configs). NaN compares equal to NaN."""
     if isinstance(value, _SCALARS):
@@ -87,7 +88,7 @@ def reads_training(module: nn.Module) -> bool:
     """Whether code of the module's own classes (not torch's) reads an attribute `training`
     (`if self.training:`, `dropout_p=self.p if self.training else 0.0`): torch.fx bakes such a
     read of a module it traces through into its graph, so that train()/eval() no longer reach it."""
-    def names(code: Any) -> bool:
+    def names(code: types.CodeType) -> bool:
         return "training" in code.co_names or any(names(c) for c in code.co_consts if hasattr(c, "co_names"))
 
     for cls in type(module).__mro__:
@@ -133,7 +134,7 @@ class PythonState:
                         self._refuse(path, module, key, before, value)
 
     @staticmethod
-    def _refuse(path: str, module: nn.Module, key: str, old: Any, new: Any) -> None:
+    def _refuse(path: str, module: nn.Module, key: str, old: object, new: object) -> None:
         name = f"{path}.{key}" if path else key
         now = "deleted" if new is _MISSING else f"is {new!r} now"
         raise MobiusError(

@@ -63,7 +63,7 @@ def _own(st: StageState, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def rebuild(leaves: list, pos: list[int], tensors: Sequence[torch.Tensor], spec: Any) -> Any:
+def rebuild(leaves: list, pos: list[int], tensors: Sequence[torch.Tensor], spec: pytree.TreeSpec) -> Any:
     out = list(leaves)
     for j, t in zip(pos, tensors):
         out[j] = t
@@ -237,7 +237,7 @@ class StageCalls:
             return OnHost(ref[1], ref[1]._version)
         return dev.offload(t)
 
-    def _restore(self, dev: Device, saved: Any) -> torch.Tensor:
+    def _restore(self, dev: Device, saved: object) -> torch.Tensor:
         if not isinstance(saved, OnHost):
             return dev.restore(saved)
         if saved.host._version != saved.version:

@@ -10,9 +10,11 @@ import weakref
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from mobius_fx.errors import MobiusError
+from mobius_fx.planning.stage_contract import StageSpec
 from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.host_counters import watch_masters
 
@@ -22,7 +24,7 @@ __all__ = ["StageState", "Step", "StageCall", "OnHost", "bind", "refuse_changed_
 class StageState:
     """A stage at run time: its module, its weight slots on its device and their masters."""
 
-    def __init__(self, spec: Any, device: Device, masters: list[torch.Tensor], dtype: torch.dtype | None) -> None:
+    def __init__(self, spec: StageSpec, device: Device, masters: list[torch.Tensor], dtype: torch.dtype | None) -> None:
         if getattr(spec.module, "_mobius_bound", False):
             raise MobiusError(f"stage {spec.index}'s module already runs in another Pipeline; a schedule backs one "
                               f"pipeline: run insert_transfers again (or build_pipeline without schedule=)")
@@ -101,7 +103,7 @@ class StageCall:
     __slots__ = ("rt", "step", "stage", "mb", "in_leaves", "in_spec", "in_pos", "out_leaves", "out_spec",
                  "out_pos", "saved", "restored", "rng", "amp", "state", "__weakref__")
 
-    def __init__(self, rt: Any, step: Step, stage: int, mb: int, leaves: list, spec: Any, pos: list[int]):
+    def __init__(self, rt: Any, step: Step, stage: int, mb: int, leaves: list, spec: pytree.TreeSpec, pos: list[int]):
         self.rt, self.step, self.stage, self.mb = rt, step, stage, mb
         self.in_leaves = [None if j in pos else x for j, x in enumerate(leaves)]
         self.in_spec, self.in_pos = spec, pos
@@ -124,7 +126,7 @@ class OnHost:
         self.host, self.version = host, version
 
 
-def refuse_changed_masters(st: StageState, recorded: list[tuple[int, int]], names: list[Any]) -> None:
+def refuse_changed_masters(st: StageState, recorded: list[tuple[int, int]], names: list[tuple[nn.Module, str, str] | None]) -> None:
     """Refuse the backward of stage `st` when one of its parameters changed in place since the
     forward that used it (`recorded`: (slot, version) at that forward; `names[j]`: where the model
     holds slot j, `(module, attr, name)` or None). Eager raises too when the weight was saved for

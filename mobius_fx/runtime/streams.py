@@ -48,7 +48,7 @@ import torch
 from mobius_fx.runtime import host_threads
 from mobius_fx.errors import MobiusError
 
-__all__ = ["tick", "HostWaits", "RaceError", "ThreadEvent", "ThreadStream", "Pending", "PENDING", "SlotPool",
+__all__ = ["tick", "HostWaits", "RaceError", "ThreadEvent", "ThreadStream", "Event", "Pending", "PENDING", "SlotPool",
            "Region", "WORKER_PREFIX"]
 
 WORKER_PREFIX = "mobius-"  # threads of the device layer: their waits are not the host's
@@ -116,7 +116,7 @@ class ThreadEvent:
     def query(self) -> bool:
         return self._flag.is_set()
 
-    def covers(self, read: tuple[Any, int]) -> bool:
+    def covers(self, read: tuple[ThreadStream, int]) -> bool:
         """Whether this event's recording comes after `read` ((stream, n-th recording) marking
         an access) on the same stream: waiting for it waits for that access."""
         return self._at is not None and self._at[0] is read[0] and self._at[1] >= read[1]
@@ -217,6 +217,10 @@ class ThreadStream:
 
 # ----------------------------------------------------------------------------- host buffers in flight
 
+# What a stream device records and waits on: a CUDA event, or its thread-backed stand-in.
+Event = torch.cuda.Event | ThreadEvent
+
+
 class Pending:
     """Host buffers written asynchronously (a value sent to the host, an offloaded input),
     by storage: the event that marks the copy done, and the waits log of the device that
@@ -227,7 +231,7 @@ class Pending:
         self._entries: dict[int, tuple[weakref.ref, Any, HostWaits | None]] = {}
         self._lock = threading.Lock()
 
-    def add(self, t: torch.Tensor, event: Any, waits: HostWaits | None) -> None:
+    def add(self, t: torch.Tensor, event: Event, waits: HostWaits | None) -> None:
         storage = t.untyped_storage()
         key = id(storage)
         with self._lock:
@@ -253,7 +257,7 @@ class Pending:
             return None
         return entry[1]
 
-    def settle(self, t: Any, what: str) -> None:
+    def settle(self, t: object, what: str) -> None:
         """The host is about to read `t`: wait for its copy (a blocking host copy, logged)."""
         if not isinstance(t, torch.Tensor):
             return
@@ -341,7 +345,7 @@ class SlotPool:
         self.max_in_use = max(self.max_in_use, self.in_use)
         return region
 
-    def give_back(self, stage: int, last_use: list[Any]) -> Region | None:
+    def give_back(self, stage: int, last_use: list[Event]) -> Region | None:
         region = self.by_stage.pop(stage, None)
         if region is None:
             return None

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
@@ -36,11 +36,14 @@ import torch.utils._pytree as pytree
 
 from mobius_fx.errors import MobiusError, PlanError, TraceError
 from mobius_fx.planning.microbatch import batch_rows, check_divides, declared, divides
+from mobius_fx.planning.plans import Plan
+from mobius_fx.planning.stage_contract import Schedule
 from mobius_fx.runtime.call_signatures import Call, CallForm, bind_call, check_shapes
+from mobius_fx.runtime.engine import Runtime
 from mobius_fx.runtime.pipeline import Pipeline
 from mobius_fx.tracing import flatten_inputs, trace_info
 
-__all__ = ["Variant", "VariantPipeline"]
+__all__ = ["Variant", "VariantPipeline", "Recompiler", "StepSource"]
 
 log = logging.getLogger("mobius_fx")
 
@@ -53,10 +56,10 @@ class Variant:
     example was traced in, and what it was planned for (`sizes`: elements per argument)."""
 
     gm: fx.GraphModule
-    schedule: Any
+    schedule: Schedule
     program: fx.GraphModule
-    runtime: Any
-    plan: Any
+    runtime: Runtime
+    plan: Plan | None
     code: str
     form: CallForm | None
     key: tuple
@@ -87,17 +90,45 @@ class Variant:
         return all(n <= self.sizes.get(name, 0) for name, n in call.sizes.items())
 
 
+class Recompiler(Protocol):
+    """What compiles a pipeline's variants (`mobius_fx.compile` gives one; without it, a call the
+    compiled variants do not serve is refused): `variant` traces and plans the model for `call`
+    and adds it; `replan` costs a larger call again on variant `like`'s graph (returning `like`
+    when its plan still fits, else a new variant when `allow_new`)."""
+
+    def variant(self, pipe: VariantPipeline, call: Call) -> Variant: ...
+
+    def replan(self, pipe: VariantPipeline, like: Variant, call: Call, *, allow_new: bool = True) -> Variant: ...
+
+
+class StepSource(Protocol):
+    """What gives a pipeline its training step (`Pipeline.train_step`; mobius_fx/train_step.py's
+    `StepCompiler`): `arguments` turns a `train_step` call into the step pipeline's call, `get`
+    returns that pipeline (compiled at its first use), `pipeline` the one compiled so far."""
+
+    pipeline: Pipeline | None
+
+    def arguments(self, args: tuple, kwargs: dict, target: object) -> tuple[tuple, dict]: ...
+
+    def get(self, args: tuple, kwargs: dict) -> Pipeline: ...
+
+
 class VariantPipeline(Pipeline):
     """A `Pipeline` that serves each call with the compiled variant for its signature (see the
-    module docstring); its attributes are those of the variant its last call ran."""
+    module docstring); its attributes are those of the variant its last call ran. Built complete
+    by `build_pipeline`: `recompiler` compiles the variants of other calls (none: refused), at
+    most `max_variants` in all; `step` gives `train_step` its step pipeline (none: refused)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, recompiler: Recompiler | None = None, max_variants: int = 1,
+                 step: StepSource | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "_variants", [])
-        object.__setattr__(self, "_recompiler", None)
-        object.__setattr__(self, "max_variants", 1)
+        object.__setattr__(self, "_recompiler", recompiler)
+        object.__setattr__(self, "max_variants", max_variants)
+        if step is not None:  # read by Pipeline.train_step
+            object.__setattr__(self, "_step", step)
 
-    # -- set up by build_pipeline and mobius_fx.compile
+    # -- set up by build_pipeline, and by the Recompiler as it adds a variant
     def _add_variant(self, example_args: tuple, example_kwargs: dict | None, layers: tuple = (),
                      boundaries: tuple = (), state: Pipeline | None = None) -> Variant:
         src = state if state is not None else self
@@ -123,7 +154,7 @@ class VariantPipeline(Pipeline):
         return list(self._variants)
 
     # -- a call
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         if not self._variants:  # built without an example: the call as given
             return super().forward(*args, **kwargs)
         with self._one_call():  # a second call is refused before it selects (and switches to) a variant
@@ -263,7 +294,7 @@ def _signature_text(values: dict) -> str:
     return ", ".join(parts) or "no arguments"
 
 
-def _what(desc: Any) -> str:
+def _what(desc: object) -> str:
     """One argument's entry of a `Call.key` in words (a 2-D int64 tensor, a value, a structure)."""
     leaves = desc[1]
     if len(leaves) == 1 and leaves[0][0] == "tensor":

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from mobius_fx.errors import PlanError
-from mobius_fx.planning.plans import MemoryModel, Plan
+from mobius_fx.planning.plans import Plan
+from mobius_fx.planning.step_memory import MemoryModel
 from mobius_fx.planning.schedule_ir import ScheduleIR
 from mobius_fx.sim.tasks import STATE_BYTES, Context, Costs
 from mobius_fx.units import fmt_bytes

@@ -62,11 +62,11 @@ from mobius_fx.topology.links import GB, NVLINK2, PCIE3_X16, SWITCH_DUPLEX, UPI_
 from mobius_fx.kinds import HOST
 from mobius_fx.topology.detect import NoGPUFound, detect_layout, host_memory_bytes, nvidia_smi_layout
 from mobius_fx.topology.presets import PRESET_LAYOUTS, PRESETS
-from mobius_fx.topology.schema import (LINK_KINDS, NODE_KINDS, HostFigures, check_graph, graph_from_dict, layout, natural_key,
-                              parse_bandwidths, parse_host_memory, parse_memory, parse_spec)
+from mobius_fx.topology.schema import (HostFigures, check_graph, graph_from_dict, layout, natural_key, parse_bandwidths,
+                                       parse_host_memory, parse_memory, parse_spec)
 from mobius_fx.units import fmt_bytes
 
-__all__ = ["GPU", "Topology", "HostFigures", "PRESETS", "NODE_KINDS", "LINK_KINDS"]
+__all__ = ["GPU", "Topology"]
 
 
 

@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 from mobius_fx import PlanError
 from mobius_fx.planning.costs import LayerCost
 from mobius_fx.passes import _partition_mip as M
-from mobius_fx.planning.step_model import (
-    MEMORY_TOLERANCE, LinkLoad, MemoryModel, PrefixSums, SharedLink, TiedWeight, copy_terms, layer_runs, link_time,
-    queue_before, slot_bytes, stage_memory,
-)
-from mobius_fx.passes import partition as P
-from mobius_fx.passes.partition import PartitionProblem, brute_force, evaluate, heuristic, solve
+from mobius_fx.passes.mip_solver import run_solver
+from mobius_fx.passes.partition_bounds import lp_bound, stage_count_bound
+from mobius_fx.planning.step_model import PartitionProblem, PrefixSums, evaluate, layer_runs
+from mobius_fx.planning.step_memory import MEMORY_TOLERANCE, MemoryModel, TiedWeight, stage_memory
+from mobius_fx.planning.step_timeline import LinkLoad, SharedLink, copy_terms, link_time, queue_before, slot_bytes
+from mobius_fx.passes.partition_search import brute_force, heuristic
+from mobius_fx.passes.partition_solve import solve
 
 TIMES = st.floats(0.05, 2.0, allow_nan=False)
 BYTES = st.integers(0, 60)
@@ -109,8 +110,8 @@ def test_every_stage_counts_lower_bounds_are_at_most_its_optimum(p):
     fast, runs, L = PrefixSums(p), layer_runs(p), len(p.layers)
     for s in range(1, L + 1):
         best = brute_force_count(p, s)
-        assert P.stage_count_bound(p, s, fast) <= best * (1 + 1e-9) + 1e-12
-        status, bound = P.lp_bound(p, fast, runs, s, "highs", 10.0)
+        assert stage_count_bound(p, s, fast) <= best * (1 + 1e-9) + 1e-12
+        status, bound = lp_bound(p, fast, runs, s, "highs", 10.0)
         assert status in ("bound", "infeasible")
         assert bound <= best * (1 + 1e-7) + 1e-12
 
@@ -141,7 +142,7 @@ def _assert_the_mip_with_these_cuts_equals(p: PartitionProblem, ev) -> None:
     M.warm_start(mip, runs, ev)
     for v in list(mip.z.values()) + [v for v in mip.t.values() if not isinstance(v, int)]:
         v.lowBound = v.upBound = v.varValue
-    status, obj, _ = M.run_solver(mip, "highs", 10.0, 1e-9, False, None)
+    status, obj, _ = run_solver(mip, "highs", 10.0, 1e-9, False, None)
     assert status == "optimal"
     assert obj * mip.scale == pytest.approx(ev.makespan, rel=1e-6)
 

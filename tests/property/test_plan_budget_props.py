@@ -25,7 +25,8 @@ from torch import nn
 import mobius_fx
 from mobius_fx import Topology
 from mobius_fx.passes.annotate import annotate
-from mobius_fx.planning.step_model import PartitionProblem, PrefixSums, memory_rows, tied_weights
+from mobius_fx.planning.step_model import PartitionProblem, PrefixSums
+from mobius_fx.planning.step_memory import memory_rows, tied_weights
 from mobius_fx.tracing import trace
 from mobius_fx.precision import Precision
 from mobius_fx.zoo import GPT, GPTConfig, mlp, nanogpt, nanogpt_inputs

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from mobius_fx import PlanError
 from mobius_fx.planning.costs import LayerCost
-from mobius_fx.passes.partition import evaluate, solve
+from mobius_fx.planning.step_model import PartitionProblem, evaluate
+from mobius_fx.passes.partition_solve import solve
 from mobius_fx.planning.plans import build_plan
-from mobius_fx.planning.step_model import PartitionProblem
 from mobius_fx.topology.server import Topology
 from mobius_fx.precision import Precision
 

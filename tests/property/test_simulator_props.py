@@ -100,7 +100,7 @@ def test_mobius_is_never_faster_than_the_partitioners_model_and_within_10_percen
     # docs/schedule.md is a relaxation of what the simulator replays (each row a lower bound of
     # what the IR's order forces), so on a topology without shared links the simulation can
     # only be slower.
-    from mobius_fx.passes.partition import PartitionProblem, evaluate
+    from mobius_fx.planning.step_model import evaluate, PartitionProblem
 
     cuts = [0]
     for s in plan.stages[1:]:

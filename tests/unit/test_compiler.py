@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from mobius_fx import MobiusError, Topology
-from mobius_fx.compiler import CompileContext, FunctionPass, PassPipeline, Touched, default_pipeline, PASS_ORDER
-from mobius_fx.options import CompileOptions
+from mobius_fx.compiler import FunctionPass, PassPipeline, Touched, default_pipeline, PASS_ORDER
+from mobius_fx.options import CompileContext, CompileOptions
 from mobius_fx.zoo import GPT, GPTConfig
 
 

@@ -17,7 +17,7 @@ from mobius_fx.options import CompileOptions
 from mobius_fx.planning.host_memory import OPTIMIZER_STATE, HostBudget
 from mobius_fx.planning.plans import Plan
 from mobius_fx.topology import detect
-from mobius_fx.topology.server import HostFigures
+from mobius_fx.topology.schema import HostFigures
 
 GiB = 2**30
 BASE = {"name": "t", "nodes": [{"name": "cpu0", "kind": "root_complex"},

@@ -14,7 +14,7 @@ from torch import nn
 from mobius_fx.passes import annotate_layer_peaks as peaks
 from mobius_fx.passes.annotate import annotate
 from mobius_fx.passes.annotate_tools import LiveBytes
-from mobius_fx.planning.step_model import MemoryModel, memory_rows, stage_memory
+from mobius_fx.planning.step_memory import memory_rows, MemoryModel, stage_memory
 from mobius_fx.tracing import trace
 from tests.unit.test_step_model import layer
 

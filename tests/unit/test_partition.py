@@ -16,15 +16,14 @@ import mobius_fx
 from mobius_fx import PlanError
 from mobius_fx.planning.costs import LayerCost
 from mobius_fx.passes import _partition_mip as M
-from mobius_fx.passes import partition as P
+from mobius_fx.passes.mip_solver import run_solver
 from mobius_fx.passes import partition_infeasible
-from mobius_fx.planning.step_model import (
-    MEMORY_TOLERANCE, MemoryModel, PrefixSums, SharedLink, SolverInfo, TiedWeight, layer_runs, queue_before,
-    stage_memory,
-)
-from mobius_fx.passes.partition import (
-    PartitionProblem, brute_force, evaluate, heuristic, plan_stage_count_candidates, solve, stage_count_bound,
-)
+from mobius_fx.planning.step_model import PartitionProblem, PrefixSums, SolverInfo, evaluate, layer_runs
+from mobius_fx.planning.step_memory import MEMORY_TOLERANCE, MemoryModel, TiedWeight, stage_memory
+from mobius_fx.planning.step_timeline import SharedLink, queue_before
+from mobius_fx.passes.partition_search import brute_force, heuristic, plan_stage_count_candidates
+from mobius_fx.passes.partition_solve import solve
+from mobius_fx.passes.partition_bounds import lp_bound, stage_count_bound
 from mobius_fx.precision import Precision
 from tests.unit.test_step_model import layer, problem, unshared_topology
 
@@ -115,10 +114,10 @@ def test_every_counts_bounds_are_below_its_optimum():
     p = best_count_not_a_multiple_problem()
     fast, runs = PrefixSums(p), layer_runs(p)
     for s, best in per_count_optimum(p).items():
-        assert P.stage_count_bound(p, s, fast) <= best * (1 + 1e-9)
-        status, bound = P.lp_bound(p, fast, runs, s, "highs", 5.0)
+        assert stage_count_bound(p, s, fast) <= best * (1 + 1e-9)
+        status, bound = lp_bound(p, fast, runs, s, "highs", 5.0)
         assert status == "bound" and bound <= best * (1 + 1e-9)
-    assert P.lp_bound(p, fast, runs, 1, "highs", 5.0)[0] == "infeasible"  # 300 B holds no one-stage plan
+    assert lp_bound(p, fast, runs, 1, "highs", 5.0)[0] == "infeasible"  # 300 B holds no one-stage plan
 
 
 def test_a_stage_count_not_a_multiple_of_the_gpus_balances_the_gpus_work():
@@ -144,7 +143,7 @@ def mip_makespan(p: PartitionProblem, cuts) -> float:
     M.warm_start(mip, runs, ev)
     for v in list(mip.z.values()) + [v for v in mip.t.values() if not isinstance(v, int)]:
         v.lowBound = v.upBound = v.varValue
-    status, obj, _ = M.run_solver(mip, "highs", 10.0, 1e-9, False, None)
+    status, obj, _ = run_solver(mip, "highs", 10.0, 1e-9, False, None)
     assert status == "optimal"
     return obj * mip.scale
 
@@ -377,7 +376,7 @@ def test_a_warm_start_is_never_proven_optimal_when_a_better_cut_exists():
     for cutoff in (None, evaluate(p, start).makespan):
         mip = M.build_mip(p, PrefixSums(p), runs, 5, mem_tol=MEMORY_TOLERANCE)
         M.warm_start(mip, runs, evaluate(p, start))
-        status, obj, bound = M.run_solver(mip, "highs", 10.0, 1e-9, True, cutoff and cutoff / mip.scale)
+        status, obj, bound = run_solver(mip, "highs", 10.0, 1e-9, True, cutoff and cutoff / mip.scale)
         assert status == "optimal"
         assert obj * mip.scale == pytest.approx(best.makespan, rel=1e-7)
         assert bound * mip.scale <= best.makespan * (1 + 1e-7)
@@ -416,7 +415,7 @@ def test_the_mip_and_the_local_search_share_evaluates_memory_model(m):
                     M.warm_start(mip, runs, evaluate(replace(p, capacity=(10**9,) * 2), cuts))
                     for v in list(mip.z.values()) + [v for v in mip.t.values() if not isinstance(v, int)]:
                         v.lowBound = v.upBound = v.varValue
-                    assert M.run_solver(mip, "highs", 10.0, 1e-9, False, None)[0] == "infeasible"
+                    assert run_solver(mip, "highs", 10.0, 1e-9, False, None)[0] == "infeasible"
             else:
                 fits += 1
                 assert mip_makespan(p, cuts) == pytest.approx(ev.makespan, rel=1e-7)
@@ -429,8 +428,9 @@ def test_solving_prints_nothing(solver, tmp_path, capfd):
     import subprocess
     import sys
     code = ("from mobius_fx.planning.costs import LayerCost\n"
-            "from mobius_fx.planning.step_model import MemoryModel\n"
-            "from mobius_fx.passes.partition import PartitionProblem, solve\n"
+            "from mobius_fx.planning.step_memory import MemoryModel\n"
+            "from mobius_fx.planning.step_model import PartitionProblem\n"
+            "from mobius_fx.passes.partition_solve import solve\n"
             "ls = tuple(LayerCost(n, (n,), 0.0, 0.0, 1.0, 2.0, 10, 10, 1, 0) for n in 'abcd')\n"
             "p = PartitionProblem(ls, 2, ('g0', 'g1'), (10**6,) * 2, (10.0,) * 2, (10.0,) * 2, (10.0,) * 2,\n"
             "                     MemoryModel(2))\n"

@@ -149,7 +149,7 @@ def test_without_the_rewrite_gpt2_fails_the_check_naming_stage_node_and_devices(
 def test_the_check_names_a_later_stage_and_the_device_of_a_clash_on_another_gpu(monkeypatch):
     pipe = _pipe("gpt", "export", stages=3)
     assert pipe.check_placement("cuda:1") == _ops(pipe)
-    rewrite = placement.rewrite_graph
+    rewrite = device_rewrite.rewrite_graph
     # the rewrite left out after stage 0 (the one with the position ids' arange): a later
     # stage's causal-mask `ones` stays on the CPU
     monkeypatch.setattr(placement, "rewrite_graph", lambda graph, src, dst: rewrite(graph, src, dst)
@@ -165,9 +165,9 @@ def test_the_check_names_a_later_stage_and_the_device_of_a_clash_on_another_gpu(
 def test_binding_a_stage_to_a_gpu_rewrites_every_device_constant_of_the_trace(front_end):
     pipe = _pipe("constants", front_end, stages=1)
     (spec,) = pipe.schedule.stages
-    graph = placement.copy_graph(spec.module.graph)
+    graph = device_rewrite.copy_graph(spec.module.graph)
     cuda = torch.device("cuda", 0)
-    changed = placement.rewrite_graph(graph, torch.device("cpu"), cuda)
+    changed = device_rewrite.rewrite_graph(graph, torch.device("cpu"), cuda)
     constants = [a for n in graph.nodes for a in (*n.args, *n.kwargs.values())
                  if isinstance(a, torch.device) or (isinstance(a, str) and device_rewrite._is_to(n))]
     assert changed and constants and all(torch.device(d) == cuda for d in constants), constants
@@ -193,7 +193,7 @@ def test_binding_rewrites_the_bodies_of_higher_order_ops_and_leaves_the_traced_g
 
     before = [constants(b) for b in bodies(gm)]
     assert any(before) and all(d == torch.device("cpu") for c in before for d in c)
-    placement.place_stage(spec, torch.device("cpu"), cuda)
+    device_rewrite.place_stage(spec, torch.device("cpu"), cuda)
     placed = [constants(b) for b in bodies(spec.module)]
     assert sum(map(len, placed)) == sum(map(len, before)) and all(d == cuda for c in placed for d in c)
     autocast = [n for n in spec.module.graph.nodes if "autocast" in str(n.target)]
@@ -208,7 +208,7 @@ def test_a_factory_meeting_an_input_through_an_attribute_gets_the_stage_device_a
 
     gm = fx.symbolic_trace(Transposed())
     cuda = torch.device("cuda", 0)
-    placement.rewrite_graph(gm.graph, torch.device("cpu"), cuda)
+    device_rewrite.rewrite_graph(gm.graph, torch.device("cpu"), cuda)
     made = {n.target: n.kwargs.get("device") for n in gm.graph.nodes if n.op == "call_function"}
     assert made[torch.ones] == cuda and made[torch.zeros] is None
 

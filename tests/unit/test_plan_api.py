@@ -115,9 +115,9 @@ def _reversed_order_pipeline():
 
 
 def test_a_gpu_order_the_partition_does_not_fit_is_partitioned_again_for_that_order(tmp_path):
-    from mobius_fx.compiler import CompileContext
-    from mobius_fx.options import CompileOptions
-    from mobius_fx.passes.partition import PartitionProblem, evaluate, solve
+    from mobius_fx.options import CompileContext, CompileOptions
+    from mobius_fx.planning.step_model import evaluate, PartitionProblem
+    from mobius_fx.passes.partition_solve import solve
 
     # gpu1 holds 78 KiB: the partition for (gpu0, gpu1) gives gpu0 a first stage that does
     # not fit gpu1 once gpu1 runs stage 0.

@@ -14,7 +14,8 @@ from mobius_fx import PlanError, Topology
 from mobius_fx.__main__ import main
 from mobius_fx.compiler import default_pipeline
 from mobius_fx.planning.microbatch import default_microbatches
-from mobius_fx.passes.partition import PartitionProblem, evaluate, partition_pass
+from mobius_fx.passes.partition import partition_pass
+from mobius_fx.planning.step_model import evaluate, PartitionProblem
 from mobius_fx.planning.plans import build_plan
 from mobius_fx.zoo import GPT, GPTConfig
 
@@ -172,8 +173,8 @@ def test_cuts_that_do_not_fit_name_the_stage_with_its_tied_copy(tmp_path):
     # A tied GPT's head reads the embedding: cut into one layer per stage, the head's stage
     # holds a copy of it and needs the most. With room for a byte less, the message names that
     # stage with the bytes evaluate counted, copy included (it used to leave the copy out).
-    from mobius_fx.passes.partition import misfit
-    from mobius_fx.planning.step_model import tied_weights
+    from mobius_fx.passes.partition_infeasible import misfit
+    from mobius_fx.planning.step_memory import tied_weights
     from mobius_fx.units import fmt_bytes
 
     cfg = GPTConfig(vocab=2000, seq=16, hidden=32, blocks=2, heads=2)  # the embedding outweighs a block

@@ -7,7 +7,9 @@ import pytest
 
 from mobius_fx import MobiusError, Topology
 from mobius_fx.planning.costs import LayerCost
-from mobius_fx.planning.plans import MemoryModel, Plan, SolverInfo, build_plan, stage_memory
+from mobius_fx.planning.plans import Plan, build_plan
+from mobius_fx.planning.step_memory import MemoryModel, stage_memory
+from mobius_fx.planning.step_model import SolverInfo
 from mobius_fx.precision import Precision
 
 MiB = 2**20

@@ -6,7 +6,7 @@ import torch.fx as fx
 from torch import nn
 
 from mobius_fx import MobiusError
-from mobius_fx.runtime import program_ops as rt
+from mobius_fx.planning import stage_contract as rt
 from mobius_fx.passes.emit import emit
 from mobius_fx.passes.insert_transfers import insert_transfers
 from mobius_fx.build import build_pipeline
@@ -60,6 +60,23 @@ def events_of(graph: fx.Graph) -> list[tuple]:
 def at(events: list[tuple], *key) -> list[int]:
     """Positions of the events that start with `key`."""
     return [i for i, e in enumerate(events) if e[:len(key)] == key]
+
+
+def test_the_runtime_implements_every_op_of_the_contract():
+    """planning/stage_contract.py's StageRuntime is what the ops call; the Runtime has each of its
+    methods, with the same parameters (a renamed or dropped one fails here, not in a program)."""
+    import inspect
+
+    from mobius_fx.runtime.engine import Runtime
+
+    methods = [n for n, f in vars(rt.StageRuntime).items() if inspect.isfunction(f) and not n.startswith("_")]
+    assert sorted(methods) == ["evict", "hold", "merge", "prefetch", "run", "send", "split", "wait"]
+    for name in methods:
+        want = list(inspect.signature(getattr(rt.StageRuntime, name)).parameters)
+        got = list(inspect.signature(getattr(Runtime, name)).parameters)
+        assert got[:len(want)] == want, (name, got, want)
+    assert sorted(rt.OPS) == ["evict", "hold_for_backward", "merge_microbatches", "prefetch", "run_stage", "send",
+                              "split_microbatches", "wait"]
 
 
 def test_program_prefetches_stage_k_plus_n_before_stage_k_runs_and_evicts_after_its_last_microbatch():

@@ -166,7 +166,8 @@ def test_the_planned_step_counts_the_tied_copy_and_the_model_input(tmp_path):
     # input in it — without either, the model gives another time.
     from dataclasses import replace
 
-    from mobius_fx.planning.step_model import PartitionProblem, evaluate, tied_weights
+    from mobius_fx.planning.step_model import PartitionProblem, evaluate
+    from mobius_fx.planning.step_memory import tied_weights
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=256, seq=32, hidden=64, blocks=4, heads=2))

@@ -10,7 +10,8 @@ from mobius_fx.errors import MobiusError
 from mobius_fx.planning.plans import build_plan
 from mobius_fx.sim.tasks import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, host_copy_bytes
 from mobius_fx.sim.simulator import CPU_ADAM_BANDWIDTH, simulate
-from mobius_fx.topology.server import HostFigures, Topology
+from mobius_fx.topology.server import Topology
+from mobius_fx.topology.schema import HostFigures
 
 GB = 1e9
 W = 100e6  # bytes of one layer's weights (fp32, as traced)

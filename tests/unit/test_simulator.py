@@ -11,11 +11,13 @@ import pytest
 
 from mobius_fx.planning.costs import LayerCost
 from mobius_fx.errors import MobiusError, PlanError
-from mobius_fx.planning.plans import MemoryModel, build_plan, stage_memory
+from mobius_fx.planning.plans import build_plan
+from mobius_fx.planning.step_memory import MemoryModel, stage_memory
 from mobius_fx import schedules
 from mobius_fx.sim.tasks import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, TOUCHED_BYTES, host_copy_bytes
 from mobius_fx.sim.simulator import CPU_ADAM_BANDWIDTH, simulate
-from mobius_fx.topology.server import HostFigures, Topology
+from mobius_fx.topology.server import Topology
+from mobius_fx.topology.schema import HostFigures
 from mobius_fx.precision import Precision
 
 GB = 1e9
@@ -190,7 +192,7 @@ def test_schedule_model_makespan_misses_a_later_gradient_download_of_another_sta
 
 
 def test_simulation_is_never_faster_than_the_partitioners_model():
-    from mobius_fx.passes.partition import PartitionProblem, evaluate
+    from mobius_fx.planning.step_model import evaluate, PartitionProblem
 
     rng = random.Random(3)
     for _ in range(10):

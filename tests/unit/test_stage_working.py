@@ -10,8 +10,11 @@ from dataclasses import replace
 import pytest
 
 from mobius_fx.passes import _partition_mip as M
-from mobius_fx.passes.partition import brute_force, evaluate, solve
-from mobius_fx.planning.step_model import MEMORY_TOLERANCE, PrefixSums, layer_runs, stage_memory
+from mobius_fx.passes.mip_solver import run_solver
+from mobius_fx.passes.partition_search import brute_force
+from mobius_fx.planning.step_model import PrefixSums, evaluate, layer_runs
+from mobius_fx.passes.partition_solve import solve
+from mobius_fx.planning.step_memory import MEMORY_TOLERANCE, stage_memory
 from tests.unit.test_partition import mip_makespan
 from tests.unit.test_step_model import layer, problem
 
@@ -57,7 +60,7 @@ def test_the_mip_charges_each_stage_its_own_working_memory_like_evaluate(cap):
                     M.warm_start(mip, runs, evaluate(replace(p, capacity=(10**9,) * 2), cuts))
                     for v in list(mip.z.values()) + [v for v in mip.t.values() if not isinstance(v, int)]:
                         v.lowBound = v.upBound = v.varValue
-                    assert M.run_solver(mip, "highs", 10.0, 1e-9, False, None)[0] == "infeasible", cuts
+                    assert run_solver(mip, "highs", 10.0, 1e-9, False, None)[0] == "infeasible", cuts
                 continue
             fits += 1
             assert mip_makespan(p, cuts) == pytest.approx(ev.makespan, rel=1e-7), cuts

@@ -14,10 +14,9 @@ from mobius_fx.planning.costs import LayerCost
 from mobius_fx.planning.plans import build_plan
 from mobius_fx.sim.tasks import NO_HOST_COPIES
 from mobius_fx.sim.simulator import simulate
-from mobius_fx.planning.step_model import (
-    MemoryModel, PartitionProblem, PrefixSums, SharedLink, TiedWeight, evaluate, shared_links, stage_memory,
-    tied_weights,
-)
+from mobius_fx.planning.step_model import PartitionProblem, PrefixSums, evaluate
+from mobius_fx.planning.step_memory import MemoryModel, stage_memory, tied_weights, TiedWeight
+from mobius_fx.planning.step_timeline import shared_links, SharedLink
 from mobius_fx.topology.server import Topology
 from mobius_fx.precision import Precision
 

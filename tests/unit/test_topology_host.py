@@ -5,7 +5,7 @@ import pytest
 
 from mobius_fx import Topology
 from mobius_fx.errors import TopologyError
-from mobius_fx.topology.server import HostFigures
+from mobius_fx.topology.schema import HostFigures
 
 BASE = {"name": "t", "nodes": [{"name": "cpu0", "kind": "root_complex"},
                                {"name": "gpu0", "kind": "gpu", "memory": "8GiB", "spec": "h200"}],

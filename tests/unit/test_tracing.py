@@ -10,7 +10,8 @@ import torch.fx as fx
 from torch import nn
 
 from mobius_fx import TraceError
-from mobius_fx.tracing import TraceInfo, flatten_inputs, module_path, trace
+from mobius_fx.tracing import TraceInfo, flatten_inputs, trace
+from mobius_fx.module_paths import module_path
 from mobius_fx.zoo import ResidualMLP, hf_gpt2, hf_inputs, hf_llama, mlp, nanogpt, nanogpt_inputs
 
 try:
