@@ -50,7 +50,7 @@ class CudaDevice(StreamDevice):
         4-GPU topology also runs on one real GPU)."""
         reason = cls.unavailable()
         if reason is not None:
-            raise MobiusError(f"device='cuda' but {reason}")
+            raise MobiusError(f"device={cls.kind!r} but {reason}")
         host_threads.size_uploads(len(budgets), host_compute=False)
         count = torch.cuda.device_count()
         out = {}

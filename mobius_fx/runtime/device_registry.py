@@ -46,9 +46,9 @@ class ContractError(MobiusError):
 def register_device(kind: str, cls: type, *, check: bool = False) -> type:
     """Register `cls` as device kind `kind` (`make_devices(device=kind)`, `compile(device=kind)`);
     returns `cls`, whose `kind` becomes `kind`. Refused (MobiusError, nothing registered): a name
-    that is not a non-empty string, "auto", a name taken by another class, a class that is not
-    a `Device` subclass or leaves abstract methods unimplemented, and, with `check=True`, one
-    that fails the contract (`conformance_problems`)."""
+    that is not a non-empty string, "auto", a name taken by another class, a class registered
+    under another name, a class that is not a `Device` subclass or leaves abstract methods
+    unimplemented, and, with `check=True`, one that fails the contract (`conformance_problems`)."""
     if not isinstance(kind, str) or not kind or kind == "auto":
         raise MobiusError(f"register_device({kind!r}, ...): a device kind is named by a non-empty string other than "
                           f"'auto' (which picks 'cuda' or 'virtual'); pass the name compile(device=...) will take")
@@ -65,6 +65,10 @@ def register_device(kind: str, cls: type, *, check: bool = False) -> type:
     if other is not None and other is not cls:
         raise MobiusError(f"register_device({kind!r}, {cls.__name__}): {kind!r} is {other.__name__} already; pick "
                           f"another name, or unregister_device({kind!r}) first")
+    named = next((k for k, c in _KINDS.items() if c is cls and k != kind), None)
+    if named is not None:
+        raise MobiusError(f"register_device({kind!r}, {cls.__name__}): {cls.__name__} is kind {named!r} already (a "
+                          f"class is one kind: its `kind` names it); register a subclass under the new name")
     if check:
         problems = conformance_problems(cls)
         if problems:

@@ -173,7 +173,11 @@ def test_register_device_refuses_what_is_no_kind():
         register_device("auto", VirtualDevice)
     with pytest.raises(MobiusError, match="'virtual' is VirtualDevice already"):
         register_device("virtual", VirtualAsyncDevice)
-    assert "nope" not in device_registry.device_kinds()
+    with pytest.raises(MobiusError, match="VirtualDevice is kind 'virtual' already"):
+        register_device("virtual-2", VirtualDevice)
+    assert VirtualDevice.kind == "virtual"
+    register_device("virtual", VirtualDevice)  # the same again: nothing changes
+    assert "nope" not in device_registry.device_kinds() and "virtual-2" not in device_registry.device_kinds()
     with pytest.raises(MobiusError, match=r"device='tpu' is not a registered device kind; use one of 'auto', "
                                           r"'virtual', 'virtual-async', 'cuda'"):
         make_devices({"gpu0": None}, device="tpu")
@@ -371,3 +375,14 @@ def test_a_pipeline_on_every_kind_equals_eager_and_moves_what_the_ir_says(kind, 
     stats = pipe.memory_stats()
     assert all(s["current_bytes"] == s.get("slot_pool_bytes", 0) for s in stats.values()), stats
     assert all(s["peak_bytes"] <= 1 << 20 for s in stats.values())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_kind_that_cannot_run_here_says_why_and_is_not_checked_here():
+    from mobius_fx.runtime.devices import CudaDevice
+
+    assert conformance_problems(CudaDevice) == [
+        "its devices cannot be made here: torch.cuda.is_available() is False; use device='virtual' to run the "
+        "pipeline on the CPU with virtual GPUs"]
+    with pytest.raises(MobiusError, match=r"device='cuda' but torch.cuda.is_available\(\) is False"):
+        make_devices({"gpu0": None}, device="cuda")
