@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mobius_fx.errors import MobiusError, PlanError
-from mobius_fx.kinds import DEVICES, SOLVERS
+from mobius_fx.kinds import SOLVERS
 from mobius_fx.planning.microbatch import check_batch_dims, check_count, default_microbatches
 from mobius_fx.precision import Precision
 
@@ -168,7 +168,9 @@ class CompileOptions:
             raise MobiusError(f"cache={self.cache!r}; it must be True (reuse traced graphs and layer costs kept on disk) "
                               f"or False (trace and annotate anew)")
         if not isinstance(self.device, Mapping):
-            _choice("device", self.device, DEVICES)
+            from mobius_fx.runtime.devices import device_choices  # the registered kinds (kinds.DEVICES and yours)
+
+            _choice("device", self.device, device_choices())
         if not isinstance(self.verbose, bool):
             raise MobiusError(f"verbose={self.verbose!r}; it must be True or False")
         _positive_int("max_variants", self.max_variants,

@@ -1,5 +1,14 @@
 """The `Device` interface and a GPU's books (what it holds, its budget, and what moved): the
-interface the runtime (`engine.py`) drives and each device kind (`device_<kind>.py`) implements.
+interface the runtime (`engine.py`, `stage_calls.py`, `pipeline.py`) drives and each device kind
+(`device_<kind>.py`, registered by name in `device_registry.py`) implements.
+
+`Device` is an abstract class. Its abstract methods are the copies, slots, streams and RNG that
+differ per kind -- `compute`, `fill`, `ready`, `vacate`, `accept`, `receive`, `to_host`,
+`offload`, `restore`, `download`, `fetch`, `rng_state`, `rng` --; each docstring is the
+contract the runtime relies on, and `tests/unit/test_device_conformance.py` holds every
+registered kind to it. The rest is shared: the books below, and the defaults of a kind without a
+slot pool or streams (`plan_slots` .. `close_pool`, `deferred`/`join`, `cancel`, `new_step`,
+`synchronize`, `refresh`), which such a kind leaves as they are.
 
 The runtime books, per tensor: weight slots and gradient accumulators (`alloc`/`free`,
 `claim`) and activations it hands out (`track`, until the storage dies: a weakref callback).
@@ -8,7 +17,7 @@ recompute, activation and weight gradients, temporaries -- is measured one of tw
 device's `memory_books`:
 
 - "ops" (the default on virtual devices, where it is the measurement): a dispatch-mode tracker
-  (`_Books`) charges each new storage (views count once) from the op that creates it until it
+  (`device_tracker.OpTracker`) charges each new storage (views count once) from the op that creates it until it
   dies. Python runs on every op (`Device.dispatch_calls` counts them); a charge past the budget
   raises `BudgetError` from the op that made it, before its result is used.
 - "allocator" (the default on CUDA): no Python per op. The stage's work window (`working`) is
@@ -34,25 +43,26 @@ per kind, direction and stage, as the schedule IR books them.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mobius_fx.errors import BudgetError, MobiusError
+from mobius_fx.runtime.device_common import empty_slot
+from mobius_fx.runtime.device_tracker import OpTracker
 from mobius_fx.runtime.memory_sources import BookedBytes, CudaAllocator, Mark, MemorySource
 from mobius_fx.kinds import HOST
 from mobius_fx.runtime.transfer_log import TransferLog
 from mobius_fx.units import fmt_bytes
 
-__all__ = ["HOST", "Device", "TransferLog", "SavedInput", "empty_slot", "nbytes", "MEMORY_BOOKS", "MemorySource",
-           "Mark", "BookedBytes", "CudaAllocator", "check_memory_books"]
+__all__ = ["HOST", "Device", "TransferLog", "nbytes", "MEMORY_BOOKS", "MemorySource", "Mark",
+           "BookedBytes", "CudaAllocator", "check_memory_books"]
 
 MEMORY_BOOKS = ("auto", "ops", "allocator")
 
@@ -73,61 +83,6 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-_FRESH: dict[Any, tuple[bool, ...]] = {}  # op -> per return: a new tensor (its schema says no alias)
-
-
-def _fresh_returns(func: Any) -> tuple[bool, ...]:
-    try:
-        return tuple(r.alias_info is None for r in func._schema.returns)
-    except AttributeError:  # not an aten op with a schema
-        return ()
-
-
-class _Books(TorchDispatchMode):
-    """The tracker `Device.books()` enters: every op's new output tensors on the device (not
-    views, not in-place results: the op's schema says which are aliases) have their storage
-    charged to the device's books until the storage dies. A budget error raised here is raised
-    by the op, before its result is used; the result, never charged, is freed with it."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # no dynamo-disabling wrapper around __torch_dispatch__: a few us per op saved
-
-    def __init__(self, dev: "Device") -> None:
-        super().__init__()
-        self.dev = dev
-        self.paused = False
-        self.label = "a stage's"
-        self.where = None if dev.torch_device.type == "cpu" else dev.torch_device  # cpu: no host tensors here
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.dev.dispatch_calls += 1  # Python on every op of stage work (benchmarks/host_path.py)
-        out = func(*args, **(kwargs or {}))
-        fresh = _FRESH.get(func)
-        if fresh is None:
-            fresh = _FRESH[func] = _fresh_returns(func)
-        if self.paused or True not in fresh:
-            return out
-        for o, new in zip((out,) if len(fresh) == 1 else out, fresh):
-            if not new:
-                continue
-            if isinstance(o, torch.Tensor):
-                self._charge(o, func)
-            elif isinstance(o, (list, tuple)):
-                for t in o:
-                    if isinstance(t, torch.Tensor):
-                        self._charge(t, func)
-        return out
-
-    def _charge(self, t: torch.Tensor, func: Any) -> None:
-        if self.where is not None and t.device != self.where:
-            return  # a host copy made during the work (CUDA: pinned offloads)
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-            return
-        self.dev._charge(storage, (self.label, func))
-
 
 def _remedy(what: str) -> str:
     """What helps, by what did not fit: weights shrink with smaller stages; activations and
@@ -138,12 +93,24 @@ def _remedy(what: str) -> str:
             "(fewer rows per stage call), or give the GPU more memory")
 
 
-class Device:
+class Device(abc.ABC):
     """One pipeline GPU: its books (budget, bytes held, peak, transfers) and its copies.
 
-    Subclasses implement the copies; the books are shared. `budget=None` means unlimited.
-    `memory_books` says how a stage's work is measured ("ops" or "allocator", module docstring;
-    `set_memory_books`), `memory_source` where "allocator" reads it from.
+    Each kind implements the abstract methods (the copies); the books are shared. `budget=None`
+    means unlimited. `memory_books` says how a stage's work is measured ("ops" or "allocator",
+    module docstring; `set_memory_books`), `memory_source` where "allocator" reads it from.
+
+    What the runtime reads besides the methods: `name` (the GPU's name in the topology),
+    `torch_device` (where its tensors live), `budget`, `current_bytes`, `peak_bytes`,
+    `stage_peaks` (stage -> its measured peak, `working`), `log` (the `TransferLog`: every copy
+    a kind makes is logged there, as the schedule IR books it -- what, direction, bytes -- under
+    the stage the runtime names with `log.stage(k)`), and `kind` (its registered name).
+
+    Streams: a kind may queue its copies and compute (CUDA streams, the stand-in's threads).
+    Then "ordered after" below means on the device, not on the host: a later use on the
+    device's compute (or download) stream sees the copy's result; the host blocks only where a
+    method says so (`download`'s and `fetch`'s thunks, `synchronize`). A kind that copies at
+    once (`VirtualDevice`) satisfies every ordering trivially.
     """
 
     kind = "abstract"
@@ -211,6 +178,7 @@ class Device:
                     m.peak = after
 
     def free(self, n: int, what: str = "") -> None:
+        """Count `n` bytes fewer held (what `alloc` or `claim` booked for the caller)."""
         with self._lock:
             self.current_bytes -= n
 
@@ -255,16 +223,6 @@ class Device:
         else:
             self.free(entry[1] - n)
 
-    def accept(self, t: Any) -> Any:
-        """A tensor arriving for stage work on this GPU (an output's gradient, from the stage
-        after it or from the host), on this GPU and charged to it (inside `compute()`)."""
-        if not isinstance(t, torch.Tensor) or self.holds(t):
-            return t
-        return self._arrive(t)
-
-    def _arrive(self, t: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
     def untrack_all(self) -> None:
         """Forget every charged storage (after an error: the pipeline no longer holds them)."""
         with self._lock:
@@ -273,9 +231,11 @@ class Device:
             self.current_bytes -= held
 
     def stats(self) -> dict[str, int]:
+        """The books now: {"peak_bytes", "current_bytes"} (a kind may add its own keys)."""
         return {"peak_bytes": self.peak_bytes, "current_bytes": self.current_bytes}
 
     def reset_peak(self) -> None:
+        """The peak is what is held now; the stages' measured peaks are forgotten."""
         with self._lock:
             self.peak_bytes = self.current_bytes
             self.stage_peaks.clear()
@@ -290,7 +250,7 @@ class Device:
         if getattr(tls, "mode", None) is not None or self.memory_books != "ops":
             yield
             return
-        tls.mode = mode = _Books(self)
+        tls.mode = mode = OpTracker(self)
         try:
             with mode:
                 yield
@@ -360,37 +320,73 @@ class Device:
                     f"{_remedy('working memory')} (memory_books='allocator' checks when a stage's work ends; "
                     f"memory_books='ops' raises from the op that would pass the budget)")
 
-    # ------------------------------------------------------------------ interface
+    # ------------------------------------------------------------------ making a kind's devices
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why devices of this kind cannot be made on this machine (None: they can): CUDA's
+        without a GPU. `make_devices` refuses with it; the conformance suite skips with it."""
+        return None
+
+    @classmethod
+    def create(cls, budgets: Mapping[str, int | None], *, indices: Mapping[str, int] | None = None,
+               seed: int = 0) -> dict[str, "Device"]:
+        """One device of this kind per GPU name, with its byte budget (`make_devices(device=kind)`);
+        `indices`: a GPU's hardware index where the kind has several, `seed`: the first GPU's
+        seed where the kind draws random numbers (each next GPU's: one more). Here: `cls(name,
+        budget)` per GPU; a kind whose constructor takes more overrides it."""
+        return {name: cls(name, b) for name, b in budgets.items()}
+
+    # ------------------------------------------------------------------ the interface: weights
+    @abc.abstractmethod
     def compute(self) -> contextlib.AbstractContextManager:
         """Context in which this GPU's compute runs (its compute stream), with `books()` on:
-        every tensor the work creates on the GPU is charged while it lives."""
-        raise NotImplementedError
+        every tensor the work creates on the GPU is charged while it lives (memory_books="ops").
+        `working(stage)` enters it; a use of a stage's slots inside it comes after `ready`."""
 
     def new_slot(self, like: torch.Tensor, dtype: torch.dtype | None, parameter: bool) -> torch.Tensor:
-        """A tensor shaped like `like` on this device, with no storage until uploaded."""
-        raise NotImplementedError
+        """A tensor shaped like `like` on this device (floating point: in `dtype` when given),
+        with no storage until a `fill` gives it some; an `nn.Parameter` (no grad) if `parameter`.
+        The runtime binds it into the stage's module once and keeps it: `fill` and `vacate` change
+        its storage, never the tensor object."""
+        return empty_slot(like, dtype, parameter, self.torch_device)
 
-    def upload(self, slots: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> Any:
-        """Give each slot storage and copy its master in; returns a token for `ready`."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def fill(self, stage: int, slots: Sequence[torch.Tensor], masters: Sequence[torch.Tensor], nbytes: int,
+             prefer: int | None = None) -> Any:
+        """Make stage `stage` resident: give its `slots` storage (`nbytes` of weights, or a slot
+        of the pool `open_pool` booked; `prefer`: the slot the plan gives it) and start copying
+        each master (a host tensor) into its slot; returns the token `ready` takes (None: the copy
+        is done). Books before it copies: past the budget it raises `BudgetError` (alloc's
+        message) with nothing booked and no slot given storage. Logs one "weight" h2d copy per
+        slot, `sum(nbytes(slot))` bytes. A slot of the pool is refilled only after the events of
+        its last use (`vacate`) completed: a read of the old weights never sees the new ones."""
 
+    @abc.abstractmethod
     def ready(self, token: Any, slots: Sequence[torch.Tensor]) -> None:
-        """Order compute after the upload `token` (no-op when already done)."""
-        raise NotImplementedError
+        """Order this GPU's compute after the upload `token` (from `fill`; None: no-op): compute
+        issued after `ready` reads the masters' values in the slots. On a stream device the host
+        may wait only for the copy to be issued, not for it to run. Raises the upload's error."""
 
     def cancel(self, token: Any) -> None:
-        """Let an upload in flight finish (errors ignored) so its slots can be freed."""
+        """An error ends the step with the upload `token` in flight: let it finish (its errors
+        ignored) so `vacate` can free the slots. Here: nothing is in flight."""
 
-    def new_step(self) -> None:
-        """A new forward begins: masters may have changed since the last one (optimizer step)."""
+    @abc.abstractmethod
+    def vacate(self, stage: int, slots: Sequence[torch.Tensor], nbytes: int) -> None:
+        """Stage `stage` leaves the GPU (after `ready`, or `cancel`): its slots lose their storage
+        (any later use fails) and the bytes `fill` booked for it are freed (a pooled slot goes back
+        to the pool, whose bytes stay booked). On a stream device the memory is reused only after
+        the work already issued on it (compute, downloads of it) completed: evicting frees only
+        after the last use."""
 
     def plan_slots(self, sizes: Sequence[int]) -> None:
         """The bytes of each stage slot the schedule holds at once on this GPU (a device with a
-        fixed slot pool sizes it from them; here: nothing to do)."""
+        fixed slot pool sizes it from them, taking the larger of two plans; here: nothing to do)."""
 
     def open_pool(self) -> None:
-        """Allocate the slot pool `plan_slots` sized, kept from now on (when compiling; a device
-        without a pool books each stage's weights as it fills them: nothing to do)."""
+        """Allocate and book the slot pool `plan_slots` sized, kept from now on (when compiling;
+        past the budget: `BudgetError` naming "the weight slots"). A device without a pool books
+        each stage's weights in `fill`: nothing to do."""
 
     def pool_bytes(self) -> int | None:
         """The bytes of the slot pool, held whichever stages are resident (None: no pool, each
@@ -402,98 +398,98 @@ class Device:
         return False
 
     def slot_bytes(self, slots: Sequence[torch.Tensor]) -> int:
-        """The bytes a stage with these slots takes in a slot."""
+        """The bytes a stage with these slots takes in a slot (a pool packs with alignment)."""
         return sum(nbytes(s) for s in slots)
 
-    def fill(self, stage: int, slots: Sequence[torch.Tensor], masters: Sequence[torch.Tensor], nbytes: int,
-             prefer: int | None = None) -> Any:
-        """Make stage `stage` resident (`nbytes` of weights; `prefer`: the slot the plan gives
-        it) and upload its masters; returns the token for `ready`. Here: book the bytes, upload."""
-        self.alloc(nbytes, f"stage {stage}'s weights")
-        try:
-            return self.upload(slots, masters)
-        except BaseException:
-            self.release(slots)
-            self.free(nbytes)
-            raise
+    def new_step(self) -> None:
+        """A new step begins: masters may have changed since the last one (optimizer step)."""
 
-    def vacate(self, stage: int, slots: Sequence[torch.Tensor], nbytes: int) -> None:
-        """Stage `stage` leaves the GPU: free its slots (an upload in flight was awaited)."""
-        self.release(slots)
-        self.free(nbytes)
+    def refresh(self, masters: Sequence[torch.Tensor]) -> None:
+        """The optimizer just stepped `masters`: a device keeping host copies of them to upload
+        from writes them now (`StreamDevice`). Here: none kept, nothing to do."""
 
-    def release(self, slots: Sequence[torch.Tensor]) -> None:
-        """Free the slots' storage (their shapes stay; any use now fails)."""
-        for s in slots:
-            s.untyped_storage().resize_(0)
+    def forget_pinned_copies(self) -> None:
+        """The masters changed in a way no version counter shows: any kept host copy is made
+        again at its next upload (`Pipeline.refresh_weights`). Here: none kept."""
 
+    # ------------------------------------------------------------------ the interface: activations
+    @abc.abstractmethod
+    def accept(self, t: Any) -> Any:
+        """A value arriving for stage work on this GPU (an output's gradient, from the stage
+        after it or from the host): a tensor this GPU `holds` comes back as it is; another tensor
+        comes back as a copy on this GPU, ordered before this GPU's later compute (charged to it
+        inside `compute()`); a non-tensor as it is. Not logged (autograd's copy was)."""
+
+    @abc.abstractmethod
     def receive(self, value: torch.Tensor, src: "Device | None", dtype: torch.dtype | None = None,
                 kind: str = "activation") -> torch.Tensor:
-        """A differentiable copy of an activation from `src` (None: the host) onto this device,
-        cast to `dtype` when given; logged as `kind` (a saved input sent again: "input")."""
-        raise NotImplementedError
+        """A differentiable copy of `value` from `src` (a device of this kind; None: the host)
+        onto this GPU, cast to `dtype` when given, ordered after `src`'s compute that made it
+        and before this GPU's later compute (inside `deferred()`: before the compute after
+        `join` of its event). Its gradient goes back to `value`'s place. Logs one `kind` copy,
+        "h2d" from the host, "d2d" from a GPU, of the result's bytes. The runtime books the
+        result (`track`); the copy itself books nothing."""
 
+    @abc.abstractmethod
     def to_host(self, value: torch.Tensor) -> torch.Tensor:
-        """A differentiable copy of an activation into host memory."""
-        raise NotImplementedError
+        """A differentiable copy of `value` (on this GPU) into host memory, ordered after the
+        compute that made it. A kind that copies asynchronously registers the result as pending
+        (`streams.PENDING.add`): a later `receive` of it from the host (on any device) is ordered
+        after the copy, and the host reads it after `PENDING.settle` (the runtime does, for the
+        model's outputs). Logs one "activation" d2h copy."""
 
+    @abc.abstractmethod
     def offload(self, t: torch.Tensor) -> Any:
-        """Save a stage input in host memory until backward (not differentiable)."""
-        raise NotImplementedError
+        """Save a stage input (on this GPU) in host memory until backward (not differentiable,
+        not booked on the GPU: called inside `working`, its host copy is not charged); returns
+        what `restore` takes. Logs one "input" d2h copy."""
 
+    @abc.abstractmethod
     def restore(self, saved: Any) -> torch.Tensor:
-        """The saved input back on this device."""
-        raise NotImplementedError
+        """The input `offload` saved, back on this GPU, ordered before later compute (inside
+        `deferred()`: before the compute after `join`). Raises MobiusError when the input was
+        changed in place after the forward used it (as eager checkpointing does). Logs one
+        "input" h2d copy."""
 
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[list]:
+    def deferred(self) -> contextlib.AbstractContextManager[list]:
         """Copies onto this device issued inside do not order its compute after them yet: they
         add their completion events to the list yielded, and `join(events)` orders compute after
         them when their result is used (a stage's saved inputs, restored for all its micro-batches
-        when its backward starts, each waited for by its own micro-batch). Devices that copy at
-        once have no events."""
-        yield []
+        when its backward starts, each waited for by its own micro-batch). Here: copies are made
+        at once, with no events."""
+        return contextlib.nullcontext([])
 
     def join(self, events: Sequence[Any]) -> None:
         """Order this device's compute after `events` (from `deferred`)."""
 
+    @abc.abstractmethod
     def download(self, t: torch.Tensor, kind: str) -> Callable[[], torch.Tensor]:
-        """Start copying `t` to the host; the returned thunk waits and gives the host tensor."""
-        raise NotImplementedError
+        """Start copying `t` (on this GPU: a weight gradient, a buffer's slot) to the host,
+        ordered after the compute that made it; returns a thunk that waits for the copy (the
+        host blocks there, nowhere else) and gives the host tensor, whose values are `t`'s when
+        `download` was called: a later `vacate` and refill of `t`'s slot does not change them.
+        Logs one `kind` d2h copy of `t`'s bytes. The caller frees what it booked for `t`."""
 
+    @abc.abstractmethod
+    def fetch(self, t: torch.Tensor) -> Callable[[], bool]:
+        """A one-element flag (a stage's gradients all finite) read on the host: returns a thunk
+        giving `bool(t)`, ordered after the compute that made it; not a transfer of the plan, so
+        not logged, and nothing stays booked for it."""
+
+    # ------------------------------------------------------------------ the interface: randomness, sync
+    @abc.abstractmethod
     def rng_state(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The state of the generator this device's random ops use (saved per stage call)."""
 
-    @contextlib.contextmanager
-    def rng(self, state: torch.Tensor) -> Iterator[None]:
-        """Run with the generator this device's random ops use set to `state`, then restore it."""
-        raise NotImplementedError
-        yield  # pragma: no cover
+    @abc.abstractmethod
+    def rng(self, state: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+        """Run with the generator this device's random ops use set to `state` (a recompute draws
+        what the forward drew), then restore the state it had before."""
 
     def synchronize(self) -> None:
-        pass
+        """Block the host until all work queued on this device completed; raise the first error
+        a queue met. Here: nothing is queued."""
 
     def __repr__(self) -> str:
         budget = "unlimited" if self.budget is None else fmt_bytes(self.budget)
         return f"{type(self).__name__}({self.name!r}, budget={budget}, held={fmt_bytes(self.current_bytes)})"
-
-
-
-def empty_slot(like: torch.Tensor, dtype: torch.dtype | None, parameter: bool, device: torch.device) -> torch.Tensor:
-    dt = dtype if (dtype is not None and like.is_floating_point()) else like.dtype
-    t = torch.empty(like.shape, dtype=dt, device=device)
-    t.untyped_storage().resize_(0)
-    if parameter:
-        return nn.Parameter(t, requires_grad=False)
-    return t
-
-
-class SavedInput:
-    """A stage input kept for backward: its host copy and what orders reading it (a CUDA event;
-    on virtual devices the version the input had)."""
-
-    __slots__ = ("host", "event")
-
-    def __init__(self, host: torch.Tensor, event: Any) -> None:
-        self.host = host
-        self.event = event

@@ -1,15 +1,38 @@
-"""What every device kind of `mobius_fx.runtime.devices` shares beyond the books
-(`mobius_fx.runtime.device_books.Device`): the check that a saved stage input is unchanged, and the
-RNG of a GPU played by the CPU."""
+"""What the device kinds of `mobius_fx.runtime.devices` share beyond the books
+(`mobius_fx.runtime.device_books.Device`): an empty weight slot (`empty_slot`), a saved stage
+input (`SavedInput`) and the check that it is unchanged, and the RNG of a GPU played by the CPU."""
 
 from __future__ import annotations
 
 import contextlib
 import weakref
+from typing import Any
 
 import torch
+from torch import nn
 
 from mobius_fx.errors import MobiusError
+
+
+def empty_slot(like: torch.Tensor, dtype: torch.dtype | None, parameter: bool, device: torch.device) -> torch.Tensor:
+    """A tensor shaped like `like` on `device` with no storage (`Device.new_slot`)."""
+    dt = dtype if (dtype is not None and like.is_floating_point()) else like.dtype
+    t = torch.empty(like.shape, dtype=dt, device=device)
+    t.untyped_storage().resize_(0)
+    if parameter:
+        return nn.Parameter(t, requires_grad=False)
+    return t
+
+
+class SavedInput:
+    """A stage input kept for backward (`Device.offload`): its host copy and what orders reading
+    it (a CUDA event and the input's version; on virtual devices the version the input had)."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, host: torch.Tensor, event: Any) -> None:
+        self.host = host
+        self.event = event
 
 
 def check_unchanged(gpu: str, ref: "weakref.ref[torch.Tensor]", version: int) -> None:

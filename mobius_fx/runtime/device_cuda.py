@@ -7,7 +7,10 @@ import contextlib
 
 import torch
 
-from mobius_fx.runtime.device_books import CudaAllocator, empty_slot
+from mobius_fx.errors import MobiusError
+from mobius_fx.runtime import host_threads
+from mobius_fx.runtime.device_books import CudaAllocator
+from mobius_fx.runtime.device_registry import register_device
 from mobius_fx.runtime.device_stream import StreamDevice
 
 
@@ -19,7 +22,6 @@ class CudaDevice(StreamDevice):
     changed, or written by the optimizer overlap right after a stage's step (`refresh`).
     """
 
-    kind = "cuda"
     granule = 512  # CUDACachingAllocator rounds every block up to 512 bytes (memory_allocated counts blocks)
     align = 512
     default_books = "allocator"  # no Python per op on the critical path; "ops" is the debug measurement
@@ -35,6 +37,31 @@ class CudaDevice(StreamDevice):
             self.upload_stream = torch.cuda.Stream(priority=(least + greatest) // 2)
             self.download_stream = torch.cuda.Stream(priority=least)
 
+    @classmethod
+    def unavailable(cls):
+        if not torch.cuda.is_available():
+            return ("torch.cuda.is_available() is False; use device='virtual' to run the pipeline on the CPU with "
+                    "virtual GPUs")
+        return None
+
+    @classmethod
+    def create(cls, budgets, *, indices=None, seed=0):
+        """GPU i on cuda:`indices[name]` (default: its position modulo the CUDA devices, so a
+        4-GPU topology also runs on one real GPU)."""
+        reason = cls.unavailable()
+        if reason is not None:
+            raise MobiusError(f"device={cls.kind!r} but {reason}")
+        host_threads.size_uploads(len(budgets), host_compute=False)
+        count = torch.cuda.device_count()
+        out = {}
+        for i, (name, b) in enumerate(budgets.items()):
+            index = (indices or {}).get(name, i % count)
+            if not 0 <= index < count:
+                raise MobiusError(f"GPU {name!r} maps to cuda:{index} but this machine has {count} CUDA device(s); "
+                                  f"fix the topology's GPU indices")
+            out[name] = cls(name, b, index)
+        return out
+
     @contextlib.contextmanager
     def compute(self):
         with torch.cuda.stream(self.compute_stream), self.books():  # books(): a no-op in "allocator"
@@ -42,9 +69,6 @@ class CudaDevice(StreamDevice):
 
     def _default_source(self):
         return CudaAllocator.of(self.torch_device.index)  # shared by the pipeline GPUs on this CUDA device
-
-    def new_slot(self, like, dtype, parameter):
-        return empty_slot(like, dtype, parameter, self.torch_device)
 
     def _event(self):
         return torch.cuda.Event()
@@ -80,7 +104,9 @@ class CudaDevice(StreamDevice):
             for t, s in zip(targets, sources):
                 t.copy_(s, non_blocking=True)
 
-    def _arrive(self, t):
+    def accept(self, t):
+        if not isinstance(t, torch.Tensor) or self.holds(t):
+            return t
         if t.device == self.torch_device:  # autograd copied it here (the backward of a send)
             self.track(t, "gradient")
             return t
@@ -97,3 +123,6 @@ class CudaDevice(StreamDevice):
             yield
         finally:
             torch.cuda.set_rng_state(now, self.torch_device)
+
+
+register_device("cuda", CudaDevice)

@@ -8,15 +8,14 @@ import weakref
 
 import torch
 
-from mobius_fx.runtime.device_books import Device, SavedInput, empty_slot, nbytes
-from mobius_fx.runtime.device_common import CpuRng, check_unchanged
+from mobius_fx.runtime.device_books import Device, nbytes
+from mobius_fx.runtime.device_common import CpuRng, SavedInput, check_unchanged
+from mobius_fx.runtime.device_registry import register_device
 
 
 class VirtualDevice(CpuRng, Device):
     """A GPU played by the CPU: real copies made at once, a byte budget, freed storage after
     eviction. (`VirtualAsyncDevice` plays the CUDA path's streams, events and slot pool.)"""
-
-    kind = "virtual"
 
     def __init__(self, name: str, budget: int | None) -> None:
         super().__init__(name, budget, torch.device("cpu"))
@@ -24,24 +23,38 @@ class VirtualDevice(CpuRng, Device):
     def compute(self) -> contextlib.AbstractContextManager:
         return self.books()
 
-    def new_slot(self, like, dtype, parameter):
-        return empty_slot(like, dtype, parameter, self.torch_device)
-
-    def upload(self, slots, masters):
-        slots, masters = list(slots), list(masters)
-
-        def work() -> None:
+    def fill(self, stage, slots, masters, nbytes_, prefer=None):
+        # Booked first (nothing copied past the budget), then copied at once: no token.
+        self.alloc(nbytes_, f"stage {stage}'s weights")
+        try:
             with torch.no_grad():
                 for s, m in zip(slots, masters):
                     s.untyped_storage().resize_(nbytes(s))
                     s.copy_(m)
-
+        except BaseException:
+            self._release(slots)
+            self.free(nbytes_)
+            raise
         self.log.add("weight", "h2d", sum(nbytes(s) for s in slots), len(slots))
-        work()
         return None
 
     def ready(self, token, slots):
-        pass
+        pass  # the copies were made in fill
+
+    def vacate(self, stage, slots, nbytes_):
+        self._release(slots)
+        self.free(nbytes_)
+
+    @staticmethod
+    def _release(slots) -> None:
+        """Free the slots' storage (their shapes stay; any use now fails)."""
+        for s in slots:
+            s.untyped_storage().resize_(0)
+
+    def accept(self, t):
+        if not isinstance(t, torch.Tensor) or self.holds(t):
+            return t
+        return t.clone()  # the copy a GPU receives: host memory and other GPUs' books keep theirs until it dies
 
     def receive(self, value, src, dtype=None, kind="activation"):
         out = value.to(dtype) if dtype is not None and dtype != value.dtype else value.clone()
@@ -52,10 +65,6 @@ class VirtualDevice(CpuRng, Device):
         out = value.clone()
         self.log.add("activation", "d2h", nbytes(out))
         return out
-
-    def _arrive(self, t):
-        # The copy a GPU receives: host memory and other GPUs' books keep theirs until it dies.
-        return t.clone()
 
     def offload(self, t):
         # A real host copy, as a CUDA device makes (an alias would keep the GPU tensor's storage,
@@ -83,3 +92,6 @@ class VirtualDevice(CpuRng, Device):
         step that holds the thunk lives (`current_bytes` grew by a byte per stage per step)."""
         value = bool(t)
         return lambda: value
+
+
+register_device("virtual", VirtualDevice)

@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from mobius_fx.runtime.device_books import empty_slot
+from mobius_fx.runtime import host_threads
 from mobius_fx.runtime.device_common import CpuRng
+from mobius_fx.runtime.device_registry import register_device
 from mobius_fx.runtime.device_stream import StreamDevice
 from mobius_fx.runtime.streams import PENDING, RaceError, ThreadEvent, ThreadStream
 
@@ -44,8 +45,6 @@ class VirtualAsyncDevice(CpuRng, StreamDevice):
     thread. A refill of a slot whose last use has not completed raises `RaceError` (and is
     listed in `races`); a copy read before its event gives wrong values, which the tests see."""
 
-    kind = "virtual-async"
-
     def __init__(self, name: str, budget: int | None, *, seed: int = 0, delay: float = 2e-4,
                  chance: float = 0.5) -> None:
         super().__init__(name, budget, torch.device("cpu"))
@@ -60,11 +59,14 @@ class VirtualAsyncDevice(CpuRng, StreamDevice):
         self.upload_stream = stream("upload")
         self.download_stream = stream("download")
 
+    @classmethod
+    def create(cls, budgets, *, indices=None, seed=0):
+        """Seeded `seed`, `seed + 1`, ... in the GPUs' order; an upload worker per GPU."""
+        host_threads.size_uploads(len(budgets), host_compute=True)
+        return {name: cls(name, b, seed=seed + i) for i, (name, b) in enumerate(budgets.items())}
+
     def compute(self) -> contextlib.AbstractContextManager:
         return self.books()
-
-    def new_slot(self, like, dtype, parameter):
-        return empty_slot(like, dtype, parameter, self.torch_device)
 
     def _event(self):
         return ThreadEvent(self.waits)
@@ -137,5 +139,10 @@ class VirtualAsyncDevice(CpuRng, StreamDevice):
             return _Streamed.apply(value, there, back)
         return there(value)
 
-    def _arrive(self, t):
+    def accept(self, t):
+        if not isinstance(t, torch.Tensor) or self.holds(t):
+            return t
         return t.clone()  # the copy a GPU receives (charged to it inside compute())
+
+
+register_device("virtual-async", VirtualAsyncDevice)

@@ -1,7 +1,13 @@
 """The device layer: where a pipeline's weights, gradients and activations live, and how they move.
 
 Everything above the devices (the engine, `engine.py`) is one code path; only the copies differ.
-One module per kind, built here by `make_devices` and re-exported here (the public import path):
+`Device` (`device_books.py`) is the abstract interface the runtime drives, each method's docstring
+its contract. One module per kind, each registering its class by name (`register_device`,
+`device_registry.py`), built here by `make_devices` from the registry and re-exported here (the
+public import path; importing it registers the built-in kinds of `kinds.DEVICES`). A new kind is
+registered the same way and then runs wherever a name is taken (`compile(device=...)`); the
+contract (`device_registry.CONTRACT`, `tests/unit/test_device_conformance.py`) is how it is
+validated (`register_device(..., check=True)` refuses one that breaks it). docs/devices.md says how.
 
 - `VirtualDevice` (`device_virtual.py`) — a GPU of the topology played by the CPU with a byte budget (tests, CI, laptops).
   Uploads make real copies into slots whose storage is freed again on eviction
@@ -47,25 +53,26 @@ from collections.abc import Mapping
 import torch
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.kinds import DEVICES, HOST
-from mobius_fx.runtime import host_threads
+from mobius_fx.kinds import HOST
 from mobius_fx.runtime.device_books import Device, TransferLog, check_memory_books, nbytes
 from mobius_fx.runtime.device_cuda import CudaDevice
+from mobius_fx.runtime.device_registry import (device_choices, device_class, device_kinds, register_device,
+                                               unregister_device)
 from mobius_fx.runtime.device_stream import StreamDevice
 from mobius_fx.runtime.device_virtual import VirtualDevice
 from mobius_fx.runtime.device_virtual_async import VirtualAsyncDevice
 
 __all__ = ["HOST", "Device", "VirtualDevice", "StreamDevice", "CudaDevice", "VirtualAsyncDevice", "TransferLog",
-           "make_devices", "nbytes"]
+           "make_devices", "nbytes", "register_device", "unregister_device", "device_kinds", "device_choices"]
 
 
 def make_devices(budgets: Mapping[str, int | None], *, device: "str | Mapping[str, Device]" = "auto",
                  indices: Mapping[str, int] | None = None, seed: int = 0,
                  memory_books: str = "auto") -> dict[str, Device]:
-    """One `Device` per GPU name. device: "virtual", "virtual-async" (the CPU stand-in of the CUDA
-    path: streams on threads with random delays, seeded by `seed` plus the GPU's position), "cuda",
-    "auto" (CUDA when available), or your own `{gpu name: Device}` (it must name every GPU of
-    `budgets`).
+    """One `Device` per GPU name. device: a registered kind -- "virtual", "virtual-async" (the CPU
+    stand-in of the CUDA path: streams on threads with random delays, seeded by `seed` plus the
+    GPU's position), "cuda", or one you registered (`register_device`) --, "auto" (CUDA when
+    available), or your own `{gpu name: Device}` (it must name every GPU of `budgets`).
 
     `indices` maps a GPU name to its CUDA index (default: the order of `budgets`, modulo the
     number of CUDA devices, so a 4-GPU topology also runs on one real GPU). `memory_books`:
@@ -73,40 +80,16 @@ def make_devices(budgets: Mapping[str, int | None], *, device: "str | Mapping[st
     ("ops" on virtual devices, "allocator" on CUDA; your own Devices as they are).
     """
     check_memory_books(memory_books)
-    out = _make_devices(budgets, device, indices, seed)
-    if memory_books != "auto":
-        for dev in out.values():
-            dev.set_memory_books(memory_books)
-    return out
-
-
-def _make_devices(budgets: Mapping[str, int | None], device: "str | Mapping[str, Device]",
-                  indices: Mapping[str, int] | None, seed: int) -> dict[str, Device]:
     if isinstance(device, Mapping):
         missing = sorted(set(budgets) - set(device))
         if missing:
             raise MobiusError(f"no Device given for GPU(s) {missing}; pass one Device per GPU name the stages use")
-        return {name: device[name] for name in budgets}
-    if device not in DEVICES:
-        raise MobiusError(f"device={device!r}; use 'auto', 'virtual' (GPUs played by the CPU), 'virtual-async' (the "
-                          f"CPU stand-in of the CUDA path's streams) or 'cuda'")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "virtual"
-    if device == "virtual":
-        return {name: VirtualDevice(name, b) for name, b in budgets.items()}
-    # the others ("virtual-async", "cuda") stream: an upload worker per GPU (host_threads)
-    host_threads.size_uploads(len(budgets), host_compute=device == "virtual-async")
-    if device == "virtual-async":
-        return {name: VirtualAsyncDevice(name, b, seed=seed + i) for i, (name, b) in enumerate(budgets.items())}
-    if not torch.cuda.is_available():
-        raise MobiusError("device='cuda' but torch.cuda.is_available() is False; use device='virtual' to run the "
-                          "pipeline on the CPU with virtual GPUs")
-    count = torch.cuda.device_count()
-    out: dict[str, Device] = {}
-    for i, (name, b) in enumerate(budgets.items()):
-        index = (indices or {}).get(name, i % count)
-        if not 0 <= index < count:
-            raise MobiusError(f"GPU {name!r} maps to cuda:{index} but this machine has {count} CUDA device(s); "
-                              f"fix the topology's GPU indices")
-        out[name] = CudaDevice(name, b, index)
+        out = {name: device[name] for name in budgets}
+    else:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "virtual"
+        out = device_class(device).create(budgets, indices=indices, seed=seed)
+    if memory_books != "auto":
+        for dev in out.values():
+            dev.set_memory_books(memory_books)
     return out
