@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +29,7 @@ class SavedInput:
 
     __slots__ = ("host", "event")
 
-    def __init__(self, host: torch.Tensor, event: Any) -> None:
+    def __init__(self, host: torch.Tensor, event: object) -> None:
         self.host = host
         self.event = event
 

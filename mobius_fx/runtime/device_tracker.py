@@ -5,17 +5,26 @@ that makes it until it dies. `Device.books()` enters it; Python runs on every op
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpTracker"]
-
-_FRESH: dict[Any, tuple[bool, ...]] = {}  # op -> per return: a new tensor (its schema says no alias)
+__all__ = ["OpTracker", "Books"]
 
 
-def _fresh_returns(func: Any) -> tuple[bool, ...]:
+class Books(Protocol):
+    """What the tracker reads and charges of a device (`device_books.Device` is one)."""
+
+    torch_device: torch.device
+    dispatch_calls: int
+
+    def _charge(self, storage: torch.UntypedStorage, why: tuple[str, object]) -> None: ...
+
+_FRESH: dict[torch._ops.OpOverload, tuple[bool, ...]] = {}  # op -> per return: a new tensor (its schema says no alias)
+
+
+def _fresh_returns(func: torch._ops.OpOverload) -> tuple[bool, ...]:
     try:
         return tuple(r.alias_info is None for r in func._schema.returns)
     except AttributeError:  # not an aten op with a schema
@@ -32,7 +41,7 @@ class OpTracker(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return False  # no dynamo-disabling wrapper around __torch_dispatch__: a few us per op saved
 
-    def __init__(self, dev: Any) -> None:  # a device_books.Device
+    def __init__(self, dev: Books) -> None:
         super().__init__()
         self.dev = dev
         self.paused = False
@@ -58,7 +67,7 @@ class OpTracker(TorchDispatchMode):
                         self._charge(t, func)
         return out
 
-    def _charge(self, t: torch.Tensor, func: Any) -> None:
+    def _charge(self, t: torch.Tensor, func: torch._ops.OpOverload) -> None:
         if self.where is not None and t.device != self.where:
             return  # a host copy made during the work (CUDA: pinned offloads)
         try:
