@@ -76,7 +76,8 @@ class SimResult:
     `pipeline_time` is forward + backward + gradient offload (what the partitioner predicts),
     `step_time` adds what the host does after it: `optimizer_time`, the gradient hand-over and
     the optimizer step with the copies around it (sim.tasks.HOST_COPY_KINDS; `host_copy_time`
-    is the seconds all host copies ran, the pinning before uploads included). The host ran at
+    is the seconds all host copies ran, the pinning before uploads included; `host_busy` those
+    and the optimizer's passes together). The host ran at
     `optimizer_bandwidth` (the schedule's CPU optimizer: DeepSpeed's for "zero3-offload") and
     `host_copy_bandwidth` bytes/s; `host_sources` says where each figure came from: "given"
     (an argument of `simulate`), "measured on this host" (the topology's "host" section) or
@@ -113,13 +114,15 @@ class SimResult:
     host_copy_bandwidth: float = HOST_COPY_BANDWIDTH
     host_sources: dict[str, str] = field(default_factory=dict)
     host_copy_time: float = 0.0
+    host_busy: float = 0.0  # seconds the host's optimizer pass and copies ran, all together
 
     def host_line(self) -> str:
         """Which host figures the step was simulated with, and where they came from."""
         return (f"host: CPU optimizer {self.optimizer_bandwidth / 1e9:.1f} GB/s "
                 f"({self.host_sources.get('optimizer', 'default')}), host copies "
                 f"{self.host_copy_bandwidth / 1e9:.1f} GB/s ({self.host_sources.get('host copies', 'default')}), "
-                f"busy {fmt_time(self.host_copy_time)}")
+                f"busy {fmt_time(self.host_busy)} (optimizer {fmt_time(self.host_busy - self.host_copy_time)}, "
+                f"copies {fmt_time(self.host_copy_time)})")
 
     def summary(self) -> str:
         """A few lines a person reads: times, utilisation, busiest link, critical path."""
@@ -222,21 +225,24 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     implementation is "deepspeed"), else CPU_ADAM_BANDWIDTH (a fused AdamW measured on the H200
     run's 16-core host, 111 GB/s). `deepspeed_adam_bandwidth` is the "zero3-offload" baseline's
     DeepSpeedCPUAdam; None takes a host section measured with implementation "deepspeed", else
-    the same speed as Mobius's optimizer (no assumed speed-up). `host_copy_bandwidth` is the
-    host copies' bytes/s (the pinning of the streamed copies before uploads, the gradient
-    hand-over, sync's refresh and finite check, async's shadow copy: sim.tasks.HOST_COPY_KINDS,
-    each where the runtime makes it); None takes the host section's `host_copy_bytes_per_s`, else
-    HOST_COPY_BANDWIDTH. `host_copies` sets a kind's bytes per parameter (per 4 master bytes)
-    ({"handover": 0}: the runtime no longer makes that pass); the others as
-    sim.tasks.host_copy_bytes. The result says which figures it used (`SimResult.host_sources`,
+    the same speed as Mobius's optimizer (no assumed speed-up). Under "sync" and "async" with
+    half-precision gradients the runtime steps with one fused pass per parameter
+    (runtime/host_optimizer.py: the download in, the streamed copy out; sim.tasks.host_pass_bytes,
+    28 B for AdamW in bf16, + 4 B for the fp32 `.grad` sync writes), at the optimizer's speed, and
+    makes no host copy; under "none" (and with fp32) torch's step and the copies around it.
+    `host_copy_bandwidth` is the host copies' bytes/s (the pinning of the streamed copies before
+    uploads, the gradient hand-over, the refresh and finite check of fp32 or data-parallel sync:
+    sim.tasks.HOST_COPY_KINDS, each where the runtime makes it, RUNTIME_HOST_COPIES); None takes
+    the host section's `host_copy_bytes_per_s`, else HOST_COPY_BANDWIDTH. `host_copies` sets a
+    kind's bytes per parameter (per 4 master bytes) ({"grad": 0}: a loop with
+    `keep_grads=False`); the others as sim.tasks.host_copy_bytes. The result says which figures it used (`SimResult.host_sources`,
     `host_line()`).
 
     `masters`: where host memory lives, "local" (default: each stage on the socket of the GPU
     that first moves it) or a root complex ("cpu0": all on that socket; GPUs elsewhere cross
     the inter-socket link) -- see mobius_fx.sim.tasks.MASTERS. `optimizer_overlap`: "none"
     (the CPU optimizer after the step), "sync" (each stage stepped once its gradients are on
-    the host) or "async" (staleness 1: the step is max(pipeline + hand-over, shadow copy +
-    optimizer)), for the Mobius
+    the host) or "async" (staleness 1: the step is max(pipeline, the optimizer's pass)), for the Mobius
     schedules and RoundPipe's; "zero3-offload" keeps DeepSpeed's step after the pipeline and
     GPipe steps on the GPUs (sim.tasks.cpu_optimizer).
 
@@ -331,7 +337,8 @@ def _run(ctx: Context, schedule: str) -> SimResult:
                      servers=ctx.servers, network=ctx.network,
                      allreduce_time=sum(rep.end[i] - rep.start[i] for i in nic_ids),
                      allreduce_exposed=comm_end - pipe_end, nic_bytes=sum(tasks[i].meta["bytes"] for i in nic_ids),
-                     host_copy_time=sum(rep.end[i] - rep.start[i] for i in copy_ids))
+                     host_copy_time=sum(rep.end[i] - rep.start[i] for i in copy_ids),
+                     host_busy=sum(rep.end[i] - rep.start[i] for i in opt_ids))
 
 
 def _critical_path(tasks: list[Task], rep: Any, step: float) -> dict[str, float]:

@@ -18,7 +18,8 @@ from mobius_fx.sim.network import Link, Task
 from mobius_fx.planning.plans import Plan
 from mobius_fx.kinds import HOST
 
-__all__ = ["Costs", "Context", "cpu_optimizer", "gpu_optimizer", "optimizer_bytes_touched",
+__all__ = ["Costs", "Context", "cpu_optimizer", "gpu_optimizer", "optimizer_bytes_touched", "host_pass_bytes",
+           "fused_pass", "RUNTIME_HOST_COPIES_REDUCED",
            "ring_allreduce_time", "gradient_allreduce", "NETWORK_LATENCY", "TOUCHED_BYTES", "STATE_BYTES",
            "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH", "HOST_COPY_KINDS", "RUNTIME_HOST_COPIES", "NO_HOST_COPIES",
            "MASTERS", "host_copy_bytes"]
@@ -63,48 +64,101 @@ CPU_ADAM_BANDWIDTH = H200_HOST_PARAMS * TOUCHED_BYTES["adamw"] / H200_HOST_ADAMW
 H200_HOST_HANDOVER_SECONDS = 0.6537
 HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e9 B/s
 
-# The copies, per parameter of a trainable weight (per 4 master bytes), each where the runtime makes it
-# (`host_copy_bytes` gives its bytes with weights streamed at `s` bytes per element):
-# - "pin": the master copied (cast) into the streamed copy an upload reads, by the GPU's
-#   upload worker before the stage's first upload of the step (StreamDevice._pinned_copy: again every
-#   step the optimizer changed the master), read 4 + write s -- unless the step refreshed it;
-# - "refresh": the same copy written by pipe.overlap(mode="sync")'s worker right after a stage's
-#   step (refresh_copies=True, its default), so nothing is pinned: on the optimizer's resource;
-# - "handover": a downloaded gradient made the master's fp32 `.grad` (host_gradient), read s +
-#   write 4, none when gradients stream in fp32; on the main thread after backward ("none",
-#   "async"); in "sync" span by span inside the stage's step (overlap_fused.FusedStep._step_fused: each span is
-#   converted right before the optimizer steps it), charged as the step's extra DRAM traffic
-#   (the streamed bytes: the fp32 span is read back from cache) at the optimizer's speed;
-# - "finite_check": "sync" with fp32 downloads reads each stage's gradients for a non-finite
-#   value before stepping it (4 B), on the optimizer's resource (with half-precision downloads
-#   the GPUs sum them before the download: no host pass);
-# - "shadow": "async" copies w(t) into the shadow it steps (read 4, write 4), before the step.
-# RUNTIME_HOST_COPIES are the kinds today's runtime makes; a kind left out (or `simulate(...,
-# host_copies={"handover": 0})`) costs nothing -- when the runtime fuses a pass into the
-# optimizer's step, count its bytes in the step instead (TOUCHED_BYTES).
-HOST_COPY_KINDS = ("pin", "refresh", "handover", "finite_check", "shadow")
-RUNTIME_HOST_COPIES = HOST_COPY_KINDS
+# What the host does per step, per overlap mode (`kinds.OVERLAP_MODES`), as the runtime does it,
+# per parameter of a trainable weight (per 4 master bytes), with weights streamed (and gradients
+# downloaded) at `s` bytes per element (4: fp32; 2: bf16/fp16):
+#
+# - "none" (the user's optimizer after backward, `pipe.overlap` not used): the downloaded
+#   gradient made the master's fp32 `.grad` on the main thread ("handover", read s + write 4;
+#   none in fp32: the download is the `.grad`), torch's step (TOUCHED_BYTES at the optimizer's
+#   speed), and before each stage's first upload of the next step its streamed copy made again
+#   from the changed master by the GPU's upload worker ("pin", read 4 + write s:
+#   StreamDevice._pinned_copy).
+# - "sync" (`pipe.overlap(opt, "sync")`): per stage as soon as its gradient downloads landed,
+#   on the optimizer's worker. Half-precision downloads: ONE fused pass per parameter
+#   (runtime/host_optimizer.py via overlap_fused.FusedStep._host_pass) reads the download (s),
+#   p, m, v and writes p, m, v and the streamed copy the next upload reads (s): `host_pass_bytes`,
+#   28 B for AdamW in bf16, plus the fp32 `.grad` it writes ("grad", 4 B: OverlapOptimizer's
+#   keep_grads, default True), at the optimizer's speed. No hand-over, refresh, pin or finite
+#   check (the finite flag comes from the GPUs). fp32 downloads: the download is the `.grad`
+#   (no hand-over), torch's step (28 B), then the streamed copy written from the master
+#   ("refresh", read 4 + write 4: StreamDevice.refresh) on the same worker, at the copies' speed.
+#   Data parallel (servers > 1): the all-reduced gradients take the unfused path
+#   (overlap_handover.ready without GPU finite flags): "handover" on the adder thread, the
+#   non-finite check ("finite_check", read 4) and torch's step and "refresh" on the optimizer's.
+# - "async" (staleness 1): the same fused pass out of place into the shadow the next swap makes
+#   the weights, half-precision in, streamed copy out (`host_pass_bytes`: 28 B for AdamW in bf16),
+#   running while the next step computes: no shadow copy, hand-over or pin. fp32: torch's step and
+#   the pin of the new master before its first upload ("pin", 8 B).
+# A kind a mode does not make costs 0; `simulate(..., host_copies={"grad": 0})` (a loop with
+# keep_grads=False) or {"handover": 0} overrides a kind's bytes.
+HOST_COPY_KINDS = ("pin", "refresh", "handover", "finite_check", "shadow", "grad")
+RUNTIME_HOST_COPIES = {"none": ("pin", "handover"), "sync": ("grad", "refresh"), "async": ("pin",)}
+# with servers > 1 (data parallel) under "sync": the unfused path
+RUNTIME_HOST_COPIES_REDUCED = {"sync": ("handover", "finite_check", "refresh")}
 # `simulate(plan, host_copies=NO_HOST_COPIES)`: no host copy at all -- the network and the
-# schedule alone, as the planner's step model sees them (it models no host copies).
+# schedule alone, as the planner's step model sees the GPUs (the host pass itself stays).
 NO_HOST_COPIES = dict.fromkeys(HOST_COPY_KINDS, 0.0)
 
 
-def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam") -> float:
-    """Bytes read + written per parameter (per 4 master bytes) of host copy `kind` (HOST_COPY_KINDS) with
-    weights streamed at `streamed` bytes per element, as the runtime makes it (0 for a kind left
-    out of RUNTIME_HOST_COPIES, and for every kind without an optimizer: nothing changes).
+def fused_pass(overlap: str, streamed: float, servers: int = 1) -> bool:
+    """Whether the runtime steps with the fused host pass (`host_optimizer`) under `overlap`:
+    sync and async with half-precision downloads, one server (data parallel's all-reduced
+    gradients take the unfused path).
+
+    >>> fused_pass("sync", 2), fused_pass("sync", 4), fused_pass("none", 2), fused_pass("sync", 2, servers=2)
+    (True, False, False, False)
+    """
+    return overlap in ("sync", "async") and streamed < 4 and not (servers > 1 and overlap == "sync")
+
+
+def host_pass_bytes(optimizer: str, streamed: float, overlap: str = "none", servers: int = 1) -> float:
+    """Bytes read + written per parameter (per 4 master bytes) by the optimizer's own pass
+    under `overlap`, not counting the fp32 `.grad` ("grad" of `host_copy_bytes`): the fused pass
+    reads the `streamed`-byte gradient instead of a 4-byte one and writes the `streamed`-byte copy
+    (AdamW in bf16: 28 - 4 + 2 + 2 = 28); torch's step reads and writes TOUCHED_BYTES.
+
+    >>> host_pass_bytes("adamw", 2, "sync"), host_pass_bytes("sgd", 2, "async"), host_pass_bytes("adam", 2, "none")
+    (28, 20, 28)
+    """
+    touched = optimizer_bytes_touched(optimizer)
+    if touched and fused_pass(overlap, streamed, servers):
+        return touched - 4 + 2 * streamed
+    return touched
+
+
+def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam", overlap: str = "none",
+                    servers: int = 1) -> float:
+    """Bytes read + written per parameter (per 4 master bytes) of host copy `kind`
+    (HOST_COPY_KINDS) with weights streamed at `streamed` bytes per element, as the runtime
+    makes it under `overlap` (see RUNTIME_HOST_COPIES; 0 for a kind the mode does not make,
+    and for every kind without an optimizer: nothing changes). "grad" is charged inside the
+    fused pass at the optimizer's speed; the others at the host copies' speed.
 
     >>> [host_copy_bytes(k, 2) for k in HOST_COPY_KINDS], host_copy_bytes("handover", 4)
-    ([6, 6, 6, 4, 8], 0)
+    ([6, 0, 6, 0, 0, 0], 0)
+    >>> [host_copy_bytes(k, 2, overlap="sync") for k in HOST_COPY_KINDS]
+    [0, 0, 0, 0, 0, 4]
+    >>> [host_copy_bytes(k, 4, overlap="sync") for k in HOST_COPY_KINDS]
+    [0, 8, 0, 0, 0, 0]
     """
     if kind not in HOST_COPY_KINDS:
         raise MobiusError(f"unknown host copy {kind!r}; the host copies the simulator models are "
                           f"{', '.join(HOST_COPY_KINDS)}")
-    if TOUCHED_BYTES.get(optimizer, 0) == 0 or kind not in RUNTIME_HOST_COPIES:
+    if TOUCHED_BYTES.get(optimizer, 0) == 0:
         return 0
+    fused = fused_pass(overlap, streamed, servers)
+    made = (RUNTIME_HOST_COPIES_REDUCED.get(overlap, RUNTIME_HOST_COPIES[overlap]) if servers > 1
+            else RUNTIME_HOST_COPIES[overlap])
+    if kind not in made:
+        return 0
+    if kind == "grad":
+        return 4 if fused else 0
+    if kind in ("pin", "refresh"):
+        return 0 if fused else 4 + streamed
     if kind == "handover":
         return 0 if streamed >= 4 else streamed + 4
-    return {"pin": 4 + streamed, "refresh": 4 + streamed, "finite_check": 4, "shadow": 8}[kind]
+    return {"finite_check": 4, "shadow": 8}[kind]
 
 # Where host memory (a stage's masters, its gradients, its saved inputs) lives, per socket:
 # "local": in the DRAM of the socket of the GPU that first moves it (first touch by that GPU's
@@ -165,9 +219,10 @@ class Context:
         self.plan, self.topo, self.optimizer, self.cpu_bw = plan, topo, optimizer, cpu_bw
         self.overlap = overlap  # one of kinds.OVERLAP_MODES: when the CPU optimizer steps (see cpu_optimizer)
         self.copy_bw = copy_bw
-        # Whether uploads pin the streamed copies first (`pin_copy`): not where the optimizer's step
-        # writes them ("sync" refreshes them; DeepSpeed's CPU Adam writes its fp16 copy itself).
-        self.pin_before_upload = overlap != "sync"
+        # Whether uploads pin the streamed copies first (`pin_copy`, where the mode's "pin" has
+        # bytes): not where the optimizer's step writes them (DeepSpeed's CPU Adam writes its fp16
+        # copy itself: zero3_offload turns this off).
+        self.pin_before_upload = True
         self._pins: dict[tuple[str, int], int] = {}  # (gpu, stage) -> its pin task this step
         # Data-parallel servers, each server's NIC bandwidth (bytes/s per direction) and the
         # latency of one ring step (s): see gradient_allreduce.
@@ -192,13 +247,22 @@ class Context:
                              [float(s.grad_bytes) for s in st], [float(s.input_bytes) for s in st],
                              [float(s.output_bytes) for s in st], [s.grad_bytes / self.scale for s in st],
                              [f"s{s.index}" for s in st])
-        streamed = 4.0 * self.scale
-        self.copies = {k: host_copy_bytes(k, streamed, optimizer) for k in HOST_COPY_KINDS}
-        self.copies.update(copies or {})
+        self.streamed = 4.0 * self.scale  # streamed bytes per element
+        self.given_copies = dict(copies or {})
+        self.copies = self.copies_for(overlap)
 
-    def copy_seconds(self, kind: str, master_bytes: float) -> float:
-        """Seconds host copy `kind` takes over `master_bytes` of masters (its bytes per 4 of them) at `copy_bw`."""
-        return master_bytes / 4.0 * self.copies[kind] / self.copy_bw
+    def copies_for(self, overlap: str) -> dict[str, float]:
+        """Host copy kind -> its bytes per 4 master bytes under `overlap` (`host_copy_bytes`, as
+        the runtime makes them), overridden by the `copies` given."""
+        out = {k: float(host_copy_bytes(k, self.streamed, self.optimizer, overlap, self.servers))
+               for k in HOST_COPY_KINDS}
+        out.update(self.given_copies)
+        return out
+
+    def copy_seconds(self, kind: str, master_bytes: float, copies: dict[str, float] | None = None) -> float:
+        """Seconds host copy `kind` takes over `master_bytes` of masters (its bytes per 4 of them,
+        `copies` or the context's mode's) at `copy_bw`."""
+        return master_bytes / 4.0 * (self.copies if copies is None else copies)[kind] / self.copy_bw
 
     def pin_copy(self, gpu: str, stage: int, master_bytes: float, after_start: list = ()) -> int | None:
         """The pinning of stage `stage`'s streamed copy (its `master_bytes` of trainable
@@ -334,72 +398,69 @@ def gpu_optimizer(ctx: Context, gpu: str, master_bytes: float, after: list[int])
 def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = None, *,
                   per_stage: dict[int, float] | None = None, overlap: str | None = None,
                   fused_refresh: bool = False) -> None:
-    """The optimizer step over `master_bytes` of masters on the CPU (TOUCHED_BYTES per 4 of them), at `bandwidth` bytes/s
-    (default: the context's `cpu_bw`, the user's torch optimizer), on the "host/optimizer"
-    resource, with the host copies around it where the runtime makes them (HOST_COPY_KINDS, at
-    `ctx.copy_bw`; the pinning before uploads is `Context.pin_copy`'s).
+    """The optimizer step over `master_bytes` of masters on the CPU, at `bandwidth` bytes/s
+    (default: the context's `cpu_bw`, the optimizer's measured speed), on the "host/optimizer"
+    resource, with the host copies the runtime makes around it under `overlap` (default the
+    context's, one of `kinds.OVERLAP_MODES`; RUNTIME_HOST_COPIES, at `ctx.copy_bw`; the pinning
+    before uploads is `Context.pin_copy`'s). Its bytes per 4 master bytes: `host_pass_bytes`,
+    plus the fp32 `.grad` the fused pass writes ("grad"), all at `bandwidth`.
 
-    `overlap` (default the context's, one of `kinds.OVERLAP_MODES`):
     - "none": the gradient hand-over on the main thread ("host/handover") once every task so far
-      has ended, then the step;
+      has ended, then torch's step;
     - "sync": per stage of `per_stage` (stage -> its master bytes), as soon as its gradient
-      downloads (every GPU that holds a copy) have landed, on the optimizer's worker the step
-      with the hand-over fused into it (half-precision downloads: the streamed bytes more per
-      parameter) or after the finite check (fp32 ones), then the refresh of the stage's
-      streamed copy, while the GPUs go on with earlier stages
+      downloads (every GPU that holds a copy) have landed, on the optimizer's worker, one pass
+      (the fused host pass with half-precision downloads; torch's step then the refresh of the
+      streamed copy with fp32 ones; data parallel: the hand-over, the finite check, the step
+      and the refresh), in the order the stages land, while the GPUs go on with earlier stages
       (without `per_stage`, as "none");
     - "async": the steady state of a staleness-1 update (step t's update runs while step t+1
-      computes): the hand-over after the pipeline as in "none", and from the start the shadow
-      copy of w(t) then the step, so the step takes max(pipeline + hand-over, shadow + update).
-    `fused_refresh`: a kernel that writes the streamed copy as it steps (DeepSpeed's CPU Adam):
-    those bytes (the streamed size) count in the step, at `bandwidth`. The DRAM traffic of the
-    step and the copies is not charged to the links, and the host's resources do not share its
-    memory bandwidth with one another (each runs at its own measured speed).
+      computes): the pass from the start, beside the pipeline, so the step takes
+      max(pipeline, pass).
+    `fused_refresh`: DeepSpeed's CPU Adam (the "zero3-offload" baseline), torch's formula plus the
+    streamed copy written as it steps: TOUCHED_BYTES + the streamed size, at `bandwidth`. The
+    DRAM traffic of the step and the copies is not charged to the links, and the host's
+    resources do not share its memory bandwidth with one another (each runs at its own measured
+    speed).
 
     With `ctx.servers` > 1 (and `per_stage`), each stage's gradients are first all-reduced
-    across the servers (`gradient_allreduce`): "sync" hands a stage over once its all-reduce has
+    across the servers (`gradient_allreduce`): "sync" steps a stage once its all-reduce has
     ended, "none" after every all-reduce; "async" still updates from the start (it steps the
     previous step's gradients, averaged within that step).
     """
     bw = bandwidth or ctx.cpu_bw
-    touched = TOUCHED_BYTES[ctx.optimizer] + (4.0 * ctx.scale if fused_refresh and TOUCHED_BYTES[ctx.optimizer] else 0)
     mode = ctx.overlap if overlap is None else overlap
+    copies = ctx.copies_for(mode)
+    if fused_refresh:
+        touched = TOUCHED_BYTES[ctx.optimizer] + (ctx.streamed if TOUCHED_BYTES[ctx.optimizer] else 0)
+    else:
+        touched = host_pass_bytes(ctx.optimizer, ctx.streamed, mode, ctx.servers) + copies["grad"]
     reduced = gradient_allreduce(ctx, per_stage) if per_stage else {}
     everything = list(range(len(ctx.tasks)))
 
     def copy(kind: str, name: str, nbytes: float, stream: str, after: list, priority: tuple, **meta) -> list:
         """A host copy task (none when it costs nothing); what comes next waits for the result."""
-        seconds = ctx.copy_seconds(kind, nbytes)
+        seconds = ctx.copy_seconds(kind, nbytes, copies)
         if seconds <= 0:
             return after
         return [ctx.add(Task(name, stream, priority, seconds, after=after,
                              meta={"kind": "host-copy", "copy": kind, "phase": "step", **meta}))]
 
-    def step(name: str, nbytes: float, after: list, priority: tuple, extra: float = 0.0, **meta) -> list:
-        """The optimizer's pass over `nbytes` of masters, touching `extra` more bytes per one."""
-        return [ctx.add(Task(name, "host/optimizer", priority, nbytes / 4.0 * (touched + extra) / bw, after=after,
+    def step(name: str, nbytes: float, after: list, priority: tuple, **meta) -> list:
+        """The optimizer's pass over `nbytes` of masters."""
+        return [ctx.add(Task(name, "host/optimizer", priority, nbytes / 4.0 * touched / bw, after=after,
                              meta={"kind": "optimizer", "phase": "step", **meta}))]
 
     if mode == "sync" and per_stage:
         grads = _gradient_tasks(ctx)
         for k, nbytes in sorted(per_stage.items(), reverse=True):  # the last stage's gradients land first
             landed = [reduced[k]] if k in reduced else grads.get(k) or everything
-            if ctx.scale < 1 and ctx.copies["handover"] > 0:
-                # half-precision gradients: the runtime converts them span by span inside the
-                # stage's step (overlap_fused.FusedStep._step_fused), reading their finiteness on the GPUs (no host
-                # pass). DRAM traffic: the streamed gradient read and the fp32 `.grad` written,
-                # which the step then reads from cache instead of from memory: `streamed` bytes per
-                # parameter more than the step's own, at the optimizer's speed
-                checked, extra = landed, 4.0 * ctx.scale
-            else:  # fp32 downloads are the gradients; the host reads them for a non-finite value
-                checked, extra = copy("finite_check", f"finite check s{k}", nbytes, "host/optimizer", landed,
-                                      (-k, 0), stage=k), 0.0
-            stepped = step(f"optimizer step s{k}", nbytes, checked, (-k, 1), extra, stage=k)
+            handed = copy("handover", f"hand-over s{k}", nbytes, "host/handover", landed, (-k,), stage=k)
+            checked = copy("finite_check", f"finite check s{k}", nbytes, "host/optimizer", handed, (-k, 0), stage=k)
+            stepped = step(f"optimizer step s{k}", nbytes, checked, (-k, 1), stage=k)
             copy("refresh", f"refresh s{k}", nbytes, "host/optimizer", stepped, (-k, 2), stage=k)
         return
-    handed = copy("handover", "hand-over", master_bytes, "host/handover", everything, ())
     if mode == "async":
-        step("optimizer step", master_bytes, copy("shadow", "shadow copy", master_bytes, "host/optimizer", [], (0,)),
-             (1,))
+        step("optimizer step", master_bytes, [], (1,))
         return
+    handed = copy("handover", "hand-over", master_bytes, "host/handover", everything, ())
     step("optimizer step", master_bytes, sorted(set(everything + handed)), ())
