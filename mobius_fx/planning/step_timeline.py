@@ -42,6 +42,8 @@ class Evaluation:
     weights_back: tuple[float, ...] = ()
     restores_done: tuple[float, ...] = ()
     upload_done: tuple[float, ...] = ()
+    host_done: tuple[float, ...] = ()  # H_k: sync's pass of stage k ends (`HostPass.ends`; () otherwise)
+    pipeline: float = float("nan")  # the makespan without the host's work (fwd + bwd + downloads, links)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class Timeline:
     A: list[float]
     R: list[float]
     U: list[float] = field(default_factory=list)
+    H: list[float] = field(default_factory=list)  # sync's host pass ends (`HostPass.ends`)
+    pipeline: float = float("nan")  # makespan before the host's work
 
 
 @dataclass(frozen=True)
@@ -268,7 +272,11 @@ def timeline(problem: Any, st: Any, full: bool = False):
     if getattr(problem, "links", ()):  # no link carries more than its bandwidth (`LinkLoad`)
         per_slot = slot_bytes(problem, copy_terms(problem, st))
         makespan = max(makespan, max(link_time(x, per_slot) for x in problem.links))
-    return Timeline(makespan, p, q, F, B, D, V, E, A, R, U) if full else makespan
+    pipeline, host, H = makespan, getattr(problem, "host", None), []
+    if host is not None:  # the CPU optimizer's work the step waits for (`host_step.HostPass`)
+        makespan = host.end(pipeline, st.g, D)
+        H = host.ends(st.g, D)
+    return Timeline(makespan, p, q, F, B, D, V, E, A, R, U, H, pipeline) if full else makespan
 
 
 class _CopyTimes:

@@ -17,6 +17,11 @@ from mobius_fx.errors import MobiusError
 from mobius_fx.sim.network import Link, Task
 from mobius_fx.planning.plans import Plan
 from mobius_fx.kinds import HOST
+from mobius_fx.planning.host_step import (  # noqa: F401  (re-exported: the simulator's names)
+    CPU_ADAM_BANDWIDTH, H200_HOST_ADAMW_SECONDS, H200_HOST_HANDOVER_SECONDS, H200_HOST_PARAMS, HOST_COPY_BANDWIDTH,
+    HOST_COPY_KINDS, NO_HOST_COPIES, RUNTIME_HOST_COPIES, RUNTIME_HOST_COPIES_REDUCED, STATE_BYTES, TOUCHED_BYTES,
+    fused_pass, host_copy_bytes, host_pass_bytes, optimizer_bytes_touched,
+)
 
 __all__ = ["Costs", "Context", "cpu_optimizer", "gpu_optimizer", "optimizer_bytes_touched", "host_pass_bytes",
            "fused_pass", "RUNTIME_HOST_COPIES_REDUCED",
@@ -24,141 +29,9 @@ __all__ = ["Costs", "Context", "cpu_optimizer", "gpu_optimizer", "optimizer_byte
            "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH", "HOST_COPY_KINDS", "RUNTIME_HOST_COPIES", "NO_HOST_COPIES",
            "MASTERS", "host_copy_bytes"]
 
-# Master bytes: the simulator knows each stage's trainable master bytes (`Costs.master`: its
-# gradient bytes in the masters' dtype, `Stage.grad_bytes / Precision.scale`), not a count of
-# parameters. Every per-parameter figure below (TOUCHED_BYTES, STATE_BYTES, `host_copy_bytes`,
-# `simulate(host_copies=)`) is charged per 4 master bytes (`master_bytes / 4.0`), and "streamed
-# bytes per element" is 4 x Precision.scale: one parameter per 4 bytes, exact for fp32 masters;
-# with 2-byte masters the same bytes count half as many parameters.
-#
-# Bytes of memory traffic per parameter (per 4 master bytes) in one optimizer step. Adam reads
-# the parameter, its gradient and both moments (4 x 4 B) and writes the parameter and both
-# moments (3 x 4 B): 28 B. SGD with momentum reads p, g, m and writes p, m: 20 B. The step is
-# memory bound on a CPU, so time = master bytes / 4 x bytes / sustained bandwidth.
-TOUCHED_BYTES = {"adam": 28, "adamw": 28, "sgd": 20, "none": 0}
-STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "none": 0}  # optimizer state bytes per 4 master bytes
-
-# The default optimizer speed when the topology has no measured "host" section (`HostFigures`,
-# written by benchmarks/cpu_optimizer.py --topology-out and benchmarks/gpu_check.py): torch's
-# fused AdamW (`torch.optim.AdamW(..., fused=True)`, one pass over the state) as measured on the
-# 16-core host of the H200 run (../shared/gpu-reports/2026-12-04-h200/fsdp.log: "AdamW(fused)
-# 0.756 s", the median of the 3 steps after the first, over the 3,000,238,080 fp32 masters of the
-# gpu_check GPT; gpu_check.json's own steps after the first: 0.955, 0.762, 0.751 s; the profiled
-# step 0.721 s). Bytes/s as TOUCHED_BYTES counts them:
-#     3,000,238,080 x 28 B / 0.756 s = 84.0e9 B / 0.756 s = 111.1e9 B/s.
-# (The assumption before it was 20 GB/s for a plain Adam, 5.6x slower: the simulator charged
-# 7.52 s for the 0.72-0.76 s measured.) On this project's 2-core VM the same script measured
-# 41 GB/s fused (7.7 per tensor, 7.9 foreach) on a quiet day and 1.85 GB/s while other jobs
-# shared the cores: a VM's figure is not a server's default. Run the script on your server.
-H200_HOST_PARAMS = 3_000_238_080  # the masters the H200 host stepped
-H200_HOST_ADAMW_SECONDS = 0.756  # its fused AdamW step, median of 3 steps after the first
-CPU_ADAM_BANDWIDTH = H200_HOST_PARAMS * TOUCHED_BYTES["adamw"] / H200_HOST_ADAMW_SECONDS  # 111.1e9 B/s
-
-# The host-side copies the runtime makes outside the optimizer's step (`HOST_COPY_KINDS`), at
-# HOST_COPY_BANDWIDTH bytes/s (read + written) unless the topology's host section measured it
-# (`host_copy_bytes_per_s`): on the same H200 host the gradient hand-over (`MastersBackward` in
-# profile.log: every bf16 gradient made a new fp32 tensor, 6 B per parameter) took 653.7 ms,
-#     3,000,238,080 x 6 B / 0.6537 s = 18.0e9 B / 0.6537 s = 27.5e9 B/s,
-# the slowest copy of that step (the pin cast ran ~470 ms, ~38 GB/s) -- the slowest, as
-# cpu_optimizer.py's host section takes its slowest copy.
-H200_HOST_HANDOVER_SECONDS = 0.6537
-HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e9 B/s
-
-# What the host does per step, per overlap mode (`kinds.OVERLAP_MODES`), as the runtime does it,
-# per parameter of a trainable weight (per 4 master bytes), with weights streamed (and gradients
-# downloaded) at `s` bytes per element (4: fp32; 2: bf16/fp16):
-#
-# - "none" (the user's optimizer after backward, `pipe.overlap` not used): the downloaded
-#   gradient made the master's fp32 `.grad` on the main thread ("handover", read s + write 4;
-#   none in fp32: the download is the `.grad`), torch's step (TOUCHED_BYTES at the optimizer's
-#   speed), and before each stage's first upload of the next step its streamed copy made again
-#   from the changed master by the GPU's upload worker ("pin", read 4 + write s:
-#   StreamDevice._pinned_copy).
-# - "sync" (`pipe.overlap(opt, "sync")`): per stage as soon as its gradient downloads landed,
-#   on the optimizer's worker. Half-precision downloads: ONE fused pass per parameter
-#   (runtime/host_optimizer.py via overlap_fused.FusedStep._host_pass) reads the download (s),
-#   p, m, v and writes p, m, v and the streamed copy the next upload reads (s): `host_pass_bytes`,
-#   28 B for AdamW in bf16, plus the fp32 `.grad` it writes ("grad", 4 B: OverlapOptimizer's
-#   keep_grads, default True), at the optimizer's speed. No hand-over, refresh, pin or finite
-#   check (the finite flag comes from the GPUs). fp32 downloads: the download is the `.grad`
-#   (no hand-over), torch's step (28 B), then the streamed copy written from the master
-#   ("refresh", read 4 + write 4: StreamDevice.refresh) on the same worker, at the copies' speed.
-#   Data parallel (servers > 1): the all-reduced gradients take the unfused path
-#   (overlap_handover.ready without GPU finite flags): "handover" on the adder thread, the
-#   non-finite check ("finite_check", read 4) and torch's step and "refresh" on the optimizer's.
-# - "async" (staleness 1): the same fused pass out of place into the shadow the next swap makes
-#   the weights, half-precision in, streamed copy out (`host_pass_bytes`: 28 B for AdamW in bf16),
-#   running while the next step computes: no shadow copy, hand-over or pin. fp32: torch's step and
-#   the pin of the new master before its first upload ("pin", 8 B).
-# A kind a mode does not make costs 0; `simulate(..., host_copies={"grad": 0})` (a loop with
-# keep_grads=False) or {"handover": 0} overrides a kind's bytes.
-HOST_COPY_KINDS = ("pin", "refresh", "handover", "finite_check", "shadow", "grad")
-RUNTIME_HOST_COPIES = {"none": ("pin", "handover"), "sync": ("grad", "refresh"), "async": ("pin",)}
-# with servers > 1 (data parallel) under "sync": the unfused path
-RUNTIME_HOST_COPIES_REDUCED = {"sync": ("handover", "finite_check", "refresh")}
-# `simulate(plan, host_copies=NO_HOST_COPIES)`: no host copy at all -- the network and the
-# schedule alone, as the planner's step model sees the GPUs (the host pass itself stays).
-NO_HOST_COPIES = dict.fromkeys(HOST_COPY_KINDS, 0.0)
-
-
-def fused_pass(overlap: str, streamed: float, servers: int = 1) -> bool:
-    """Whether the runtime steps with the fused host pass (`host_optimizer`) under `overlap`:
-    sync and async with half-precision downloads, one server (data parallel's all-reduced
-    gradients take the unfused path).
-
-    >>> fused_pass("sync", 2), fused_pass("sync", 4), fused_pass("none", 2), fused_pass("sync", 2, servers=2)
-    (True, False, False, False)
-    """
-    return overlap in ("sync", "async") and streamed < 4 and not (servers > 1 and overlap == "sync")
-
-
-def host_pass_bytes(optimizer: str, streamed: float, overlap: str = "none", servers: int = 1) -> float:
-    """Bytes read + written per parameter (per 4 master bytes) by the optimizer's own pass
-    under `overlap`, not counting the fp32 `.grad` ("grad" of `host_copy_bytes`): the fused pass
-    reads the `streamed`-byte gradient instead of a 4-byte one and writes the `streamed`-byte copy
-    (AdamW in bf16: 28 - 4 + 2 + 2 = 28); torch's step reads and writes TOUCHED_BYTES.
-
-    >>> host_pass_bytes("adamw", 2, "sync"), host_pass_bytes("sgd", 2, "async"), host_pass_bytes("adam", 2, "none")
-    (28, 20, 28)
-    """
-    touched = optimizer_bytes_touched(optimizer)
-    if touched and fused_pass(overlap, streamed, servers):
-        return touched - 4 + 2 * streamed
-    return touched
-
-
-def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam", overlap: str = "none",
-                    servers: int = 1) -> float:
-    """Bytes read + written per parameter (per 4 master bytes) of host copy `kind`
-    (HOST_COPY_KINDS) with weights streamed at `streamed` bytes per element, as the runtime
-    makes it under `overlap` (see RUNTIME_HOST_COPIES; 0 for a kind the mode does not make,
-    and for every kind without an optimizer: nothing changes). "grad" is charged inside the
-    fused pass at the optimizer's speed; the others at the host copies' speed.
-
-    >>> [host_copy_bytes(k, 2) for k in HOST_COPY_KINDS], host_copy_bytes("handover", 4)
-    ([6, 0, 6, 0, 0, 0], 0)
-    >>> [host_copy_bytes(k, 2, overlap="sync") for k in HOST_COPY_KINDS]
-    [0, 0, 0, 0, 0, 4]
-    >>> [host_copy_bytes(k, 4, overlap="sync") for k in HOST_COPY_KINDS]
-    [0, 8, 0, 0, 0, 0]
-    """
-    if kind not in HOST_COPY_KINDS:
-        raise MobiusError(f"unknown host copy {kind!r}; the host copies the simulator models are "
-                          f"{', '.join(HOST_COPY_KINDS)}")
-    if TOUCHED_BYTES.get(optimizer, 0) == 0:
-        return 0
-    fused = fused_pass(overlap, streamed, servers)
-    made = (RUNTIME_HOST_COPIES_REDUCED.get(overlap, RUNTIME_HOST_COPIES[overlap]) if servers > 1
-            else RUNTIME_HOST_COPIES[overlap])
-    if kind not in made:
-        return 0
-    if kind == "grad":
-        return 4 if fused else 0
-    if kind in ("pin", "refresh"):
-        return 0 if fused else 4 + streamed
-    if kind == "handover":
-        return 0 if streamed >= 4 else streamed + 4
-    return {"finite_check": 4, "shadow": 8}[kind]
+# The host's bytes per parameter and speeds (TOUCHED_BYTES, CPU_ADAM_BANDWIDTH, HOST_COPY_KINDS,
+# RUNTIME_HOST_COPIES, host_pass_bytes, host_copy_bytes, ...) are the planner's too: they live in
+# mobius_fx/planning/host_step.py, the one statement of what the runtime's host does per step.
 
 # Where host memory (a stage's masters, its gradients, its saved inputs) lives, per socket:
 # "local": in the DRAM of the socket of the GPU that first moves it (first touch by that GPU's
@@ -178,14 +51,6 @@ MASTERS = "local"
 # for the models Mobius is for, so a TCP round trip of tens of microseconds per step (gloo over
 # Ethernet) changes nothing visible; pass `network_latency` to `simulate` to charge it.
 NETWORK_LATENCY = 0.0
-
-
-def optimizer_bytes_touched(optimizer: str) -> int:
-    """Bytes read + written per parameter (per 4 master bytes) by one step of `optimizer` (adam: 28)."""
-    try:
-        return TOUCHED_BYTES[optimizer]
-    except KeyError:
-        raise MobiusError(f"unknown optimizer {optimizer!r}; use one of {', '.join(TOUCHED_BYTES)}") from None
 
 
 @dataclass

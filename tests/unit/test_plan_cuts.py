@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import mobius_fx
+from mobius_fx.planning.host_step import HostPass
 from mobius_fx import PlanError, Topology
 from mobius_fx.__main__ import main
 from mobius_fx.compiler import default_pipeline
@@ -41,7 +42,8 @@ def test_given_cuts_are_planned_as_build_plan_builds_and_the_step_model_times_th
     p = _plan(tmp_path, topo=topo, cuts=[1, 3])
     names = [l.name for l in p.layers]
     assert [s.layers for s in p.stages] == [tuple(names[:1]), tuple(names[1:3]), tuple(names[3:])]
-    problem = PartitionProblem.from_topology(p.layers, topo, microbatches=2, order=p.order, memory_fraction=0.9)
+    problem = PartitionProblem.from_topology(p.layers, topo, microbatches=2, order=p.order, memory_fraction=0.9,
+                                             host=HostPass.of(topo, 4, "adamw", "sync"))  # the default host pass
     ev = evaluate(problem, (0, 1, 3))
     assert p.step_time == pytest.approx(ev.makespan, rel=1e-12)
     model = _gpt()
