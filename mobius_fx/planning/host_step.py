@@ -182,8 +182,9 @@ class HostPass:
     at the copies' speed, as the simulator charges them (`sim.tasks.cpu_optimizer`):
 
     - "sync": stage k's pass starts once its gradients are on the host (D_k) and the pass of the
-      stage before it in landing order (k+1) has ended, on the one optimizer worker:
-      H_k = max(D_k, H_{k+1}) + `per_byte` G_k; the step ends at max(pipeline, H_0);
+      stage before it in landing order has ended, on the one optimizer worker:
+      H_k = max(D_k, H_prev) + `per_byte` G_k; the step ends at max(pipeline, max_k H_k) (the
+      MIP orders the stages k = S-1, ..., 0, as they usually land);
     - "async": the pass over all stages runs beside the pipeline from the start: the step is
       max(pipeline, `per_byte` x sum G_k);
     - "none": the hand-over and torch's step after the pipeline: pipeline + `per_byte` x sum G_k
@@ -245,14 +246,17 @@ class HostPass:
             return max(makespan, self.seconds(sum(grads)))
         if self.mode == "none":
             return makespan + self.seconds(sum(grads))
-        return max([makespan, *self.ends(grads, done)[:1]])
+        return max([makespan, *self.ends(grads, done)])
 
     def ends(self, grads: list[float], done: list[float]) -> list[float]:
-        """Under "sync", H_k: when stage k's pass ends (k = 0 last); [] in the other modes."""
+        """Under "sync", H_k: when stage k's pass ends on the one worker, which steps the stages
+        in the order their gradients land (`done`; ties: the later stage first), each as soon as
+        it is free (k = 0 usually last); [] in the other modes. In landing order is also the
+        order that ends soonest (a single machine with release times)."""
         if self.mode != "sync" or self.per_byte <= 0:
             return []
         out, h = [0.0] * len(grads), 0.0
-        for k in range(len(grads) - 1, -1, -1):
+        for k in sorted(range(len(grads)), key=lambda k: (done[k], -k)):
             h = max(h, done[k]) + self.seconds(grads[k])
             out[k] = h
         return out

@@ -505,8 +505,9 @@ def _landings(problem: Any, st: Any, c: _CopyTimes, B: list[list[float]], D: lis
     serves copies of equal need (max-min: each at most its own link's speed, the link's
     `servers` x the fastest of them in all), where D (`_gradient_downloads`) queues them in
     stage order; so a stage's gradients land later than D_k when others share its link with it,
-    and several land together near the pipeline's end. A fluid replay of the downloads alone
-    (each GPU's in stage order k, k-N, ..., each from its last backward run), at least D_k."""
+    and several land together near the pipeline's end, while a stage that D queues behind others
+    lands sooner. A fluid replay of the downloads alone (each GPU's in stage order k, k-N, ...,
+    each from its last backward run); D_k for a stage behind no shared link."""
     n, m, s = c.n, c.m, c.s
     links = [(x.servers * max(problem.down[i] for i in x.slots), set(x.slots)) for x in problem.shared_down]
     if not links:
@@ -515,6 +516,7 @@ def _landings(problem: Any, st: Any, c: _CopyTimes, B: list[list[float]], D: lis
     queue = {i: [k for k in range(s - 1, -1, -1) if k % n == i] for i in range(n)}
     active: dict[int, float] = {}  # stage -> bytes left
     land = list(D)
+    shared = set().union(*(slots for _, slots in links))
     t = 0.0
     for _ in range(4 * s + 4):
         for i, ks in queue.items():  # each GPU's next download once the one before it ended
@@ -522,8 +524,8 @@ def _landings(problem: Any, st: Any, c: _CopyTimes, B: list[list[float]], D: lis
                 k = ks.pop(0)
                 if st.g[k] > 0:
                     active[k] = st.g[k]
-                else:
-                    land[k] = max(land[k], t)
+                elif k % n in shared:
+                    land[k] = t
         if not active:
             nxt = [ready[ks[0]] for ks in queue.values() if ks]
             if not nxt:
@@ -547,5 +549,6 @@ def _landings(problem: Any, st: Any, c: _CopyTimes, B: list[list[float]], D: lis
             active[k] -= rate[k] * dt
             if active[k] <= 1e-9 * st.g[k]:
                 del active[k]
-                land[k] = max(land[k], t)
+                if k % n in shared:
+                    land[k] = t
     return land
