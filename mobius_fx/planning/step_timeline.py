@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from mobius_fx.planning.host_step import shared_landings
+
 __all__ = ["Evaluation", "Timeline", "timeline", "SharedLink", "shared_links", "queue_before", "queue_window",
            "freed", "UPLOADS_PER_DOWNLOAD", "LinkLoad", "link_loads", "copy_terms", "slot_bytes", "link_time"]
 
@@ -273,10 +275,9 @@ def timeline(problem: Any, st: Any, full: bool = False):
         per_slot = slot_bytes(problem, copy_terms(problem, st))
         makespan = max(makespan, max(link_time(x, per_slot) for x in problem.links))
     pipeline, host, H = makespan, getattr(problem, "host", None), []
-    if host is not None and host.per_byte > 0:  # the CPU optimizer's work the step waits for (`host_step.HostPass`)
-        landed = _landings(problem, st, c, B, D) if host.mode == "sync" else D
-        makespan = host.end(pipeline, st.g, landed)
-        H = host.ends(st.g, landed)
+    if host is not None and host.per_byte > 0:  # the host's work the step waits for (`host_step.HostPass`)
+        H = host.ends(st.g, shared_landings(problem, st.g, [B[k][c.m - 1] + c.b[k] for k in range(c.s)], D))
+        makespan = max([pipeline, *H]) if host.mode == "sync" else host.end(pipeline, st.g, D)
     return Timeline(makespan, p, q, F, B, D, V, E, A, R, U, H, pipeline) if full else makespan
 
 
@@ -497,58 +498,3 @@ def _gradient_downloads(problem: Any, st: Any, c: _CopyTimes, B: list[list[float
                 overlap += busy[j] if j < k - n else 0.0
                 D[k] = max(D[k], done + st.g[k] / down[k % n] + 2 * (1 - dx[k % n]) * overlap)
     return D
-
-
-def _landings(problem: Any, st: Any, c: _CopyTimes, B: list[list[float]], D: list[float]) -> list[float]:
-    """When each stage's gradients are all on the host, for sync's host passes (`HostPass`): the
-    downloads behind a shared link (`problem.shared_down`) share it fairly, as the simulator
-    serves copies of equal need (max-min: each at most its own link's speed, the link's
-    `servers` x the fastest of them in all), where D (`_gradient_downloads`) queues them in
-    stage order; so a stage's gradients land later than D_k when others share its link with it,
-    and several land together near the pipeline's end, while a stage that D queues behind others
-    lands sooner. A fluid replay of the downloads alone (each GPU's in stage order k, k-N, ...,
-    each from its last backward run); D_k for a stage behind no shared link."""
-    n, m, s = c.n, c.m, c.s
-    links = [(x.servers * max(problem.down[i] for i in x.slots), set(x.slots)) for x in problem.shared_down]
-    if not links:
-        return list(D)
-    ready = [B[k][m - 1] + c.b[k] for k in range(s)]
-    queue = {i: [k for k in range(s - 1, -1, -1) if k % n == i] for i in range(n)}
-    active: dict[int, float] = {}  # stage -> bytes left
-    land = list(D)
-    shared = set().union(*(slots for _, slots in links))
-    t = 0.0
-    for _ in range(4 * s + 4):
-        for i, ks in queue.items():  # each GPU's next download once the one before it ended
-            while ks and not any(k % n == i for k in active) and ready[ks[0]] <= t + 1e-15:
-                k = ks.pop(0)
-                if st.g[k] > 0:
-                    active[k] = st.g[k]
-                elif k % n in shared:
-                    land[k] = t
-        if not active:
-            nxt = [ready[ks[0]] for ks in queue.values() if ks]
-            if not nxt:
-                break
-            t = max(t, min(nxt))
-            continue
-        rate = {k: problem.down[k % n] for k in active}
-        for cap, slots in links:  # water-filling on each shared link
-            users = sorted((k for k in active if k % n in slots), key=lambda k: rate[k])
-            left = cap
-            for j, k in enumerate(users):
-                share = left / (len(users) - j)
-                rate[k] = min(rate[k], share)
-                left -= rate[k]
-        dt = min(active[k] / rate[k] for k in active)
-        nxt = [ready[ks[0]] - t for i, ks in queue.items() if ks and not any(k % n == i for k in active)
-               and ready[ks[0]] > t]
-        dt = min([dt, *nxt])
-        t += dt
-        for k in list(active):
-            active[k] -= rate[k] * dt
-            if active[k] <= 1e-9 * st.g[k]:
-                del active[k]
-                if k % n in shared:
-                    land[k] = t
-    return land

@@ -225,18 +225,14 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     implementation is "deepspeed"), else CPU_ADAM_BANDWIDTH (a fused AdamW measured on the H200
     run's 16-core host, 111 GB/s). `deepspeed_adam_bandwidth` is the "zero3-offload" baseline's
     DeepSpeedCPUAdam; None takes a host section measured with implementation "deepspeed", else
-    the same speed as Mobius's optimizer (no assumed speed-up). Under "sync" and "async" with
-    half-precision gradients the runtime steps with one fused pass per parameter
-    (runtime/host_optimizer.py: the download in, the streamed copy out; sim.tasks.host_pass_bytes,
-    28 B for AdamW in bf16, + 4 B for the fp32 `.grad` sync writes), at the optimizer's speed, and
-    makes no host copy; under "none" (and with fp32) torch's step and the copies around it.
-    `host_copy_bandwidth` is the host copies' bytes/s (the pinning of the streamed copies before
-    uploads, the gradient hand-over, the refresh and finite check of fp32 or data-parallel sync:
-    sim.tasks.HOST_COPY_KINDS, each where the runtime makes it, RUNTIME_HOST_COPIES); None takes
-    the host section's `host_copy_bytes_per_s`, else HOST_COPY_BANDWIDTH. `host_copies` sets a
-    kind's bytes per parameter (per 4 master bytes) ({"grad": 0}: a loop with
-    `keep_grads=False`); the others as sim.tasks.host_copy_bytes. The result says which figures it used (`SimResult.host_sources`,
-    `host_line()`).
+    the same speed as Mobius's optimizer (no assumed speed-up). The host's work per overlap mode
+    is the runtime's (sim.tasks.cpu_optimizer, planning/host_step.py): "sync"/"async" with
+    half-precision gradients one fused pass per parameter (28 B AdamW, + 4 B sync's fp32 .grad),
+    no host copy; "none" (and fp32) torch's step and the copies around it, at
+    `host_copy_bandwidth` (None: the host section's `host_copy_bytes_per_s`, else
+    HOST_COPY_BANDWIDTH). `host_copies` sets a kind's bytes per parameter (per 4 master bytes;
+    HOST_COPY_KINDS; {"grad": 0}: a loop with `keep_grads=False`). The result says which
+    figures it used (`SimResult.host_sources`, `host_line()`).
 
     `masters`: where host memory lives, "local" (default: each stage on the socket of the GPU
     that first moves it) or a root complex ("cpu0": all on that socket; GPUs elsewhere cross
