@@ -585,8 +585,16 @@ def test_an_asynchronous_optimizer_takes_the_longer_of_the_pipeline_and_the_upda
 
 
 def test_zero3_keeps_deepspeeds_step_after_the_pipeline_whatever_the_overlap(testbed_plan):
-    a, b = (simulate(testbed_plan, schedule="zero3-offload", optimizer_overlap=m) for m in ("none", "async"))
-    assert a.step_time == pytest.approx(b.step_time, rel=1e-12)
+    a, b, c = (simulate(testbed_plan, schedule="zero3-offload", optimizer_overlap=m) for m in ("none", "async", "sync"))
+    assert a.step_time == pytest.approx(b.step_time, rel=1e-12) == pytest.approx(c.step_time, rel=1e-12)
+    # as its authors run it: the hand-over after the pipeline (s + 4 B at the copies' speed), then
+    # DeepSpeedCPUAdam's pass, Adam's 28 B and the s-byte fp16 copy it writes, at its speed
+    s = testbed_plan.precision.stream_bytes
+    params = sum(st.grad_bytes for st in testbed_plan.stages) / (s / 4) / 4
+    (opt,) = events(a, "optimizer")
+    assert opt.end - opt.start == pytest.approx(params * (28 + s) / CPU_ADAM_BANDWIDTH, rel=1e-9)
+    assert a.optimizer_time == pytest.approx(params * ((s + 4) / HOST_COPY_BANDWIDTH + (28 + s) / CPU_ADAM_BANDWIDTH),
+                                             rel=1e-9)
 
 
 def test_an_unknown_optimizer_overlap_is_refused():
