@@ -1,7 +1,7 @@
 """How fast a CPU optimizer steps fp32 master weights on this machine, in bytes/s.
 
 The Mobius step ends with the optimizer over the fp32 masters in host memory; the simulator
-and the CLI charge it as `bytes touched / bandwidth` (`mobius_fx.sim.tasks.TOUCHED_BYTES`:
+and the CLI charge it as `bytes touched / bandwidth` (`mobius_fx.planning.host_step.TOUCHED_BYTES`:
 28 B per parameter for Adam/AdamW — read the parameter, its gradient and both moments, write
 the parameter and both moments). This script measures that bandwidth for torch's AdamW in its
 three implementations (the per-tensor loop, `foreach`, `fused`) and for DeepSpeed's CPU Adam
@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from mobius_fx import Topology
 from mobius_fx.errors import TopologyError
-from mobius_fx.sim.tasks import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, TOUCHED_BYTES
+from mobius_fx.planning.host_step import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, TOUCHED_BYTES
 from mobius_fx.topology.schema import HostFigures
 
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         best = max(best or (0.0, ""), (bw, name))
         print(f"  {name:20s} {t * 1e3:8.1f} ms per step  {bw / 1e9:6.2f} GB/s  (median of {len(ts)})")
     print(f"fastest here: {best[1]} at {best[0] / 1e9:.2f} GB/s; without a measured host section the simulator and "
-          f"CLI default to {CPU_ADAM_BANDWIDTH / 1e9:.1f} GB/s (sim.tasks.CPU_ADAM_BANDWIDTH: fused AdamW measured on "
+          f"CLI default to {CPU_ADAM_BANDWIDTH / 1e9:.1f} GB/s (planning.host_step.CPU_ADAM_BANDWIDTH: fused AdamW measured on "
           f"the H200 run's 16-core host; --topology-out writes this machine's figures, --adam-gbps passes one)")
     speeds = copies(params, best[0], args.steps)
     passed = None
@@ -173,13 +173,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def copies(params: list[torch.Tensor], adam_bw: float, steps: int) -> dict[str, float]:
-    """The host-side copies around a step with bf16-streamed weights (sim.tasks.host_copy_bytes),
+    """The host-side copies around a step with bf16-streamed weights (planning.host_step.host_copy_bytes),
     each against the fastest AdamW's bytes/s; returns each one's bytes/s (read + written). The
     simulator charges them at the host section's `host_copy_bytes_per_s` (the slowest of these),
-    else sim.tasks.HOST_COPY_BANDWIDTH."""
+    else planning.host_step.HOST_COPY_BANDWIDTH."""
     speeds = copy_speeds(params, steps)
     print(f"host copies around a bf16-streamed step (without a measured host section the simulator charges them at "
-          f"{HOST_COPY_BANDWIDTH / 1e9:.1f} GB/s, sim.tasks.HOST_COPY_BANDWIDTH, the H200 host's hand-over):")
+          f"{HOST_COPY_BANDWIDTH / 1e9:.1f} GB/s, planning.host_step.HOST_COPY_BANDWIDTH, the H200 host's hand-over):")
     for name, bw in speeds.items():
         print(f"  {name:38s} {_COPY_BYTES[name]:2d} B/param  {bw / 1e9:6.2f} GB/s  {bw / adam_bw:.2f}x the fastest "
               f"AdamW's")

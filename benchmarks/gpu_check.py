@@ -327,8 +327,9 @@ def _median_after_first(xs: Sequence[float]) -> float | None:
 
 
 # What the planned figure counts, beside the simulated ones (a dry run prints them side by side)
-_PLANNED = ("plan.step_time: the partitioner's model of fwd+bwd, the stages' compute and the weight uploads it "
-            "cannot hide, each link as if alone; no host copies, gradient hand-over or optimizer")
+_PLANNED = ("plan.step_time: the partitioner's model of the step under pipe.overlap's default 'sync': fwd+bwd, the "
+            "stages' compute and the weight uploads it cannot hide, and the fused host passes that end after the GPUs "
+            "(planning/host_step.HostPass)")
 
 
 def format_run(r: RunFigures) -> str:

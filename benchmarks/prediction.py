@@ -5,7 +5,9 @@ For GPT-3 2.6B / 8.3B / 15.9B (the Mobius paper's sizes, built on the meta devic
 server (`mobius-testbed`: four GPUs per PCIe switch), RoundPipe's (`rtx4090x8`: every GPU on its
 own root port) and a 4-GPU single-switch box (RTX 3090s on PCIe 4.0 x16 behind one x16
 uplink): plan (the MIP, its step model), simulate the plan (flow-level network model), and print
-predicted / simulated and predicted / `plan.lower_bound()`. Simulated, not measured.
+predicted / simulated and predicted / `plan.lower_bound()`. The step compared is the whole step
+under `pipe.overlap`'s default "sync" (the host's fused passes the step waits for included), as
+the plan predicts it (planning/host_step.HostPass). Simulated, not measured.
 
     python benchmarks/prediction.py [--models gpt3-3b gpt3-8b] [--topologies mobius-testbed] [--time-limit 10]
 """
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
                     model, inputs = zoo.build(name, batch=batch, seq=seq, device="meta")
                     plan = mobius_fx.plan(model, topo, example_inputs=inputs, microbatches=m, dtype=torch.float16,
                                           time_limit=args.time_limit, cache_dir=cache, verbose=False)
-                    sim = mobius_fx.simulate(plan).pipeline_time
+                    sim = mobius_fx.simulate(plan, optimizer_overlap="sync").step_time  # the step the plan predicts
                     lb = plan.lower_bound()
                     ratios.append((plan.step_time / sim, plan.step_time / lb))
                     rows.append([tname, name, f"{batch} x {seq}", m, plan.num_stages, f"{plan.step_time:.3f}",

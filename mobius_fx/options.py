@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mobius_fx.errors import MobiusError, PlanError
-from mobius_fx.kinds import SOLVERS
+from mobius_fx.kinds import OVERLAP_DEFAULT, OVERLAP_MODES, SOLVERS
 from mobius_fx.planning.microbatch import check_batch_dims, check_count, default_microbatches
 from mobius_fx.precision import Precision
 
@@ -118,6 +118,9 @@ class CompileOptions:
     the bytes only, the optimizer itself is yours). `host_memory_fraction`: the share of the
     topology's host DRAM (`Topology.host_memory`) the plan may need, in (0, 1] (default 0.9); a plan
     that needs more is refused with a `PlanError` naming the remedies; None plans without checking.
+    `optimizer_overlap`: how the CPU optimizer will step (`Pipeline.overlap`'s mode, "sync" by
+    default, "async" or "none"), so the planner charges the host work the step waits for
+    (mobius_fx/planning/host_step.py, `HostPass`) at the topology's measured host speeds.
     """
 
     microbatches: int | None = None
@@ -139,6 +142,7 @@ class CompileOptions:
     memory_books: str = "auto"
     optimizer: str = "adamw"
     host_memory_fraction: float | None = 0.9
+    optimizer_overlap: str = OVERLAP_DEFAULT
     microbatches_rule: str = ""  # why microbatches is what it is, when plan/compile chose it (`resolved`)
 
     def __post_init__(self) -> None:
@@ -183,6 +187,7 @@ class CompileOptions:
 
         check_optimizer(self.optimizer)
         set_("host_memory_fraction", check_host_memory_fraction(self.host_memory_fraction))
+        _choice("optimizer_overlap", self.optimizer_overlap, OVERLAP_MODES)
         if not isinstance(self.microbatches_rule, str):
             raise MobiusError(f"microbatches_rule={self.microbatches_rule!r}; it must be a str (set by `resolved`)")
 

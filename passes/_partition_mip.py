@@ -59,6 +59,7 @@ class Mip:
     skips: list = field(default_factory=list)  # (k, c, {j: binary}): U_k's row after U_j off (`queue_window`)
     work: dict = field(default_factory=dict)  # k -> stage k's working memory (var), "ends_{k}_{r}" -> binary: `stage_working`
     working: list = field(default_factory=list)  # each layer's working memory (`MemoryModel.working`), for the warm start
+    H: dict = field(default_factory=dict)  # k -> end of sync's host pass of stage k (`HostPass`)
 
 
 def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int, int]], s: int, *,
@@ -74,7 +75,7 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
 
     The rows are added in `_Program`'s steps, in this order: the cuts, the stages' sums and
     memory, forward, the shared uplinks' queues, the copies to the host, backward, the
-    gradient downloads and the makespan.
+    gradient downloads and the makespan, the host's pass (`HostPass`).
     """
     p = _Program(problem, fast, runs, s, bound_only)
     p.cuts()
@@ -84,6 +85,7 @@ def build_mip(problem: PartitionProblem, fast: PrefixSums, runs: list[tuple[int,
     p.host_copies()
     p.backward()
     p.downloads()
+    p.host_pass()
     return p.mip()
 
 
@@ -337,13 +339,39 @@ class _Program:
                         overlap = overlap + (busy[j] if j < k - n else 0.0)
                         lp += D[k] >= (1 - lost) * x + lost * overlap + grads, f"{name}_overlap_{j}"
             if k < n:
-                lp += T >= D[k], f"end_{k}"
+                lp += T >= D[k] + self.tail(), f"end_{k}"
         if problem.links:  # step_model.timeline: no link carries more than its bandwidth (LinkLoad)
             per_slot = slot_bytes(problem, {"w": self.w, "wb": wb, "g": g, "saved": saved, "grad_in": self.grad_in,
                                             "out": [self.at[k + 1]["a"] for k in range(s)]})
             for j, x in enumerate(problem.links):
-                lp += T >= link_time(x, per_slot) * (1 / self.scale), f"link_{j}"
+                lp += T >= link_time(x, per_slot) * (1 / self.scale) + self.tail(), f"link_{j}"
         lp += T
+
+    def tail(self) -> Any:
+        """"none"'s host work after the pipeline (`HostPass`: per_byte x all gradient bytes), in units; 0 otherwise."""
+        host = self.problem.host
+        if host is None or host.mode != "none" or host.per_byte <= 0:
+            return 0.0
+        return pulp.lpSum(self.g) * (host.per_byte / self.scale)
+
+    def host_pass(self) -> None:
+        """The host's pass (step_model.timeline's `HostPass.end`): "sync", one worker steps the stages
+        in landing order, H_k >= max(D_k, H_{k+1}) + pass_k, T >= H_0; "async", T >= the pass over
+        all stages ("none": `tail`, in the end rows)."""
+        host, lp, s, T, D, g = self.problem.host, self.lp, self.s, self.T, self.D, self.g
+        self.H = {}
+        if host is None or host.per_byte <= 0:
+            return
+        unit = host.per_byte / self.scale
+        if host.mode == "async":
+            lp += T >= pulp.lpSum(g) * unit, "host_async"
+        elif host.mode == "sync":
+            for k in range(s - 1, -1, -1):
+                self.H[k] = var(lp, f"H_{k}", 0)
+                lp += self.H[k] >= D[k] + g[k] * unit, f"host_pass_{k}"
+                if k + 1 < s:
+                    lp += self.H[k] >= self.H[k + 1] + g[k] * unit, f"host_queue_{k}"
+            lp += T >= self.H[0], "host_end"
 
     def mip(self) -> Mip:
         problem = self.problem
@@ -352,7 +380,7 @@ class _Program:
                    {k: v for k, v in self.R.items() if isinstance(v, pulp.LpVariable)}, self.aux, problem.tied,
                    self.U, self.skips,
                    {**{k: v for k, v in enumerate(self.work) if isinstance(v, pulp.LpVariable)}, **self.ends},
-                   [problem.memory.working(l) for l in problem.layers])
+                   [problem.memory.working(l) for l in problem.layers], self.H)
 
 
 def warm_start(mip: Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
@@ -401,6 +429,8 @@ def warm_start(mip: Mip, runs: list[tuple[int, int]], ev: Evaluation) -> None:
     for k, c, skip in mip.skips:  # the c-1 latest ends of U_k's window switched off
         for j in sorted(skip, key=lambda j: -ev.upload_done[j])[:c - 1]:
             skip[j].setInitialValue(1)
+    for k, v in mip.H.items():
+        v.setInitialValue(ev.host_done[k] / mip.scale)
     mip.T.setInitialValue(ev.makespan / mip.scale)
 
 

@@ -60,7 +60,9 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from mobius_fx.errors import PlanError
-from mobius_fx.planning.step_model import PartitionProblem, SolverInfo, evaluate
+from mobius_fx.planning.host_step import HostPass
+from mobius_fx.precision import Precision
+from mobius_fx.planning.step_model import Evaluation, PartitionProblem, SolverInfo, evaluate
 from mobius_fx.planning.step_memory import tied_weights
 
 from .cross_map import cross_map
@@ -191,13 +193,17 @@ def reuse_partition_pass(layers: tuple[str, ...], boundaries: tuple[int, ...]) -
 
 def problem_of(ctx: CompileContext, order: Sequence[str] | None = None) -> PartitionProblem:
     """The step model's numbers for this compile: the layers' costs, the GPUs in `order`, the
-    model input's bytes and the tied weights' extra copies (as the plan pass's plan counts them)."""
+    model input's bytes, the tied weights' extra copies (as the plan pass's plan counts them) and
+    the host's pass under the settings' optimizer and `optimizer_overlap` (`HostPass`)."""
     s = ctx.settings
     sizes, trainable = param_sizes(ctx)
+    precision = s.precision or Precision()
+    host = HostPass.of(ctx.topology, 4 * precision.scale, s.optimizer, s.optimizer_overlap)
     return PartitionProblem.from_topology(ctx.layers, ctx.topology, microbatches=s.microbatches, order=order,
                                           memory_fraction=s.memory_fraction, precision=s.precision,
                                           input_bytes=input_bytes(ctx),
-                                          tied=tied_weights(ctx.layers, sizes, trainable) if sizes else ())
+                                          tied=tied_weights(ctx.layers, sizes, trainable) if sizes else (),
+                                          host=host)
 
 
 def param_sizes(ctx: CompileContext) -> tuple[dict[str, int], list[str]]:

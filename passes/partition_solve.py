@@ -38,7 +38,8 @@ __all__ = ["solve", "MODEL_REVISION"]
 # different program for the same numbers) is not reused. Bump it with any change to the program.
 MODEL_REVISION = ("2026-12-04: memory rows (a neighbour holds its weights and boundary activations), working memory "
                   "once in backward over the layers' saved bytes; duplex share by priority, uploads on a shared "
-                  "uplink take the first server")
+                  "uplink take the first server; 2026-12-06: the host's pass (HostPass: sync's per-stage passes, "
+                  "async's max, none's tail)")
 
 
 def _cache_key(problem: PartitionProblem, settings: dict) -> str:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from mobius_fx.planning.costs import LayerCost
+from mobius_fx.planning.host_step import HostPass
 from mobius_fx.errors import PlanError
 from mobius_fx.planning.microbatch import check_count
 from mobius_fx.precision import Precision
@@ -94,7 +95,10 @@ class PartitionProblem:
     least `Topology.link_duplex` on it; None: 1, full duplex), which its backward weight copies
     and its gradient downloads get (docs/schedule.md). `links`: every link the step's copies
     cross and which (`link_loads`); the makespan is at least each one's bytes over its
-    bandwidth (`link_time`), as `Plan.lower_bound` counts them.
+    bandwidth (`link_time`), as `Plan.lower_bound` counts them. `host`: the CPU optimizer's work
+    the step waits for (`host_step.HostPass`: sync's per-stage passes after the gradients land,
+    async's pass beside the pipeline, none's after it); None: the pipeline alone (fwd + bwd +
+    gradient downloads).
     """
 
     layers: tuple[LayerCost, ...]
@@ -113,6 +117,7 @@ class PartitionProblem:
     shared_down: tuple[SharedLink, ...] = ()
     duplex: tuple[float, ...] | None = None
     links: tuple[LinkLoad, ...] = ()
+    host: HostPass | None = None
 
     @property
     def frozen_prefix(self) -> int:
@@ -188,12 +193,13 @@ class PartitionProblem:
     def from_topology(layers: Sequence[LayerCost], topology: Any, *, microbatches: int,
                       order: Sequence[str] | None = None, memory_fraction: float = 0.9,
                       precision: Precision | None = None, input_bytes: float = 0.0,
-                      tied: Sequence[TiedWeight] = ()) -> "PartitionProblem":
+                      tied: Sequence[TiedWeight] = (), host: HostPass | None = None) -> "PartitionProblem":
         """Read capacities and bandwidths of the GPUs in `order` (default: topology order);
         `input_bytes`: the model's example inputs, whole batch (what `plans.build_plan` takes);
         `tied`: `tied_weights(layers, param sizes, trainable)`; `precision`: the streamed and
         master dtypes (`CompileOptions.precision`; None: fp32 masters streamed as they are), which
-        the problem's `memory` (its one `MemoryModel`) scales the layers' bytes by.
+        the problem's `memory` (its one `MemoryModel`) scales the layers' bytes by; `host`: the
+        host's work per step (`HostPass.of(topology, ...)`; None: not charged).
 
         PartitionProblem.from_topology(layers, Topology.virtual(gpus=2), microbatches=2)
         """
@@ -224,7 +230,7 @@ class PartitionProblem:
             memory_fraction=memory_fraction, hop_back=hop_back, input_bytes=float(input_bytes),
             tied=tuple(tied), shared_up=shared_links(topology, names, "up"),
             shared_down=shared_links(topology, names, "down"), duplex=tuple(duplex(g) for g in names),
-            links=link_loads(topology, names),
+            links=link_loads(topology, names), host=host,
         )
 
 
@@ -372,4 +378,4 @@ def evaluate(problem: PartitionProblem, boundaries: Sequence[int]) -> Evaluation
     return Evaluation(cuts, tl.makespan, tuple(tl.p), tuple(tl.q), tuple(map(tuple, tl.F)), tuple(map(tuple, tl.B)),
                       tuple(st.fmem), tuple(st.bmem), tuple(tl.D),
                       tuple(tuple(tl.V.get(k, ())) for k in range(len(cuts))), tuple(tl.E), tuple(tl.A),
-                      tuple(tl.R), tuple(tl.U))
+                      tuple(tl.R), tuple(tl.U), tuple(tl.H), tl.pipeline)

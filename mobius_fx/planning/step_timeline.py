@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from mobius_fx.planning.host_step import shared_landings
+
 __all__ = ["Evaluation", "Timeline", "timeline", "SharedLink", "shared_links", "queue_before", "queue_window",
            "freed", "UPLOADS_PER_DOWNLOAD", "LinkLoad", "link_loads", "copy_terms", "slot_bytes", "link_time"]
 
@@ -42,6 +44,8 @@ class Evaluation:
     weights_back: tuple[float, ...] = ()
     restores_done: tuple[float, ...] = ()
     upload_done: tuple[float, ...] = ()
+    host_done: tuple[float, ...] = ()  # H_k: sync's pass of stage k ends (`HostPass.ends`; () otherwise)
+    pipeline: float = float("nan")  # the makespan without the host's work (fwd + bwd + downloads, links)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,8 @@ class Timeline:
     A: list[float]
     R: list[float]
     U: list[float] = field(default_factory=list)
+    H: list[float] = field(default_factory=list)  # sync's host pass ends (`HostPass.ends`)
+    pipeline: float = float("nan")  # makespan before the host's work
 
 
 @dataclass(frozen=True)
@@ -268,7 +274,11 @@ def timeline(problem: Any, st: Any, full: bool = False):
     if getattr(problem, "links", ()):  # no link carries more than its bandwidth (`LinkLoad`)
         per_slot = slot_bytes(problem, copy_terms(problem, st))
         makespan = max(makespan, max(link_time(x, per_slot) for x in problem.links))
-    return Timeline(makespan, p, q, F, B, D, V, E, A, R, U) if full else makespan
+    pipeline, host, H = makespan, getattr(problem, "host", None), []
+    if host is not None and host.per_byte > 0:  # the host's work the step waits for (`host_step.HostPass`)
+        H = host.ends(st.g, shared_landings(problem, st.g, [B[k][c.m - 1] + c.b[k] for k in range(c.s)], D))
+        makespan = max([pipeline, *H]) if host.mode == "sync" else host.end(pipeline, st.g, D)
+    return Timeline(makespan, p, q, F, B, D, V, E, A, R, U, H, pipeline) if full else makespan
 
 
 class _CopyTimes:

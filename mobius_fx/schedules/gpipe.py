@@ -6,7 +6,8 @@ from mobius_fx.errors import PlanError
 from mobius_fx.planning.plans import Plan
 from mobius_fx.planning.step_memory import MemoryModel
 from mobius_fx.planning.schedule_ir import ScheduleIR
-from mobius_fx.sim.tasks import STATE_BYTES, Context, Costs
+from mobius_fx.sim.tasks import Context, Costs
+from mobius_fx.planning.host_step import STATE_BYTES
 from mobius_fx.units import fmt_bytes
 from mobius_fx.schedules.ir_tasks import tasks_from_ir
 from mobius_fx.schedules.layer_units import layer_units

@@ -11,7 +11,8 @@ from typing import Any
 from mobius_fx import schedules
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.plans import Plan
-from mobius_fx.sim.tasks import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, NETWORK_LATENCY
+from mobius_fx.sim.tasks import NETWORK_LATENCY
+from mobius_fx.planning.host_step import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, HOST_COPY_KINDS
 from mobius_fx.topology.schema import MIN_BANDWIDTH
 from mobius_fx.topology.presets import PRESETS
 from mobius_fx.topology.server import Topology

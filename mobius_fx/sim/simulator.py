@@ -42,8 +42,8 @@ from mobius_fx.kinds import OVERLAP_MODES
 from mobius_fx.sim.arguments import check_gpus, host_copies_of, host_rates, masters_of, network_of, topology_of
 from mobius_fx.sim.network import Link, LinkSegment, Task, replay
 from mobius_fx.planning.plans import Plan
-from mobius_fx.sim.tasks import (CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, MASTERS, NETWORK_LATENCY,
-                        Context, optimizer_bytes_touched, ring_allreduce_time)
+from mobius_fx.sim.tasks import MASTERS, NETWORK_LATENCY, Context, ring_allreduce_time
+from mobius_fx.planning.host_step import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, optimizer_bytes_touched
 from mobius_fx.units import fmt_bytes, fmt_time
 
 __all__ = ["simulate", "SimResult", "SimEvent", "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH",
@@ -75,12 +75,13 @@ class SimResult:
 
     `pipeline_time` is forward + backward + gradient offload (what the partitioner predicts),
     `step_time` adds what the host does after it: `optimizer_time`, the gradient hand-over and
-    the optimizer step with the copies around it (sim.tasks.HOST_COPY_KINDS; `host_copy_time`
-    is the seconds all host copies ran, the pinning before uploads included). The host ran at
+    the optimizer step with the copies around it (planning.host_step.HOST_COPY_KINDS; `host_copy_time`
+    is the seconds all host copies ran, the pinning before uploads included; `host_busy` those
+    and the optimizer's passes together). The host ran at
     `optimizer_bandwidth` (the schedule's CPU optimizer: DeepSpeed's for "zero3-offload") and
     `host_copy_bandwidth` bytes/s; `host_sources` says where each figure came from: "given"
     (an argument of `simulate`), "measured on this host" (the topology's "host" section) or
-    "default" (sim.tasks.CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH). With `servers` > 1 (data parallel, see `simulate`)
+    "default" (planning.host_step.CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH). With `servers` > 1 (data parallel, see `simulate`)
     `step_time` = `pipeline_time` + `allreduce_exposed` (how much longer the last stage's
     all-reduce ends than the pipeline) + `optimizer_time` (what the optimizer adds after that);
     `allreduce_time` is the seconds the NIC carried all-reduces, `nic_bytes` what this server
@@ -113,13 +114,15 @@ class SimResult:
     host_copy_bandwidth: float = HOST_COPY_BANDWIDTH
     host_sources: dict[str, str] = field(default_factory=dict)
     host_copy_time: float = 0.0
+    host_busy: float = 0.0  # seconds the host's optimizer pass and copies ran, all together
 
     def host_line(self) -> str:
         """Which host figures the step was simulated with, and where they came from."""
         return (f"host: CPU optimizer {self.optimizer_bandwidth / 1e9:.1f} GB/s "
                 f"({self.host_sources.get('optimizer', 'default')}), host copies "
                 f"{self.host_copy_bandwidth / 1e9:.1f} GB/s ({self.host_sources.get('host copies', 'default')}), "
-                f"busy {fmt_time(self.host_copy_time)}")
+                f"busy {fmt_time(self.host_busy)} (optimizer {fmt_time(self.host_busy - self.host_copy_time)}, "
+                f"copies {fmt_time(self.host_copy_time)})")
 
     def summary(self) -> str:
         """A few lines a person reads: times, utilisation, busiest link, critical path."""
@@ -215,28 +218,27 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
              host_copy_bandwidth: float | None = None, host_copies: Mapping[str, float] | None = None) -> SimResult:
     """Replay one training step of `plan` under `schedule` on `topology` (default: the plan's).
 
-    The host as measured: `cpu_adam_bandwidth` (bytes/s, as sim.tasks.TOUCHED_BYTES counts
+    The host as measured: `cpu_adam_bandwidth` (bytes/s, as planning.host_step.TOUCHED_BYTES counts
     them) is the CPU optimizer of the Mobius schedules and RoundPipe's (the user's torch
     optimizer); None takes the topology's "host" section (`HostFigures.optimizer_bytes_per_s`,
     written by benchmarks/cpu_optimizer.py --topology-out and benchmarks/gpu_check.py; unless its
     implementation is "deepspeed"), else CPU_ADAM_BANDWIDTH (a fused AdamW measured on the H200
     run's 16-core host, 111 GB/s). `deepspeed_adam_bandwidth` is the "zero3-offload" baseline's
     DeepSpeedCPUAdam; None takes a host section measured with implementation "deepspeed", else
-    the same speed as Mobius's optimizer (no assumed speed-up). `host_copy_bandwidth` is the
-    host copies' bytes/s (the pinning of the streamed copies before uploads, the gradient
-    hand-over, sync's refresh and finite check, async's shadow copy: sim.tasks.HOST_COPY_KINDS,
-    each where the runtime makes it); None takes the host section's `host_copy_bytes_per_s`, else
-    HOST_COPY_BANDWIDTH. `host_copies` sets a kind's bytes per parameter (per 4 master bytes)
-    ({"handover": 0}: the runtime no longer makes that pass); the others as
-    sim.tasks.host_copy_bytes. The result says which figures it used (`SimResult.host_sources`,
-    `host_line()`).
+    the same speed as Mobius's optimizer (no assumed speed-up). The host's work per overlap mode
+    is the runtime's (sim.tasks.cpu_optimizer, planning/host_step.py): "sync"/"async" with
+    half-precision gradients one fused pass per parameter (28 B AdamW, + 4 B sync's fp32 .grad),
+    no host copy; "none" (and fp32) torch's step and the copies around it, at
+    `host_copy_bandwidth` (None: the host section's `host_copy_bytes_per_s`, else
+    HOST_COPY_BANDWIDTH). `host_copies` sets a kind's bytes per parameter (per 4 master bytes;
+    HOST_COPY_KINDS; {"grad": 0}: a loop with `keep_grads=False`). The result says which
+    figures it used (`SimResult.host_sources`, `host_line()`).
 
     `masters`: where host memory lives, "local" (default: each stage on the socket of the GPU
     that first moves it) or a root complex ("cpu0": all on that socket; GPUs elsewhere cross
     the inter-socket link) -- see mobius_fx.sim.tasks.MASTERS. `optimizer_overlap`: "none"
     (the CPU optimizer after the step), "sync" (each stage stepped once its gradients are on
-    the host) or "async" (staleness 1: the step is max(pipeline + hand-over, shadow copy +
-    optimizer)), for the Mobius
+    the host) or "async" (staleness 1: the step is max(pipeline, the optimizer's pass)), for the Mobius
     schedules and RoundPipe's; "zero3-offload" keeps DeepSpeed's step after the pipeline and
     GPipe steps on the GPUs (sim.tasks.cpu_optimizer).
 
@@ -331,7 +333,8 @@ def _run(ctx: Context, schedule: str) -> SimResult:
                      servers=ctx.servers, network=ctx.network,
                      allreduce_time=sum(rep.end[i] - rep.start[i] for i in nic_ids),
                      allreduce_exposed=comm_end - pipe_end, nic_bytes=sum(tasks[i].meta["bytes"] for i in nic_ids),
-                     host_copy_time=sum(rep.end[i] - rep.start[i] for i in copy_ids))
+                     host_copy_time=sum(rep.end[i] - rep.start[i] for i in copy_ids),
+                     host_busy=sum(rep.end[i] - rep.start[i] for i in opt_ids))
 
 
 def _critical_path(tasks: list[Task], rep: Any, step: float) -> dict[str, float]:

@@ -13,98 +13,17 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from mobius_fx.errors import MobiusError
 from mobius_fx.sim.network import Link, Task
 from mobius_fx.planning.plans import Plan
 from mobius_fx.kinds import HOST
+from mobius_fx.planning.host_step import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, TOUCHED_BYTES, host_copy_bytes, host_pass_bytes
 
-__all__ = ["Costs", "Context", "cpu_optimizer", "gpu_optimizer", "optimizer_bytes_touched",
-           "ring_allreduce_time", "gradient_allreduce", "NETWORK_LATENCY", "TOUCHED_BYTES", "STATE_BYTES",
-           "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH", "HOST_COPY_KINDS", "RUNTIME_HOST_COPIES", "NO_HOST_COPIES",
-           "MASTERS", "host_copy_bytes"]
+__all__ = ["Costs", "Context", "cpu_optimizer", "gpu_optimizer", "ring_allreduce_time", "gradient_allreduce",
+           "NETWORK_LATENCY", "MASTERS"]
 
-# Master bytes: the simulator knows each stage's trainable master bytes (`Costs.master`: its
-# gradient bytes in the masters' dtype, `Stage.grad_bytes / Precision.scale`), not a count of
-# parameters. Every per-parameter figure below (TOUCHED_BYTES, STATE_BYTES, `host_copy_bytes`,
-# `simulate(host_copies=)`) is charged per 4 master bytes (`master_bytes / 4.0`), and "streamed
-# bytes per element" is 4 x Precision.scale: one parameter per 4 bytes, exact for fp32 masters;
-# with 2-byte masters the same bytes count half as many parameters.
-#
-# Bytes of memory traffic per parameter (per 4 master bytes) in one optimizer step. Adam reads
-# the parameter, its gradient and both moments (4 x 4 B) and writes the parameter and both
-# moments (3 x 4 B): 28 B. SGD with momentum reads p, g, m and writes p, m: 20 B. The step is
-# memory bound on a CPU, so time = master bytes / 4 x bytes / sustained bandwidth.
-TOUCHED_BYTES = {"adam": 28, "adamw": 28, "sgd": 20, "none": 0}
-STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "none": 0}  # optimizer state bytes per 4 master bytes
-
-# The default optimizer speed when the topology has no measured "host" section (`HostFigures`,
-# written by benchmarks/cpu_optimizer.py --topology-out and benchmarks/gpu_check.py): torch's
-# fused AdamW (`torch.optim.AdamW(..., fused=True)`, one pass over the state) as measured on the
-# 16-core host of the H200 run (../shared/gpu-reports/2026-12-04-h200/fsdp.log: "AdamW(fused)
-# 0.756 s", the median of the 3 steps after the first, over the 3,000,238,080 fp32 masters of the
-# gpu_check GPT; gpu_check.json's own steps after the first: 0.955, 0.762, 0.751 s; the profiled
-# step 0.721 s). Bytes/s as TOUCHED_BYTES counts them:
-#     3,000,238,080 x 28 B / 0.756 s = 84.0e9 B / 0.756 s = 111.1e9 B/s.
-# (The assumption before it was 20 GB/s for a plain Adam, 5.6x slower: the simulator charged
-# 7.52 s for the 0.72-0.76 s measured.) On this project's 2-core VM the same script measured
-# 41 GB/s fused (7.7 per tensor, 7.9 foreach) on a quiet day and 1.85 GB/s while other jobs
-# shared the cores: a VM's figure is not a server's default. Run the script on your server.
-H200_HOST_PARAMS = 3_000_238_080  # the masters the H200 host stepped
-H200_HOST_ADAMW_SECONDS = 0.756  # its fused AdamW step, median of 3 steps after the first
-CPU_ADAM_BANDWIDTH = H200_HOST_PARAMS * TOUCHED_BYTES["adamw"] / H200_HOST_ADAMW_SECONDS  # 111.1e9 B/s
-
-# The host-side copies the runtime makes outside the optimizer's step (`HOST_COPY_KINDS`), at
-# HOST_COPY_BANDWIDTH bytes/s (read + written) unless the topology's host section measured it
-# (`host_copy_bytes_per_s`): on the same H200 host the gradient hand-over (`MastersBackward` in
-# profile.log: every bf16 gradient made a new fp32 tensor, 6 B per parameter) took 653.7 ms,
-#     3,000,238,080 x 6 B / 0.6537 s = 18.0e9 B / 0.6537 s = 27.5e9 B/s,
-# the slowest copy of that step (the pin cast ran ~470 ms, ~38 GB/s) -- the slowest, as
-# cpu_optimizer.py's host section takes its slowest copy.
-H200_HOST_HANDOVER_SECONDS = 0.6537
-HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e9 B/s
-
-# The copies, per parameter of a trainable weight (per 4 master bytes), each where the runtime makes it
-# (`host_copy_bytes` gives its bytes with weights streamed at `s` bytes per element):
-# - "pin": the master copied (cast) into the streamed copy an upload reads, by the GPU's
-#   upload worker before the stage's first upload of the step (StreamDevice._pinned_copy: again every
-#   step the optimizer changed the master), read 4 + write s -- unless the step refreshed it;
-# - "refresh": the same copy written by pipe.overlap(mode="sync")'s worker right after a stage's
-#   step (refresh_copies=True, its default), so nothing is pinned: on the optimizer's resource;
-# - "handover": a downloaded gradient made the master's fp32 `.grad` (host_gradient), read s +
-#   write 4, none when gradients stream in fp32; on the main thread after backward ("none",
-#   "async"); in "sync" span by span inside the stage's step (overlap_fused.FusedStep._step_fused: each span is
-#   converted right before the optimizer steps it), charged as the step's extra DRAM traffic
-#   (the streamed bytes: the fp32 span is read back from cache) at the optimizer's speed;
-# - "finite_check": "sync" with fp32 downloads reads each stage's gradients for a non-finite
-#   value before stepping it (4 B), on the optimizer's resource (with half-precision downloads
-#   the GPUs sum them before the download: no host pass);
-# - "shadow": "async" copies w(t) into the shadow it steps (read 4, write 4), before the step.
-# RUNTIME_HOST_COPIES are the kinds today's runtime makes; a kind left out (or `simulate(...,
-# host_copies={"handover": 0})`) costs nothing -- when the runtime fuses a pass into the
-# optimizer's step, count its bytes in the step instead (TOUCHED_BYTES).
-HOST_COPY_KINDS = ("pin", "refresh", "handover", "finite_check", "shadow")
-RUNTIME_HOST_COPIES = HOST_COPY_KINDS
-# `simulate(plan, host_copies=NO_HOST_COPIES)`: no host copy at all -- the network and the
-# schedule alone, as the planner's step model sees them (it models no host copies).
-NO_HOST_COPIES = dict.fromkeys(HOST_COPY_KINDS, 0.0)
-
-
-def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam") -> float:
-    """Bytes read + written per parameter (per 4 master bytes) of host copy `kind` (HOST_COPY_KINDS) with
-    weights streamed at `streamed` bytes per element, as the runtime makes it (0 for a kind left
-    out of RUNTIME_HOST_COPIES, and for every kind without an optimizer: nothing changes).
-
-    >>> [host_copy_bytes(k, 2) for k in HOST_COPY_KINDS], host_copy_bytes("handover", 4)
-    ([6, 6, 6, 4, 8], 0)
-    """
-    if kind not in HOST_COPY_KINDS:
-        raise MobiusError(f"unknown host copy {kind!r}; the host copies the simulator models are "
-                          f"{', '.join(HOST_COPY_KINDS)}")
-    if TOUCHED_BYTES.get(optimizer, 0) == 0 or kind not in RUNTIME_HOST_COPIES:
-        return 0
-    if kind == "handover":
-        return 0 if streamed >= 4 else streamed + 4
-    return {"pin": 4 + streamed, "refresh": 4 + streamed, "finite_check": 4, "shadow": 8}[kind]
+# The host's bytes per parameter and speeds (TOUCHED_BYTES, CPU_ADAM_BANDWIDTH, HOST_COPY_KINDS,
+# RUNTIME_HOST_COPIES, host_pass_bytes, host_copy_bytes, ...) are the planner's too: they live in
+# mobius_fx/planning/host_step.py, the one statement of what the runtime's host does per step.
 
 # Where host memory (a stage's masters, its gradients, its saved inputs) lives, per socket:
 # "local": in the DRAM of the socket of the GPU that first moves it (first touch by that GPU's
@@ -124,14 +43,6 @@ MASTERS = "local"
 # for the models Mobius is for, so a TCP round trip of tens of microseconds per step (gloo over
 # Ethernet) changes nothing visible; pass `network_latency` to `simulate` to charge it.
 NETWORK_LATENCY = 0.0
-
-
-def optimizer_bytes_touched(optimizer: str) -> int:
-    """Bytes read + written per parameter (per 4 master bytes) by one step of `optimizer` (adam: 28)."""
-    try:
-        return TOUCHED_BYTES[optimizer]
-    except KeyError:
-        raise MobiusError(f"unknown optimizer {optimizer!r}; use one of {', '.join(TOUCHED_BYTES)}") from None
 
 
 @dataclass
@@ -165,9 +76,10 @@ class Context:
         self.plan, self.topo, self.optimizer, self.cpu_bw = plan, topo, optimizer, cpu_bw
         self.overlap = overlap  # one of kinds.OVERLAP_MODES: when the CPU optimizer steps (see cpu_optimizer)
         self.copy_bw = copy_bw
-        # Whether uploads pin the streamed copies first (`pin_copy`): not where the optimizer's step
-        # writes them ("sync" refreshes them; DeepSpeed's CPU Adam writes its fp16 copy itself).
-        self.pin_before_upload = overlap != "sync"
+        # Whether uploads pin the streamed copies first (`pin_copy`, where the mode's "pin" has
+        # bytes): not where the optimizer's step writes them (DeepSpeed's CPU Adam writes its fp16
+        # copy itself: zero3_offload turns this off).
+        self.pin_before_upload = True
         self._pins: dict[tuple[str, int], int] = {}  # (gpu, stage) -> its pin task this step
         # Data-parallel servers, each server's NIC bandwidth (bytes/s per direction) and the
         # latency of one ring step (s): see gradient_allreduce.
@@ -192,13 +104,22 @@ class Context:
                              [float(s.grad_bytes) for s in st], [float(s.input_bytes) for s in st],
                              [float(s.output_bytes) for s in st], [s.grad_bytes / self.scale for s in st],
                              [f"s{s.index}" for s in st])
-        streamed = 4.0 * self.scale
-        self.copies = {k: host_copy_bytes(k, streamed, optimizer) for k in HOST_COPY_KINDS}
-        self.copies.update(copies or {})
+        self.streamed = 4.0 * self.scale  # streamed bytes per element
+        self.given_copies = dict(copies or {})
+        self.copies = self.copies_for(overlap)
 
-    def copy_seconds(self, kind: str, master_bytes: float) -> float:
-        """Seconds host copy `kind` takes over `master_bytes` of masters (its bytes per 4 of them) at `copy_bw`."""
-        return master_bytes / 4.0 * self.copies[kind] / self.copy_bw
+    def copies_for(self, overlap: str) -> dict[str, float]:
+        """Host copy kind -> its bytes per 4 master bytes under `overlap` (`host_copy_bytes`, as
+        the runtime makes them), overridden by the `copies` given."""
+        out = {k: float(host_copy_bytes(k, self.streamed, self.optimizer, overlap, self.servers))
+               for k in HOST_COPY_KINDS}
+        out.update(self.given_copies)
+        return out
+
+    def copy_seconds(self, kind: str, master_bytes: float, copies: dict[str, float] | None = None) -> float:
+        """Seconds host copy `kind` takes over `master_bytes` of masters (its bytes per 4 of them,
+        `copies` or the context's mode's) at `copy_bw`."""
+        return master_bytes / 4.0 * (self.copies if copies is None else copies)[kind] / self.copy_bw
 
     def pin_copy(self, gpu: str, stage: int, master_bytes: float, after_start: list = ()) -> int | None:
         """The pinning of stage `stage`'s streamed copy (its `master_bytes` of trainable
@@ -334,72 +255,69 @@ def gpu_optimizer(ctx: Context, gpu: str, master_bytes: float, after: list[int])
 def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = None, *,
                   per_stage: dict[int, float] | None = None, overlap: str | None = None,
                   fused_refresh: bool = False) -> None:
-    """The optimizer step over `master_bytes` of masters on the CPU (TOUCHED_BYTES per 4 of them), at `bandwidth` bytes/s
-    (default: the context's `cpu_bw`, the user's torch optimizer), on the "host/optimizer"
-    resource, with the host copies around it where the runtime makes them (HOST_COPY_KINDS, at
-    `ctx.copy_bw`; the pinning before uploads is `Context.pin_copy`'s).
+    """The optimizer step over `master_bytes` of masters on the CPU, at `bandwidth` bytes/s
+    (default: the context's `cpu_bw`, the optimizer's measured speed), on the "host/optimizer"
+    resource, with the host copies the runtime makes around it under `overlap` (default the
+    context's, one of `kinds.OVERLAP_MODES`; RUNTIME_HOST_COPIES, at `ctx.copy_bw`; the pinning
+    before uploads is `Context.pin_copy`'s). Its bytes per 4 master bytes: `host_pass_bytes`,
+    plus the fp32 `.grad` the fused pass writes ("grad"), all at `bandwidth`.
 
-    `overlap` (default the context's, one of `kinds.OVERLAP_MODES`):
     - "none": the gradient hand-over on the main thread ("host/handover") once every task so far
-      has ended, then the step;
+      has ended, then torch's step;
     - "sync": per stage of `per_stage` (stage -> its master bytes), as soon as its gradient
-      downloads (every GPU that holds a copy) have landed, on the optimizer's worker the step
-      with the hand-over fused into it (half-precision downloads: the streamed bytes more per
-      parameter) or after the finite check (fp32 ones), then the refresh of the stage's
-      streamed copy, while the GPUs go on with earlier stages
+      downloads (every GPU that holds a copy) have landed, on the optimizer's worker, one pass
+      (the fused host pass with half-precision downloads; torch's step then the refresh of the
+      streamed copy with fp32 ones; data parallel: the hand-over, the finite check, the step
+      and the refresh), in the order the stages land, while the GPUs go on with earlier stages
       (without `per_stage`, as "none");
     - "async": the steady state of a staleness-1 update (step t's update runs while step t+1
-      computes): the hand-over after the pipeline as in "none", and from the start the shadow
-      copy of w(t) then the step, so the step takes max(pipeline + hand-over, shadow + update).
-    `fused_refresh`: a kernel that writes the streamed copy as it steps (DeepSpeed's CPU Adam):
-    those bytes (the streamed size) count in the step, at `bandwidth`. The DRAM traffic of the
-    step and the copies is not charged to the links, and the host's resources do not share its
-    memory bandwidth with one another (each runs at its own measured speed).
+      computes): the pass from the start, beside the pipeline, so the step takes
+      max(pipeline, pass).
+    `fused_refresh`: DeepSpeed's CPU Adam (the "zero3-offload" baseline), torch's formula plus the
+    streamed copy written as it steps: TOUCHED_BYTES + the streamed size, at `bandwidth`. The
+    DRAM traffic of the step and the copies is not charged to the links, and the host's
+    resources do not share its memory bandwidth with one another (each runs at its own measured
+    speed).
 
     With `ctx.servers` > 1 (and `per_stage`), each stage's gradients are first all-reduced
-    across the servers (`gradient_allreduce`): "sync" hands a stage over once its all-reduce has
+    across the servers (`gradient_allreduce`): "sync" steps a stage once its all-reduce has
     ended, "none" after every all-reduce; "async" still updates from the start (it steps the
     previous step's gradients, averaged within that step).
     """
     bw = bandwidth or ctx.cpu_bw
-    touched = TOUCHED_BYTES[ctx.optimizer] + (4.0 * ctx.scale if fused_refresh and TOUCHED_BYTES[ctx.optimizer] else 0)
     mode = ctx.overlap if overlap is None else overlap
+    copies = ctx.copies_for(mode)
+    if fused_refresh:
+        touched = TOUCHED_BYTES[ctx.optimizer] + (ctx.streamed if TOUCHED_BYTES[ctx.optimizer] else 0)
+    else:
+        touched = host_pass_bytes(ctx.optimizer, ctx.streamed, mode, ctx.servers) + copies["grad"]
     reduced = gradient_allreduce(ctx, per_stage) if per_stage else {}
     everything = list(range(len(ctx.tasks)))
 
     def copy(kind: str, name: str, nbytes: float, stream: str, after: list, priority: tuple, **meta) -> list:
         """A host copy task (none when it costs nothing); what comes next waits for the result."""
-        seconds = ctx.copy_seconds(kind, nbytes)
+        seconds = ctx.copy_seconds(kind, nbytes, copies)
         if seconds <= 0:
             return after
         return [ctx.add(Task(name, stream, priority, seconds, after=after,
                              meta={"kind": "host-copy", "copy": kind, "phase": "step", **meta}))]
 
-    def step(name: str, nbytes: float, after: list, priority: tuple, extra: float = 0.0, **meta) -> list:
-        """The optimizer's pass over `nbytes` of masters, touching `extra` more bytes per one."""
-        return [ctx.add(Task(name, "host/optimizer", priority, nbytes / 4.0 * (touched + extra) / bw, after=after,
+    def step(name: str, nbytes: float, after: list, priority: tuple, **meta) -> list:
+        """The optimizer's pass over `nbytes` of masters."""
+        return [ctx.add(Task(name, "host/optimizer", priority, nbytes / 4.0 * touched / bw, after=after,
                              meta={"kind": "optimizer", "phase": "step", **meta}))]
 
     if mode == "sync" and per_stage:
         grads = _gradient_tasks(ctx)
         for k, nbytes in sorted(per_stage.items(), reverse=True):  # the last stage's gradients land first
             landed = [reduced[k]] if k in reduced else grads.get(k) or everything
-            if ctx.scale < 1 and ctx.copies["handover"] > 0:
-                # half-precision gradients: the runtime converts them span by span inside the
-                # stage's step (overlap_fused.FusedStep._step_fused), reading their finiteness on the GPUs (no host
-                # pass). DRAM traffic: the streamed gradient read and the fp32 `.grad` written,
-                # which the step then reads from cache instead of from memory: `streamed` bytes per
-                # parameter more than the step's own, at the optimizer's speed
-                checked, extra = landed, 4.0 * ctx.scale
-            else:  # fp32 downloads are the gradients; the host reads them for a non-finite value
-                checked, extra = copy("finite_check", f"finite check s{k}", nbytes, "host/optimizer", landed,
-                                      (-k, 0), stage=k), 0.0
-            stepped = step(f"optimizer step s{k}", nbytes, checked, (-k, 1), extra, stage=k)
+            handed = copy("handover", f"hand-over s{k}", nbytes, "host/handover", landed, (-k,), stage=k)
+            checked = copy("finite_check", f"finite check s{k}", nbytes, "host/optimizer", handed, (-k, 0), stage=k)
+            stepped = step(f"optimizer step s{k}", nbytes, checked, (-k, 1), stage=k)
             copy("refresh", f"refresh s{k}", nbytes, "host/optimizer", stepped, (-k, 2), stage=k)
         return
-    handed = copy("handover", "hand-over", master_bytes, "host/handover", everything, ())
     if mode == "async":
-        step("optimizer step", master_bytes, copy("shadow", "shadow copy", master_bytes, "host/optimizer", [], (0,)),
-             (1,))
+        step("optimizer step", master_bytes, [], (1,))
         return
+    handed = copy("handover", "hand-over", master_bytes, "host/handover", everything, ())
     step("optimizer step", master_bytes, sorted(set(everything + handed)), ())

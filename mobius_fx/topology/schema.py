@@ -196,7 +196,7 @@ _HOST_KEYS = {"optimizer", "implementation", "optimizer_bytes_per_s", "host_copy
 # The host's DRAM ("host": {"memory": "256GiB"}) is not a measured speed: it is kept on the Topology
 # (`Topology.host_memory`), not in `HostFigures`, so a host section of only "memory" leaves `topo.host` None.
 MIN_HOST_MEMORY = 2**20  # bytes: a host of less than 1 MiB is a unit mistake (GiB given as bytes)
-# The optimizers whose bytes touched per parameter the simulator knows (sim.tasks.TOUCHED_BYTES;
+# The optimizers whose bytes touched per parameter the simulator knows (planning.host_step.TOUCHED_BYTES;
 # not imported: this module imports no simulator code).
 HOST_OPTIMIZERS = ("adam", "adamw", "sgd")
 
@@ -212,11 +212,11 @@ class HostFigures:
         "host": {"optimizer": "adamw", "implementation": "fused", "optimizer_bytes_per_s": 1.2e11,
                  "host_copy_bytes_per_s": 4.5e10, "cores": 16}
 
-    `optimizer_bytes_per_s` counts `sim.tasks.TOUCHED_BYTES[optimizer]` bytes per fp32 master
+    `optimizer_bytes_per_s` counts `planning.host_step.TOUCHED_BYTES[optimizer]` bytes per fp32 master
     parameter per step (28 for Adam/AdamW), so it needs `optimizer`; `implementation` says which
     kernel ran ("fused", "foreach", "for-loop", "deepspeed"); `host_copy_bytes_per_s` is the
     slowest host-side copy around a step (the streamed copy's refresh, the gradient hand-over),
-    bytes read + written per second, as `sim.tasks.host_copy_bytes` counts them; `cores` the CPU
+    bytes read + written per second, as `planning.host_step.host_copy_bytes` counts them; `cores` the CPU
     cores the process may use. Every key is optional."""
 
     optimizer: str | None = None

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from mobius_fx.planning.costs import LayerCost
 from mobius_fx.errors import PlanError
 from mobius_fx.planning.plans import build_plan
-from mobius_fx.sim.tasks import HOST_COPY_KINDS
+from mobius_fx.planning.host_step import HOST_COPY_KINDS
 from mobius_fx import schedules
 from mobius_fx.sim.simulator import simulate
 from mobius_fx.topology.server import Topology

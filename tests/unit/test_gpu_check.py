@@ -191,7 +191,7 @@ def test_each_dry_run_figure_says_what_it_counts():
     planned = next(ln for ln in rows if "[planned]" in ln)
     assert "hand-over" in step and "CPU AdamW" in step and "host copies" in step
     assert "gradient offload" in sim and "no optimizer" in sim
-    assert "partitioner's model" in planned and "no host copies, gradient hand-over or optimizer" in planned
+    assert "partitioner's model" in planned and "fused host passes that end after the GPUs" in planned
 
 
 def test_plan_only_gives_the_simulated_and_planned_figures_for_the_budget():

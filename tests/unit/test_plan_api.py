@@ -118,6 +118,7 @@ def test_a_gpu_order_the_partition_does_not_fit_is_partitioned_again_for_that_or
     from mobius_fx.options import CompileContext, CompileOptions
     from mobius_fx.planning.step_model import evaluate, PartitionProblem
     from mobius_fx.passes.partition_solve import solve
+    from mobius_fx.planning.host_step import HostPass
 
     # gpu1 holds 78 KiB: the partition for (gpu0, gpu1) gives gpu0 a first stage that does
     # not fit gpu1 once gpu1 runs stage 0.
@@ -125,9 +126,10 @@ def test_a_gpu_order_the_partition_does_not_fit_is_partitioned_again_for_that_or
     ctx = CompileContext(model=_mlp(), topology=topo, example_inputs=(torch.randn(8, 64),),
                          settings=CompileOptions(microbatches=2, cache_dir=str(tmp_path), verbose=False))
     _reversed_order_pipeline().until("plan").run(ctx)
-    identity = PartitionProblem.from_topology(ctx.layers, topo, microbatches=2, input_bytes=8 * 64 * 4)
+    host = HostPass.of(topo, 4, "adamw", "sync")  # compile's default: fp32 streamed, sync's pass
+    identity = PartitionProblem.from_topology(ctx.layers, topo, microbatches=2, input_bytes=8 * 64 * 4, host=host)
     mapped = PartitionProblem.from_topology(ctx.layers, topo, microbatches=2, order=ctx.order,
-                                            input_bytes=8 * 64 * 4)  # the example input, as compile gives it
+                                            input_bytes=8 * 64 * 4, host=host)  # the example input, as compile gives it
     first = solve(identity, cache_dir=str(tmp_path)).boundaries  # the cuts for the topology's order
     assert evaluate(mapped, first) is None  # ... no longer fit
     plan = ctx.plan

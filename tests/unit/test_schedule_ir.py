@@ -166,6 +166,7 @@ def test_the_planned_step_counts_the_tied_copy_and_the_model_input(tmp_path):
     # input in it — without either, the model gives another time.
     from dataclasses import replace
 
+    from mobius_fx.planning.host_step import HostPass
     from mobius_fx.planning.step_model import PartitionProblem, evaluate
     from mobius_fx.planning.step_memory import tied_weights
 
@@ -179,7 +180,8 @@ def test_the_planned_step_counts_the_tied_copy_and_the_model_input(tmp_path):
     tied = tied_weights(plan.layers, sizes)
     assert [(t.name, t.owner, t.readers) for t in tied] == [("wte.weight", 0, (len(plan.layers) - 1,))]
     full = PartitionProblem.from_topology(plan.layers, topo, microbatches=plan.microbatches,
-                                          order=plan.order, input_bytes=4 * 32 * 8, tied=tied)
+                                          order=plan.order, input_bytes=4 * 32 * 8, tied=tied,
+                                          host=HostPass.of(topo, 4, "adamw", "sync"))  # the default host pass
     cuts = [plan.layers.index(next(l for l in plan.layers if l.name == s.layers[0])) for s in plan.stages]
     ev = evaluate(full, cuts)
     assert plan.step_time == pytest.approx(ev.makespan, rel=1e-12)

@@ -12,7 +12,7 @@ import pytest
 from mobius_fx import PlanError
 from mobius_fx.planning.costs import LayerCost
 from mobius_fx.planning.plans import build_plan
-from mobius_fx.sim.tasks import NO_HOST_COPIES
+from mobius_fx.planning.host_step import NO_HOST_COPIES
 from mobius_fx.sim.simulator import simulate
 from mobius_fx.planning.step_model import PartitionProblem, PrefixSums, evaluate
 from mobius_fx.planning.step_memory import MemoryModel, stage_memory, tied_weights, TiedWeight

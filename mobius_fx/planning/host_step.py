@@ -1,0 +1,317 @@
+"""What the host does per training step, in bytes per parameter and seconds: the one statement
+the simulator (mobius_fx/sim/tasks.py, which re-exports these names) and the planner's step model
+(`HostPass`, read by mobius_fx/planning/step_timeline.py and the partition MIP) both charge, as
+the runtime does it (runtime/host_optimizer.py, overlap_fused.py, overlap_handover.py,
+device_stream.py).
+
+    host_pass_bytes("adamw", 2, "sync")            # 28: one fused pass, bf16 in, streamed copy out
+    HostPass.of(topology, precision, "adamw", "sync").seconds(8e9 * 2)   # stage pass, 8e9 bf16 grad bytes
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from mobius_fx.errors import MobiusError
+from mobius_fx.kinds import OVERLAP_MODES
+
+__all__ = ["TOUCHED_BYTES", "STATE_BYTES", "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH", "HOST_COPY_KINDS",
+           "RUNTIME_HOST_COPIES", "RUNTIME_HOST_COPIES_REDUCED", "NO_HOST_COPIES", "H200_HOST_PARAMS",
+           "H200_HOST_ADAMW_SECONDS", "H200_HOST_HANDOVER_SECONDS", "fused_pass", "host_pass_bytes",
+           "host_copy_bytes", "optimizer_bytes_touched", "PLANNED_OPTIMIZERS", "HostPass", "shared_landings"]
+
+# Master bytes: the simulator knows each stage's trainable master bytes (`Costs.master`: its
+# gradient bytes in the masters' dtype, `Stage.grad_bytes / Precision.scale`), not a count of
+# parameters. Every per-parameter figure below (TOUCHED_BYTES, STATE_BYTES, `host_copy_bytes`,
+# `simulate(host_copies=)`) is charged per 4 master bytes (`master_bytes / 4.0`), and "streamed
+# bytes per element" is 4 x Precision.scale: one parameter per 4 bytes, exact for fp32 masters;
+# with 2-byte masters the same bytes count half as many parameters.
+#
+# Bytes of memory traffic per parameter (per 4 master bytes) in one optimizer step. Adam reads
+# the parameter, its gradient and both moments (4 x 4 B) and writes the parameter and both
+# moments (3 x 4 B): 28 B. SGD with momentum reads p, g, m and writes p, m: 20 B. The step is
+# memory bound on a CPU, so time = master bytes / 4 x bytes / sustained bandwidth.
+TOUCHED_BYTES = {"adam": 28, "adamw": 28, "sgd": 20, "none": 0}
+STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "none": 0}  # optimizer state bytes per 4 master bytes
+
+# The default optimizer speed when the topology has no measured "host" section (`HostFigures`,
+# written by benchmarks/cpu_optimizer.py --topology-out and benchmarks/gpu_check.py): torch's
+# fused AdamW (`torch.optim.AdamW(..., fused=True)`, one pass over the state) as measured on the
+# 16-core host of the H200 run (../shared/gpu-reports/2026-12-04-h200/fsdp.log: "AdamW(fused)
+# 0.756 s", the median of the 3 steps after the first, over the 3,000,238,080 fp32 masters of the
+# gpu_check GPT; gpu_check.json's own steps after the first: 0.955, 0.762, 0.751 s; the profiled
+# step 0.721 s). Bytes/s as TOUCHED_BYTES counts them:
+#     3,000,238,080 x 28 B / 0.756 s = 84.0e9 B / 0.756 s = 111.1e9 B/s.
+# (The assumption before it was 20 GB/s for a plain Adam, 5.6x slower: the simulator charged
+# 7.52 s for the 0.72-0.76 s measured.) On this project's 2-core VM the same script measured
+# 41 GB/s fused (7.7 per tensor, 7.9 foreach) on a quiet day and 1.85 GB/s while other jobs
+# shared the cores: a VM's figure is not a server's default. Run the script on your server.
+H200_HOST_PARAMS = 3_000_238_080  # the masters the H200 host stepped
+H200_HOST_ADAMW_SECONDS = 0.756  # its fused AdamW step, median of 3 steps after the first
+CPU_ADAM_BANDWIDTH = H200_HOST_PARAMS * TOUCHED_BYTES["adamw"] / H200_HOST_ADAMW_SECONDS  # 111.1e9 B/s
+
+# The host-side copies the runtime makes outside the optimizer's step (`HOST_COPY_KINDS`), at
+# HOST_COPY_BANDWIDTH bytes/s (read + written) unless the topology's host section measured it
+# (`host_copy_bytes_per_s`): on the same H200 host the gradient hand-over (`MastersBackward` in
+# profile.log: every bf16 gradient made a new fp32 tensor, 6 B per parameter) took 653.7 ms,
+#     3,000,238,080 x 6 B / 0.6537 s = 18.0e9 B / 0.6537 s = 27.5e9 B/s,
+# the slowest copy of that step (the pin cast ran ~470 ms, ~38 GB/s) -- the slowest, as
+# cpu_optimizer.py's host section takes its slowest copy.
+H200_HOST_HANDOVER_SECONDS = 0.6537
+HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e9 B/s
+
+# What the host does per step, per overlap mode (`kinds.OVERLAP_MODES`), as the runtime does it,
+# per parameter of a trainable weight (per 4 master bytes), with weights streamed (and gradients
+# downloaded) at `s` bytes per element (4: fp32; 2: bf16/fp16):
+#
+# - "none" (the user's optimizer after backward, `pipe.overlap` not used): the downloaded
+#   gradient made the master's fp32 `.grad` on the main thread ("handover", read s + write 4;
+#   none in fp32: the download is the `.grad`), torch's step (TOUCHED_BYTES at the optimizer's
+#   speed), and before each stage's first upload of the next step its streamed copy made again
+#   from the changed master by the GPU's upload worker ("pin", read 4 + write s:
+#   StreamDevice._pinned_copy).
+# - "sync" (`pipe.overlap(opt, "sync")`): per stage as soon as its gradient downloads landed,
+#   on the optimizer's worker. Half-precision downloads: ONE fused pass per parameter
+#   (runtime/host_optimizer.py via overlap_fused.FusedStep._host_pass) reads the download (s),
+#   p, m, v and writes p, m, v and the streamed copy the next upload reads (s): `host_pass_bytes`,
+#   28 B for AdamW in bf16, plus the fp32 `.grad` it writes ("grad", 4 B: OverlapOptimizer's
+#   keep_grads, default True), at the optimizer's speed. No hand-over, refresh, pin or finite
+#   check (the finite flag comes from the GPUs). fp32 downloads: the download is the `.grad`
+#   (no hand-over), torch's step (28 B), then the streamed copy written from the master
+#   ("refresh", read 4 + write 4: StreamDevice.refresh) on the same worker, at the copies' speed.
+#   Data parallel (servers > 1): the all-reduced gradients take the unfused path
+#   (overlap_handover.ready without GPU finite flags): "handover" on the adder thread, the
+#   non-finite check ("finite_check", read 4) and torch's step and "refresh" on the optimizer's.
+# - "async" (staleness 1): the same fused pass out of place into the shadow the next swap makes
+#   the weights, half-precision in, streamed copy out (`host_pass_bytes`: 28 B for AdamW in bf16),
+#   running while the next step computes: no shadow copy, hand-over or pin. fp32: torch's step and
+#   the pin of the new master before its first upload ("pin", 8 B).
+# A kind a mode does not make costs 0; `simulate(..., host_copies={"grad": 0})` (a loop with
+# keep_grads=False) or {"handover": 0} overrides a kind's bytes.
+HOST_COPY_KINDS = ("pin", "refresh", "handover", "finite_check", "shadow", "grad")
+RUNTIME_HOST_COPIES = dict(zip(OVERLAP_MODES, (("pin", "handover"), ("grad", "refresh"), ("pin",))))  # none, sync, async
+# with servers > 1 (data parallel) under "sync": the unfused path
+RUNTIME_HOST_COPIES_REDUCED = {"sync": ("handover", "finite_check", "refresh")}
+# `simulate(plan, host_copies=NO_HOST_COPIES)`: no host copy at all -- the network and the
+# schedule alone, as the planner's step model sees the GPUs (the host pass itself stays).
+NO_HOST_COPIES = dict.fromkeys(HOST_COPY_KINDS, 0.0)
+
+
+def fused_pass(overlap: str, streamed: float, servers: int = 1) -> bool:
+    """Whether the runtime steps with the fused host pass (`host_optimizer`) under `overlap`:
+    sync and async with half-precision downloads, one server (data parallel's all-reduced
+    gradients take the unfused path).
+
+    >>> fused_pass("sync", 2), fused_pass("sync", 4), fused_pass("none", 2), fused_pass("sync", 2, servers=2)
+    (True, False, False, False)
+    """
+    return overlap != "none" and streamed < 4 and not (servers > 1 and overlap == "sync")
+
+
+def host_pass_bytes(optimizer: str, streamed: float, overlap: str = "none", servers: int = 1) -> float:
+    """Bytes read + written per parameter (per 4 master bytes) by the optimizer's own pass
+    under `overlap`, not counting the fp32 `.grad` ("grad" of `host_copy_bytes`): the fused pass
+    reads the `streamed`-byte gradient instead of a 4-byte one and writes the `streamed`-byte copy
+    (AdamW in bf16: 28 - 4 + 2 + 2 = 28); torch's step reads and writes TOUCHED_BYTES.
+
+    >>> host_pass_bytes("adamw", 2, "sync"), host_pass_bytes("sgd", 2, "async"), host_pass_bytes("adam", 2, "none")
+    (28, 20, 28)
+    """
+    touched = optimizer_bytes_touched(optimizer)
+    if touched and fused_pass(overlap, streamed, servers):
+        return touched - 4 + 2 * streamed
+    return touched
+
+
+def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam", overlap: str = "none",
+                    servers: int = 1) -> float:
+    """Bytes read + written per parameter (per 4 master bytes) of host copy `kind`
+    (HOST_COPY_KINDS) with weights streamed at `streamed` bytes per element, as the runtime
+    makes it under `overlap` (see RUNTIME_HOST_COPIES; 0 for a kind the mode does not make,
+    and for every kind without an optimizer: nothing changes). "grad" is charged inside the
+    fused pass at the optimizer's speed; the others at the host copies' speed.
+
+    >>> [host_copy_bytes(k, 2) for k in HOST_COPY_KINDS], host_copy_bytes("handover", 4)
+    ([6, 0, 6, 0, 0, 0], 0)
+    >>> [host_copy_bytes(k, 2, overlap="sync") for k in HOST_COPY_KINDS]
+    [0, 0, 0, 0, 0, 4]
+    >>> [host_copy_bytes(k, 4, overlap="sync") for k in HOST_COPY_KINDS]
+    [0, 8, 0, 0, 0, 0]
+    """
+    if kind not in HOST_COPY_KINDS:
+        raise MobiusError(f"unknown host copy {kind!r}; the host copies the simulator models are "
+                          f"{', '.join(HOST_COPY_KINDS)}")
+    if TOUCHED_BYTES.get(optimizer, 0) == 0:
+        return 0
+    fused = fused_pass(overlap, streamed, servers)
+    made = (RUNTIME_HOST_COPIES_REDUCED.get(overlap, RUNTIME_HOST_COPIES[overlap]) if servers > 1
+            else RUNTIME_HOST_COPIES[overlap])
+    if kind not in made:
+        return 0
+    if kind == "grad":
+        return 4 if fused else 0
+    if kind in ("pin", "refresh"):
+        return 0 if fused else 4 + streamed
+    if kind == "handover":
+        return 0 if streamed >= 4 else streamed + 4
+    return {"finite_check": 4, "shadow": 8}[kind]
+
+
+def optimizer_bytes_touched(optimizer: str) -> int:
+    """Bytes read + written per parameter (per 4 master bytes) by one step of `optimizer` (adam: 28)."""
+    try:
+        return TOUCHED_BYTES[optimizer]
+    except KeyError:
+        raise MobiusError(f"unknown optimizer {optimizer!r}; use one of {', '.join(TOUCHED_BYTES)}") from None
+
+
+# The planner's optimizer names (`CompileOptions.optimizer`, planning/host_memory.OPTIMIZERS) ->
+# the bytes torch's step reads + writes per parameter with a 4-byte gradient: Adam/AdamW 28, SGD
+# with momentum 20 (TOUCHED_BYTES' "sgd"), plain SGD 12 (read p, g; write p), none 0.
+PLANNED_OPTIMIZERS = {"adamw": 28, "adam": 28, "sgd-momentum": 20, "sgd": 12, "none": 0}
+
+
+@dataclass(frozen=True)
+class HostPass:
+    """The host's work per step as the planner's step model charges it (step_timeline.timeline,
+    the MIP's host rows), in seconds per byte of a stage's weight gradients as streamed (G_k):
+    G_k / s parameters (s = streamed bytes per element, one parameter per 4 master bytes), each
+    `host_pass_bytes` (+ sync's fp32 `.grad`) at the optimizer's speed and the mode's host copies
+    at the copies' speed, as the simulator charges them (`sim.tasks.cpu_optimizer`):
+
+    - "sync": stage k's pass starts once its gradients are on the host (D_k) and the pass of the
+      stage before it in landing order has ended, on the one optimizer worker:
+      H_k = max(D_k, H_prev) + `per_byte` G_k; the step ends at max(pipeline, max_k H_k) (the
+      MIP orders the stages k = S-1, ..., 0, as they usually land);
+    - "async": the pass over all stages runs beside the pipeline from the start: the step is
+      max(pipeline, `per_byte` x sum G_k);
+    - "none": the hand-over and torch's step after the pipeline: pipeline + `per_byte` x sum G_k
+      (the pinning before the next step's uploads, which delays them, is not modelled).
+    `per_byte` 0 (no optimizer) charges nothing.
+    """
+
+    mode: str = "sync"
+    per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in OVERLAP_MODES:
+            raise MobiusError(f"HostPass mode {self.mode!r}; use one of {', '.join(map(repr, OVERLAP_MODES))}")
+        if not 0 <= self.per_byte < math.inf:
+            raise MobiusError(f"HostPass per_byte={self.per_byte!r}; give seconds per gradient byte, finite and >= 0")
+
+    @staticmethod
+    def of(topology: Any, stream_bytes: float, optimizer: str = "adamw", overlap: str = "sync") -> "HostPass":
+        """The pass of `optimizer` (a `PLANNED_OPTIMIZERS` name) under `overlap` with weights
+        streamed at `stream_bytes` per element, at the speeds of `topology`'s measured host section
+        (`HostFigures`: its optimizer's bytes/s unless DeepSpeed's, its host copies' bytes/s), else
+        CPU_ADAM_BANDWIDTH and HOST_COPY_BANDWIDTH -- the simulator's defaults.
+
+        >>> h = HostPass.of(None, 2, "adamw", "sync")
+        >>> round(h.per_byte * 2 * 1e9 / (32 / CPU_ADAM_BANDWIDTH * 1e9), 12)   # 32 B per parameter
+        1.0
+        """
+        if optimizer not in PLANNED_OPTIMIZERS:
+            raise MobiusError(f"optimizer={optimizer!r}; the host pass models {', '.join(PLANNED_OPTIMIZERS)}")
+        host = getattr(topology, "host", None)
+        bw = CPU_ADAM_BANDWIDTH
+        if host is not None and host.optimizer_bytes_per_s is not None and host.implementation != "deepspeed":
+            bw = float(host.optimizer_bytes_per_s)
+        copy_bw = HOST_COPY_BANDWIDTH
+        if host is not None and host.host_copy_bytes_per_s is not None:
+            copy_bw = float(host.host_copy_bytes_per_s)
+        touched = PLANNED_OPTIMIZERS[optimizer]
+        if not touched:
+            return HostPass(overlap, 0.0)
+        s = float(stream_bytes)
+        fused = fused_pass(overlap, s)
+        step = touched - 4 + 2 * s if fused else touched
+        step += host_copy_bytes("grad", s, "adam", overlap)
+        # the copies on the host's critical path: sync's refresh (fp32), none's hand-over; the
+        # pinning ("pin") runs on the upload workers during the next pipeline, not charged here
+        copies = sum(host_copy_bytes(k, s, "adam", overlap) for k in ("refresh", "handover", "finite_check"))
+        return HostPass(overlap, (step / bw + copies / copy_bw) / s)
+
+    def seconds(self, grad_bytes: float) -> float:
+        """Seconds of the pass over a stage (or stages) with `grad_bytes` gradient bytes as streamed."""
+        return grad_bytes * self.per_byte
+
+    def end(self, makespan: float, grads: list[float], done: list[float]) -> float:
+        """The step's end: the pipeline's `makespan` with this host work (stage k's streamed
+        gradient bytes `grads[k]`, on the host at `done[k]`), as the class docstring says."""
+        if self.per_byte <= 0:
+            return makespan
+        if self.mode == "async":
+            return max(makespan, self.seconds(sum(grads)))
+        if self.mode == "none":
+            return makespan + self.seconds(sum(grads))
+        return max([makespan, *self.ends(grads, done)])
+
+    def ends(self, grads: list[float], done: list[float]) -> list[float]:
+        """Under "sync", H_k: when stage k's pass ends on the one worker, which steps the stages
+        in the order their gradients land (`done`; ties: the later stage first), each as soon as
+        it is free (k = 0 usually last); [] in the other modes. In landing order is also the
+        order that ends soonest (a single machine with release times)."""
+        if self.mode != "sync" or self.per_byte <= 0:
+            return []
+        out, h = [0.0] * len(grads), 0.0
+        for k in sorted(range(len(grads)), key=lambda k: (done[k], -k)):
+            h = max(h, done[k]) + self.seconds(grads[k])
+            out[k] = h
+        return out
+
+
+def shared_landings(problem: Any, grads: Sequence[float], ready: Sequence[float], D: Sequence[float]) -> list[float]:
+    """When each stage's gradients are all on the host, for sync's host passes (`HostPass`): the
+    downloads behind a shared link (`problem.shared_down`) share it fairly, as the simulator
+    serves copies of equal need (max-min: each at most its own link's speed, the link's
+    `servers` x the fastest of them in all), where D (`_gradient_downloads`) queues them in
+    stage order; so a stage's gradients land later than D_k when others share its link with it,
+    and several land together near the pipeline's end, while a stage that D queues behind others
+    lands sooner. A fluid replay of the downloads alone (each GPU's in stage order k, k-N, ...,
+    each from its last backward run, `ready[k]`, `grads[k]` bytes); D_k for a stage behind no
+    shared link. `problem`: a `step_model.PartitionProblem` (its `down`, `shared_down`, `gpus`)."""
+    n, s = len(problem.gpus), len(grads)
+    links = [(x.servers * max(problem.down[i] for i in x.slots), set(x.slots)) for x in problem.shared_down]
+    if not links:
+        return list(D)
+    queue = {i: [k for k in range(s - 1, -1, -1) if k % n == i] for i in range(n)}
+    active: dict[int, float] = {}  # stage -> bytes left
+    land = list(D)
+    shared = set().union(*(slots for _, slots in links))
+    t = 0.0
+    for _ in range(4 * s + 4):
+        for i, ks in queue.items():  # each GPU's next download once the one before it ended
+            while ks and not any(k % n == i for k in active) and ready[ks[0]] <= t + 1e-15:
+                k = ks.pop(0)
+                if grads[k] > 0:
+                    active[k] = grads[k]
+                elif k % n in shared:
+                    land[k] = t
+        if not active:
+            nxt = [ready[ks[0]] for ks in queue.values() if ks]
+            if not nxt:
+                break
+            t = max(t, min(nxt))
+            continue
+        rate = {k: problem.down[k % n] for k in active}
+        for cap, slots in links:  # water-filling on each shared link
+            users = sorted((k for k in active if k % n in slots), key=lambda k: rate[k])
+            left = cap
+            for j, k in enumerate(users):
+                share = left / (len(users) - j)
+                rate[k] = min(rate[k], share)
+                left -= rate[k]
+        dt = min(active[k] / rate[k] for k in active)
+        nxt = [ready[ks[0]] - t for i, ks in queue.items() if ks and not any(k % n == i for k in active)
+               and ready[ks[0]] > t]
+        dt = min([dt, *nxt])
+        t += dt
+        for k in list(active):
+            active[k] -= rate[k] * dt
+            if active[k] <= 1e-9 * grads[k]:
+                del active[k]
+                if k % n in shared:
+                    land[k] = t
+    return land
