@@ -248,7 +248,8 @@ def _cmd_plan(args) -> int:
     p = api.plan(model, topo, example_inputs=inputs, microbatches=micro, cuts=args.cuts, **step,
                  dtype=args.dtype, memory_fraction=args.memory_fraction,
                  time_limit=args.time_limit, verbose=not args.quiet, optimizer=args.optimizer,
-                 host_memory_fraction=args.host_memory_fraction, cache=args.cache, schedule=args.schedule)
+                 host_memory_fraction=args.host_memory_fraction, cache=args.cache, schedule=args.schedule,
+                 optimizer_overlap=args.optimizer_overlap)
     print(p.describe("full" if args.transfers else "summary"))
     cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None,
                   optimizer_overlap=args.optimizer_overlap)

@@ -221,7 +221,7 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
          pipeline: PassPipeline | None = None, optimizer: str = _D.optimizer,
          host_memory_fraction: float | None = _D.host_memory_fraction, cache: bool = _D.cache,
          loss_fn: Any = None, example_target: Any = None, train_step: bool = False,
-         schedule: str | None = None) -> Plan:
+         schedule: str | None = None, optimizer_overlap: str = _D.optimizer_overlap) -> Plan:
     """Plan a Mobius pipeline for `model` on `topology`; nothing is run on a GPU.
 
     Works on the meta device, so a 15B model plans on a laptop:
@@ -260,6 +260,8 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     default the candidate (`schedules.candidates()`, baselines left out) with the least simulated
     forward + backward that fits. The plan's first line (`plan.schedule_choice`) says which and
     why, and when the runtime does not execute it yet (compile then runs the fastest it does).
+    `optimizer_overlap`: the mode `pipe.overlap` will step the optimizer in ("none", "sync",
+    "async"); the step model times the host's pass that way (planning/host_step.py).
     """
     if loss_fn is not None or example_target is not None or train_step:
         pipeline = step_passes(pipeline or default_pipeline())
@@ -272,7 +274,7 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
              example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
              cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
              time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, optimizer=optimizer,
-             host_memory_fraction=host_memory_fraction, cache=cache).plan
+             host_memory_fraction=host_memory_fraction, cache=cache, optimizer_overlap=optimizer_overlap).plan
     return dataclasses.replace(p, schedule_choice=choose_schedule(p, schedule).line)
 
 
