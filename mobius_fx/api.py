@@ -275,7 +275,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             process_group: Any = None, batch_dims: dict | None = _D.batch_dims,
             memory_books: str = _D.memory_books, optimizer: str = _D.optimizer,
             host_memory_fraction: float | None = _D.host_memory_fraction, cache: bool = _D.cache,
-            loss_fn: Any = None, example_target: Any = None):
+            loss_fn: Any = None, example_target: Any = None, schedule: str | None = None):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -327,9 +327,23 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     `example_target` (a target for `example_inputs`) is given.
     `optimizer` and `host_memory_fraction`: the host memory budget, as for `plan`; a pipeline
     whose host would not hold it is refused before anything is emitted.
+    `schedule`: the schedule `train_step` runs, any name in `mobius_fx.schedules.names()` that has
+    a runtime form ("mobius", the default; "mobius-noprefetch"; "mobius-identity-map", which also
+    maps the stages on the identity cross map): the step executor (mobius_fx/runtime/executor.py)
+    runs that schedule's IR op by op. The others run in the simulator only and are refused here,
+    with the reason (GPipe: also whether it would fit, naming the stage and its bytes). The
+    eager-style loop (`pipe(x)`, `loss.backward()`) runs Mobius's forward program and autograd.
     """
     _refuse_meta(model, example_inputs, example_kwargs)
     passes = pipeline or default_pipeline()
+    form = None
+    if schedule is not None:
+        form, cross_map = _schedule_form(schedule, cross_map, lambda: _run(
+            passes.until("plan"), model=model, topology=topology, example_inputs=example_inputs,
+            example_kwargs=example_kwargs, microbatches=microbatches, cuts=cuts, verbose=False, costs=costs,
+            dtype=dtype, memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
+            cache_dir=cache_dir, optimizer=optimizer, host_memory_fraction=host_memory_fraction, cache=cache).plan,
+            optimizer)
     ctx = _run(passes, model=model, topology=topology, example_inputs=example_inputs, example_kwargs=example_kwargs,
                microbatches=microbatches, cuts=cuts, verbose=verbose, costs=costs, dtype=dtype,
                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
@@ -348,8 +362,35 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
         variants[0].boundaries = tuple(ctx.partition.boundaries) if ctx.partition is not None else ()
         object.__setattr__(pipe, "_recompiler", _Recompiler(passes, ctx))
         object.__setattr__(pipe, "max_variants", ctx.settings.max_variants)
+    if form is not None:
+        object.__setattr__(pipe, "schedule_form", form)
     _attach_step(pipe, ctx, loss_fn, example_target, pipeline=passes, memory_books=memory_books)
     return pipe
+
+
+def _schedule_form(name: str, cross_map: str, plan_of: Any, optimizer: str) -> tuple[tuple[str, Any], str]:
+    """(name, its runtime form) and the cross map for `compile(schedule=name)`; a MobiusError
+    naming the schedule, the reason and the remedy when it has no runtime form (and whether it
+    fits, its IR built on `plan_of()`'s plan: GPipe names the stage and its bytes when not)."""
+    from mobius_fx import schedules
+
+    entry = schedules.get(name)
+    if entry.runtime is not None:
+        return (name, entry.runtime), entry.cross_map or cross_map
+    runnable = [n for n in schedules.names() if schedules.get(n).runtime is not None]
+    from mobius_fx.sim.tasks import STATE_BYTES, Context
+
+    p = plan_of()
+    try:  # its own IR, as the simulator builds it: a schedule that does not fit says which stage and bytes
+        entry.build(Context(p, p.topology, optimizer if optimizer in STATE_BYTES else "adamw", 1e10,
+                            use_plan_routes=True))
+    except PlanError as e:
+        raise MobiusError(f"schedule={name!r} does not fit this model: {e}") from None
+    fits = " (it would fit these GPUs)"
+    why = entry.refusal or "it has no runtime form (registered for the simulator only)"
+    raise MobiusError(f"schedule={name!r} cannot run on the pipeline runtime{fits}: {why}. It runs in the simulator "
+                      f"(mobius_fx.simulate(plan, schedule={name!r})); to train, compile with schedule= one of "
+                      f"{', '.join(runnable)}")
 
 
 def step_passes(passes: PassPipeline) -> PassPipeline:
@@ -380,7 +421,8 @@ def _attach_step(pipe, ctx: CompileContext, loss_fn: Any, example_target: Any, *
                        cross_map=s.cross_map, cache_dir=s.cache_dir, device=pipe.devices, verbose=s.verbose,
                        max_variants=s.max_variants, pipeline=step_passes(pipeline), process_group=False,
                        batch_dims=s.batch_dims, memory_books=memory_books, optimizer=s.optimizer,
-                       host_memory_fraction=s.host_memory_fraction, cache=s.cache)
+                       host_memory_fraction=s.host_memory_fraction, cache=s.cache,
+                       schedule=pipe.__dict__.get("schedule_form", ("mobius",))[0])
 
     step = StepCompiler(ctx.model, loss_fn, compile_step)
     object.__setattr__(pipe, "_step", step)

@@ -6,6 +6,7 @@ and `benchmarks/paper.py` read the names from here, in registration order (the t
 
     from mobius_fx.schedules import register, unregister, names
     register("toy", build, summary="...")     # build(ctx): add the step's tasks to a sim.tasks.Context
+    register("toy2", build, runtime=no_prefetch)  # ... and runs for real (compile(schedule="toy2"))
     simulate(plan, schedule="toy"); names()   # (..., "roundpipe", "toy")
     unregister("toy")
 """
@@ -33,20 +34,26 @@ class Schedule:
 
     `data_parallel`: `simulate(servers=R > 1)` takes it (it steps a CPU optimizer per stage);
     `optimizer`: whose CPU optimizer it steps (OPTIMIZERS), so `SimResult` reports that speed;
-    `summary`: one line on what it models."""
+    `summary`: one line on what it models. `runtime`: its IR as the pipeline runtime runs it, a
+    transform of the compiled pipeline's Mobius IR (mobius_fx/planning/ir_transforms.py; None:
+    it runs in the simulator only, `refusal` says why); `cross_map`: the cross map it needs."""
 
     name: str
     build: Callable[[Any], None]
     data_parallel: bool = False
     optimizer: str = "user"
     summary: str = ""
+    runtime: Callable[[Any], Any] | None = None
+    cross_map: str | None = None
+    refusal: str = ""
 
 
 _REGISTRY: dict[str, Schedule] = {}
 
 
 def register(name: str, build: Callable[[Any], None], *, data_parallel: bool = False, optimizer: str = "user",
-             summary: str = "") -> Schedule:
+             summary: str = "", runtime: Callable[[Any], Any] | None = None, cross_map: str | None = None,
+             refusal: str = "") -> Schedule:
     """Make `build` the schedule `name` for `simulate`, the comparison table and the CLI."""
     if not isinstance(name, str) or not name or name != name.strip():
         raise MobiusError(f"a schedule's name is a non-empty string without surrounding spaces, got {name!r}")
@@ -58,7 +65,7 @@ def register(name: str, build: Callable[[Any], None], *, data_parallel: bool = F
                           f"simulator's context that adds the step's tasks")
     if optimizer not in OPTIMIZERS:
         raise MobiusError(f"schedule {name!r}: optimizer={optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-    _REGISTRY[name] = Schedule(name, build, data_parallel, optimizer, summary)
+    _REGISTRY[name] = Schedule(name, build, data_parallel, optimizer, summary, runtime, cross_map, refusal)
     return _REGISTRY[name]
 
 
