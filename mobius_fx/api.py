@@ -368,6 +368,16 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     return pipe
 
 
+def _with_step_code(step_pipe: Any) -> Any:
+    """`step_pipe` with its `code` the step as it runs: the executor's IR (runtime/step_code.py)."""
+    from mobius_fx.runtime.step_code import step_code
+
+    step_pipe.code = step_code(step_pipe)
+    for v in getattr(step_pipe, "_variants", None) or []:
+        v.code = step_pipe.code
+    return step_pipe
+
+
 def _schedule_form(name: str, cross_map: str, plan_of: Any, optimizer: str) -> tuple[tuple[str, Any], str]:
     """(name, its runtime form) and the cross map for `compile(schedule=name)`; a MobiusError
     naming the schedule, the reason and the remedy when it has no runtime form (and whether it
@@ -415,14 +425,14 @@ def _attach_step(pipe, ctx: CompileContext, loss_fn: Any, example_target: Any, *
     s = ctx.settings
 
     def compile_step(wrapper, args: tuple, kwargs: dict):
-        return compile(wrapper, ctx.topology, example_inputs=args, example_kwargs=kwargs,
+        return _with_step_code(compile(wrapper, ctx.topology, example_inputs=args, example_kwargs=kwargs,
                        microbatches=s.microbatches, cuts=s.cuts, dtype=s.dtype, costs=s.costs,
                        memory_fraction=s.memory_fraction, solver=s.solver, time_limit=s.time_limit,
                        cross_map=s.cross_map, cache_dir=s.cache_dir, device=pipe.devices, verbose=s.verbose,
                        max_variants=s.max_variants, pipeline=step_passes(pipeline), process_group=False,
                        batch_dims=s.batch_dims, memory_books=memory_books, optimizer=s.optimizer,
                        host_memory_fraction=s.host_memory_fraction, cache=s.cache,
-                       schedule=pipe.__dict__.get("schedule_form", ("mobius",))[0])
+                       schedule=pipe.__dict__.get("schedule_form", ("mobius",))[0]))
 
     step = StepCompiler(ctx.model, loss_fn, compile_step)
     object.__setattr__(pipe, "_step", step)

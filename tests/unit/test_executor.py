@@ -230,3 +230,19 @@ def test_a_mutated_ir_is_refused_and_the_pipeline_stays_usable(mutation, message
     ref, want = _eager(model, lambda: F.cross_entropy(model(x), y))
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
     _assert_grads_equal(got, want)
+
+
+def test_the_step_code_is_the_ir_the_executor_runs():
+    torch.manual_seed(0)
+    model = Classifier(blocks=3)
+    x, y = torch.randn(8, 16), torch.randint(0, 50, (8,))
+    pipe = mobius_fx.compile(model, TOPO, example_inputs=(x,), microbatches=2, cuts=[1, 2, 3], verbose=False,
+                             loss_fn=F.cross_entropy, example_target=y, schedule="mobius-noprefetch")
+    pipe.train_step(x, target=y)
+    sp = pipe.step_pipeline
+    lines = [line for line in sp.code.splitlines() if not line.startswith("#")]
+    ops = sp._rt._step_executor.ir.ops
+    assert len(lines) == len(ops) and "'mobius-noprefetch'" in sp.code.splitlines()[0]
+    assert [line.split("(")[0] for line in lines] == [
+        {"run": f"run_{o.phase}"}.get(str(o.kind), str(o.kind)) for o in ops]
+    assert "run_backward(0, mb=0)" in sp.code and "download(3)" in sp.code
