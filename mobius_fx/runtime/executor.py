@@ -83,9 +83,13 @@ def execute(pipe: Any, flat: list, scale: float) -> Any:
     schedule is `pipe.schedule_form`, (name, runtime form), set by `compile(schedule=...)`."""
     rt = pipe._rt
     name, form = pipe.__dict__.get("schedule_form") or ("mobius", None)
+    # which masters train decides which stages run backward: a layer frozen or unfrozen since
+    # the last step gets the IR of the step as it is now
+    trains = tuple(m.requires_grad for st in rt.stages for m in st.masters)
     ex = rt.__dict__.get("_step_executor")
-    if ex is None or ex.name != name:
+    if ex is None or ex.name != name or ex.trains != trains:
         ex = StepExecutor(pipe, name, form)
+        ex.trains = trains
         rt._step_executor = ex
     return ex.run(flat, scale)
 

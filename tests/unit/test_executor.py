@@ -246,3 +246,23 @@ def test_the_step_code_is_the_ir_the_executor_runs():
     assert [line.split("(")[0] for line in lines] == [
         {"run": f"run_{o.phase}"}.get(str(o.kind), str(o.kind)) for o in ops]
     assert "run_backward(0, mb=0)" in sp.code and "download(3)" in sp.code
+
+
+def test_a_layer_unfrozen_between_steps_gets_its_gradients():
+    torch.manual_seed(0)
+    model = Classifier(blocks=3)
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+    x, y = torch.randn(8, 16), torch.randint(0, 50, (8,))
+    pipe = mobius_fx.compile(model, TOPO, example_inputs=(x,), microbatches=2, cuts=[1, 2, 3], verbose=False,
+                             device="virtual-async", loss_fn=F.cross_entropy, example_target=y)
+    pipe.train_step(x, target=y)
+    assert all(p.grad is None for p in model.blocks[0].parameters())
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(True)
+    model.zero_grad()
+    pipe.train_step(x, target=y)
+    got = _grads(model)
+    _, want = _eager(model, lambda: F.cross_entropy(model(x), y))
+    _assert_grads_equal(got, want)
+    _check_conforms(pipe, _step_ir(pipe, "mobius", (x,), {"target": y}))
