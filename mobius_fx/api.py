@@ -3,8 +3,9 @@ then rewrite and emit the pipeline you train with)."""
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import contextvars
+import dataclasses
 import logging
 import sys
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from mobius_fx.compiler import PassPipeline, default_pipeline
 from mobius_fx.runtime.data_parallel import GradientReducer, default_group
 from mobius_fx.errors import MobiusError, PlanError
 from mobius_fx.options import CompileContext, CompileOptions
+from mobius_fx.planning.ir_transforms import ScheduleForm
 from mobius_fx.planning.plans import Plan
 from mobius_fx.schedules.choice import choose as choose_schedule
 from mobius_fx.runtime.devices import Device
@@ -210,6 +212,10 @@ def _on_meta(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
     return None
 
 
+# True while compile builds a training step's pipeline (`Pipeline.train_step`'s): its `code` is the step
+# the executor runs (runtime/step_code.py), not the forward program.
+_COMPILING_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("mobius_fx_compiling_step", default=False)
+
 _D = CompileOptions()  # the one set of defaults, shown in the signatures below
 
 
@@ -287,7 +293,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             process_group: Any = None, batch_dims: dict | None = _D.batch_dims,
             memory_books: str = _D.memory_books, optimizer: str = _D.optimizer,
             host_memory_fraction: float | None = _D.host_memory_fraction, cache: bool = _D.cache,
-            loss_fn: Any = None, example_target: Any = None):
+            loss_fn: Any = None, example_target: Any = None, schedule: str | None = None):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -339,18 +345,33 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     `example_target` (a target for `example_inputs`) is given.
     `optimizer` and `host_memory_fraction`: the host memory budget, as for `plan`; a pipeline
     whose host would not hold it is refused before anything is emitted.
+    `schedule`: the schedule `train_step` runs, any name in `mobius_fx.schedules.names()` that has
+    a runtime form ("mobius", the default; "mobius-noprefetch"; "mobius-identity-map", which also
+    maps the stages on the identity cross map): the step executor (mobius_fx/runtime/executor.py)
+    runs that schedule's IR op by op. The others run in the simulator only and are refused here,
+    with the reason (GPipe: also whether it would fit, naming the stage and its bytes). The
+    eager-style loop (`pipe(x)`, `loss.backward()`) runs Mobius's forward program and autograd.
     """
     _refuse_meta(model, example_inputs, example_kwargs)
     if example_target is not None and loss_fn is None:
         raise MobiusError("example_target was given without loss_fn; the target is what loss_fn compares the "
                           "outputs with: pass loss_fn=fn too, or drop example_target")
     passes, topology = pipeline or default_pipeline(), _topology(topology)
+    form = None
+    if schedule is not None:
+        form, cross_map = _schedule_form(schedule, cross_map, lambda: _run(
+            passes.until("plan"), model=model, topology=topology, example_inputs=example_inputs,
+            example_kwargs=example_kwargs, microbatches=microbatches, cuts=cuts, verbose=False, costs=costs,
+            dtype=dtype, memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
+            cache_dir=cache_dir, optimizer=optimizer, host_memory_fraction=host_memory_fraction, cache=cache).plan,
+            optimizer)
     reducer = None
     group = default_group(process_group)
     if group is not None:
         reducer = GradientReducer(group)
         reducer.broadcast([*model.parameters(), *model.buffers()])  # every rank starts from rank 0's model
-    wiring = _CompileWiring(passes, topology, loss_fn, example_target, reducer, memory_books)
+    wiring = _CompileWiring(passes, topology, loss_fn, example_target, reducer, memory_books, form,
+                            _COMPILING_STEP.get())
     ctx = _run(passes, model=model, topology=topology, example_inputs=example_inputs, example_kwargs=example_kwargs,
                microbatches=microbatches, cuts=cuts, verbose=verbose, costs=costs, dtype=dtype,
                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
@@ -358,6 +379,32 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
                memory_books=memory_books, optimizer=optimizer, host_memory_fraction=host_memory_fraction,
                cache=cache, wiring=wiring)
     return ctx.pipeline
+
+
+def _schedule_form(name: str, cross_map: str, plan_of: Any, optimizer: str) -> tuple[ScheduleForm, str]:
+    """(name, its runtime form) and the cross map for `compile(schedule=name)`; a MobiusError
+    naming the schedule, the reason and the remedy when it has no runtime form (and whether it
+    fits, its IR built on `plan_of()`'s plan: GPipe names the stage and its bytes when not)."""
+    from mobius_fx import schedules
+
+    entry = schedules.get(name)
+    if entry.runtime is not None:
+        return (name, entry.runtime), entry.cross_map or cross_map
+    runnable = [n for n in schedules.names() if schedules.get(n).runtime is not None]
+    from mobius_fx.planning.host_step import STATE_BYTES
+    from mobius_fx.sim.tasks import Context
+
+    p = plan_of()
+    try:  # its own IR, as the simulator builds it: a schedule that does not fit says which stage and bytes
+        entry.build(Context(p, p.topology, optimizer if optimizer in STATE_BYTES else "adamw", 1e10,
+                            use_plan_routes=True))
+    except PlanError as e:
+        raise MobiusError(f"schedule={name!r} does not fit this model: {e}") from None
+    fits = " (it would fit these GPUs)"
+    why = entry.refusal or "it has no runtime form (registered for the simulator only)"
+    raise MobiusError(f"schedule={name!r} cannot run on the pipeline runtime{fits}: {why}. It runs in the simulator "
+                      f"(mobius_fx.simulate(plan, schedule={name!r})); to train, compile with schedule= one of "
+                      f"{', '.join(runnable)}")
 
 
 def step_passes(passes: PassPipeline) -> PassPipeline:
@@ -381,28 +428,35 @@ class _CompileWiring:
     example call serve it, else at the first `train_step`."""
 
     def __init__(self, passes: PassPipeline, topology: Topology, loss_fn: Any, example_target: Any,
-                 reducer: GradientReducer | None, memory_books: str) -> None:
+                 reducer: GradientReducer | None, memory_books: str, form: ScheduleForm | None = None,
+                 is_step: bool = False) -> None:
         self.passes, self.topology, self.loss_fn, self.example_target = passes, topology, loss_fn, example_target
-        self.reducer, self.memory_books = reducer, memory_books
+        self.reducer, self.memory_books, self.form, self.is_step = reducer, memory_books, form, is_step
 
     def __call__(self, ctx: CompileContext) -> Wiring:
         settings, topology, model = ctx.settings, self.topology, ctx.model
         example = (ctx.example_inputs, ctx.example_kwargs)
         passes, memory_books, loss_fn, example_target = self.passes, self.memory_books, self.loss_fn, self.example_target
+        name = self.form[0] if self.form is not None else None
 
         def step(devices: Mapping[str, Device]) -> StepCompiler:
             s = settings
 
             def compile_step(wrapper, args: tuple, kwargs: dict):
-                return compile(wrapper, topology, example_inputs=args, example_kwargs=kwargs,
+                token = _COMPILING_STEP.set(True)  # the pipeline built is a step pipeline (its code: the step)
+                try:
+                    return compile(wrapper, topology, example_inputs=args, example_kwargs=kwargs,
                                microbatches=s.microbatches, cuts=s.cuts, dtype=s.dtype, costs=s.costs,
                                memory_fraction=s.memory_fraction, solver=s.solver, time_limit=s.time_limit,
                                cross_map=s.cross_map, cache_dir=s.cache_dir, device=dict(devices), verbose=s.verbose,
                                max_variants=s.max_variants, pipeline=step_passes(passes), process_group=False,
                                batch_dims=s.batch_dims, memory_books=memory_books, optimizer=s.optimizer,
-                               host_memory_fraction=s.host_memory_fraction, cache=s.cache)
+                               host_memory_fraction=s.host_memory_fraction, cache=s.cache, schedule=name)
+                finally:
+                    _COMPILING_STEP.reset(token)
 
             return StepCompiler(model, loss_fn, compile_step)
 
         return Wiring(recompiler=_Recompiler(passes, model, topology, settings), max_variants=settings.max_variants,
-                      reducer=self.reducer, step=step, step_example=None if example_target is None else (*example, example_target))
+                      reducer=self.reducer, step=step, step_example=None if example_target is None else (*example, example_target),
+                      schedule_form=self.form, step_code=self.is_step)

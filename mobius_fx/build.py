@@ -24,10 +24,12 @@ from mobius_fx.runtime.devices import Device, make_devices
 from mobius_fx.errors import MobiusError
 from mobius_fx.runtime.pipeline import Pipeline
 from mobius_fx.planning import microbatch
+from mobius_fx.planning.ir_transforms import ScheduleForm
 from mobius_fx.runtime import microbatch_outputs
 from mobius_fx.precision import Precision
 from mobius_fx.runtime.engine import Runtime
 from mobius_fx.runtime.data_parallel import GradientReducer
+from mobius_fx.runtime.step_code import step_code
 from mobius_fx.runtime.variants import Recompiler, StepSource, VariantPipeline
 
 __all__ = ["build_pipeline", "Wiring"]
@@ -43,13 +45,18 @@ class Wiring:
     `max_variants` in all (none: such calls are refused); `reducer` averages the gradients across
     data-parallel ranks; `step(devices)` gives `train_step` its step compiler, on the pipeline's
     devices (none: `train_step` is refused), which compiles the step pipeline for the call
-    `step_example` (args, kwargs, target) as the pipeline is built, else at the first `train_step`."""
+    `step_example` (args, kwargs, target) as the pipeline is built, else at the first `train_step`.
+    `schedule_form`: the schedule `train_step`'s executor runs (`compile(schedule=)`: its name and
+    its runtime form, mobius_fx/planning/ir_transforms.py; none: Mobius's); `step_code`: the
+    pipeline is a training step's, so its `code` is the step the executor runs (runtime/step_code.py)."""
 
     recompiler: Recompiler | None = None
     max_variants: int = 1
     reducer: GradientReducer | None = None
     step: Callable[[Mapping[str, Device]], StepSource] | None = None
     step_example: tuple[tuple, dict, object] | None = None
+    schedule_form: ScheduleForm | None = None
+    step_code: bool = False
 
 
 def _masters(model: nn.Module, gm: fx.GraphModule, spec: Any) -> list[torch.Tensor]:
@@ -177,8 +184,14 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
     step = wiring.step(devices) if wiring.step is not None else None
     pipe = VariantPipeline(model, gm, schedule, program, runtime, plan, code, recompiler=wiring.recompiler,
                            max_variants=wiring.max_variants, step=step)
+    if wiring.schedule_form is not None:
+        pipe.schedule_form = wiring.schedule_form
     if example_inputs or example_kwargs:  # the call it serves (call_signatures.py); the recompiler adds variants
         pipe._add_variant(tuple(example_inputs), dict(example_kwargs or {}), *_plan_cuts(plan))
+    if wiring.step_code:
+        pipe.code = step_code(pipe)
+        for v in getattr(pipe, "_variants", None) or []:
+            v.code = pipe.code
     if step is not None and wiring.step_example is not None:
         step.get(*step.arguments(*wiring.step_example))
     return pipe

@@ -120,9 +120,15 @@ class Pipeline(ModelFace, nn.Module):
         rt.step.marks = marks
         rt.step.mb_rows = (rows or 0) // self.schedule.microbatches
         try:
-            with running(rt):
-                out = self.program(*flat)
-            rt.end_forward()
+            scale = self.__dict__.get("_executing")
+            if scale is not None:  # train_step: the whole step, op by op from the schedule IR
+                from mobius_fx.runtime.executor import execute
+
+                out = execute(self, flat, scale)
+            else:
+                with running(rt):
+                    out = self.program(*flat)
+                rt.end_forward()
         except BaseException as e:
             rt.abort()
             rt.explain(e)
@@ -187,8 +193,11 @@ class Pipeline(ModelFace, nn.Module):
             rt, srt = self._rt, program._rt
             # the optimizer overlap, the data-parallel reducer and the host gradient storage are this pipeline's
             srt.overlap, srt.reducer, srt.grad_homes = rt.overlap, rt.reducer, rt.grad_homes
-            loss = program(*a, **k)
-            (loss if scale == 1.0 else loss * scale).backward()
+            object.__setattr__(program, "_executing", scale)  # forward, loss and backward: runtime/executor.py
+            try:
+                loss = program(*a, **k)
+            finally:
+                object.__setattr__(program, "_executing", None)
         return loss.detach()
 
     @property

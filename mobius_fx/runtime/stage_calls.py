@@ -111,6 +111,7 @@ class StageCalls:
     """Stage calls on their GPUs, forward and backward (mixed into `runtime.Runtime`, whose
     weights, activations and step state these methods use)."""
 
+    executing: Any = None  # the step executor's run in progress (runtime/executor.py), None: the program's calls
     overlap: Any = None  # the OverlapOptimizer stepping stages during backward (pipe.overlap, mode="sync")
     reducer: Any = None  # the data_parallel.GradientReducer averaging gradients across ranks (compile(process_group=))
 
@@ -135,18 +136,25 @@ class StageCalls:
         leaves, spec = pytree.tree_flatten(args)
         pos = [j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         tensors = [leaves[j] for j in pos]
+        executing = self.executing  # the step executor's calls (runtime/executor.py): no autograd graph
         try:
-            if torch.is_grad_enabled() and (st.train or any(t.requires_grad for t in tensors)):
+            if (k in executing.backward if executing is not None
+                    else torch.is_grad_enabled() and (st.train or any(t.requires_grad for t in tensors))):
                 call = StageCall(self, step, k, i, leaves, spec, pos)
                 step.calls.setdefault(k, []).append(weakref.ref(call))
                 if k not in step.param_versions:  # checked at the stage's backward (refuse_changed_masters)
                     step.param_versions[k] = [(j, m._version) for j, m in enumerate(st.masters) if st.is_param[j]]
-                if step.hub is None:
-                    trainable = {id(m): m for s in self.stages for m, p in zip(s.masters, s.is_param)
-                                 if p and m.requires_grad}
-                    step.hub = Masters.apply(self, step, self._anchor, *trainable.values())
-                with self._working(k):
-                    outs = StageFunction.apply(call, step.hub, *tensors)
+                if executing is not None:  # the executor runs its backward op by op from `call`
+                    with torch.no_grad(), self._working(k):
+                        outs, _ = self._forward(call, tensors)
+                    executing.calls[(k, i)] = call
+                else:
+                    if step.hub is None:
+                        trainable = {id(m): m for s in self.stages for m, p in zip(s.masters, s.is_param)
+                                     if p and m.requires_grad}
+                        step.hub = Masters.apply(self, step, self._anchor, *trainable.values())
+                    with self._working(k):
+                        outs = StageFunction.apply(call, step.hub, *tensors)
                 result = rebuild(call.out_leaves, call.out_pos, outs, call.out_spec)
                 step.fwd_calls[k] += 1
             else:
@@ -368,9 +376,17 @@ class StageCalls:
         return [next(it) if need else None for need in needs]
 
     def _flush(self, k: int, step: Step) -> None:
-        """Send stage k's weight gradients to the host and evict the stage. While the optimizer
-        overlap steps stages during backward, whether they are all finite is computed first on
-        the GPU (`finite_flag`) and sent with them: the host reads no gradient to find out."""
+        """Send stage k's weight gradients to the host (`_download`), evict the stage and hand
+        the gradients now complete over (`_hand_over`)."""
+        self._download(k, step)
+        self.evict(k)
+        if self.overlap is not None or self.reducer is not None:
+            self._hand_over(k, step)
+
+    def _download(self, k: int, step: Step) -> None:
+        """Send stage k's weight gradients to the host (the schedule IR's `download`). While the
+        optimizer overlap steps stages during backward, whether they are all finite is computed
+        first on the GPU (`finite_flag`) and sent with them: the host reads no gradient to find out."""
         st = self.stages[k]
         self._forget_restored(step, k)
         acc = step.acc.pop(k, {})
@@ -387,9 +403,6 @@ class StageCalls:
                 step.pending.append((st.masters[j], st.device.download(g, "gradient")))
             st.device.free(nbytes(g))
         del acc
-        self.evict(k)
-        if self.overlap is not None or self.reducer is not None:
-            self._hand_over(k, step)
 
     def _overlaps(self, step: Step) -> bool:
         """Whether this backward hands complete gradients to the optimizer overlap (decided at

@@ -108,4 +108,8 @@ def _gpipe_memory(plan: Plan, u: Costs) -> tuple[MemoryModel, list[float], list[
     return mm, rest, [0.0] * len(rest)
 
 
-register("gpipe", build, summary="every weight resident, N stages balanced by compute, optimizer on the GPUs", baseline=True)
+register("gpipe", build, summary="every weight resident, N stages balanced by compute, optimizer on the GPUs",
+         baseline=True,
+         refusal="GPipe keeps every weight resident on N GPUs after re-cutting the model into N compute-balanced "
+                 "stages, with the optimizer on the GPUs; the runtime streams the plan's stages through weight slots "
+                 "and steps the optimizer on the host")

@@ -6,6 +6,7 @@ Moves exactly `plan.transfers` (checked), so `plan.lower_bound()` bounds it.
 
 from __future__ import annotations
 
+from mobius_fx.planning.ir_transforms import unchanged
 from mobius_fx.sim.tasks import Context
 from mobius_fx.schedules.ir_tasks import check_transfers, tasks_from_ir
 from mobius_fx.schedules.registry import register
@@ -19,4 +20,5 @@ def build(ctx: Context) -> None:
     check_transfers(ctx)
 
 
-register("mobius", build, data_parallel=True, summary="the plan as the runtime runs it (cross-mapped, prefetching)", runnable=True)
+register("mobius", build, data_parallel=True, summary="the plan as the runtime runs it (cross-mapped, prefetching)",
+         runtime=unchanged)

@@ -6,6 +6,7 @@ ablation; the plan's IR with its stages moved, transfers re-routed accordingly.
 
 from __future__ import annotations
 
+from mobius_fx.planning.ir_transforms import unchanged
 from mobius_fx.sim.tasks import Context
 from mobius_fx.schedules.ir_tasks import tasks_from_ir
 from mobius_fx.schedules.registry import register
@@ -18,4 +19,5 @@ def build(ctx: Context) -> None:
     tasks_from_ir(ctx, ctx.plan.schedule(ctx.gpus))
 
 
-register("mobius-identity-map", build, data_parallel=True, summary="Mobius with stage k on GPU k % N", baseline=True)
+register("mobius-identity-map", build, data_parallel=True, summary="Mobius with stage k on GPU k % N",
+         runtime=unchanged, cross_map="identity", baseline=True)

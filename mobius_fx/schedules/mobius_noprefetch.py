@@ -6,6 +6,7 @@ its weights arrive). Same IR and transfers as "mobius"; only when uploads may st
 
 from __future__ import annotations
 
+from mobius_fx.planning.ir_transforms import no_prefetch
 from mobius_fx.sim.tasks import Context
 from mobius_fx.schedules.ir_tasks import check_transfers, tasks_from_ir
 from mobius_fx.schedules.registry import register
@@ -19,4 +20,5 @@ def build(ctx: Context) -> None:
     check_transfers(ctx)
 
 
-register("mobius-noprefetch", build, data_parallel=True, summary="Mobius with uploads after the previous stage", baseline=True)
+register("mobius-noprefetch", build, data_parallel=True, summary="Mobius with uploads after the previous stage",
+         runtime=no_prefetch, baseline=True)

@@ -6,6 +6,7 @@ and `benchmarks/paper.py` read the names from here, in registration order (the t
 
     from mobius_fx.schedules import register, unregister, names
     register("toy", build, summary="...")     # build(ctx): add the step's tasks to a sim.tasks.Context
+    register("toy2", build, runtime=no_prefetch)  # ... and runs for real (compile(schedule="toy2"))
     simulate(plan, schedule="toy"); names()   # (..., "roundpipe", "toy")
     candidates(); candidates(runnable=True)   # what the planner chooses among: ("mobius", ..., "toy"); ("mobius",)
     unregister("toy")
@@ -38,24 +39,35 @@ class Schedule:
     `runnable`: the runtime executes it (`compile` picks only among these; `plan` and the CLI
     name the fastest of all and say when it is not executable yet);
     `baseline`: a comparison (another system's schedule, an ablation), simulated and tabled
-    but never chosen by the planner (`candidates`)."""
+    but never chosen by the planner (`candidates`);
+    `runtime`: its IR as the pipeline runtime runs it, a transform of the compiled pipeline's
+    Mobius IR (mobius_fx/planning/ir_transforms.py; None: it runs in the simulator only, `refusal`
+    says why; `runnable` says whether it has one); `cross_map`: the cross map it needs."""
 
     name: str
     build: Callable[[Any], None]
     data_parallel: bool = False
     optimizer: str = "user"
     summary: str = ""
-    runnable: bool = False
+    runtime: Callable[[Any], Any] | None = None
+    cross_map: str | None = None
+    refusal: str = ""
     baseline: bool = False
+
+    @property
+    def runnable(self) -> bool:
+        """Whether the runtime executes it (`compile` picks only among these)."""
+        return self.runtime is not None
 
 
 _REGISTRY: dict[str, Schedule] = {}
 
 
 def register(name: str, build: Callable[[Any], None], *, data_parallel: bool = False, optimizer: str = "user",
-             summary: str = "", runnable: bool = False, baseline: bool = False) -> Schedule:
+             summary: str = "", runtime: Callable[[Any], Any] | None = None, cross_map: str | None = None,
+             refusal: str = "", baseline: bool = False) -> Schedule:
     """Make `build` the schedule `name` for `simulate`, the comparison table, the CLI and (unless
-    `baseline`) the planner's choice (`runnable`: the runtime executes it; see `Schedule`)."""
+    `baseline`) the planner's choice (`runtime`: how the runtime executes it; see `Schedule`)."""
     if not isinstance(name, str) or not name or name != name.strip():
         raise MobiusError(f"a schedule's name is a non-empty string without surrounding spaces, got {name!r}")
     if name in _REGISTRY:
@@ -66,7 +78,8 @@ def register(name: str, build: Callable[[Any], None], *, data_parallel: bool = F
                           f"simulator's context that adds the step's tasks")
     if optimizer not in OPTIMIZERS:
         raise MobiusError(f"schedule {name!r}: optimizer={optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-    _REGISTRY[name] = Schedule(name, build, data_parallel, optimizer, summary, bool(runnable), bool(baseline))
+    _REGISTRY[name] = Schedule(name, build, data_parallel, optimizer, summary, runtime, cross_map, refusal,
+                               bool(baseline))
     return _REGISTRY[name]
 
 

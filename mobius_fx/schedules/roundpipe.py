@@ -40,4 +40,7 @@ def schedule_ir(ctx: Context) -> tuple[ScheduleIR, Costs]:
     return ir.build(ctx.plan.microbatches), ctx.stages
 
 
-register("roundpipe", build, data_parallel=True, summary="round-robin slots over the GPUs, fused last stage")
+register("roundpipe", build, data_parallel=True, summary="round-robin slots over the GPUs, fused last stage",
+         refusal="RoundPipe runs a stage's backward on another GPU than its forward (round-robin slots) and its "
+                 "last stage fused (the forward doubles as the recompute); the runtime binds each stage's weight "
+                 "slots to one GPU")

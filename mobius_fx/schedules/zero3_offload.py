@@ -58,4 +58,7 @@ def schedule_ir(ctx: Context) -> tuple[ScheduleIR, Costs]:
     return ir.build(1, sharded=True, host_optimizer="deepspeed"), c
 
 
-register("zero3-offload", build, optimizer="deepspeed", summary="every GPU fetches every layer; DeepSpeedCPUAdam", baseline=True)
+register("zero3-offload", build, optimizer="deepspeed", summary="every GPU fetches every layer; DeepSpeedCPUAdam",
+         baseline=True,
+         refusal="ZeRO-3 offload runs one data-parallel replica per GPU, its all-gathers and reduce-scatters routed "
+                 "through host memory (the IR's `collective` ops); the runtime has no handler for collectives")

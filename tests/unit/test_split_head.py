@@ -11,6 +11,7 @@ from mobius_fx.kinds import HOST
 from mobius_fx.planning.costs import LayerCost
 from mobius_fx.planning.plans import Plan, build_plan
 from mobius_fx.planning.schedule_ir import Op
+from mobius_fx.planning.ir_transforms import unchanged
 from mobius_fx.precision import Precision
 from mobius_fx.schedules import split_head
 from mobius_fx.schedules.choice import choose
@@ -178,7 +179,7 @@ def test_compile_chooses_only_what_the_runtime_executes(topo, toy):
 
 
 def test_a_runnable_faster_schedule_is_chosen_for_compile_too(topo):
-    schedules.register("toy-run", lambda ctx: TOY_FAST(ctx), runnable=True)
+    schedules.register("toy-run", lambda ctx: TOY_FAST(ctx), runtime=unchanged)
     try:
         c = choose(plan_of(topo), runnable=True)
         assert c.name == "toy-run" and "not executable" not in c.line

@@ -1,0 +1,78 @@
+"""Transforms of a schedule IR into another schedule's (mobius_fx/planning/schedule_ir.py): what
+a schedule registered on the Mobius IR (mobius_fx/schedules/) changes, so that the simulator and
+the runtime's executor (mobius_fx/runtime/executor.py) run the same ops.
+
+    unchanged(ir) is ir
+    ir2 = no_prefetch(ir)      # Mobius without prefetch: same copies, uploads after the stage before
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from mobius_fx.errors import MobiusError
+from mobius_fx.planning.schedule_ir import Op, OpKind, ScheduleIR
+
+__all__ = ["unchanged", "no_prefetch", "with_fields", "ScheduleForm"]
+
+# The schedule a step pipeline's executor runs: its registered name and its runtime form (a
+# transform of the pipeline's Mobius IR; None: that IR unchanged). `compile(schedule=)` makes it.
+ScheduleForm = tuple[str, Callable[[ScheduleIR], ScheduleIR] | None]
+
+
+def unchanged(ir: ScheduleIR) -> ScheduleIR:
+    """The IR as it is (a schedule that runs the Mobius IR itself)."""
+    return ir
+
+
+def no_prefetch(ir: ScheduleIR) -> ScheduleIR:
+    """`ir` with every upload a `wait` triggers (the next stage on the GPU, prefetched while the
+    stage runs) moved after that stage's last op on its GPU in that phase (its evict, hold or last
+    run) and made to depend on its last run: Mobius without prefetch. Same copies, same bytes."""
+    ops = ir.ops
+    moved: dict[int, int] = {}  # prefetch -> the op it now follows
+    for o in ops:
+        if o.kind != OpKind.PREFETCH:
+            continue
+        waits = [d for d in o.deps if ops[d].kind == OpKind.WAIT and ops[d].place == o.place]
+        if not waits:
+            continue
+        s, phase = ops[waits[0]].stage, ops[waits[0]].phase
+        mine = [p for p in ops if p.place == o.place and p.stage == s and p.phase == phase]
+        anchor = next((p.index for p in reversed(mine) if p.kind in (OpKind.EVICT, OpKind.HOLD)), None)
+        last_run = max(p.index for p in mine if p.kind == OpKind.RUN)
+        moved[o.index] = anchor if anchor is not None else last_run
+        ops = ops[:o.index] + (with_fields(o, deps=tuple(sorted({*o.deps, last_run}))),) + ops[o.index + 1:]
+    order: list[int] = []
+    after: dict[int, list[int]] = defaultdict(list)
+    for p, a in moved.items():
+        after[a].append(p)
+    for o in ops:
+        if o.index in moved:
+            continue
+        order.append(o.index)
+        order += after.get(o.index, [])
+    new = {old: n for n, old in enumerate(order)}
+    out = tuple(with_fields(ops[old], index=new[old], deps=tuple(sorted(new[d] for d in ops[old].deps)),
+                      starts=tuple(sorted(new[d] for d in ops[old].starts))) for old in order)
+    for o in out:
+        if any(d >= o.index for d in o.deps):
+            raise MobiusError(f"internal: no_prefetch put op {o} before one it depends on")
+    by_place: dict[str, list[int]] = defaultdict(list)
+    for o in out:
+        by_place[o.place].append(o.index)
+    return ScheduleIR(ops=out, stages=ir.stages, microbatches=ir.microbatches, gpus=ir.gpus,
+                      next_on_gpu=ir.next_on_gpu, prev_on_gpu=ir.prev_on_gpu,
+                      by_place={p: tuple(v) for p, v in by_place.items()}, sharded=ir.sharded,
+                      host_optimizer=ir.host_optimizer, through_markers=ir.through_markers)
+
+
+def with_fields(o: Op, **kw: Any) -> Op:
+    """`o` with the fields `kw` replaced."""
+    fields = dict(index=o.index, kind=o.kind, place=o.place, stage=o.stage, phase=o.phase, microbatch=o.microbatch,
+                  src=o.src, dst=o.dst, what=o.what, bytes=o.bytes, deps=o.deps, value=o.value, slot=o.slot,
+                  need=o.need, starts=o.starts)
+    fields.update(kw)
+    return Op(**fields)
