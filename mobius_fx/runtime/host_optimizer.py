@@ -57,8 +57,10 @@ from typing import Any, Callable
 
 import torch
 
+from mobius_fx.runtime import host_kernel
+
 __all__ = ["KINDS", "kind_of", "compiled", "step_span", "adam_scalars", "sgd_scalars", "adam_bound", "sgd_bound",
-           "OPTIONS", "reason_not_compiled"]
+           "OPTIONS", "reason_not_compiled", "backend", "reasons", "BACKENDS"]
 
 log = logging.getLogger("mobius_fx")
 
@@ -72,7 +74,7 @@ OPTIONS: dict[str, Any] = {"cpp.enable_floating_point_contract_flag": "fast"}
 
 _lock = threading.Lock()
 _kernels: dict[tuple, Callable[..., Any]] = {}
-_broken: str | None = None  # why the kernels could not be built (None: not known to fail)
+_broken: dict[str, str] = {}  # backend ("c++", "inductor") -> why it could not be built
 
 
 def kind_of(opt: torch.optim.Optimizer, group: dict) -> str | None:
@@ -167,14 +169,37 @@ def sgd_scalars(group: dict) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ building
+# The compiled kernels, tried in this order (see the module docstring); "eager" (torch ops) after them.
+BACKENDS: tuple[str, ...] = ("c++", "inductor")
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes the C++ kernel reads and writes
+
+
 def reason_not_compiled() -> str | None:
-    """Why the compiled kernels are not used in this process (None: they are, or not tried yet)."""
-    return _broken
+    """Why no compiled kernel is used in this process (None: one is, or none was tried yet)."""
+    if compiled():
+        return None
+    return "; ".join(f"{b}: {_broken.get(b, 'not enabled (host_optimizer.BACKENDS)')}" for b in ("c++", "inductor"))
+
+
+def backend() -> str:
+    """The kernel `step_span` uses: "c++" (host_kernel), "inductor" (torch.compile) or "eager" (torch
+    ops, several passes): the first of `BACKENDS` not known to fail to build."""
+    for b in BACKENDS:
+        if b not in _broken:
+            return b
+    return "eager"
+
+
+def reasons() -> dict[str, str]:
+    """Why each backend that failed to build did (logged once each)."""
+    return dict(_broken)
 
 
 def compiled() -> bool:
-    """Whether the compiled kernels may be used (False once building one failed: logged once)."""
-    return _broken is None
+    """Whether a compiled kernel may be used (False once every one in `BACKENDS` failed to build:
+    each logged once)."""
+    return backend() != "eager"
 
 
 def _kernel(key: tuple) -> Callable[..., Any]:
@@ -186,21 +211,35 @@ def _kernel(key: tuple) -> Callable[..., Any]:
         return k
 
 
-def _failed(e: BaseException) -> None:
-    global _broken
+_THEN = {"c++": "stepping with the torch.compile (inductor) kernel instead",
+         "inductor": "the optimizer steps with torch's own kernels and the streamed copy is written by a separate "
+                     "pass"}
+
+
+def _failed(which: str, e: BaseException) -> None:
     with _lock:
-        if _broken is None:
-            _broken = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-            log.warning("mobius_fx: the fused host optimizer pass could not be built with torch.compile (%s); "
-                        "the optimizer steps with torch's own kernels and the streamed copy is written by a separate "
-                        "pass (a C++ compiler is needed: install g++ or set CXX)", _broken)
+        if which not in _broken:
+            text = str(e).strip()
+            _broken[which] = f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
+            nxt = next((b for b in BACKENDS[BACKENDS.index(which) + 1:] if b not in _broken), "eager") \
+                if which in BACKENDS else "eager"
+            then = _THEN["c++"] if nxt == "inductor" else _THEN["inductor"]
+            log.warning("mobius_fx: the fused host optimizer pass could not be built with %s (%s); %s "
+                        "(a C++ compiler is needed: install g++ or set CXX)",
+                        "a C++ extension (torch.utils.cpp_extension)" if which == "c++" else "torch.compile",
+                        _broken[which], then)
 
 
 def _reset_for_tests() -> None:
-    global _broken
     with _lock:
-        _broken = None
+        _broken.clear()
         _kernels.clear()
+
+
+def _cpp_takes(grad: torch.Tensor, copy_out: torch.Tensor | None, *flat: torch.Tensor | None) -> bool:
+    """Whether the C++ kernel steps these: its dtypes, contiguous CPU tensors."""
+    return (grad.dtype in _FLOATS and (copy_out is None or copy_out.dtype in _FLOATS)
+            and all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in (grad, copy_out, *flat)))
 
 
 def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state: dict, step: float | None = None,
@@ -211,30 +250,50 @@ def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state
     outputs `grad_out` (fp32 `.grad`) and `copy_out` (the streamed copy) are flat and contiguous.
     `step`: Adam's step count after this step (the caller increments `state["step"]` once per
     parameter, not per span). Returns the finite flag of `grad` (a 0-d bool tensor). `compiled`:
-    the compiled kernel (building it on first use; on failure, logged once, this call and
-    `compiled()` fall back to eager ops), else the formula in eager torch ops. `p_out` (fp32, flat,
-    as `p`, not overlapping it): the new parameter is written there and `p` is left unchanged
+    the compiled kernel (`backend()`: built on first use; where one cannot be built, logged once,
+    the next in `BACKENDS`, then eager ops), else the formula in eager torch ops. `p_out` (fp32,
+    flat, as `p`, not overlapping it): the new parameter is written there and `p` is left unchanged
     (the same bytes: `p` read, `p_out` written), e.g. a shadow copy stepped while `p` is in use."""
     with torch.no_grad():
-        if kind in ("adam", "adamw"):
+        adam = kind in ("adam", "adamw")
+        buf = None if adam or float(group["momentum"]) == 0 else state.get("momentum_buffer")
+        if compiled and "c++" in BACKENDS and "c++" not in _broken:
+            moments = (state["exp_avg"], state["exp_avg_sq"]) if adam else (buf,)
+            if _cpp_takes(grad, copy_out, p, grad_out, p_out, *moments):
+                try:
+                    k = host_kernel.load()
+                except Exception as e:  # noqa: BLE001 - no C++ compiler, a build error: the next backend
+                    _failed("c++", e)
+                else:
+                    if adam:
+                        b1, b2 = (float(b) for b in group["betas"])
+                        ok = k.adam(p, grad, moments[0], moments[1], grad_out, copy_out, p_out, float(group["lr"]),
+                                    b1, b2, float(group["weight_decay"]), float(group["eps"]), float(step),
+                                    kind == "adamw", bool(group.get("maximize")))
+                    else:
+                        ok = k.sgd(p, grad, buf, grad_out, copy_out, p_out, float(group["lr"]),
+                                   float(group["weight_decay"]), float(group["momentum"]),
+                                   float(group["dampening"]), bool(group.get("nesterov")),
+                                   bool(group.get("maximize")))
+                    return torch.tensor(ok)
+        if adam:
             s, decay, small_w = adam_scalars(group, float(step), kind)
             args = (p, grad, state["exp_avg"], state["exp_avg_sq"], grad_out, copy_out, s)
             flags = (kind == "adamw", decay, bool(group.get("maximize")), small_w)
             fn: Callable[..., Any] = _adam
         else:
             s = sgd_scalars(group)
-            buf = state.get("momentum_buffer") if float(group["momentum"]) != 0 else None
             args = (p, grad, buf, grad_out, copy_out, s)
             flags = (float(group["weight_decay"]) != 0, bool(group.get("nesterov")), bool(group.get("maximize")))
             fn = _sgd
         out = {} if p_out is None else {"p_out": p_out}
-        if compiled and _broken is None:
+        if compiled and "inductor" in BACKENDS and "inductor" not in _broken:
             key = (kind, flags, grad.dtype, None if copy_out is None else copy_out.dtype, grad_out is not None,
                    buf is None if kind == "sgd" else None, p_out is None)
             try:
                 return _kernel(key)(*args, *flags, **out)
             except Exception as e:  # noqa: BLE001 - no C++ compiler, an inductor error: torch's path
-                _failed(e)
+                _failed("inductor", e)
         return fn(*args, *flags, **out)
 
 
