@@ -10,18 +10,33 @@ the gradient (2), write p, m, v (12) and the copy (2): 28, the bytes torch's own
 touches on an fp32 gradient without writing any copy (`benchmarks/cpu_optimizer.py` measures both
 beside a STREAM-like triad over the same bytes); + 4 when the fp32 `.grad` is written too.
 
-How it is built: `torch.compile` (inductor), which emits one vectorised C++/OpenMP loop per
-kernel on the CPU with the host's C++ compiler. Chosen over DeepSpeed's CPU Adam (an optional
-extension, AdamW only, its own state layout) and a hand-written extension (a build step) because
-it needs nothing but torch and a C++ compiler, fuses any elementwise formula of ours into one
-loop, and measured as fast as torch's fused AdamW on the same bytes (README, cpu_optimizer.py).
-Where it cannot be built (no C++ compiler, an inductor error) `compiled()` says False, the
-reason is logged once (`logging.getLogger("mobius_fx")`) and callers step with torch's own
-optimizer and copy as before (`overlap_fused`); `step_span(..., compiled=False)` runs the same
-formula in eager torch ops (several passes).
+How it is built, and why (by measurement). First choice: a small C++ extension
+(`host_kernel.py`) that is torch's own fused CPU Adam loop (aten/src/ATen/native/cpu/
+FusedAdamKernel.cpp: `at::vec::Vectorized` over the ISA torch dispatches to, `at::parallel_for`
+over 64-byte units, the same operations in the same order, contracted as torch's build does),
+extended to read the 16-bit gradient and to write the streamed copy, the fp32 `.grad`, the
+finite flag and `p_out` in the same loop (the copy and `p_out` with non-temporal stores: those
+lines are only written, so no read for ownership); SGD as torch's per-tensor ops (each
+`add(..., alpha=)` one FMA). Built at first use with `torch.utils.cpp_extension.load_inline`
+(about 40 s on 2 cores), then loaded from torch's extension cache. It replaced the torch.compile
+(inductor) kernel because that one measured 0.64-0.74x torch's AdamW(fused=True) on this 2-core
+host (32M parameters, 1 and 2 threads), the C++ one about 1.0x or more (`python
+benchmarks/cpu_optimizer.py --sweep-only`, which prints both beside the triad). Why inductor's is
+slower: the finite flag `isfinite(g).all()` is a reduction it emits as a separate parallel loop
+over the gradient before the update loop (a second pass and fork/join per span); each call goes
+through dynamo's guards, the AOT wrapper and a new scalars tensor (about 100-250 us per span, against
+about 2 us for the extension's call); and it writes the copy with ordinary stores. Where the
+extension cannot be built (no C++ compiler, a build error) the inductor kernel steps (the same
+formula, bit-exact on whole vectors), then eager torch ops: each failure is logged once
+(`logging.getLogger("mobius_fx")`), `backend()` says which steps, `reasons()` why the others do
+not; where neither compiled kernel builds `compiled()` says False and callers step with torch's
+own optimizer and copy as before (`overlap_fused`); `step_span(..., compiled=False)` runs the
+formula in eager torch ops (several passes). DeepSpeed's CPU Adam was not chosen: an optional
+extension, AdamW only, its own state layout and operation order (not torch's bits).
 
-The hyper-parameters are read from the param group at every step (LR schedulers work) and are
-passed to the kernel as one fp32 tensor of scalars (`scalars`): a new lr, step or beta does not
+The hyper-parameters are read from the param group at every step (LR schedulers work): the C++
+kernel takes them as arguments (as torch's, in double, rounded to fp32 where torch's rounds them);
+inductor's gets them as one fp32 tensor of scalars (`scalars`): a new lr, step or beta does not
 recompile (tests/unit/test_host_optimizer.py checks it with `torch._dynamo.config.error_on_recompile`).
 One compiled kernel per (optimizer kind, its flags, the gradient's and the copy's dtypes, whether
 `.grad` is written); sizes are dynamic.
@@ -31,7 +46,8 @@ operation for operation, scalars rounded from double to fp32 as there; compiled 
 floating-point contraction (`-ffp-contract=fast`), gcc contracts the lerp and the second moment
 into the same FMAs as torch's build, and a `where` keeps the decayed parameter from being
 contracted into the update, as in torch's. On this machine (gcc 12, AVX-512) AdamW and Adam
-equal `fused=True` bit for bit (tests). Against any implementation of the same formula (torch's
+equal `fused=True` bit for bit (tests): the C++ kernel on every element (its scalar tail is
+torch's), inductor's on whole vectors (it steps the tail with vector code). Against any implementation of the same formula (torch's
 `foreach=False` one: addcdiv as p + s*(m/d) instead of p + (s*m)/d, no FMA), per step from the
 same state, elementwise with u = 2^-24 (fp32 unit roundoff), the derived bound (`adam_bound`) is
 
