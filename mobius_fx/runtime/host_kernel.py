@@ -15,6 +15,7 @@ source, the flags and torch's version: a later process loads it in well under a 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 from typing import Any
@@ -435,6 +436,9 @@ def load(verbose: bool = False) -> Any:
             cflags = flags()
             cxx = os.environ.get("CXX", "c++")  # the compiler torch's build uses: another one, another build
             tag = hashlib.sha256("\0".join([SOURCE, *cflags, torch.__version__, cxx]).encode()).hexdigest()[:12]
+            logging.getLogger("mobius_fx").info(
+                "mobius_fx: loading the fused host optimizer kernel mobius_host_optimizer_%s (built on first use "
+                "with %s, about a minute; then cached by torch.utils.cpp_extension)", tag, cxx)
             _module = load_inline(name=f"mobius_host_optimizer_{tag}", cpp_sources=[SOURCE], extra_cflags=cflags,
                                   extra_ldflags=["-fopenmp"], verbose=verbose or bool(os.environ.get("MOBIUS_FX_VERBOSE_BUILD")))
         return _module

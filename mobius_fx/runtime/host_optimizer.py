@@ -19,13 +19,17 @@ finite flag and `p_out` in the same loop (the copy and `p_out` with non-temporal
 lines are only written, so no read for ownership); SGD as torch's per-tensor ops (each
 `add(..., alpha=)` one FMA). Built at first use with `torch.utils.cpp_extension.load_inline`
 (about 40 s on 2 cores), then loaded from torch's extension cache. It replaced the torch.compile
-(inductor) kernel because that one measured 0.64-0.74x torch's AdamW(fused=True) on this 2-core
-host (32M parameters, 1 and 2 threads), the C++ one about 1.0x or more (`python
-benchmarks/cpu_optimizer.py --sweep-only`, which prints both beside the triad). Why inductor's is
-slower: the finite flag `isfinite(g).all()` is a reduction it emits as a separate parallel loop
-over the gradient before the update loop (a second pass and fork/join per span); each call goes
-through dynamo's guards, the AOT wrapper and a new scalars tensor (about 100-250 us per span, against
-about 2 us for the extension's call); and it writes the copy with ordinary stores. Where the
+(inductor) kernel by measurement: on this 2-core host (37.8M GPT-like parameters in 36 tensors)
+inductor's pass ran at 0.64-0.74x torch's AdamW(fused=True) (1 and 2 threads), the C++ one at
+1.00-1.04x with one thread (divider-bound there: the same divisions and square roots as torch's)
+and without the non-temporal copy 0.96x (`python benchmarks/cpu_optimizer.py --sweep-only`
+prints the pass, inductor's and the triad side by side). Why inductor's is slower: the finite flag
+`isfinite(g).all()` is a reduction it emits as a separate parallel loop over the gradient before
+the update loop (a second pass and fork/join per span); each call goes through dynamo's guards,
+the AOT wrapper and a new scalars tensor (~45 us per span on a loaded host, against ~10 us for the
+extension's call); it writes the copy with ordinary stores; and whether it vectorises at all
+depends on its ISA probe (a child process with a timeout: on an overloaded host it was seen to
+fail, and the generated code then did not compile). Where the
 extension cannot be built (no C++ compiler, a build error) the inductor kernel steps (the same
 formula, bit-exact on whole vectors), then eager torch ops: each failure is logged once
 (`logging.getLogger("mobius_fx")`), `backend()` says which steps, `reasons()` why the others do
