@@ -13,6 +13,7 @@ the median of `--steps` timed steps after one warm-up step, all variants interle
 
     python benchmarks/cpu_optimizer.py [--params 64e6] [--steps 5] [--threads N] [--topology-out server.json]
                                        [--sweep-params 32e6] [--sweep-threads 1,2,4] [--no-sweep]
+                                       [--sweep-only] [--sweep-inductor]
 
 Then, per thread count (1, 2, 4, ... and this process's cores), the host's ceiling beside the
 optimizers over the same 28 bytes per parameter (`sweep`): a STREAM-like triad (one C++ loop,
@@ -21,8 +22,8 @@ with the pass's stores, one multiply-add each; torch.compile's where no C++ exte
 torch's AdamW(fused=True) on fp32 gradients (which writes no copy), and the fused host pass
 (`mobius_fx.runtime.host_optimizer`: bf16 gradient in, the streamed bf16 copy out; its backend is
 printed), in GB/s, with the pass's ratio to torch's fused AdamW (the acceptance bar: >= 1.0 on a
-quiet machine) and to the triad, and, when the pass is the C++ kernel, the same pass built with
-torch.compile (its fallback) and its ratio; each the median of `--steps` interleaved repeats, all
+quiet machine) and to the triad, and with `--sweep-inductor` (when the pass is the C++ kernel) the
+same pass built with torch.compile (its fallback) and its ratio; each the median of `--steps` interleaved repeats, all
 in one run. It ends with the JSON "host" snippet for the topology (the pass's bytes/s at the most
 threads).
 
@@ -120,10 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep-threads", default=None,
                     help="thread counts of the sweep, comma-separated (default 1, 2, 4, ... and the cores)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the per-thread-count sweep")
+    ap.add_argument("--sweep-inductor", action="store_true",
+                    help="the sweep also times the pass built with torch.compile (its fallback), beside the C++ one")
     ap.add_argument("--sweep-only", action="store_true", help="only the per-thread-count sweep")
     args = ap.parse_args(argv)
     if args.sweep_only:
-        host = sweep(args.sweep_params, args.steps, _thread_counts(args.sweep_threads), args.hidden)
+        host = sweep(args.sweep_params, args.steps, _thread_counts(args.sweep_threads), args.hidden,
+                     args.sweep_inductor)
         if args.topology_out and host is not None:
             write_host(args.topology_out, host)
             print(f"host figures written to {args.topology_out}: {host.to_dict()}")
@@ -162,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     passed = None
     if not args.no_sweep:
         del opts, params
-        passed = sweep(args.sweep_params, args.steps, _thread_counts(args.sweep_threads), args.hidden)
+        passed = sweep(args.sweep_params, args.steps, _thread_counts(args.sweep_threads), args.hidden,
+                       args.sweep_inductor)
     if args.topology_out and passed is not None:
         write_host(args.topology_out, passed.__class__(**{**passed.to_dict(), "host_copy_bytes_per_s": min(speeds.values())}))
         print(f"host figures written to {args.topology_out} (the fused host pass's)")
@@ -235,11 +240,13 @@ def _thread_counts(spec: str | None) -> list[int]:
     return out + [n]
 
 
-def sweep(total: float, steps: int, threads: list[int], hidden: int = 1024) -> HostFigures | None:
+def sweep(total: float, steps: int, threads: list[int], hidden: int = 1024,
+          with_inductor: bool = False) -> HostFigures | None:
     """Per thread count: the triad, torch's AdamW(fused=True) on fp32 gradients and the fused
     host pass over the same GPT-like tensors (`total` parameters), in bytes/s of 28 B/param;
     prints a table and the topology's "host" JSON snippet; returns the pass's HostFigures at the
-    most threads (None where the pass could not be compiled)."""
+    most threads (None where the pass could not be compiled). `with_inductor`: also the same pass
+    built with torch.compile (the fallback), beside it."""
     import json
 
     from mobius_fx.runtime import host_optimizer as H
@@ -305,7 +312,7 @@ def sweep(total: float, steps: int, threads: list[int], hidden: int = 1024) -> H
     kind = H.backend()
     cases = {"triad": triad, "torch AdamW(fused=True), fp32 grad": torch_opt.step,
              "fused pass, bf16 grad + copy": our_pass}
-    if kind == "c++":
+    if kind == "c++" and with_inductor:
         cases["inductor pass"] = inductor_pass
     print(f"\nper thread count, {n / 1e6:.1f}M parameters, {TOUCHED_BYTES['adamw']} B/param (GB/s, median of {steps} "
           f"interleaved; ratio = fused pass / torch fused; the pass: {kind}, the triad: {triad_kind}):")
@@ -332,6 +339,8 @@ def sweep(total: float, steps: int, threads: list[int], hidden: int = 1024) -> H
                   + (f"{ib / 1e9:>15.2f}{ib / ob:>8.2f}" if ib else ""), flush=True)
     finally:
         torch.set_num_threads(default)
+    if "inductor pass" in cases and "inductor" in H.reasons():
+        print(f"(the inductor pass ran in eager ops: it could not be built here: {H.reasons()['inductor']})")
     if not H.compiled():
         print(f"the fused pass ran in eager ops: it could not be compiled here ({H.reason_not_compiled()})")
         return None

@@ -123,6 +123,29 @@ SGDS = [dict(lr=0.1, momentum=0.9, weight_decay=0.01), dict(lr=0.1, momentum=0.9
         dict(lr=0.1, momentum=0.9, dampening=0.1, maximize=True)]
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_cpp_kernel_equals_torch_fused_whatever_the_thread_split(threads, monkeypatch):
+    """A span large enough for every thread (above the kernel's grain) and a thread count other than
+    torch's: still torch's bits on every element -- chunks are whole 16-float units, so which
+    elements the scalar tail steps does not depend on the split."""
+    monkeypatch.setattr(H, "BACKENDS", ("c++",))
+    n = 3 * 16384 + 7
+    keep = torch.get_num_threads()
+    try:
+        for before, g, opt, ref in list(_trajectory(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True),
+                                                    steps=3, n=n))[1:]:
+            torch.set_num_threads(threads)
+            try:
+                p, state, step = _ours("adamw", opt, before, g)
+            finally:
+                torch.set_num_threads(keep)
+            _skip_unless("c++")
+            assert torch.equal(p, opt.p) and torch.equal(state["exp_avg"], opt.state["exp_avg"])
+            assert torch.equal(state["exp_avg_sq"], opt.state["exp_avg_sq"])
+    finally:
+        torch.set_num_threads(keep)
+
+
 @pytest.mark.parametrize("kw", SGDS, ids=["decay", "nesterov", "dampening-maximize"])
 def test_sgd_momentum_equals_torch_for_loop_bit_for_bit(kw, backend):
     for before, g, opt, ref in _trajectory(torch.optim.SGD, {**kw, "foreach": False}, steps=3):
@@ -335,7 +358,7 @@ def test_the_finite_flag_and_grad_out(kind, backend):
     """The flag is False where any element of the gradient is inf or NaN -- in the vector body of
     either thread's chunk or in the scalar tail -- and True otherwise; `grad_out` gets the fp32
     gradient (before maximize's negation)."""
-    n = 3 * 4096 + 5
+    n = 2 * 16384 + 5  # more than host_kernel's grain (1024 units of 16): two threads step it where there are two
     group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "maximize": True,
              "momentum": 0.9, "dampening": 0.0, "nesterov": False}
     names = ("exp_avg", "exp_avg_sq") if kind != "sgd" else ("momentum_buffer",)
