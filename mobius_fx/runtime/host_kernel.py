@@ -55,6 +55,23 @@ template <> inline fVec load_f<float>(const float* p) { return fVec::loadu(p); }
 template <typename T> inline void store_f(T* p, const fVec& x) { at::vec::convert<T>(x).store(p, W); }
 template <> inline void store_f<float>(float* p, const fVec& x) { x.store(p); }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// fp32 -> bf16 with the CPU's instruction (1 instead of ~8 integer ops): it rounds to nearest even
+// as torch's conversion does, but flushes denormal inputs to zero and keeps NaN payloads; vectors
+// holding either (rare) take torch's conversion, so the bits are torch's for every input
+inline __m256i bf16_bits(const fVec& x) {
+  __m512 v = x;
+  if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x01 | 0x20 | 0x80) != 0, 0)) {  // QNaN, denormal, SNaN
+    __m512i raw = at::vec::convert<c10::BFloat16>(x);
+    return _mm512_castsi512_si256(raw);
+  }
+  return (__m256i)_mm512_cvtneps_pbh(v);
+}
+template <> inline void store_f<c10::BFloat16>(c10::BFloat16* p, const fVec& x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x));
+}
+#endif
+
 bool g_nt = true;
 
 // the streamed copy (and p_out) with non-temporal stores where aligned: they are written, not read,
@@ -76,6 +93,12 @@ template <typename T> inline void store_nt(T* p, const fVec& x) {
 #endif
   } else {
 #if defined(CPU_CAPABILITY_AVX512)
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x));
+      return;
+    }
+#endif
     __m512i raw = at::vec::convert<T>(x);
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(raw));
 #else
@@ -423,11 +446,21 @@ _lock = threading.Lock()
 _module: Any = None
 
 
+def _has_avx512_bf16() -> bool:
+    try:
+        return bool(torch.cpu.get_capabilities().get("avx512_bf16"))  # torch's cpuinfo probe
+    except Exception:  # noqa: BLE001 - an older torch without the probe: the portable conversion
+        return False
+
+
 def flags() -> list[str]:
     """The C++ flags for this host: -O2, OpenMP (at::parallel_for is OpenMP in torch's build),
-    contraction as torch's build, and the vector ISA torch dispatches its own kernels to."""
+    contraction as torch's build, the vector ISA torch dispatches its own kernels to, and the
+    AVX-512 BF16 conversion where the CPU has it (the streamed bf16 copy)."""
     cap = torch.backends.cpu.get_cpu_capability()
-    return ["-O2", "-fopenmp", "-ffp-contract=fast"] + _ISA.get(cap, _ISA["DEFAULT"])
+    isa = _ISA.get(cap, _ISA["DEFAULT"])
+    return ["-O2", "-fopenmp", "-ffp-contract=fast"] + isa + (["-mavx512bf16"] if cap == "AVX512" and _has_avx512_bf16()
+                                                              else [])
 
 
 def load(verbose: bool = False) -> Any:

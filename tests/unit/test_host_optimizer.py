@@ -375,3 +375,29 @@ def test_the_finite_flag_and_grad_out(kind, backend):
         _skip_unless(backend)
         assert bool(flag) == (where is None), (where, bad)
         assert torch.equal(out.view(torch.int32), g.float().view(torch.int32))  # bitwise: NaN too
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_streamed_copy_is_torchs_conversion_for_denormals_ties_inf_and_nan(dtype, backend):
+    """The copy equals `p.to(dtype)` bit for bit for every kind of value: denormals (which the
+    AVX-512 BF16 instruction would flush to zero), round-to-nearest-even ties, overflow to inf,
+    infinities and zeros; NaN stays NaN. Vectors of ordinary values take the fast conversion,
+    those holding a special one torch's."""
+    gen = torch.Generator().manual_seed(9)
+    n = 4096 + 7
+    p = torch.randn(n, generator=gen)
+    tiny = torch.finfo(torch.float32).tiny
+    special = [tiny / 3, -tiny / 7, tiny * 0.999, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.4e38, 7e4,
+               float("inf"), -float("inf"), 0.0, -0.0, float("nan"), 2 ** -130, 1e-8]
+    for i, x in enumerate(special):  # each in its own 16-float vector, some in the tail
+        p[64 * i + 3] = x
+        p[n - 1 - i % 7] = x
+    group = {"lr": 1e-45, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "maximize": False}
+    st = {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}
+    copy = torch.empty(n, dtype=dtype)
+    H.step_span("adamw", group, p, _grad(gen, n), st, step=1.0, copy_out=copy)
+    _skip_unless(backend)
+    want = p.to(dtype)
+    same = copy.view(torch.int16) == want.view(torch.int16)
+    assert bool((same | (copy.isnan() & want.isnan())).all()), p[~same][:8]
+    assert int((p.abs() < tiny).sum()) >= 4  # denormals were there to convert
