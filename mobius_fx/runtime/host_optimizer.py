@@ -251,15 +251,22 @@ def _failed(which: str, e: BaseException) -> None:
 
 
 def _reset_for_tests() -> None:
+    global _cpp
     with _lock:
         _broken.clear()
         _kernels.clear()
+        _cpp = None
 
 
-def _cpp_takes(grad: torch.Tensor, copy_out: torch.Tensor | None, *flat: torch.Tensor | None) -> bool:
-    """Whether the C++ kernel steps these: its dtypes, contiguous CPU tensors."""
-    return (grad.dtype in _FLOATS and (copy_out is None or copy_out.dtype in _FLOATS)
-            and all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in (grad, copy_out, *flat)))
+_TRUE, _FALSE = torch.tensor(True), torch.tensor(False)  # the C++ path's flags (read them; do not write them)
+_cpp: Any = None  # the built extension (host_kernel.load()), once loaded
+
+
+def _cpp_kernel() -> Any:
+    global _cpp
+    if _cpp is None:
+        _cpp = host_kernel.load()
+    return _cpp
 
 
 def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state: dict, step: float | None = None,
@@ -269,33 +276,40 @@ def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state
     dtype), the state tensors in `state` (torch's names; views of the same elements) and the
     outputs `grad_out` (fp32 `.grad`) and `copy_out` (the streamed copy) are flat and contiguous.
     `step`: Adam's step count after this step (the caller increments `state["step"]` once per
-    parameter, not per span). Returns the finite flag of `grad` (a 0-d bool tensor). `compiled`:
-    the compiled kernel (`backend()`: built on first use; where one cannot be built, logged once,
-    the next in `BACKENDS`, then eager ops), else the formula in eager torch ops. `p_out` (fp32,
-    flat, as `p`, not overlapping it): the new parameter is written there and `p` is left unchanged
-    (the same bytes: `p` read, `p_out` written), e.g. a shadow copy stepped while `p` is in use."""
-    with torch.no_grad():
-        adam = kind in ("adam", "adamw")
-        buf = None if adam or float(group["momentum"]) == 0 else state.get("momentum_buffer")
-        if compiled and "c++" in BACKENDS and "c++" not in _broken:
-            moments = (state["exp_avg"], state["exp_avg_sq"]) if adam else (buf,)
-            if _cpp_takes(grad, copy_out, p, grad_out, p_out, *moments):
-                try:
-                    k = host_kernel.load()
-                except Exception as e:  # noqa: BLE001 - no C++ compiler, a build error: the next backend
-                    _failed("c++", e)
+    parameter, not per span). Returns the finite flag of `grad` (a 0-d bool tensor: read it, do
+    not write it). `compiled`: the compiled kernel (`backend()`: built on first use; where one
+    cannot be built, logged once, the next in `BACKENDS`, then eager ops), else the formula in
+    eager torch ops. `p_out` (fp32, flat, as `p`, not overlapping it): the new parameter is written
+    there and `p` is left unchanged (the same bytes: `p` read, `p_out` written), e.g. a shadow copy
+    stepped while `p` is in use."""
+    adam = kind == "adamw" or kind == "adam"
+    # The C++ kernel first, with as little Python as possible around it: between two large spans the
+    # interpreter runs with cold caches (~50 us for one small tensor's allocation, measured), while
+    # torch's fused step crosses no Python between its tensors.
+    if (compiled and "c++" not in _broken and "c++" in BACKENDS and grad.dtype in _FLOATS
+            and (copy_out is None or copy_out.dtype in _FLOATS)):
+        try:
+            k = _cpp or _cpp_kernel()
+        except Exception as e:  # noqa: BLE001 - no C++ compiler, a build error: the next backend
+            _failed("c++", e)
+        else:
+            try:
+                if adam:
+                    b1, b2 = group["betas"]
+                    ok = k.adam(p, grad, state["exp_avg"], state["exp_avg_sq"], grad_out, copy_out, p_out,
+                                float(group["lr"]), float(b1), float(b2), float(group["weight_decay"]),
+                                float(group["eps"]), float(step), kind == "adamw", bool(group.get("maximize")))
                 else:
-                    if adam:
-                        b1, b2 = (float(b) for b in group["betas"])
-                        ok = k.adam(p, grad, moments[0], moments[1], grad_out, copy_out, p_out, float(group["lr"]),
-                                    b1, b2, float(group["weight_decay"]), float(group["eps"]), float(step),
-                                    kind == "adamw", bool(group.get("maximize")))
-                    else:
-                        ok = k.sgd(p, grad, buf, grad_out, copy_out, p_out, float(group["lr"]),
-                                   float(group["weight_decay"]), float(group["momentum"]),
-                                   float(group["dampening"]), bool(group.get("nesterov")),
-                                   bool(group.get("maximize")))
-                    return torch.tensor(ok)
+                    mom = float(group["momentum"])
+                    ok = k.sgd(p, grad, state.get("momentum_buffer") if mom != 0 else None, grad_out, copy_out,
+                               p_out, float(group["lr"]), float(group["weight_decay"]), mom,
+                               float(group["dampening"]), bool(group.get("nesterov")), bool(group.get("maximize")))
+            except RuntimeError:  # a tensor it does not take (not contiguous, not on the CPU; checked before
+                pass  # any write): the next backend steps this span
+            else:
+                return _TRUE if ok else _FALSE
+    with torch.no_grad():
+        buf = None if adam or float(group["momentum"]) == 0 else state.get("momentum_buffer")
         if adam:
             s, decay, small_w = adam_scalars(group, float(step), kind)
             args = (p, grad, state["exp_avg"], state["exp_avg_sq"], grad_out, copy_out, s)

@@ -338,6 +338,7 @@ def test_where_the_cpp_kernel_cannot_be_built_inductor_steps_bit_for_bit_and_it_
         raise RuntimeError("Error building extension 'mobius_host_optimizer': c++: not found")
 
     monkeypatch.setattr(H.host_kernel, "load", broken)
+    monkeypatch.setattr(H, "_cpp", None)
     monkeypatch.setattr(H, "_broken", {})
     monkeypatch.setattr(H, "_kernels", {})
     with caplog.at_level(logging.WARNING, logger="mobius_fx"):
@@ -401,3 +402,23 @@ def test_the_streamed_copy_is_torchs_conversion_for_denormals_ties_inf_and_nan(d
     same = copy.view(torch.int16) == want.view(torch.int16)
     assert bool((same | (copy.isnan() & want.isnan())).all()), p[~same][:8]
     assert int((p.abs() < tiny).sum()) >= 4  # denormals were there to convert
+
+
+def test_a_span_the_cpp_kernel_does_not_take_goes_to_the_next_backend(monkeypatch):
+    """A strided parameter (the kernel checks before it writes anything) is stepped by the next
+    backend (here eager ops: `BACKENDS` holds only the C++ one), not left half-written, and the
+    C++ kernel is not marked broken."""
+    monkeypatch.setattr(H, "BACKENDS", ("c++",))
+    gen = torch.Generator().manual_seed(4)
+    group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "maximize": False}
+    base = torch.randn(2 * N, generator=gen)
+    g = _grad(gen, N)
+    outs = []
+    for compiled in (True, False):
+        p = base.clone()[::2]
+        st = {"exp_avg": torch.zeros(N), "exp_avg_sq": torch.zeros(N)}
+        H.step_span("adamw", group, p, g, st, step=1.0, compiled=compiled)
+        outs.append((p, st))
+    _skip_unless("c++")
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1]["exp_avg"], outs[1][1]["exp_avg"])
+    assert not torch.equal(outs[0][0], base[::2]) and H.backend() == "c++"
