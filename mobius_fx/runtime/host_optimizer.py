@@ -16,14 +16,14 @@ FusedAdamKernel.cpp: `at::vec::Vectorized` over the ISA torch dispatches to, `at
 over 64-byte units, the same operations in the same order, contracted as torch's build does),
 extended to read the 16-bit gradient and to write the streamed copy, the fp32 `.grad`, the
 finite flag and `p_out` in the same loop (the copy and `p_out` with non-temporal stores: those
-lines are only written, so no read for ownership); SGD as torch's per-tensor ops (each
+lines are only written, so no read for ownership; a bf16 copy converted with the AVX-512 BF16
+instruction where the CPU has it, vectors holding a denormal or NaN with torch's conversion); SGD as torch's per-tensor ops (each
 `add(..., alpha=)` one FMA). Built at first use with `torch.utils.cpp_extension.load_inline`
 (about 40 s on 2 cores), then loaded from torch's extension cache. It replaced the torch.compile
 (inductor) kernel by measurement: on this 2-core host (37.8M GPT-like parameters in 36 tensors)
-inductor's pass ran at 0.64-0.74x torch's AdamW(fused=True) (1 and 2 threads), the C++ one at
-1.00-1.04x with one thread (divider-bound there: the same divisions and square roots as torch's)
-and without the non-temporal copy 0.96x (`python benchmarks/cpu_optimizer.py --sweep-only`
-prints the pass, inductor's and the triad side by side). Why inductor's is slower: the finite flag
+inductor's pass ran at 0.64-0.78x torch's AdamW(fused=True) (1 and 2 threads), the C++ one at
+1.04-1.13x (`python benchmarks/cpu_optimizer.py --sweep-only --sweep-inductor` prints the pass,
+inductor's and the triad side by side; docs/host_optimizer.md has the figures). Why inductor's is slower: the finite flag
 `isfinite(g).all()` is a reduction it emits as a separate parallel loop over the gradient before
 the update loop (a second pass and fork/join per span); each call goes through dynamo's guards,
 the AOT wrapper and a new scalars tensor (~45 us per span on a loaded host, against ~10 us for the
