@@ -13,15 +13,19 @@ the median of `--steps` timed steps after one warm-up step, all variants interle
 
     python benchmarks/cpu_optimizer.py [--params 64e6] [--steps 5] [--threads N] [--topology-out server.json]
                                        [--sweep-params 32e6] [--sweep-threads 1,2,4] [--no-sweep]
+                                       [--sweep-only] [--sweep-inductor]
 
 Then, per thread count (1, 2, 4, ... and this process's cores), the host's ceiling beside the
-optimizers over the same 28 bytes per parameter (`sweep`): a STREAM-like triad (one compiled loop
-reading p, m, v in fp32 and a bf16 gradient, writing p, m, v and a bf16 copy, with one
-multiply-add each), torch's AdamW(fused=True) on fp32 gradients (which writes no copy), and the
-fused host pass (`mobius_fx.runtime.host_optimizer`: bf16 gradient in, the streamed bf16 copy
-out), in GB/s, with the pass's ratio to torch's fused AdamW (the acceptance bar: >= 1.0 on a quiet
-machine) and to the triad; each the median of `--steps` interleaved repeats, all in one run. It
-ends with the JSON "host" snippet for the topology (the pass's bytes/s at the most threads).
+optimizers over the same 28 bytes per parameter (`sweep`): a STREAM-like triad (one C++ loop,
+`host_kernel.triad`, reading p, m, v in fp32 and a bf16 gradient, writing p, m, v and a bf16 copy
+with the pass's stores, one multiply-add each; torch.compile's where no C++ extension builds),
+torch's AdamW(fused=True) on fp32 gradients (which writes no copy), and the fused host pass
+(`mobius_fx.runtime.host_optimizer`: bf16 gradient in, the streamed bf16 copy out; its backend is
+printed), in GB/s, with the pass's ratio to torch's fused AdamW (the acceptance bar: >= 1.0 on a
+quiet machine) and to the triad, and with `--sweep-inductor` (when the pass is the C++ kernel) the
+same pass built with torch.compile (its fallback) and its ratio; each the median of `--steps` interleaved repeats, all
+in one run. It ends with the JSON "host" snippet for the topology (the pass's bytes/s at the most
+threads).
 
 With `--topology-out PATH` it writes what it measured into the "host" section of the topology
 JSON at PATH (`mobius_fx.topology.server.HostFigures`: the fastest torch AdamW's bytes/s and kernel,
@@ -117,10 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep-threads", default=None,
                     help="thread counts of the sweep, comma-separated (default 1, 2, 4, ... and the cores)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the per-thread-count sweep")
+    ap.add_argument("--sweep-inductor", action="store_true",
+                    help="the sweep also times the pass built with torch.compile (its fallback), beside the C++ one")
     ap.add_argument("--sweep-only", action="store_true", help="only the per-thread-count sweep")
     args = ap.parse_args(argv)
     if args.sweep_only:
-        host = sweep(args.sweep_params, args.steps, _thread_counts(args.sweep_threads), args.hidden)
+        host = sweep(args.sweep_params, args.steps, _thread_counts(args.sweep_threads), args.hidden,
+                     args.sweep_inductor)
         if args.topology_out and host is not None:
             write_host(args.topology_out, host)
             print(f"host figures written to {args.topology_out}: {host.to_dict()}")
@@ -159,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     passed = None
     if not args.no_sweep:
         del opts, params
-        passed = sweep(args.sweep_params, args.steps, _thread_counts(args.sweep_threads), args.hidden)
+        passed = sweep(args.sweep_params, args.steps, _thread_counts(args.sweep_threads), args.hidden,
+                       args.sweep_inductor)
     if args.topology_out and passed is not None:
         write_host(args.topology_out, passed.__class__(**{**passed.to_dict(), "host_copy_bytes_per_s": min(speeds.values())}))
         print(f"host figures written to {args.topology_out} (the fused host pass's)")
@@ -232,11 +240,13 @@ def _thread_counts(spec: str | None) -> list[int]:
     return out + [n]
 
 
-def sweep(total: float, steps: int, threads: list[int], hidden: int = 1024) -> HostFigures | None:
+def sweep(total: float, steps: int, threads: list[int], hidden: int = 1024,
+          with_inductor: bool = False) -> HostFigures | None:
     """Per thread count: the triad, torch's AdamW(fused=True) on fp32 gradients and the fused
     host pass over the same GPT-like tensors (`total` parameters), in bytes/s of 28 B/param;
     prints a table and the topology's "host" JSON snippet; returns the pass's HostFigures at the
-    most threads (None where the pass could not be compiled)."""
+    most threads (None where the pass could not be compiled). `with_inductor`: also the same pass
+    built with torch.compile (the fallback), beside it."""
     import json
 
     from mobius_fx.runtime import host_optimizer as H
@@ -271,19 +281,43 @@ def sweep(total: float, steps: int, threads: list[int], hidden: int = 1024) -> H
         v.copy_(v + a * g)
         out.copy_(p2)
 
-    triad_k = torch.compile(_triad, dynamic=True, fullgraph=True)
-    a = torch.tensor(1e-9)
     tri = [(p.view(-1), g.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1), c.view(-1))
            for p, g, st, c in zip(ours, grads16, states, copies16)]
+    try:  # the triad in C++, with the pass's stores (host_kernel.triad); else the same in torch.compile
+        kernel = H.host_kernel.load()
+        triad_kind = "C++"
 
-    def triad() -> None:
-        for t in tri:
-            triad_k(*t, a)
+        def triad() -> None:
+            for t in tri:
+                kernel.triad(*t, 1e-9)
+    except Exception as e:  # noqa: BLE001 - no C++ toolchain: the compiled one (inductor also needs one)
+        print(f"the C++ triad cannot be built here ({type(e).__name__}); the triad is torch.compile's")
+        triad_k = torch.compile(_triad, dynamic=True, fullgraph=True)
+        a = torch.tensor(1e-9)
+        triad_kind = "inductor"
 
-    cases = {"triad": triad, "torch AdamW(fused=True), fp32 grad": torch_opt.step, "fused pass, bf16 grad + copy": our_pass}
-    print(f"\nper thread count, {n / 1e6:.1f}M parameters, {TOUCHED_BYTES['adamw']} B/param (GB/s, median of {steps}; "
-          f"ratio = fused pass / torch fused):")
-    print(f"{'threads':>8s}{'triad':>10s}{'torch fused':>13s}{'fused pass':>12s}{'ratio':>8s}{'pass/triad':>12s}")
+        def triad() -> None:
+            for t in tri:
+                triad_k(*t, a)
+
+    def inductor_pass() -> None:  # the same pass built with torch.compile (the fallback), for comparison
+        keep = H.BACKENDS
+        H.BACKENDS = ("inductor",)
+        try:
+            our_pass()
+        finally:
+            H.BACKENDS = keep
+
+    our_pass()  # builds the kernel (first use): which one it is shows after
+    kind = H.backend()
+    cases = {"triad": triad, "torch AdamW(fused=True), fp32 grad": torch_opt.step,
+             "fused pass, bf16 grad + copy": our_pass}
+    if kind == "c++" and with_inductor:
+        cases["inductor pass"] = inductor_pass
+    print(f"\nper thread count, {n / 1e6:.1f}M parameters, {TOUCHED_BYTES['adamw']} B/param (GB/s, median of {steps} "
+          f"interleaved; ratio = fused pass / torch fused; the pass: {kind}, the triad: {triad_kind}):")
+    print(f"{'threads':>8s}{'triad':>10s}{'torch fused':>13s}{'fused pass':>12s}{'ratio':>8s}{'pass/triad':>12s}"
+          + (f"{'inductor pass':>15s}{'ratio':>8s}" if "inductor pass" in cases else ""))
     default = torch.get_num_threads()
     rows = []
     try:
@@ -300,9 +334,13 @@ def sweep(total: float, steps: int, threads: list[int], hidden: int = 1024) -> H
             bw = {k: touched / statistics.median(v) for k, v in times.items()}
             tb, ob, pb = bw["triad"], bw["torch AdamW(fused=True), fp32 grad"], bw["fused pass, bf16 grad + copy"]
             rows.append((t, tb, ob, pb))
-            print(f"{t:>8d}{tb / 1e9:>10.2f}{ob / 1e9:>13.2f}{pb / 1e9:>12.2f}{pb / ob:>8.2f}{pb / tb:>12.2f}", flush=True)
+            ib = bw.get("inductor pass")
+            print(f"{t:>8d}{tb / 1e9:>10.2f}{ob / 1e9:>13.2f}{pb / 1e9:>12.2f}{pb / ob:>8.2f}{pb / tb:>12.2f}"
+                  + (f"{ib / 1e9:>15.2f}{ib / ob:>8.2f}" if ib else ""), flush=True)
     finally:
         torch.set_num_threads(default)
+    if "inductor pass" in cases and "inductor" in H.reasons():
+        print(f"(the inductor pass ran in eager ops: it could not be built here: {H.reasons()['inductor']})")
     if not H.compiled():
         print(f"the fused pass ran in eager ops: it could not be compiled here ({H.reason_not_compiled()})")
         return None

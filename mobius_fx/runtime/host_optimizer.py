@@ -10,18 +10,37 @@ the gradient (2), write p, m, v (12) and the copy (2): 28, the bytes torch's own
 touches on an fp32 gradient without writing any copy (`benchmarks/cpu_optimizer.py` measures both
 beside a STREAM-like triad over the same bytes); + 4 when the fp32 `.grad` is written too.
 
-How it is built: `torch.compile` (inductor), which emits one vectorised C++/OpenMP loop per
-kernel on the CPU with the host's C++ compiler. Chosen over DeepSpeed's CPU Adam (an optional
-extension, AdamW only, its own state layout) and a hand-written extension (a build step) because
-it needs nothing but torch and a C++ compiler, fuses any elementwise formula of ours into one
-loop, and measured as fast as torch's fused AdamW on the same bytes (README, cpu_optimizer.py).
-Where it cannot be built (no C++ compiler, an inductor error) `compiled()` says False, the
-reason is logged once (`logging.getLogger("mobius_fx")`) and callers step with torch's own
-optimizer and copy as before (`overlap_fused`); `step_span(..., compiled=False)` runs the same
-formula in eager torch ops (several passes).
+How it is built, and why (by measurement). First choice: a small C++ extension
+(`host_kernel.py`) that is torch's own fused CPU Adam loop (aten/src/ATen/native/cpu/
+FusedAdamKernel.cpp: `at::vec::Vectorized` over the ISA torch dispatches to, `at::parallel_for`
+over 64-byte units, the same operations in the same order, contracted as torch's build does),
+extended to read the 16-bit gradient and to write the streamed copy, the fp32 `.grad`, the
+finite flag and `p_out` in the same loop (the copy and `p_out` with non-temporal stores: those
+lines are only written, so no read for ownership; a bf16 copy converted with the AVX-512 BF16
+instruction where the CPU has it, vectors holding a denormal or NaN with torch's conversion); SGD as torch's per-tensor ops (each
+`add(..., alpha=)` one FMA). Built at first use with `torch.utils.cpp_extension.load_inline`
+(about 40 s on 2 cores), then loaded from torch's extension cache. It replaced the torch.compile
+(inductor) kernel by measurement: on this 2-core host (37.8M GPT-like parameters in 36 tensors)
+inductor's pass ran at 0.64-0.78x torch's AdamW(fused=True) (1 and 2 threads), the C++ one at
+1.04-1.13x (`python benchmarks/cpu_optimizer.py --sweep-only --sweep-inductor` prints the pass,
+inductor's and the triad side by side; docs/host_optimizer.md has the figures). Why inductor's is slower: the finite flag
+`isfinite(g).all()` is a reduction it emits as a separate parallel loop over the gradient before
+the update loop (a second pass and fork/join per span); each call goes through dynamo's guards,
+the AOT wrapper and a new scalars tensor (~45 us per span on a loaded host, against ~10 us for the
+extension's call); it writes the copy with ordinary stores; and whether it vectorises at all
+depends on its ISA probe (a child process with a timeout: on an overloaded host it was seen to
+fail, and the generated code then did not compile). Where the
+extension cannot be built (no C++ compiler, a build error) the inductor kernel steps (the same
+formula, bit-exact on whole vectors), then eager torch ops: each failure is logged once
+(`logging.getLogger("mobius_fx")`), `backend()` says which steps, `reasons()` why the others do
+not; where neither compiled kernel builds `compiled()` says False and callers step with torch's
+own optimizer and copy as before (`overlap_fused`); `step_span(..., compiled=False)` runs the
+formula in eager torch ops (several passes). DeepSpeed's CPU Adam was not chosen: an optional
+extension, AdamW only, its own state layout and operation order (not torch's bits).
 
-The hyper-parameters are read from the param group at every step (LR schedulers work) and are
-passed to the kernel as one fp32 tensor of scalars (`scalars`): a new lr, step or beta does not
+The hyper-parameters are read from the param group at every step (LR schedulers work): the C++
+kernel takes them as arguments (as torch's, in double, rounded to fp32 where torch's rounds them);
+inductor's gets them as one fp32 tensor of scalars (`scalars`): a new lr, step or beta does not
 recompile (tests/unit/test_host_optimizer.py checks it with `torch._dynamo.config.error_on_recompile`).
 One compiled kernel per (optimizer kind, its flags, the gradient's and the copy's dtypes, whether
 `.grad` is written); sizes are dynamic.
@@ -31,7 +50,8 @@ operation for operation, scalars rounded from double to fp32 as there; compiled 
 floating-point contraction (`-ffp-contract=fast`), gcc contracts the lerp and the second moment
 into the same FMAs as torch's build, and a `where` keeps the decayed parameter from being
 contracted into the update, as in torch's. On this machine (gcc 12, AVX-512) AdamW and Adam
-equal `fused=True` bit for bit (tests). Against any implementation of the same formula (torch's
+equal `fused=True` bit for bit (tests): the C++ kernel on every element (its scalar tail is
+torch's), inductor's on whole vectors (it steps the tail with vector code). Against any implementation of the same formula (torch's
 `foreach=False` one: addcdiv as p + s*(m/d) instead of p + (s*m)/d, no FMA), per step from the
 same state, elementwise with u = 2^-24 (fp32 unit roundoff), the derived bound (`adam_bound`) is
 
@@ -57,8 +77,10 @@ from typing import Any, Callable
 
 import torch
 
+from mobius_fx.runtime import host_kernel
+
 __all__ = ["KINDS", "kind_of", "compiled", "step_span", "adam_scalars", "sgd_scalars", "adam_bound", "sgd_bound",
-           "OPTIONS", "reason_not_compiled"]
+           "OPTIONS", "reason_not_compiled", "backend", "reasons", "BACKENDS"]
 
 log = logging.getLogger("mobius_fx")
 
@@ -72,7 +94,7 @@ OPTIONS: dict[str, Any] = {"cpp.enable_floating_point_contract_flag": "fast"}
 
 _lock = threading.Lock()
 _kernels: dict[tuple, Callable[..., Any]] = {}
-_broken: str | None = None  # why the kernels could not be built (None: not known to fail)
+_broken: dict[str, str] = {}  # backend ("c++", "inductor") -> why it could not be built
 
 
 def kind_of(opt: torch.optim.Optimizer, group: dict) -> str | None:
@@ -103,9 +125,10 @@ def _gradient(g16: torch.Tensor, grad_out: torch.Tensor | None, maximize: bool) 
 
 def _adam(p: torch.Tensor, g16: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor | None,
           copy_out: torch.Tensor | None, s: torch.Tensor, decoupled: bool, decay: bool, maximize: bool,
-          small_w: bool) -> torch.Tensor:
-    """One Adam/AdamW step of flat fp32 `p`, `m`, `v` from gradient `g16`, in place; `s` = the fp32
-    scalars of `adam_scalars`. Returns whether `g16` is all finite (a 0-d bool)."""
+          small_w: bool, p_out: torch.Tensor | None = None) -> torch.Tensor:
+    """One Adam/AdamW step of flat fp32 `p`, `m`, `v` from gradient `g16`, in place (the new `p`
+    into `p_out` instead when given); `s` = the fp32 scalars of `adam_scalars`. Returns whether
+    `g16` is all finite (a 0-d bool)."""
     g, ok = _gradient(g16, grad_out, maximize)
     wdf, w1, b2, c2, bc2s, eps, nss = s[0], s[1], s[2], s[3], s[4], s[5], s[6]
     p1 = p
@@ -118,7 +141,7 @@ def _adam(p: torch.Tensor, g16: torch.Tensor, m: torch.Tensor, v: torch.Tensor, 
     v1 = (c2 * g) * g + v * b2
     den = v1.sqrt() / bc2s + eps
     p2 = p1 + (nss * m1) / den
-    p.copy_(p2)
+    (p if p_out is None else p_out).copy_(p2)
     m.copy_(m1)
     v.copy_(v1)
     if copy_out is not None:
@@ -127,8 +150,10 @@ def _adam(p: torch.Tensor, g16: torch.Tensor, m: torch.Tensor, v: torch.Tensor, 
 
 
 def _sgd(p: torch.Tensor, g16: torch.Tensor, buf: torch.Tensor | None, grad_out: torch.Tensor | None,
-         copy_out: torch.Tensor | None, s: torch.Tensor, decay: bool, nesterov: bool, maximize: bool) -> torch.Tensor:
-    """One SGD step (momentum when `buf` is given) of flat fp32 `p` from `g16`, in place, as torch's
+         copy_out: torch.Tensor | None, s: torch.Tensor, decay: bool, nesterov: bool, maximize: bool,
+         p_out: torch.Tensor | None = None) -> torch.Tensor:
+    """One SGD step (momentum when `buf` is given) of flat fp32 `p` from `g16`, in place (the new `p`
+    into `p_out` instead when given), as torch's
     per-tensor step (`a.add(b, alpha=c)` is fma(b, c, a) there); `s` = `sgd_scalars`."""
     g, ok = _gradient(g16, grad_out, maximize)
     wd, mom, damp1, neg_lr = s[0], s[1], s[2], s[3]
@@ -139,7 +164,7 @@ def _sgd(p: torch.Tensor, g16: torch.Tensor, buf: torch.Tensor | None, grad_out:
         buf.copy_(b1)
         g = g + b1 * mom if nesterov else b1
     p2 = p + g * neg_lr
-    p.copy_(p2)
+    (p if p_out is None else p_out).copy_(p2)
     if copy_out is not None:
         copy_out.copy_(p2)
     return ok
@@ -164,14 +189,37 @@ def sgd_scalars(group: dict) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ building
+# The compiled kernels, tried in this order (see the module docstring); "eager" (torch ops) after them.
+BACKENDS: tuple[str, ...] = ("c++", "inductor")
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes the C++ kernel reads and writes
+
+
 def reason_not_compiled() -> str | None:
-    """Why the compiled kernels are not used in this process (None: they are, or not tried yet)."""
-    return _broken
+    """Why no compiled kernel is used in this process (None: one is, or none was tried yet)."""
+    if compiled():
+        return None
+    return "; ".join(f"{b}: {_broken.get(b, 'not enabled (host_optimizer.BACKENDS)')}" for b in ("c++", "inductor"))
+
+
+def backend() -> str:
+    """The kernel `step_span` uses: "c++" (host_kernel), "inductor" (torch.compile) or "eager" (torch
+    ops, several passes): the first of `BACKENDS` not known to fail to build."""
+    for b in BACKENDS:
+        if b not in _broken:
+            return b
+    return "eager"
+
+
+def reasons() -> dict[str, str]:
+    """Why each backend that failed to build did (logged once each)."""
+    return dict(_broken)
 
 
 def compiled() -> bool:
-    """Whether the compiled kernels may be used (False once building one failed: logged once)."""
-    return _broken is None
+    """Whether a compiled kernel may be used (False once every one in `BACKENDS` failed to build:
+    each logged once)."""
+    return backend() != "eager"
 
 
 def _kernel(key: tuple) -> Callable[..., Any]:
@@ -183,53 +231,104 @@ def _kernel(key: tuple) -> Callable[..., Any]:
         return k
 
 
-def _failed(e: BaseException) -> None:
-    global _broken
+_THEN = {"c++": "stepping with the torch.compile (inductor) kernel instead",
+         "inductor": "the optimizer steps with torch's own kernels and the streamed copy is written by a separate "
+                     "pass"}
+
+
+def _failed(which: str, e: BaseException) -> None:
     with _lock:
-        if _broken is None:
-            _broken = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-            log.warning("mobius_fx: the fused host optimizer pass could not be built with torch.compile (%s); "
-                        "the optimizer steps with torch's own kernels and the streamed copy is written by a separate "
-                        "pass (a C++ compiler is needed: install g++ or set CXX)", _broken)
+        if which not in _broken:
+            text = str(e).strip()
+            _broken[which] = f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
+            nxt = next((b for b in BACKENDS[BACKENDS.index(which) + 1:] if b not in _broken), "eager") \
+                if which in BACKENDS else "eager"
+            then = _THEN["c++"] if nxt == "inductor" else _THEN["inductor"]
+            log.warning("mobius_fx: the fused host optimizer pass could not be built with %s (%s); %s "
+                        "(a C++ compiler is needed: install g++ or set CXX)",
+                        "a C++ extension (torch.utils.cpp_extension)" if which == "c++" else "torch.compile",
+                        _broken[which], then)
 
 
 def _reset_for_tests() -> None:
-    global _broken
+    global _cpp
     with _lock:
-        _broken = None
+        _broken.clear()
         _kernels.clear()
+        _cpp = None
+
+
+_TRUE, _FALSE = torch.tensor(True), torch.tensor(False)  # the C++ path's flags (read them; do not write them)
+_cpp: Any = None  # the built extension (host_kernel.load()), once loaded
+
+
+def _cpp_kernel() -> Any:
+    global _cpp
+    if _cpp is None:
+        _cpp = host_kernel.load()
+    return _cpp
 
 
 def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state: dict, step: float | None = None,
               grad_out: torch.Tensor | None = None, copy_out: torch.Tensor | None = None,
-              compiled: bool = True) -> torch.Tensor:
+              compiled: bool = True, p_out: torch.Tensor | None = None) -> torch.Tensor:
     """Step elements of one parameter in one pass: `p` (fp32), `grad` (its gradient, any float
     dtype), the state tensors in `state` (torch's names; views of the same elements) and the
     outputs `grad_out` (fp32 `.grad`) and `copy_out` (the streamed copy) are flat and contiguous.
     `step`: Adam's step count after this step (the caller increments `state["step"]` once per
-    parameter, not per span). Returns the finite flag of `grad` (a 0-d bool tensor). `compiled`:
-    the compiled kernel (building it on first use; on failure, logged once, this call and
-    `compiled()` fall back to eager ops), else the formula in eager torch ops."""
+    parameter, not per span). Returns the finite flag of `grad` (a 0-d bool tensor: read it, do
+    not write it). `compiled`: the compiled kernel (`backend()`: built on first use; where one
+    cannot be built, logged once, the next in `BACKENDS`, then eager ops), else the formula in
+    eager torch ops. `p_out` (fp32, flat, as `p`, not overlapping it): the new parameter is written
+    there and `p` is left unchanged (the same bytes: `p` read, `p_out` written), e.g. a shadow copy
+    stepped while `p` is in use."""
+    adam = kind == "adamw" or kind == "adam"
+    # The C++ kernel first, with as little Python as possible around it: between two large spans the
+    # interpreter runs with cold caches (~50 us for one small tensor's allocation, measured), while
+    # torch's fused step crosses no Python between its tensors.
+    if (compiled and "c++" not in _broken and "c++" in BACKENDS and grad.dtype in _FLOATS
+            and (copy_out is None or copy_out.dtype in _FLOATS)):
+        try:
+            k = _cpp or _cpp_kernel()
+        except Exception as e:  # noqa: BLE001 - no C++ compiler, a build error: the next backend
+            _failed("c++", e)
+        else:
+            try:
+                if adam:
+                    b1, b2 = group["betas"]
+                    ok = k.adam(p, grad, state["exp_avg"], state["exp_avg_sq"], grad_out, copy_out, p_out,
+                                float(group["lr"]), float(b1), float(b2), float(group["weight_decay"]),
+                                float(group["eps"]), float(step), kind == "adamw", bool(group.get("maximize")))
+                else:
+                    mom = float(group["momentum"])
+                    ok = k.sgd(p, grad, state.get("momentum_buffer") if mom != 0 else None, grad_out, copy_out,
+                               p_out, float(group["lr"]), float(group["weight_decay"]), mom,
+                               float(group["dampening"]), bool(group.get("nesterov")), bool(group.get("maximize")))
+            except RuntimeError:  # a tensor it does not take (not contiguous, not on the CPU; checked before
+                pass  # any write): the next backend steps this span
+            else:
+                return _TRUE if ok else _FALSE
     with torch.no_grad():
-        if kind in ("adam", "adamw"):
+        buf = None if adam or float(group["momentum"]) == 0 else state.get("momentum_buffer")
+        if adam:
             s, decay, small_w = adam_scalars(group, float(step), kind)
             args = (p, grad, state["exp_avg"], state["exp_avg_sq"], grad_out, copy_out, s)
             flags = (kind == "adamw", decay, bool(group.get("maximize")), small_w)
             fn: Callable[..., Any] = _adam
         else:
             s = sgd_scalars(group)
-            buf = state.get("momentum_buffer") if float(group["momentum"]) != 0 else None
             args = (p, grad, buf, grad_out, copy_out, s)
             flags = (float(group["weight_decay"]) != 0, bool(group.get("nesterov")), bool(group.get("maximize")))
             fn = _sgd
-        if compiled and _broken is None:
+        out = {} if p_out is None else {"p_out": p_out}
+        if compiled and "inductor" in BACKENDS and "inductor" not in _broken:
             key = (kind, flags, grad.dtype, None if copy_out is None else copy_out.dtype, grad_out is not None,
-                   buf is None if kind == "sgd" else None)
+                   buf is None if kind == "sgd" else None, p_out is None)
             try:
-                return _kernel(key)(*args, *flags)
+                return _kernel(key)(*args, *flags, **out)
             except Exception as e:  # noqa: BLE001 - no C++ compiler, an inductor error: torch's path
-                _failed(e)
-        return fn(*args, *flags)
+                _failed("inductor", e)
+        return fn(*args, *flags, **out)
 
 
 # ------------------------------------------------------------------ the derived bounds (see the module docstring)

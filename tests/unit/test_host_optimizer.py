@@ -1,7 +1,8 @@
-"""The fused host optimizer pass (mobius_fx/runtime/host_optimizer.py): one compiled loop that
-steps Adam/AdamW/SGD from a bf16 gradient and writes the streamed copy, exact against torch's
-optimizers (bit for bit where the formula is theirs, else within the derived bound), no
-recompile when the lr changes, and torch's path with one log line where it cannot be built."""
+"""The fused host optimizer pass (mobius_fx/runtime/host_optimizer.py): one compiled loop (the C++
+kernel of host_kernel.py, else torch.compile's) that steps Adam/AdamW/SGD from a bf16 gradient
+and writes the streamed copy, exact against torch's optimizers (bit for bit where the formula is
+theirs, else within the derived bound), no recompile when the lr changes, and the next backend
+(then torch's path) with one log line where one cannot be built."""
 
 from __future__ import annotations
 
@@ -14,6 +15,18 @@ import torch
 from mobius_fx.runtime import host_optimizer as H
 
 N = 4096 + 7  # a tail that is not a whole vector: torch's fused kernel steps it with scalar code
+
+
+@pytest.fixture(params=["c++", "inductor"])
+def backend(request, monkeypatch):
+    """Each compiled backend alone (`host_optimizer.BACKENDS`); the test skips where it cannot be built."""
+    monkeypatch.setattr(H, "BACKENDS", (request.param,))
+    return request.param
+
+
+def _skip_unless(backend: str) -> None:
+    if H.backend() != backend:
+        pytest.skip(f"the {backend} kernel cannot be built here: {H.reasons()}")
 
 
 def _grad(gen: torch.Generator, n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -84,15 +97,16 @@ ADAMS = [(torch.optim.AdamW, "adamw", dict(lr=1e-2, weight_decay=0.1)),
 
 
 @pytest.mark.parametrize("cls,kind,kw", ADAMS, ids=["adamw", "adam-coupled", "adamw-maximize-beta0.3"])
-def test_adam_equals_torch_fused_on_the_vector_path_and_foreach_false_within_the_bound(cls, kind, kw):
+def test_adam_equals_torch_fused_on_the_vector_path_and_foreach_false_within_the_bound(cls, kind, kw, backend):
+    """Bit for bit against AdamW(fused=True): the C++ kernel everywhere (it is torch's kernel, its
+    scalar tail included), inductor's on whole vectors (it steps the tail with vector code)."""
     exact = 0
     for before, g, opt, ref in _trajectory(cls, {**kw, "fused": True}):
         if not before[1]:
             continue  # the first step makes the state: stepped by torch
         p, state, step = _ours(kind, opt, before, g)
-        if not H.compiled():
-            pytest.skip(f"no compiled kernel here: {H.reason_not_compiled()}")
-        body = N - N % 64  # torch's fused kernel steps the tail (numel % vector width) with scalar code
+        _skip_unless(backend)
+        body = N if backend == "c++" else N - N % 64
         rs = opt.state
         if (torch.equal(p[:body], opt.p[:body]) and torch.equal(state["exp_avg"][:body], rs["exp_avg"][:body])
                 and torch.equal(state["exp_avg_sq"][:body], rs["exp_avg_sq"][:body])):
@@ -109,14 +123,36 @@ SGDS = [dict(lr=0.1, momentum=0.9, weight_decay=0.01), dict(lr=0.1, momentum=0.9
         dict(lr=0.1, momentum=0.9, dampening=0.1, maximize=True)]
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_cpp_kernel_equals_torch_fused_whatever_the_thread_split(threads, monkeypatch):
+    """A span large enough for every thread (above the kernel's grain) and a thread count other than
+    torch's: still torch's bits on every element -- chunks are whole 16-float units, so which
+    elements the scalar tail steps does not depend on the split."""
+    monkeypatch.setattr(H, "BACKENDS", ("c++",))
+    n = 3 * 16384 + 7
+    keep = torch.get_num_threads()
+    try:
+        for before, g, opt, ref in list(_trajectory(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True),
+                                                    steps=3, n=n))[1:]:
+            torch.set_num_threads(threads)
+            try:
+                p, state, step = _ours("adamw", opt, before, g)
+            finally:
+                torch.set_num_threads(keep)
+            _skip_unless("c++")
+            assert torch.equal(p, opt.p) and torch.equal(state["exp_avg"], opt.state["exp_avg"])
+            assert torch.equal(state["exp_avg_sq"], opt.state["exp_avg_sq"])
+    finally:
+        torch.set_num_threads(keep)
+
+
 @pytest.mark.parametrize("kw", SGDS, ids=["decay", "nesterov", "dampening-maximize"])
-def test_sgd_momentum_equals_torch_for_loop_bit_for_bit(kw):
+def test_sgd_momentum_equals_torch_for_loop_bit_for_bit(kw, backend):
     for before, g, opt, ref in _trajectory(torch.optim.SGD, {**kw, "foreach": False}, steps=3):
         if not before[1]:
             continue
         p, state, _ = _ours("sgd", opt, before, g)
-        if not H.compiled():
-            pytest.skip(f"no compiled kernel here: {H.reason_not_compiled()}")
+        _skip_unless(backend)
         assert torch.equal(p, opt.p)
         assert torch.equal(state["momentum_buffer"], opt.state["momentum_buffer"])
         assert _within("sgd", opt, ref, before, g, p, state, None) <= 1
@@ -182,16 +218,17 @@ def test_the_bound_catches_a_wrong_formula(monkeypatch, mutation):
     assert worst > 1, f"{mutation} stays within the bound ({worst:.3g})"
 
 
-def test_a_changing_lr_and_step_do_not_recompile():
-    """The hyper-parameters reach the kernel as a tensor of scalars: after the first call, new
-    lr, betas, step counts and sizes run the same compiled kernel."""
+def test_a_changing_lr_and_step_do_not_recompile(monkeypatch):
+    """The hyper-parameters reach inductor's kernel as a tensor of scalars: after the first call,
+    new lr, betas, step counts and sizes run the same compiled kernel (the C++ kernel takes them
+    as arguments)."""
+    monkeypatch.setattr(H, "BACKENDS", ("inductor",))
     gen = torch.Generator().manual_seed(1)
     group = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, maximize=False)
     state = {"exp_avg": torch.zeros(5000), "exp_avg_sq": torch.zeros(5000)}
     p = torch.randn(5000, generator=gen)
     H.step_span("adamw", group, p, _grad(gen, 5000), state, step=1.0, copy_out=torch.empty(5000, dtype=torch.bfloat16))
-    if not H.compiled():
-        pytest.skip(f"no compiled kernel here: {H.reason_not_compiled()}")
+    _skip_unless("inductor")
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         for t, n in zip(range(2, 6), (5000, 4000, 777, 5000)):
@@ -205,7 +242,8 @@ def test_a_changing_lr_and_step_do_not_recompile():
 
 
 _NO_CXX = """
-import logging, torch
+import logging, os, torch
+os.environ["CXX"] = "/nonexistent/c++"  # the C++ extension's compiler (a new build: the name hashes it)
 from mobius_fx.runtime import host_optimizer as H
 from tests.unit.test_host_optimizer import _ours, _trajectory, _within
 H.OPTIONS = {**H.OPTIONS, "cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}
@@ -220,16 +258,18 @@ steps = list(_trajectory(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fore
 for before, g, opt, ref in steps[1:]:
     p, state, step = _ours("adamw", opt, before, g)
     assert _within("adamw", opt, ref, before, g, p, state, step) <= 1
-assert not H.compiled() and H.reason_not_compiled()
+assert not H.compiled() and H.reason_not_compiled() and H.backend() == "eager", H.reasons()
+assert set(H.reasons()) == {"c++", "inductor"}, H.reasons()
 built = [m for m in lines if "could not be built" in m]
-assert len(built) == 1, lines
+assert len(built) == 2 and "C++ extension" in built[0] and "torch.compile" in built[1], lines
 print("ok")
 """
 
 
 def test_without_a_cxx_compiler_it_steps_with_eager_ops_and_says_so_once():
-    """No C++ compiler (simulated: inductor pointed at one that does not exist, no cached
-    kernel): the step is still right (eager ops), one log line says why, `compiled()` is False.
+    """No C++ compiler (simulated: the extension and inductor pointed at one that does not exist,
+    no cached kernel): the step is still right (eager ops), one log line per backend says why,
+    `compiled()` is False.
     In a fresh interpreter: a failed inductor build leaves process-wide state behind (seen: the
     host gradient storage of a later test's pipeline was no longer reused)."""
     import os
@@ -253,3 +293,132 @@ def test_bounds_are_a_few_ulps_of_the_parameter():
                      torch.full((1,), 1e-3), torch.full((1,), 1e-6), group, 10.0)
     ulp = 2.0 ** -23
     assert b["p"].item() < 8 * ulp and math.isfinite(b["v"].item())
+
+
+@pytest.mark.parametrize("kind,kw", [("adamw", dict(lr=1e-2, weight_decay=0.1)), ("adam", dict(lr=1e-2, weight_decay=0.1)),
+                                     ("sgd", dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01))])
+@pytest.mark.parametrize("which", ["c++", "inductor", "eager"])
+def test_p_out_gets_the_in_place_result_bit_for_bit_and_p_is_left_unchanged(kind, kw, which, monkeypatch):
+    """`step_span(..., p_out=shadow)`: the new parameter goes to `shadow` (the bits the in-place
+    step writes into `p`), the state and copy are as in place, and `p` itself is not written."""
+    gen = torch.Generator().manual_seed(3)
+    group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "maximize": False, "dampening": 0.0,
+             "nesterov": False, "momentum": 0.0, **kw}
+    p0 = torch.randn(N, generator=gen) * 0.1
+    names = ("exp_avg", "exp_avg_sq") if kind != "sgd" else ("momentum_buffer",)
+    st0 = {k: torch.randn(N, generator=gen).abs() * 1e-3 for k in names}
+    g = _grad(gen, N)
+    step = 3.0 if kind != "sgd" else None
+    compiled = which != "eager"
+    monkeypatch.setattr(H, "BACKENDS", (which,) if compiled else ())
+    results = []
+    for out in (False, True):
+        p, st = p0.clone(), {k: v.clone() for k, v in st0.items()}
+        copy = torch.empty(N, dtype=torch.bfloat16)
+        shadow = torch.full((N,), float("nan")) if out else None
+        H.step_span(kind, group, p, g, st, step=step, copy_out=copy, compiled=compiled, p_out=shadow)
+        results.append((p, st, copy, shadow))
+    if compiled:
+        _skip_unless(which)
+    (p_in, st_in, copy_in, _), (p_kept, st_out, copy_out, shadow) = results
+    assert not torch.equal(p_in, p0)  # the step moved the parameter ...
+    assert torch.equal(p_kept, p0)  # ... but with p_out, p is only read
+    assert torch.equal(shadow, p_in) and torch.equal(copy_out, copy_in)
+    assert all(torch.equal(st_in[k], st_out[k]) for k in names)
+
+
+def test_where_the_cpp_kernel_cannot_be_built_inductor_steps_bit_for_bit_and_it_is_said_once(monkeypatch, caplog):
+    """The chain's first link: the C++ build fails (simulated: `host_kernel.load` raises) -> one
+    log line, `backend()` is "inductor", and the step is inductor's (bit for bit against
+    AdamW(fused=True) on whole vectors); the next call does not try the build again."""
+    calls = []
+
+    def broken(verbose=False):
+        calls.append(1)
+        raise RuntimeError("Error building extension 'mobius_host_optimizer': c++: not found")
+
+    monkeypatch.setattr(H.host_kernel, "load", broken)
+    monkeypatch.setattr(H, "_cpp", None)
+    monkeypatch.setattr(H, "_broken", {})
+    monkeypatch.setattr(H, "_kernels", {})
+    with caplog.at_level(logging.WARNING, logger="mobius_fx"):
+        for before, g, opt, ref in list(_trajectory(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True),
+                                                    steps=3))[1:]:
+            p, state, step = _ours("adamw", opt, before, g)
+            if "inductor" in H.reasons():
+                pytest.skip(f"inductor cannot build here either: {H.reasons()}")
+            body = N - N % 64
+            assert torch.equal(p[:body], opt.p[:body]) and torch.equal(state["exp_avg"], opt.state["exp_avg"][:N])
+    assert H.backend() == "inductor" and H.compiled() and "c++" in H.reasons() and len(calls) == 1
+    said = [r.getMessage() for r in caplog.records if "could not be built" in r.getMessage()]
+    assert len(said) == 1 and "C++ extension" in said[0] and "torch.compile" in said[0], said
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_the_finite_flag_and_grad_out(kind, backend):
+    """The flag is False where any element of the gradient is inf or NaN -- in the vector body of
+    either thread's chunk or in the scalar tail -- and True otherwise; `grad_out` gets the fp32
+    gradient (before maximize's negation)."""
+    n = 2 * 16384 + 5  # more than host_kernel's grain (1024 units of 16): two threads step it where there are two
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "maximize": True,
+             "momentum": 0.9, "dampening": 0.0, "nesterov": False}
+    names = ("exp_avg", "exp_avg_sq") if kind != "sgd" else ("momentum_buffer",)
+    gen = torch.Generator().manual_seed(5)
+    for where, bad in [(None, None), (17, float("inf")), (n // 2 + 40, float("nan")), (n - 2, -float("inf")),
+                       (n - 17, float("nan"))]:
+        g = _grad(gen, n)
+        if where is not None:
+            g[where] = bad
+        st = {k: torch.zeros(n) for k in names}
+        out = torch.full((n,), 7.0)
+        flag = H.step_span(kind, group, torch.randn(n, generator=gen), g, st, step=2.0 if kind != "sgd" else None,
+                           grad_out=out, copy_out=torch.empty(n, dtype=torch.bfloat16))
+        _skip_unless(backend)
+        assert bool(flag) == (where is None), (where, bad)
+        assert torch.equal(out.view(torch.int32), g.float().view(torch.int32))  # bitwise: NaN too
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_streamed_copy_is_torchs_conversion_for_denormals_ties_inf_and_nan(dtype, backend):
+    """The copy equals `p.to(dtype)` bit for bit for every kind of value: denormals (which the
+    AVX-512 BF16 instruction would flush to zero), round-to-nearest-even ties, overflow to inf,
+    infinities and zeros; NaN stays NaN. Vectors of ordinary values take the fast conversion,
+    those holding a special one torch's."""
+    gen = torch.Generator().manual_seed(9)
+    n = 4096 + 7
+    p = torch.randn(n, generator=gen)
+    tiny = torch.finfo(torch.float32).tiny
+    special = [tiny / 3, -tiny / 7, tiny * 0.999, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.4e38, 7e4,
+               float("inf"), -float("inf"), 0.0, -0.0, float("nan"), 2 ** -130, 1e-8]
+    for i, x in enumerate(special):  # each in its own 16-float vector, some in the tail
+        p[64 * i + 3] = x
+        p[n - 1 - i % 7] = x
+    group = {"lr": 1e-45, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "maximize": False}
+    st = {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}
+    copy = torch.empty(n, dtype=dtype)
+    H.step_span("adamw", group, p, _grad(gen, n), st, step=1.0, copy_out=copy)
+    _skip_unless(backend)
+    want = p.to(dtype)
+    same = copy.view(torch.int16) == want.view(torch.int16)
+    assert bool((same | (copy.isnan() & want.isnan())).all()), p[~same][:8]
+    assert int((p.abs() < tiny).sum()) >= 4  # denormals were there to convert
+
+
+def test_a_span_the_cpp_kernel_does_not_take_goes_to_the_next_backend(monkeypatch):
+    """A strided parameter (the kernel checks before it writes anything) is stepped by the next
+    backend (here eager ops: `BACKENDS` holds only the C++ one), not left half-written, and the
+    C++ kernel is not marked broken."""
+    monkeypatch.setattr(H, "BACKENDS", ("c++",))
+    gen = torch.Generator().manual_seed(4)
+    group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "maximize": False}
+    base = torch.randn(2 * N, generator=gen)
+    g = _grad(gen, N)
+    outs = []
+    for compiled in (True, False):
+        p = base.clone()[::2]
+        st = {"exp_avg": torch.zeros(N), "exp_avg_sq": torch.zeros(N)}
+        H.step_span("adamw", group, p, g, st, step=1.0, compiled=compiled)
+        outs.append((p, st))
+    _skip_unless("c++")
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1]["exp_avg"], outs[1][1]["exp_avg"])
+    assert not torch.equal(outs[0][0], base[::2]) and H.backend() == "c++"
