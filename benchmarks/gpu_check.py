@@ -77,7 +77,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # gpu_limits, cpu_optimizer
 
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
-from mobius_fx.runtime.device_books import CudaAllocator  # noqa: E402
+from mobius_fx.runtime.memory_sources import CudaAllocator
 from mobius_fx.topology.device_specs import DEVICE_SPECS  # noqa: E402
 from mobius_fx.topology.links import GB  # noqa: E402
 from mobius_fx.units import fmt_bytes, fmt_time, parse_bytes  # noqa: E402

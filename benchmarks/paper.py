@@ -47,7 +47,7 @@ from mobius_fx import Topology, zoo
 from mobius_fx import schedules
 from mobius_fx.kinds import OVERLAP_MODES
 from mobius_fx.sim.report import compare
-from mobius_fx.sim.simulator import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH
+from mobius_fx.planning.host_step import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH
 from mobius_fx.units import fmt_bytes
 
 # The table's rows: the Mobius variants, then RoundPipe (the other streamed pipeline), then GPipe and ZeRO-3

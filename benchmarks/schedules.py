@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                                  args.time_limit)
     tok = [[n, f"{b * s / r.step_time:,.0f}", f"{r.step_time:.2f} s", f"simulated, rtx4090x8 preset, {b}x{s}, "
             f"{b} micro-batches"] for n, r in res.items() if not isinstance(r, str)]
-    tok.append(["RoundPipe", f"{ROUNDPIPE_PUBLISHED:,}", "", "[published, their hardware] (batch and sequence "
-                "length not given in their README)"])
+    tok.append(["RoundPipe", f"{ROUNDPIPE_PUBLISHED:,}", "", "[published, their hardware] (their README gives no "
+                "batch or sequence length)"])
     print()
     print(f"Llama-8B on 8 x RTX 4090, tokens/s = batch x seq / step (CPU optimizer overlap {args.overlap}):")
     print(tabulate(tok, headers=["schedule", "tokens/s", "step", "source"]))

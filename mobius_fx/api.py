@@ -21,7 +21,7 @@ from mobius_fx.options import CompileContext, CompileOptions
 from mobius_fx.planning.ir_transforms import ScheduleForm
 from mobius_fx.planning.plans import Plan
 from mobius_fx.schedules.choice import choose as choose_schedule
-from mobius_fx.runtime.devices import Device
+from mobius_fx.runtime.device_books import Device
 from mobius_fx.topology.server import Topology
 from mobius_fx.train_step import StepCompiler
 
@@ -336,7 +336,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     before its result is used (a `TorchDispatchMode`: Python on every op, counted in
     `Device.dispatch_calls`). "auto": per device. On CUDA, "allocator" resets the device's peak
     statistics at each stage's work (`torch.cuda.reset_peak_memory_stats`); the device's peak
-    over a step is `mobius_fx.runtime.device_books.CudaAllocator.of(index).max_allocated()`.
+    over a step is `mobius_fx.runtime.memory_sources.CudaAllocator.of(index).max_allocated()`.
     `loss_fn`: fn(outputs, target) -> the batch's 0-dim loss, for `pipe.train_step(*args,
     target=y, **kwargs)`, which runs forward, the loss and backward as one pipeline whose last
     stage computes the loss, so the outputs (an LLM's logits) never leave the GPUs

@@ -20,7 +20,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from mobius_fx.runtime.devices import Device, make_devices
+from mobius_fx.runtime.devices import make_devices
+from mobius_fx.runtime.device_books import Device
 from mobius_fx.errors import MobiusError
 from mobius_fx.runtime.pipeline import Pipeline
 from mobius_fx.planning import microbatch

@@ -10,7 +10,7 @@ module registers its own name.
 - `HOST`: the name of the host's DRAM wherever a place is named (topology, schedule IR, devices).
 - `DEVICES`: what plays the GPUs by name (`compile(device=...)`, `make_devices`): "auto" and the
   built-in device kinds, each registered by its own module `runtime/device_<kind>.py`; a kind
-  registered later (`mobius_fx.runtime.devices.register_device`) is taken too (docs/devices.md).
+  registered later (`mobius_fx.runtime.device_registry.register_device`) is taken too (docs/devices.md).
 - `SOLVERS`: the MIP solvers `plan(solver=...)` takes.
 - `OVERLAP_MODES`: when the CPU optimizer steps relative to the pipeline ("none": after the
   step; "sync": per stage as its gradients land; "async": a step late), for the runtime

@@ -172,7 +172,7 @@ class CompileOptions:
             raise MobiusError(f"cache={self.cache!r}; it must be True (reuse traced graphs and layer costs kept on disk) "
                               f"or False (trace and annotate anew)")
         if not isinstance(self.device, Mapping):
-            from mobius_fx.runtime.devices import device_choices  # the registered kinds (kinds.DEVICES and yours)
+            from mobius_fx.runtime.device_registry import device_choices
 
             _choice("device", self.device, device_choices())
         if not isinstance(self.verbose, bool):

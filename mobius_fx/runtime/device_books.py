@@ -56,13 +56,11 @@ import torch
 from mobius_fx.errors import BudgetError, MobiusError
 from mobius_fx.runtime.device_common import empty_slot
 from mobius_fx.runtime.device_tracker import OpTracker
-from mobius_fx.runtime.memory_sources import BookedBytes, CudaAllocator, Mark, MemorySource
-from mobius_fx.kinds import HOST
+from mobius_fx.runtime.memory_sources import BookedBytes, Mark, MemorySource
 from mobius_fx.runtime.transfer_log import TransferLog
 from mobius_fx.units import fmt_bytes
 
-__all__ = ["HOST", "Device", "TransferLog", "nbytes", "MEMORY_BOOKS", "MemorySource", "Mark",
-           "BookedBytes", "CudaAllocator", "check_memory_books"]
+__all__ = ["Device", "nbytes", "MEMORY_BOOKS", "check_memory_books"]
 
 MEMORY_BOOKS = ("auto", "ops", "allocator")
 

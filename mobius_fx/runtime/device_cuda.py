@@ -9,7 +9,7 @@ import torch
 
 from mobius_fx.errors import MobiusError
 from mobius_fx.runtime import host_threads
-from mobius_fx.runtime.device_books import CudaAllocator
+from mobius_fx.runtime.memory_sources import CudaAllocator
 from mobius_fx.runtime.device_registry import register_device
 from mobius_fx.runtime.device_stream import StreamDevice
 

@@ -105,7 +105,7 @@ def device_class(kind: str) -> type[Device]:
         names = ", ".join(repr(k) for k in device_choices())
         raise MobiusError(f"device={kind!r} is not a registered device kind; use one of {names} ('auto': cuda when "
                           f"available, else virtual), pass your own {{gpu name: Device}}, or register your kind "
-                          f"(mobius_fx.runtime.devices.register_device)")
+                          f"(mobius_fx.runtime.device_registry.register_device)")
     return cls
 
 

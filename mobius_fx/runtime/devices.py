@@ -3,8 +3,8 @@
 Everything above the devices (the engine, `engine.py`) is one code path; only the copies differ.
 `Device` (`device_books.py`) is the abstract interface the runtime drives, each method's docstring
 its contract. One module per kind, each registering its class by name (`register_device`,
-`device_registry.py`), built here by `make_devices` from the registry and re-exported here (the
-public import path; importing it registers the built-in kinds of `kinds.DEVICES`). A new kind is
+`device_registry.py`), built here by `make_devices` from the registry (importing this module
+registers the built-in kinds of `kinds.DEVICES`; each class is imported from its own module). A new kind is
 registered the same way and then runs wherever a name is taken (`compile(device=...)`); the
 contract (`device_registry.CONTRACT`, `tests/unit/test_device_conformance.py`) is how it is
 validated (`register_device(..., check=True)` refuses one that breaks it). docs/devices.md says how.
@@ -53,17 +53,11 @@ from collections.abc import Mapping
 import torch
 
 from mobius_fx.errors import MobiusError
-from mobius_fx.kinds import HOST
-from mobius_fx.runtime.device_books import Device, TransferLog, check_memory_books, nbytes
-from mobius_fx.runtime.device_cuda import CudaDevice
-from mobius_fx.runtime.device_registry import (device_choices, device_class, device_kinds, register_device,
-                                               unregister_device)
-from mobius_fx.runtime.device_stream import StreamDevice
-from mobius_fx.runtime.device_virtual import VirtualDevice
-from mobius_fx.runtime.device_virtual_async import VirtualAsyncDevice
+from mobius_fx.runtime import device_cuda, device_virtual, device_virtual_async  # noqa: F401 (importing registers the built-in kinds)
+from mobius_fx.runtime.device_books import Device, check_memory_books
+from mobius_fx.runtime.device_registry import device_class
 
-__all__ = ["HOST", "Device", "VirtualDevice", "StreamDevice", "CudaDevice", "VirtualAsyncDevice", "TransferLog",
-           "make_devices", "nbytes", "register_device", "unregister_device", "device_kinds", "device_choices"]
+__all__ = ["make_devices"]
 
 
 def make_devices(budgets: Mapping[str, int | None], *, device: "str | Mapping[str, Device]" = "auto",

@@ -68,14 +68,13 @@ from mobius_fx.runtime.host_gradients import GradHomes
 from mobius_fx.runtime.stage_autograd import logged_grad
 from mobius_fx.runtime.stage_calls import StageCalls
 from mobius_fx.runtime.stage_state import StageCall, StageState, Step
-from mobius_fx.planning.microbatch import batch_rows
 from mobius_fx.runtime.microbatch_outputs import combine, guess_kind
 from mobius_fx.planning.microbatch import split as split_inputs
 from mobius_fx.runtime.streams import PENDING, tick
 from mobius_fx.planning.schedule_ir import ScheduleIR
 from mobius_fx.planning.stage_contract import Schedule
 
-__all__ = ["Runtime", "batch_rows"]
+__all__ = ["Runtime"]
 
 log = logging.getLogger("mobius_fx")
 

@@ -67,7 +67,7 @@ def compare(plan: Plan, names=None, *, cpu_adam_bandwidth: float | None = None,
 
     `cpu_adam_bandwidth` (bytes/s) sets the CPU optimizer's speed; None takes the topology's
     measured host section, else the simulator's default (a fused AdamW measured on the H200
-    run's host, mobius_fx.sim.simulator.CPU_ADAM_BANDWIDTH); `deepspeed_adam_bandwidth` that of
+    run's host, mobius_fx.planning.host_step.CPU_ADAM_BANDWIDTH); `deepspeed_adam_bandwidth` that of
     ZeRO-3's DeepSpeedCPUAdam (None: measured, else the same speed), `masters` where host memory
     lives, `optimizer_overlap` when the CPU optimizer steps (all: see `mobius_fx.simulate`).
     """

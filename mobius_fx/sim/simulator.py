@@ -42,12 +42,11 @@ from mobius_fx.kinds import OVERLAP_MODES
 from mobius_fx.sim.arguments import check_gpus, host_copies_of, host_rates, masters_of, network_of, topology_of
 from mobius_fx.sim.network import Link, LinkSegment, Task, replay
 from mobius_fx.planning.plans import Plan
-from mobius_fx.sim.tasks import MASTERS, NETWORK_LATENCY, Context, ring_allreduce_time
+from mobius_fx.sim.tasks import MASTERS, Context
 from mobius_fx.planning.host_step import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, optimizer_bytes_touched
 from mobius_fx.units import fmt_bytes, fmt_time
 
-__all__ = ["simulate", "SimResult", "SimEvent", "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH",
-           "optimizer_bytes_touched", "ring_allreduce_time", "NETWORK_LATENCY"]
+__all__ = ["simulate", "SimResult", "SimEvent"]
 
 
 

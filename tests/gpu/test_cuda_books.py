@@ -1,6 +1,6 @@
 """The books on CUDA (skipped without CUDA): by default (memory_books="allocator") no Python runs
 per op -- `Device.dispatch_calls` stays 0 over training steps -- and each stage's work is measured
-by the caching allocator (`mobius_fx.runtime.device_books.CudaAllocator`, one per CUDA device, shared by the two
+by the caching allocator (`mobius_fx.runtime.memory_sources.CudaAllocator`, one per CUDA device, shared by the two
 pipeline GPUs on cuda:0 here, as `benchmarks/gpu_check.py` runs them). The allocator's peak stays
 within the budgets, a measured peak over a budget raises `BudgetError` naming the stage, and the
 debug setting "ops" (the dispatch-mode books) gives the same values.
@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch import nn
 
 from mobius_fx import BudgetError, trace
-from mobius_fx.runtime.device_books import CudaAllocator
+from mobius_fx.runtime.memory_sources import CudaAllocator
 from mobius_fx.build import build_pipeline
 from mobius_fx.zoo import nanogpt, nanogpt_inputs
 

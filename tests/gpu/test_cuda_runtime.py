@@ -18,7 +18,7 @@ from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from mobius_fx import MobiusError, trace
-from mobius_fx.runtime.device_books import CudaAllocator
+from mobius_fx.runtime.memory_sources import CudaAllocator
 from mobius_fx.runtime.device_cuda import CudaDevice
 from mobius_fx.build import build_pipeline
 from mobius_fx.zoo import ResidualMLP, hf_gpt2, hf_inputs, nanogpt, nanogpt_inputs

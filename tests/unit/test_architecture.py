@@ -202,10 +202,6 @@ def test_passes_do_not_import_the_runtime():
 # Modules whose `__all__` still lists names defined elsewhere (module -> why). Each is a file
 # another change of issue 37 rewrites now; the lead drops the entry when it lands.
 KNOWN_REEXPORTS: dict[str, str] = {
-    "mobius_fx.runtime.devices": "the device registry (issue 37 part 5, bullet 1) rewrites it: the device classes' home",
-    "mobius_fx.runtime.device_books": "the device registry (issue 37 part 5, bullet 1) rewrites the books' modules",
-    "mobius_fx.runtime.engine": "the one executor (issue 37 part 1) rewrites it (`batch_rows`: planning/microbatch.py)",
-    "mobius_fx.sim.simulator": "the host simulator change of issue 37 rewrites it (the constants: sim/tasks.py)",
 }
 
 

@@ -2,7 +2,7 @@
 
 `Device` (mobius_fx/runtime/device_books.py) is an abstract class: its abstract methods are what
 the runtime calls on a device and differs per kind, each docstring a contract. Every kind of the
-registry (`mobius_fx.runtime.devices.device_choices()`: virtual, virtual-async, cuda -- skipped
+registry (`mobius_fx.runtime.device_registry.device_choices()`: virtual, virtual-async, cuda -- skipped
 here without CUDA, run on a GPU machine -- and any kind registered before collection) runs:
 
 - each check of the contract (`device_registry.CONTRACT`, one test per kind and check): weights
@@ -43,8 +43,10 @@ from mobius_fx.runtime import device_registry
 from mobius_fx.runtime.device_books import Device
 from mobius_fx.runtime.device_common import CpuRng
 from mobius_fx.runtime.device_registry import CONTRACT, ContractError, conformance_problems, device_class
-from mobius_fx.runtime.devices import (VirtualAsyncDevice, VirtualDevice, device_choices, make_devices,
-                                       register_device, unregister_device)
+from mobius_fx.runtime.devices import make_devices
+from mobius_fx.runtime.device_virtual_async import VirtualAsyncDevice
+from mobius_fx.runtime.device_virtual import VirtualDevice
+from mobius_fx.runtime.device_registry import device_choices, register_device, unregister_device
 from mobius_fx.zoo import ResidualMLP
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -379,7 +381,7 @@ def test_a_pipeline_on_every_kind_equals_eager_and_moves_what_the_ir_says(kind, 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_a_kind_that_cannot_run_here_says_why_and_is_not_checked_here():
-    from mobius_fx.runtime.devices import CudaDevice
+    from mobius_fx.runtime.device_cuda import CudaDevice
 
     assert conformance_problems(CudaDevice) == [
         "its devices cannot be made here: torch.cuda.is_available() is False; use device='virtual' to run the "

@@ -25,7 +25,7 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import BudgetError, MobiusError, Topology
-from mobius_fx.runtime.device_books import CudaAllocator, Mark, MemorySource
+from mobius_fx.runtime.memory_sources import CudaAllocator, Mark, MemorySource
 from mobius_fx.runtime.device_virtual import VirtualDevice
 from mobius_fx.runtime.device_virtual_async import VirtualAsyncDevice
 from mobius_fx.runtime.devices import make_devices

@@ -15,7 +15,8 @@ from mobius_fx.planning.plans import build_plan
 from mobius_fx.planning.step_memory import MemoryModel, stage_memory
 from mobius_fx import schedules
 from mobius_fx.planning.host_step import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, TOUCHED_BYTES, host_copy_bytes
-from mobius_fx.sim.simulator import CPU_ADAM_BANDWIDTH, simulate
+from mobius_fx.sim.simulator import simulate
+from mobius_fx.planning.host_step import CPU_ADAM_BANDWIDTH
 from mobius_fx.topology.server import Topology
 from mobius_fx.topology.schema import HostFigures
 from mobius_fx.precision import Precision
