@@ -103,9 +103,10 @@ def _gradient(g16: torch.Tensor, grad_out: torch.Tensor | None, maximize: bool) 
 
 def _adam(p: torch.Tensor, g16: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor | None,
           copy_out: torch.Tensor | None, s: torch.Tensor, decoupled: bool, decay: bool, maximize: bool,
-          small_w: bool) -> torch.Tensor:
-    """One Adam/AdamW step of flat fp32 `p`, `m`, `v` from gradient `g16`, in place; `s` = the fp32
-    scalars of `adam_scalars`. Returns whether `g16` is all finite (a 0-d bool)."""
+          small_w: bool, p_out: torch.Tensor | None = None) -> torch.Tensor:
+    """One Adam/AdamW step of flat fp32 `p`, `m`, `v` from gradient `g16`, in place (the new `p`
+    into `p_out` instead when given); `s` = the fp32 scalars of `adam_scalars`. Returns whether
+    `g16` is all finite (a 0-d bool)."""
     g, ok = _gradient(g16, grad_out, maximize)
     wdf, w1, b2, c2, bc2s, eps, nss = s[0], s[1], s[2], s[3], s[4], s[5], s[6]
     p1 = p
@@ -118,7 +119,7 @@ def _adam(p: torch.Tensor, g16: torch.Tensor, m: torch.Tensor, v: torch.Tensor, 
     v1 = (c2 * g) * g + v * b2
     den = v1.sqrt() / bc2s + eps
     p2 = p1 + (nss * m1) / den
-    p.copy_(p2)
+    (p if p_out is None else p_out).copy_(p2)
     m.copy_(m1)
     v.copy_(v1)
     if copy_out is not None:
@@ -127,8 +128,10 @@ def _adam(p: torch.Tensor, g16: torch.Tensor, m: torch.Tensor, v: torch.Tensor, 
 
 
 def _sgd(p: torch.Tensor, g16: torch.Tensor, buf: torch.Tensor | None, grad_out: torch.Tensor | None,
-         copy_out: torch.Tensor | None, s: torch.Tensor, decay: bool, nesterov: bool, maximize: bool) -> torch.Tensor:
-    """One SGD step (momentum when `buf` is given) of flat fp32 `p` from `g16`, in place, as torch's
+         copy_out: torch.Tensor | None, s: torch.Tensor, decay: bool, nesterov: bool, maximize: bool,
+         p_out: torch.Tensor | None = None) -> torch.Tensor:
+    """One SGD step (momentum when `buf` is given) of flat fp32 `p` from `g16`, in place (the new `p`
+    into `p_out` instead when given), as torch's
     per-tensor step (`a.add(b, alpha=c)` is fma(b, c, a) there); `s` = `sgd_scalars`."""
     g, ok = _gradient(g16, grad_out, maximize)
     wd, mom, damp1, neg_lr = s[0], s[1], s[2], s[3]
@@ -139,7 +142,7 @@ def _sgd(p: torch.Tensor, g16: torch.Tensor, buf: torch.Tensor | None, grad_out:
         buf.copy_(b1)
         g = g + b1 * mom if nesterov else b1
     p2 = p + g * neg_lr
-    p.copy_(p2)
+    (p if p_out is None else p_out).copy_(p2)
     if copy_out is not None:
         copy_out.copy_(p2)
     return ok
@@ -202,14 +205,16 @@ def _reset_for_tests() -> None:
 
 def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state: dict, step: float | None = None,
               grad_out: torch.Tensor | None = None, copy_out: torch.Tensor | None = None,
-              compiled: bool = True) -> torch.Tensor:
+              compiled: bool = True, p_out: torch.Tensor | None = None) -> torch.Tensor:
     """Step elements of one parameter in one pass: `p` (fp32), `grad` (its gradient, any float
     dtype), the state tensors in `state` (torch's names; views of the same elements) and the
     outputs `grad_out` (fp32 `.grad`) and `copy_out` (the streamed copy) are flat and contiguous.
     `step`: Adam's step count after this step (the caller increments `state["step"]` once per
     parameter, not per span). Returns the finite flag of `grad` (a 0-d bool tensor). `compiled`:
     the compiled kernel (building it on first use; on failure, logged once, this call and
-    `compiled()` fall back to eager ops), else the formula in eager torch ops."""
+    `compiled()` fall back to eager ops), else the formula in eager torch ops. `p_out` (fp32, flat,
+    as `p`, not overlapping it): the new parameter is written there and `p` is left unchanged
+    (the same bytes: `p` read, `p_out` written), e.g. a shadow copy stepped while `p` is in use."""
     with torch.no_grad():
         if kind in ("adam", "adamw"):
             s, decay, small_w = adam_scalars(group, float(step), kind)
@@ -222,14 +227,15 @@ def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state
             args = (p, grad, buf, grad_out, copy_out, s)
             flags = (float(group["weight_decay"]) != 0, bool(group.get("nesterov")), bool(group.get("maximize")))
             fn = _sgd
+        out = {} if p_out is None else {"p_out": p_out}
         if compiled and _broken is None:
             key = (kind, flags, grad.dtype, None if copy_out is None else copy_out.dtype, grad_out is not None,
-                   buf is None if kind == "sgd" else None)
+                   buf is None if kind == "sgd" else None, p_out is None)
             try:
-                return _kernel(key)(*args, *flags)
+                return _kernel(key)(*args, *flags, **out)
             except Exception as e:  # noqa: BLE001 - no C++ compiler, an inductor error: torch's path
                 _failed(e)
-        return fn(*args, *flags)
+        return fn(*args, *flags, **out)
 
 
 # ------------------------------------------------------------------ the derived bounds (see the module docstring)

@@ -253,3 +253,31 @@ def test_bounds_are_a_few_ulps_of_the_parameter():
                      torch.full((1,), 1e-3), torch.full((1,), 1e-6), group, 10.0)
     ulp = 2.0 ** -23
     assert b["p"].item() < 8 * ulp and math.isfinite(b["v"].item())
+
+
+@pytest.mark.parametrize("kind,kw", [("adamw", dict(lr=1e-2, weight_decay=0.1)), ("adam", dict(lr=1e-2, weight_decay=0.1)),
+                                     ("sgd", dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01))])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_p_out_gets_the_in_place_result_bit_for_bit_and_p_is_left_unchanged(kind, kw, compiled):
+    """`step_span(..., p_out=shadow)`: the new parameter goes to `shadow` (the bits the in-place
+    step writes into `p`), the state and copy are as in place, and `p` itself is not written."""
+    gen = torch.Generator().manual_seed(3)
+    group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "maximize": False, "dampening": 0.0,
+             "nesterov": False, "momentum": 0.0, **kw}
+    p0 = torch.randn(N, generator=gen) * 0.1
+    names = ("exp_avg", "exp_avg_sq") if kind != "sgd" else ("momentum_buffer",)
+    st0 = {k: torch.randn(N, generator=gen).abs() * 1e-3 for k in names}
+    g = _grad(gen, N)
+    step = 3.0 if kind != "sgd" else None
+    results = []
+    for out in (False, True):
+        p, st = p0.clone(), {k: v.clone() for k, v in st0.items()}
+        copy = torch.empty(N, dtype=torch.bfloat16)
+        shadow = torch.full((N,), float("nan")) if out else None
+        H.step_span(kind, group, p, g, st, step=step, copy_out=copy, compiled=compiled, p_out=shadow)
+        results.append((p, st, copy, shadow))
+    (p_in, st_in, copy_in, _), (p_kept, st_out, copy_out, shadow) = results
+    assert not torch.equal(p_in, p0)  # the step moved the parameter ...
+    assert torch.equal(p_kept, p0)  # ... but with p_out, p is only read
+    assert torch.equal(shadow, p_in) and torch.equal(copy_out, copy_in)
+    assert all(torch.equal(st_in[k], st_out[k]) for k in names)
