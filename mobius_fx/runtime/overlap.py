@@ -196,6 +196,14 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
         self._shadows: dict[int, nn.Parameter] = {}
         self._flight: Future | None = None
         self._flight_params: list[torch.Tensor] = []
+        self._flight_copies: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (device, param, copy) it writes
+        self._write_copies = refresh_copies  # async: the update writes the streamed copy the next uploads read
+        self._held: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # async: downloads the update reads
+        self._stream_size: dict[int, int] = {}  # async: id(param) -> its downloads' element size
+        self._mine: dict[int, torch.Tensor] | None = None  # async: this optimizer's parameters by id (per backward)
+        # False: no fp32 `.grad` from the host pass (4 B per parameter less), only for loops that
+        # do not read or edit `.grad` between backward and step (docs/host_optimizer.md)
+        self.keep_grads = True
         if mode == "async":
             self._hook_model()
         if mode == "sync" and not per_parameter(optimizer):
@@ -241,6 +249,11 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._wait_adds()
+        if self._held:  # async, between backward and step: the gradients it holds are the .grad zeroed
+            if set_to_none:
+                self.drop_held()
+            else:
+                self._materialize()
         if not set_to_none:
             self.unshare_grads(zero=True)
         self.inner.zero_grad(set_to_none)
@@ -441,6 +454,7 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
         self.synchronize()
         for ex in {id(e): e for e in (self._adder, self._stepper) if e is not None}.values():
             ex.shutdown()
+        self._held = {}
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()

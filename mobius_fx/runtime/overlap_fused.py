@@ -30,11 +30,7 @@ __all__ = ["FusedStep", "UNIT", "SPAN_UNITS", "SPAN", "HOST_PASS"]
 
 # Whether sync's stage step uses the fused host pass (`host_optimizer`) where it can.
 HOST_PASS = os.environ.get("MOBIUS_FX_HOST_PASS", "1") != "0"
-# An OverlapOptimizer's `keep_grads` (default True): the pass writes the fp32 `.grad` (+4 B per
-# parameter), as torch users expect after backward. False: the parameters it steps have no
-# `.grad` after backward (28 B per parameter for AdamW in bf16); a loop that reads or edits
-# `.grad` between backward and step (clip_grad_norm_) then sees none: only for loops that do not.
-_ALIGN = 64  # bytes: every tensor the compiled pass reads or writes starts at this alignment
+ALIGN = 64  # bytes: every tensor the compiled pass reads or writes starts at this alignment
 
 
 # The optimizers whose step `_step_fused` runs span by span: each element is updated from its own
@@ -184,6 +180,8 @@ class FusedStep:
                 groups.setdefault(where[id(p)], []).append(q)
             sub.param_groups = [{**hp[g], "params": qs} for g, qs in sorted(groups.items())]
             raw(sub)
+            sub.state.clear()  # no view of a gradient home outlives its span (a home held is not reused)
+            sub.param_groups = []
             del sub, groups
             i = j
         for p, own in scalars.values():  # every span stepped the same scalars: the last one's are theirs
@@ -207,7 +205,7 @@ class FusedStep:
         tensors = [p, gs[0]] + [state.get(k) for k in names]
         if kind != "sgd" and not isinstance(state.get("step"), torch.Tensor):
             return None
-        if any(t is None or t.dtype not in (torch.float32, gs[0].dtype) or t.data_ptr() % _ALIGN for t in tensors):
+        if any(t is None or t.dtype not in (torch.float32, gs[0].dtype) or t.data_ptr() % ALIGN for t in tensors):
             return None
         return kind
 
@@ -216,7 +214,7 @@ class FusedStep:
         for dev in self._pipeline._rt.devices.values():
             entry = getattr(dev, "_pinned", {}).get(id(p))
             if (entry is not None and entry[0] is p and entry[2].shape == p.shape and entry[2].is_contiguous()
-                    and entry[2].data_ptr() % _ALIGN == 0):
+                    and entry[2].data_ptr() % ALIGN == 0):
                 return entry
         return None
 
@@ -227,7 +225,7 @@ class FusedStep:
         (parameter, streamed-copy entry) pairs it wrote, for `_step_fused` to mark current."""
         state = self.inner.state
         written = []
-        keep = getattr(self, "keep_grads", True)
+        keep = self.keep_grads
         for p, gs, kind in passed:
             home = homes.take(p) if keep else None
             p.grad = home

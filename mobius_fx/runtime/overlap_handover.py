@@ -37,6 +37,9 @@ class GradHandover:
         """A backward pass of the pipeline begins (first stage backward of a step)."""
         self._check_dirty()
         self._backwards += 1
+        if self.mode == "async":
+            self._materialize()  # a second backward before opt.step() accumulates onto the first's gradients
+            self._mine = {id(p): p for p in self._params()}
         if self.mode != "sync":
             return
         for p in self._params():
@@ -191,6 +194,8 @@ class GradHandover:
     def backward_done(self) -> None:
         """End of a backward pass: every `.grad` is final when it returns."""
         self._wait_adds()
+        if self.mode != "sync":
+            return
         if self._hp is None:
             self._hp = hyper_params(self.param_groups)
         self._after_backward = {id(p): (p.grad, p.grad._version, fingerprint(p.grad) if self._probing else None)

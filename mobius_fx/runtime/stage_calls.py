@@ -111,7 +111,7 @@ class StageCalls:
     """Stage calls on their GPUs, forward and backward (mixed into `runtime.Runtime`, whose
     weights, activations and step state these methods use)."""
 
-    overlap: Any = None  # the OverlapOptimizer stepping stages during backward (pipe.overlap, mode="sync")
+    overlap: Any = None  # the OverlapOptimizer: stepping stages during backward ("sync"), taking gradients ("async")
     reducer: Any = None  # the data_parallel.GradientReducer averaging gradients across ranks (compile(process_group=))
 
     # ------------------------------------------------------------------ stage calls
@@ -467,7 +467,10 @@ class StageCalls:
                 for master, thunk in step.pending:
                     by_master.setdefault(id(master), (master, []))[1].append(thunk)
                 handed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+                take = getattr(self.overlap, "take", None)  # async: the overlap takes what its update reads
                 for i, (master, thunks) in by_master.items():
+                    if take is not None and take(master, thunks):
+                        continue
                     g = host_gradient(master, thunks)
                     if g is not None:
                         handed[i] = (master, g)
