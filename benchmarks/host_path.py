@@ -18,13 +18,13 @@ stepped by `pipe.overlap(mode="sync")`. Per step it prints, from the runtime's o
 step, no refresh, a new fp32 gradient per master per step converted in a pass of its own, every
 gradient read on the host for a non-finite value); "spans" the issue-27 path (gradients converted
 span by span inside the stage's step, the streamed copy refreshed by a pass of its own after it:
-the fused host pass off, `overlap_fused.HOST_PASS = False`); "after" the defaults now: the fused
+the fused host pass off, `overlap.HOST_PASS = False`); "after" the defaults now: the fused
 host pass (mobius_fx/runtime/host_optimizer.py) steps each parameter in one pass that reads the
 bf16 download and writes the streamed copy and the fp32 `.grad`. The ideal is 0 bytes outside the
 optimizer; "no .grad" the same with `opt.keep_grads = False` (the pass writes no fp32 `.grad`:
 for loops that do not read it after backward). The row "total" is the bytes touched per
 parameter per step: the optimizer's own 28 (AdamW) + outside + beside, ideally 28. Under
-`--mode async` the same pass steps each parameter into its shadow (overlap_async.py): "before" and
+`--mode async` the same pass steps each parameter into its shadow (overlap.py): "before" and
 "spans" are the path before it (w(t) copied into the shadow -- `shadow` -- and torch's step over
 it), "after" reads the fp32 `.grad` converted at backward's end (`grad_read`: its 2 extra bytes),
 "no .grad" reads the bf16 downloads themselves.
@@ -49,7 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
 from mobius_fx.kinds import OVERLAP_MODES  # noqa: E402
-from mobius_fx.runtime import overlap_fused  # noqa: E402
+from mobius_fx.runtime import overlap  # noqa: E402
 from mobius_fx.runtime.host_counters import BESIDE, COUNTERS, HostCounters  # noqa: E402
 from mobius_fx.zoo import GPT, GPTConfig  # noqa: E402
 
@@ -65,7 +65,7 @@ def _config(params: float) -> GPTConfig:
 
 def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before: bool, host_pass: bool = True,
         mode: str = "sync", keep_grads: bool = True) -> list[dict]:
-    overlap_fused.HOST_PASS = host_pass and not before
+    overlap.HOST_PASS = host_pass and not before
     torch.manual_seed(0)
     model = GPT(_config(params))
     n = sum(p.numel() for p in model.parameters())
@@ -81,7 +81,7 @@ def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before
         pipe._rt.grad_homes = None
     opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4), mode=mode, refresh_copies=not before)
     opt.fuse = not before  # before: whole gradients converted, then read on the host, then stepped
-    opt.keep_grads = keep_grads  # False: no fp32 .grad written by the fused host pass (overlap_fused)
+    opt.keep_grads = keep_grads  # False: no fp32 .grad written by the fused host pass (overlap.py)
     rows = []
     for step in range(steps):
         c0 = COUNTERS.snapshot()

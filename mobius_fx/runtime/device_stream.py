@@ -142,7 +142,7 @@ class StreamDevice(Device):
         """The optimizer stepped `masters` (pipe.overlap, on its worker, after a stage's last
         backward): write their new values into the streamed copies now, so the next step's
         uploads need no copy of their own. A copy already current -- written by the fused host
-        pass in the step itself (`overlap_fused.FusedStep._host_pass`), its (storage pointer,
+        pass in the step itself (`overlap.OverlapOptimizer._host_pass`), its (storage pointer,
         version) recorded after the step -- is left as it is."""
         for m in masters:
             entry = self._pinned.get(id(m))

@@ -11,7 +11,7 @@ optimizer needs 28). The runtime counts those passes here, in bytes read plus wr
 - `grad_convert` — a downloaded gradient converted into the master's dtype, or summed with another
                    stage's (a tied weight), on its way to `.grad` (`host_gradient`), a pass of its own;
 - `grad_fused`   — the same conversion done inside the optimizer overlap's step of a stage, span by
-                   span (`overlap_fused.FusedStep._step_fused`): each span of `.grad` is written and at
+                   span (`overlap.OverlapOptimizer._step_fused`): each span of `.grad` is written and at
                    once read by the optimizer from cache. Beside the optimizer, like `refresh`: the
                    bytes are those of writing the fp32 `.grad` torch users read after backward;
 - `grad_alloc`   — fresh host memory allocated for a gradient (faulted in by its first write);

@@ -17,7 +17,7 @@ it needs nothing but torch and a C++ compiler, fuses any elementwise formula of 
 loop, and measured as fast as torch's fused AdamW on the same bytes (README, cpu_optimizer.py).
 Where it cannot be built (no C++ compiler, an inductor error) `compiled()` says False, the
 reason is logged once (`logging.getLogger("mobius_fx")`) and callers step with torch's own
-optimizer and copy as before (`overlap_fused`); `step_span(..., compiled=False)` runs the same
+optimizer and copy as before (`overlap`); `step_span(..., compiled=False)` runs the same
 formula in eager torch ops (several passes).
 
 The hyper-parameters are read from the param group at every step (LR schedulers work) and are

@@ -72,7 +72,7 @@ HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e
 #   step (refresh_copies=True, its default), so nothing is pinned: on the optimizer's resource;
 # - "handover": a downloaded gradient made the master's fp32 `.grad` (host_gradient), read s +
 #   write 4, none when gradients stream in fp32; on the main thread after backward ("none",
-#   "async"); in "sync" span by span inside the stage's step (overlap_fused.FusedStep._step_fused: each span is
+#   "async"); in "sync" span by span inside the stage's step (overlap.OverlapOptimizer._step_fused: each span is
 #   converted right before the optimizer steps it), charged as the step's extra DRAM traffic
 #   (the streamed bytes: the fp32 span is read back from cache) at the optimizer's speed;
 # - "finite_check": "sync" with fp32 downloads reads each stage's gradients for a non-finite
@@ -386,7 +386,7 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
             landed = [reduced[k]] if k in reduced else grads.get(k) or everything
             if ctx.scale < 1 and ctx.copies["handover"] > 0:
                 # half-precision gradients: the runtime converts them span by span inside the
-                # stage's step (overlap_fused.FusedStep._step_fused), reading their finiteness on the GPUs (no host
+                # stage's step (overlap.OverlapOptimizer._step_fused), reading their finiteness on the GPUs (no host
                 # pass). DRAM traffic: the streamed gradient read and the fp32 `.grad` written,
                 # which the step then reads from cache instead of from memory: `streamed` bytes per
                 # parameter more than the step's own, at the optimizer's speed

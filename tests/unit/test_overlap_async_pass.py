@@ -1,4 +1,4 @@
-"""pipe.overlap(opt, "async") with the fused host pass (mobius_fx/runtime/overlap_async.py): the
+"""pipe.overlap(opt, "async") with the fused host pass (mobius_fx/runtime/overlap.py): the
 staleness-1 update of step t reads the bf16 downloads (or, with `keep_grads`, the fp32 `.grad`),
 writes w(t+1) into the shadow out of place, the state in place and the second streamed copy the
 uploads after the swap read -- no shadow copy, no pin at upload, no conversion without
