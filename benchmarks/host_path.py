@@ -18,16 +18,20 @@ stepped by `pipe.overlap(mode="sync")`. Per step it prints, from the runtime's o
 step, no refresh, a new fp32 gradient per master per step converted in a pass of its own, every
 gradient read on the host for a non-finite value); "spans" the issue-27 path (gradients converted
 span by span inside the stage's step, the streamed copy refreshed by a pass of its own after it:
-the fused host pass off, `overlap_fused.HOST_PASS = False`); "after" the defaults now: the fused
+the fused host pass off, `overlap.HOST_PASS = False`); "after" the defaults now: the fused
 host pass (mobius_fx/runtime/host_optimizer.py) steps each parameter in one pass that reads the
 bf16 download and writes the streamed copy and the fp32 `.grad`. The ideal is 0 bytes outside the
 optimizer; "no .grad" the same with `opt.keep_grads = False` (the pass writes no fp32 `.grad`:
 for loops that do not read it after backward). The row "total" is the bytes touched per
-parameter per step: the optimizer's own 28 (AdamW) + outside + beside, ideally 28.
+parameter per step: the optimizer's own 28 (AdamW) + outside + beside, ideally 28. Under
+`--mode async` the same pass steps each parameter into its shadow (overlap.py): "before" and
+"spans" are the path before it (w(t) copied into the shadow -- `shadow` -- and torch's step over
+it), "after" reads the fp32 `.grad` converted at backward's end (`grad_read`: its 2 extra bytes),
+"no .grad" reads the bf16 downloads themselves.
 
-    python benchmarks/host_path.py                  # ~100M parameters, bf16 streamed, 3 steps
+    python benchmarks/host_path.py                  # ~100M parameters, bf16 streamed, 3 steps (async: 5)
     python benchmarks/host_path.py --params 5e6 --steps 4 --dtype fp32
-    python benchmarks/host_path.py --mode async     # the async overlap (no host pass there yet)
+    python benchmarks/host_path.py --mode async     # the async overlap (RoundPipe's staleness-1 update)
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
 from mobius_fx.kinds import OVERLAP_MODES  # noqa: E402
-from mobius_fx.runtime import overlap_fused  # noqa: E402
+from mobius_fx.runtime import overlap  # noqa: E402
 from mobius_fx.runtime.host_counters import BESIDE, COUNTERS, HostCounters  # noqa: E402
 from mobius_fx.zoo import GPT, GPTConfig  # noqa: E402
 
@@ -61,7 +65,7 @@ def _config(params: float) -> GPTConfig:
 
 def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before: bool, host_pass: bool = True,
         mode: str = "sync", keep_grads: bool = True) -> list[dict]:
-    overlap_fused.HOST_PASS = host_pass and not before
+    overlap.HOST_PASS = host_pass and not before
     torch.manual_seed(0)
     model = GPT(_config(params))
     n = sum(p.numel() for p in model.parameters())
@@ -77,7 +81,7 @@ def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before
         pipe._rt.grad_homes = None
     opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4), mode=mode, refresh_copies=not before)
     opt.fuse = not before  # before: whole gradients converted, then read on the host, then stepped
-    opt.keep_grads = keep_grads  # False: no fp32 .grad written by the fused host pass (overlap_fused)
+    opt.keep_grads = keep_grads  # False: no fp32 .grad written by the fused host pass (overlap.py)
     rows = []
     for step in range(steps):
         c0 = COUNTERS.snapshot()
@@ -91,12 +95,14 @@ def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before
         wall = time.perf_counter() - t0
         c = HostCounters.since(c0, COUNTERS.snapshot())
         rows.append({"step": step, "params": n, "outside": HostCounters.outside_optimizer(c) / n,
-                     "refresh": c["refresh"] / n, "fused": c["grad_fused"] / n, "counts": c,
+                     "refresh": c["refresh"] / n, "fused": c["grad_fused"] / n, "read": c["grad_read"] / n,
+                     "beside": HostCounters.beside_optimizer(c) / n, "counts": c,
                      "dispatch": sum(d.dispatch_calls for d in devs) - d0,
                      "waits": sum(d.waits.count() for d in devs), "wall": wall})
         print(f"{label:6s} step {step}: outside the optimizer {rows[-1]['outside']:5.2f} B/param "
               f"({', '.join(f'{k} {v / n:.2f}' for k, v in c.items() if v and k not in BESIDE) or 'nothing'}), "
-              f"beside it (refresh {rows[-1]['refresh']:.2f}, grad_fused {rows[-1]['fused']:.2f}) B/param, "
+              f"beside it (refresh {rows[-1]['refresh']:.2f}, grad_fused {rows[-1]['fused']:.2f}, "
+              f"grad_read {rows[-1]['read']:.2f}) B/param, "
               f"dispatch calls {rows[-1]['dispatch']}, "
               f"main-thread waits {rows[-1]['waits']}, {wall:.2f} s", flush=True)
     opt.close()
@@ -106,11 +112,15 @@ def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=100e6, help="about how many parameters (default 1e8)")
-    ap.add_argument("--steps", type=int, default=3, help="steps per run (the first runs serially: sync's probe)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per run (default 3 for sync, whose first step runs serially: its probe; 5 for async, "
+                         "whose first update makes the state and whose pass's copies are uploaded two steps later)")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the streamed dtype")
     ap.add_argument("--mode", choices=[m for m in OVERLAP_MODES if m != "none"], default="sync",
                     help="the overlap mode (default sync)")
     args = ap.parse_args()
+    if args.steps is None:
+        args.steps = 5 if args.mode == "async" else 3
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
     runs = (("before", True, False, True), ("spans", False, False, True), ("after", False, True, True),
@@ -129,16 +139,19 @@ def main() -> None:
     row("outside the optimizer", "0.00", "outside")
     row("beside it: refresh", "-", "refresh")
     row("beside it: grad_fused", "-", "fused")
+    row("beside it: grad_read", "-", "read")
     for k in labels:
-        last[k]["total"] = 28 + last[k]["outside"] + last[k]["refresh"] + last[k]["fused"]
+        last[k]["total"] = 28 + last[k]["outside"] + last[k]["beside"]
     row("total (28 + the above)", "28.00", "total")
     row("dispatch calls", "-", "dispatch", ">10d")
     row("main-thread waits", "0", "waits", ">10d")
     row("step wall time (s)", "-", "wall")
     if args.mode == "async":
-        print("async: the update copies w(t) into the shadow (8 B/param, not counted above) and steps with torch's "
-              "optimizer from the fp32 .grad the runtime converted; the fused host pass is not used there yet")
-
+        print("async: 'before' and 'spans' are today's path before the pass (the downloads converted into a new "
+              "(before) or kept (spans) fp32 .grad, w(t) copied into the shadow: 'shadow', torch's step reading the "
+              "fp32 .grad: +2 B not counted there, the copy pinned again at upload); 'after' the pass reading the "
+              "fp32 .grad converted at backward's end (keep_grads, the default: 'grad_read' is its +2 B); 'no .grad' "
+              "the pass reading the bf16 downloads themselves")
 
 if __name__ == "__main__":
     main()

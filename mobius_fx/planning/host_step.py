@@ -1,8 +1,7 @@
 """What the host does per training step, in bytes per parameter and seconds: the one statement
-the simulator (mobius_fx/sim/tasks.py, which re-exports these names) and the planner's step model
+the simulator (mobius_fx/sim/tasks.py) and the planner's step model
 (`HostPass`, read by mobius_fx/planning/step_timeline.py and the partition MIP) both charge, as
-the runtime does it (runtime/host_optimizer.py, overlap_fused.py, overlap_handover.py,
-device_stream.py).
+the runtime does it (runtime/host_optimizer.py, overlap.py, device_stream.py).
 
     host_pass_bytes("adamw", 2, "sync")            # 28: one fused pass, bf16 in, streamed copy out
     HostPass.of(topology, precision, "adamw", "sync").seconds(8e9 * 2)   # stage pass, 8e9 bf16 grad bytes
@@ -74,7 +73,7 @@ HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e
 #   StreamDevice._pinned_copy).
 # - "sync" (`pipe.overlap(opt, "sync")`): per stage as soon as its gradient downloads landed,
 #   on the optimizer's worker. Half-precision downloads: ONE fused pass per parameter
-#   (runtime/host_optimizer.py via overlap_fused.FusedStep._host_pass) reads the download (s),
+#   (runtime/host_optimizer.py via overlap.OverlapOptimizer._host_pass) reads the download (s),
 #   p, m, v and writes p, m, v and the streamed copy the next upload reads (s): `host_pass_bytes`,
 #   28 B for AdamW in bf16, plus the fp32 `.grad` it writes ("grad", 4 B: OverlapOptimizer's
 #   keep_grads, default True), at the optimizer's speed. No hand-over, refresh, pin or finite
@@ -82,7 +81,7 @@ HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e
 #   (no hand-over), torch's step (28 B), then the streamed copy written from the master
 #   ("refresh", read 4 + write 4: StreamDevice.refresh) on the same worker, at the copies' speed.
 #   Data parallel (servers > 1): the all-reduced gradients take the unfused path
-#   (overlap_handover.ready without GPU finite flags): "handover" on the adder thread, the
+#   (overlap.OverlapOptimizer.ready without GPU finite flags): "handover" on the adder thread, the
 #   non-finite check ("finite_check", read 4) and torch's step and "refresh" on the optimizer's.
 # - "async" (staleness 1): the same fused pass out of place into the shadow the next swap makes
 #   the weights, half-precision in, streamed copy out (`host_pass_bytes`: 28 B for AdamW in bf16),

@@ -410,6 +410,16 @@ class Device(abc.ABC):
         """The masters changed in a way no version counter shows: any kept host copy is made
         again at its next upload (`Pipeline.refresh_weights`). Here: none kept."""
 
+    def next_copy(self, master: torch.Tensor) -> torch.Tensor | None:
+        """pipe.overlap(mode="async"): a second host copy of `master` in the streamed dtype that the
+        update in flight may write w(t+1) into while this step's uploads read the first, once no
+        upload reads it any more (`StreamDevice`); None: no copy kept here, the update writes none."""
+        return None
+
+    def swap_copy(self, master: torch.Tensor, copy: torch.Tensor) -> None:
+        """The async update that wrote `copy` (from `next_copy`) landed: it becomes the copy the
+        next uploads of `master` read (`StreamDevice`). Here: none kept, nothing to do."""
+
     # ------------------------------------------------------------------ the interface: activations
     @abc.abstractmethod
     def accept(self, t: Any) -> Any:

@@ -50,6 +50,10 @@ class StreamDevice(Device):
         # `refresh` (the optimizer overlap) writes a stepped stage's new values right after its
         # step, so the next step's upload copies nothing.
         self._pinned: dict[int, list[Any]] = {}
+        # mode="async": per master a second streamed copy, [master, host copy, event of its last
+        # upload], that the update in flight writes w(t+1) into while the running step uploads
+        # w(t) from the first (`next_copy`); `swap_copy` exchanges them when the update lands
+        self._spares: dict[int, list[Any]] = {}
         self._epoch = 0
         # An unchanged (storage pointer, version) needs no new copy (`_pinned_copy`); False copies
         # every master at its first upload of every step (the behaviour before issue 27)
@@ -138,7 +142,7 @@ class StreamDevice(Device):
         """The optimizer stepped `masters` (pipe.overlap, on its worker, after a stage's last
         backward): write their new values into the streamed copies now, so the next step's
         uploads need no copy of their own. A copy already current -- written by the fused host
-        pass in the step itself (`overlap_fused.FusedStep._host_pass`), its (storage pointer,
+        pass in the step itself (`overlap.OverlapOptimizer._host_pass`), its (storage pointer,
         version) recorded after the step -- is left as it is."""
         for m in masters:
             entry = self._pinned.get(id(m))
@@ -152,6 +156,32 @@ class StreamDevice(Device):
             self.pinned_copies["refreshed_copies"] += 1
             self.pinned_copies["refreshed_bytes"] += nbytes(entry[2])
             COUNTERS.add("refresh", nbytes(m) + nbytes(entry[2]))
+
+    def next_copy(self, master: torch.Tensor) -> torch.Tensor | None:
+        """mode="async": the second streamed copy of `master` (None when it has no first one),
+        once the last upload that read it is done; the update in flight writes the new weights
+        there while the running step uploads the old ones from the first (optimizer's worker)."""
+        entry = self._pinned.get(id(master))
+        if entry is None or entry[0] is not master:
+            return None
+        spare = self._spares.get(id(master))
+        if spare is None or spare[0] is not master or spare[1].shape != entry[2].shape \
+                or spare[1].dtype != entry[2].dtype:
+            spare = self._spares[id(master)] = [master, self._host_buffer(entry[2].shape, entry[2].dtype), None]
+        if spare[2] is not None:
+            spare[2].synchronize()  # an upload of an earlier step read it
+        return spare[1]
+
+    def swap_copy(self, master: torch.Tensor, copy: torch.Tensor) -> None:
+        """mode="async": the update that wrote `copy` (`next_copy`) landed -- `master` holds the
+        new weights --: `copy` becomes the streamed copy the next uploads read, current for the
+        master's (storage pointer, version) now, and the old one the spare."""
+        entry, spare = self._pinned.get(id(master)), self._spares.get(id(master))
+        if entry is None or entry[0] is not master or spare is None or spare[1] is not copy:
+            return
+        entry[2], spare[1] = copy, entry[2]
+        entry[3], spare[2] = None, entry[3]
+        entry[4] = (master.data_ptr(), master._version) if self.trust_versions else None
 
     def _sources(self, targets: list[torch.Tensor], masters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         entries = [self._pinned_copy(m, t.dtype) for t, m in zip(targets, masters)]

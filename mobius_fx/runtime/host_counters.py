@@ -11,18 +11,25 @@ optimizer needs 28). The runtime counts those passes here, in bytes read plus wr
 - `grad_convert` — a downloaded gradient converted into the master's dtype, or summed with another
                    stage's (a tied weight), on its way to `.grad` (`host_gradient`), a pass of its own;
 - `grad_fused`   — the same conversion done inside the optimizer overlap's step of a stage, span by
-                   span (`overlap_fused.FusedStep._step_fused`): each span of `.grad` is written and at
+                   span (`overlap.OverlapOptimizer._step_fused`): each span of `.grad` is written and at
                    once read by the optimizer from cache. Beside the optimizer, like `refresh`: the
                    bytes are those of writing the fp32 `.grad` torch users read after backward;
 - `grad_alloc`   — fresh host memory allocated for a gradient (faulted in by its first write);
 - `grad_add`     — a gradient added into an existing `.grad` (accumulation the loop asked for);
+- `shadow`       — mode="async": a parameter copied into the shadow its update is written into,
+                   before the optimizer's own step (where the fused host pass does not step it:
+                   that pass writes the shadow out of place, no copy);
+- `grad_read`    — mode="async": the fused host pass reading the fp32 `.grad` (`keep_grads`, the
+                   default) where it would read the streamed-dtype download: the difference (2 B
+                   per parameter in bf16), beside the optimizer;
 - `finite_check` — pipe.overlap(mode="sync") reading a stage's gradients on the host for a
                    non-finite value before stepping it during backward (a loop may skip a step on
                    one); only where the GPU could not tell (a device without `fetch`, data
                    parallel): otherwise the GPU sums them before the download (`finite_flag`).
 
-A step with nothing but the optimizer has 0 in all but `refresh` and `grad_fused` (`BESIDE`). The counters are process-wide
-(several pipelines add into them) and cheap: one locked addition per tensor, never per element.
+A step with nothing but the optimizer has 0 in all but `refresh`, `grad_fused` and `grad_read`
+(`BESIDE`). The counters are process-wide (several pipelines add into them) and cheap: one
+locked addition per tensor, never per element.
 
 `watch_optimizer_steps()` (installed by every stream-device pipeline) bumps the version counter of
 the parameters a `torch.optim` step changed: the fused optimizers write without bumping it, and
@@ -42,8 +49,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["COUNTERS", "HostCounters", "watch_optimizer_steps", "watch_masters", "masters_stepped", "BESIDE"]
 
-KINDS = ("pin", "refresh", "grad_convert", "grad_fused", "grad_alloc", "grad_add", "finite_check")
-BESIDE = ("refresh", "grad_fused")  # written inside or right after the optimizer's step
+KINDS = ("pin", "refresh", "grad_convert", "grad_fused", "grad_alloc", "grad_add", "finite_check", "shadow",
+         "grad_read")
+BESIDE = ("refresh", "grad_fused", "grad_read")  # written inside or right after the optimizer's step
 
 
 class HostCounters:

@@ -27,19 +27,27 @@ class GradHomes:
     freed the last. `.grad` is still None between `zero_grad` and the next backward, as torch
     users expect; the hand-over points it at the master's home again. A home someone else still
     holds (`g = p.grad` kept across steps, a view of it, async's update in flight) is left to
-    them and a new one made, so no gradient a user kept is overwritten."""
+    them and another one used, so no gradient a user kept is overwritten. Two homes are kept per
+    master: under mode="async" the update in flight reads step t's gradient while step t+1's is
+    converted (a double buffer, no new memory per step)."""
+
+    KEEP = 2
 
     def __init__(self) -> None:
-        self._homes: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self._homes: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
 
     def take(self, master: torch.Tensor) -> torch.Tensor:
         entry = self._homes.get(id(master))
-        if entry is not None and entry[0]() is master and entry[1].shape == master.shape \
-                and entry[1].dtype == master.dtype and _alone(entry[1]):
-            return entry[1]
+        if entry is None or entry[0]() is not master:
+            entry = self._homes[id(master)] = (weakref.ref(master), [])
+        homes = entry[1]
+        for i in range(len(homes)):
+            if homes[i].shape == master.shape and homes[i].dtype == master.dtype and _alone(homes[i]):
+                return homes[i]
         home = torch.empty_like(master, memory_format=torch.contiguous_format)
         COUNTERS.add("grad_alloc", nbytes(home))
-        self._homes[id(master)] = (weakref.ref(master), home)
+        homes.insert(0, home)
+        del homes[self.KEEP:]  # the oldest held elsewhere (a gradient the user kept) is theirs now
         return home
 
 

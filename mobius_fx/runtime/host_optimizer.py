@@ -34,7 +34,7 @@ extension cannot be built (no C++ compiler, a build error) the inductor kernel s
 formula, bit-exact on whole vectors), then eager torch ops: each failure is logged once
 (`logging.getLogger("mobius_fx")`), `backend()` says which steps, `reasons()` why the others do
 not; where neither compiled kernel builds `compiled()` says False and callers step with torch's
-own optimizer and copy as before (`overlap_fused`); `step_span(..., compiled=False)` runs the
+own optimizer and copy as before (`overlap`); `step_span(..., compiled=False)` runs the
 formula in eager torch ops (several passes). DeepSpeed's CPU Adam was not chosen: an optional
 extension, AdamW only, its own state layout and operation order (not torch's bits).
 

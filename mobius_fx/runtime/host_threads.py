@@ -15,7 +15,7 @@ A training step of a Pipeline keeps several host threads busy at once:
   the stage's last backward; "async": in `opt.step()`), with the same result.
 - `grads`: 1 when the gradient hand-over of "sync" (adding each stage's downloaded gradients into
   `.grad`) has a worker of its own; 0 (the default): it runs on the optimizer's worker (or
-  inline) -- by default inside the stage's step, span by span (`overlap_fused.FusedStep._step_fused`), so
+  inline) -- by default inside the stage's step, span by span (`overlap.OverlapOptimizer._step_fused`), so
   a worker of its own would idle; `configure(grads=1)` gives one to the unfused hand-over
   (`opt.fuse = False`).
 

@@ -13,7 +13,7 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   whatever backward left (parameters outside the pipeline, ones with gradient hooks). Every
   parameter gets the same update as a serial `opt.step()` after backward, bit for bit: the
   optimizers of torch update each parameter from its own gradient and state
-  (`overlap_watch.PER_PARAMETER`; any other optimizer -- LBFGS, one whose step reads every
+  (`PER_PARAMETER`; any other optimizer -- LBFGS, one whose step reads every
   gradient -- is stepped serially, whole, at opt.step(), said once in the log). Step pre- and
   post-hooks (the optimizer's and torch's global ones) run once per opt.step().
 
@@ -68,14 +68,38 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
 
 - `mode="none"` returns `opt` itself: stepped serially after backward.
 
-`OverlapOptimizer` is assembled here from its parts: `overlap_handover.GradHandover` (what the
-runtime calls during backward, sync), `overlap_fused.FusedStep` (a stage's span-by-span step),
-`overlap_async.AsyncUpdate` (mode="async") and the helpers of `overlap_watch`.
+`OverlapOptimizer` is one class, in this module, in sections: the wrapped optimizer's face and the
+loop's side (`step`, `zero_grad`, `state_dict`, ...); what the runtime calls during forward and
+backward (the hand-over: `before_forward`, `backward_started`, `ready`, `backward_done`, ...);
+sync's fused step of a stage (`_step_fused`, `_chunks`, `_host_pass`); mode="async"'s update
+(`take`, `_step_async`, `_finish_flight`). Above it, what it watches the loop and autograd with
+(`WeakHook`, `accumulator`, `fingerprint`, `per_parameter`, `pre_hooks`, ...) and the host pass's
+switches (`HOST_PASS`, `SPAN`, `UNIT`).
+
+The fused step (sync). A stage's parameters whose optimizer the host pass knows (torch's Adam,
+AdamW, SGD: `host_optimizer.kind_of`) are stepped by it, one parameter per call, in ONE pass over
+host memory: it reads the downloaded half-precision gradient, updates the fp32 master and torch's
+own state, and writes the fp32 `.grad` (its home, kept across steps) and the streamed copy the
+next upload reads (`StreamDevice._pinned`), so no refresh pass follows for them (`_host_pass`;
+`HOST_PASS = False` or `MOBIUS_FX_HOST_PASS=0` turns it off; where it cannot be built, the log
+says so once and the path below runs). The others: the downloaded gradients converted into
+`.grad` span by span, each span right before the wrapped optimizer's own step runs over views of
+that span of the parameter, gradient and state (Adam, AdamW and SGD, whose updates are
+elementwise).
+
+The async update: RoundPipe's staleness-1 update computed into shadow copies of the weights on
+the optimizer's worker while the next step runs on the old ones, by the same host pass where it
+knows the optimizer (docs/host_optimizer.md), swapped in at the next `opt.step()` or when the
+model is read (hooks on the model).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
+import sys
+import weakref
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -85,18 +109,202 @@ from torch import nn
 
 from mobius_fx.errors import MobiusError
 from mobius_fx.kinds import OVERLAP_MODES
-from mobius_fx.runtime import host_threads, overlap_watch
-from mobius_fx.runtime.overlap_async import AsyncUpdate
-from mobius_fx.runtime.overlap_fused import FusedStep
-from mobius_fx.runtime.overlap_handover import GradHandover
-from mobius_fx.runtime.overlap_watch import (
-    called_by_grad_scaler, fingerprint, hyper_params, partition_owners, per_parameter, post_hooks, pre_hooks, raw_step,
-    same_hyper, stepped_masters,
-)
+from mobius_fx.runtime import host_optimizer, host_threads
+from mobius_fx.runtime.device_books import nbytes
+from mobius_fx.runtime.host_counters import COUNTERS
+from mobius_fx.runtime.host_gradients import GradHomes, convert_span, sum_downloads
 
-__all__ = ["OverlapOptimizer"]
+__all__ = ["OverlapOptimizer", "HOST_PASS", "ALIGN", "UNIT", "SPAN_UNITS", "SPAN", "WeakHook", "accumulator",
+           "engine_accumulates", "has_grad_hooks", "fingerprint", "partition_owners", "hyper_params", "same_hyper",
+           "called_by_grad_scaler", "PER_PARAMETER", "per_parameter", "raw_step", "pre_hooks", "post_hooks",
+           "stepped_masters"]
 
 log = logging.getLogger("mobius_fx")
+
+# ------------------------------------------------------------------ the host pass's switches
+# Whether sync's stage step uses the fused host pass (`host_optimizer`) where it can.
+HOST_PASS = os.environ.get("MOBIUS_FX_HOST_PASS", "1") != "0"
+ALIGN = 64  # bytes: every tensor the compiled pass reads or writes starts at this alignment
+
+
+# The optimizers whose step `_step_fused` runs span by span: each element is updated from its own
+# gradient and state, and from per-parameter scalars (Adam's `step`) the same for every span.
+# Exact classes (a subclass may change the update); the kind says when a parameter's state is made.
+_CHUNKED = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
+
+# Spans of `_step_fused`. torch's fused CPU optimizers (`fused=True`) step a tensor in units of
+# UNIT elements, one thread per unit, vectorised with a scalar tail only at the tensor's end (whose
+# bits differ from the vector path's): spans of whole units split it the same way. Its other
+# implementations are TensorIterator loops whose elements get the same bits wherever they fall.
+# A span gives each of the worker's threads SPAN_UNITS units: for each thread the fp32 parameter,
+# gradient and moments of its share (1 MiB) and the half-precision download stay in its core's
+# cache between the conversion and the step, and every thread works, as on a whole tensor.
+UNIT = 32768
+SPAN_UNITS = 2
+SPAN: int | None = None  # elements per span; None: UNIT * SPAN_UNITS * the worker's threads
+
+
+def _span() -> int:
+    return SPAN if SPAN is not None else UNIT * SPAN_UNITS * max(1, torch.get_num_threads())
+
+
+def _raw_step(cls: type) -> Callable[[Any], Any] | None:
+    """`cls.step` without torch's wrappers (the step hooks, the grad-mode switch): `_step_fused`
+    runs no step hook (opt.step() runs them once) and calls this once per span, under no_grad."""
+    step = getattr(cls, "step", None) if cls in _CHUNKED else None
+    if step is None or not getattr(step, "hooked", False):
+        return None
+    raw = inspect.unwrap(step)
+    return raw if raw is not step else None
+
+
+# ------------------------------------------------------------------ what the overlap watches
+# The optimizers the sync overlap steps stage by stage, during backward: torch's own, whose step
+# updates each parameter from its own gradient, its own state and the group's hyper-parameters
+# (scalars the same for every parameter), so stepping the parameters in several calls gives the
+# bits of one call. Matched by the step function the optimizer's class runs (a subclass that
+# keeps its parent's step is one of them; one that overrides step is not). Every other optimizer
+# -- LBFGS, which re-evaluates the loss over all parameters, or one whose step reads all
+# gradients (a global norm, a trust ratio over the model) -- is stepped whole at opt.step(),
+# serially, said once in the log (`OverlapOptimizer.__init__`): never silently differently.
+PER_PARAMETER: tuple[type, ...] = tuple(
+    getattr(torch.optim, name) for name in ("Adam", "AdamW", "SGD", "Adagrad", "Adamax", "NAdam", "RAdam",
+                                            "RMSprop", "Adadelta", "ASGD", "Rprop", "Adafactor")
+    if hasattr(torch.optim, name))
+
+
+class WeakHook:
+    """A hook that calls `method` of an overlap held weakly, and nothing once it is gone. Copying
+    or pickling the model it hangs on (`copy.deepcopy(model)` for a best-model copy,
+    `torch.save(model)`) gives an inert hook: the copy is not the overlap's."""
+
+    def __init__(self, owner: object, method: str, *args: object) -> None:
+        self._ref = weakref.ref(owner) if owner is not None else None
+        self._method, self._args = method, args
+
+    def __call__(self, *a: object) -> Any:
+        owner = self._ref() if self._ref is not None else None
+        if owner is not None:
+            return getattr(owner, self._method)(*self._args, *a)
+        return None
+
+    def __deepcopy__(self, memo: dict) -> "WeakHook":
+        return WeakHook(None, self._method)
+
+    def __reduce__(self) -> tuple:
+        return (WeakHook, (None, self._method))
+
+
+def accumulator(p: torch.Tensor) -> Any:
+    """The AccumulateGrad node autograd runs for leaf `p` (kept alive by the caller)."""
+    with torch.enable_grad():  # called inside backward, where grad mode is off
+        return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+def engine_accumulates(node: torch.autograd.graph.Node) -> bool:
+    """True when the backward pass running now will accumulate into this leaf's `.grad`:
+    `loss.backward()` and `backward(inputs=[... p ...])` do; `torch.autograd.grad` does not (torch
+    refuses to answer for leaves there, which means no)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
+
+
+def has_grad_hooks(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "_backward_hooks", None)) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def fingerprint(g: torch.Tensor) -> int:
+    """A checksum of `g`'s bits, for the first step's watch: some in-place kernels
+    (GradScaler's unscale) do not bump the version counter."""
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(g.element_size())
+    if bits is None or g.is_sparse:
+        return g._version
+    return int(g.detach().contiguous().view(bits).sum(dtype=torch.int64))
+
+
+def partition_owners(params: list[torch.Tensor], world: int) -> dict[int, int]:
+    """shard=True: which rank steps each parameter (trainable ones), balancing bytes greedily in
+    the optimizer's order, the same on every rank."""
+    load = [0] * world
+    owners: dict[int, int] = {}
+    for p in params:
+        if p.requires_grad and id(p) not in owners:
+            r = min(range(world), key=lambda i: (load[i], i))
+            owners[id(p)] = r
+            load[r] += p.numel() * p.element_size()
+    return owners
+
+
+def hyper_params(groups: list[dict]) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def same_hyper(a: list[dict], b: list[dict]) -> bool:
+    def same(x: object, y: object) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+        return x == y
+    return len(a) == len(b) and all(g.keys() == h.keys() and all(same(g[k], h[k]) for k in g) for g, h in zip(a, b))
+
+
+def called_by_grad_scaler() -> bool:
+    """Whether opt.step() was called by torch.amp.GradScaler.step (directly or through an LR
+    scheduler's wrapper of step)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith("grad_scaler.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def per_parameter(opt: torch.optim.Optimizer) -> bool:
+    """Whether `opt`'s step is one of `PER_PARAMETER`'s (the sync overlap may split it by stage)."""
+    step = raw_step(type(opt))
+    return any(step is raw_step(cls) for cls in PER_PARAMETER)
+
+
+def raw_step(cls: type) -> Any:
+    """`cls.step` without torch's hook wrapper (`Optimizer.profile_hook_step`): the overlap runs
+    the step hooks itself, once per `opt.step()`, however many calls the update takes."""
+    step = cls.step
+    return step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
+
+
+def stepped_masters(sub: torch.optim.Optimizer) -> None:
+    """What `host_counters.watch_optimizer_steps`' global post-hook does after a step, done by the
+    overlap after each of its own calls of the step (`raw_step`, which runs no hook): the pipeline
+    masters it stepped get a new version, before their streamed copies are refreshed."""
+    from mobius_fx.runtime.host_counters import masters_stepped
+    masters_stepped(sub, (), {})
+
+
+def pre_hooks(opt: torch.optim.Optimizer) -> list:
+    """The step pre-hooks torch would run before `opt.step()`: the global ones, then opt's."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+    return [*_global_optimizer_pre_hooks.values(), *opt._optimizer_step_pre_hooks.values()]
+
+
+def post_hooks(opt: torch.optim.Optimizer) -> list:
+    """The step post-hooks torch would run after `opt.step()`: opt's, then the global ones (but
+    the pipeline's own, which the overlap runs after each of its calls: `stepped_masters`)."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    from mobius_fx.runtime.host_counters import masters_stepped
+    return [*opt._optimizer_step_post_hooks.values(), *(h for h in _global_optimizer_post_hooks.values()
+                                                        if h is not masters_stepped)]
+
+
+def _user_grad_hooks(p: torch.Tensor) -> bool:
+    """Whether `p` has a gradient hook other than async's own (`_arriving`): autograd must run it."""
+    hooks = getattr(p, "_backward_hooks", None) or {}
+    if any(not (isinstance(h, WeakHook) and h._method == "_arriving") for h in hooks.values()):
+        return True
+    return bool(getattr(p, "_post_accumulate_grad_hooks", None))
 
 
 def _inner(name: str) -> property:
@@ -129,11 +337,11 @@ def _checked(pipeline: Any, optimizer: torch.optim.Optimizer, mode: str, shard: 
     if shard and not per_parameter(optimizer):
         raise MobiusError(f"shard=True steps each rank's share of the parameters, but {type(optimizer).__name__}'s "
                           f"update is not per parameter (it may read every gradient: not one of "
-                          f"{', '.join(c.__name__ for c in overlap_watch.PER_PARAMETER)}); use shard=False")
+                          f"{', '.join(c.__name__ for c in PER_PARAMETER)}); use shard=False")
     return reducer
 
 
-class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimizer):
+class OverlapOptimizer(torch.optim.Optimizer):
     """`opt` stepped off the critical path of a `Pipeline` (see the module docstring).
 
     It shares `param_groups`, `state` and `defaults` with the optimizer it wraps, so LR
@@ -196,11 +404,19 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
         self._shadows: dict[int, nn.Parameter] = {}
         self._flight: Future | None = None
         self._flight_params: list[torch.Tensor] = []
+        self._flight_copies: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (device, param, copy) it writes
+        self._write_copies = refresh_copies  # async: the update writes the streamed copy the next uploads read
+        self._held: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # async: downloads the update reads
+        self._stream_size: dict[int, int] = {}  # async: id(param) -> its downloads' element size
+        self._mine: dict[int, torch.Tensor] | None = None  # async: this optimizer's parameters by id (per backward)
+        # False: no fp32 `.grad` from the host pass (4 B per parameter less), only for loops that
+        # do not read or edit `.grad` between backward and step (docs/host_optimizer.md)
+        self.keep_grads = True
         if mode == "async":
             self._hook_model()
         if mode == "sync" and not per_parameter(optimizer):
             self._serial = (f"{type(optimizer).__name__} is not one of the optimizers whose update is per parameter "
-                            f"({', '.join(c.__name__ for c in overlap_watch.PER_PARAMETER)}, exact classes or "
+                            f"({', '.join(c.__name__ for c in PER_PARAMETER)}, exact classes or "
                             f"subclasses that keep their step): its step may read every parameter (a closure, a "
                             f"global norm), so it is stepped whole at opt.step(), after backward")
             self._probing = False
@@ -241,6 +457,11 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._wait_adds()
+        if self._held:  # async, between backward and step: the gradients it holds are the .grad zeroed
+            if set_to_none:
+                self.drop_held()
+            else:
+                self._materialize()
         if not set_to_none:
             self.unshare_grads(zero=True)
         self.inner.zero_grad(set_to_none)
@@ -441,6 +662,7 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
         self.synchronize()
         for ex in {id(e): e for e in (self._adder, self._stepper) if e is not None}.values():
             ex.shutdown()
+        self._held = {}
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
@@ -454,3 +676,615 @@ class OverlapOptimizer(GradHandover, FusedStep, AsyncUpdate, torch.optim.Optimiz
         for rt in runtimes:
             if rt.overlap is self:
                 rt.overlap = None
+
+    # ------------------------------------------------------------------ the runtime's side: the hand-over
+    def before_forward(self) -> None:
+        """A forward of the pipeline begins: refused between a backward that stepped stages and
+        the opt.step() that completes the update."""
+        self._check_dirty()
+        if self._stepped:
+            raise MobiusError(f"a forward ran between loss.backward() and opt.step() under pipe.overlap(mode='sync'), "
+                              f"after {len(self._stepped)} parameters were already stepped: it would run on some "
+                              f"stages' new weights and others' old ones. Call opt.step() before the next forward "
+                              f"(evaluate after it), or use mode='none'")
+
+    def backward_started(self) -> None:
+        """A backward pass of the pipeline begins (first stage backward of a step)."""
+        self._check_dirty()
+        self._backwards += 1
+        if self.mode == "async":
+            self._materialize()  # a second backward before opt.step() accumulates onto the first's gradients
+            self._mine = {id(p): p for p in self._params()}
+        if self.mode != "sync":
+            return
+        for p in self._params():
+            self._watch(p)
+        if self._backwards > 1:
+            self._deferring("opt.step() was not called between two backward passes (gradient accumulation, or a loop "
+                            "that skips steps, e.g. on a non-finite loss): a stage cannot be stepped before it is known "
+                            "that the step will be taken with these gradients", refuse=bool(self._stepped))
+
+    def _check_dirty(self) -> None:
+        if self._dirty is not None:
+            raise MobiusError(f"pipe.overlap(mode='sync'): {self._dirty}; the model's weights and the optimizer state "
+                              f"are those of a partial step. Reload both from a checkpoint (opt.load_state_dict clears "
+                              f"this), or use mode='none' to retry failed steps")
+
+    def _watch(self, p: torch.Tensor) -> None:
+        """Pre-hook p's AccumulateGrad node: it sees every gradient autograd accumulates into
+        `.grad`, so a gradient from outside the pipeline (a regulariser, an auxiliary loss on
+        model.parameters()) shows up there."""
+        if id(p) in self._watched or not p.requires_grad:
+            return
+        node = self._nodes.get(id(p))
+        if node is None:
+            node = self._nodes[id(p)] = accumulator(p)
+        # The node outlives this optimizer (autograd keeps it while `p` lives): the hook holds it
+        # weakly and close() removes it, so a replaced or closed overlap and its state are freed.
+        self._handles.append(node.register_prehook(WeakHook(self, "_arrives", id(p))))
+        self._watched.add(id(p))
+
+    def _arrives(self, pid: int, grad_outputs: tuple) -> None:
+        """What autograd accumulates into parameter `pid`'s `.grad` (its AccumulateGrad pre-hook)."""
+        g = grad_outputs[0] if grad_outputs else None
+        if g is None:
+            return
+        if pid in self._stepped:
+            self._late.add(pid)
+        elif self._probing and pid in self._handed_fp:
+            mine, version = self._handed_fp[pid]
+            if g is not mine or g._version != version:  # summed with another gradient (even a zero one)
+                self._outside.add(pid)
+
+    def handed_by_autograd(self, grads: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The runtime's `Masters` hands these (id -> (master, gradient)) to autograd; while
+        probing, remember them, to tell gradients from outside the pipeline (`_watch`)."""
+        if self._probing:
+            self._handed_fp = {i: (g, g._version) for i, (_, g) in grads.items()}
+
+    def overlapping(self) -> bool:
+        """Whether this backward steps stages as their gradients complete."""
+        return self.mode == "sync" and self._serial is None and not self._probing and self._error is None
+
+    def wants(self, p: torch.Tensor) -> bool:
+        """Whether `p` can be stepped now, during the backward that runs: it is one of this
+        optimizer's parameters, this backward accumulates into its `.grad`, and no hook on it
+        expects autograd to do so."""
+        if torch.is_grad_enabled():  # backward(create_graph=True): autograd builds on the gradients it accumulates
+            return False
+        node = self._nodes.get(id(p))
+        if node is None:
+            if not any(q is p for q in self._params()):
+                return False
+            node = self._nodes[id(p)] = accumulator(p)
+        return id(p) not in self._outside and not has_grad_hooks(p) and engine_accumulates(node)
+
+    def ready(self, groups: list[tuple[torch.Tensor, list[Callable[[], torch.Tensor]]]],
+              finite: list[Callable[[], bool]] | None = None) -> None:
+        """Gradients of these masters are complete (each: the thunks giving its host gradient
+        from every stage that holds it, in the order the runtime summed them): put them in
+        `.grad` and step them, on the workers. `finite`: thunks telling whether the gradients of
+        the stages they came from are all finite, computed on the GPUs (None: read them here)."""
+        params = [p for p, _ in groups]
+        homes = self._pipeline._rt.grad_homes
+        if self._defer is not None or pre_hooks(self.inner):
+            # the update waits for opt.step() (`_defer`; a step pre-hook runs before any update):
+            # only the hand-over now, while the GPUs go on; `.grad` is final when backward returns
+            self._handed.update(id(p) for p in params)
+
+            def hand() -> None:
+                self._hand([(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups], homes)
+
+            self._adds.append(self._submit(self._adder, hand))
+            return
+        self._stepped.update(id(p) for p in params)
+        if self._hp is None:  # the hyper-parameters of this round: every stage is stepped with them
+            self._hp = hyper_params(self.param_groups)
+        hp = [{**h, "params": g["params"]} for h, g in zip(self._hp, self.param_groups)]
+
+        if finite is not None and self.fuse:
+            # the hand-over and the step in one job: each gradient converted span by span right
+            # before the optimizer steps that span (`_step_fused`); `.grad` is final when it ends,
+            # so backward's end (`backward_done`) waits for it as for an addition
+            def fused() -> None:
+                ok = not self._nonfinite and all(f() for f in finite)
+                downloads = [(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups]
+                if not ok:
+                    self._hand(downloads, homes)
+                    self._skip(params)
+                    return
+                self._step_fused(downloads, hp, homes)
+                self._refresh(params)
+
+            job = self._submit(self._stepper, fused)
+            self._adds.append(job)
+            self._steps.append(job)
+            return
+
+        def add() -> None:
+            self._hand([(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups], homes)
+
+        added = self._submit(self._adder, add)
+        self._adds.append(added)
+
+        def step() -> None:
+            added.result()
+            COUNTERS.add("finite_check", sum(nbytes(p.grad) for p in params if p.grad is not None))
+            if not self._nonfinite and all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params):
+                self._step_only(params, hp)
+                self._refresh(params)
+                return
+            self._skip(params)
+
+        self._steps.append(self._submit(self._stepper, step))
+
+    def _hand(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], homes: GradHomes | None) -> None:
+        """The downloaded gradients into `.grad`: summed into the master's home (`GradHomes`)
+        when `.grad` is None, else added into the `.grad` the loop kept (it accumulates)."""
+        with torch.no_grad():
+            for p, gs in downloads:
+                fresh = p.grad is None
+                total = sum_downloads(p, gs, homes if fresh else None)
+                if total is None:
+                    continue
+                if fresh:
+                    p.grad = total
+                else:
+                    p.grad.add_(total)
+                    COUNTERS.add("grad_add", 3 * nbytes(total))
+
+    def _skip(self, params: list[torch.Tensor]) -> None:
+        """A non-finite gradient: step nothing more during this backward; opt.step() steps the
+        rest serially if the loop takes the step (a loop that skips it then changed nothing)."""
+        self._nonfinite = True
+        self._stepped.difference_update(id(p) for p in params)
+
+    def _refresh(self, params: list[torch.Tensor]) -> None:
+        if self.refresh_copies:  # the streamed copies the next step uploads (see refresh_copies)
+            for dev in self._pipeline._rt.devices.values():
+                refresh = getattr(dev, "refresh", None)
+                if refresh is not None:
+                    refresh(params)
+
+    def backward_done(self) -> None:
+        """End of a backward pass: every `.grad` is final when it returns."""
+        self._wait_adds()
+        if self.mode != "sync":
+            return
+        if self._hp is None:
+            self._hp = hyper_params(self.param_groups)
+        self._after_backward = {id(p): (p.grad, p.grad._version, fingerprint(p.grad) if self._probing else None)
+                                for p in self._params() if p.grad is not None}
+
+    def aborted(self, e: BaseException) -> None:
+        for f in self._steps:  # let the work already handed over finish, then account for it
+            f.result()
+        self._backwards = max(0, self._backwards - 1)  # a backward that failed does not count
+        if self._stepped and self._dirty is None:
+            self._dirty = (f"a backward failed after {len(self._stepped)} parameters of the stages it had finished "
+                           f"were stepped")
+            if hasattr(e, "add_note"):
+                e.add_note(f"[mobius_fx] pipe.overlap(mode='sync') had already stepped {len(self._stepped)} parameters "
+                           f"of stages whose backward finished before the error; their new weights stay, and the "
+                           f"next backward or opt.step() refuses until the state is reloaded")
+
+    # ------------------------------------------------------------------ sync: a stage's fused step
+    def _fusable(self, p: torch.Tensor, gs: list[torch.Tensor], group: dict, homes: GradHomes | None) -> bool:
+        """Whether `p` can be handed over and stepped span by span (`_step_fused`): its downloads
+        need a conversion into a fresh `.grad` (a gradient home), the optimizer is one whose
+        update is elementwise and whose state for `p` is made (`_CHUNKED`), and every tensor is
+        contiguous, so a span of each is the same elements."""
+        if homes is None or p.grad is not None or not gs or gs[0].dtype == p.dtype or p.is_sparse:
+            return False
+        if not p.is_contiguous() or any(not g.is_contiguous() or g.shape != p.shape or g.device != p.device
+                                        for g in gs):
+            return False
+        kind = _CHUNKED.get(type(self.inner))
+        if kind is None or group.get("differentiable") or group.get("capturable"):
+            return False
+        if group.get("fused") and _span() % UNIT:
+            return False  # spans of part units would split the fused kernel's work differently
+        state = self.inner.state.get(p)
+        if kind == "adam" and not state:
+            return False  # made by its first step: whole
+        if kind == "sgd" and group.get("momentum", 0) != 0 and (state or {}).get("momentum_buffer") is None:
+            return False
+        for v in (state or {}).values():
+            if not isinstance(v, torch.Tensor):
+                return False
+            if not (v.dim() == 0 or (v.shape == p.shape and v.is_contiguous() and v.device == p.device)):
+                return False
+        return True
+
+    def _step_fused(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict],
+                    homes: GradHomes | None) -> None:
+        """Hand over and step a stage's parameters in one pass (`ready`, finiteness known from the
+        GPUs): for the parameters `_fusable` allows, span by span (`_span()` elements), the
+        downloaded gradient is converted into the span of `.grad` (its home, kept across steps)
+        and the wrapped optimizer's own step (`_raw_step`) runs at once over views of that span
+        of the parameter, its gradient and its state, while the span is in cache. The optimizers
+        in `_CHUNKED` update every element from its own gradient and state and the per-parameter
+        scalars (`step`), so the spans give the bits of one whole step (tests/unit/test_host_path.py
+        checks it against serial stepping). Each span steps its own copy of the scalar state,
+        written back once. The others (first step, a `.grad` the loop kept, another optimizer)
+        are handed over and stepped whole, as `_step_only` does. No step hook runs here:
+        opt.step() runs them once for the whole update."""
+        where = {id(q): i for i, g in enumerate(hp) for q in g["params"]}
+        fused, whole, passed = [], [], []
+        for p, gs in downloads:
+            if id(p) in where and self._fusable(p, gs, hp[where[id(p)]], homes):
+                kind = self._passable(p, gs, hp[where[id(p)]], homes)
+                if kind is not None:
+                    passed.append((p, gs, kind))
+                else:
+                    fused.append((p, gs))
+            else:
+                whole.append((p, gs))
+        if passed and _raw_step(type(self.inner)) is None:
+            fused += [(p, gs) for p, gs, _ in passed]
+            passed = []
+        self._hand(whole, homes)
+        params = [p for p, _ in downloads]
+        want = {id(p) for p in params}
+        sub = self._sub([{**g, "params": [p for p in g["params"] if id(p) in want]} for g in hp])
+        raw = _raw_step(type(self.inner))
+        if not (fused or passed) or raw is None:
+            self._hand(fused, homes)
+            raw_step(type(self.inner))(sub)  # no step hooks: opt.step() runs them once (`_pre_hooks`)
+            stepped_masters(sub)
+            return
+        rest = {id(p) for p, _ in whole}
+        written: list[tuple[torch.Tensor, list]] = []
+
+        def body(opt: torch.optim.Optimizer, *_: object, **__: object) -> None:
+            with torch.no_grad():
+                if rest:
+                    raw(self._sub([{**g, "params": [p for p in g["params"] if id(p) in rest]} for g in hp]))
+                if fused:
+                    self._chunks(fused, hp, where, homes, raw)
+                if passed:
+                    written.extend(self._host_pass(passed, hp, where, homes))
+
+        body(sub)  # no step hooks: opt.step() runs them once (`_pre_hooks`)
+        stepped_masters(sub)  # the version bump the global post-hook would give
+        for p, entry in written:  # after that bump: the copy the pass wrote is current
+            entry[4] = (p.data_ptr(), p._version)
+
+    def _chunks(self, fused: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict], where: dict[int, int],
+                homes: GradHomes | None, raw: Callable[[torch.optim.Optimizer], object]) -> None:
+        """`_step_fused`'s spans: batches of at most `_span()` elements (one span of a large
+        parameter, or several small parameters), each converted then stepped."""
+        state = self.inner.state
+        chunk = _span()
+        spans: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, int, int]] = []
+        for p, gs in fused:
+            home = homes.take(p)
+            p.grad = home
+            n = p.numel()
+            spans += [(p, gs, home, a, min(n, a + chunk)) for a in range(0, n, chunk)]
+            COUNTERS.add("grad_fused", sum(nbytes(g) for g in gs) + nbytes(home) * (2 * len(gs) - 1))
+        scalars: dict[int, dict] = {}
+        i = 0
+        while i < len(spans):
+            j, size = i, 0
+            while j < len(spans) and (j == i or size + spans[j][4] - spans[j][3] <= chunk):
+                size += spans[j][4] - spans[j][3]
+                j += 1
+            sub = self._sub([])
+            groups: dict[int, list[torch.Tensor]] = {}
+            for p, gs, home, a, b in spans[i:j]:
+                convert_span(home, gs, a, b)
+                q = p.detach().view(-1)[a:b]
+                q.grad = home.view(-1)[a:b]
+                own = {k: (v.view(-1)[a:b] if v.dim() else v.clone()) for k, v in state.get(p, {}).items()}
+                sub.state[q] = own
+                scalars[id(p)] = (p, own)
+                groups.setdefault(where[id(p)], []).append(q)
+            sub.param_groups = [{**hp[g], "params": qs} for g, qs in sorted(groups.items())]
+            raw(sub)
+            sub.state.clear()  # no view of a gradient home outlives its span (a home held is not reused)
+            sub.param_groups = []
+            del sub, groups
+            i = j
+        for p, own in scalars.values():  # every span stepped the same scalars: the last one's are theirs
+            for k, v in own.items():
+                if v.dim() == 0:
+                    state[p][k].copy_(v)
+
+    # ------------------------------------------------------------------ the fused host pass
+    def _passable(self, p: torch.Tensor, gs: list[torch.Tensor], group: dict, homes: GradHomes | None) -> str | None:
+        """The host pass's kind for `p` (`_fusable` already holds), or None: the pass is on and
+        built, the optimizer and group are ones it steps as torch does (`host_optimizer.kind_of`),
+        one download, an fp32 master with its state made, every tensor aligned."""
+        if not (HOST_PASS and getattr(self, "host_pass", True) and host_optimizer.compiled()):
+            return None
+        kind = host_optimizer.kind_of(self.inner, group)
+        if kind is None or len(gs) != 1 or p.dtype != torch.float32 or not gs[0].is_floating_point():
+            return None
+        state = self.inner.state.get(p) or {}
+        names = (("exp_avg", "exp_avg_sq") if kind != "sgd"
+                 else (("momentum_buffer",) if float(group.get("momentum", 0)) != 0 else ()))
+        tensors = [p, gs[0]] + [state.get(k) for k in names]
+        if kind != "sgd" and not isinstance(state.get("step"), torch.Tensor):
+            return None
+        if any(t is None or t.dtype not in (torch.float32, gs[0].dtype) or t.data_ptr() % ALIGN for t in tensors):
+            return None
+        return kind
+
+    def _streamed(self, p: torch.Tensor) -> list | None:
+        """The first streamed copy of `p` a device keeps (`StreamDevice._pinned` entry), if any."""
+        for dev in self._pipeline._rt.devices.values():
+            entry = getattr(dev, "_pinned", {}).get(id(p))
+            if (entry is not None and entry[0] is p and entry[2].shape == p.shape and entry[2].is_contiguous()
+                    and entry[2].data_ptr() % ALIGN == 0):
+                return entry
+        return None
+
+    def _host_pass(self, passed: list[tuple[torch.Tensor, list[torch.Tensor], str]], hp: list[dict],
+                   where: dict[int, int], homes: GradHomes | None) -> list[tuple[torch.Tensor, list]]:
+        """Step each parameter in one pass (`host_optimizer.step_span`): the download in, the
+        master, torch's state, `.grad` (its home) and the streamed copy out. Returns the
+        (parameter, streamed-copy entry) pairs it wrote, for `_step_fused` to mark current."""
+        state = self.inner.state
+        written = []
+        keep = self.keep_grads
+        for p, gs, kind in passed:
+            home = homes.take(p) if keep else None
+            p.grad = home
+            st = state[p]
+            step = None
+            if kind != "sgd":
+                st["step"] += 1  # once per parameter, as torch's step
+                step = float(st["step"])
+            entry = self._streamed(p) if self.refresh_copies else None
+            if entry is not None and entry[3] is not None:
+                entry[3].synchronize()  # the stage's last upload has read the old copy
+            flat = {k: (v.view(-1) if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in st.items()}
+            ok = host_optimizer.step_span(kind, hp[where[id(p)]], p.detach().view(-1), gs[0].reshape(-1), flat,
+                                          step=step, grad_out=None if home is None else home.view(-1),
+                                          copy_out=None if entry is None else entry[2].view(-1))
+            if not bool(ok):
+                self.host_pass_nonfinite = True  # the GPUs said finite: a download went wrong
+            if home is None:  # no .grad: the step hooks' version bump (host_counters) skips it
+                torch.autograd.graph.increment_version(p)
+            else:
+                # beside the optimizer's own 28 B/param: the fp32 .grad written (the download read
+                # replaces the fp32 gradient's read, the copy written within the same bytes)
+                COUNTERS.add("grad_fused", nbytes(home))
+            if entry is not None:
+                written.append((p, entry))
+        return written
+
+    # ------------------------------------------------------------------ async: the staleness-1 update
+    def _hook_model(self) -> None:
+        """async: the model's state_dict() and load_state_dict() (of any of its modules) and an eager call
+        of the model first finish the update in flight, so `{"model": m.state_dict(), "opt":
+        opt.state_dict()}` is one step, and a loaded checkpoint is not overwritten by it."""
+        model = self._pipeline.model
+        reading = WeakHook(self, "_reading")
+        self._handles += [m.register_state_dict_pre_hook(reading) for m in model.modules()]
+        self._handles += [m.register_load_state_dict_pre_hook(reading) for m in model.modules()]
+        self._handles.append(model.register_forward_pre_hook(reading))
+        # a gradient arriving for a parameter whose .grad the update in flight reads: unshare it first
+        self._handles += [p.register_hook(WeakHook(self, "_arriving", p)) for p in self._params()
+                          if p.requires_grad]
+
+    def _reading(self, *_: object) -> None:
+        """A (load_)state_dict and forward pre-hook on the model (async): its weights are read or
+        replaced, so the update in flight lands first. Not while torch.export traces the model (a
+        variant compiled for a new call): it runs on fake tensors then, and a weight swap there
+        would change the trajectory the user chose (staleness 1) for no read of theirs."""
+        if not torch.compiler.is_compiling():
+            self.synchronize()
+
+    def _arriving(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """A tensor hook on each parameter (async): runs as its gradient arrives, before autograd
+        accumulates it into `.grad`; a loop that zeroed `.grad` (set_to_none) pays nothing."""
+        q = self._shadows.get(id(p))
+        if q is not None and p.grad is not None and p.grad is q.grad:
+            p.grad = p.grad.clone()
+
+    def unshare_grads(self, zero: bool = False) -> None:
+        """async: after `step()` a parameter's `.grad` is the gradient that step uses, as in eager
+        (the update in flight reads the very tensor). Before anything writes into it -- the next
+        backward accumulating (a loop without zero_grad, as eager accumulates), zero_grad(
+        set_to_none=False) -- the parameter gets a copy (zeros, for `zero`) of its own
+        (`_arriving` does it for backward, only when a gradient arrives)."""
+        for p in self._flight_params:
+            q = self._shadows.get(id(p))
+            if q is not None and p.grad is not None and p.grad is q.grad:
+                p.grad = torch.zeros_like(p.grad) if zero else p.grad.clone()
+
+    # ------------------------------------------------------------------ the gradients the update reads
+    def take(self, master: torch.Tensor, thunks: list) -> bool:
+        """The runtime's end of backward (`StageCalls._gradients`), per master, before it would
+        hand autograd the master's gradient: async takes it instead where autograd would only put
+        it in an empty `.grad` -- a parameter of this optimizer whose `.grad` is None, that this
+        backward accumulates into, with no gradient hook of the user's. With `keep_grads` (the
+        default) it is converted into `.grad` as autograd would, into storage kept across steps
+        (`GradHomes`, two per master: the update in flight reads the other); without, the
+        downloads (the streamed dtype, bf16) are held as they are and the update reads them
+        (`_step_async`): no `.grad` then, no conversion pass. Returns whether it took it."""
+        if self.mode != "async" or not self.fuse or self._error is not None or torch.is_grad_enabled():
+            return False
+        homes = self._pipeline._rt.grad_homes
+        mine = self._mine
+        if homes is None or mine is None or mine.get(id(master)) is not master or master.grad is not None \
+                or id(master) in self._outside or _user_grad_hooks(master) or master.is_sparse:
+            return False
+        node = self._nodes.get(id(master))
+        if node is None:
+            node = self._nodes[id(master)] = accumulator(master)
+        if not engine_accumulates(node):
+            return False
+        downloads = [g for g in (t() for t in thunks) if g is not None]
+        if not downloads or any(g.shape != master.shape or g.is_sparse for g in downloads):
+            return False
+        self._stream_size[id(master)] = downloads[0].element_size()
+        if self.keep_grads or downloads[0].dtype == master.dtype:
+            grad = sum_downloads(master, downloads, homes)
+            if grad is None:
+                return False
+            master.grad = grad
+            return True
+        self._held[id(master)] = (master, downloads)
+        return True
+
+    def _materialize(self, zero: bool = False) -> None:
+        """The held downloads (`take`) into `.grad`, where autograd would have put them: before
+        a second backward accumulates onto them, or zero_grad(set_to_none=False) zeroes them."""
+        held, self._held = self._held, {}
+        homes = self._pipeline._rt.grad_homes
+        with torch.no_grad():
+            for p, downloads in held.values():
+                total = sum_downloads(p, downloads, homes)
+                if total is not None:
+                    p.grad = total if p.grad is None else p.grad + total
+
+    def drop_held(self) -> None:
+        """zero_grad(set_to_none=True) between backward and step: the held gradients go, as `.grad` would."""
+        self._held = {}
+
+    # ------------------------------------------------------------------ the update
+    def _async_passable(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> str | None:
+        """The host pass's kind for stepping `p` into its shadow from `grad` (the held download,
+        or `.grad`), or None (torch's own step, with the shadow copied first)."""
+        if not (HOST_PASS and getattr(self, "host_pass", True) and host_optimizer.compiled()):
+            return None
+        kind = host_optimizer.kind_of(self.inner, group)
+        if kind is None or p.dtype != torch.float32 or not p.is_contiguous() or p.is_sparse:
+            return None
+        if grad.is_sparse or not grad.is_contiguous() or grad.shape != p.shape or not grad.is_floating_point() \
+                or grad.device != p.device:
+            return None
+        state = self.inner.state.get(p) or {}
+        names = (("exp_avg", "exp_avg_sq") if kind != "sgd"
+                 else (("momentum_buffer",) if float(group.get("momentum", 0)) != 0 else ()))
+        if kind != "sgd" and not isinstance(state.get("step"), torch.Tensor):
+            return None  # the first step makes the state: torch's
+        tensors = [p, grad] + [state.get(k) for k in names]
+        if any(t is None or t.dtype not in (torch.float32, grad.dtype) or t.shape != p.shape
+               or not t.is_contiguous() or t.data_ptr() % ALIGN for t in tensors):
+            return None
+        return kind
+
+    def _step_async(self) -> None:
+        """Launch the staleness-1 update of the gradients this step leaves: w(t+1) into each
+        parameter's shadow, on the optimizer's worker, while the next step runs on w(t). Where
+        the host pass steps a parameter (`_async_passable`: torch's Adam, AdamW, SGD, their state
+        made) it does so in ONE pass: it reads w(t), the gradient (the held bf16 download, or the
+        fp32 `.grad` with `keep_grads`) and the state, writes w(t+1) into the shadow (out of
+        place: the model keeps w(t) until the swap), the state in place and the second streamed
+        copy (`StreamDevice.next_copy`) that the uploads after the swap read. The others: w(t)
+        copied into the shadow, then the optimizer's own step over it."""
+        self._finish_flight()
+        held, self._held = self._held, {}
+        homes = self._pipeline._rt.grad_homes
+        for pid, (p, downloads) in list(held.items()):
+            if p.grad is not None:  # a gradient from outside the pipeline came after `take`: summed, as autograd would
+                self._outside.add(pid)
+                with torch.no_grad():
+                    p.grad = p.grad + sum_downloads(p, downloads, None)
+                del held[pid]
+        params = [p for p in self._params() if p.grad is not None or id(p) in held]
+        if not params:
+            return
+        where = {id(q): i for i, g in enumerate(self.param_groups) for q in g["params"]}
+        hp = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]  # this step's hyper-parameters
+        passed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str, dict]] = []
+        copied: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for p in params:
+            q = self._shadows.get(id(p))
+            if q is None or q.shape != p.shape or q.dtype != p.dtype:
+                q = self._shadows[id(p)] = nn.Parameter(torch.empty_like(p, memory_format=torch.preserve_format),
+                                                        requires_grad=p.requires_grad)
+            grad = p.grad
+            if id(p) in held:
+                downloads = held[id(p)][1]
+                grad = downloads[0] if len(downloads) == 1 else sum_downloads(p, downloads, homes)
+            group = hp[where[id(p)]]
+            # the pass where the gradient came in a narrower dtype than the master's (bf16 streamed), as
+            # sync's: it saves the conversion there; an fp32 pipeline keeps torch's step, its bits and all
+            narrow = self._stream_size.get(id(p), p.element_size()) < p.element_size()
+            kind = (self._async_passable(p, grad, group)
+                    if narrow and q.is_contiguous() and q.data_ptr() % ALIGN == 0 else None)
+            if kind is None and p.grad is None:  # torch's step reads .grad: the held download converted into it
+                p.grad = grad if grad.dtype == p.dtype else sum_downloads(p, held[id(p)][1], homes)
+            q.grad = p.grad  # p.grad shows it too, as eager's does after step (unshare_grads before a write)
+            if kind is not None:
+                passed.append((p, q, grad, kind, group))
+            else:
+                copied.append((p, q))
+        state = self.inner.state
+        for p in params:
+            q = self._shadows[id(p)]
+            if p in state:
+                state[q] = state.pop(p)
+        ids = {id(p) for p in params}
+        groups = [{**g, "params": [self._shadows[id(p)] for p in g["params"] if id(p) in ids]}
+                  for g in self.param_groups]
+        devices = list(self._pipeline._rt.devices.values()) if self._write_copies else []
+        written: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        sizes = dict(self._stream_size)
+
+        def update() -> None:
+            self._update_shadows(passed, copied, groups, devices, written, sizes)
+
+        self._flight_params = params
+        self._flight_copies = written
+        self._flight = self._submit(self._stepper, update)
+
+    def _update_shadows(self, passed: list, copied: list, groups: list[dict], devices: list, written: list,
+                        sizes: dict[int, int]) -> None:
+        """The update `_step_async` launched, on the optimizer's worker: the host pass over each
+        parameter of `passed` (w(t) read, w(t+1) into its shadow, the streamed copy into the
+        first device's second copy, noted in `written`), then w(t) copied into the shadows of
+        `copied` and the optimizer's own step over them with the hyper-parameters of `groups`."""
+        state = self.inner.state
+        with torch.no_grad():
+            for p, q, grad, kind, group in passed:
+                st = state[q] if q in state else {}
+                step = None
+                if kind != "sgd":
+                    st["step"] += 1  # once per parameter, as torch's step
+                    step = float(st["step"])
+                copy = None
+                for dev in devices:
+                    buf = dev.next_copy(p)
+                    if buf is not None and buf.is_contiguous() and buf.data_ptr() % ALIGN == 0:
+                        copy = buf
+                        written.append((dev, p, buf))
+                        break
+                flat = {k: (v.view(-1) if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in st.items()}
+                host_optimizer.step_span(kind, group, p.detach().view(-1), grad.reshape(-1), flat, step=step,
+                                         copy_out=None if copy is None else copy.view(-1), p_out=q.detach().view(-1))
+                wide = grad.element_size() - sizes.get(id(p), grad.element_size())
+                if wide > 0:  # the fp32 .grad read instead of the streamed-dtype download
+                    COUNTERS.add("grad_read", wide * grad.numel())
+            for p, q in copied:
+                q.copy_(p)  # w(t); the model keeps running on p meanwhile
+                COUNTERS.add("shadow", 2 * nbytes(q))
+        if copied:
+            self._step_only([q for _, q in copied], groups)
+
+    def _finish_flight(self) -> None:
+        """Wait for the async update in flight and make it the model's weights."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        flight.result()
+        params, self._flight_params = self._flight_params, []
+        copies, self._flight_copies = self._flight_copies, []
+        state = self.inner.state
+        for p in params:
+            q = self._shadows[id(p)]
+            if q in state:
+                state[p] = state.pop(q)
+            q.grad = None
+        self._raise()
+        with torch.no_grad():
+            for p in params:
+                q = self._shadows[id(p)]
+                p.data, q.data = q.data, p.data  # a pointer swap: the model now holds w(t+1)
+        for dev, p, buf in copies:  # ... and the streamed copy the pass wrote is the one uploads read
+            dev.swap_copy(p, buf)

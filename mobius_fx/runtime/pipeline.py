@@ -307,8 +307,7 @@ class Pipeline(ModelFace, nn.Module):
             self._rt.reducer.owners = None
         opt = OverlapOptimizer(self, optimizer, mode, shard=shard, refresh_copies=refresh_copies)
         object.__setattr__(self, "_overlap", opt)
-        if mode == "sync":
-            self._rt.overlap = opt
+        self._rt.overlap = opt  # sync steps stages during backward; async takes the gradients its update reads
         return opt
 
     def check_placement(self, device: str = "cuda") -> int:

@@ -112,7 +112,7 @@ class StageCalls:
     weights, activations and step state these methods use)."""
 
     executing: Any = None  # the step executor's run in progress (runtime/executor.py), None: the program's calls
-    overlap: Any = None  # the OverlapOptimizer stepping stages during backward (pipe.overlap, mode="sync")
+    overlap: Any = None  # the OverlapOptimizer: stepping stages during backward ("sync"), taking gradients ("async")
     reducer: Any = None  # the data_parallel.GradientReducer averaging gradients across ranks (compile(process_group=))
 
     # ------------------------------------------------------------------ stage calls
@@ -480,7 +480,10 @@ class StageCalls:
                 for master, thunk in step.pending:
                     by_master.setdefault(id(master), (master, []))[1].append(thunk)
                 handed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+                take = getattr(self.overlap, "take", None)  # async: the overlap takes what its update reads
                 for i, (master, thunks) in by_master.items():
+                    if take is not None and take(master, thunks):
+                        continue
                     g = host_gradient(master, thunks)
                     if g is not None:
                         handed[i] = (master, g)

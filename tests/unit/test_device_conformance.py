@@ -74,7 +74,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # `<x>.devices[...]`, `devices[...]`; calls through getattr(<device>, "name", ...) included.
 DRIVERS = ["mobius_fx/runtime/engine.py", "mobius_fx/runtime/stage_calls.py", "mobius_fx/runtime/stage_state.py",
            "mobius_fx/runtime/stage_autograd.py", "mobius_fx/runtime/pipeline.py", "mobius_fx/runtime/overlap.py",
-           "mobius_fx/runtime/overlap_handover.py", "mobius_fx/runtime/overlap_fused.py", "mobius_fx/build.py"]
+           "mobius_fx/runtime/executor.py", "mobius_fx/build.py"]
 
 
 def _is_device(node: ast.AST) -> bool:

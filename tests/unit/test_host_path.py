@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import mobius_fx
 from mobius_fx import Topology
-from mobius_fx.runtime import overlap_fused
+from mobius_fx.runtime import overlap
 from mobius_fx.runtime.host_counters import COUNTERS, HostCounters
 from mobius_fx.zoo import nanogpt, nanogpt_inputs
 
@@ -27,7 +27,7 @@ def _span_path(monkeypatch):
     """These tests cover the span-by-span hand-over with its refresh pass: the path of optimizers
     the fused host pass does not step, and of every one where it cannot be built. The pass
     (on by default) is tested in test_overlap_host_pass.py."""
-    monkeypatch.setattr(overlap_fused, "HOST_PASS", False)
+    monkeypatch.setattr(overlap, "HOST_PASS", False)
 
 
 def _loss(out, x):
@@ -94,7 +94,7 @@ def test_steady_sync_steps_pin_nothing_and_reuse_gradient_storage(tmp_path):
     assert torch.equal(kept, kept_value)  # step 4 did not write into the gradient the user kept
 
 
-@pytest.mark.parametrize("opt_name,span", [("adamw", 100), ("adamw-fused", overlap_fused.UNIT),
+@pytest.mark.parametrize("opt_name,span", [("adamw", 100), ("adamw-fused", overlap.UNIT),
                                            ("adam-amsgrad-groups", 100), ("sgd-momentum", 100), ("sgd", 1000)])
 def test_the_fused_hand_over_steps_bit_for_bit_as_serial_and_nothing_outside_the_optimizer(
         tmp_path, monkeypatch, opt_name, span):
@@ -105,8 +105,8 @@ def test_the_fused_hand_over_steps_bit_for_bit_as_serial_and_nothing_outside_the
     stepping; `.grad` is final when backward returns; the host makes no pass outside the
     optimizer (<= 1 byte per parameter per step: 0 measured, no conversion, no finiteness read on
     the host)."""
-    monkeypatch.setattr(overlap_fused, "SPAN", span)
-    vocab = 2 * overlap_fused.UNIT // 32 if span == overlap_fused.UNIT else 64
+    monkeypatch.setattr(overlap, "SPAN", span)
+    vocab = 2 * overlap.UNIT // 32 if span == overlap.UNIT else 64
     model, twin, data, pipe, ref_pipe, opt, ref = _fused_pair(tmp_path, opt_name, vocab)
     params = list(model.parameters())
     n = sum(p.numel() for p in params)

@@ -1,5 +1,5 @@
 """pipe.overlap(opt, "sync") with the fused host pass (mobius_fx/runtime/host_optimizer.py,
-overlap_fused.FusedStep._host_pass): a stage's parameters stepped in one pass that reads the bf16
+overlap.OverlapOptimizer._host_pass): a stage's parameters stepped in one pass that reads the bf16
 download and writes the master, torch's state, `.grad` and the streamed copy the next upload
 reads -- no refresh pass, no pin at upload -- with the bits of serial stepping where the formula
 is torch's (SGD; AdamW(fused=True) on whole vectors) and within the derived bound of AdamW's
