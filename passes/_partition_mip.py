@@ -23,9 +23,8 @@ from typing import Any
 import pulp
 
 from mobius_fx.planning.step_model import PartitionProblem, PrefixSums
-from mobius_fx.planning.step_timeline import (
-    UPLOADS_PER_DOWNLOAD, Evaluation, link_time, queue_before, queue_window, slot_bytes,
-)
+from mobius_fx.planning.link_loads import forward_backlog, link_time, slot_bytes
+from mobius_fx.planning.step_timeline import UPLOADS_PER_DOWNLOAD, Evaluation, queue_before, queue_window
 
 from ._partition_mip_rows import add_memory_rows, frozen_prefix, stage_working, tied_copies, var
 
@@ -253,6 +252,9 @@ class _Program:
                                 for k in range(s)]
         self.copy = copy = [(saved[k] * down_c[k] if k else 0.0) + (out_last * down_c[k] if k == s - 1 else 0.0)
                             for k in range(s)]
+        # step_model.timeline's copy0: micro-batch 0's copies leave before any output gradient comes back: full speed
+        self.copy0 = copy0 = [(saved[k] * down[k] if k else 0.0) + out_last * down[k] if k == s - 1 else copy[k]
+                              for k in range(s)]
         self.V, self.E = V, E = {}, {}
         for k in range(1 if s > 1 else 0, s):
             if k >= s - n:
@@ -260,9 +262,13 @@ class _Program:
                 for i in mbs:
                     lp += V[k][i] >= F[k][i] + f[k], f"host_copy_{k}_{i}"
                     if i:
-                        lp += V[k][i] >= V[k][prev[i]] + (i - prev[i]) * copy[k], f"host_copies_{k}_{i}"
+                        first = copy0[k] - copy[k] if prev[i] == 0 else 0.0
+                        lp += V[k][i] >= V[k][prev[i]] + (i - prev[i]) * copy[k] + first, f"host_copies_{k}_{i}"
                 if k - n in E:
                     lp += V[k][0] >= E[k - n], f"host_copies_{k}"
+                terms = {"w": self.w, "out": [self.at[j + 1]["a"] for j in range(s)], "saved": saved}
+                for j, x in enumerate(forward_backlog(problem, terms, k, F[0][0] * self.scale + f[0] * self.scale)):  # the shared link's forward copies
+                    lp += V[k][0] >= x * (1 / self.scale), f"host_copies_backlog_{k}_{j}"
             else:
                 E[k] = var(lp, f"E_{k}", 0)
                 lp += E[k] >= F[k][0] + f[k] + m * copy[k], f"host_copies_{k}_first"
@@ -291,7 +297,8 @@ class _Program:
                     elif in0 > 0:
                         lp += B[0][j] >= w[0] * up[0] + (j + 1) * rk, f"input_b{j}"
                     if k == s - 1:
-                        lp += B[k][j] >= V[k][m - 1 - j] + copy[k] + (j + 1) * grad_in[k] * up[k], f"output_grad_b{j}"
+                        gone = self.copy0[k] if j == m - 1 else copy[k]  # micro-batch m-1-j's copies to the host
+                        lp += B[k][j] >= V[k][m - 1 - j] + gone + (j + 1) * grad_in[k] * up[k], f"output_grad_b{j}"
                 if k >= n:
                     R[k] = var(lp, f"R_{k}", 0)
                     for i in mbs:

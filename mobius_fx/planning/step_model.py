@@ -52,7 +52,8 @@ from mobius_fx.errors import PlanError
 from mobius_fx.planning.microbatch import check_count
 from mobius_fx.precision import Precision
 from mobius_fx.planning.step_memory import MemoryModel, TiedWeight, memory_violation, stage_memory, tied_copy_bytes
-from mobius_fx.planning.step_timeline import Evaluation, LinkLoad, SharedLink, link_loads, shared_links, timeline
+from mobius_fx.planning.link_loads import LinkLoad, link_loads
+from mobius_fx.planning.step_timeline import Evaluation, SharedLink, shared_links, timeline
 
 __all__ = ["SolverInfo", "PartitionProblem", "StageTotals", "PrefixSums", "layer_runs", "evaluate"]
 

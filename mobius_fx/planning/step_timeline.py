@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from mobius_fx.planning.host_step import shared_landings
+from mobius_fx.planning.link_loads import copy_terms, forward_backlog, link_time, slot_bytes
 
 __all__ = ["Evaluation", "Timeline", "timeline", "SharedLink", "shared_links", "queue_before", "queue_window",
-           "freed", "UPLOADS_PER_DOWNLOAD", "LinkLoad", "link_loads", "copy_terms", "slot_bytes", "link_time"]
+           "freed", "UPLOADS_PER_DOWNLOAD"]
 
 
 @dataclass(frozen=True)
@@ -115,98 +116,6 @@ def shared_links(topology: Any, gpus: Sequence[str], direction: str) -> tuple[Sh
     return tuple(out.values())
 
 
-@dataclass(frozen=True)
-class LinkLoad:
-    """A directed link of the topology and the copies of the step that cross it, by GPU slot:
-    `up` / `down`, the slots whose host -> GPU / GPU -> host copies do; `hop` / `hop_back`,
-    the slots i whose forward activation to slot (i+1) % N / whose backward gradient from
-    slot (i+1) % N does. No schedule moves the bytes of all of them in less than their sum
-    over `bandwidth` (bytes/s): `timeline`'s makespan is at least that (`link_time`), as
-    `Plan.lower_bound` is. The timeline's own rows see each copy at its route's bottleneck
-    alone, so without this row a link that several kinds of copies share (activations relayed
-    through the host behind a switch uplink, with the weights) let the prediction fall below
-    the plan's lower bound (issue 26: 342 ms predicted, 391 ms bound)."""
-
-    name: str
-    bandwidth: float
-    up: tuple[int, ...] = ()
-    down: tuple[int, ...] = ()
-    hop: tuple[int, ...] = ()
-    hop_back: tuple[int, ...] = ()
-
-
-def link_loads(topology: Any, gpus: Sequence[str]) -> tuple[LinkLoad, ...]:
-    """Every directed link of `topology` that a copy between the host and `gpus` (slot i =
-    gpus[i]) or between consecutive slots crosses, with which ones (`LinkLoad`): the links of
-    `Topology.route`, the routes `plans.build_plan` gives the plan's transfers.
-
-    link_loads(Topology.virtual(gpus=2), ["gpu0", "gpu1"])
-    """
-    n = len(gpus)
-    kinds: dict[tuple[str, str], dict[str, list[int]]] = {}
-
-    def cross(route: Sequence[str], kind: str, slot: int) -> None:
-        for edge in zip(route, route[1:]):
-            kinds.setdefault(edge, {"up": [], "down": [], "hop": [], "hop_back": []})[kind].append(slot)
-
-    for i, g in enumerate(gpus):
-        cross(topology.route("host", g), "up", i)
-        cross(topology.route(g, "host"), "down", i)
-        if n > 1 and gpus[(i + 1) % n] != g:
-            cross(topology.route(g, gpus[(i + 1) % n]), "hop", i)
-            cross(topology.route(gpus[(i + 1) % n], g), "hop_back", i)
-    return tuple(LinkLoad(f"{u}->{v}", float(topology.link_bandwidth(u, v)),
-                          **{k: tuple(sorted(set(xs))) for k, xs in ks.items()})
-                 for (u, v), ks in kinds.items())
-
-
-def copy_terms(problem: Any, st: Any) -> dict[str, list[float]]:
-    """The per-stage numbers `slot_bytes` reads, from a cut set's `StageTotals`: "w" / "wb"
-    weights forward / fetched again for backward, "g" weight gradients, "saved" the saved
-    input per micro-batch (stage 0: the model input), "grad_in" the gradient reaching stage k
-    from k+1 (the last: the outputs' gradient from the host), "out" the boundary activation
-    per micro-batch. A frozen stage runs no backward: its "wb", "saved", "grad_in" are 0."""
-    s = len(st.f)
-    live = [not x for x in st.frozen] if st.frozen else [True] * s
-    zero = lambda xs: [x if on else 0.0 for x, on in zip(xs, live)]
-    return {"w": list(st.w), "wb": zero(st.w), "g": list(st.g),
-            "saved": zero([problem.input_bytes / problem.microbatches, *st.out[:s - 1]]),
-            "grad_in": zero(st.out), "out": list(st.out)}
-
-
-def slot_bytes(problem: Any, terms: dict[str, list[Any]]) -> dict[str, list[Any]]:
-    """Bytes per step of each kind of copy by GPU slot ("up", "down", "hop", "hop_back"),
-    as the schedule moves them (schedule.py; `Plan.link_bytes` sums the same), from the
-    per-stage `terms` (`copy_terms`; the MIP passes linear expressions): forward weights,
-    backward weights (not the last N stages', which keep theirs), restores of the saved inputs
-    (stage 0: the model input sent again), the model inputs and the outputs' gradients (up);
-    weight gradients, offloads of the saved inputs and the outputs (down); activations forward
-    and their gradients back (the hops)."""
-    n, m, s = len(problem.gpus), problem.microbatches, len(terms["w"])
-    out: dict[str, list[Any]] = {k: [0.0] * n for k in ("up", "down", "hop", "hop_back")}
-    for k in range(s):
-        i = k % n
-        out["up"][i] += terms["w"][k] + m * terms["saved"][k]
-        if k < s - n:
-            out["up"][i] += terms["wb"][k]
-        out["down"][i] += terms["g"][k]
-        if k:
-            out["down"][i] += m * terms["saved"][k]
-        if k < s - 1:
-            out["hop"][i] += m * terms["out"][k]
-            out["hop_back"][i] += m * terms["grad_in"][k]
-    out["up"][0] += problem.input_bytes
-    out["up"][(s - 1) % n] += m * terms["grad_in"][s - 1]
-    out["down"][(s - 1) % n] += m * terms["out"][s - 1]
-    return out
-
-
-def link_time(load: LinkLoad, per_slot: dict[str, list[Any]]) -> Any:
-    """The bytes of `slot_bytes` that cross `load`'s link over its bandwidth (s): a least step time."""
-    total = sum(per_slot[k][i] for k in ("up", "down", "hop", "hop_back") for i in getattr(load, k))
-    return total * (1 / load.bandwidth)
-
-
 def queue_before(links: Sequence[Any], slot_of: Sequence[int], order: Sequence[int]) -> list[list[int]]:
     """For each stage k, the stages whose copy on a shared link (`step_model.SharedLink`) must
     end before k's starts: on each link k's slot is behind, the one `servers` places before k
@@ -267,7 +176,8 @@ def timeline(problem: Any, st: Any, full: bool = False):
     """
     c = _CopyTimes(problem, st)
     F, p, U = _forward_starts(problem, st, c)
-    V, E = _host_copy_starts(st, c, F)
+    terms = copy_terms(problem, st)
+    V, E = _host_copy_starts(st, c, F, [max(forward_backlog(problem, terms, k, F[0][0] + st.f[0]), default=0.0) for k in range(c.s)])
     B, q, A, R = _backward_starts(problem, st, c, F, V)
     D = _gradient_downloads(problem, st, c, B, R)
     makespan = max(D)
@@ -325,6 +235,14 @@ class _CopyTimes:
         self.out_up = st.out[s - 1] / up[(s - 1) % n] if live[s - 1] else 0.0
         self.copy = self.d[:]  # what stage k copies to the host per micro-batch: its offload (and output)
         self.copy[s - 1] += st.out[s - 1] / (down[(s - 1) % n] * last_dx)
+        # Micro-batch 0's copies leave before any output gradient comes back: at full speed (the
+        # simulator's, benchmarks/plan_quality.py's issue-38 case: its 12.9 MB output in 2.1 ms, the
+        # next ones in 2.8; at the duplex share the turn came 0.5 ms late and the step 0.2% over).
+        self.copy0 = self.copy[:]
+        if live[s - 1] and s > 1:
+            self.copy0[s - 1] = (inp[s - 1] + st.out[s - 1]) / down[(s - 1) % n]
+        elif live[s - 1]:
+            self.copy0[s - 1] = st.out[s - 1] / down[(s - 1) % n]
         # Weight uploads (forward in stage order, backward in reverse) and gradient downloads
         # (reverse) of the slots behind a shared link queue on it: one starts when its release time
         # has come and a server is free -- forward, the first that frees (`queue_window`); backward
@@ -373,7 +291,8 @@ def _forward_starts(problem: Any, st: Any, c: _CopyTimes) -> tuple[list[list[flo
     return F, p, U
 
 
-def _host_copy_starts(st: Any, c: _CopyTimes, F: list[list[float]]) -> tuple[dict[int, list[float]], list[float]]:
+def _host_copy_starts(st: Any, c: _CopyTimes, F: list[list[float]], backlog: Sequence[float] = ()
+                      ) -> tuple[dict[int, list[float]], list[float]]:
     """(V, E) of `Timeline`. Copies to the host leave on each GPU's download stream in stage and
     micro-batch order (a stage's are released before the next stage's on the GPU, and served
     first): stage k's offload (d_k), then, for the last stage, its output (h), each after its
@@ -390,12 +309,12 @@ def _host_copy_starts(st: Any, c: _CopyTimes, F: list[list[float]]) -> tuple[dic
         if k < s - n:
             E[k] = max(before + m * ck, row[0] + f[k] + m * ck, row[m - 1] + f[k] + ck)
             continue
-        v, t = [], before
+        v, t = [], max(before, backlog[k]) if backlog else before
         for i in range(m):
             if row[i] + f[k] > t:
                 t = row[i] + f[k]
             v.append(t)
-            t += ck
+            t += c.copy0[k] if i == 0 else ck
         V[k] = v
     return V, E
 
@@ -415,7 +334,8 @@ def _backward_ready(c: _CopyTimes, st: Any, k: int, F: list[list[float]], V: dic
         ready = [st.w[0] / up0 + (j + 1) * c.r[0] for j in range(m)]
     if k == s - 1:  # the output's gradient comes back from the host after the output went
         v = V[k]
-        ready = [max(x, v[m - 1 - j] + c.copy[k] + (j + 1) * c.out_up) for j, x in enumerate(ready)]
+        ready = [max(x, v[m - 1 - j] + (c.copy0[k] if j == m - 1 else c.copy[k]) + (j + 1) * c.out_up)
+                 for j, x in enumerate(ready)]
     return t0, ready, rk_done
 
 

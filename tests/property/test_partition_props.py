@@ -18,7 +18,8 @@ from mobius_fx.passes.mip_solver import run_solver
 from mobius_fx.passes.partition_bounds import lp_bound, stage_count_bound
 from mobius_fx.planning.step_model import PartitionProblem, PrefixSums, evaluate, layer_runs
 from mobius_fx.planning.step_memory import MEMORY_TOLERANCE, MemoryModel, TiedWeight, stage_memory
-from mobius_fx.planning.step_timeline import LinkLoad, SharedLink, copy_terms, link_time, queue_before, slot_bytes
+from mobius_fx.planning.link_loads import LinkLoad, copy_terms, link_time, slot_bytes
+from mobius_fx.planning.step_timeline import SharedLink, queue_before
 from mobius_fx.passes.partition_search import brute_force, heuristic
 from mobius_fx.passes.partition_solve import solve
 

@@ -303,6 +303,20 @@ def test_solve_matches_brute_force(tmp_path):
     assert got.solver.status == "optimal" and got.solver.gap <= 1e-4
 
 
+def test_solve_matches_brute_force_when_the_forwards_backlog_delays_the_turn(tmp_path):
+    # step_timeline's forward_backlog (the last stages' copies to the host after the forward's
+    # copies over a shared uplink at duplex 0.5) is a row of the MIP too: it agrees with brute force.
+    from mobius_fx.planning.link_loads import LinkLoad
+    ls = [layer(f"l{i}", 1, 2, 10 + 5 * (i % 3), 6) for i in range(7)]
+    links = (LinkLoad("cpu->sw", 10.0, up=(0, 1), hop=(0, 1)), LinkLoad("sw->cpu", 10.0, down=(0, 1), hop=(0, 1)))
+    p = replace(problem(ls, gpus=2, m=2, up=10, hop=10), links=links, duplex=(0.5, 0.5))
+    best = brute_force(p)
+    assert best.makespan > brute_force(replace(p, duplex=(1.0, 1.0))).makespan  # the backlog binds
+    got = solve(p, cache_dir=tmp_path, time_limit=10)
+    assert got.makespan == pytest.approx(best.makespan, rel=1e-6)
+    assert got.solver.status == "optimal"
+
+
 def test_solve_matches_brute_force_when_a_later_download_ends_the_step(tmp_path):
     # Big gradients late in the model: the MIP must see every stage's download queue.
     ls = [layer("a", 1, 2, 10), layer("b", 1, 2, 10), layer("c", 1, 2, 10, grad=90), layer("d", 1, 2, 10, grad=60)]

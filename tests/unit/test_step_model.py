@@ -16,6 +16,7 @@ from mobius_fx.planning.host_step import NO_HOST_COPIES
 from mobius_fx.sim.simulator import simulate
 from mobius_fx.planning.step_model import PartitionProblem, PrefixSums, evaluate
 from mobius_fx.planning.step_memory import MemoryModel, stage_memory, tied_weights, TiedWeight
+from mobius_fx.planning.link_loads import LinkLoad
 from mobius_fx.planning.step_timeline import shared_links, SharedLink
 from mobius_fx.topology.server import Topology
 from mobius_fx.precision import Precision
@@ -186,15 +187,39 @@ def test_the_output_goes_to_the_host_and_its_gradient_comes_back():
 
 def test_the_last_stages_outputs_leave_at_the_duplex_share_while_their_gradients_come_back():
     # As above on a route that keeps half of each direction while both are busy: the second
-    # output (10 B) leaves while the first one's gradient comes back, so the outputs take 2 s
-    # each (the simulator's switch links do this; plan_quality's compute-bound case predicted
-    # 0.845 of the simulated step without it). One micro-batch: nothing comes back meanwhile.
+    # output (10 B) leaves while the first one's gradient comes back, so it takes 2 s (the
+    # simulator's switch links do this; plan_quality's compute-bound case predicted 0.845 of the
+    # simulated step without it). The first leaves before any gradient comes back: 1 s, at full
+    # speed (the simulator's too: issue 38's case was predicted 0.2% over it at the share).
+    # One micro-batch: nothing comes back meanwhile.
     p = replace(problem([layer("a", out=20)], m=2), duplex=(0.5,))
     ev = evaluate(p, (0,))
-    assert ev.host_copy_start[0] == (1.5, 3.5)
-    assert ev.bwd_start == ((6.5, 7.5),)  # the last output back at 5.5, its gradient at 6.5
+    assert ev.host_copy_start[0] == (1.5, 2.5)
+    assert ev.bwd_start == ((5.5, 6.5),)  # the last output back at 4.5, its gradient at 5.5
     one = replace(problem([layer("a", out=20)], m=1), duplex=(0.5,))
     assert evaluate(one, (0,)).bwd_start == ((1.0 + 1.0 + 2.0 + 2.0,),)  # 20 B out and back at 10 B/s
+
+
+def switch_links(slots=(0, 1), bandwidth: float = 10.0):
+    """A switch uplink both GPU slots' host copies and their hops through the host cross (`LinkLoad`)."""
+    return (LinkLoad("cpu->sw", bandwidth, up=slots, hop=slots), LinkLoad("sw->cpu", bandwidth, down=slots, hop=slots))
+
+
+def test_the_last_stages_copies_wait_for_the_forwards_backlog_on_a_shared_link():
+    # Two GPUs behind one 10 B/s uplink at duplex 0.5 (10 B/s for both directions together),
+    # a | b | c | d, W = 10 B, out = 10 B, one micro-batch. Stage 3's copies queue on its GPU
+    # behind stage 1's offload, which the simulator serves after the forward's other copies on
+    # the link: weights 0..3 (40 B), hops into 1..3, each over the uplink twice (60 B), stage
+    # 1..2's offloads (20 B): 120 B at 10 B/s, so they start at 12 s, not 8 (plan_quality's
+    # compute-bound case: the turn came 5.5 ms before the simulator's without it). Full duplex
+    # (20 B/s after the first run ends at 2 s): 2 + (120 - 20) / 20 = 7 < 8, no change.
+    ls = [layer(c, out=10) for c in "abcd"]
+    p = problem(ls, gpus=2)
+    for d, want in ((0.5, 12.0), (1.0, 8.0)):
+        ev = evaluate(replace(p, links=switch_links(), duplex=(d, d)), (0, 1, 2, 3))
+        assert evaluate(replace(p, duplex=(d, d)), (0, 1, 2, 3)).host_copy_start[3] == (8.0,)
+        assert ev.host_copy_start[3] == (pytest.approx(want),)
+        assert ev.host_copy_start[2] == (6.0,)  # stage 0 (= 2 - N) offloads nothing: no queue
 
 
 def test_offloads_queue_on_the_gpus_download_stream():
