@@ -1,0 +1,171 @@
+"""RoundPipe on the step executor: `compile(schedule="roundpipe")` runs `ir_transforms.round_robin`
+of the pipeline's Mobius IR, each stage's backward on GPU (2S - 2 - k) mod N of the rotation.
+
+The step equals eager (loss, every `.grad`, two steps); the runtime moves exactly the transformed
+IR's copies, copy by copy, and executes its order per GPU on `virtual-async` with seeded random
+delays; the GPU that runs a stage's backward holds its weights in a slot of its pool planned from
+the transformed IR (no slot added past the plan, the budget kept).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mobius_fx
+from mobius_fx import MobiusError, Topology
+from mobius_fx.planning.ir_transforms import round_robin
+from mobius_fx.planning.schedule_ir import StageInput, StageIO, build_schedule
+from mobius_fx.runtime.devices import make_devices
+from mobius_fx.zoo import GPT, GPTConfig
+from mobius_fx.zoo.small import SkipNet
+from tests.unit.test_executor import _check_conforms, _eager, _step_ir
+from tests.unit.test_train_step import Classifier, _assert_grads_equal, _grads
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BUDGET = 64 << 20
+
+
+def _devices(n, seed, device="virtual-async"):
+    return make_devices({f"gpu{g}": BUDGET for g in range(n)}, device=device, seed=seed)
+
+
+def _chain(s, n, m=2):
+    """A Mobius IR of `s` stages round-robin on `n` GPUs, the last stage's output to the host."""
+    st = [StageIO(f"gpu{k % n}", 100 + k, 10 + k, (StageInput(k - 1, 7, needs_grad=k > 0),),
+                  host_outputs=(5,) if k == s - 1 else ()) for k in range(s)]
+    return build_schedule(st, m)
+
+
+@pytest.mark.parametrize("s,n", [(3, 3), (4, 3), (5, 3), (5, 2), (6, 4)])
+def test_round_robin_puts_each_backward_where_the_rotation_continues(s, n):
+    ir = _chain(s, n)
+    rp = round_robin(ir)
+    gpus = [f"gpu{g}" for g in range(n)]
+    back = lambda k: gpus[(2 * s - 2 - k) % n]  # noqa: E731
+    for o in rp.ops:
+        if o.phase != "backward":
+            continue
+        if o.kind == "send" and o.what == "activation" and "host" not in (o.src, o.dst):  # stage k's input gradient
+            assert (o.place, o.src, o.dst) == (back(o.stage + 1), back(o.stage + 1), back(o.stage)), str(o)
+        else:  # its upload, wait, restores, runs, download, evict: all on its backward GPU
+            assert o.place == back(o.stage) and o.dst in ("", "host", back(o.stage)), str(o)
+    # forward: Mobius's ops exactly, except a stage evicted instead of held where its backward runs elsewhere
+    fwd = [o for o in ir.ops if o.phase == "forward"]
+    assert [(o.kind, o.place, o.stage, o.microbatch) for o in rp.ops if o.phase == "forward"] == [
+        ("evict" if o.kind == "hold" and gpus[(2 * s - 2 - o.stage) % n] != o.place else o.kind, o.place, o.stage,
+         o.microbatch) for o in fwd]
+    assert all(d < o.index for o in rp.ops for d in o.deps)
+    # the same values and gradients cross, from and to other GPUs: as many sends, offloads and restores
+    for kind in ("send", "offload", "restore", "download"):
+        assert len(rp.select(kind=kind)) == len(ir.select(kind=kind)), kind
+    assert max(rp.resident_at_most().values()) <= 2
+
+
+def test_on_two_gpus_the_rotation_is_mobius():
+    """(2S - 2 - k) - k is even: on two GPUs every backward runs where its forward ran."""
+    ir = _chain(5, 2)
+    assert round_robin(ir).ops == ir.ops
+
+
+def test_round_robin_refuses_a_placement_off_the_rotation():
+    st = [StageIO(g, 10, 10, (StageInput(k - 1, 1, needs_grad=k > 0),)) for k, g in enumerate(["gpu0", "gpu1", "gpu1"])]
+    with pytest.raises(MobiusError, match=r"stage 2 runs on gpu1, but RoundPipe's rotation over gpu0, gpu1 puts it "
+                                          r"on gpu0"):
+        round_robin(build_schedule(st, 2))
+
+
+def _moved_backward(ir):
+    return {o.stage for o in ir.ops if o.kind == "run" and o.phase == "backward"
+            and o.place != ir.stages[o.stage].gpu}
+
+
+@pytest.mark.parametrize("gpus,m,blocks,seed,device", [(3, 2, 4, 1, "virtual-async"), (3, 4, 3, 2, "virtual-async"),
+                                                       (3, 3, 5, 3, "virtual-async"), (3, 2, 4, 0, "virtual")])
+def test_roundpipe_train_step_equals_eager_and_its_ir(gpus, m, blocks, seed, device):
+    torch.manual_seed(seed)
+    model = Classifier(blocks=blocks)
+    x, y = torch.randn(4 * m, 16), torch.randint(0, 50, (4 * m,))
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=gpus, memory="64MiB"), example_inputs=(x,), microbatches=m,
+                             cuts=list(range(1, blocks + 1)), verbose=False, device=_devices(gpus, seed, device),
+                             loss_fn=F.cross_entropy, schedule="roundpipe")
+    for _ in range(2):
+        loss = pipe.train_step(x, target=y)
+    got = _grads(model)
+    ref, want = _eager(model, lambda: F.cross_entropy(model(x), y))
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    _assert_grads_equal(got, {n: 2 * g for n, g in want.items()})
+    ir = _step_ir(pipe, "roundpipe", (x,), {"target": y})
+    assert _moved_backward(ir)  # some stage's backward runs on another GPU than its forward
+    _check_conforms(pipe, ir)
+    rt = pipe.step_pipeline._rt
+    assert all(st.device.name == spec.gpu for st, spec in zip(rt.stages, rt.schedule.stages))  # back home
+
+
+def test_roundpipe_keeps_the_slot_plan_and_the_budgets():
+    """The GPU running a stage's backward holds it in a slot of its pool sized from the RoundPipe
+    IR: no slot added or grown past the plan, at most the IR's resident stages, budgets kept."""
+    torch.manual_seed(0)
+    model = Classifier(width=64, blocks=5)
+    x, y = torch.randn(8, 64), torch.randint(0, 50, (8,))
+    devs = _devices(3, 7)
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=3, memory="64MiB"), example_inputs=(x,), microbatches=2,
+                             cuts=[1, 2, 3, 4, 5], verbose=False, device=devs, loss_fn=F.cross_entropy,
+                             schedule="roundpipe")
+    pipe.train_step(x, target=y)
+    ir = _step_ir(pipe, "roundpipe", (x,), {"target": y})
+    most = ir.resident_at_most()
+    for name, dev in devs.items():
+        stats = dev.slot_stats()
+        assert stats["overflows"] == 0, (name, stats)
+        assert stats["max_in_use"] <= most[name], (name, stats, most)
+        assert dev.peak_bytes <= BUDGET
+    rt = pipe.step_pipeline._rt
+    for k in _moved_backward(ir):  # the second GPU's pool has a slot the stage fits
+        b = next(o.place for o in ir.ops if o.kind == "run" and o.phase == "backward" and o.stage == k)
+        assert max(devs[b]._sizes) >= devs[b].slot_bytes(rt.stages[k].slots)
+
+
+def test_roundpipe_skip_connections_go_through_the_host():
+    """SkipNet's stem output is read four stages later: its gradient leaves from the GPU that runs
+    the reader's backward, into host memory, and comes back to the stem's backward GPU."""
+    torch.manual_seed(4)
+    model = SkipNet(d_in=6, width=8, depth=4, d_out=5)
+    x, y = torch.randn(4, 6), torch.randint(0, 5, (4,))
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=3, memory="64MiB"), example_inputs=(x,), microbatches=2,
+                             cuts=[1, 2, 3, 4, 5], verbose=False, device=_devices(3, 4), loss_fn=F.cross_entropy,
+                             schedule="roundpipe")
+    loss = pipe.train_step(x, target=y)
+    got = _grads(model)
+    ref, want = _eager(model, lambda: F.cross_entropy(model(x), y))
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    _assert_grads_equal(got, want)
+    ir = _step_ir(pipe, "roundpipe", (x,), {"target": y})
+    assert any(o.kind == "send" and o.phase == "backward" and o.dst == "host" for o in ir.ops)
+    assert _moved_backward(ir)
+    _check_conforms(pipe, ir)
+
+
+def test_roundpipe_gpt_equals_eager_and_the_eager_loop_still_runs_mobius():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq=8, hidden=16, blocks=3, heads=2))
+    ids = torch.randint(0, 64, (4, 8))
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=3, memory="64MiB"), example_inputs=(ids,), microbatches=2,
+                             verbose=False, device=_devices(3, 5), loss_fn=loss_fn, schedule="roundpipe")
+    for _ in range(2):
+        loss = pipe.train_step(ids, target=ids)
+    got = _grads(model)
+    ref, want = _eager(model, lambda: loss_fn(model(ids), ids))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    _assert_grads_equal(got, {n: 2 * g for n, g in want.items()})
+    ir = _step_ir(pipe, "roundpipe", (ids,), {"target": ids})
+    assert _moved_backward(ir)
+    _check_conforms(pipe, ir)
+    # the eager-style loop keeps Mobius's autograd path, every stage on its own GPU
+    model.zero_grad()
+    loss_fn(pipe(ids), ids).backward()
+    _assert_grads_equal(_grads(model), want)
