@@ -48,7 +48,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.autograd.function import once_differentiable
 
-from mobius_fx.errors import MobiusError
+from mobius_fx.errors import BudgetError, MobiusError
 from mobius_fx.kinds import HOST
 from mobius_fx.planning.schedule_ir import Op, OpKind, ScheduleIR
 from mobius_fx.runtime.device_books import Device, nbytes
@@ -125,7 +125,14 @@ class StepExecutor:
         self.slot_home = self.rt._plan_slots(self.ir) if self.moves else None
         if self.moves:
             for gpu in self.ir.gpus:
-                self.rt.devices[gpu].open_pool()
+                try:
+                    self.rt.devices[gpu].open_pool()
+                except BudgetError as e:
+                    there = sorted(k for k, g in enumerate(self.bgpu) if g == gpu and self.stages[k].gpu != gpu)
+                    e.add_note(f"[mobius_fx] schedule '{name}' uploads stage(s) {there} on {gpu} for their backward "
+                               f"(a second GPU besides their forward's): its slot pool is sized for them too; train "
+                               f"with schedule='mobius', or give {gpu} more memory")
+                    raise
         # per micro-batch, how many ops read each stage output on its GPU (a push, a run on the same GPU, a host copy)
         self.readers: dict[tuple[int, int], int] = defaultdict(int)
         for k, spec in enumerate(self.stages):

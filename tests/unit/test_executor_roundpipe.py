@@ -10,9 +10,11 @@ the transformed IR (no slot added past the plan, the budget kept).
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import mobius_fx
 from mobius_fx import MobiusError, Topology
+from mobius_fx.errors import BudgetError
 from mobius_fx.planning.ir_transforms import round_robin
 from mobius_fx.planning.schedule_ir import StageInput, StageIO, build_schedule
 from mobius_fx.runtime.devices import make_devices
@@ -102,28 +104,65 @@ def test_roundpipe_train_step_equals_eager_and_its_ir(gpus, m, blocks, seed, dev
     assert all(st.device.name == spec.gpu for st, spec in zip(rt.stages, rt.schedule.stages))  # back home
 
 
-def test_roundpipe_keeps_the_slot_plan_and_the_budgets():
+class Uneven(nn.Module):
+    """A wide first stage and a narrow second: on three GPUs RoundPipe runs stage 0's backward on
+    gpu1, whose Mobius pool is sized for stage 1 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 256), nn.Tanh()),
+                                     nn.Sequential(nn.Linear(256, 2), nn.Tanh())])
+        self.head = nn.Linear(2, 50)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _uneven(budgets, schedule, seed=7):
+    torch.manual_seed(0)
+    model = Uneven()
+    x, y = torch.randn(8, 16), torch.randint(0, 50, (8,))
+    devs = make_devices(budgets, device="virtual-async", seed=seed)
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=3, memory="64MiB"), example_inputs=(x,), microbatches=2,
+                             cuts=[1, 2], verbose=False, device=devs, loss_fn=F.cross_entropy, schedule=schedule)
+    return model, pipe, devs, x, y
+
+
+def test_roundpipe_plans_the_second_slot_and_keeps_the_budgets():
     """The GPU running a stage's backward holds it in a slot of its pool sized from the RoundPipe
     IR: no slot added or grown past the plan, at most the IR's resident stages, budgets kept."""
-    torch.manual_seed(0)
-    model = Classifier(width=64, blocks=5)
-    x, y = torch.randn(8, 64), torch.randint(0, 50, (8,))
-    devs = _devices(3, 7)
-    pipe = mobius_fx.compile(model, Topology.virtual(gpus=3, memory="64MiB"), example_inputs=(x,), microbatches=2,
-                             cuts=[1, 2, 3, 4, 5], verbose=False, device=devs, loss_fn=F.cross_entropy,
-                             schedule="roundpipe")
-    pipe.train_step(x, target=y)
+    model, pipe, devs, x, y = _uneven({f"gpu{g}": BUDGET for g in range(3)}, "roundpipe")
+    loss = pipe.train_step(x, target=y)
+    got = _grads(model)
+    ref, want = _eager(model, lambda: F.cross_entropy(model(x), y))
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    _assert_grads_equal(got, want)
     ir = _step_ir(pipe, "roundpipe", (x,), {"target": y})
+    _check_conforms(pipe, ir)
+    rt = pipe.step_pipeline._rt
+    assert rt.stages[0].weight_bytes > 4 * rt.stages[1].weight_bytes
+    assert next(o.place for o in ir.ops if o.kind == "run" and o.phase == "backward" and o.stage == 0) == "gpu1"
     most = ir.resident_at_most()
     for name, dev in devs.items():
         stats = dev.slot_stats()
         assert stats["overflows"] == 0, (name, stats)
         assert stats["max_in_use"] <= most[name], (name, stats, most)
         assert dev.peak_bytes <= BUDGET
-    rt = pipe.step_pipeline._rt
-    for k in _moved_backward(ir):  # the second GPU's pool has a slot the stage fits
-        b = next(o.place for o in ir.ops if o.kind == "run" and o.phase == "backward" and o.stage == k)
-        assert max(devs[b]._sizes) >= devs[b].slot_bytes(rt.stages[k].slots)
+    assert devs["gpu1"].pool_bytes() >= devs["gpu1"].slot_bytes(rt.stages[0].slots)
+
+
+def test_a_backward_gpu_too_small_for_the_second_copy_is_refused_and_mobius_still_runs():
+    budgets = {"gpu0": BUDGET, "gpu1": 12 << 10, "gpu2": BUDGET}  # stage 1's weights and work, not stage 0's 17 KiB
+    model, pipe, devs, x, y = _uneven(budgets, "mobius")
+    pipe.train_step(x, target=y)
+    assert devs["gpu1"].peak_bytes <= budgets["gpu1"]
+    model, pipe, devs, x, y = _uneven(budgets, "roundpipe")
+    with pytest.raises(BudgetError, match=r"gpu1 would hold 17.00 KiB .*the weight slots") as e:
+        pipe.train_step(x, target=y)
+    assert "uploads stage(s) [0] on gpu1 for their backward" in "\n".join(getattr(e.value, "__notes__", []))
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_roundpipe_skip_connections_go_through_the_host():
