@@ -332,13 +332,8 @@ def neighbours(gpus: Sequence[str]) -> tuple[list[int | None], list[int | None]]
 
 def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: bool = True,
                    backward_gpus: Sequence[str] | None = None) -> ScheduleIR:
-    """The ops of one step of `stages` with `microbatches` micro-batches (see the module docstring).
-
-    `backward_gpus[k]`: the GPU that runs stage k's backward (None: each stage's own GPU, Mobius).
-    A stage whose backward runs elsewhere is evicted after its forward, uploaded on that GPU for
-    its backward (prefetched, as in Mobius, when the stage before it there starts its backward),
-    its saved inputs restored and its output gradients sent there, its gradients downloaded
-    from there (RoundPipe's rotation: `ir_transforms.round_robin`)."""
+    """The ops of one step of `stages` with `microbatches` micro-batches (see the module docstring);
+    `backward_gpus[k]`: the GPU of stage k's backward (None: its own; `ir_transforms.round_robin`)."""
     stages = tuple(stages)
     m = microbatches
     check_count(m)
@@ -403,6 +398,9 @@ class _Steps:
         self.grads_back: dict[tuple[int, int], list[int]] = defaultdict(list)  # (stage, mb) -> gradient copies it waits for
         self.downloads: dict[int, int] = {}
         self.fetched_b: set[int] = set()  # stages whose backward prefetch the stage after them on their GPU issued
+        # the last forward stage on a GPU keeps its weights for its backward when that runs there, first
+        self.keeps = [self.nxt[k] is None and self.has_bwd[k] and self.bgpu[k] == self.gpu[k] and self.bnxt[k] is None
+                      for k in range(len(stages))]
 
     def op(self, kind: str, place: str, stage: int, phase: str, deps: Sequence[int | None] = (), **kw) -> int:
         i = len(self.ops)
@@ -450,22 +448,16 @@ class _Steps:
                                          what="activation", bytes=b, value=p)
                 self.hosted_all[(k, i)].append(self.hosted[(k, i)])
         last = self.run_f[(k, m - 1)]
-        if nxt[k] is not None or not self.has_bwd[k] or not self.held(k):
+        if not self.keeps[k]:
             self.evicted[k] = self.last_evict[g] = op("evict", g, k, "forward", [last])
         else:
             op("hold", g, k, "forward", [last])
-
-    def held(self, k: int) -> bool:
-        """Whether stage k, the last forward stage on its GPU, keeps its weights there for its
-        backward: that runs on the same GPU, before any other backward there."""
-        return self.bgpu[k] == self.gpu[k] and self.bnxt[k] is None
 
     def backward(self, k: int) -> None:
         """Stage k's backward: its weights (fetched again if they left), the stage before it on
         its GPU prefetched, its micro-batches newest first, its gradients to the host, its evict."""
         st, g, op, nxt, prev = self.stages[k], self.bgpu[k], self.op, self.bnxt, self.bprev
-        if k not in self.fetched_b and (nxt[k] is not None or self.nxt[k] is not None or not self.held(k)):
-            # no stage before it in backward on this GPU prefetched it, and it was not held:
+        if not self.keeps[k] and k not in self.fetched_b:  # neither held nor prefetched by a backward before it:
             j = nxt[k]  # fetched again at its own turn, after the last eviction on its GPU
             while j is not None and j not in self.evicted_b:
                 j = nxt[j]
@@ -500,8 +492,7 @@ class _Steps:
         self.evicted_b[k] = op("evict", g, k, "backward", [last])  # the weights; the gradients are a copy of their own
 
     def _grads_out(self, k: int, i: int, r: int) -> None:
-        """Micro-batch i's input gradients of stage k (its backward run r) go back the way the
-        inputs came, to the GPU that runs the producer's backward."""
+        """Micro-batch i's input gradients of stage k (its backward run r) go back the way the inputs came."""
         g = self.bgpu[k]
         for j, inp in enumerate(self.stages[k].inputs):
             if not self.grad_in[k][j]:

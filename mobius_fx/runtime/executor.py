@@ -35,7 +35,10 @@ The eager-style loop (`loss_fn(pipe(x), y).backward()`) keeps its autograd path
 Which schedules run: those registered with a runtime form (mobius_fx/schedules/registry.py
 `runtime=`, a transform of the pipeline's Mobius IR): "mobius", "mobius-noprefetch" (each upload
 issued after the stage before it on its GPU has finished) and "mobius-identity-map" (compiled
-on the identity cross map). `compile(schedule=...)` refuses the others with the reason.
+on the identity cross map) and "roundpipe" (`ir_transforms.round_robin`: a stage's backward on
+the GPU RoundPipe's rotation gives it; its `prefetch` there moves the stage's slots, books and
+executed ops to that GPU, whose slot pool is planned from that IR, and the stages go back to
+their own GPUs after the step). `compile(schedule=...)` refuses the others with the reason.
 """
 
 from __future__ import annotations
