@@ -10,7 +10,7 @@ the runtime's executor (mobius_fx/runtime/executor.py) run the same ops.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mobius_fx.errors import MobiusError
@@ -79,7 +79,7 @@ def with_fields(o: Op, **kw: Any) -> Op:
     return Op(**fields)
 
 
-def round_robin(ir: ScheduleIR) -> ScheduleIR:
+def round_robin(ir: ScheduleIR, gpus: Sequence[str] | None = None) -> ScheduleIR:
     """RoundPipe's rotation (mobius_fx/schedules/roundpipe.py) on the pipeline's Mobius IR: the
     same stages, forward stage k on the k-th GPU of the rotation (the Mobius IR's own forward
     order; a cross-mapped pipeline's GPUs are the rotation's order), and the backward slots
@@ -92,14 +92,18 @@ def round_robin(ir: ScheduleIR) -> ScheduleIR:
     Deviation from the simulator's RoundPipe (`schedules.roundpipe.schedule_ir`): the last
     stage is not fused -- its forward runs as in Mobius (the loss on the host, the weights held
     on its GPU, which is also its backward GPU), and its backward recomputes from the restored
-    input; the simulator's fused slot skips that recompute and keeps the input on the GPU."""
+    input; the simulator's fused slot skips that recompute and keeps the input on the GPU.
+
+    `gpus`: the rotation (default: the GPUs `ir`'s stages run on, in stage order). With fewer
+    stages than GPUs the simulator rotates over all of them (`gpus=ctx.gpus`: backward slots on
+    GPUs that run no forward); the runtime form, on the pipeline's IR, over those its stages use."""
     from mobius_fx.planning.schedule_ir import build_schedule
 
     stages = ir.stages
     if not stages:
         raise MobiusError("round_robin needs a pipeline's schedule IR (its stages as StageIO); got one without "
                           "stages (a simulator baseline's): build it with Pipeline.schedule_ir or build_schedule")
-    rotation = list(dict.fromkeys(st.gpu for st in stages))
+    rotation = list(gpus) if gpus is not None else list(dict.fromkeys(st.gpu for st in stages))
     n, s = len(rotation), len(stages)
     for k, st in enumerate(stages):
         if st.gpu != rotation[k % n]:

@@ -208,3 +208,27 @@ def test_roundpipe_gpt_equals_eager_and_the_eager_loop_still_runs_mobius():
     model.zero_grad()
     loss_fn(pipe(ids), ids).backward()
     _assert_grads_equal(_grads(model), want)
+
+
+@pytest.mark.parametrize("s", [5, 12])
+def test_the_simulators_roundpipe_and_the_runtime_form_agree_but_for_the_fused_last_stage(s):
+    """Per stage and micro-batch, every run the simulator's RoundPipe IR has is on the same GPU
+    in `round_robin` of the plan's IR over the simulator's GPUs; the runtime's only extra runs
+    are the last stage's forward (the simulator's fused slot doubles as it), on that slot's GPU.
+    On the stages' own GPUs (the runtime's default) the two agree when every GPU runs a stage."""
+    from mobius_fx.schedules import roundpipe
+    from mobius_fx.sim.tasks import Context
+    from tests.unit.test_simulator import make_layers, make_plan
+
+    topo = Topology.preset("mobius-testbed")
+    plan = make_plan(topo, make_layers(s), list(range(s)), 2)
+    ctx = Context(plan, topo, "adamw", 1e10, True)
+    sim = roundpipe.schedule_ir(ctx)[0]
+    rt = round_robin(plan.schedule(ctx.gpus), ctx.gpus)
+    assert (round_robin(plan.schedule(ctx.gpus)).ops == rt.ops) == (s >= len(ctx.gpus))
+    runs = lambda ir: {(o.phase, o.stage, o.microbatch): o.place for o in ir.ops if o.kind == "run"}  # noqa: E731
+    got, want = runs(rt), runs(sim)
+    assert {key: got[key] for key in want} == want
+    n = len(ctx.gpus)
+    assert {key: g for key, g in got.items() if key not in want} == {("forward", s - 1, i): ctx.gpus[(s - 1) % n]
+                                                                     for i in range(plan.microbatches)}
