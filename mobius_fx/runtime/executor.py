@@ -123,6 +123,15 @@ class StepExecutor:
             if o.kind == OpKind.RUN and o.phase == "backward":
                 self.bgpu[o.stage] = o.place
         self.moves = any(b != spec.gpu for b, spec in zip(self.bgpu, self.stages))
+        for k, (b, spec) in enumerate(zip(self.bgpu, self.stages)):
+            here, there = self.rt.devices[spec.gpu].torch_device, self.rt.devices[b].torch_device
+            if here != there:
+                raise MobiusError(
+                    f"schedule '{name}' runs stage {k}'s backward on {b} ({there}) after its forward on {spec.gpu} "
+                    f"({here}); the runtime moves a stage only between GPUs sharing one torch device (virtual, "
+                    f"virtual-async): a stage's graph has its GPU's device constants (runtime/device_rewrite.py) "
+                    f"and its recompute restores its forward GPU's RNG state. Train with schedule='mobius', or "
+                    f"try roundpipe on device='virtual-async'")
         # the slots the IR's order gives each (stage, phase) on each GPU; a schedule that runs a
         # stage on a second GPU sizes that GPU's pool for it too (`Runtime._plan_slots`)
         self.slot_home = self.rt._plan_slots(self.ir) if self.moves else None
