@@ -62,6 +62,10 @@ def test_round_robin_puts_each_backward_where_the_rotation_continues(s, n):
     for kind in ("send", "offload", "restore", "download"):
         assert len(rp.select(kind=kind)) == len(ir.select(kind=kind)), kind
     assert max(rp.resident_at_most().values()) <= 2
+    # an upload at its stage's own turn waits for the memory it takes: an evict on its GPU
+    for o in rp.select(kind="prefetch", phase="backward"):
+        if not any(rp.ops[d].kind == "wait" for d in o.deps):
+            assert any(rp.ops[d].kind == "evict" and rp.ops[d].place == o.place for d in o.deps), str(o)
 
 
 def test_on_two_gpus_the_rotation_is_mobius():
