@@ -4,18 +4,19 @@ the runtime's executor (mobius_fx/runtime/executor.py) run the same ops.
 
     unchanged(ir) is ir
     ir2 = no_prefetch(ir)      # Mobius without prefetch: same copies, uploads after the stage before
+    ir3 = round_robin(ir)      # RoundPipe: backward k on GPU (2S-2-k) mod N, the rotation continued
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.schedule_ir import Op, OpKind, ScheduleIR
 
-__all__ = ["unchanged", "no_prefetch", "with_fields", "ScheduleForm"]
+__all__ = ["unchanged", "no_prefetch", "round_robin", "with_fields", "ScheduleForm"]
 
 # The schedule a step pipeline's executor runs: its registered name and its runtime form (a
 # transform of the pipeline's Mobius IR; None: that IR unchanged). `compile(schedule=)` makes it.
@@ -76,3 +77,42 @@ def with_fields(o: Op, **kw: Any) -> Op:
                   need=o.need, starts=o.starts)
     fields.update(kw)
     return Op(**fields)
+
+
+def round_robin(ir: ScheduleIR, gpus: Sequence[str] | None = None) -> ScheduleIR:
+    """RoundPipe's rotation (mobius_fx/schedules/roundpipe.py) on the pipeline's Mobius IR: the
+    same stages, forward stage k on the k-th GPU of the rotation (the Mobius IR's own forward
+    order; a cross-mapped pipeline's GPUs are the rotation's order), and the backward slots
+    continuing the rotation: stage k's backward on GPU (2S - 2 - k) mod N. Rebuilt from `ir`'s
+    stages (`build_schedule(backward_gpus=)`): a stage whose backward runs on another GPU is
+    evicted after its forward and uploaded there for its backward, its saved inputs go to the
+    host (as in Mobius) and come back to that GPU, the gradients of its outputs are sent there
+    and its weight gradients downloaded from there.
+
+    Deviation from the simulator's RoundPipe (`schedules.roundpipe.schedule_ir`): the last
+    stage is not fused -- its forward runs as in Mobius (the loss on the host, the weights held
+    on its GPU, which is also its backward GPU), and its backward recomputes from the restored
+    input; the simulator's fused slot skips that recompute and keeps the input on the GPU.
+
+    `gpus`: the rotation (default: the GPUs `ir`'s stages run on, in stage order). With fewer
+    stages than GPUs the simulator rotates over all of them (`gpus=ctx.gpus`: backward slots on
+    GPUs that run no forward); the runtime form, on the pipeline's IR, over those its stages use."""
+    from mobius_fx.planning.schedule_ir import build_schedule
+
+    stages = ir.stages
+    if not stages:
+        raise MobiusError("round_robin needs a pipeline's schedule IR (its stages as StageIO); got one without "
+                          "stages (a simulator baseline's): build it with Pipeline.schedule_ir or build_schedule")
+    rotation = list(gpus) if gpus is not None else list(dict.fromkeys(st.gpu for st in stages))
+    n, s = len(rotation), len(stages)
+    for k, st in enumerate(stages):
+        if st.gpu != rotation[k % n]:
+            raise MobiusError(f"round_robin: stage {k} runs on {st.gpu}, but RoundPipe's rotation over "
+                              f"{', '.join(rotation)} puts it on {rotation[k % n]}: a round-robin plan has stage k on "
+                              f"GPU k mod N; compile without a custom stage placement")
+    backward = [rotation[(2 * s - 2 - k) % n] for k in range(s)]
+    out = build_schedule(stages, ir.microbatches, optimizer=any(o.kind == OpKind.STEP for o in ir.ops),
+                         backward_gpus=backward)
+    return ScheduleIR(ops=out.ops, stages=out.stages, microbatches=out.microbatches, gpus=out.gpus,
+                      next_on_gpu=out.next_on_gpu, prev_on_gpu=out.prev_on_gpu, by_place=out.by_place,
+                      sharded=ir.sharded, host_optimizer=ir.host_optimizer, through_markers=ir.through_markers)

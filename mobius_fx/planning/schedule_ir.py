@@ -330,8 +330,10 @@ def neighbours(gpus: Sequence[str]) -> tuple[list[int | None], list[int | None]]
     return nxt, prev
 
 
-def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: bool = True) -> ScheduleIR:
-    """The ops of one step of `stages` with `microbatches` micro-batches (see the module docstring)."""
+def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: bool = True,
+                   backward_gpus: Sequence[str] | None = None) -> ScheduleIR:
+    """The ops of one step of `stages` with `microbatches` micro-batches (see the module docstring);
+    `backward_gpus[k]`: the GPU of stage k's backward (None: its own; `ir_transforms.round_robin`)."""
     stages = tuple(stages)
     m = microbatches
     check_count(m)
@@ -342,7 +344,9 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
             if not -1 <= inp.source < k:
                 raise MobiusError(f"stage {k} reads an input of stage {inp.source}; a stage reads model inputs (-1) "
                                   f"or values of earlier stages")
-    b = _Steps(stages, m)
+    if backward_gpus is not None and len(backward_gpus) != len(stages):
+        raise MobiusError(f"backward_gpus names {len(backward_gpus)} GPUs for {len(stages)} stages; give one per stage")
+    b = _Steps(stages, m, backward_gpus)
     for k in range(len(stages)):
         if b.prev[k] is None:
             b.fetched[k] = b.up(k, "forward", [])
@@ -362,10 +366,14 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
 class _Steps:
     """`build_schedule`'s op list under construction, and what its forward leaves its backward."""
 
-    def __init__(self, stages: tuple[StageIO, ...], m: int) -> None:
+    def __init__(self, stages: tuple[StageIO, ...], m: int, backward_gpus: Sequence[str] | None = None) -> None:
         self.stages, self.m = stages, m
         self.gpu = [s.gpu for s in stages]
         self.nxt, self.prev = neighbours(self.gpu)
+        # backward: each stage on bgpu[k]; its neighbours there (Mobius: the forward's)
+        self.bgpu = list(backward_gpus) if backward_gpus is not None and list(backward_gpus) != self.gpu else self.gpu
+        self.bnxt, self.bprev = neighbours(self.bgpu)
+        self.last_evict: dict[str, int] = {}  # GPU -> its last forward evict
         self.ops: list[Op] = []
         self.places: dict[str, list[int]] = defaultdict(list)
         self.fetched: dict[int, int] = {}
@@ -390,6 +398,9 @@ class _Steps:
         self.grads_back: dict[tuple[int, int], list[int]] = defaultdict(list)  # (stage, mb) -> gradient copies it waits for
         self.downloads: dict[int, int] = {}
         self.fetched_b: set[int] = set()  # stages whose backward prefetch the stage after them on their GPU issued
+        # the last forward stage on a GPU keeps its weights for its backward when that runs there, first
+        self.keeps = [self.nxt[k] is None and self.has_bwd[k] and self.bgpu[k] == self.gpu[k] and self.bnxt[k] is None
+                      for k in range(len(stages))]
 
     def op(self, kind: str, place: str, stage: int, phase: str, deps: Sequence[int | None] = (), **kw) -> int:
         i = len(self.ops)
@@ -398,7 +409,8 @@ class _Steps:
         return i
 
     def up(self, k: int, phase: str, deps: Sequence[int | None]) -> int:
-        return self.op("prefetch", self.gpu[k], k, phase, deps, src=HOST, dst=self.gpu[k], what="weight",
+        g = self.gpu[k] if phase == "forward" else self.bgpu[k]
+        return self.op("prefetch", g, k, phase, deps, src=HOST, dst=g, what="weight",
                        bytes=self.stages[k].weight_bytes)
 
     def forward(self, k: int) -> None:
@@ -436,20 +448,21 @@ class _Steps:
                                          what="activation", bytes=b, value=p)
                 self.hosted_all[(k, i)].append(self.hosted[(k, i)])
         last = self.run_f[(k, m - 1)]
-        if nxt[k] is not None or not self.has_bwd[k]:
-            self.evicted[k] = op("evict", g, k, "forward", [last])
+        if not self.keeps[k]:
+            self.evicted[k] = self.last_evict[g] = op("evict", g, k, "forward", [last])
         else:
             op("hold", g, k, "forward", [last])
 
     def backward(self, k: int) -> None:
         """Stage k's backward: its weights (fetched again if they left), the stage before it on
         its GPU prefetched, its micro-batches newest first, its gradients to the host, its evict."""
-        st, g, op, nxt, prev = self.stages[k], self.gpu[k], self.op, self.nxt, self.prev
-        if nxt[k] is not None and k not in self.fetched_b:  # the stage after it on this GPU ran no backward:
+        st, g, op, nxt, prev = self.stages[k], self.bgpu[k], self.op, self.bnxt, self.bprev
+        if not self.keeps[k] and k not in self.fetched_b:  # neither held nor prefetched by a backward before it:
             j = nxt[k]  # fetched again at its own turn, after the last eviction on its GPU
             while j is not None and j not in self.evicted_b:
                 j = nxt[j]
-            self.fetched[k] = self.up(k, "backward", [self.evicted_b.get(j)])
+            self.fetched[k] = self.up(k, "backward", [self.evicted_b.get(j) if j is not None or self.bgpu is self.gpu
+                                                      else self.last_evict.get(g)])
         wait = op("wait", g, k, "backward", [self.fetched.get(k)])
         if prev[k] is not None and self.has_bwd[prev[k]]:  # as in forward: only after the stage before on this GPU left it
             self.fetched_b.add(prev[k])
@@ -480,14 +493,14 @@ class _Steps:
 
     def _grads_out(self, k: int, i: int, r: int) -> None:
         """Micro-batch i's input gradients of stage k (its backward run r) go back the way the inputs came."""
-        g = self.gpu[k]
+        g = self.bgpu[k]
         for j, inp in enumerate(self.stages[k].inputs):
             if not self.grad_in[k][j]:
                 continue
             if self.direct[k][j]:
-                if self.gpu[k - 1] != g:
+                if self.bgpu[k - 1] != g:
                     self.grads_back[(k - 1, i)].append(self.op("send", g, k - 1, "backward", [r], microbatch=i, src=g,
-                                                               dst=self.gpu[k - 1], what="activation", bytes=inp.bytes))
+                                                               dst=self.bgpu[k - 1], what="activation", bytes=inp.bytes))
                 else:
                     self.grads_back[(k - 1, i)].append(r)
             else:

@@ -35,7 +35,10 @@ The eager-style loop (`loss_fn(pipe(x), y).backward()`) keeps its autograd path
 Which schedules run: those registered with a runtime form (mobius_fx/schedules/registry.py
 `runtime=`, a transform of the pipeline's Mobius IR): "mobius", "mobius-noprefetch" (each upload
 issued after the stage before it on its GPU has finished) and "mobius-identity-map" (compiled
-on the identity cross map). `compile(schedule=...)` refuses the others with the reason.
+on the identity cross map) and "roundpipe" (`ir_transforms.round_robin`: a stage's backward on
+the GPU RoundPipe's rotation gives it; its `prefetch` there moves the stage's slots, books and
+executed ops to that GPU, whose slot pool is planned from that IR, and the stages go back to
+their own GPUs after the step). `compile(schedule=...)` refuses the others with the reason.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.autograd.function import once_differentiable
 
-from mobius_fx.errors import MobiusError
+from mobius_fx.errors import BudgetError, MobiusError
 from mobius_fx.kinds import HOST
 from mobius_fx.planning.schedule_ir import Op, OpKind, ScheduleIR
 from mobius_fx.runtime.device_books import Device, nbytes
@@ -114,6 +117,34 @@ class StepExecutor:
             self.grad_in.append([inp.needs_grad and (inp.source < 0 or self.has_bwd[inp.source]) for inp in io.inputs])
             self.has_bwd.append(io.grad_bytes > 0 or any(self.grad_in[k]))
         self.backward = {o.stage for o in self.ir.ops if o.kind == OpKind.RUN and o.phase == "backward"}
+        # the GPU of each stage's backward (RoundPipe's rotation: another than its forward's)
+        self.bgpu = [spec.gpu for spec in self.stages]
+        for o in self.ir.ops:
+            if o.kind == OpKind.RUN and o.phase == "backward":
+                self.bgpu[o.stage] = o.place
+        self.moves = any(b != spec.gpu for b, spec in zip(self.bgpu, self.stages))
+        for k, (b, spec) in enumerate(zip(self.bgpu, self.stages)):
+            here, there = self.rt.devices[spec.gpu].torch_device, self.rt.devices[b].torch_device
+            if here != there:
+                raise MobiusError(
+                    f"schedule '{name}' runs stage {k}'s backward on {b} ({there}) after its forward on {spec.gpu} "
+                    f"({here}); the runtime moves a stage only between GPUs sharing one torch device (virtual, "
+                    f"virtual-async): a stage's graph has its GPU's device constants (runtime/device_rewrite.py) "
+                    f"and its recompute restores its forward GPU's RNG state. Train with schedule='mobius', or "
+                    f"try roundpipe on device='virtual-async'")
+        # the slots the IR's order gives each (stage, phase) on each GPU; a schedule that runs a
+        # stage on a second GPU sizes that GPU's pool for it too (`Runtime._plan_slots`)
+        self.slot_home = self.rt._plan_slots(self.ir) if self.moves else None
+        if self.moves:
+            for gpu in self.ir.gpus:
+                try:
+                    self.rt.devices[gpu].open_pool()
+                except BudgetError as e:
+                    there = sorted(k for k, g in enumerate(self.bgpu) if g == gpu and self.stages[k].gpu != gpu)
+                    e.add_note(f"[mobius_fx] schedule '{name}' uploads stage(s) {there} on {gpu} for their backward "
+                               f"(a second GPU besides their forward's): its slot pool is sized for them too; train "
+                               f"with schedule='mobius', or give {gpu} more memory")
+                    raise
         # per micro-batch, how many ops read each stage output on its GPU (a push, a run on the same GPU, a host copy)
         self.readers: dict[tuple[int, int], int] = defaultdict(int)
         for k, spec in enumerate(self.stages):
@@ -123,12 +154,12 @@ class StepExecutor:
             for j in self.to_host[k]:
                 self.readers[(k, j)] += 1
         self._forward_handlers = {
-            OpKind.PREFETCH: lambda o: self.rt.prefetch(o.stage), OpKind.WAIT: lambda o: self.rt.wait(o.stage),
+            OpKind.PREFETCH: self._prefetch, OpKind.WAIT: lambda o: self.rt.wait(o.stage),
             OpKind.RUN: self._run_forward, OpKind.SEND: self._send_forward, OpKind.OFFLOAD: self._offload,
             OpKind.EVICT: lambda o: self.rt.evict(o.stage), OpKind.HOLD: lambda o: self.rt.hold(o.stage),
             OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
         self._backward_handlers = {
-            OpKind.PREFETCH: lambda o: self.rt.prefetch(o.stage), OpKind.WAIT: self._wait_backward,
+            OpKind.PREFETCH: self._prefetch, OpKind.WAIT: self._wait_backward,
             OpKind.RESTORE: self._restore, OpKind.RUN: self._run_backward, OpKind.SEND: self._send_backward,
             OpKind.DOWNLOAD: self._download, OpKind.EVICT: lambda o: self.rt.evict(o.stage),
             OpKind.HOLD: lambda o: None, OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
@@ -137,22 +168,44 @@ class StepExecutor:
     def run(self, flat: list, scale: float) -> Any:
         rt = self.rt
         self._reset()
-        rt.executing = self
+        homes = rt._slot_home
+        if self.slot_home is not None:
+            rt._slot_home = self.slot_home
         try:
-            with torch.no_grad():
-                self._split(flat)
-                for o in self.ir.ops:
-                    if o.phase == "forward":
-                        self._forward_handlers[o.kind](o)
+            rt.executing = self
+            try:
+                with torch.no_grad():
+                    self._split(flat)
+                    for o in self.ir.ops:
+                        if o.phase == "forward":
+                            self._forward_handlers[o.kind](o)
+            finally:
+                rt.executing = None
+            rt.end_forward()
+            out = step_output(self, scale)
+            step = rt.step
+            if step.state == "forward" and any(step.fwd_calls):
+                self._backward_pass()
         finally:
-            rt.executing = None
-        rt.end_forward()
-        out = step_output(self, scale)
-        step = rt.step
-        if step.state == "forward" and any(step.fwd_calls):
-            self._backward_pass()
+            rt._slot_home = homes
+            self._home()
         self._reset()
         return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+
+    def _prefetch(self, o: Op) -> None:
+        """Upload stage k to the GPU of the op: its own, or the one its backward runs on
+        (RoundPipe's), which the stage's slots, books and executed ops then follow."""
+        st = self.rt.stages[o.stage]
+        if not st.resident and st.device.name != o.place:
+            st.device = self.rt.devices[o.place]
+        self.rt.prefetch(o.stage)
+
+    def _home(self) -> None:
+        """Every stage back on its own GPU after the step (the eager-style loop runs Mobius's)."""
+        if self.moves:
+            for st, spec in zip(self.rt.stages, self.stages):
+                if not st.resident:
+                    st.device = self.rt.devices[spec.gpu]
 
     def _reset(self) -> None:
         self.calls: dict[tuple[int, int], Any] = {}  # (stage, mb) -> its StageCall (filled by Runtime.run)
@@ -324,7 +377,7 @@ class StepExecutor:
         if call is None:
             raise MobiusError(f"the schedule IR '{self.name}' restores input {j} of stage {k}, micro-batch {i}, whose "
                               f"forward saved nothing (or whose backward already ran)")
-        dev = self._dev(k)
+        dev = self.rt.devices[o.dst]
         with dev.log.stage(k), dev.deferred() as events:
             for p in self.in_spans[(k, i)][j]:
                 self.back_in[(k, i)][p] = self.rt._restore(dev, call.saved[p])
@@ -369,7 +422,7 @@ class StepExecutor:
             if not self.grad_in[k][j]:
                 continue
             gs = [in_grads[p] for p in self.in_spans[(k, i)][j]]
-            if ref.stage == k - 1 and self._gpu(ref.stage) == spec.gpu:  # the stage before, on this GPU: no copy
+            if ref.stage == k - 1 and self.bgpu[ref.stage] == self.bgpu[k]:  # the stage before, on this GPU: no copy
                 self._add(self.gout, (ref.stage, ref.index, i), gs)
             else:
                 self.outbox[(k, i)].append(("gpu" if ref.stage == k - 1 else "host", j, gs))
@@ -395,7 +448,7 @@ class StepExecutor:
             io = self.ir.stages[k]
             ps = [p for p in range(len(self.to_host[k])) if not io.host_grads or io.host_grads[p]]
             j = self.to_host[k][ps[n]]
-            dev = self._dev(k)
+            dev = self.rt.devices[o.dst]
             gs = []
             for g in self.ghost.pop((k, j, i), []):
                 if g is not None:
@@ -415,9 +468,9 @@ class StepExecutor:
                               f"{'to ' + o.dst}; the schedule IR '{self.name}' orders the send before the run")
         _, j, gs = box.pop(at)
         ref = self.stages[consumer].inputs[j]
-        src_dev = self._dev(consumer)
+        src_dev = self.rt.devices[o.src]
         if kind == "gpu":
-            dst_dev = self._dev(ref.stage)
+            dst_dev = self.rt.devices[o.dst]
             out = []
             for g in gs:
                 if g is not None:

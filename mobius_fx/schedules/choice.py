@@ -77,7 +77,7 @@ def choose(plan: Any, schedule: str | None = None, *, runnable: bool = False, **
                        for n, t in times.items() if n != best)
     line = f"schedule: {best} (simulated fwd+bwd {_fmt(fits[best])} vs {others}; the fastest that fits"
     if not get(best).runnable:
-        ran = [n for n in fits if get(n).runnable]
+        ran = [n for n in fits if n in candidates(runnable=True)]
         line += ("; not executable by the runtime yet: compile runs " +
                  (f"{min(ran, key=fits.get)} ({_fmt(fits[min(ran, key=fits.get)])})" if ran else "none of these"))
     return Choice(best, line + ")", times)

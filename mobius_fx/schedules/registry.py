@@ -42,7 +42,11 @@ class Schedule:
     but never chosen by the planner (`candidates`);
     `runtime`: its IR as the pipeline runtime runs it, a transform of the compiled pipeline's
     Mobius IR (mobius_fx/planning/ir_transforms.py; None: it runs in the simulator only, `refusal`
-    says why; `runnable` says whether it has one); `cross_map`: the cross map it needs."""
+    says why; `runnable` says whether it has one); `cross_map`: the cross map it needs;
+    `runs_as_simulated`: False when the runtime form runs another IR than `build` simulates
+    (RoundPipe's: its last stage not fused), so compile's choice among the runnable schedules,
+    which goes by simulated time (`candidates(runnable=True)`), leaves it out; `compile(schedule=)`
+    still runs it."""
 
     name: str
     build: Callable[[Any], None]
@@ -53,6 +57,7 @@ class Schedule:
     cross_map: str | None = None
     refusal: str = ""
     baseline: bool = False
+    runs_as_simulated: bool = True
 
     @property
     def runnable(self) -> bool:
@@ -65,7 +70,7 @@ _REGISTRY: dict[str, Schedule] = {}
 
 def register(name: str, build: Callable[[Any], None], *, data_parallel: bool = False, optimizer: str = "user",
              summary: str = "", runtime: Callable[[Any], Any] | None = None, cross_map: str | None = None,
-             refusal: str = "", baseline: bool = False) -> Schedule:
+             refusal: str = "", baseline: bool = False, runs_as_simulated: bool = True) -> Schedule:
     """Make `build` the schedule `name` for `simulate`, the comparison table, the CLI and (unless
     `baseline`) the planner's choice (`runtime`: how the runtime executes it; see `Schedule`)."""
     if not isinstance(name, str) or not name or name != name.strip():
@@ -79,7 +84,7 @@ def register(name: str, build: Callable[[Any], None], *, data_parallel: bool = F
     if optimizer not in OPTIMIZERS:
         raise MobiusError(f"schedule {name!r}: optimizer={optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     _REGISTRY[name] = Schedule(name, build, data_parallel, optimizer, summary, runtime, cross_map, refusal,
-                               bool(baseline))
+                               bool(baseline), bool(runs_as_simulated))
     return _REGISTRY[name]
 
 
@@ -109,5 +114,6 @@ def data_parallel_names() -> tuple[str, ...]:
 
 def candidates(*, runnable: bool = False) -> tuple[str, ...]:
     """The schedules the planner chooses among (every one not a `baseline`), in registration
-    order; with `runnable`, only those the runtime executes."""
-    return tuple(n for n, s in _REGISTRY.items() if not s.baseline and (s.runnable or not runnable))
+    order; with `runnable`, only those the runtime executes as they are simulated."""
+    return tuple(n for n, s in _REGISTRY.items()
+                 if not s.baseline and (not runnable or s.runnable and s.runs_as_simulated))

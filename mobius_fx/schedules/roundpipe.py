@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mobius_fx.planning.ir_transforms import round_robin
 from mobius_fx.planning.schedule_ir import ScheduleIR
 from mobius_fx.sim.tasks import Context, Costs
 from mobius_fx.schedules.ir_tasks import tasks_from_ir
@@ -29,6 +30,12 @@ def schedule_ir(ctx: Context) -> tuple[ScheduleIR, Costs]:
     (RoundPipe also cuts backward slots ~1/3 the size of forward ones), its priority packing of
     transfers is the stream priority here, and its optimizer steps as `simulate`'s
     `optimizer_overlap` says ("async" is RoundPipe's own asynchronous optimizer).
+
+    The runtime runs `ir_transforms.round_robin` of the pipeline's Mobius IR (registered as this
+    schedule's runtime form): the same GPUs per forward and backward stage, but the last stage
+    not fused (its backward recomputes it from its restored input, the loss on the host) and
+    the plan's stages uncut (`runs_as_simulated=False`: compile's automatic choice, which goes
+    by this simulation's figures, leaves it out; `compile(schedule="roundpipe")` runs it).
     """
     s, n = ctx.plan.num_stages, len(ctx.gpus)
     slots = [Slot("forward", k, ctx.gpus[k % n]) for k in range(s - 1)]
@@ -41,6 +48,4 @@ def schedule_ir(ctx: Context) -> tuple[ScheduleIR, Costs]:
 
 
 register("roundpipe", build, data_parallel=True, summary="round-robin slots over the GPUs, fused last stage",
-         refusal="RoundPipe runs a stage's backward on another GPU than its forward (round-robin slots) and its "
-                 "last stage fused (the forward doubles as the recompute); the runtime binds each stage's weight "
-                 "slots to one GPU")
+         runtime=round_robin, runs_as_simulated=False)

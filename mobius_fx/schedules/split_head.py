@@ -188,4 +188,5 @@ def _check_memory(ctx: Context, u: Costs, c: Costs, groups: list[tuple[int, int]
 register("split-head", build, data_parallel=True,
          summary="one-layer round-robin slots, the loss stage dealt by micro-batch to every GPU",
          refusal="split-head deals the loss stage to every GPU by micro-batch and runs one-layer slots round-robin; "
-                 "the executor runs schedules whose stages keep the GPU the plan gave them")
+                 "the executor runs each stage's forward on the GPU the plan gave it, all its micro-batches on one "
+                 "GPU per phase")
