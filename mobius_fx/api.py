@@ -347,8 +347,9 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     whose host would not hold it is refused before anything is emitted.
     `schedule`: the schedule `train_step` runs, any name in `mobius_fx.schedules.names()` that has
     a runtime form ("mobius", the default; "mobius-noprefetch"; "mobius-identity-map", which also
-    maps the stages on the identity cross map): the step executor (mobius_fx/runtime/executor.py)
-    runs that schedule's IR op by op. The others run in the simulator only and are refused here,
+    maps the stages on the identity cross map; "roundpipe", stage k's backward on GPU (2S-2-k) mod N,
+    its last stage not fused, virtual devices only): the step executor (mobius_fx/runtime/executor.py)
+    runs that schedule's IR op by op (docs/executor.md). The others run in the simulator only and are refused here,
     with the reason (GPipe: also whether it would fit, naming the stage and its bytes). The
     eager-style loop (`pipe(x)`, `loss.backward()`) runs Mobius's forward program and autograd.
     """

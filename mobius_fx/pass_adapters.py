@@ -72,7 +72,9 @@ def plan_pass(gm, ctx: CompileContext):
     # the host's memory: refused here, before anything is emitted (plan and compile alike)
     ctx.plan.host_budget().check(s.host_memory_fraction, microbatches=s.microbatches)
     # what the runtime will run (compile); `api.plan` chooses again among every candidate
-    ctx.plan = dataclasses.replace(ctx.plan, schedule_choice=choose(ctx.plan, runnable=True).line)
+    form = getattr(ctx.wiring, "form", None)  # compile(schedule=): the caller's
+    ctx.plan = dataclasses.replace(ctx.plan, schedule_choice=choose(ctx.plan, form[0] if form else None,
+                                                                    runnable=True).line)
     return None
 
 

@@ -162,7 +162,17 @@ class StepExecutor:
             OpKind.PREFETCH: self._prefetch, OpKind.WAIT: self._wait_backward,
             OpKind.RESTORE: self._restore, OpKind.RUN: self._run_backward, OpKind.SEND: self._send_backward,
             OpKind.DOWNLOAD: self._download, OpKind.EVICT: lambda o: self.rt.evict(o.stage),
-            OpKind.HOLD: lambda o: None, OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
+            OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
+
+    def _handler(self, handlers: dict, o: Op) -> Callable[[Op], None]:
+        """The handler of op `o` in its phase; an op kind the executor does not run in that phase is
+        refused (the IR is not one it can follow), never skipped."""
+        h = handlers.get(o.kind)
+        if h is None:
+            raise MobiusError(f"op {o}: schedule {self.name!r}'s IR has a {o.kind} op in {o.phase}, which the step "
+                              f"executor does not run in that phase; fix the schedule's runtime form "
+                              f"(mobius_fx/planning/ir_transforms.py) or compile with schedule='mobius'")
+        return h
 
     # ------------------------------------------------------------------ the step
     def run(self, flat: list, scale: float) -> Any:
@@ -178,7 +188,7 @@ class StepExecutor:
                     self._split(flat)
                     for o in self.ir.ops:
                         if o.phase == "forward":
-                            self._forward_handlers[o.kind](o)
+                            self._handler(self._forward_handlers, o)(o)
             finally:
                 rt.executing = None
             rt.end_forward()
@@ -189,7 +199,7 @@ class StepExecutor:
         finally:
             rt._slot_home = homes
             self._home()
-        self._reset()
+            self._reset()  # a failed step keeps none of its saved inputs, outputs or gradients
         return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
 
     def _prefetch(self, o: Op) -> None:
@@ -335,7 +345,7 @@ class StepExecutor:
             try:
                 for o in self.ir.ops:
                     if o.phase == "backward":
-                        self._backward_handlers[o.kind](o)
+                        self._handler(self._backward_handlers, o)(o)
                 self._check_done()
                 return rt._gradients(step)
             except BaseException as e:

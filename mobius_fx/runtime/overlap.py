@@ -1043,8 +1043,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
             ok = host_optimizer.step_span(kind, hp[where[id(p)]], p.detach().view(-1), gs[0].reshape(-1), flat,
                                           step=step, grad_out=None if home is None else home.view(-1),
                                           copy_out=None if entry is None else entry[2].view(-1))
-            if not bool(ok):
-                self.host_pass_nonfinite = True  # the GPUs said finite: a download went wrong
+            if not bool(ok) and self._dirty is None:  # the GPUs said finite: a download went wrong
+                self._dirty = (f"the host pass met a non-finite gradient of a {tuple(p.shape)} parameter that the GPUs "
+                               f"had reported finite (a corrupted download) and stepped it")
             if home is None:  # no .grad: the step hooks' version bump (host_counters) skips it
                 torch.autograd.graph.increment_version(p)
             else:

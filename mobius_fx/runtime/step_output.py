@@ -64,7 +64,8 @@ def step_output(ex: Any, scale: float) -> Any:
     if roots and leaves:
         if len(roots) != 1 or roots[0].dim() != 0:
             raise MobiusError(f"train_step's output has {len(roots)} differentiable tensors "
-                              f"({[tuple(r.shape) for r in roots]}); it must be one 0-dim loss")
+                              f"({[tuple(r.shape) for r in roots]}); it must be one 0-dim loss: compile with loss_fn=fn returning a scalar (the batch's loss), or, for an HF "
+                              f"model, pass labels= so that it returns `.loss`")
         grads = torch.autograd.grad(roots, [t for _, _, t in leaves], [torch.full_like(roots[0], scale)],
                                     allow_unused=True)
         for (key, n, t), g in zip(leaves, grads):

@@ -17,6 +17,7 @@ from typing import Any
 
 from mobius_fx.errors import MobiusError
 from mobius_fx.schedules.registry import candidates, get
+from mobius_fx.schedules.registry import names as registered
 
 __all__ = ["Choice", "choose"]
 
@@ -50,7 +51,7 @@ def choose(plan: Any, schedule: str | None = None, *, runnable: bool = False, **
         s = get(schedule)
         if runnable and not s.runnable:
             raise MobiusError(f"schedule={schedule!r} is simulated but the runtime does not execute it yet; "
-                              f"compile runs one of {', '.join(candidates(runnable=True))}: pass one of those, "
+                              f"compile runs one of {', '.join(n for n in registered() if get(n).runnable)}: pass one of those, "
                               f"or leave schedule out (plan(..., schedule={schedule!r}) simulates it)")
         t = simulate(plan, schedule=schedule, **simulate_kwargs).pipeline_time
         return Choice(schedule, f"schedule: {schedule} (the caller's; simulated fwd+bwd {_fmt(t)})", {schedule: t})
@@ -60,7 +61,8 @@ def choose(plan: Any, schedule: str | None = None, *, runnable: bool = False, **
                           + (" or not executable by the runtime" if runnable else "")
                           + "; register one with mobius_fx.schedules.register(name, build)")
     if len(names) == 1:
-        why = "the only schedule the runtime executes" if runnable else "the only candidate registered"
+        why = ("the only candidate compile picks by itself; compile(schedule=) runs the others the runtime executes"
+               if runnable else "the only candidate registered")
         return Choice(names[0], f"schedule: {names[0]} ({why})", {names[0]: "not simulated"})
     times: dict[str, float | str] = {}
     for n in names:

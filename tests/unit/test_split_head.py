@@ -173,7 +173,7 @@ def test_the_fastest_candidate_is_chosen_and_the_line_says_why(topo, toy):
 def test_compile_chooses_only_what_the_runtime_executes(topo, toy):
     plan = plan_of(topo)
     assert choose(plan, runnable=True).name == "mobius"
-    assert "the only schedule the runtime executes" in choose(plan, runnable=True).line
+    assert "the only candidate compile picks by itself" in choose(plan, runnable=True).line
     with pytest.raises(MobiusError, match="'toy' is simulated but the runtime does not execute it yet"):
         choose(plan, "toy", runnable=True)
 
@@ -243,4 +243,5 @@ def test_plan_and_compile_say_their_schedule_on_the_first_line(tmp_path):
     with pytest.raises(MobiusError, match="unknown schedule 'pipedream'"):
         mobius_fx.plan(model, Topology.virtual(gpus=2, memory="256KiB"), schedule="pipedream", **kw)
     pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory="256KiB"), device="virtual", **kw)
-    assert pipe.plan.schedule_choice == "schedule: mobius (the only schedule the runtime executes)"
+    assert pipe.plan.schedule_choice == ("schedule: mobius (the only candidate compile picks by itself; compile(schedule=) "
+                                         "runs the others the runtime executes)")
