@@ -410,6 +410,19 @@ class Device(abc.ABC):
         """The masters changed in a way no version counter shows: any kept host copy is made
         again at its next upload (`Pipeline.refresh_weights`). Here: none kept."""
 
+    def grad_onto(self, grad: torch.Tensor, frm: "Device | None", dtype: torch.dtype) -> torch.Tensor:
+        """A gradient for stage work on this GPU from GPU `frm` (None: host memory), in `dtype`
+        (the step executor's backward sends): a kind with streams copies it on its copy stream,
+        ordered after `frm`'s work (`StreamDevice`). Here (a device that computes where the value
+        is): the gradient itself, taken as the stage's work accepts it."""
+        return grad if grad.dtype == dtype else grad.to(dtype)
+
+    def grad_to_host(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A gradient from this GPU into host memory in `dtype` (a skip connection's gradient
+        summed on the host): a kind with streams copies it on its download stream into a pinned
+        buffer (`StreamDevice`). Here: a copy in `dtype`."""
+        return grad.detach().to(dtype, copy=True)
+
     def next_copy(self, master: torch.Tensor) -> torch.Tensor | None:
         """pipe.overlap(mode="async"): a second host copy of `master` in the streamed dtype that the
         update in flight may write w(t+1) into while this step's uploads read the first, once no

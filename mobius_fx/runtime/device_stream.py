@@ -388,6 +388,12 @@ class StreamDevice(Device):
         PENDING.add(host, done, self.waits)
         return host, done
 
+    def grad_onto(self, grad: torch.Tensor, frm: "Device | None", dtype: torch.dtype) -> torch.Tensor:
+        return self._grad_back(grad, frm, dtype)
+
+    def grad_to_host(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._grad_to_host(grad, dtype)
+
     def _grad_back(self, grad: torch.Tensor, frm: "StreamDevice | None", dtype: torch.dtype) -> torch.Tensor:
         """The gradient of a copy onto `frm` (None: the host), back onto this GPU."""
         out = self._receive_raw(grad, frm, dtype if dtype != grad.dtype else None)

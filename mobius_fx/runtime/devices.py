@@ -82,7 +82,11 @@ def make_devices(budgets: Mapping[str, int | None], *, device: "str | Mapping[st
     else:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "virtual"
-        out = device_class(device).create(budgets, indices=indices, seed=seed)
+        cls = device_class(device)
+        reason = cls.unavailable()
+        if reason is not None:  # a kind that cannot run here (CUDA without a GPU, a user's kind)
+            raise MobiusError(f"device={device!r} but {reason}")
+        out = cls.create(budgets, indices=indices, seed=seed)
     if memory_books != "auto":
         for dev in out.values():
             dev.set_memory_books(memory_books)

@@ -541,13 +541,9 @@ def _spans(values: list) -> list[list[int]]:
 def _grad_onto(dev: Device, g: torch.Tensor, frm: Device | None) -> torch.Tensor:
     """A gradient onto `dev` from GPU `frm` (None: the host): a copy on its stream where the
     device has streams; devices that compute in place take it when the stage's work accepts it."""
-    back = getattr(dev, "_grad_back", None)
-    return back(g, frm, g.dtype) if back is not None else g
+    return dev.grad_onto(g, frm, g.dtype)
 
 
 def _grad_to_host(dev: Device, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A gradient from `dev` into host memory, in `dtype` (the host copy's)."""
-    down = getattr(dev, "_grad_to_host", None)
-    if down is not None:
-        return down(g, dtype)
-    return g.detach().to(dtype, copy=True)
+    return dev.grad_to_host(g, dtype)
