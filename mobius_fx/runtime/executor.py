@@ -349,10 +349,7 @@ class StepExecutor:
                 self._check_done()
                 return rt._gradients(step)
             except BaseException as e:
-                rt.abort(step)
-                rt.explain(e)
-                if rt.overlap is not None:
-                    rt.overlap.aborted(e)
+                rt.backward_failed(step, e, explain=False)  # Pipeline._forward explains it
                 raise
 
     def _check_done(self) -> None:

@@ -289,11 +289,17 @@ class StageCalls:
             try:
                 return self._backward_call(call, step, grads, needs)
             except BaseException as e:
-                self.abort(step)
-                self.explain(e)
-                if self.overlap is not None:
-                    self.overlap.aborted(e)
+                self.backward_failed(step, e)
                 raise
+
+    def backward_failed(self, step: Step, e: BaseException, explain: bool = True) -> None:
+        """A backward of `step` failed with `e`: GPU copies freed, the overlap told, `e` explained
+        (`explain`; the step executor's caller, `Pipeline._forward`, explains its own)."""
+        self.abort(step)
+        if explain:
+            self.explain(e)
+        if self.overlap is not None:
+            self.overlap.aborted(e)
 
     def _backward_call(self, call: StageCall, step: Step, grads: tuple, needs: Sequence[bool]) -> list:
         if step.state != "backward":  # first stage call of this backward pass

@@ -10,7 +10,7 @@ from mobius_fx.sim.tasks import Context, Costs
 from mobius_fx.planning.host_step import STATE_BYTES
 from mobius_fx.units import fmt_bytes
 from mobius_fx.schedules.ir_tasks import tasks_from_ir
-from mobius_fx.schedules.layer_units import layer_units
+from mobius_fx.schedules.layer_units import grouped, layer_units
 from mobius_fx.schedules.looped_ir import LoopedIR, Slot
 from mobius_fx.schedules.registry import register
 
@@ -33,13 +33,7 @@ def schedule_ir(ctx: Context) -> tuple[ScheduleIR, Costs]:
     plan, n, m = ctx.plan, len(ctx.gpus), ctx.plan.microbatches
     u = layer_units(ctx)
     groups = _balanced(u, n)
-    c = Costs([], [], [], [], [], [], [], [])
-    for j, (a, z) in enumerate(groups):
-        for lst, src in ((c.f, u.f), (c.b, u.b), (c.w, u.w), (c.g, u.g), (c.master, u.master)):
-            lst.append(sum(src[a:z]))
-        c.inp.append(u.inp[a])
-        c.out.append(u.out[z - 1])
-        c.names.append(f"g{j}")
+    c = grouped(u, groups, lambda j, a, z: f"g{j}")
     mm, recompute, work = _gpipe_memory(plan, u)
     caps = {s.gpu: s.capacity for s in plan.stages}
     by_name = {g.name: g for g in ctx.topo.gpus}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mobius_fx.sim.tasks import Context, Costs
 
-__all__ = ["layer_units"]
+__all__ = ["layer_units", "grouped"]
 
 
 def layer_units(ctx: Context) -> Costs:
@@ -34,4 +34,18 @@ def layer_units(ctx: Context) -> Costs:
         c.inp += [float(s.input_bytes)] + outs[:-1]
         c.out += outs
         c.names += [l.name for l in ls]
+    return c
+
+
+def grouped(u: Costs, groups: list[tuple[int, int]], name=None) -> Costs:
+    """The units' costs summed per group `(a, z)` (units a..z-1; inputs of its first unit,
+    outputs of its last), each named `name(j, a, z)` (default: the units' names, "first..last")."""
+    c = Costs([], [], [], [], [], [], [], [])
+    for j, (a, z) in enumerate(groups):
+        for lst, src in ((c.f, u.f), (c.b, u.b), (c.w, u.w), (c.g, u.g), (c.master, u.master)):
+            lst.append(sum(src[a:z]))
+        c.inp.append(u.inp[a])
+        c.out.append(u.out[z - 1])
+        c.names.append(name(j, a, z) if name is not None else
+                       u.names[a] if z - a == 1 else f"{u.names[a]}..{u.names[z - 1]}")
     return c

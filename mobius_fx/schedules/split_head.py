@@ -7,7 +7,7 @@ from mobius_fx.planning.schedule_ir import ScheduleIR
 from mobius_fx.sim.tasks import Context, Costs
 from mobius_fx.units import fmt_bytes
 from mobius_fx.schedules.ir_tasks import tasks_from_ir
-from mobius_fx.schedules.layer_units import layer_units
+from mobius_fx.schedules.layer_units import grouped, layer_units
 from mobius_fx.schedules.looped_ir import LoopedIR, Slot
 from mobius_fx.schedules.registry import register
 
@@ -66,7 +66,7 @@ def schedule_ir(ctx: Context, *, layers_per_slot: int = 1, heads: int | None = N
     u = layer_units(ctx)
     m = ctx.plan.microbatches
     _, groups = slots(len(u.f), ctx.gpus, m, layers_per_slot=layers_per_slot, heads=heads)
-    c = _grouped(u, groups)
+    c = grouped(u, groups)
     fused = c.out[-1] <= LOSS_BYTES  # the loss on the GPUs; else the model output goes to the host
     if hold is None:
         hold = _hold_fits(ctx, u, c, groups, m)
@@ -108,18 +108,6 @@ def slots(units: int, gpus: tuple[str, ...], m: int, *, layers_per_slot: int = 1
     else:
         out += [Slot("backward", k, gpus[(turn + q) % n]) for q, k in enumerate(reversed(range(last)))]
     return out, groups
-
-
-def _grouped(u: Costs, groups: list[tuple[int, int]]) -> Costs:
-    """The units' costs summed per group (inputs of its first unit, outputs of its last)."""
-    c = Costs([], [], [], [], [], [], [], [])
-    for j, (a, z) in enumerate(groups):
-        for lst, src in ((c.f, u.f), (c.b, u.b), (c.w, u.w), (c.g, u.g), (c.master, u.master)):
-            lst.append(sum(src[a:z]))
-        c.inp.append(u.inp[a])
-        c.out.append(u.out[z - 1])
-        c.names.append(u.names[a] if z - a == 1 else f"{u.names[a]}..{u.names[z - 1]}")
-    return c
 
 
 def memory_need(ctx: Context, u: Costs, c: Costs, groups: list[tuple[int, int]], k: int, nxt: int | None,
