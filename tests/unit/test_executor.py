@@ -209,6 +209,8 @@ def _swap_first_run_and_its_send(ir):
     (_swap_first_run_and_its_send, "stage 3, micro-batch 0 on gpu1: its input 0 .* never arrived"),
     (lambda ir: (lambda o: None if o.kind == "run" and o.phase == "backward" and o.stage == 0 else o),
      "never runs the backward of stage 0, micro-batch 0"),
+    (lambda ir: (lambda o: with_fields(o, phase="backward") if o.kind == "hold" else o),
+     "has a hold op in backward, which the step executor does not run in that phase"),
 ])
 def test_a_mutated_ir_is_refused_and_the_pipeline_stays_usable(mutation, message):
     torch.manual_seed(0)

@@ -28,6 +28,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BUDGET = 64 << 20
 
 
+def _step_equals_eager(model, pipe, x, y):
+    """One `train_step` of cross-entropy: its loss and every `.grad` equal eager's."""
+    loss = pipe.train_step(x, target=y)
+    got = _grads(model)
+    ref, want = _eager(model, lambda: F.cross_entropy(model(x), y))
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    _assert_grads_equal(got, want)
+
+
 def _devices(n, seed, device="virtual-async"):
     return make_devices({f"gpu{g}": BUDGET for g in range(n)}, device=device, seed=seed)
 
@@ -138,11 +147,7 @@ def test_roundpipe_plans_the_second_slot_and_keeps_the_budgets():
     """The GPU running a stage's backward holds it in a slot of its pool sized from the RoundPipe
     IR: no slot added or grown past the plan, at most the IR's resident stages, budgets kept."""
     model, pipe, devs, x, y = _uneven({f"gpu{g}": BUDGET for g in range(3)}, "roundpipe")
-    loss = pipe.train_step(x, target=y)
-    got = _grads(model)
-    ref, want = _eager(model, lambda: F.cross_entropy(model(x), y))
-    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
-    _assert_grads_equal(got, want)
+    _step_equals_eager(model, pipe, x, y)
     ir = _step_ir(pipe, "roundpipe", (x,), {"target": y})
     _check_conforms(pipe, ir)
     rt = pipe.step_pipeline._rt
@@ -195,11 +200,7 @@ def test_roundpipe_skip_connections_go_through_the_host():
     pipe = mobius_fx.compile(model, Topology.virtual(gpus=3, memory="64MiB"), example_inputs=(x,), microbatches=2,
                              cuts=[1, 2, 3, 4, 5], verbose=False, device=_devices(3, 4), loss_fn=F.cross_entropy,
                              schedule="roundpipe")
-    loss = pipe.train_step(x, target=y)
-    got = _grads(model)
-    ref, want = _eager(model, lambda: F.cross_entropy(model(x), y))
-    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
-    _assert_grads_equal(got, want)
+    _step_equals_eager(model, pipe, x, y)
     ir = _step_ir(pipe, "roundpipe", (x,), {"target": y})
     assert any(o.kind == "send" and o.phase == "backward" and o.dst == "host" for o in ir.ops)
     assert _moved_backward(ir)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import mobius_fx
-from mobius_fx import Topology
+from mobius_fx import MobiusError, Topology
 from mobius_fx.runtime import host_optimizer as H
 from mobius_fx.runtime.host_counters import COUNTERS, HostCounters
 from mobius_fx.zoo import nanogpt, nanogpt_inputs
@@ -120,3 +120,21 @@ def test_adamw_steps_within_the_derived_bound_of_serial(tmp_path, fused):
             assert torch.equal(opt.state[p]["step"], rs["step"])
         if j >= 2:
             _copies_current(pipe, model)
+
+
+def test_a_non_finite_gradient_met_by_the_host_pass_refuses_the_next_step(tmp_path, monkeypatch):
+    """The GPUs sum each stage's gradients for a non-finite value before the download; a download
+    the host pass then finds non-finite (corrupted on the way) was stepped already, so the overlap
+    is marked dirty and the next step refuses instead of training on from NaN weights."""
+    model, twin, data, pipe, ref_pipe, opt, ref = _pair(tmp_path, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    (x,) = data[0]
+    _loss(pipe(x), x).backward()  # the first step makes the optimizer's state; the pass steps from the second
+    opt.step()
+    opt.zero_grad()
+    real, calls = H.step_span, []
+    monkeypatch.setattr(H, "step_span", lambda *a, **k: (calls.append(real(*a, **k)), torch.tensor(False))[1])
+    with pytest.raises(MobiusError, match="non-finite gradient .* the GPUs had reported finite"):
+        _loss(pipe(x), x).backward()  # the pass steps the stages during backward ...
+        opt.step()  # ... and this step, or the next call at the latest, refuses
+        _loss(pipe(x), x).backward()
+    assert calls
