@@ -17,7 +17,11 @@ the partitioner, counted by the runtime's books, or [assumed]):
    `mobius_fx.compile(..., dtype=torch.bfloat16)` onto `--gpus` pipeline GPUs of `--memory`
    each (far below the model's bf16 size; names beyond the CUDA device count share a device:
    gpu0 and gpu1 both on cuda:0 on a one-GPU machine, under one "switch" whose uplink is that
-   device's measured link), trained `--steps` steps with AdamW on the CPU masters. Prints:
+   device's measured link), trained `--steps` steps with AdamW on the CPU masters, once per
+   schedule of `--schedules` (default mobius and roundpipe: `compile(schedule=)`), by
+   `pipe.train_step` (the loss computed on the last GPU; `--loop eager` for `loss =
+   pipe(...); loss.backward()`) with the optimizer under `pipe.overlap(opt, --overlap)` (default
+   "sync"). Prints, per schedule:
    measured step time (median over the steps after the first) against the simulated step
    (`simulate(plan).step_time`: pipeline + CPU optimizer) and the measured forward+backward
    against the simulated `pipeline_time`; measured peak (the CUDA allocator's, `CudaAllocator.max_allocated`,
@@ -77,6 +81,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # gpu_limits, cpu_optimizer
 
 import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
+from mobius_fx.kinds import OVERLAP_MODES  # noqa: E402
 from mobius_fx.runtime.memory_sources import CudaAllocator
 from mobius_fx.topology.device_specs import DEVICE_SPECS  # noqa: E402
 from mobius_fx.topology.links import GB  # noqa: E402
@@ -319,6 +324,9 @@ class RunFigures:
     note: str = ""  # how the measurement differs from what was simulated
     adamw: str = ""  # the AdamW kernel that stepped ("fused", "foreach", "for-loop")
     moved_by_device: dict[int, dict[str, int]] = field(default_factory=dict)  # CUDA device -> moved, as `moved`
+    schedule: str = "mobius"  # compile(schedule=): the schedule the runtime ran
+    loop: str = "train_step"  # "train_step" (pipe.train_step) or "eager" (loss = pipe(...); loss.backward())
+    overlap: str = "none"  # pipe.overlap's mode ("none": opt.step() after backward)
 
 
 def _median_after_first(xs: Sequence[float]) -> float | None:
@@ -339,7 +347,8 @@ def format_run(r: RunFigures) -> str:
     trained = bool(r.step_times)
     lines = [f"GPT: {fmt_params(r.params)} parameters (hidden {c.hidden}, {c.blocks} blocks, {c.heads} heads, vocab "
              f"{c.vocab}, seq {c.seq}), {fmt_bytes(2 * r.params)} in bf16, on {len(r.budgets)} pipeline GPUs of "
-             f"{fmt_bytes(max(r.budgets.values()))} ({r.device}); bandwidths {r.bandwidth_source}",
+             f"{fmt_bytes(max(r.budgets.values()))} ({r.device}); bandwidths {r.bandwidth_source}; schedule "
+             f"{r.schedule!r}, loop {r.loop}, overlap {r.overlap!r}",
              f"  [planned]   {r.plan_summary}"]
     if r.note:
         lines.append(f"  note: {r.note}")
@@ -497,8 +506,8 @@ def sharing_note(where: Sequence[int], *, prefix: str = "cuda:") -> str:
 
 
 def _figures(config: GPTConfig, model: nn.Module, topo: Topology, plan: Any, *, device: str, bandwidth_source: str,
-             timings: dict[str, float], note: str = "") -> RunFigures:
-    sim = mobius_fx.simulate(plan)
+             timings: dict[str, float], note: str = "", schedule: str = "mobius", overlap: str = "none") -> RunFigures:
+    sim = mobius_fx.simulate(plan, schedule=schedule, optimizer_overlap=overlap)
     plan_ir = plan.schedule()
     return RunFigures(
         config=config, params=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
@@ -507,7 +516,7 @@ def _figures(config: GPTConfig, model: nn.Module, topo: Topology, plan: Any, *, 
         stages=plan.num_stages, microbatches=plan.microbatches, plan_peaks=plan_gpu_peaks(plan),
         budgets={g.name: g.memory for g in topo.gpus}, bandwidth_source=bandwidth_source,
         plan_ir={"weight h2d": ir_bytes(plan_ir, "weight"), "gradient d2h": ir_bytes(plan_ir, "gradient")},
-        timings=timings, note=note)
+        timings=timings, note=note, schedule=schedule, overlap=overlap)
 
 
 def _adamw(params: list[nn.Parameter], kind: str, lr: float) -> torch.optim.Optimizer:
@@ -521,9 +530,11 @@ def _adamw(params: list[nn.Parameter], kind: str, lr: float) -> torch.optim.Opti
 
 
 def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidth_source: str,
-              hand_back: dict[str, Any] | None = None) -> RunFigures:
+              hand_back: dict[str, Any] | None = None, schedule: str = "mobius") -> RunFigures:
     """Build the GPT's fp32 masters on the CPU, compile it onto `topo` (`device`: "cuda" or
-    "virtual"), train `args.steps` steps and gather the measured, simulated and planned figures.
+    "virtual") under `schedule`, train `args.steps` steps (`args.loop`: `pipe.train_step` or the
+    eager-style loop; `args.overlap`: pipe.overlap's mode) and gather the measured, simulated and
+    planned figures.
     With `hand_back`, the model (its masters, gradients freed) and inputs are put there once the
     pipeline and the optimizer are gone, for the peer to train without building them again."""
     timings: dict[str, float] = {}
@@ -544,12 +555,16 @@ def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidt
     t0 = time.perf_counter()
     pipe = mobius_fx.compile(model, topo, example_inputs=(idx, targets), microbatches=args.microbatches,
                              dtype=torch.bfloat16, costs="model", time_limit=args.time_limit, device=target,
-                             verbose=False)
+                             verbose=False, schedule=schedule)
     timings["compile"] = time.perf_counter() - t0
     fig = _figures(config, model, topo, pipe.plan, device=device, bandwidth_source=bandwidth_source, timings=timings,
-                   note=sharing_note(where) if cuda else "virtual GPUs: every figure measured here describes the CPU")
+                   note=sharing_note(where) if cuda else "virtual GPUs: every figure measured here describes the CPU",
+                   schedule=schedule, overlap=args.overlap)
+    fig.loop = args.loop
     opt = _adamw(list(model.parameters()), args.adamw, args.lr)
     fig.adamw = gpu_limits.adamw_kind(opt)
+    if args.overlap != "none":
+        opt = pipe.overlap(opt, args.overlap)
 
     def sync() -> None:
         if cuda:
@@ -567,8 +582,11 @@ def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidt
         opt.zero_grad(set_to_none=True)
         sync()
         t0 = time.perf_counter()
-        loss = pipe(idx, targets)
-        loss.backward()
+        if args.loop == "train_step":
+            loss = pipe.train_step(idx, targets)  # the model's 0-dim output is the loss: computed on the last GPU
+        else:
+            loss = pipe(idx, targets)
+            loss.backward()
         sync()
         t1 = time.perf_counter()
         opt.step()
@@ -597,6 +615,8 @@ def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidt
             # the slot pools were allocated when compiled, so `base` holds them: count them in again
             allocator_bytes=(CudaAllocator.of(i).max_allocated() - base[i]
                              + sum(books[n].get("slot_pool_bytes", 0) for n in ns)) if cuda else None))
+    if args.overlap != "none":
+        opt.close()  # type: ignore[attr-defined]
     if hand_back is not None:
         del pipe, opt  # the slot pools and the AdamW state
         model.zero_grad(set_to_none=True)
@@ -626,7 +646,7 @@ def format_limits(fig: RunFigures, lim: Limits) -> str:
         lim, fwd_bwd=_median_after_first(fig.pipeline_times), step=_median_after_first(fig.step_times),
         optimizer=_median_after_first(fig.optimizer_times), gpu_peak=mobius_gpu_peak(fig),
         budget=sum(fig.budgets.values()) if fig.step_times else None, steps=len(fig.step_times),
-        simulated=fig.sim_pipeline)
+        simulated=fig.sim_pipeline, label="Mobius" if fig.schedule == "mobius" else f"{fig.schedule} sched.")
 
 
 def peer_reason(args: argparse.Namespace, where: str) -> str:
@@ -664,11 +684,13 @@ def write_topology(path: Path, machine: dict[str, Any], host: gpu_limits.HostFig
     return topo
 
 
-def limits_phase(args: argparse.Namespace, fig: RunFigures, links: Sequence[LinkFigures], kept: dict[str, Any],
-                 report: dict[str, Any]) -> bool:
-    """On CUDA after the GPT phase: the resident model, the link bound and the peer, printed
-    and put in `report`; True when a part failed."""
+def limits_phase(args: argparse.Namespace, figs: Sequence[RunFigures], links: Sequence[LinkFigures],
+                 kept: dict[str, Any], report: dict[str, Any]) -> bool:
+    """On CUDA after the GPT phase: the resident model and the peer, measured once, and each
+    schedule's run against them and its own link bound (the bytes it moved), printed and put in
+    `report`; True when a part failed."""
     failed = False
+    fig = figs[0]
     lim = Limits(link=device_link_bound(fig.moved_by_device, links),
                  why={"link": "the bandwidth phase failed"} if not links else {})
     t0 = time.perf_counter()
@@ -693,8 +715,11 @@ def limits_phase(args: argparse.Namespace, fig: RunFigures, links: Sequence[Link
             lim.why["peer"] = "failed (traceback above)"
             print("peer phase FAILED:\n" + err, flush=True)
         report["phase seconds"]["peer"] = time.perf_counter() - t0
-    print(format_limits(fig, lim), flush=True)
-    report["limits"] = lim
+    report["limits"] = {}
+    for f in figs:
+        mine = dataclasses.replace(lim, link=device_link_bound(f.moved_by_device, links))
+        print(f"schedule {f.schedule!r}:\n" + format_limits(f, mine), flush=True)
+        report["limits"][f.schedule] = mine
     return failed
 
 
@@ -749,7 +774,30 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     ap.add_argument("--time-limit", type=float, default=10.0, help="the partitioner's MIP budget, seconds (default 10)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens (default 0)")
+    ap.add_argument("--schedules", default="mobius,roundpipe", type=_schedules,
+                    help="comma-separated schedules to compile and train, one run each (default mobius,roundpipe; "
+                         "any runnable name of mobius_fx.schedules.names())")
+    ap.add_argument("--loop", choices=("train_step", "eager"), default="train_step",
+                    help="train_step (default: pipe.train_step runs forward, the loss on the last GPU and backward) "
+                         "or eager (loss = pipe(...); loss.backward())")
+    ap.add_argument("--overlap", choices=OVERLAP_MODES, default="sync",
+                    help="pipe.overlap's mode for the CPU AdamW (default sync: exact, stages stepped during backward)")
     return ap
+
+
+def _schedules(text: str) -> tuple[str, ...]:
+    """--schedules: registered names the runtime can run, checked before anything is built."""
+    from mobius_fx import schedules
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("give at least one schedule, e.g. mobius,roundpipe")
+    for n in names:
+        if n not in schedules.names():
+            raise argparse.ArgumentTypeError(f"unknown schedule {n!r}; registered: {', '.join(schedules.names())}")
+        if not schedules.get(n).runnable:
+            raise argparse.ArgumentTypeError(f"schedule {n!r} runs in the simulator only ({schedules.get(n).refusal})")
+    return names
 
 
 def _out_dir(args: argparse.Namespace) -> Path:
@@ -764,7 +812,8 @@ def _plan_of_work(args: argparse.Namespace) -> str:
     return (f"On a GPU it would: (1) run tests/gpu with pytest and count passes and failures; (2) time pinned "
             f"host<->device copies of {args.copy_mib} MiB both ways and write them into a topology JSON; (3) train a "
             f"{fmt_params(n)}-parameter GPT (hidden {config.hidden}, {config.blocks} blocks; "
-            f"{fmt_bytes(2 * n)} in bf16) on {args.gpus} pipeline GPUs of {args.memory} for {args.steps} steps and "
+            f"{fmt_bytes(2 * n)} in bf16) on {args.gpus} pipeline GPUs of {args.memory} for {args.steps} steps under each "
+            f"schedule of {', '.join(args.schedules)} ({args.loop}, overlap {args.overlap!r}) and "
             f"print measured step time, peak memory and bytes moved against the simulator, the plan and the schedule "
             f"IR; (4) time the same GPT resident on the GPU (the compute limit) and, unless --skip-peer, under PyTorch "
             f"FSDP2 with CPU offload (the peer), print each time against the compute limit and the link bound, and "
@@ -805,20 +854,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                        name="gpu-check-virtual"))
         print("gpu_check --device virtual: training on virtual GPUs (the CPU); measured figures describe the CPU",
               flush=True)
-        fig = train_gpt(args, topo, device="virtual", bandwidth_source=f"assumed {args.assume_gbps:g} GB/s")
-        print(format_run(fig))
-        lim = Limits(link=device_link_bound(fig.moved_by_device, [assumed] * args.gpus),
-                     link_source=f"{args.assume_gbps:g} GB/s assumed",
-                     why={"resident": "virtual GPUs: no CUDA device to be resident on",
-                          "peer": peer_reason(args, "virtual GPUs: FSDP2 with CPU offload needs a CUDA device")})
-        print(format_limits(fig, lim))
+        figs, lims = [], {}
+        for name in args.schedules:
+            fig = train_gpt(args, topo, device="virtual", bandwidth_source=f"assumed {args.assume_gbps:g} GB/s",
+                            schedule=name)
+            print(format_run(fig))
+            lim = Limits(link=device_link_bound(fig.moved_by_device, [assumed] * args.gpus),
+                         link_source=f"{args.assume_gbps:g} GB/s assumed",
+                         why={"resident": "virtual GPUs: no CUDA device to be resident on",
+                              "peer": peer_reason(args, "virtual GPUs: FSDP2 with CPU offload needs a CUDA device")})
+            print(format_limits(fig, lim))
+            figs.append(fig)
+            lims[name] = lim
+        fig = figs[0]
         host = measure_host(args, fig)
         print(format_host(host))
         path = Path(args.topology_out) if args.topology_out else out / "topology.json"
         write_topology(path, budget_topology_dict(args.gpus, memory, [assumed] * args.gpus, spec="cpu",
                                                   name="gpu-check-virtual"), host)
         print(f"topology of the virtual GPUs (links assumed) with the host section written to {path}", flush=True)
-        report.update(gpt=fig, limits=lim, host=host.to_dict(), topology=str(path))
+        report.update(gpt={f.schedule: f for f in figs}, limits=lims, host=host.to_dict(), topology=str(path))
         (out / "gpu_check.json").write_text(json.dumps(report, default=_json_default, indent=1))
         return 0
     if not cuda:
@@ -862,24 +917,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         links = [assumed] * len(devices)
         print(f"  the GPT phase assumes {args.assume_gbps:g} GB/s instead", flush=True)
 
-    fig: RunFigures | None = None
+    figs: list[RunFigures] = []
     kept: dict[str, Any] = {}  # the GPT's model and inputs, handed to the peer
-    try:
-        source = "measured" if "bandwidth" in report else f"assumed {args.assume_gbps:g} GB/s"
-        topo = Topology.from_dict(budget_topology_dict(args.gpus, memory, links, spec=spec))
-        print(f"GPT phase on {args.gpus} pipeline GPUs of {fmt_bytes(memory)} (topology {topo.name}):\n{topo.tree()}",
-              flush=True)
-        t0 = time.perf_counter()
-        fig = train_gpt(args, topo, device="cuda", bandwidth_source=source, hand_back=kept)
-        print(format_run(fig), flush=True)
-        report["gpt"] = fig
-        report.setdefault("phase seconds", {})["gpt"] = time.perf_counter() - t0
-    except Exception:
-        failed = True
-        print("GPT phase FAILED:\n" + traceback.format_exc(), flush=True)
-    if fig is not None:
+    source = "measured" if "bandwidth" in report else f"assumed {args.assume_gbps:g} GB/s"
+    topo = Topology.from_dict(budget_topology_dict(args.gpus, memory, links, spec=spec))
+    print(f"GPT phase on {args.gpus} pipeline GPUs of {fmt_bytes(memory)} (topology {topo.name}):\n{topo.tree()}",
+          flush=True)
+    for k, name in enumerate(args.schedules):
         try:
-            failed |= limits_phase(args, fig, links if "bandwidth" in report else [], kept, report)
+            t0 = time.perf_counter()
+            last = k == len(args.schedules) - 1
+            fig = train_gpt(args, topo, device="cuda", bandwidth_source=source, hand_back=kept if last else None,
+                            schedule=name)
+            print(format_run(fig), flush=True)
+            report.setdefault("gpt", {})[name] = fig
+            report.setdefault("phase seconds", {})[f"gpt {name}"] = time.perf_counter() - t0
+            figs.append(fig)
+        except Exception:
+            failed = True
+            print(f"GPT phase under schedule {name!r} FAILED:\n" + traceback.format_exc(), flush=True)
+    fig = figs[0] if figs else None
+    if fig is not None:
+        if "model" not in kept:  # the last schedule failed: the peer trains a model built again
+            config = gpt_config(args.params, vocab=args.vocab, seq=args.seq, hidden=args.hidden, blocks=args.blocks)
+            model, inputs = build_model(config, batch=args.batch, device="cpu", seed=args.seed)
+            kept.update(model=model, inputs=inputs)
+        try:
+            failed |= limits_phase(args, figs, links if "bandwidth" in report else [], kept, report)
         except Exception:
             failed = True
             print("limits phase FAILED:\n" + traceback.format_exc(), flush=True)

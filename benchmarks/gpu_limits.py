@@ -347,7 +347,8 @@ class Limits:
 
 
 def format_limits(lim: Limits, *, fwd_bwd: float | None, step: float | None, optimizer: float | None,
-                  gpu_peak: int | None, budget: int | None, steps: int, simulated: float | None = None) -> str:
+                  gpu_peak: int | None, budget: int | None, steps: int, simulated: float | None = None,
+                  label: str = "Mobius") -> str:
     """The limits and peer lines: each measured time of Mobius (and of the peer) as a ratio to the
     compute limit and to the link bound, then the peer beside Mobius. `fwd_bwd`, `step` and
     `optimizer` are Mobius's medians (None when not trained: a dry run); `simulated` the
@@ -370,13 +371,13 @@ def format_limits(lim: Limits, *, fwd_bwd: float | None, step: float | None, opt
         lines.append(f"    link: n/a ({lim.why.get('link', 'no bandwidth measured')})")
     compute = res.time if res is not None else None
     link = lim.link.time if lim.link is not None else None
-    rows = [("Mobius fwd+bwd [measured]", fwd_bwd), ("Mobius step [measured]", step),
-            ("Mobius fwd+bwd [simulated]", simulated)]
+    rows = [(f"{label} fwd+bwd [measured]", fwd_bwd), (f"{label} step [measured]", step),
+            (f"{label} fwd+bwd [simulated]", simulated)]
     if lim.peer is not None:
         rows += [("FSDP2 fwd+bwd [measured]", lim.peer.fwd_bwd), ("FSDP2 step [measured]", lim.peer.step)]
     for what, t in rows:
         if t is not None:
-            lines.append(f"    {what:<27} {_t(t):>9}  {ratio(t, compute):>7} the compute limit, {ratio(t, link):>7} "
+            lines.append(f"    {what:<40} {_t(t):>9}  {ratio(t, compute):>7} the compute limit, {ratio(t, link):>7} "
                          f"the link bound")
     if lim.peer is None:
         lines.append(f"  the peer, {PEER}: not run ({lim.why.get('peer', 'not measured')})")
@@ -384,13 +385,13 @@ def format_limits(lim: Limits, *, fwd_bwd: float | None, step: float | None, opt
     p = lim.peer
     lines.append(f"  the peer, {PEER}, on the same GPU, model, batch and optimizer ({p.optimizer}; median of the last "
                  f"{max(1, steps - 1)} of {steps} steps each)")
-    lines.append(f"    {'':<16} {'fwd+bwd':>9}  {'optimizer':>9}  {'step':>9}  GPU peak")
+    lines.append(f"    {'':<26} {'fwd+bwd':>9}  {'optimizer':>9}  {'step':>9}  GPU peak")
     budget_note = f" (budget {fmt_bytes(budget)})" if budget else ""
-    lines.append(f"    {'Mobius':<16} {_t(fwd_bwd):>9}  {_t(optimizer):>9}  {_t(step):>9}  "
+    lines.append(f"    {label:<26} {_t(fwd_bwd):>9}  {_t(optimizer):>9}  {_t(step):>9}  "
                  f"{fmt_bytes(gpu_peak) if gpu_peak is not None else 'n/a'}{budget_note}")
-    lines.append(f"    {'FSDP2 offload':<16} {_t(p.fwd_bwd):>9}  {_t(p.opt):>9}  {_t(p.step):>9}  "
+    lines.append(f"    {'FSDP2 offload':<26} {_t(p.fwd_bwd):>9}  {_t(p.opt):>9}  {_t(p.step):>9}  "
                  f"{fmt_bytes(p.peak_bytes) if p.peak_bytes is not None else 'n/a'}")
-    lines.append(f"    {'Mobius / FSDP2':<16} {ratio(fwd_bwd, p.fwd_bwd):>9}  {ratio(optimizer, p.opt):>9}  "
+    lines.append(f"    {label + ' / FSDP2':<26} {ratio(fwd_bwd, p.fwd_bwd):>9}  {ratio(optimizer, p.opt):>9}  "
                  f"{ratio(step, p.step):>9}  {ratio(gpu_peak, p.peak_bytes)}")
     if p.notes:
         lines.append("    peer notes: " + "; ".join(p.notes))

@@ -359,7 +359,14 @@ def test_a_virtual_run_writes_the_host_section_and_the_limits(tmp_path, capsys):
     assert "x the link bound" in _line(text, "Mobius fwd+bwd [measured]")
     assert "FSDP2 with CPU offload needs a CUDA device" in text
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["host"] == host.to_dict() and report["limits"]["link"]["h2d_bytes"] > 0
+    assert report["host"] == host.to_dict() and report["limits"]["mobius"]["link"]["h2d_bytes"] > 0
+    # both default schedules trained by train_step under the sync overlap, each against its own bytes
+    assert set(report["gpt"]) == {"mobius", "roundpipe"}
+    assert "x the link bound" in _line(text, "roundpipe sched. fwd+bwd [measured]")
+    for name, fig in report["gpt"].items():
+        assert fig["schedule"] == name and fig["loop"] == "train_step" and fig["overlap"] == "sync"
+        assert len(fig["losses"]) == 2 and fig["moved"]["weight h2d"] == fig["ir"]["weight h2d"] > 0
+    assert report["limits"]["roundpipe"]["link"]["h2d_bytes"] > 0
 
 
 def _tiny_gpt():
@@ -432,8 +439,8 @@ def test_the_limits_phase_hands_the_trained_model_to_the_peer_and_reports_both(o
     monkeypatch.setattr(gl, "measure_resident", lambda *a, **k: resident(*a, **k, device="cpu"))
     monkeypatch.setattr(gl, "run_peer_reported", lambda *a, **k: peer(*a, **k, device="cpu"))
     report = {}
-    assert gc.limits_phase(args, fig, links, kept, report) is False
-    lim = report["limits"]
+    assert gc.limits_phase(args, [fig], links, kept, report) is False
+    lim = report["limits"]["mobius"]
     assert len(lim.resident.times) == len(lim.peer.pipeline_times) == args.steps == 2
     slowest = max(fig.moved_by_device.values(), key=lambda m: m["weight h2d"])  # equal links: the most bytes
     assert lim.link.h2d_bytes == slowest["weight h2d"] and lim.peer.optimizer == "AdamW(foreach)"
