@@ -38,7 +38,11 @@ issued after the stage before it on its GPU has finished) and "mobius-identity-m
 on the identity cross map) and "roundpipe" (`ir_transforms.round_robin`: a stage's backward on
 the GPU RoundPipe's rotation gives it; its `prefetch` there moves the stage's slots, books and
 executed ops to that GPU, whose slot pool is planned from that IR, and the stages go back to
-their own GPUs after the step). `compile(schedule=...)` refuses the others with the reason.
+their own GPUs after the step) and "zero3-offload" (`ir_data_parallel.data_parallel`: one
+replica per GPU on its dealt micro-batches, every stage uploaded to every GPU, each GPU's
+gradient downloads summed on the host; the executor follows each op's GPU, and hands a stage's
+gradients to the overlap at its last download). `compile(schedule=...)` refuses the others
+with the reason.
 """
 
 from __future__ import annotations
@@ -334,8 +338,10 @@ class StepExecutor:
         download completes them (`pipe.overlap(opt, mode="sync")`), or the user's `opt.step()`."""
 
     def _collective(self, o: Op) -> None:
-        raise MobiusError(f"op {o}: the runtime has no handler for collectives (ZeRO-3's host-routed all-gather and "
-                          f"reduce-scatter); train with a schedule registered with a runtime form (e.g. 'mobius')")
+        raise MobiusError(f"op {o}: the runtime has no handler for collectives (the simulator's ZeRO-3 routes its "
+                          f"all-gathers and reduce-scatters through host memory; its runtime form, "
+                          f"ir_data_parallel.data_parallel, uses uploads and gradient downloads instead); train with a "
+                          f"schedule registered with a runtime form (e.g. 'mobius', 'zero3-offload')")
 
     # ------------------------------------------------------------------ backward
     def _backward_pass(self) -> None:
@@ -378,8 +384,9 @@ class StepExecutor:
             (k, i), *_ = sorted(self.calls)
             raise MobiusError(f"the schedule IR '{self.name}' never runs the backward of stage {k}, micro-batch {i} "
                               f"({len(self.calls)} backward runs missing); every forward run that saved inputs needs one")
-        if step.acc:
-            k = min(step.acc)
+        held = sorted(k for k, acc in step.acc.items() if acc)  # a stage without weights accumulates nothing
+        if held:
+            k = held[0]
             raise MobiusError(f"stage {k}'s weight gradients are still on {self._dev(k).name} after the step: the schedule "
                               f"IR '{self.name}' has no download for them")
         left = [k for k, st in enumerate(self.rt.stages) if st.resident]

@@ -10,6 +10,7 @@ its order per GPU; a tied-weight GPT sums four downloads of its tied weight. The
 one GPU's gradients are left out (mutations below).
 """
 
+import copy
 from collections import defaultdict
 
 import pytest
@@ -324,3 +325,41 @@ def test_zero3_is_registered_to_run_but_not_chosen_by_simulated_time():
     entry = schedules.get(NAME)
     assert entry.runnable and entry.runtime is data_parallel and not entry.runs_as_simulated and entry.baseline
     assert NAME not in schedules.candidates(runnable=True)
+
+
+@pytest.mark.parametrize("name", ["mobius", NAME])
+def test_a_stage_without_weights_runs_backward_and_downloads_nothing(name):
+    """A cut at an activation leaves a stage with no weights: its backward sends its input's
+    gradient on and accumulates none (mutation: the executor's end-of-step check counting the
+    stage's empty accumulator as gradients left on the GPU refuses the step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 50))
+    x, y = torch.randn(12, 16), torch.randint(0, 50, (12,))
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(x,), microbatches=2,
+                             cuts=[2, 3, 4], verbose=False, device=_devices(2, 8), loss_fn=F.cross_entropy,
+                             schedule=name)
+    loss = pipe.train_step(x, target=y)
+    assert any(not st.masters for st in pipe.step_pipeline._rt.stages)
+    got = _grads(model)
+    ref, want, mags = _eager_classifier(model, x, y)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    _assert_sum_order_close(got, want, mags, x.size(0), depth=16)
+    _check_conforms(pipe, _step_ir(pipe, name, (x,), {"target": y}))
+
+
+def test_a_buffer_the_forward_updates_ends_as_the_last_microbatchs_replica_left_it():
+    """BatchNorm's running statistics: each GPU's replica updates its own copy from the masters'
+    (as each DeepSpeed rank keeps its own); the one that ran the last micro-batch is kept."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 50))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(12, 16), torch.randint(0, 50, (12,))
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(x,), microbatches=4,
+                             cuts=[3, 5], verbose=False, device=_devices(2, 9), loss_fn=F.cross_entropy, schedule=NAME)
+    pipe.train_step(x, target=y)
+    for i in dealt(4, 2)[1]:  # gpu1 ran micro-batches 1 and 3, the last one
+        ref(x[3 * i:3 * i + 3])
+    for a, b in zip(model[1].buffers(), ref[1].buffers()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
