@@ -81,7 +81,8 @@ def data_parallel(ir: ScheduleIR, gpus: Sequence[str] | None = None) -> Schedule
             keyed.append((key, with_fields(o, microbatch=None if o.microbatch is None else mbs[o.microbatch],
                                            index=offset[gpu] + o.index,
                                            deps=tuple(offset[gpu] + d for d in o.deps))))
-    assert template is not None  # m >= 1 (build_schedule checked it), so GPU 0 has micro-batch 0
+    if template is None:  # build_schedule refuses m < 1, so GPU 0 always has micro-batch 0
+        raise MobiusError(f"internal: data_parallel dealt none of {m} micro-batches to {names}")
     keyed.sort(key=lambda e: e[0])
     new = {o.index: n for n, (_, o) in enumerate(keyed)}
     ops: list[Op] = []

@@ -363,3 +363,4 @@ def test_a_buffer_the_forward_updates_ends_as_the_last_microbatchs_replica_left_
         ref(x[3 * i:3 * i + 3])
     for a, b in zip(model[1].buffers(), ref[1].buffers()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
