@@ -331,9 +331,11 @@ def neighbours(gpus: Sequence[str]) -> tuple[list[int | None], list[int | None]]
 
 
 def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: bool = True,
-                   backward_gpus: Sequence[str] | None = None) -> ScheduleIR:
+                   backward_gpus: Sequence[str] | None = None, hold: bool = True) -> ScheduleIR:
     """The ops of one step of `stages` with `microbatches` micro-batches (see the module docstring);
-    `backward_gpus[k]`: the GPU of stage k's backward (None: its own; `ir_transforms.round_robin`)."""
+    `backward_gpus[k]`: the GPU of stage k's backward (None: its own; `ir_transforms.round_robin`);
+    `hold=False`: no stage stays on its GPU across the turn (each is evicted after its forward and
+    uploaded again for its backward; `ir_data_parallel.data_parallel`'s replicas)."""
     stages = tuple(stages)
     m = microbatches
     check_count(m)
@@ -346,7 +348,7 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
                                   f"or values of earlier stages")
     if backward_gpus is not None and len(backward_gpus) != len(stages):
         raise MobiusError(f"backward_gpus names {len(backward_gpus)} GPUs for {len(stages)} stages; give one per stage")
-    b = _Steps(stages, m, backward_gpus)
+    b = _Steps(stages, m, backward_gpus, hold)
     for k in range(len(stages)):
         if b.prev[k] is None:
             b.fetched[k] = b.up(k, "forward", [])
@@ -366,7 +368,8 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
 class _Steps:
     """`build_schedule`'s op list under construction, and what its forward leaves its backward."""
 
-    def __init__(self, stages: tuple[StageIO, ...], m: int, backward_gpus: Sequence[str] | None = None) -> None:
+    def __init__(self, stages: tuple[StageIO, ...], m: int, backward_gpus: Sequence[str] | None = None,
+                 hold: bool = True) -> None:
         self.stages, self.m = stages, m
         self.gpu = [s.gpu for s in stages]
         self.nxt, self.prev = neighbours(self.gpu)
@@ -399,7 +402,7 @@ class _Steps:
         self.downloads: dict[int, int] = {}
         self.fetched_b: set[int] = set()  # stages whose backward prefetch the stage after them on their GPU issued
         # the last forward stage on a GPU keeps its weights for its backward when that runs there, first
-        self.keeps = [self.nxt[k] is None and self.has_bwd[k] and self.bgpu[k] == self.gpu[k] and self.bnxt[k] is None
+        self.keeps = [hold and self.nxt[k] is None and self.has_bwd[k] and self.bgpu[k] == self.gpu[k] and self.bnxt[k] is None
                       for k in range(len(stages))]
 
     def op(self, kind: str, place: str, stage: int, phase: str, deps: Sequence[int | None] = (), **kw) -> int:

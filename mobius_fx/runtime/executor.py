@@ -38,7 +38,11 @@ issued after the stage before it on its GPU has finished) and "mobius-identity-m
 on the identity cross map) and "roundpipe" (`ir_transforms.round_robin`: a stage's backward on
 the GPU RoundPipe's rotation gives it; its `prefetch` there moves the stage's slots, books and
 executed ops to that GPU, whose slot pool is planned from that IR, and the stages go back to
-their own GPUs after the step). `compile(schedule=...)` refuses the others with the reason.
+their own GPUs after the step) and "zero3-offload" (`ir_data_parallel.data_parallel`: one
+replica per GPU on its dealt micro-batches, every stage uploaded to every GPU, each GPU's
+gradient downloads summed on the host; the executor follows each op's GPU, and hands a stage's
+gradients to the overlap at its last download). `compile(schedule=...)` refuses the others
+with the reason.
 """
 
 from __future__ import annotations
@@ -117,21 +121,37 @@ class StepExecutor:
             self.grad_in.append([inp.needs_grad and (inp.source < 0 or self.has_bwd[inp.source]) for inp in io.inputs])
             self.has_bwd.append(io.grad_bytes > 0 or any(self.grad_in[k]))
         self.backward = {o.stage for o in self.ir.ops if o.kind == OpKind.RUN and o.phase == "backward"}
-        # the GPU of each stage's backward (RoundPipe's rotation: another than its forward's)
-        self.bgpu = [spec.gpu for spec in self.stages]
+        # where each stage's runs are (RoundPipe's rotation: its backward on another GPU than its
+        # forward's; ZeRO-3's replicas: every stage on every GPU), and the GPU of each micro-batch's
+        # forward and backward run of each stage
+        self.ran_on: dict[tuple[int, str, int], str] = {}
+        away: dict[int, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))  # stage -> GPU -> phases
         for o in self.ir.ops:
-            if o.kind == OpKind.RUN and o.phase == "backward":
-                self.bgpu[o.stage] = o.place
-        self.moves = any(b != spec.gpu for b, spec in zip(self.bgpu, self.stages))
-        for k, (b, spec) in enumerate(zip(self.bgpu, self.stages)):
-            here, there = self.rt.devices[spec.gpu].torch_device, self.rt.devices[b].torch_device
-            if here != there:
-                raise MobiusError(
-                    f"schedule '{name}' runs stage {k}'s backward on {b} ({there}) after its forward on {spec.gpu} "
-                    f"({here}); the runtime moves a stage only between GPUs sharing one torch device (virtual, "
-                    f"virtual-async): a stage's graph has its GPU's device constants (runtime/device_rewrite.py) "
-                    f"and its recompute restores its forward GPU's RNG state. Train with schedule='mobius', or "
-                    f"try roundpipe on device='virtual-async'")
+            if o.kind == OpKind.RUN:
+                self.ran_on[(o.stage, o.phase, o.microbatch)] = o.place
+                if o.place != self.stages[o.stage].gpu:
+                    away[o.stage][o.place].add(o.phase)
+        # how many gradient downloads each stage has (ZeRO-3's: one per GPU); the optimizer overlap
+        # takes its gradients after the last
+        self.download_count: dict[int, int] = defaultdict(int)
+        for o in self.ir.ops:
+            if o.kind == OpKind.DOWNLOAD:
+                self.download_count[o.stage] += 1
+        self.moves = bool(away)
+        for k in sorted(away):
+            gpu = self.stages[k].gpu
+            here = self.rt.devices[gpu].torch_device
+            for b, phases in sorted(away[k].items()):
+                there = self.rt.devices[b].torch_device
+                if here != there:
+                    phase = "forward" if "forward" in phases else "backward"
+                    raise MobiusError(
+                        f"schedule '{name}' runs stage {k}'s {phase} on {b} ({there}) "
+                        f"{'after its forward' if phase == 'backward' else 'besides its own GPU'} on {gpu} ({here}); "
+                        f"the runtime moves a stage only between GPUs sharing one torch device (virtual, "
+                        f"virtual-async): a stage's graph has its GPU's device constants (runtime/device_rewrite.py) "
+                        f"and its recompute restores its forward GPU's RNG state. Train with schedule='mobius', or "
+                        f"try '{name}' on device='virtual-async'")
         # the slots the IR's order gives each (stage, phase) on each GPU; a schedule that runs a
         # stage on a second GPU sizes that GPU's pool for it too (`Runtime._plan_slots`)
         self.slot_home = self.rt._plan_slots(self.ir) if self.moves else None
@@ -140,9 +160,10 @@ class StepExecutor:
                 try:
                     self.rt.devices[gpu].open_pool()
                 except BudgetError as e:
-                    there = sorted(k for k, g in enumerate(self.bgpu) if g == gpu and self.stages[k].gpu != gpu)
-                    e.add_note(f"[mobius_fx] schedule '{name}' uploads stage(s) {there} on {gpu} for their backward "
-                               f"(a second GPU besides their forward's): its slot pool is sized for them too; train "
+                    there = sorted(k for k in away if gpu in away[k])
+                    phases = " and ".join(p for p in ("forward", "backward") if any(p in away[k][gpu] for k in there))
+                    e.add_note(f"[mobius_fx] schedule '{name}' uploads stage(s) {there} on {gpu} for their {phases} "
+                               f"(a second GPU besides their own): its slot pool is sized for them too; train "
                                f"with schedule='mobius', or give {gpu} more memory")
                     raise
         # per micro-batch, how many ops read each stage output on its GPU (a push, a run on the same GPU, a host copy)
@@ -233,6 +254,7 @@ class StepExecutor:
         self.ghost: dict[tuple[int, int, int], list] = {}  # (stage, output, mb) -> per tensor, its host copy's gradient
         self.outbox: dict[tuple[int, int], list[tuple[str, int, list]]] = defaultdict(list)  # input gradients to send
         self.host_grads_sent: dict[tuple[int, int], int] = defaultdict(int)
+        self.downloads_left = dict(self.download_count)  # per stage: its downloads not run yet this step
 
     def _split(self, flat: list) -> None:
         names, m = self.schedule.inputs, self.m
@@ -271,10 +293,10 @@ class StepExecutor:
                 args.append(self.fetched.pop(key))
             elif key in self.pushed:
                 args.append(self.pushed.pop(key))
-            elif ref.stage >= 0 and ref.stage == k - 1 and self._gpu(ref.stage) == spec.gpu:
+            elif ref.stage >= 0 and ref.stage == k - 1 and self.ran_on.get((ref.stage, "forward", i)) == o.place:
                 args.append(self._take(ref.stage, ref.index, i))
             else:
-                raise MobiusError(f"stage {k}, micro-batch {i} on {spec.gpu}: its input {j} ({ref.name}) never "
+                raise MobiusError(f"stage {k}, micro-batch {i} on {o.place}: its input {j} ({ref.name}) never "
                                   f"arrived; the schedule IR '{self.name}' has no send bringing it before the run")
         result = self.rt.run(k, i, tuple(args))
         self.in_spans[(k, i)] = _spans(args)
@@ -300,9 +322,9 @@ class StepExecutor:
             else:
                 raise MobiusError(f"stage {k}, micro-batch {i} reads {ref.name} from the host before stage {ref.stage} "
                                   f"sent it there: the schedule IR '{self.name}' lacks that copy")
-            self.fetched[(k, o.value, i)] = rt.send(src, spec.gpu, k)
+            self.fetched[(k, o.value, i)] = rt.send(src, o.dst, k)
         else:  # pushed from the stage before
-            self.pushed[(k, o.value, i)] = rt.send(self._take(ref.stage, ref.index, i), spec.gpu, k)
+            self.pushed[(k, o.value, i)] = rt.send(self._take(ref.stage, ref.index, i), o.dst, k)
 
     def _offload(self, o: Op) -> None:
         """The run saved this input as it read it (`Runtime._forward`: to the host when it came
@@ -316,8 +338,10 @@ class StepExecutor:
         download completes them (`pipe.overlap(opt, mode="sync")`), or the user's `opt.step()`."""
 
     def _collective(self, o: Op) -> None:
-        raise MobiusError(f"op {o}: the runtime has no handler for collectives (ZeRO-3's host-routed all-gather and "
-                          f"reduce-scatter); train with a schedule registered with a runtime form (e.g. 'mobius')")
+        raise MobiusError(f"op {o}: the runtime has no handler for collectives (the simulator's ZeRO-3 routes its "
+                          f"all-gathers and reduce-scatters through host memory; its runtime form, "
+                          f"ir_data_parallel.data_parallel, uses uploads and gradient downloads instead); train with a "
+                          f"schedule registered with a runtime form (e.g. 'mobius', 'zero3-offload')")
 
     # ------------------------------------------------------------------ backward
     def _backward_pass(self) -> None:
@@ -360,13 +384,14 @@ class StepExecutor:
             (k, i), *_ = sorted(self.calls)
             raise MobiusError(f"the schedule IR '{self.name}' never runs the backward of stage {k}, micro-batch {i} "
                               f"({len(self.calls)} backward runs missing); every forward run that saved inputs needs one")
-        if step.acc:
-            k = min(step.acc)
-            raise MobiusError(f"stage {k}'s weight gradients are still on {self._gpu(k)} after the step: the schedule "
+        held = sorted(k for k, acc in step.acc.items() if acc)  # a stage without weights accumulates nothing
+        if held:
+            k = held[0]
+            raise MobiusError(f"stage {k}'s weight gradients are still on {self._dev(k).name} after the step: the schedule "
                               f"IR '{self.name}' has no download for them")
         left = [k for k, st in enumerate(self.rt.stages) if st.resident]
         if left:
-            raise MobiusError(f"stage {left[0]} is still on {self._gpu(left[0])} after the step: the schedule IR "
+            raise MobiusError(f"stage {left[0]} is still on {self._dev(left[0]).name} after the step: the schedule IR "
                               f"'{self.name}' never evicts it")
 
     def _wait_backward(self, o: Op) -> None:
@@ -402,7 +427,7 @@ class StepExecutor:
         if missing:
             spans = self.in_spans[(k, i)]
             which = sorted({j for j, ps in enumerate(spans) if set(ps) & set(missing)})
-            raise MobiusError(f"the backward of stage {k}, micro-batch {i} on {spec.gpu} needs its saved input(s) "
+            raise MobiusError(f"the backward of stage {k}, micro-batch {i} on {o.place} needs its saved input(s) "
                               f"{which} ({', '.join(spec.inputs[j].name for j in which)}) on the GPU, but the schedule "
                               f"IR '{self.name}' never restored them before the run")
         call.restored = ([got[p] for p in range(len(call.saved))], self.events.pop((k, i), []))
@@ -429,7 +454,7 @@ class StepExecutor:
             if not self.grad_in[k][j]:
                 continue
             gs = [in_grads[p] for p in self.in_spans[(k, i)][j]]
-            if ref.stage == k - 1 and self.bgpu[ref.stage] == self.bgpu[k]:  # the stage before, on this GPU: no copy
+            if ref.stage == k - 1 and self.ran_on.get((ref.stage, "backward", i)) == o.place:  # the stage before, on this GPU: no copy
                 self._add(self.gout, (ref.stage, ref.index, i), gs)
             else:
                 self.outbox[(k, i)].append(("gpu" if ref.stage == k - 1 else "host", j, gs))
@@ -504,7 +529,8 @@ class StepExecutor:
         overlap now (or wait for autograd's accumulation at the end of the step)."""
         rt, k = self.rt, o.stage
         rt._download(k, rt.step)
-        if rt.overlap is not None or rt.reducer is not None:
+        self.downloads_left[k] -= 1
+        if (rt.overlap is not None or rt.reducer is not None) and self.downloads_left[k] == 0:
             rt._hand_over(k, rt.step)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mobius_fx.planning.ir_data_parallel import data_parallel
 from mobius_fx.planning.schedule_ir import ScheduleIR
 from mobius_fx.sim.tasks import Context, Costs
 from mobius_fx.schedules.ir_tasks import tasks_from_ir
@@ -43,7 +44,17 @@ def schedule_ir(ctx: Context) -> tuple[ScheduleIR, Costs]:
     keeps its own partition in host memory (`sharded`: on its socket under masters="local").
     Simplifications: one pass per GPU (no gradient accumulation), no activation traffic, the
     last layer stays resident across the turn, the reduction and NCCL's ring hops across the
-    inter-socket link are free, NCCL's host buffers are on each GPU's own socket."""
+    inter-socket link are free, NCCL's host buffers are on each GPU's own socket.
+
+    The runtime runs `ir_data_parallel.data_parallel` of the pipeline's Mobius IR (registered as
+    this schedule's runtime form): one replica per GPU on its micro-batches (dealt round-robin),
+    every stage uploaded to every GPU in forward and again in backward, each GPU's gradients
+    downloaded and summed on the host. Deviations (`runs_as_simulated=False`: compile's automatic
+    choice leaves it out; `compile(schedule="zero3-offload")` runs it): the pipeline's stages, not
+    layers; the user's optimizer (or the overlap) steps, not DeepSpeedCPUAdam; the all-gathers and
+    reduce-scatters are plain uploads and downloads (no `collective` ops, nothing routed through
+    host buffers); saved inputs offloaded to the host as in Mobius; the replicas one stage apart
+    (the runtime holds one GPU copy of a stage at a time) and no last stage kept across the turn."""
     n = len(ctx.gpus)
     u = layer_units(ctx)
     m = ctx.plan.microbatches
@@ -59,6 +70,4 @@ def schedule_ir(ctx: Context) -> tuple[ScheduleIR, Costs]:
 
 
 register("zero3-offload", build, optimizer="deepspeed", summary="every GPU fetches every layer; DeepSpeedCPUAdam",
-         baseline=True,
-         refusal="ZeRO-3 offload runs one data-parallel replica per GPU, its all-gathers and reduce-scatters routed "
-                 "through host memory (the IR's `collective` ops); the runtime has no handler for collectives")
+         baseline=True, runtime=data_parallel, runs_as_simulated=False)
