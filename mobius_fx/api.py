@@ -347,10 +347,12 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     whose host would not hold it is refused before anything is emitted.
     `schedule`: the schedule `train_step` runs, any name in `mobius_fx.schedules.names()` that has
     a runtime form ("mobius", the default; "mobius-noprefetch"; "mobius-identity-map", which also
-    maps the stages on the identity cross map; "roundpipe", stage k's backward on GPU (2S-2-k) mod N,
-    its last stage not fused, virtual devices only): the step executor (mobius_fx/runtime/executor.py)
-    runs that schedule's IR op by op (docs/executor.md). The others run in the simulator only and are refused here,
-    with the reason (GPipe: also whether it would fit, naming the stage and its bytes). The
+    maps the stages on the identity cross map; "gpipe", every stage's weights resident on its GPU
+    for the whole step, refused naming the stage, its GPU and the bytes where they do not fit;
+    "roundpipe", stage k's backward on GPU (2S-2-k) mod N, its last stage not fused, virtual devices
+    only): the step executor (mobius_fx/runtime/executor.py) runs that schedule's IR op by op
+    (docs/executor.md). The others run in the simulator only and are refused here, with the reason
+    (and whether they would fit, naming the stage and its bytes when not). The
     eager-style loop (`pipe(x)`, `loss.backward()`) runs Mobius's forward program and autograd.
     """
     _refuse_meta(model, example_inputs, example_kwargs)
@@ -385,7 +387,7 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
 def _schedule_form(name: str, cross_map: str, plan_of: Any, optimizer: str) -> tuple[ScheduleForm, str]:
     """(name, its runtime form) and the cross map for `compile(schedule=name)`; a MobiusError
     naming the schedule, the reason and the remedy when it has no runtime form (and whether it
-    fits, its IR built on `plan_of()`'s plan: GPipe names the stage and its bytes when not)."""
+    fits, its IR built on `plan_of()`'s plan: a PlanError names the stage and its bytes when not)."""
     from mobius_fx import schedules
 
     entry = schedules.get(name)

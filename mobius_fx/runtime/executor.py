@@ -34,8 +34,10 @@ The eager-style loop (`loss_fn(pipe(x), y).backward()`) keeps its autograd path
 
 Which schedules run: those registered with a runtime form (mobius_fx/schedules/registry.py
 `runtime=`, a transform of the pipeline's Mobius IR): "mobius", "mobius-noprefetch" (each upload
-issued after the stage before it on its GPU has finished) and "mobius-identity-map" (compiled
-on the identity cross map) and "roundpipe" (`ir_transforms.round_robin`: a stage's backward on
+issued after the stage before it on its GPU has finished), "mobius-identity-map" (compiled
+on the identity cross map), "gpipe" (`ir_resident.resident`: every stage held on its GPU from its
+forward upload to its backward evict, the GPU's slot pool planned from that IR, one slot per
+stage) and "roundpipe" (`ir_transforms.round_robin`: a stage's backward on
 the GPU RoundPipe's rotation gives it; its `prefetch` there moves the stage's slots, books and
 executed ops to that GPU, whose slot pool is planned from that IR, and the stages go back to
 their own GPUs after the step) and "zero3-offload" (`ir_data_parallel.data_parallel`: one
@@ -153,18 +155,30 @@ class StepExecutor:
                         f"and its recompute restores its forward GPU's RNG state. Train with schedule='mobius', or "
                         f"try '{name}' on device='virtual-async'")
         # the slots the IR's order gives each (stage, phase) on each GPU; a schedule that runs a
-        # stage on a second GPU sizes that GPU's pool for it too (`Runtime._plan_slots`)
-        self.slot_home = self.rt._plan_slots(self.ir) if self.moves else None
-        if self.moves:
+        # stage on a second GPU sizes that GPU's pool for it too, one that keeps more stages on a
+        # GPU at once than the pipeline's own IR (GPipe's, every stage resident) a slot for each
+        # (`Runtime._plan_slots`)
+        own = self.ir.resident_at_most()
+        base = self.schedule.ir().resident_at_most() if form is not None else own
+        holds = {g for g in self.ir.gpus if own.get(g, 0) > base.get(g, 0)}
+        self.slot_home = self.rt._plan_slots(self.ir) if self.moves or holds else None
+        if self.slot_home is not None:
             for gpu in self.ir.gpus:
                 try:
                     self.rt.devices[gpu].open_pool()
                 except BudgetError as e:
                     there = sorted(k for k in away if gpu in away[k])
-                    phases = " and ".join(p for p in ("forward", "backward") if any(p in away[k][gpu] for k in there))
-                    e.add_note(f"[mobius_fx] schedule '{name}' uploads stage(s) {there} on {gpu} for their {phases} "
-                               f"(a second GPU besides their own): its slot pool is sized for them too; train "
-                               f"with schedule='mobius', or give {gpu} more memory")
+                    if there:
+                        phases = " and ".join(p for p in ("forward", "backward")
+                                              if any(p in away[k][gpu] for k in there))
+                        e.add_note(f"[mobius_fx] schedule '{name}' uploads stage(s) {there} on {gpu} for their "
+                                   f"{phases} (a second GPU besides their own): its slot pool is sized for them too; "
+                                   f"train with schedule='mobius', or give {gpu} more memory")
+                    if gpu in holds:
+                        mine = [k for k, spec in enumerate(self.stages) if spec.gpu == gpu]
+                        e.add_note(f"[mobius_fx] schedule '{name}' keeps {own[gpu]} stages resident on {gpu} at once "
+                                   f"(stages {mine}; the pipeline's own schedule: {base.get(gpu, 0)}): its slot pool "
+                                   f"holds all their weights; train with schedule='mobius', or give {gpu} more memory")
                     raise
         # per micro-batch, how many ops read each stage output on its GPU (a push, a run on the same GPU, a host copy)
         self.readers: dict[tuple[int, int], int] = defaultdict(int)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mobius_fx.errors import MobiusError
+from mobius_fx.errors import MobiusError, PlanError
 from mobius_fx.schedules.registry import candidates, get
 from mobius_fx.schedules.registry import names as registered
 
@@ -53,7 +53,19 @@ def choose(plan: Any, schedule: str | None = None, *, runnable: bool = False, **
             raise MobiusError(f"schedule={schedule!r} is simulated but the runtime does not execute it yet; "
                               f"compile runs one of {', '.join(n for n in registered() if get(n).runnable)}: pass one of those, "
                               f"or leave schedule out (plan(..., schedule={schedule!r}) simulates it)")
-        t = simulate(plan, schedule=schedule, **simulate_kwargs).pipeline_time
+        if runnable and s.fits is not None:  # its runtime form on this plan (GPipe: every weight resident)
+            try:
+                s.fits(plan)
+            except PlanError as e:
+                raise PlanError(f"schedule={schedule!r} does not fit this model: {e}") from None
+        try:
+            t = simulate(plan, schedule=schedule, **simulate_kwargs).pipeline_time
+        except PlanError as e:  # the simulated form is another IR than the one the runtime runs
+            if not (runnable and not s.runs_as_simulated):
+                raise
+            why = str(e).splitlines()[0]
+            return Choice(schedule, f"schedule: {schedule} (the caller's; its simulated form does not fit: {why})",
+                          {schedule: "does not fit: " + why})
         return Choice(schedule, f"schedule: {schedule} (the caller's; simulated fwd+bwd {_fmt(t)})", {schedule: t})
     names = candidates(runnable=runnable)
     if not names:

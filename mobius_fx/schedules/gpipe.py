@@ -1,8 +1,19 @@
-""""gpipe": GPipe with every weight resident (see `build`)."""
+""""gpipe": GPipe with every weight resident (see `build`).
+
+The runtime runs `planning.ir_resident.resident` of the pipeline's Mobius IR (its `runtime=`):
+the plan's stages as they are, each uploaded once per step and held on its GPU from its forward
+to its backward (no evict after the forward, no upload for the backward), all forwards then all
+backwards in the Mobius IR's order, saved inputs offloaded as in Mobius, the optimizer on the
+host. Deviation from `build` (what the simulator runs, `runs_as_simulated=False`): the simulator
+re-cuts the model into N compute-balanced stages and steps the optimizer on the GPUs. When the
+stages of a GPU do not fit it resident, `compile(schedule="gpipe")` raises, naming the stage,
+its GPU and the bytes (`ir_resident.check_resident_fits`).
+"""
 
 from __future__ import annotations
 
 from mobius_fx.errors import PlanError
+from mobius_fx.planning.ir_resident import check_resident_fits, resident
 from mobius_fx.planning.plans import Plan
 from mobius_fx.planning.step_memory import MemoryModel
 from mobius_fx.planning.schedule_ir import ScheduleIR
@@ -103,7 +114,4 @@ def _gpipe_memory(plan: Plan, u: Costs) -> tuple[MemoryModel, list[float], list[
 
 
 register("gpipe", build, summary="every weight resident, N stages balanced by compute, optimizer on the GPUs",
-         baseline=True,
-         refusal="GPipe keeps every weight resident on N GPUs after re-cutting the model into N compute-balanced "
-                 "stages, with the optimizer on the GPUs; the runtime streams the plan's stages through weight slots "
-                 "and steps the optimizer on the host")
+         baseline=True, runtime=resident, fits=check_resident_fits, runs_as_simulated=False)

@@ -46,7 +46,9 @@ class Schedule:
     `runs_as_simulated`: False when the runtime form runs another IR than `build` simulates
     (RoundPipe's: its last stage not fused), so compile's choice among the runnable schedules,
     which goes by simulated time (`candidates(runnable=True)`), leaves it out; `compile(schedule=)`
-    still runs it."""
+    still runs it; `fits`: for a schedule whose runtime form holds more on a GPU than the plan
+    was made for (GPipe's resident weights), fits(plan) raises PlanError naming the stage, its
+    GPU and the bytes when the compiled plan does not fit that form (`choose` calls it)."""
 
     name: str
     build: Callable[[Any], None]
@@ -58,6 +60,7 @@ class Schedule:
     refusal: str = ""
     baseline: bool = False
     runs_as_simulated: bool = True
+    fits: Callable[[Any], None] | None = None
 
     @property
     def runnable(self) -> bool:
@@ -70,7 +73,8 @@ _REGISTRY: dict[str, Schedule] = {}
 
 def register(name: str, build: Callable[[Any], None], *, data_parallel: bool = False, optimizer: str = "user",
              summary: str = "", runtime: Callable[[Any], Any] | None = None, cross_map: str | None = None,
-             refusal: str = "", baseline: bool = False, runs_as_simulated: bool = True) -> Schedule:
+             refusal: str = "", baseline: bool = False, runs_as_simulated: bool = True,
+             fits: Callable[[Any], None] | None = None) -> Schedule:
     """Make `build` the schedule `name` for `simulate`, the comparison table, the CLI and (unless
     `baseline`) the planner's choice (`runtime`: how the runtime executes it; see `Schedule`)."""
     if not isinstance(name, str) or not name or name != name.strip():
@@ -84,7 +88,7 @@ def register(name: str, build: Callable[[Any], None], *, data_parallel: bool = F
     if optimizer not in OPTIMIZERS:
         raise MobiusError(f"schedule {name!r}: optimizer={optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     _REGISTRY[name] = Schedule(name, build, data_parallel, optimizer, summary, runtime, cross_map, refusal,
-                               bool(baseline), bool(runs_as_simulated))
+                               bool(baseline), bool(runs_as_simulated), fits)
     return _REGISTRY[name]
 
 
