@@ -154,10 +154,31 @@ class StepExecutor:
                         f"virtual-async): a stage's graph has its GPU's device constants (runtime/device_rewrite.py) "
                         f"and its recompute restores its forward GPU's RNG state. Train with schedule='mobius', or "
                         f"try '{name}' on device='virtual-async'")
-        # the slots the IR's order gives each (stage, phase) on each GPU; a schedule that runs a
-        # stage on a second GPU sizes that GPU's pool for it too, one that keeps more stages on a
-        # GPU at once than the pipeline's own IR (GPipe's, every stage resident) a slot for each
-        # (`Runtime._plan_slots`)
+        self._open_pools(name, form, away)
+        # per micro-batch, how many ops read each stage output on its GPU (a push, a run on the same GPU, a host copy)
+        self.readers: dict[tuple[int, int], int] = defaultdict(int)
+        for k, spec in enumerate(self.stages):
+            for ref in spec.inputs:
+                if ref.stage >= 0 and ref.stage == k - 1:
+                    self.readers[(ref.stage, ref.index)] += 1
+            for j in self.to_host[k]:
+                self.readers[(k, j)] += 1
+        self._forward_handlers = {
+            OpKind.PREFETCH: self._prefetch, OpKind.WAIT: lambda o: self.rt.wait(o.stage),
+            OpKind.RUN: self._run_forward, OpKind.SEND: self._send_forward, OpKind.OFFLOAD: self._offload,
+            OpKind.EVICT: lambda o: self.rt.evict(o.stage), OpKind.HOLD: lambda o: self.rt.hold(o.stage),
+            OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
+        self._backward_handlers = {
+            OpKind.PREFETCH: self._prefetch, OpKind.WAIT: self._wait_backward,
+            OpKind.RESTORE: self._restore, OpKind.RUN: self._run_backward, OpKind.SEND: self._send_backward,
+            OpKind.DOWNLOAD: self._download, OpKind.EVICT: lambda o: self.rt.evict(o.stage),
+            OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
+
+    def _open_pools(self, name: str, form: Callable[[ScheduleIR], ScheduleIR] | None, away: dict[int, dict[str, set[str]]]) -> None:
+        """The slots the IR's order gives each (stage, phase) on each GPU: a schedule that runs a
+        stage on a second GPU (`away`: stage -> GPU -> phases) sizes that GPU's pool for it too,
+        one that keeps more stages on a GPU at once than the pipeline's own IR (GPipe's, every
+        stage resident) a slot for each (`Runtime._plan_slots`); a pool over budget says why."""
         own = self.ir.resident_at_most()
         base = self.schedule.ir().resident_at_most() if form is not None else own
         holds = {g for g in self.ir.gpus if own.get(g, 0) > base.get(g, 0)}
@@ -180,24 +201,6 @@ class StepExecutor:
                                    f"(stages {mine}; the pipeline's own schedule: {base.get(gpu, 0)}): its slot pool "
                                    f"holds all their weights; train with schedule='mobius', or give {gpu} more memory")
                     raise
-        # per micro-batch, how many ops read each stage output on its GPU (a push, a run on the same GPU, a host copy)
-        self.readers: dict[tuple[int, int], int] = defaultdict(int)
-        for k, spec in enumerate(self.stages):
-            for ref in spec.inputs:
-                if ref.stage >= 0 and ref.stage == k - 1:
-                    self.readers[(ref.stage, ref.index)] += 1
-            for j in self.to_host[k]:
-                self.readers[(k, j)] += 1
-        self._forward_handlers = {
-            OpKind.PREFETCH: self._prefetch, OpKind.WAIT: lambda o: self.rt.wait(o.stage),
-            OpKind.RUN: self._run_forward, OpKind.SEND: self._send_forward, OpKind.OFFLOAD: self._offload,
-            OpKind.EVICT: lambda o: self.rt.evict(o.stage), OpKind.HOLD: lambda o: self.rt.hold(o.stage),
-            OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
-        self._backward_handlers = {
-            OpKind.PREFETCH: self._prefetch, OpKind.WAIT: self._wait_backward,
-            OpKind.RESTORE: self._restore, OpKind.RUN: self._run_backward, OpKind.SEND: self._send_backward,
-            OpKind.DOWNLOAD: self._download, OpKind.EVICT: lambda o: self.rt.evict(o.stage),
-            OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
 
     def _handler(self, handlers: dict, o: Op) -> Callable[[Op], None]:
         """The handler of op `o` in its phase; an op kind the executor does not run in that phase is
