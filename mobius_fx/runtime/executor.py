@@ -3,10 +3,12 @@
 The schedule IR (mobius_fx/planning/schedule_ir.py) is the whole step as plain data: uploads,
 waits, each stage's forward and backward per micro-batch, the sends of activations and of their
 gradients, the offloads and restores of saved inputs, the gradient downloads and the evictions.
-`StepExecutor` walks it in issue order with one handler per `OpKind`, on the runtime's existing
-machinery (`engine.Runtime`: its stage slots, the devices' streams and events, precision casts,
-RNG save/restore for the recompute, buffers updated once, the host gradient storage), so what
-the runtime does is the IR by construction, and any schedule whose IR the runtime can hold runs:
+`StepExecutor` runs it as one generated program (runtime/step_program.py: a torch.fx
+GraphModule with one node per op, in issue order, each op's dependencies its node's arguments)
+whose nodes call one handler per `OpKind` and phase, on the runtime's existing machinery
+(`engine.Runtime`: its stage slots, the devices' streams and events, precision casts, RNG
+save/restore for the recompute, buffers updated once, the host gradient storage), so what the
+runtime does is the IR by construction, and any schedule whose IR the runtime can hold runs:
 
     pipe = mobius_fx.compile(model, topo, example_inputs=(x,), loss_fn=F.cross_entropy,
                              schedule="mobius-noprefetch")
@@ -25,9 +27,9 @@ the runtime does is the IR by construction, and any schedule whose IR the runtim
 - `download` (k): the stage's gradient sums to the host and, when they are complete, handed to
   the optimizer overlap (`pipe.overlap(opt, mode="sync")` steps them then: the IR's `step` is
   where the overlap puts it, or the user's `opt.step()`);
-- the backward ops run as the backward of one autograd node over the trainable masters, so at
-  the end autograd itself accumulates the host gradients into `.grad`, exactly as
-  `loss.backward()` leaves them (hooks run; the optimizer overlap sees a backward reaching them).
+- the program runs as the backward of one autograd node over the trainable masters, so at the
+  end autograd itself accumulates the host gradients into `.grad`, exactly as `loss.backward()`
+  leaves them (hooks run; the optimizer overlap sees a backward reaching them).
 
 The eager-style loop (`loss_fn(pipe(x), y).backward()`) keeps its autograd path
 (runtime/stage_autograd.py); both read the same IR.

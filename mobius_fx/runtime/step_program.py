@@ -2,37 +2,46 @@
 
 `pipe.train_step` runs this program. It holds the whole step, one `call_function` node per IR op
 (`prefetch`, `wait`, `run_forward`, `send`, `offload`, `hold`, `evict`, `restore`,
-`run_backward`, `download`, `step`, ...), in the IR's issue order, each node taking the nodes of
-the ops it waits for (the op's `deps` and `starts`) as its arguments, so the graph's order is a
-topological order of the IR's dependencies by construction (fx refuses a node that reads a later
-one). Around them, four nodes of the step itself: `split` (the inputs into micro-batches),
-`loss` (the end of the forward: the last stage's host copies combined into the step's output,
-differentiated on the host to seed the backward), `backward` (the backward begins) and
-`gradients` (the host gradients into `.grad`, through autograd). Each op node calls its handler
-in runtime/executor.py (`StepExecutor`, one per op kind and phase): the program is the order,
-the handlers are what an op does. Printed (`pipe.step_pipeline.code`):
+`run_backward`, `download`, `step`, ...), phase by phase (forward, backward, optimizer), each in
+the IR's issue order, each node taking the nodes of the ops it waits for (the op's `deps` and
+`starts`) as its arguments: the program's order is a topological order of the IR's
+dependencies by construction (fx refuses a node that reads a later one; an IR whose op waits
+for a later one is refused here). Around the ops, four nodes of the step itself: `split` (the
+inputs into micro-batches), `loss` (the end of the forward: the last stage's host copies
+combined into the step's output, differentiated on the host to seed the backward), `backward`
+(the backward begins) and `gradients` (each master's host gradient). Each op node calls its
+handler in runtime/executor.py (`StepExecutor`, one per op kind and phase): the program is the
+order, the handlers are what an op does. Printed (`pipe.step_pipeline.code`):
 
     def forward(self, inputs, scale):
-        # the training step, schedule 'mobius': 4 stages on gpu0, gpu1; 2 micro-batches; ...
+        # the training step, schedule 'mobius': 4 stages on gpu0, gpu1; 2 micro-batches; the loss on the last stage
         microbatches = split(inputs, names=('x', 'target'))
         # ---- forward
-        op0 = prefetch(op=0, stage=0, at='gpu0', move='weight host->gpu0 1056B')
-        op1 = wait(op0, op=1, stage=0, at='gpu0')
-        op2 = send(microbatches, op1, op=2, stage=0, mb=0, at='gpu0', move='activation host->gpu0', value=0)
-        op3 = run_forward(op1, op2, op=3, stage=0, mb=0, at='gpu0')
+        op0 = prefetch(op=0, stage=0, at='gpu0', move='weight host->gpu0 1088B')
+        op1 = prefetch(op=1, stage=1, at='gpu1', move='weight host->gpu1 1088B')
+        op2 = wait(op0, op=2, stage=0, at='gpu0')
+        op3 = prefetch(op2, op=3, stage=2, at='gpu0', move='weight host->gpu0 1088B')
+        op4 = send(microbatches, op=4, stage=0, mb=0, at='gpu0', move='activation host->gpu0', value=0)
+        op5 = run_forward(op2, op4, op=5, stage=0, mb=0, at='gpu0')
         ...
-        loss = loss_on_host(op38, op41, ..., scale=scale)
+        loss = loss_on_host(op10, op14, ..., op37, scale=scale)
         # ---- backward
         backward = begin_backward(loss)
-        op44 = run_backward(backward, op42, op43, op=44, stage=3, mb=1, at='gpu1')
         ...
-        gradients = gradients_to_masters(op70, op75, ...)
+        op43 = run_backward(op38, op40, op41, op42, op=43, stage=3, mb=1, at='gpu1')
+        ...
+        gradients = gradients_to_masters(op50, op51, ..., op77)
         # ---- optimizer
-        op76 = step(gradients, op66, op=76, stage=0, at='host')
+        op78 = step(gradients, op76, op=78, stage=0, at='host')
+        ...
         return loss
 
-The forward-only call (`pipe(x)`, eval, no_grad) runs the forward program the emit pass
-generates (passes/emit.py), not this one.
+The program runs as the backward of one autograd node over the trainable masters (`_Step`):
+the optimizer overlap steps a master during the backward only while autograd's engine runs a
+backward that will accumulate into its `.grad`, and autograd accumulates the host gradients
+into `.grad` when the program returns, as `loss.backward()` does (hooks run). The forward-only
+call (`pipe(x)`, eval, no_grad) runs the forward program the emit pass generates
+(passes/emit.py), not this one.
 """
 
 from __future__ import annotations
