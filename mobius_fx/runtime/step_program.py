@@ -276,6 +276,11 @@ def build_program(ir: ScheduleIR, inputs: tuple[str, ...], name: str = "mobius")
     graph = fx.Graph()
     flat = graph.placeholder("inputs")
     scale = graph.placeholder("scale")
+    off = next((i for i, o in enumerate(ir.ops) if o.index != i), None)
+    if off is not None:
+        raise MobiusError(f"op {ir.ops[off]} is at position {off} of the IR of schedule {name!r}: an op's index is its "
+                          f"position (its deps name positions); renumber the ops (fix the schedule's runtime form, "
+                          f"mobius_fx/planning/ir_transforms.py)")
     where: dict[int, int] = {}  # op index -> its position in the program
     nodes: dict[int, fx.Node] = {}
     order = [o for phase in _PHASES for o in ir.ops if o.phase == phase]

@@ -139,6 +139,15 @@ def test_an_ir_out_of_its_own_order_is_refused():
         build_program(bad, ("x",), "mine")
 
 
+def test_an_ir_whose_indices_are_not_positions_is_refused():
+    ir = build_schedule([StageIO("gpu0", 1, 1, (StageInput(-1, 1, needs_grad=False),), host_outputs=(1,))], 1)
+    ops = (with_fields(ir.ops[0], index=7), *ir.ops[1:])
+    bad = ScheduleIR(ops, ir.stages, ir.microbatches, ir.gpus, ir.next_on_gpu, ir.prev_on_gpu, ir.by_place)
+    with pytest.raises(MobiusError, match=r"op 7: prefetch F0 @gpu0 .* is at position 0 of the IR of schedule 'mine': "
+                                          r"an op's index is its position"):
+        build_program(bad, ("x",), "mine")
+
+
 def _compiled(seed=0):
     torch.manual_seed(seed)
     model = Classifier(blocks=3)
