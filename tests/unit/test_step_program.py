@@ -97,6 +97,13 @@ def test_the_program_holds_one_node_per_op_in_the_irs_order(name, ir):
     assert {o.phase for o in ir.ops} == set(PHASES)
 
 
+def test_every_op_kind_has_its_function_in_the_program():
+    from mobius_fx.planning.schedule_ir import OP_KINDS
+
+    named = {k for k in STEP_OPS if not k.startswith("run_")} | {"run"}
+    assert named == set(OP_KINDS), "a new OpKind needs its function in runtime/step_program.py (STEP_OPS)"
+
+
 def _drop_arg(gm: fx.GraphModule, ir: ScheduleIR) -> None:
     n = next(n for n in gm.graph.nodes if n.target is STEP_OPS["run_backward"])
     n.args = n.args[:-1]
