@@ -3,10 +3,12 @@
 The schedule IR (mobius_fx/planning/schedule_ir.py) is the whole step as plain data: uploads,
 waits, each stage's forward and backward per micro-batch, the sends of activations and of their
 gradients, the offloads and restores of saved inputs, the gradient downloads and the evictions.
-`StepExecutor` walks it in issue order with one handler per `OpKind`, on the runtime's existing
-machinery (`engine.Runtime`: its stage slots, the devices' streams and events, precision casts,
-RNG save/restore for the recompute, buffers updated once, the host gradient storage), so what
-the runtime does is the IR by construction, and any schedule whose IR the runtime can hold runs:
+`StepExecutor` runs it as one generated program (runtime/step_program.py: a torch.fx
+GraphModule with one node per op, in issue order, each op's dependencies its node's arguments)
+whose nodes call one handler per `OpKind` and phase, on the runtime's existing machinery
+(`engine.Runtime`: its stage slots, the devices' streams and events, precision casts, RNG
+save/restore for the recompute, buffers updated once, the host gradient storage), so what the
+runtime does is the IR by construction, and any schedule whose IR the runtime can hold runs:
 
     pipe = mobius_fx.compile(model, topo, example_inputs=(x,), loss_fn=F.cross_entropy,
                              schedule="mobius-noprefetch")
@@ -25,9 +27,9 @@ the runtime does is the IR by construction, and any schedule whose IR the runtim
 - `download` (k): the stage's gradient sums to the host and, when they are complete, handed to
   the optimizer overlap (`pipe.overlap(opt, mode="sync")` steps them then: the IR's `step` is
   where the overlap puts it, or the user's `opt.step()`);
-- the backward ops run as the backward of one autograd node over the trainable masters, so at
-  the end autograd itself accumulates the host gradients into `.grad`, exactly as
-  `loss.backward()` leaves them (hooks run; the optimizer overlap sees a backward reaching them).
+- the program runs as the backward of one autograd node over the trainable masters, so at the
+  end autograd itself accumulates the host gradients into `.grad`, exactly as `loss.backward()`
+  leaves them (hooks run; the optimizer overlap sees a backward reaching them).
 
 The eager-style loop (`loss_fn(pipe(x), y).backward()`) keeps its autograd path
 (runtime/stage_autograd.py); both read the same IR.
@@ -55,14 +57,13 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.autograd.function import once_differentiable
 
 from mobius_fx.errors import BudgetError, MobiusError
 from mobius_fx.kinds import HOST
 from mobius_fx.planning.schedule_ir import Op, OpKind, ScheduleIR
 from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.stage_state import refuse_changed_masters
-from mobius_fx.runtime.step_output import step_output
+from mobius_fx.runtime.step_program import run_program
 
 __all__ = ["StepExecutor", "execute", "step_ir"]
 
@@ -70,7 +71,8 @@ __all__ = ["StepExecutor", "execute", "step_ir"]
 def step_ir(pipe: Any, form: Callable[[ScheduleIR], ScheduleIR] | None = None) -> ScheduleIR:
     """The schedule IR `pipe`'s executor runs: the pipeline's own IR (`Pipeline.schedule_ir`, its
     gradient flags from each stage value's dtype as the traced graph records it; activations 0
-    bytes: the executor needs the ops, not their sizes), transformed by the schedule's runtime
+    bytes: the executor needs the ops, not their sizes; each stage's optimizer `step` on the
+    host after its download), transformed by the schedule's runtime
     form (`schedules.get(name).runtime`; None: Mobius's own)."""
     values: dict[str, torch.Tensor] = {}
     for spec in pipe.schedule.stages:
@@ -82,7 +84,7 @@ def step_ir(pipe: Any, form: Callable[[ScheduleIR], ScheduleIR] | None = None) -
             # unknown: taken as floating, so a gradient may flow (one that does not is simply not sent)
             values[name] = torch.empty(0, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
                                        device="meta")
-    ir = pipe.schedule_ir(values)
+    ir = pipe.schedule_ir(values, optimizer=True)  # with each stage's `step`, where the optimizer takes it
     return ir if form is None else form(ir)
 
 
@@ -173,6 +175,7 @@ class StepExecutor:
             OpKind.RESTORE: self._restore, OpKind.RUN: self._run_backward, OpKind.SEND: self._send_backward,
             OpKind.DOWNLOAD: self._download, OpKind.EVICT: lambda o: self.rt.evict(o.stage),
             OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
+        self._optimizer_handlers = {OpKind.STEP: self._step}
 
     def _open_pools(self, name: str, form: Callable[[ScheduleIR], ScheduleIR] | None, away: dict[int, dict[str, set[str]]]) -> None:
         """The slots the IR's order gives each (stage, phase) on each GPU: a schedule that runs a
@@ -214,31 +217,9 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ the step
     def run(self, flat: list, scale: float) -> Any:
-        rt = self.rt
-        self._reset()
-        homes = rt._slot_home
-        if self.slot_home is not None:
-            rt._slot_home = self.slot_home
-        try:
-            rt.executing = self
-            try:
-                with torch.no_grad():
-                    self._split(flat)
-                    for o in self.ir.ops:
-                        if o.phase == "forward":
-                            self._handler(self._forward_handlers, o)(o)
-            finally:
-                rt.executing = None
-            rt.end_forward()
-            out = step_output(self, scale)
-            step = rt.step
-            if step.state == "forward" and any(step.fwd_calls):
-                self._backward_pass()
-        finally:
-            rt._slot_home = homes
-            self._home()
-            self._reset()  # a failed step keeps none of its saved inputs, outputs or gradients
-        return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+        """One step: the step program built from the IR (runtime/step_program.py), whose nodes
+        call these handlers."""
+        return run_program(self, flat, scale)
 
     def _prefetch(self, o: Op) -> None:
         """Upload stage k to the GPU of the op: its own, or the one its backward runs on
@@ -361,38 +342,6 @@ class StepExecutor:
                           f"schedule registered with a runtime form (e.g. 'mobius', 'zero3-offload')")
 
     # ------------------------------------------------------------------ backward
-    def _backward_pass(self) -> None:
-        """The IR's backward ops, run as the backward of one autograd node over the trainable
-        masters (`_StepNode`): autograd then accumulates the host gradients into `.grad` itself
-        (hooks run), and the optimizer overlap sees a backward that reaches every master."""
-        rt = self.rt
-        trainable = {id(m): m for st in rt.stages for m, p in zip(st.masters, st.is_param) if p and m.requires_grad}
-        if not trainable:
-            return
-        with torch.enable_grad():
-            hub = _StepNode.apply(self, rt._anchor, *trainable.values())
-        hub.backward()
-        if rt.overlap is not None:
-            rt.overlap.backward_done()
-
-    def _backward_ops(self) -> dict[int, torch.Tensor]:
-        """The backward ops in the IR's order; the host gradient of each master (by id)."""
-        rt, step = self.rt, self.rt.step
-        with rt._lock:
-            step.state = "backward"
-            step.bwd_calls = [0] * len(rt.stages)
-            if rt.overlap is not None:
-                rt.overlap.backward_started()
-            try:
-                for o in self.ir.ops:
-                    if o.phase == "backward":
-                        self._handler(self._backward_handlers, o)(o)
-                self._check_done()
-                return rt._gradients(step)
-            except BaseException as e:
-                rt.backward_failed(step, e, explain=False)  # Pipeline._forward explains it
-                raise
-
     def _check_done(self) -> None:
         """Everything the step started ended: every backward ran, every gradient sum went to the
         host, every stage left its GPU."""
@@ -549,23 +498,6 @@ class StepExecutor:
         self.downloads_left[k] -= 1
         if (rt.overlap is not None or rt.reducer is not None) and self.downloads_left[k] == 0:
             rt._hand_over(k, rt.step)
-
-
-class _StepNode(torch.autograd.Function):
-    """The masters' place in autograd for one executed step: its backward runs the IR's backward
-    ops (`StepExecutor._backward_ops`) and hands autograd the host gradients, which it
-    accumulates into `.grad` as `loss.backward()` does."""
-
-    @staticmethod
-    def forward(ctx, ex: StepExecutor, anchor: torch.Tensor, *masters: torch.Tensor):
-        ctx.ex, ctx.ids = ex, [id(m) for m in masters]
-        return anchor.detach().clone()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, _):
-        grads = ctx.ex._backward_ops()
-        return (None, None, *(grads.get(i) for i in ctx.ids))
 
 
 def _spans(values: list) -> list[list[int]]:
