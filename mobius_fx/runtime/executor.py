@@ -57,8 +57,13 @@ from mobius_fx.planning.schedule_ir import Op, OpKind, ScheduleIR
 from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.stage_state import refuse_changed_masters
 from mobius_fx.runtime.step_output import step_output
+from mobius_fx.units import fmt_bytes
 
 __all__ = ["StepExecutor", "execute", "step_ir"]
+
+# The op kinds that act on a stage's state on the op's GPU (its weights, its gradient sums): the
+# executor runs them on the stage's copy there (`StepExecutor._use`).
+_ON_A_STAGE = (OpKind.PREFETCH, OpKind.WAIT, OpKind.RUN, OpKind.EVICT, OpKind.HOLD, OpKind.DOWNLOAD)
 
 
 def step_ir(pipe: Any, form: Callable[[ScheduleIR], ScheduleIR] | None = None) -> ScheduleIR:
@@ -117,33 +122,55 @@ class StepExecutor:
             self.grad_in.append([inp.needs_grad and (inp.source < 0 or self.has_bwd[inp.source]) for inp in io.inputs])
             self.has_bwd.append(io.grad_bytes > 0 or any(self.grad_in[k]))
         self.backward = {o.stage for o in self.ir.ops if o.kind == OpKind.RUN and o.phase == "backward"}
-        # the GPU of each stage's backward (RoundPipe's rotation: another than its forward's)
-        self.bgpu = [spec.gpu for spec in self.stages]
+        # the GPU of each (stage, micro-batch)'s forward and backward run: a RUN op's place (RoundPipe
+        # runs a stage's backward on another GPU than its forward; split-head deals its last stage
+        # by micro-batch)
+        self.frun: dict[tuple[int, int], str] = {}
+        self.brun: dict[tuple[int, int], str] = {}
         for o in self.ir.ops:
-            if o.kind == OpKind.RUN and o.phase == "backward":
-                self.bgpu[o.stage] = o.place
-        self.moves = any(b != spec.gpu for b, spec in zip(self.bgpu, self.stages))
-        for k, (b, spec) in enumerate(zip(self.bgpu, self.stages)):
-            here, there = self.rt.devices[spec.gpu].torch_device, self.rt.devices[b].torch_device
+            if o.kind == OpKind.RUN:
+                (self.frun if o.phase == "forward" else self.brun)[(o.stage, o.microbatch)] = o.place
+        # the stages the IR puts on a GPU besides their own: each a copy of the stage there (`StageState.copy_on`)
+        away: dict[tuple[int, str], set[str]] = defaultdict(set)
+        for o in self.ir.ops:
+            if o.kind in _ON_A_STAGE and o.place != self.stages[o.stage].gpu:
+                away[(o.stage, o.place)].add(o.phase)
+        self.moves = bool(away)
+        for (k, g), phases in sorted(away.items()):
+            spec = self.stages[k]
+            here, there = self.rt.devices[spec.gpu].torch_device, self.rt.devices[g].torch_device
             if here != there:
+                what = (f"backward on {g} ({there}) after its forward on {spec.gpu} ({here})" if phases == {"backward"}
+                        else f"micro-batch(es) {sorted(i for (j, i), p in self.frun.items() if j == k and p == g)} on "
+                             f"{g} ({there}), forward and backward, besides its own GPU {spec.gpu} ({here})")
                 raise MobiusError(
-                    f"schedule '{name}' runs stage {k}'s backward on {b} ({there}) after its forward on {spec.gpu} "
-                    f"({here}); the runtime moves a stage only between GPUs sharing one torch device (virtual, "
-                    f"virtual-async): a stage's graph has its GPU's device constants (runtime/device_rewrite.py) "
-                    f"and its recompute restores its forward GPU's RNG state. Train with schedule='mobius', or "
-                    f"try roundpipe on device='virtual-async'")
-        # the slots the IR's order gives each (stage, phase) on each GPU; a schedule that runs a
-        # stage on a second GPU sizes that GPU's pool for it too (`Runtime._plan_slots`)
+                    f"schedule '{name}' runs stage {k}'s {what}; the runtime moves a stage only between GPUs sharing "
+                    f"one torch device (virtual, virtual-async): a stage's graph has its GPU's device constants "
+                    f"(runtime/device_rewrite.py) and its recompute restores its forward GPU's RNG state. Train with "
+                    f"schedule='mobius', or try {name} on device='virtual-async'")
+        home = {(k, st.device.name): st for k, st in enumerate(self.rt.stages)}
+        self.copies: dict[tuple[int, str], Any] = {
+            **home, **{(k, g): self.rt.stages[k].copy_on(self.rt.devices[g], self.rt.dtype) for k, g in away}}
+        self.home = [self.rt.stages[k] for k in range(len(self.stages))]
+        self.acc_of: dict[tuple[int, str], dict] = {}  # (stage, GPU) -> the gradient sums of a copy not in use now
+        # the last download of each stage: its gradients are complete on the host then (split-head: one per GPU)
+        self.last_download = {o.stage: o.index for o in self.ir.ops if o.kind == OpKind.DOWNLOAD}
+        # the slots the IR's order gives each (stage, phase, GPU); a schedule that runs a stage on a
+        # second GPU sizes that GPU's pool for it too (`Runtime._plan_slots`)
         self.slot_home = self.rt._plan_slots(self.ir) if self.moves else None
         if self.moves:
             for gpu in self.ir.gpus:
                 try:
                     self.rt.devices[gpu].open_pool()
                 except BudgetError as e:
-                    there = sorted(k for k, g in enumerate(self.bgpu) if g == gpu and self.stages[k].gpu != gpu)
-                    e.add_note(f"[mobius_fx] schedule '{name}' uploads stage(s) {there} on {gpu} for their backward "
-                               f"(a second GPU besides their forward's): its slot pool is sized for them too; train "
-                               f"with schedule='mobius', or give {gpu} more memory")
+                    there = sorted(k for k, g in away if g == gpu)
+                    phases = " and ".join(p for p in ("forward", "backward") if any(
+                        p in away[(k, gpu)] for k in there))
+                    size = sum(self.rt.stages[k].weight_bytes for k in there)
+                    e.add_note(f"[mobius_fx] schedule '{name}' uploads stage(s) {there} on {gpu} for their {phases} "
+                               f"({fmt_bytes(size)} of weights, beside {gpu}'s own stages; a second GPU besides "
+                               f"their own): its slot pool is sized for them too; train with schedule='mobius', or "
+                               f"give {gpu} more memory")
                     raise
         # per micro-batch, how many ops read each stage output on its GPU (a push, a run on the same GPU, a host copy)
         self.readers: dict[tuple[int, int], int] = defaultdict(int)
@@ -166,13 +193,38 @@ class StepExecutor:
 
     def _handler(self, handlers: dict, o: Op) -> Callable[[Op], None]:
         """The handler of op `o` in its phase; an op kind the executor does not run in that phase is
-        refused (the IR is not one it can follow), never skipped."""
+        refused (the IR is not one it can follow), never skipped. An op on a stage's state runs on
+        the stage's copy on the op's GPU (`_use`)."""
         h = handlers.get(o.kind)
         if h is None:
             raise MobiusError(f"op {o}: schedule {self.name!r}'s IR has a {o.kind} op in {o.phase}, which the step "
                               f"executor does not run in that phase; fix the schedule's runtime form "
                               f"(mobius_fx/planning/ir_transforms.py) or compile with schedule='mobius'")
+        if o.kind in _ON_A_STAGE and self.moves:
+            self._use(o.stage, o.place)
         return h
+
+    def _use(self, k: int, gpu: str) -> None:
+        """Make stage k's copy on `gpu` the runtime's stage k (`Runtime.stages[k]`): its slots bound
+        into the stage's module, its gradient sums in the step's books (the other copy's kept aside)."""
+        rt = self.rt
+        cur = rt.stages[k]
+        if cur.device.name == gpu:
+            return
+        new = self.copies.get((k, gpu))
+        if new is None:
+            raise MobiusError(f"internal: the schedule IR '{self.name}' acts on stage {k} on {gpu}, where the executor "
+                              f"made no copy of it")
+        step = rt.step
+        if step is not None:
+            acc = step.acc.pop(k, None)
+            if acc:
+                self.acc_of[(k, cur.device.name)] = acc
+            acc = self.acc_of.pop((k, gpu), None)
+            if acc:
+                step.acc[k] = acc
+        rt.stages[k] = new
+        new.bind_slots()
 
     # ------------------------------------------------------------------ the step
     def run(self, flat: list, scale: float) -> Any:
@@ -203,19 +255,35 @@ class StepExecutor:
         return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
 
     def _prefetch(self, o: Op) -> None:
-        """Upload stage k to the GPU of the op: its own, or the one its backward runs on
-        (RoundPipe's), which the stage's slots, books and executed ops then follow."""
-        st = self.rt.stages[o.stage]
-        if not st.resident and st.device.name != o.place:
-            st.device = self.rt.devices[o.place]
+        """Upload stage k to the GPU of the op (its copy there, `_use`: its own GPU, the one its
+        backward runs on (RoundPipe's), one its micro-batch is dealt to (split-head's))."""
         self.rt.prefetch(o.stage)
 
     def _home(self) -> None:
-        """Every stage back on its own GPU after the step (the eager-style loop runs Mobius's)."""
-        if self.moves:
-            for st, spec in zip(self.rt.stages, self.stages):
-                if not st.resident:
-                    st.device = self.rt.devices[spec.gpu]
+        """Every stage's own state back in the runtime after the step (the eager-style loop runs
+        Mobius's); after a failed step, the copies elsewhere freed (the runtime's abort frees the
+        stages' own)."""
+        if not self.moves:
+            return
+        rt = self.rt
+        for (k, g), st in self.copies.items():
+            if st is not self.home[k] and st.resident and st is not rt.stages[k]:
+                st.device.cancel(st.token)
+                st.token = None
+                st.device.vacate(k, st.slots, st.weight_bytes)
+                st.resident = False
+        for k, st in enumerate(self.home):
+            cur = rt.stages[k]
+            if cur is not st and cur.resident:  # the step failed with this copy in use
+                cur.device.cancel(cur.token)
+                cur.token = None
+                cur.device.vacate(k, cur.slots, cur.weight_bytes)
+                cur.resident = False
+            self._use(k, st.device.name)
+        for (k, g), acc in self.acc_of.items():
+            for t in acc.values():
+                self.copies[(k, g)].device.free(nbytes(t))
+        self.acc_of.clear()
 
     def _reset(self) -> None:
         self.calls: dict[tuple[int, int], Any] = {}  # (stage, mb) -> its StageCall (filled by Runtime.run)
@@ -271,10 +339,10 @@ class StepExecutor:
                 args.append(self.fetched.pop(key))
             elif key in self.pushed:
                 args.append(self.pushed.pop(key))
-            elif ref.stage >= 0 and ref.stage == k - 1 and self._gpu(ref.stage) == spec.gpu:
+            elif ref.stage >= 0 and ref.stage == k - 1 and self.frun.get((ref.stage, i)) == o.place:
                 args.append(self._take(ref.stage, ref.index, i))
             else:
-                raise MobiusError(f"stage {k}, micro-batch {i} on {spec.gpu}: its input {j} ({ref.name}) never "
+                raise MobiusError(f"stage {k}, micro-batch {i} on {o.place}: its input {j} ({ref.name}) never "
                                   f"arrived; the schedule IR '{self.name}' has no send bringing it before the run")
         result = self.rt.run(k, i, tuple(args))
         self.in_spans[(k, i)] = _spans(args)
@@ -300,9 +368,9 @@ class StepExecutor:
             else:
                 raise MobiusError(f"stage {k}, micro-batch {i} reads {ref.name} from the host before stage {ref.stage} "
                                   f"sent it there: the schedule IR '{self.name}' lacks that copy")
-            self.fetched[(k, o.value, i)] = rt.send(src, spec.gpu, k)
+            self.fetched[(k, o.value, i)] = rt.send(src, o.dst, k)
         else:  # pushed from the stage before
-            self.pushed[(k, o.value, i)] = rt.send(self._take(ref.stage, ref.index, i), spec.gpu, k)
+            self.pushed[(k, o.value, i)] = rt.send(self._take(ref.stage, ref.index, i), o.dst, k)
 
     def _offload(self, o: Op) -> None:
         """The run saved this input as it read it (`Runtime._forward`: to the host when it came
@@ -360,13 +428,15 @@ class StepExecutor:
             (k, i), *_ = sorted(self.calls)
             raise MobiusError(f"the schedule IR '{self.name}' never runs the backward of stage {k}, micro-batch {i} "
                               f"({len(self.calls)} backward runs missing); every forward run that saved inputs needs one")
-        if step.acc:
-            k = min(step.acc)
-            raise MobiusError(f"stage {k}'s weight gradients are still on {self._gpu(k)} after the step: the schedule "
+        acc = sorted([(k, self.rt.stages[k].device.name) for k in step.acc] + list(self.acc_of))
+        if acc:
+            k, gpu = acc[0]
+            raise MobiusError(f"stage {k}'s weight gradients are still on {gpu} after the step: the schedule "
                               f"IR '{self.name}' has no download for them")
-        left = [k for k, st in enumerate(self.rt.stages) if st.resident]
+        left = sorted({(k, st.device.name) for (k, _), st in self.copies.items() if st.resident}
+                      | {(k, st.device.name) for k, st in enumerate(self.rt.stages) if st.resident})
         if left:
-            raise MobiusError(f"stage {left[0]} is still on {self._gpu(left[0])} after the step: the schedule IR "
+            raise MobiusError(f"stage {left[0][0]} is still on {left[0][1]} after the step: the schedule IR "
                               f"'{self.name}' never evicts it")
 
     def _wait_backward(self, o: Op) -> None:
@@ -402,7 +472,7 @@ class StepExecutor:
         if missing:
             spans = self.in_spans[(k, i)]
             which = sorted({j for j, ps in enumerate(spans) if set(ps) & set(missing)})
-            raise MobiusError(f"the backward of stage {k}, micro-batch {i} on {spec.gpu} needs its saved input(s) "
+            raise MobiusError(f"the backward of stage {k}, micro-batch {i} on {o.place} needs its saved input(s) "
                               f"{which} ({', '.join(spec.inputs[j].name for j in which)}) on the GPU, but the schedule "
                               f"IR '{self.name}' never restored them before the run")
         call.restored = ([got[p] for p in range(len(call.saved))], self.events.pop((k, i), []))
@@ -429,7 +499,7 @@ class StepExecutor:
             if not self.grad_in[k][j]:
                 continue
             gs = [in_grads[p] for p in self.in_spans[(k, i)][j]]
-            if ref.stage == k - 1 and self.bgpu[ref.stage] == self.bgpu[k]:  # the stage before, on this GPU: no copy
+            if ref.stage == k - 1 and self.brun.get((ref.stage, i)) == o.place:  # the stage before, on this GPU: no copy
                 self._add(self.gout, (ref.stage, ref.index, i), gs)
             else:
                 self.outbox[(k, i)].append(("gpu" if ref.stage == k - 1 else "host", j, gs))
@@ -504,8 +574,8 @@ class StepExecutor:
         overlap now (or wait for autograd's accumulation at the end of the step)."""
         rt, k = self.rt, o.stage
         rt._download(k, rt.step)
-        if rt.overlap is not None or rt.reducer is not None:
-            rt._hand_over(k, rt.step)
+        if (rt.overlap is not None or rt.reducer is not None) and o.index == self.last_download.get(k):
+            rt._hand_over(k, rt.step)  # complete: split-head downloads a partial sum from each GPU it dealt k to
 
 
 class _StepNode(torch.autograd.Function):
