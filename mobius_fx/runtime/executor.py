@@ -136,6 +136,8 @@ class StepExecutor:
             if o.kind in _ON_A_STAGE and o.place != self.stages[o.stage].gpu:
                 away[(o.stage, o.place)].add(o.phase)
         self.moves = bool(away)
+        # the stages whose forward runs on several GPUs (split-head's dealt last stage)
+        self.dealt = {k for k in range(len(self.stages)) if len({g for (j, _), g in self.frun.items() if j == k}) > 1}
         for (k, g), phases in sorted(away.items()):
             spec = self.stages[k]
             here, there = self.rt.devices[spec.gpu].torch_device, self.rt.devices[g].torch_device
@@ -345,6 +347,12 @@ class StepExecutor:
                 raise MobiusError(f"stage {k}, micro-batch {i} on {o.place}: its input {j} ({ref.name}) never "
                                   f"arrived; the schedule IR '{self.name}' has no send bringing it before the run")
         result = self.rt.run(k, i, tuple(args))
+        if k in self.dealt and self.rt.stages[k].changing:
+            st = self.rt.stages[k]
+            raise MobiusError(f"schedule '{self.name}' deals stage {k}'s micro-batches to several GPUs, but its forward "
+                              f"changes buffer(s) {', '.join(st.spec.weights[j].name for j in sorted(st.changing))} "
+                              f"(running statistics, a counter): each GPU's copy would update its own, not micro-batch "
+                              f"after micro-batch as eager does; compile with schedule='mobius' or 'roundpipe'")
         self.in_spans[(k, i)] = _spans(args)
         self.out_spans[(k, i)] = _spans(list(result))
         del args

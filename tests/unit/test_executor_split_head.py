@@ -274,3 +274,41 @@ def test_a_dealt_stage_is_not_moved_between_torch_devices():
                                           r"torch device"):
         pipe.train_step(x, target=y)
     assert all(p.grad is None for p in model.parameters())
+
+
+class Counter(nn.Module):
+    """Counts its calls in a buffer (a step counter, as an EMA's or a scheduler's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen.add_(1)
+        return x
+
+
+class CountingHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)])
+        self.head = nn.Sequential(nn.Linear(16, 10), Counter())
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_a_dealt_stage_whose_forward_changes_buffers_is_refused():
+    """A buffer the forward changes chains micro-batch to micro-batch on one GPU; copies on
+    several GPUs would each update their own."""
+    torch.manual_seed(0)
+    model = CountingHead()
+    x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    pipe = _compile(model, x, 2, 2, 1, cuts=[1, 2], loss_fn=F.cross_entropy, example_target=y)
+    with pytest.raises(MobiusError, match=r"schedule 'split-head' deals stage 2's micro-batches to several GPUs, but "
+                                          r"its forward changes buffer\(s\) .*seen.*schedule='mobius'"):
+        pipe.train_step(x, target=y)
+    assert all(p.grad is None for p in model.parameters())
+    assert model.head[1].seen.item() == 0
