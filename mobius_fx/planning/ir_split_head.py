@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from mobius_fx.errors import MobiusError
 from mobius_fx.kinds import HOST
 from mobius_fx.planning.microbatch import check_count
-from mobius_fx.planning.schedule_ir import OpKind, ScheduleIR, StageIO, _Steps
+from mobius_fx.planning.schedule_ir import OpKind, ScheduleIR, StageIO, ScheduleBuilder
 
 __all__ = ["split_head", "build_split_head", "dealt"]
 
@@ -87,8 +87,8 @@ def build_split_head(stages: Sequence[StageIO], microbatches: int, heads: Sequen
                       by_place={p: tuple(v) for p, v in b.places.items()})
 
 
-class _Dealt(_Steps):
-    """`_Steps` with the last stage's micro-batches on `heads` (forward and backward alike)."""
+class _Dealt(ScheduleBuilder):
+    """`ScheduleBuilder` with the last stage's micro-batches on `heads` (forward and backward alike)."""
 
     def __init__(self, stages: tuple[StageIO, ...], m: int, heads: list[str]) -> None:
         super().__init__(stages, m)

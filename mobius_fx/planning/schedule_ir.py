@@ -45,7 +45,8 @@ from mobius_fx.kinds import HOST
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.microbatch import check_count
 
-__all__ = ["Op", "OpKind", "StageIO", "StageInput", "ScheduleIR", "build_schedule", "neighbours", "OP_KINDS", "PHASES"]
+__all__ = ["Op", "OpKind", "StageIO", "StageInput", "ScheduleIR", "build_schedule", "ScheduleBuilder", "neighbours",
+           "OP_KINDS", "PHASES"]
 
 
 
@@ -346,7 +347,7 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
                                   f"or values of earlier stages")
     if backward_gpus is not None and len(backward_gpus) != len(stages):
         raise MobiusError(f"backward_gpus names {len(backward_gpus)} GPUs for {len(stages)} stages; give one per stage")
-    b = _Steps(stages, m, backward_gpus)
+    b = ScheduleBuilder(stages, m, backward_gpus)
     for k in range(len(stages)):
         if b.prev[k] is None:
             b.fetched[k] = b.up(k, "forward", [])
@@ -363,8 +364,9 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
                       by_place={p: tuple(v) for p, v in b.places.items()})
 
 
-class _Steps:
-    """`build_schedule`'s op list under construction, and what its forward leaves its backward."""
+class ScheduleBuilder:
+    """`build_schedule`'s op list under construction, and what its forward leaves its backward;
+    a schedule that changes where some runs go subclasses it (`at`; planning/ir_split_head.py)."""
 
     def __init__(self, stages: tuple[StageIO, ...], m: int, backward_gpus: Sequence[str] | None = None) -> None:
         self.stages, self.m = stages, m

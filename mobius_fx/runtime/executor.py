@@ -130,7 +130,31 @@ class StepExecutor:
         for o in self.ir.ops:
             if o.kind == OpKind.RUN:
                 (self.frun if o.phase == "forward" else self.brun)[(o.stage, o.microbatch)] = o.place
-        # the stages the IR puts on a GPU besides their own: each a copy of the stage there (`StageState.copy_on`)
+        self._place_copies(name)
+        # per micro-batch, how many ops read each stage output on its GPU (a push, a run on the same GPU, a host copy)
+        self.readers: dict[tuple[int, int], int] = defaultdict(int)
+        for k, spec in enumerate(self.stages):
+            for ref in spec.inputs:
+                if ref.stage >= 0 and ref.stage == k - 1:
+                    self.readers[(ref.stage, ref.index)] += 1
+            for j in self.to_host[k]:
+                self.readers[(k, j)] += 1
+        self._forward_handlers = {
+            OpKind.PREFETCH: self._prefetch, OpKind.WAIT: lambda o: self.rt.wait(o.stage),
+            OpKind.RUN: self._run_forward, OpKind.SEND: self._send_forward, OpKind.OFFLOAD: self._offload,
+            OpKind.EVICT: lambda o: self.rt.evict(o.stage), OpKind.HOLD: lambda o: self.rt.hold(o.stage),
+            OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
+        self._backward_handlers = {
+            OpKind.PREFETCH: self._prefetch, OpKind.WAIT: self._wait_backward,
+            OpKind.RESTORE: self._restore, OpKind.RUN: self._run_backward, OpKind.SEND: self._send_backward,
+            OpKind.DOWNLOAD: self._download, OpKind.EVICT: lambda o: self.rt.evict(o.stage),
+            OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
+
+    def _place_copies(self, name: str) -> None:
+        """A copy of each stage the IR runs on a GPU besides its own (`StageState.copy_on`;
+        RoundPipe's backward, split-head's dealt last stage), on the same torch device only, and
+        the slot pools planned from the IR (a GPU too small for a copy beside its own stages is
+        refused naming the stages, the GPU and the bytes)."""
         away: dict[tuple[int, str], set[str]] = defaultdict(set)
         for o in self.ir.ops:
             if o.kind in _ON_A_STAGE and o.place != self.stages[o.stage].gpu:
@@ -170,28 +194,10 @@ class StepExecutor:
                         p in away[(k, gpu)] for k in there))
                     size = sum(self.rt.stages[k].weight_bytes for k in there)
                     e.add_note(f"[mobius_fx] schedule '{name}' uploads stage(s) {there} on {gpu} for their {phases} "
-                               f"({fmt_bytes(size)} of weights, beside {gpu}'s own stages; a second GPU besides "
-                               f"their own): its slot pool is sized for them too; train with schedule='mobius', or "
-                               f"give {gpu} more memory")
+                               f"({fmt_bytes(size)} of weights) beside the stages it runs as their own GPU: its "
+                               f"slot pool is sized for them too; train with schedule='mobius', or give {gpu} more "
+                               f"memory")
                     raise
-        # per micro-batch, how many ops read each stage output on its GPU (a push, a run on the same GPU, a host copy)
-        self.readers: dict[tuple[int, int], int] = defaultdict(int)
-        for k, spec in enumerate(self.stages):
-            for ref in spec.inputs:
-                if ref.stage >= 0 and ref.stage == k - 1:
-                    self.readers[(ref.stage, ref.index)] += 1
-            for j in self.to_host[k]:
-                self.readers[(k, j)] += 1
-        self._forward_handlers = {
-            OpKind.PREFETCH: self._prefetch, OpKind.WAIT: lambda o: self.rt.wait(o.stage),
-            OpKind.RUN: self._run_forward, OpKind.SEND: self._send_forward, OpKind.OFFLOAD: self._offload,
-            OpKind.EVICT: lambda o: self.rt.evict(o.stage), OpKind.HOLD: lambda o: self.rt.hold(o.stage),
-            OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
-        self._backward_handlers = {
-            OpKind.PREFETCH: self._prefetch, OpKind.WAIT: self._wait_backward,
-            OpKind.RESTORE: self._restore, OpKind.RUN: self._run_backward, OpKind.SEND: self._send_backward,
-            OpKind.DOWNLOAD: self._download, OpKind.EVICT: lambda o: self.rt.evict(o.stage),
-            OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
 
     def _handler(self, handlers: dict, o: Op) -> Callable[[Op], None]:
         """The handler of op `o` in its phase; an op kind the executor does not run in that phase is
