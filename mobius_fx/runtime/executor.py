@@ -35,10 +35,13 @@ The eager-style loop (`loss_fn(pipe(x), y).backward()`) keeps its autograd path
 Which schedules run: those registered with a runtime form (mobius_fx/schedules/registry.py
 `runtime=`, a transform of the pipeline's Mobius IR): "mobius", "mobius-noprefetch" (each upload
 issued after the stage before it on its GPU has finished) and "mobius-identity-map" (compiled
-on the identity cross map) and "roundpipe" (`ir_transforms.round_robin`: a stage's backward on
-the GPU RoundPipe's rotation gives it; its `prefetch` there moves the stage's slots, books and
-executed ops to that GPU, whose slot pool is planned from that IR, and the stages go back to
-their own GPUs after the step). `compile(schedule=...)` refuses the others with the reason.
+on the identity cross map), "roundpipe" (`ir_transforms.round_robin`: a stage's backward on
+the GPU RoundPipe's rotation gives it) and "split-head" (`ir_split_head.split_head`: the last
+stage's micro-batches dealt to the GPUs, each GPU's partial weight gradient summed on the host).
+An op on a stage at a GPU other than its own runs on the stage's copy there (`_use`: slots of
+its own on that GPU, its books and executed ops that GPU's), whose slot pool is planned from
+that IR; the stages' own states are back after the step. `compile(schedule=...)` refuses the
+others with the reason.
 """
 
 from __future__ import annotations

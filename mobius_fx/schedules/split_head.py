@@ -1,4 +1,10 @@
-""""split-head": fine round-robin slots, the loss stage dealt by micro-batch to every GPU (see `schedule_ir`)."""
+""""split-head": fine round-robin slots, the loss stage dealt by micro-batch to every GPU (see `schedule_ir`).
+
+The runtime runs it in another form (`runtime=`, mobius_fx/planning/ir_split_head.py): on the
+compiled pipeline's own stages (it cannot re-cut them into one-layer slots without compiling
+again), every stage but the last as Mobius runs it, the last stage dealt by micro-batch; so
+`runs_as_simulated=False` and compile's own choice leaves it out.
+"""
 
 from __future__ import annotations
 

@@ -312,3 +312,21 @@ def test_a_dealt_stage_whose_forward_changes_buffers_is_refused():
         pipe.train_step(x, target=y)
     assert all(p.grad is None for p in model.parameters())
     assert model.head[1].seen.item() == 0
+
+
+def test_the_plan_line_says_when_the_fastest_runs_in_another_form():
+    """A runnable schedule whose runtime form is not what the simulator timed (split-head's,
+    RoundPipe's) is named with the form compile runs by itself."""
+    from mobius_fx import schedules
+    from mobius_fx.planning.ir_transforms import unchanged
+    from mobius_fx.schedules.choice import choose
+    from tests.unit.test_split_head import TOY_FAST, plan_of
+
+    schedules.register("toy-other", lambda ctx: TOY_FAST(ctx), runtime=unchanged, runs_as_simulated=False)
+    try:
+        c = choose(plan_of(Topology.virtual(gpus=4, memory="24GiB", bandwidth=10e9, p2p=False)))
+        assert c.name == "toy-other"
+        assert ("; the runtime runs it in another form (compile(schedule='toy-other')): compile by itself runs "
+                "mobius (") in c.line
+    finally:
+        schedules.unregister("toy-other")
