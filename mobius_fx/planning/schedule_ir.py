@@ -45,7 +45,8 @@ from mobius_fx.kinds import HOST
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.microbatch import check_count
 
-__all__ = ["Op", "OpKind", "StageIO", "StageInput", "ScheduleIR", "build_schedule", "neighbours", "OP_KINDS", "PHASES"]
+__all__ = ["Op", "OpKind", "StageIO", "StageInput", "ScheduleIR", "build_schedule", "ScheduleBuilder", "neighbours",
+           "OP_KINDS", "PHASES"]
 
 
 
@@ -348,7 +349,7 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
                                   f"or values of earlier stages")
     if backward_gpus is not None and len(backward_gpus) != len(stages):
         raise MobiusError(f"backward_gpus names {len(backward_gpus)} GPUs for {len(stages)} stages; give one per stage")
-    b = _Steps(stages, m, backward_gpus, hold)
+    b = ScheduleBuilder(stages, m, backward_gpus, hold)
     for k in range(len(stages)):
         if b.prev[k] is None:
             b.fetched[k] = b.up(k, "forward", [])
@@ -365,8 +366,9 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
                       by_place={p: tuple(v) for p, v in b.places.items()})
 
 
-class _Steps:
-    """`build_schedule`'s op list under construction, and what its forward leaves its backward."""
+class ScheduleBuilder:
+    """`build_schedule`'s op list under construction, and what its forward leaves its backward;
+    a schedule that changes where some runs go subclasses it (`at`; planning/ir_split_head.py)."""
 
     def __init__(self, stages: tuple[StageIO, ...], m: int, backward_gpus: Sequence[str] | None = None,
                  hold: bool = True) -> None:
@@ -411,6 +413,11 @@ class _Steps:
         self.places[place].append(i)
         return i
 
+    def at(self, k: int, i: int, phase: str) -> str:
+        """The GPU that runs micro-batch i of stage k in `phase` (here: the stage's; a dealt stage's
+        per micro-batch in `ir_split_head`)."""
+        return self.gpu[k] if phase == "forward" else self.bgpu[k]
+
     def up(self, k: int, phase: str, deps: Sequence[int | None]) -> int:
         g = self.gpu[k] if phase == "forward" else self.bgpu[k]
         return self.op("prefetch", g, k, phase, deps, src=HOST, dst=g, what="weight",
@@ -441,11 +448,12 @@ class _Steps:
                 if direct[k][j] and self.has_bwd[k]:
                     self.saved[(k, j, i)] = op("offload", g, k, "forward", [r], microbatch=i, src=g, dst=HOST,
                                                what="input", bytes=inp.bytes, value=j)
-            if consumer is not None and gpu[k + 1] != g:
+            to = self.at(k + 1, i, "forward") if consumer is not None else g
+            if to != g:
                 for j, inp in enumerate(consumer.inputs):
                     if direct[k + 1][j]:
                         self.pushed[(k + 1, j, i)] = op("send", g, k + 1, "forward", [r], microbatch=i, src=g,
-                                                        dst=gpu[k + 1], what="activation", bytes=inp.bytes, value=j)
+                                                        dst=to, what="activation", bytes=inp.bytes, value=j)
             for p, b in enumerate(st.host_outputs):
                 self.hosted[(k, i)] = op("send", g, k, "forward", [r], microbatch=i, src=g, dst=HOST,
                                          what="activation", bytes=b, value=p)
@@ -496,14 +504,15 @@ class _Steps:
 
     def _grads_out(self, k: int, i: int, r: int) -> None:
         """Micro-batch i's input gradients of stage k (its backward run r) go back the way the inputs came."""
-        g = self.bgpu[k]
+        g = self.at(k, i, "backward")
         for j, inp in enumerate(self.stages[k].inputs):
             if not self.grad_in[k][j]:
                 continue
             if self.direct[k][j]:
-                if self.bgpu[k - 1] != g:
+                to = self.at(k - 1, i, "backward")
+                if to != g:
                     self.grads_back[(k - 1, i)].append(self.op("send", g, k - 1, "backward", [r], microbatch=i, src=g,
-                                                               dst=self.bgpu[k - 1], what="activation", bytes=inp.bytes))
+                                                               dst=to, what="activation", bytes=inp.bytes))
                 else:
                     self.grads_back[(k - 1, i)].append(r)
             else:

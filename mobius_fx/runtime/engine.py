@@ -96,7 +96,7 @@ class Runtime(StageCalls):
             waits = [ir.ops[d].stage for d in o.deps if ir.ops[d].kind == "wait"]
             self._bwd_prefetch.setdefault(waits[0], []).append(o.stage)
         self._diff_outputs: dict[int, list[bool] | None] = {}  # stage -> per output: may carry a gradient
-        self._slot_home = self._plan_slots(ir)  # (stage, phase) -> the slot the IR's order gives it on its GPU
+        self._slot_home = self._plan_slots(ir)  # (stage, phase, GPU) -> the slot the IR's order gives it there
         for gpu in ir.gpus:  # the pools are allocated once, now, and reused step after step
             devices[gpu].open_pool()
         # the user's modules the stages call as leaves (through shells): their Python attributes are followed
@@ -120,12 +120,12 @@ class Runtime(StageCalls):
         self.executed.append((kind, self.stages[k].device.name, k, phase, i))
         self.stamps.append(tick())
 
-    def _plan_slots(self, ir: ScheduleIR) -> dict[tuple[int, str], int]:
+    def _plan_slots(self, ir: ScheduleIR) -> dict[tuple[int, str, str], int]:
         """Walk each GPU's ops in the IR's order, giving each prefetched stage the first slot
         free then: the slots' count is the IR's resident stages on the GPU, each sized for the
         largest stage it takes; tell each device (`Device.plan_slots`) and return the slot of
-        each (stage, phase)."""
-        home: dict[tuple[int, str], int] = {}
+        each (stage, phase, GPU)."""
+        home: dict[tuple[int, str, str], int] = {}
         for gpu in ir.gpus:
             dev = self.devices[gpu]
             sizes: list[int] = []
@@ -137,7 +137,7 @@ class Runtime(StageCalls):
                     if slot == len(sizes):
                         sizes.append(0)
                     sizes[slot] = max(sizes[slot], dev.slot_bytes(self.stages[o.stage].slots))
-                    on[o.stage] = home[(o.stage, o.phase)] = slot
+                    on[o.stage] = home[(o.stage, o.phase, gpu)] = slot
                 elif o.kind == "evict":
                     on.pop(o.stage, None)
             dev.plan_slots(sizes)
@@ -153,7 +153,7 @@ class Runtime(StageCalls):
                 st.slots[j].requires_grad_(master.requires_grad)
         phase = "backward" if self.step is not None and self.step.state == "backward" else "forward"
         with st.device.log.stage(k):
-            st.token = st.device.fill(k, st.slots, st.masters, st.weight_bytes, self._slot_home.get((k, phase)))
+            st.token = st.device.fill(k, st.slots, st.masters, st.weight_bytes, self._slot_home.get((k, phase, st.device.name)))
         st.resident = True
         self._did("prefetch", k)
         if st.token is None:

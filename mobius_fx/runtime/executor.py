@@ -39,14 +39,15 @@ Which schedules run: those registered with a runtime form (mobius_fx/schedules/r
 issued after the stage before it on its GPU has finished), "mobius-identity-map" (compiled
 on the identity cross map), "gpipe" (`ir_resident.resident`: every stage held on its GPU from its
 forward upload to its backward evict, the GPU's slot pool planned from that IR, one slot per
-stage) and "roundpipe" (`ir_transforms.round_robin`: a stage's backward on
-the GPU RoundPipe's rotation gives it; its `prefetch` there moves the stage's slots, books and
-executed ops to that GPU, whose slot pool is planned from that IR, and the stages go back to
-their own GPUs after the step) and "zero3-offload" (`ir_data_parallel.data_parallel`: one
-replica per GPU on its dealt micro-batches, every stage uploaded to every GPU, each GPU's
-gradient downloads summed on the host; the executor follows each op's GPU, and hands a stage's
-gradients to the overlap at its last download). `compile(schedule=...)` refuses the others
-with the reason.
+stage), "roundpipe" (`ir_transforms.round_robin`: a stage's backward on the GPU RoundPipe's
+rotation gives it), "split-head" (`ir_split_head.split_head`: the last stage's micro-batches
+dealt to the GPUs, each GPU's partial weight gradient summed on the host) and "zero3-offload"
+(`ir_data_parallel.data_parallel`: one replica per GPU on its dealt micro-batches, every stage
+uploaded to every GPU, each GPU's gradient downloads summed on the host). An op on a stage at a
+GPU other than its own runs on the stage's copy there (`_use`: slots of its own on that GPU, its
+books and executed ops that GPU's), whose slot pool is planned from that IR; the stages' own
+states are back after the step; a stage's gradients go to the optimizer overlap at its last
+download. `compile(schedule=...)` refuses the others with the reason.
 """
 
 from __future__ import annotations
@@ -64,8 +65,13 @@ from mobius_fx.planning.schedule_ir import Op, OpKind, ScheduleIR
 from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.stage_state import refuse_changed_masters
 from mobius_fx.runtime.step_program import run_program
+from mobius_fx.units import fmt_bytes
 
 __all__ = ["StepExecutor", "execute", "step_ir"]
+
+# The op kinds that act on a stage's state on the op's GPU (its weights, its gradient sums): the
+# executor runs them on the stage's copy there (`StepExecutor._use`).
+_ON_A_STAGE = (OpKind.PREFETCH, OpKind.WAIT, OpKind.RUN, OpKind.EVICT, OpKind.HOLD, OpKind.DOWNLOAD)
 
 
 def step_ir(pipe: Any, form: Callable[[ScheduleIR], ScheduleIR] | None = None) -> ScheduleIR:
@@ -125,38 +131,15 @@ class StepExecutor:
             self.grad_in.append([inp.needs_grad and (inp.source < 0 or self.has_bwd[inp.source]) for inp in io.inputs])
             self.has_bwd.append(io.grad_bytes > 0 or any(self.grad_in[k]))
         self.backward = {o.stage for o in self.ir.ops if o.kind == OpKind.RUN and o.phase == "backward"}
-        # where each stage's runs are (RoundPipe's rotation: its backward on another GPU than its
-        # forward's; ZeRO-3's replicas: every stage on every GPU), and the GPU of each micro-batch's
-        # forward and backward run of each stage
-        self.ran_on: dict[tuple[int, str, int], str] = {}
-        away: dict[int, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))  # stage -> GPU -> phases
+        # the GPU of each (stage, micro-batch)'s forward and backward run: a RUN op's place (RoundPipe
+        # runs a stage's backward on another GPU than its forward; split-head deals its last stage
+        # by micro-batch)
+        self.frun: dict[tuple[int, int], str] = {}
+        self.brun: dict[tuple[int, int], str] = {}
         for o in self.ir.ops:
             if o.kind == OpKind.RUN:
-                self.ran_on[(o.stage, o.phase, o.microbatch)] = o.place
-                if o.place != self.stages[o.stage].gpu:
-                    away[o.stage][o.place].add(o.phase)
-        # how many gradient downloads each stage has (ZeRO-3's: one per GPU); the optimizer overlap
-        # takes its gradients after the last
-        self.download_count: dict[int, int] = defaultdict(int)
-        for o in self.ir.ops:
-            if o.kind == OpKind.DOWNLOAD:
-                self.download_count[o.stage] += 1
-        self.moves = bool(away)
-        for k in sorted(away):
-            gpu = self.stages[k].gpu
-            here = self.rt.devices[gpu].torch_device
-            for b, phases in sorted(away[k].items()):
-                there = self.rt.devices[b].torch_device
-                if here != there:
-                    phase = "forward" if "forward" in phases else "backward"
-                    raise MobiusError(
-                        f"schedule '{name}' runs stage {k}'s {phase} on {b} ({there}) "
-                        f"{'after its forward' if phase == 'backward' else 'besides its own GPU'} on {gpu} ({here}); "
-                        f"the runtime moves a stage only between GPUs sharing one torch device (virtual, "
-                        f"virtual-async): a stage's graph has its GPU's device constants (runtime/device_rewrite.py) "
-                        f"and its recompute restores its forward GPU's RNG state. Train with schedule='mobius', or "
-                        f"try '{name}' on device='virtual-async'")
-        self._open_pools(name, form, away)
+                (self.frun if o.phase == "forward" else self.brun)[(o.stage, o.microbatch)] = o.place
+        self._place_copies(name, form)
         # per micro-batch, how many ops read each stage output on its GPU (a push, a run on the same GPU, a host copy)
         self.readers: dict[tuple[int, int], int] = defaultdict(int)
         for k, spec in enumerate(self.stages):
@@ -177,43 +160,100 @@ class StepExecutor:
             OpKind.STEP: self._step, OpKind.COLLECTIVE: self._collective}
         self._optimizer_handlers = {OpKind.STEP: self._step}
 
-    def _open_pools(self, name: str, form: Callable[[ScheduleIR], ScheduleIR] | None, away: dict[int, dict[str, set[str]]]) -> None:
-        """The slots the IR's order gives each (stage, phase) on each GPU: a schedule that runs a
-        stage on a second GPU (`away`: stage -> GPU -> phases) sizes that GPU's pool for it too,
-        one that keeps more stages on a GPU at once than the pipeline's own IR (GPipe's, every
-        stage resident) a slot for each (`Runtime._plan_slots`); a pool over budget says why."""
+    def _place_copies(self, name: str, form: Callable[[ScheduleIR], ScheduleIR] | None) -> None:
+        """A copy of each stage the IR runs on a GPU besides its own (`StageState.copy_on`;
+        RoundPipe's backward, split-head's dealt last stage, ZeRO-3's replicas), on the same torch
+        device only, and the slot pools planned from the IR when it runs stages away from their
+        GPU or keeps more stages on a GPU at once than the pipeline's own IR (GPipe's, every stage
+        resident: a slot each). A GPU too small for that pool is refused naming the stages, the
+        GPU and the bytes."""
+        away: dict[tuple[int, str], set[str]] = defaultdict(set)
+        for o in self.ir.ops:
+            if o.kind in _ON_A_STAGE and o.place != self.stages[o.stage].gpu:
+                away[(o.stage, o.place)].add(o.phase)
+        self.moves = bool(away)
+        # the stages whose forward runs on several GPUs (split-head's dealt last stage)
+        self.dealt = {k for k in range(len(self.stages)) if len({g for (j, _), g in self.frun.items() if j == k}) > 1}
+        for (k, g), phases in sorted(away.items()):
+            spec = self.stages[k]
+            here, there = self.rt.devices[spec.gpu].torch_device, self.rt.devices[g].torch_device
+            if here != there:
+                what = (f"backward on {g} ({there}) after its forward on {spec.gpu} ({here})" if phases == {"backward"}
+                        else f"micro-batch(es) {sorted(i for (j, i), p in self.frun.items() if j == k and p == g)} on "
+                             f"{g} ({there}), forward and backward, besides its own GPU {spec.gpu} ({here})")
+                raise MobiusError(
+                    f"schedule '{name}' runs stage {k}'s {what}; the runtime moves a stage only between GPUs sharing "
+                    f"one torch device (virtual, virtual-async): a stage's graph has its GPU's device constants "
+                    f"(runtime/device_rewrite.py) and its recompute restores its forward GPU's RNG state. Train with "
+                    f"schedule='mobius', or try {name} on device='virtual-async'")
+        home = {(k, st.device.name): st for k, st in enumerate(self.rt.stages)}
+        self.copies: dict[tuple[int, str], Any] = {
+            **home, **{(k, g): self.rt.stages[k].copy_on(self.rt.devices[g], self.rt.dtype) for k, g in away}}
+        self.home = [self.rt.stages[k] for k in range(len(self.stages))]
+        self.acc_of: dict[tuple[int, str], dict] = {}  # (stage, GPU) -> the gradient sums of a copy not in use now
+        # the last download of each stage: its gradients are complete on the host then (split-head: one per GPU)
+        self.last_download = {o.stage: o.index for o in self.ir.ops if o.kind == OpKind.DOWNLOAD}
+        # the slots the IR's order gives each (stage, phase, GPU) (`Runtime._plan_slots`)
         own = self.ir.resident_at_most()
         base = self.schedule.ir().resident_at_most() if form is not None else own
         holds = {g for g in self.ir.gpus if own.get(g, 0) > base.get(g, 0)}
         self.slot_home = self.rt._plan_slots(self.ir) if self.moves or holds else None
-        if self.slot_home is not None:
-            for gpu in self.ir.gpus:
-                try:
-                    self.rt.devices[gpu].open_pool()
-                except BudgetError as e:
-                    there = sorted(k for k in away if gpu in away[k])
-                    if there:
-                        phases = " and ".join(p for p in ("forward", "backward")
-                                              if any(p in away[k][gpu] for k in there))
-                        e.add_note(f"[mobius_fx] schedule '{name}' uploads stage(s) {there} on {gpu} for their "
-                                   f"{phases} (a second GPU besides their own): its slot pool is sized for them too; "
-                                   f"train with schedule='mobius', or give {gpu} more memory")
-                    if gpu in holds:
-                        mine = [k for k, spec in enumerate(self.stages) if spec.gpu == gpu]
-                        e.add_note(f"[mobius_fx] schedule '{name}' keeps {own[gpu]} stages resident on {gpu} at once "
-                                   f"(stages {mine}; the pipeline's own schedule: {base.get(gpu, 0)}): its slot pool "
-                                   f"holds all their weights; train with schedule='mobius', or give {gpu} more memory")
-                    raise
+        if self.slot_home is None:
+            return
+        for gpu in self.ir.gpus:
+            try:
+                self.rt.devices[gpu].open_pool()
+            except BudgetError as e:
+                there = sorted(k for k, g in away if g == gpu)
+                if there:
+                    phases = " and ".join(p for p in ("forward", "backward") if any(
+                        p in away[(k, gpu)] for k in there))
+                    size = sum(self.rt.stages[k].weight_bytes for k in there)
+                    e.add_note(f"[mobius_fx] schedule '{name}' uploads stage(s) {there} on {gpu} for their {phases} "
+                               f"({fmt_bytes(size)} of weights) beside the stages it runs as their own GPU: its "
+                               f"slot pool is sized for them too; train with schedule='mobius', or give {gpu} more "
+                               f"memory")
+                if gpu in holds:
+                    mine = [k for k, spec in enumerate(self.stages) if spec.gpu == gpu]
+                    e.add_note(f"[mobius_fx] schedule '{name}' keeps {own[gpu]} stages resident on {gpu} at once "
+                               f"(stages {mine}; the pipeline's own schedule: {base.get(gpu, 0)}): its slot pool "
+                               f"holds all their weights; train with schedule='mobius', or give {gpu} more memory")
+                raise
 
     def _handler(self, handlers: dict, o: Op) -> Callable[[Op], None]:
         """The handler of op `o` in its phase; an op kind the executor does not run in that phase is
-        refused (the IR is not one it can follow), never skipped."""
+        refused (the IR is not one it can follow), never skipped. An op on a stage's state runs on
+        the stage's copy on the op's GPU (`_use`)."""
         h = handlers.get(o.kind)
         if h is None:
             raise MobiusError(f"op {o}: schedule {self.name!r}'s IR has a {o.kind} op in {o.phase}, which the step "
                               f"executor does not run in that phase; fix the schedule's runtime form "
                               f"(mobius_fx/planning/ir_transforms.py) or compile with schedule='mobius'")
+        if o.kind in _ON_A_STAGE and self.moves:
+            self._use(o.stage, o.place)
         return h
+
+    def _use(self, k: int, gpu: str) -> None:
+        """Make stage k's copy on `gpu` the runtime's stage k (`Runtime.stages[k]`): its slots bound
+        into the stage's module, its gradient sums in the step's books (the other copy's kept aside)."""
+        rt = self.rt
+        cur = rt.stages[k]
+        if cur.device.name == gpu:
+            return
+        new = self.copies.get((k, gpu))
+        if new is None:
+            raise MobiusError(f"internal: the schedule IR '{self.name}' acts on stage {k} on {gpu}, where the executor "
+                              f"made no copy of it")
+        step = rt.step
+        if step is not None:
+            acc = step.acc.pop(k, None)
+            if acc:
+                self.acc_of[(k, cur.device.name)] = acc
+            acc = self.acc_of.pop((k, gpu), None)
+            if acc:
+                step.acc[k] = acc
+        rt.stages[k] = new
+        new.bind_slots()
 
     # ------------------------------------------------------------------ the step
     def run(self, flat: list, scale: float) -> Any:
@@ -222,19 +262,35 @@ class StepExecutor:
         return run_program(self, flat, scale)
 
     def _prefetch(self, o: Op) -> None:
-        """Upload stage k to the GPU of the op: its own, or the one its backward runs on
-        (RoundPipe's), which the stage's slots, books and executed ops then follow."""
-        st = self.rt.stages[o.stage]
-        if not st.resident and st.device.name != o.place:
-            st.device = self.rt.devices[o.place]
+        """Upload stage k to the GPU of the op (its copy there, `_use`: its own GPU, the one its
+        backward runs on (RoundPipe's), one its micro-batch is dealt to (split-head's))."""
         self.rt.prefetch(o.stage)
 
     def _home(self) -> None:
-        """Every stage back on its own GPU after the step (the eager-style loop runs Mobius's)."""
-        if self.moves:
-            for st, spec in zip(self.rt.stages, self.stages):
-                if not st.resident:
-                    st.device = self.rt.devices[spec.gpu]
+        """Every stage's own state back in the runtime after the step (the eager-style loop runs
+        Mobius's); after a failed step, the copies elsewhere freed (the runtime's abort frees the
+        stages' own)."""
+        if not self.moves:
+            return
+        rt = self.rt
+        for (k, g), st in self.copies.items():
+            if st is not self.home[k] and st.resident and st is not rt.stages[k]:
+                st.device.cancel(st.token)
+                st.token = None
+                st.device.vacate(k, st.slots, st.weight_bytes)
+                st.resident = False
+        for k, st in enumerate(self.home):
+            cur = rt.stages[k]
+            if cur is not st and cur.resident:  # the step failed with this copy in use
+                cur.device.cancel(cur.token)
+                cur.token = None
+                cur.device.vacate(k, cur.slots, cur.weight_bytes)
+                cur.resident = False
+            self._use(k, st.device.name)
+        for (k, g), acc in self.acc_of.items():
+            for t in acc.values():
+                self.copies[(k, g)].device.free(nbytes(t))
+        self.acc_of.clear()
 
     def _reset(self) -> None:
         self.calls: dict[tuple[int, int], Any] = {}  # (stage, mb) -> its StageCall (filled by Runtime.run)
@@ -252,7 +308,6 @@ class StepExecutor:
         self.ghost: dict[tuple[int, int, int], list] = {}  # (stage, output, mb) -> per tensor, its host copy's gradient
         self.outbox: dict[tuple[int, int], list[tuple[str, int, list]]] = defaultdict(list)  # input gradients to send
         self.host_grads_sent: dict[tuple[int, int], int] = defaultdict(int)
-        self.downloads_left = dict(self.download_count)  # per stage: its downloads not run yet this step
 
     def _split(self, flat: list) -> None:
         names, m = self.schedule.inputs, self.m
@@ -261,12 +316,6 @@ class StepExecutor:
             self.per_mb = {name: [parts[j * m + i] for i in range(m)] for j, name in enumerate(names)}
         else:
             self.per_mb = {name: [flat[j]] * m for j, name in enumerate(names)}
-
-    def _gpu(self, k: int) -> str:
-        return self.stages[k].gpu
-
-    def _dev(self, k: int) -> Any:
-        return self.rt.stages[k].device
 
     # ------------------------------------------------------------------ forward handlers
     def _take(self, k: int, j: int, i: int) -> Any:
@@ -291,12 +340,18 @@ class StepExecutor:
                 args.append(self.fetched.pop(key))
             elif key in self.pushed:
                 args.append(self.pushed.pop(key))
-            elif ref.stage >= 0 and ref.stage == k - 1 and self.ran_on.get((ref.stage, "forward", i)) == o.place:
+            elif ref.stage >= 0 and ref.stage == k - 1 and self.frun.get((ref.stage, i)) == o.place:
                 args.append(self._take(ref.stage, ref.index, i))
             else:
                 raise MobiusError(f"stage {k}, micro-batch {i} on {o.place}: its input {j} ({ref.name}) never "
                                   f"arrived; the schedule IR '{self.name}' has no send bringing it before the run")
         result = self.rt.run(k, i, tuple(args))
+        if k in self.dealt and self.rt.stages[k].changing:
+            st = self.rt.stages[k]
+            raise MobiusError(f"schedule '{self.name}' deals stage {k}'s micro-batches to several GPUs, but its forward "
+                              f"changes buffer(s) {', '.join(st.spec.weights[j].name for j in sorted(st.changing))} "
+                              f"(running statistics, a counter): each GPU's copy would update its own, not micro-batch "
+                              f"after micro-batch as eager does; compile with schedule='mobius' or 'roundpipe'")
         self.in_spans[(k, i)] = _spans(args)
         self.out_spans[(k, i)] = _spans(list(result))
         del args
@@ -350,14 +405,16 @@ class StepExecutor:
             (k, i), *_ = sorted(self.calls)
             raise MobiusError(f"the schedule IR '{self.name}' never runs the backward of stage {k}, micro-batch {i} "
                               f"({len(self.calls)} backward runs missing); every forward run that saved inputs needs one")
-        held = sorted(k for k, acc in step.acc.items() if acc)  # a stage without weights accumulates nothing
-        if held:
-            k = held[0]
-            raise MobiusError(f"stage {k}'s weight gradients are still on {self._dev(k).name} after the step: the schedule "
+        acc = sorted([(k, self.rt.stages[k].device.name) for k, a in step.acc.items() if a]  # a stage without
+                     + [key for key, a in self.acc_of.items() if a])  # weights accumulates nothing
+        if acc:
+            k, gpu = acc[0]
+            raise MobiusError(f"stage {k}'s weight gradients are still on {gpu} after the step: the schedule "
                               f"IR '{self.name}' has no download for them")
-        left = [k for k, st in enumerate(self.rt.stages) if st.resident]
+        left = sorted({(k, st.device.name) for (k, _), st in self.copies.items() if st.resident}
+                      | {(k, st.device.name) for k, st in enumerate(self.rt.stages) if st.resident})
         if left:
-            raise MobiusError(f"stage {left[0]} is still on {self._dev(left[0]).name} after the step: the schedule IR "
+            raise MobiusError(f"stage {left[0][0]} is still on {left[0][1]} after the step: the schedule IR "
                               f"'{self.name}' never evicts it")
 
     def _wait_backward(self, o: Op) -> None:
@@ -420,7 +477,7 @@ class StepExecutor:
             if not self.grad_in[k][j]:
                 continue
             gs = [in_grads[p] for p in self.in_spans[(k, i)][j]]
-            if ref.stage == k - 1 and self.ran_on.get((ref.stage, "backward", i)) == o.place:  # the stage before, on this GPU: no copy
+            if ref.stage == k - 1 and self.brun.get((ref.stage, i)) == o.place:  # the stage before, on this GPU: no copy
                 self._add(self.gout, (ref.stage, ref.index, i), gs)
             else:
                 self.outbox[(k, i)].append(("gpu" if ref.stage == k - 1 else "host", j, gs))
@@ -495,9 +552,8 @@ class StepExecutor:
         overlap now (or wait for autograd's accumulation at the end of the step)."""
         rt, k = self.rt, o.stage
         rt._download(k, rt.step)
-        self.downloads_left[k] -= 1
-        if (rt.overlap is not None or rt.reducer is not None) and self.downloads_left[k] == 0:
-            rt._hand_over(k, rt.step)
+        if (rt.overlap is not None or rt.reducer is not None) and o.index == self.last_download.get(k):
+            rt._hand_over(k, rt.step)  # complete: split-head downloads a partial sum from each GPU it dealt k to
 
 
 def _spans(values: list) -> list[list[int]]:

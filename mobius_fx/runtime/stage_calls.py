@@ -403,6 +403,9 @@ class StageCalls:
                 with self._working(k):
                     flag = finite_flag(list(acc.values()))
                 flag = fetch(flag)
+            if k in step.finite:  # a stage downloaded from several GPUs (split-head): finite when every part is
+                a = step.finite[k]
+                flag = None if a is None or flag is None else (lambda a=a, b=flag: a() and b())
             step.finite[k] = flag
         for j, g in acc.items():
             with st.device.log.stage(k):

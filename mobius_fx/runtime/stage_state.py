@@ -56,6 +56,25 @@ class StageState:
         self.versions: list[int] = []
         self.train: list[int] = []  # slots that take gradients (set at each prefetch)
 
+    def copy_on(self, device: Device, dtype: torch.dtype | None) -> "StageState":
+        """This stage's copy on another GPU (a schedule that runs it on several: the step
+        executor's split-head, RoundPipe's backward): the same module, spec and masters, slots of
+        its own on `device`, bound into the module only while the executor runs the copy
+        (`bind_slots`); not resident."""
+        new = object.__new__(StageState)
+        new.__dict__.update(self.__dict__)
+        new.device = device
+        new.slots = [device.new_slot(m, dtype, p) for m, p in zip(self.masters, self.is_param)]
+        new.weight_bytes = sum(nbytes(s) for s in new.slots)
+        new.changing, new.resident, new.token, new.versions, new.train = set(), False, None, [], []
+        return new
+
+    def bind_slots(self) -> None:
+        """Make the module compute with this state's slots (a copy's, or the stage's own again)."""
+        for w, slot in zip(self.spec.weights, self.slots):
+            for path, attr in w.slots:
+                bind(self.module, path, attr, slot)
+
 
 def bind(module: nn.Module, path: str, attr: str, value: torch.Tensor) -> None:
     owner = module.get_submodule(path) if path else module

@@ -90,8 +90,10 @@ def choose(plan: Any, schedule: str | None = None, *, runnable: bool = False, **
     others = ", ".join(f"{n} {_fmt(t)}" if isinstance(t, float) else f"{n} does not fit"
                        for n, t in times.items() if n != best)
     line = f"schedule: {best} (simulated fwd+bwd {_fmt(fits[best])} vs {others}; the fastest that fits"
-    if not get(best).runnable:
+    entry = get(best)
+    if not entry.runnable or not entry.runs_as_simulated:
         ran = [n for n in fits if n in candidates(runnable=True)]
-        line += ("; not executable by the runtime yet: compile runs " +
-                 (f"{min(ran, key=fits.get)} ({_fmt(fits[min(ran, key=fits.get)])})" if ran else "none of these"))
+        pick = f"{min(ran, key=fits.get)} ({_fmt(fits[min(ran, key=fits.get)])})" if ran else "none of these"
+        line += ("; not executable by the runtime yet: compile runs " + pick if not entry.runnable else
+                 f"; the runtime runs it in another form (compile(schedule={best!r})): compile by itself runs {pick}")
     return Choice(best, line + ")", times)

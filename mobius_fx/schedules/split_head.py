@@ -1,8 +1,15 @@
-""""split-head": fine round-robin slots, the loss stage dealt by micro-batch to every GPU (see `schedule_ir`)."""
+""""split-head": fine round-robin slots, the loss stage dealt by micro-batch to every GPU (see `schedule_ir`).
+
+The runtime runs it in another form (`runtime=`, mobius_fx/planning/ir_split_head.py): on the
+compiled pipeline's own stages (it cannot re-cut them into one-layer slots without compiling
+again), every stage but the last as Mobius runs it, the last stage dealt by micro-batch; so
+`runs_as_simulated=False` and compile's own choice leaves it out.
+"""
 
 from __future__ import annotations
 
 from mobius_fx.errors import PlanError
+from mobius_fx.planning.ir_split_head import split_head
 from mobius_fx.planning.schedule_ir import ScheduleIR
 from mobius_fx.sim.tasks import Context, Costs
 from mobius_fx.units import fmt_bytes
@@ -175,6 +182,4 @@ def _check_memory(ctx: Context, u: Costs, c: Costs, groups: list[tuple[int, int]
 
 register("split-head", build, data_parallel=True,
          summary="one-layer round-robin slots, the loss stage dealt by micro-batch to every GPU",
-         refusal="split-head deals the loss stage to every GPU by micro-batch and runs one-layer slots round-robin; "
-                 "the executor runs each stage's forward on the GPU the plan gave it, all its micro-batches on one "
-                 "GPU per phase")
+         runtime=split_head, runs_as_simulated=False)

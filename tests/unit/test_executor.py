@@ -163,9 +163,15 @@ def test_schedules_without_a_runtime_form_are_refused_with_the_reason():
     model = Classifier(blocks=3)
     x = torch.randn(8, 16)
     kw = dict(example_inputs=(x,), microbatches=2, cuts=[1, 2, 3], verbose=False, loss_fn=F.cross_entropy)
-    with pytest.raises(MobiusError, match=r"schedule='split-head' cannot run on the pipeline runtime.*by micro-batch.*"
-                                          + re.escape(", ".join(RUNNABLE))):
-        mobius_fx.compile(model, TOPO, schedule="split-head", **kw)
+    from mobius_fx.schedules import mobius as mobius_schedule
+
+    schedules.register("sim-only-toy", mobius_schedule.build, refusal="a toy that only the simulator times")
+    try:
+        with pytest.raises(MobiusError, match=r"schedule='sim-only-toy' cannot run on the pipeline runtime.*"
+                                              r"only the simulator times.*" + re.escape(", ".join(RUNNABLE))):
+            mobius_fx.compile(model, TOPO, schedule="sim-only-toy", **kw)
+    finally:
+        schedules.unregister("sim-only-toy")
     with pytest.raises(MobiusError, match=r"unknown schedule 'pipedream'; valid schedules: mobius"):
         mobius_fx.compile(model, TOPO, schedule="pipedream", **kw)
     assert all(p.grad is None for p in model.parameters())

@@ -223,22 +223,23 @@ def _lora_example():
 
 def _check_executed_order(pipe, ir):
     """The order the runtime executed (`executed_ops`) against the IR: per GPU the same runs in
-    the same order; every run after a wait for its stage, every wait after its prefetch; never
-    more stages resident on a GPU than the IR has."""
+    the same order; every run after a wait for its stage on that GPU, every wait after its
+    prefetch there (a stage may be on several GPUs at once: split-head's dealt last stage);
+    never more stages resident on a GPU than the IR has."""
     on, waited, peak, runs = defaultdict(set), set(), defaultdict(int), defaultdict(list)
     for kind, gpu, k, phase, i in pipe.executed_ops():
         if kind == "prefetch":
             on[gpu].add(k)
-            waited.discard(k)
+            waited.discard((gpu, k))
         elif kind == "wait":
             assert k in on[gpu], f"wait for stage {k} on {gpu} before its prefetch"
-            waited.add(k)
+            waited.add((gpu, k))
         elif kind == "run":
-            assert k in on[gpu] and k in waited, f"stage {k} ran on {gpu} ({phase}, mb {i}) before its wait"
+            assert k in on[gpu] and (gpu, k) in waited, f"stage {k} ran on {gpu} ({phase}, mb {i}) before its wait"
             runs[gpu].append((k, phase, i))
         elif kind == "evict":
             on[gpu].discard(k)
-            waited.discard(k)
+            waited.discard((gpu, k))
         peak[gpu] = max(peak[gpu], len(on[gpu]))
     planned = {g: [(o.stage, o.phase, o.microbatch) for o in ir.place(g) if o.kind == "run"] for g in ir.gpus}
     assert dict(runs) == {g: r for g, r in planned.items() if r}
