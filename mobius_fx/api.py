@@ -20,7 +20,7 @@ from mobius_fx.errors import MobiusError, PlanError
 from mobius_fx.options import CompileContext, CompileOptions
 from mobius_fx.planning.ir_transforms import ScheduleForm
 from mobius_fx.planning.plans import Plan
-from mobius_fx.schedules.choice import choose as choose_schedule
+from mobius_fx.schedules.choice import choose as choose_schedule, choose_count
 from mobius_fx.runtime.device_books import Device
 from mobius_fx.topology.server import Topology
 from mobius_fx.train_step import StepCompiler
@@ -165,23 +165,31 @@ class _Recompiler:
         return self._add(pipe, ctx, call)
 
 
+def _example_rows(ctx: CompileContext) -> int | None:
+    """The example batch's rows (dim 0 of its first batched input), None when it has no batch
+    dimension to split (no tensor with a dimension, or all 1-D: features)."""
+    from torch.utils._pytree import tree_leaves
+
+    from mobius_fx.planning.microbatch import batch_rows, declared
+
+    inputs = (ctx.example_inputs, ctx.example_kwargs)
+    marks = declared(ctx.model, ctx.example_inputs, ctx.example_kwargs, ctx.settings.batch_dims)
+    leaves = [x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0 and marks.get(id(x), True)]
+    batched = leaves and (any(x.dim() > 1 for x in leaves) or any(marks.values()))  # all 1-D: features
+    return batch_rows(inputs, 1, marks) if batched else None
+
+
 def _check_batch(ctx: CompileContext) -> None:
     """Choose the micro-batch count when none is given (`CompileOptions.resolved`: one per GPU of
     the topology when the batch divides, else the batch's largest divisor below that), then
     refuse example inputs that the micro-batches cannot split into equal parts along dim 0 —
     for `plan` and `compile` alike, meta tensors or real ones."""
-    from torch.utils._pytree import tree_leaves
-
     from mobius_fx.planning.microbatch import batch_rows, check_divides, declared, divisors_near
 
     inputs = (ctx.example_inputs, ctx.example_kwargs)
     marks = declared(ctx.model, ctx.example_inputs, ctx.example_kwargs, ctx.settings.batch_dims)
     if ctx.settings.microbatches is None:
-        leaves = [x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0
-                  and marks.get(id(x), True)]
-        batched = leaves and (any(x.dim() > 1 for x in leaves) or any(marks.values()))  # all 1-D: features
-        ctx.settings = ctx.settings.resolved(batch_rows(inputs, 1, marks) if batched else None,
-                                             len(ctx.topology.gpus))
+        ctx.settings = ctx.settings.resolved(_example_rows(ctx), len(ctx.topology.gpus))
     m = ctx.settings.microbatches
     rows = batch_rows(inputs, m, marks)
     check_divides(rows, m, batch=f"the example batch has {rows} rows (dim 0 of the first batched input) and",
@@ -276,12 +284,62 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
         example_inputs, example_kwargs = step.arguments(
             (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs),
             dict(example_kwargs or {}), example_target)
-    p = _run((pipeline or default_pipeline()).until("plan"), model=model, topology=topology,
-             example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
-             cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
-             time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, optimizer=optimizer,
-             host_memory_fraction=host_memory_fraction, cache=cache, optimizer_overlap=optimizer_overlap).plan
-    return dataclasses.replace(p, schedule_choice=choose_schedule(p, schedule).line)
+    passes = (pipeline or default_pipeline()).until("plan")
+    ctx = _run(passes, model=model, topology=topology,
+               example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
+               cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
+               time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, optimizer=optimizer,
+               host_memory_fraction=host_memory_fraction, cache=cache, optimizer_overlap=optimizer_overlap)
+    if microbatches is None:  # the caller's count is binding; without one the planner times a few
+        counts, alone = _counts(passes, ctx)
+        p, choice = choose_count(_count_planner(passes, ctx), counts, schedule, alone=alone)
+        return dataclasses.replace(p, schedule_choice=choice.line)
+    p = ctx.plan
+    return dataclasses.replace(p, schedule_choice=f"{choose_schedule(p, schedule).line}; {p.microbatches} "
+                                                  f"micro-batches (the caller's)")
+
+
+def _counts(passes: PassPipeline, ctx: CompileContext) -> tuple[tuple[int, ...], str]:
+    """The micro-batch counts `plan` times when the caller gives none (`candidate_counts`: the
+    default, then divisors of the batch near 2x, 4x, 8x it), and why there is no other when the
+    default is alone. Only the default when the partition pass is not the standard one (the
+    user's own cannot be asked to keep its cuts)."""
+    from mobius_fx.passes.partition import partition_pass
+    from mobius_fx.planning.microbatch import candidate_counts
+
+    m, rows = ctx.settings.microbatches, _example_rows(ctx)
+    part = next((q for q in passes.passes if q.name == "partition"), None)
+    if getattr(part, "fn", None) is not partition_pass:
+        return (m,), "the pipeline's own partition pass: no other count timed"
+    counts = candidate_counts(rows, m)
+    if len(counts) > 1:
+        return counts, ""
+    if m <= 1:
+        return counts, "no other count timed: one GPU or no batch to split"
+    return counts, f"one row each: a batch of {rows} rows splits into no more"
+
+
+def _count_planner(passes: PassPipeline, ctx: CompileContext):
+    """plan_at(m): the default count's plan (`ctx.plan`), or the same trace and layer costs
+    planned again at m micro-batches on the default's cuts and GPU order (no trace, no MIP)."""
+    from mobius_fx.compiler import FunctionPass
+    from mobius_fx.passes.partition import kept_partition_pass
+
+    default = ctx.settings.microbatches
+    part = next(q for q in passes.passes if q.name == "partition")
+    kept = kept_partition_pass(ctx.partition.boundaries, ctx.order)
+    rest = PassPipeline([FunctionPass("partition", kept, reads=part.reads, writes=part.writes),
+                         *passes.passes[passes.names.index("partition") + 1:]], given=tuple(ctx.facts))
+
+    def plan_at(m: int) -> Plan:
+        if m == default:
+            return ctx.plan
+        settings = dataclasses.replace(ctx.settings, microbatches=m, microbatches_rule="chosen by the planner")
+        other = dataclasses.replace(ctx, settings=settings, partition=None, order=(), plan=None,
+                                    facts=set(ctx.facts), timings={}, touched={})
+        return rest.run(other).plan
+
+    return plan_at
 
 
 def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,

@@ -73,7 +73,7 @@ from .partition_solve import solve
 if TYPE_CHECKING:  # pragma: no cover
     from mobius_fx.options import CompileContext
 
-__all__ = ["partition_pass", "reuse_partition_pass", "cut_stages", "map_stages", "on_order", "given_partition",
+__all__ = ["partition_pass", "reuse_partition_pass", "kept_partition_pass", "cut_stages", "map_stages", "on_order", "given_partition",
            "problem_of", "param_sizes", "input_bytes"]
 
 log = logging.getLogger("mobius_fx")
@@ -189,6 +189,25 @@ def reuse_partition_pass(layers: tuple[str, ...], boundaries: tuple[int, ...]) -
         return cut_stages(ctx)
 
     return lambda gm, ctx: partition_pass(gm, ctx, cut=reuse)
+
+
+def kept_partition_pass(boundaries: Sequence[int], order: Sequence[str]) -> Callable[[Any, Any], None]:
+    """The partition pass for another micro-batch count of the same trace (`api.plan` choosing
+    the count): the cuts `boundaries` on GPU `order` of the plan made at the default count, timed
+    again at this count; no MIP runs. PlanError naming the stage when they do not fit."""
+
+    def kept(gm: Any, ctx: CompileContext) -> None:
+        problem = problem_of(ctx, order=order)
+        ev = evaluate(problem, tuple(boundaries))
+        if ev is None:
+            raise PlanError(f"microbatches={ctx.settings.microbatches}: the default count's cuts {tuple(boundaries)} "
+                            f"do not fit: {misfit(problem, tuple(boundaries))}; give microbatches= to plan this "
+                            f"count with its own cuts")
+        ctx.order = tuple(order)
+        ctx.partition = PartitionResult(ev.boundaries, ev.makespan, ev.prefetch_fwd, ev.prefetch_bwd,
+                                        SolverInfo("kept", "the default count's cuts, no MIP run", ev.makespan, 0.0))
+
+    return kept
 
 
 def problem_of(ctx: CompileContext, order: Sequence[str] | None = None) -> PartitionProblem:
