@@ -327,7 +327,7 @@ def _count_planner(passes: PassPipeline, ctx: CompileContext):
 
     default = ctx.settings.microbatches
     part = next(q for q in passes.passes if q.name == "partition")
-    kept = kept_partition_pass(ctx.partition.boundaries, ctx.order)
+    kept = kept_partition_pass(ctx.partition, ctx.order, default)
     rest = PassPipeline([FunctionPass("partition", kept, reads=part.reads, writes=part.writes),
                          *passes.passes[passes.names.index("partition") + 1:]], given=tuple(ctx.facts))
 

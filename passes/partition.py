@@ -55,6 +55,7 @@ backward ones (bwd_mem >= fwd_mem), and a stage's own rule from its double-buffe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -191,21 +192,24 @@ def reuse_partition_pass(layers: tuple[str, ...], boundaries: tuple[int, ...]) -
     return lambda gm, ctx: partition_pass(gm, ctx, cut=reuse)
 
 
-def kept_partition_pass(boundaries: Sequence[int], order: Sequence[str]) -> Callable[[Any, Any], None]:
+def kept_partition_pass(like: PartitionResult, order: Sequence[str], microbatches: int) -> Callable[[Any, Any], None]:
     """The partition pass for another micro-batch count of the same trace (`api.plan` choosing
-    the count): the cuts `boundaries` on GPU `order` of the plan made at the default count, timed
-    again at this count; no MIP runs. PlanError naming the stage when they do not fit."""
+    the count): the cuts of `like` on GPU `order`, the partition made at `microbatches` (the
+    default count), timed again at this count; no MIP runs (the solver info says whose cuts).
+    PlanError naming the stage when they do not fit."""
+    boundaries = tuple(like.boundaries)
 
     def kept(gm: Any, ctx: CompileContext) -> None:
         problem = problem_of(ctx, order=order)
-        ev = evaluate(problem, tuple(boundaries))
+        ev = evaluate(problem, boundaries)
         if ev is None:
-            raise PlanError(f"microbatches={ctx.settings.microbatches}: the default count's cuts {tuple(boundaries)} "
-                            f"do not fit: {misfit(problem, tuple(boundaries))}; give microbatches= to plan this "
+            raise PlanError(f"microbatches={ctx.settings.microbatches}: the cuts {boundaries} planned at {microbatches} "
+                            f"do not fit: {misfit(problem, boundaries)}; give microbatches= to plan this "
                             f"count with its own cuts")
         ctx.order = tuple(order)
-        ctx.partition = PartitionResult(ev.boundaries, ev.makespan, ev.prefetch_fwd, ev.prefetch_bwd,
-                                        SolverInfo("kept", "the default count's cuts, no MIP run", ev.makespan, 0.0))
+        info = dataclasses.replace(like.solver, objective=ev.makespan,
+                                   status=f"{like.solver.status}; the cuts of microbatches={microbatches}")
+        ctx.partition = PartitionResult(ev.boundaries, ev.makespan, ev.prefetch_fwd, ev.prefetch_bwd, info)
 
     return kept
 
