@@ -245,9 +245,15 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
         p = mobius_fx.plan(model, "mobius-testbed", example_inputs=(ids,), microbatches=8)
         print(p)
 
-    `microbatches`: per step; by default one per GPU when the batch (dim 0 of the example
-    inputs) divides into that many, else the largest divisor of the batch below the GPU count
-    (the plan's header says which). A count that does not divide the batch raises `PlanError`.
+    `microbatches`: per step, binding when given. Without it the planner chooses: it times the
+    default (one per GPU when the batch, dim 0 of the example inputs, divides into that many,
+    else the largest divisor of the batch below the GPU count) and the divisors of the batch
+    near 2x, 4x and 8x it (`planning.microbatch.candidate_counts`), each on the same trace and
+    the default's cuts (one MIP), by the simulated fwd+bwd that ranks the schedules, and keeps
+    the fastest (`schedules.choice.choose_count`; it stops raising when a count is no faster).
+    The plan's first line says the count and why, its header the rule. `compile` keeps the
+    default rule: give it `microbatches=plan.microbatches` to run the planner's count.
+    A count that does not divide the batch raises `PlanError`.
     `cuts`: plan this partition instead of solving for one — the index in `plan.layers` of
     the first layer of every stage after the first (`cuts=[]`: one stage; `cuts=[1, 5]`: stages
     [0,1), [1,5), [5,L)). No MIP runs; the stages are cross-mapped and timed as usual, and
@@ -291,55 +297,14 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
                time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, optimizer=optimizer,
                host_memory_fraction=host_memory_fraction, cache=cache, optimizer_overlap=optimizer_overlap)
     if microbatches is None:  # the caller's count is binding; without one the planner times a few
-        counts, alone = _counts(passes, ctx)
-        p, choice = choose_count(_count_planner(passes, ctx), counts, schedule, alone=alone)
+        from mobius_fx.count_choice import count_candidates, count_planner
+
+        counts, alone = count_candidates(passes, ctx, _example_rows(ctx))
+        p, choice = choose_count(count_planner(passes, ctx), counts, schedule, alone=alone)
         return dataclasses.replace(p, schedule_choice=choice.line)
     p = ctx.plan
     return dataclasses.replace(p, schedule_choice=f"{choose_schedule(p, schedule).line}; {p.microbatches} "
                                                   f"micro-batches (the caller's)")
-
-
-def _counts(passes: PassPipeline, ctx: CompileContext) -> tuple[tuple[int, ...], str]:
-    """The micro-batch counts `plan` times when the caller gives none (`candidate_counts`: the
-    default, then divisors of the batch near 2x, 4x, 8x it), and why there is no other when the
-    default is alone. Only the default when the partition pass is not the standard one (the
-    user's own cannot be asked to keep its cuts)."""
-    from mobius_fx.passes.partition import partition_pass
-    from mobius_fx.planning.microbatch import candidate_counts
-
-    m, rows = ctx.settings.microbatches, _example_rows(ctx)
-    part = next((q for q in passes.passes if q.name == "partition"), None)
-    if getattr(part, "fn", None) is not partition_pass:
-        return (m,), "the pipeline's own partition pass: no other count timed"
-    counts = candidate_counts(rows, m)
-    if len(counts) > 1:
-        return counts, ""
-    if m <= 1:
-        return counts, "no other count timed: one GPU or no batch to split"
-    return counts, f"one row each: a batch of {rows} rows splits into no more"
-
-
-def _count_planner(passes: PassPipeline, ctx: CompileContext):
-    """plan_at(m): the default count's plan (`ctx.plan`), or the same trace and layer costs
-    planned again at m micro-batches on the default's cuts and GPU order (no trace, no MIP)."""
-    from mobius_fx.compiler import FunctionPass
-    from mobius_fx.passes.partition import kept_partition_pass
-
-    default = ctx.settings.microbatches
-    part = next(q for q in passes.passes if q.name == "partition")
-    kept = kept_partition_pass(ctx.partition, ctx.order, default)
-    rest = PassPipeline([FunctionPass("partition", kept, reads=part.reads, writes=part.writes),
-                         *passes.passes[passes.names.index("partition") + 1:]], given=tuple(ctx.facts))
-
-    def plan_at(m: int) -> Plan:
-        if m == default:
-            return ctx.plan
-        settings = dataclasses.replace(ctx.settings, microbatches=m, microbatches_rule="chosen by the planner")
-        other = dataclasses.replace(ctx, settings=settings, partition=None, order=(), plan=None,
-                                    facts=set(ctx.facts), timings={}, touched={})
-        return rest.run(other).plan
-
-    return plan_at
 
 
 def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,
@@ -359,8 +324,10 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
         loss = loss_fn(pipe(x), y); loss.backward(); opt.step()   # opt over model.parameters()
 
     The master weights stay in `model` on the CPU; gradients land in `param.grad`.
-    `microbatches` and `cuts` are as for `plan` (default: one micro-batch per GPU when the
-    example batch divides; every call's batch must then split the same way).
+    `microbatches` and `cuts` are as for `plan`, but without `microbatches` compile takes the
+    default rule (one micro-batch per GPU when the example batch divides; every call's batch
+    must then split the same way) and times no other count: pass `microbatches=plan.microbatches`
+    to run the count `plan` chose.
     `device`: "auto" (CUDA when the topology is real and CUDA is present, else virtual GPUs on
     the CPU), "virtual", "virtual-async" (the CPU stand-in of the CUDA path: its streams, events and
     slot pool on threads with seeded random delays, so races and host syncs show up without a
