@@ -177,3 +177,27 @@ def test_the_callers_count_is_binding(tmp_path):
     plan = _plan(tmp_path, microbatches=2)
     assert plan.microbatches == 2
     assert plan.schedule_choice.endswith("; 2 micro-batches (the caller's)")
+
+
+def test_the_benchmarks_floor_is_under_every_schedule_the_simulator_runs(chosen):
+    """benchmarks/schedules.py's floor (every weight uploaded once, then the backward's compute on
+    every GPU) is what it claims: no registered schedule's simulated fwd+bwd is below it."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "schedules.py"
+    spec = importlib.util.spec_from_file_location("bench_schedules", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    plan, _ = chosen
+    with torch.device("meta"):
+        model = GPT(CFG)
+    floor = bench.floor(plan, model)
+    times = {}
+    for n in schedules.names():
+        try:
+            times[n] = simulate(plan, schedule=n).pipeline_time
+        except MobiusError:
+            pass
+    assert len(times) >= 3 and floor > 0
+    assert all(floor <= t for t in times.values()), (floor, times)
