@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     print()
     model, inputs = zoo.build(args.model, batch=args.batch, seq=args.seq, device="meta")
     # The paper's setting: fp16 weights on the GPUs, fp32 masters in DRAM, one micro-batch per GPU
-    # (the default when --batch divides into them; else the largest divisor of the batch below that).
+    # at its batch of 8 on 8 GPUs (with a larger --batch the planner also times more micro-batches
+    # and keeps the fastest: the plan's first line says which; docs/schedule_choice.md).
     plan = mobius_fx.plan(model, topo, example_inputs=inputs, dtype=torch.float16)
     print(plan)
     print()

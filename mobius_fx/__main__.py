@@ -138,9 +138,10 @@ def _parser() -> argparse.ArgumentParser:
                                                     f"device, nothing downloaded")
     pl.add_argument("--topology", required=True, help=f"a preset ({presets}) or a topology JSON file")
     pl.add_argument("--microbatches", default=None,
-                    type=_checked(int, lambda v: v > 0, "a positive integer; omit it for one per GPU"),
-                    help="micro-batches per step, dividing --batch (default: one per GPU, or the largest divisor "
-                         "of --batch below the GPU count)")
+                    type=_checked(int, lambda v: v > 0, "a positive integer; omit it to let the planner choose"),
+                    help="micro-batches per step, dividing --batch (default: the planner chooses among one per GPU "
+                         "(or the largest divisor of --batch below the GPU count) and the divisors of --batch near "
+                         "2x, 4x, 8x it, by simulated fwd+bwd)")
     pl.add_argument("--cuts", type=_cuts, default=None, metavar="I,J,...",
                     help="plan this partition instead of solving for one: the first layer index of every stage "
                          "after the first, e.g. 1,5 (stages [0,1), [1,5), [5,L)); 'none' is one stage")

@@ -20,7 +20,7 @@ from mobius_fx.errors import MobiusError, PlanError
 from mobius_fx.options import CompileContext, CompileOptions
 from mobius_fx.planning.ir_transforms import ScheduleForm
 from mobius_fx.planning.plans import Plan
-from mobius_fx.schedules.choice import choose as choose_schedule
+from mobius_fx.schedules.choice import choose as choose_schedule, choose_count
 from mobius_fx.runtime.device_books import Device
 from mobius_fx.topology.server import Topology
 from mobius_fx.train_step import StepCompiler
@@ -165,23 +165,31 @@ class _Recompiler:
         return self._add(pipe, ctx, call)
 
 
+def _example_rows(ctx: CompileContext) -> int | None:
+    """The example batch's rows (dim 0 of its first batched input), None when it has no batch
+    dimension to split (no tensor with a dimension, or all 1-D: features)."""
+    from torch.utils._pytree import tree_leaves
+
+    from mobius_fx.planning.microbatch import batch_rows, declared
+
+    inputs = (ctx.example_inputs, ctx.example_kwargs)
+    marks = declared(ctx.model, ctx.example_inputs, ctx.example_kwargs, ctx.settings.batch_dims)
+    leaves = [x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0 and marks.get(id(x), True)]
+    batched = leaves and (any(x.dim() > 1 for x in leaves) or any(marks.values()))  # all 1-D: features
+    return batch_rows(inputs, 1, marks) if batched else None
+
+
 def _check_batch(ctx: CompileContext) -> None:
     """Choose the micro-batch count when none is given (`CompileOptions.resolved`: one per GPU of
     the topology when the batch divides, else the batch's largest divisor below that), then
     refuse example inputs that the micro-batches cannot split into equal parts along dim 0 —
     for `plan` and `compile` alike, meta tensors or real ones."""
-    from torch.utils._pytree import tree_leaves
-
     from mobius_fx.planning.microbatch import batch_rows, check_divides, declared, divisors_near
 
     inputs = (ctx.example_inputs, ctx.example_kwargs)
     marks = declared(ctx.model, ctx.example_inputs, ctx.example_kwargs, ctx.settings.batch_dims)
     if ctx.settings.microbatches is None:
-        leaves = [x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0
-                  and marks.get(id(x), True)]
-        batched = leaves and (any(x.dim() > 1 for x in leaves) or any(marks.values()))  # all 1-D: features
-        ctx.settings = ctx.settings.resolved(batch_rows(inputs, 1, marks) if batched else None,
-                                             len(ctx.topology.gpus))
+        ctx.settings = ctx.settings.resolved(_example_rows(ctx), len(ctx.topology.gpus))
     m = ctx.settings.microbatches
     rows = batch_rows(inputs, m, marks)
     check_divides(rows, m, batch=f"the example batch has {rows} rows (dim 0 of the first batched input) and",
@@ -237,9 +245,15 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
         p = mobius_fx.plan(model, "mobius-testbed", example_inputs=(ids,), microbatches=8)
         print(p)
 
-    `microbatches`: per step; by default one per GPU when the batch (dim 0 of the example
-    inputs) divides into that many, else the largest divisor of the batch below the GPU count
-    (the plan's header says which). A count that does not divide the batch raises `PlanError`.
+    `microbatches`: per step, binding when given. Without it the planner chooses: it times the
+    default (one per GPU when the batch, dim 0 of the example inputs, divides into that many,
+    else the largest divisor of the batch below the GPU count) and the divisors of the batch
+    near 2x, 4x and 8x it (`planning.microbatch.candidate_counts`), each on the same trace and
+    the default's cuts (one MIP), by the simulated fwd+bwd that ranks the schedules, and keeps
+    the fastest (`schedules.choice.choose_count`; it stops raising when a count is no faster).
+    The plan's first line says the count and why, its header the rule. `compile` keeps the
+    default rule: give it `microbatches=plan.microbatches` to run the planner's count.
+    A count that does not divide the batch raises `PlanError`.
     `cuts`: plan this partition instead of solving for one — the index in `plan.layers` of
     the first layer of every stage after the first (`cuts=[]`: one stage; `cuts=[1, 5]`: stages
     [0,1), [1,5), [5,L)). No MIP runs; the stages are cross-mapped and timed as usual, and
@@ -276,12 +290,21 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
         example_inputs, example_kwargs = step.arguments(
             (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs),
             dict(example_kwargs or {}), example_target)
-    p = _run((pipeline or default_pipeline()).until("plan"), model=model, topology=topology,
-             example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
-             cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
-             time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, optimizer=optimizer,
-             host_memory_fraction=host_memory_fraction, cache=cache, optimizer_overlap=optimizer_overlap).plan
-    return dataclasses.replace(p, schedule_choice=choose_schedule(p, schedule).line)
+    passes = (pipeline or default_pipeline()).until("plan")
+    ctx = _run(passes, model=model, topology=topology,
+               example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
+               cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
+               time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, optimizer=optimizer,
+               host_memory_fraction=host_memory_fraction, cache=cache, optimizer_overlap=optimizer_overlap)
+    if microbatches is None:  # the caller's count is binding; without one the planner times a few
+        from mobius_fx.count_choice import count_candidates, count_planner
+
+        counts, alone = count_candidates(passes, ctx, _example_rows(ctx))
+        p, choice = choose_count(count_planner(passes, ctx), counts, schedule, alone=alone)
+        return dataclasses.replace(p, schedule_choice=choice.line)
+    p = ctx.plan
+    return dataclasses.replace(p, schedule_choice=f"{choose_schedule(p, schedule).line}; {p.microbatches} "
+                                                  f"micro-batches (the caller's)")
 
 
 def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,
@@ -301,8 +324,10 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
         loss = loss_fn(pipe(x), y); loss.backward(); opt.step()   # opt over model.parameters()
 
     The master weights stay in `model` on the CPU; gradients land in `param.grad`.
-    `microbatches` and `cuts` are as for `plan` (default: one micro-batch per GPU when the
-    example batch divides; every call's batch must then split the same way).
+    `microbatches` and `cuts` are as for `plan`, but without `microbatches` compile takes the
+    default rule (one micro-batch per GPU when the example batch divides; every call's batch
+    must then split the same way) and times no other count: pass `microbatches=plan.microbatches`
+    to run the count `plan` chose.
     `device`: "auto" (CUDA when the topology is real and CUDA is present, else virtual GPUs on
     the CPU), "virtual", "virtual-async" (the CPU stand-in of the CUDA path: its streams, events and
     slot pool on threads with seeded random delays, so races and host syncs show up without a

@@ -55,6 +55,7 @@ backward ones (bwd_mem >= fwd_mem), and a stage's own rule from its double-buffe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -73,7 +74,7 @@ from .partition_solve import solve
 if TYPE_CHECKING:  # pragma: no cover
     from mobius_fx.options import CompileContext
 
-__all__ = ["partition_pass", "reuse_partition_pass", "cut_stages", "map_stages", "on_order", "given_partition",
+__all__ = ["partition_pass", "reuse_partition_pass", "kept_partition_pass", "cut_stages", "map_stages", "on_order", "given_partition",
            "problem_of", "param_sizes", "input_bytes"]
 
 log = logging.getLogger("mobius_fx")
@@ -189,6 +190,28 @@ def reuse_partition_pass(layers: tuple[str, ...], boundaries: tuple[int, ...]) -
         return cut_stages(ctx)
 
     return lambda gm, ctx: partition_pass(gm, ctx, cut=reuse)
+
+
+def kept_partition_pass(like: PartitionResult, order: Sequence[str], microbatches: int) -> Callable[[Any, Any], None]:
+    """The partition pass for another micro-batch count of the same trace (`api.plan` choosing
+    the count): the cuts of `like` on GPU `order`, the partition made at `microbatches` (the
+    default count), timed again at this count; no MIP runs (the solver info says whose cuts).
+    PlanError naming the stage when they do not fit."""
+    boundaries = tuple(like.boundaries)
+
+    def kept(gm: Any, ctx: CompileContext) -> None:
+        problem = problem_of(ctx, order=order)
+        ev = evaluate(problem, boundaries)
+        if ev is None:
+            raise PlanError(f"microbatches={ctx.settings.microbatches}: the cuts {boundaries} planned at {microbatches} "
+                            f"do not fit: {misfit(problem, boundaries)}; give microbatches= to plan this "
+                            f"count with its own cuts")
+        ctx.order = tuple(order)
+        info = dataclasses.replace(like.solver, objective=ev.makespan,
+                                   status=f"{like.solver.status}; the cuts of microbatches={microbatches}")
+        ctx.partition = PartitionResult(ev.boundaries, ev.makespan, ev.prefetch_fwd, ev.prefetch_bwd, info)
+
+    return kept
 
 
 def problem_of(ctx: CompileContext, order: Sequence[str] | None = None) -> PartitionProblem:

@@ -30,8 +30,8 @@ import torch.utils._pytree as pytree
 
 from mobius_fx.errors import MobiusError
 
-__all__ = ["ambiguous", "batch_rows", "check_batch_dims", "check_count", "check_divides", "declared",
-           "default_microbatches", "divides", "divisors_near", "is_split", "split"]
+__all__ = ["ambiguous", "batch_rows", "candidate_counts", "check_batch_dims", "check_count", "check_divides",
+           "declared", "default_microbatches", "divides", "divisors_near", "is_split", "split"]
 
 
 COUNT_RULE = "it must be a positive int (micro-batches per step; Mobius uses one per GPU)"
@@ -108,6 +108,35 @@ def default_microbatches(rows: int | None, gpus: int) -> tuple[int, str]:
         return gpus, "default: one per GPU"
     best = max(d for d in range(1, min(rows, gpus) + 1) if divides(rows, d))
     return best, f"default: the largest divisor of batch {rows} <= {gpus} GPUs"
+
+
+COUNT_CANDIDATES = 4  # counts the planner times when it chooses (`candidate_counts`), the default's included
+
+
+def candidate_counts(rows: int | None, default: int, limit: int = COUNT_CANDIDATES) -> tuple[int, ...]:
+    """The micro-batch counts the planner times when the caller gives none: `default` (one per
+    GPU, `default_microbatches`) and, for each k = 1, 2, ..., the smallest divisor of the batch's
+    `rows` at least 2**k x `default`, at most `limit` counts in all. Only divisors: every count
+    splits the batch into equal micro-batches, as compile's split needs. Just `default` when it is
+    1 (one GPU, or no batch to split: no fill/drain bubble to shrink, and the traced graph differs).
+
+    >>> candidate_counts(64, 8)
+    (8, 16, 32, 64)
+    >>> candidate_counts(48, 8)
+    (8, 16, 48)
+    >>> candidate_counts(8, 8)
+    (8,)
+    """
+    if rows is None or default <= 1:
+        return (default,)
+    out = [default]
+    target = 2 * default
+    while len(out) < limit and target <= rows:
+        m = next(d for d in range(target, rows + 1) if divides(rows, d))
+        if m not in out:
+            out.append(m)
+        target = 2 * m
+    return tuple(out)
 
 
 def check_batch_dims(value: Any) -> dict[str, int | None] | None:

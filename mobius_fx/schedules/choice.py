@@ -4,6 +4,7 @@
     c.name, c.line                         # "split-head", "schedule: split-head (simulated fwd+bwd ...)"
     choose(plan, runnable=True)            # only those the runtime executes (what compile runs)
     choose(plan, "roundpipe")              # the user's: checked that it exists and fits
+    plan, c = choose_count(plan_at, (8, 16, 32))   # and the micro-batch count: plan_at(m) -> Plan
 
 "Fastest" is the simulated forward + backward (`SimResult.pipeline_time`: the GPUs and the links,
 gradients in host memory), not the step: the host optimizer is the same for every candidate.
@@ -13,13 +14,15 @@ Baselines (`Schedule.baseline`: GPipe, ZeRO-3 offload, the Mobius ablations) are
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mobius_fx.errors import MobiusError, PlanError
 from mobius_fx.schedules.registry import candidates, get
 from mobius_fx.schedules.registry import names as registered
 
-__all__ = ["Choice", "choose"]
+__all__ = ["Choice", "choose", "choose_count"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +100,76 @@ def choose(plan: Any, schedule: str | None = None, *, runnable: bool = False, **
         line += ("; not executable by the runtime yet: compile runs " + pick if not entry.runnable else
                  f"; the runtime runs it in another form (compile(schedule={best!r})): compile by itself runs {pick}")
     return Choice(best, line + ")", times)
+
+
+NO_BUBBLE = 1.02  # a count whose fwd+bwd is within this of its plan's lower bound leaves no bubble to shrink
+
+
+def choose_count(plan_at: Callable[[int], Any], counts: Sequence[int], schedule: str | None = None, *,
+                 alone: str = "", **simulate_kwargs: Any) -> tuple[Any, Choice]:
+    """The micro-batch count the planner picks when the caller gives none, with its plan.
+
+    `counts` (the default first, then ascending: `planning.microbatch.candidate_counts`) are
+    planned by `plan_at(m)` in turn, each with its schedule chosen by `choose` (the simulated
+    fwd+bwd that ranks the schedules); the fastest count wins, the fewer micro-batches on a tie.
+    Raising stops at the first count no faster than the one before (the bubble no longer
+    shrinks; each micro-batch adds its own costs) or once the best is within `NO_BUBBLE` of its
+    plan's lower bound, so plan() simulates no more counts than it needs. A count whose plan or
+    every schedule does not fit (MobiusError) is passed over; when none fits, the first error is
+    raised. The Choice's line is the schedule's, then the count and why, e.g. "; 32
+    micro-batches (simulated fwd+bwd 2.27 s vs 2.76 s at 8, 2.38 s at 16; fwd+bwd / lower bound
+    1.35 at 8, 1.11 at 32: the fill/drain bubble shrinks)"; with one count, `alone` says why no other was
+    timed. The plan's `microbatches_rule` says the count was chosen."""
+    from mobius_fx.sim.simulator import simulate  # the simulator imports this package
+
+    default = counts[0]
+    tried: dict[int, tuple[Any, Choice, float] | str] = {}
+    first_error: MobiusError | None = None
+    stop = ""
+    for m in counts:
+        fits = {k: r for k, r in tried.items() if not isinstance(r, str)}
+        if fits:
+            last = max(fits)
+            best_t = min(r[2] for r in fits.values())
+            if fits[last][2] > best_t:
+                stop = f"{last} was slower than {min(fits, key=lambda k: fits[k][2])}"
+            elif fits[last][2] <= NO_BUBBLE * fits[last][0].lower_bound():
+                stop = f"{last} is within {NO_BUBBLE:.2f}x the lower bound"
+            if stop:
+                stop = f"; {', '.join(str(k) for k in counts if k > last)} not timed: {stop}"
+                break
+        try:
+            p = plan_at(m)
+            c = choose(p, schedule, **simulate_kwargs)
+            t = c.times.get(c.name)
+            if not isinstance(t, float):  # one candidate: choose simulated nothing
+                t = simulate(p, schedule=c.name, **simulate_kwargs).pipeline_time
+        except MobiusError as e:
+            first_error = first_error or e
+            tried[m] = "does not fit: " + str(e).splitlines()[0]
+            continue
+        tried[m] = (p, c, t)
+    fits = {m: r for m, r in tried.items() if not isinstance(r, str)}
+    if not fits:
+        assert first_error is not None
+        raise first_error
+    best = min(fits, key=lambda m: (fits[m][2], m))
+    plan, c, t = fits[best]
+    if len(counts) == 1:
+        why = f"{best} micro-batches ({'; '.join(x for x in (plan.microbatches_rule, alone) if x) or 'the default'})"
+        return plan, Choice(c.name, f"{c.line}; {why}", c.times)
+    others = ", ".join(f"{_fmt(r[2])} at {m}" if not isinstance(r, str) else f"{m} does not fit"
+                       for m, r in tried.items() if m != best)
+    why = f"{best} micro-batches (simulated fwd+bwd {_fmt(t)} vs {others}"
+    if best != default and default in fits:
+        d_plan, _, d_t = fits[default]
+        why += (f"; fwd+bwd / lower bound {d_t / d_plan.lower_bound():.2f} at {default}, "
+                f"{t / plan.lower_bound():.2f} at {best}: the fill/drain bubble shrinks")
+    elif best == default:
+        why += f"; the default ({plan.microbatches_rule or 'one per GPU'}) is the fastest"
+    timed = ", ".join(map(str, tried))
+    rule = f"chosen: the fastest simulated fwd+bwd of {timed}"
+    if best == default and plan.microbatches_rule:
+        rule = f"{plan.microbatches_rule}, the fastest simulated fwd+bwd of {timed}"
+    plan = dataclasses.replace(plan, microbatches_rule=rule)
+    return plan, Choice(c.name, f"{c.line}; {why}{stop})", c.times)

@@ -586,7 +586,7 @@ TOP_LEVEL_PHASES = {  # modules directly in mobius_fx/, by phase; a new one must
     "base": {"mobius_fx", "errors", "units", "kinds", "precision", "losses"},
     "trace": {"tracing", "trace_semantics", "export_front", "grad_modes", "module_paths", "trace_key", "trace_store"},
     "front": {"api", "compiler", "options", "__main__", "build", "pass_adapters", "train_step", "trainer",
-              "compile_cache"},
+              "compile_cache", "count_choice"},
 }
 KNOWN_PHASE_EDGES: dict[tuple[str, str], str] = {  # (importer, imported) -> why
     ("mobius_fx.passes.partition", "mobius_fx.options"):

@@ -137,8 +137,10 @@ def test_default_microbatches_rule(rows, gpus, expected):
 
 
 @pytest.mark.parametrize("batch, given, expected, header", [
-    (8, None, 4, "4 micro-batches (default: one per GPU)"),
-    (6, None, 3, "3 micro-batches (default: the largest divisor of batch 6 <= 4 GPUs)"),
+    (4, None, 4, "4 micro-batches (default: one per GPU)"),  # one row each: no other count to time
+    # plan() times the default and the divisors of the batch near 2x, 4x, 8x it (test_microbatch_choice.py)
+    (8, None, 8, "8 micro-batches (chosen: the fastest simulated fwd+bwd of 4, 8)"),
+    (6, None, 6, "6 micro-batches (chosen: the fastest simulated fwd+bwd of 3, 6)"),
     (8, 2, 2, "2 micro-batches, "),
 ])
 def test_plan_default_microbatches_and_the_header_says_why(tmp_path, batch, given, expected, header):

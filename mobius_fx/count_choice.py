@@ -1,0 +1,57 @@
+"""`plan`'s choice of the micro-batch count when the caller gives none (api.plan): the counts
+to time (`count_candidates`) and each one's plan on the default count's facts (`count_planner`:
+the same trace, layer costs and cuts; the partition and plan passes run again, no MIP). The
+ranking is `schedules.choice.choose_count`'s; the counts' rule `planning.microbatch.candidate_counts`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from mobius_fx.compiler import FunctionPass, PassPipeline
+from mobius_fx.options import CompileContext
+
+__all__ = ["count_candidates", "count_planner"]
+
+
+def count_candidates(passes: PassPipeline, ctx: CompileContext, rows: int | None) -> tuple[tuple[int, ...], str]:
+    """The micro-batch counts `plan` times when the caller gives none (`candidate_counts`: the
+    default, then divisors of the batch near 2x, 4x, 8x it), and why there is no other when the
+    default is alone. Only the default when the partition pass is not the standard one (the
+    user's own cannot be asked to keep its cuts)."""
+    from mobius_fx.passes.partition import partition_pass
+    from mobius_fx.planning.microbatch import candidate_counts
+
+    m = ctx.settings.microbatches
+    part = next((q for q in passes.passes if q.name == "partition"), None)
+    if getattr(part, "fn", None) is not partition_pass:
+        return (m,), "the pipeline's own partition pass: no other count timed"
+    counts = candidate_counts(rows, m)
+    if len(counts) > 1:
+        return counts, ""
+    if m <= 1:
+        return counts, "no other count timed: one GPU or no batch to split"
+    return counts, f"one row each: a batch of {rows} rows splits into no more"
+
+
+def count_planner(passes: PassPipeline, ctx: CompileContext) -> Callable[[int], Any]:
+    """plan_at(m): the default count's plan (`ctx.plan`), or the same trace and layer costs
+    planned again at m micro-batches on the default's cuts and GPU order (no trace, no MIP)."""
+    from mobius_fx.passes.partition import kept_partition_pass
+
+    default = ctx.settings.microbatches
+    part = next(q for q in passes.passes if q.name == "partition")
+    kept = kept_partition_pass(ctx.partition, ctx.order, default)
+    rest = PassPipeline([FunctionPass("partition", kept, reads=part.reads, writes=part.writes),
+                         *passes.passes[passes.names.index("partition") + 1:]], given=tuple(ctx.facts))
+
+    def plan_at(m: int) -> Any:
+        if m == default:
+            return ctx.plan
+        settings = dataclasses.replace(ctx.settings, microbatches=m, microbatches_rule="chosen by the planner")
+        other = dataclasses.replace(ctx, settings=settings, partition=None, order=(), plan=None,
+                                    facts=set(ctx.facts), timings={}, touched={})
+        return rest.run(other).plan
+
+    return plan_at
