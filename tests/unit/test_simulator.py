@@ -466,16 +466,26 @@ def test_the_host_copies_are_where_the_runtime_makes_them(testbed_plan):
         assert o.stream == "host/optimizer"
         assert o.end - o.start == pytest.approx(master[k] / 4 * (12 + s + 12 + s + 4) / CPU_ADAM_BANDWIDTH)
     assert sync.host_busy == pytest.approx(total / 4 * 32 / CPU_ADAM_BANDWIDTH)
-    # keep_grads=False: no .grad written, 28 B
-    nograd = simulate(testbed_plan, optimizer_overlap="sync", host_copies={"grad": 0})
+    # keep_grads=False: no .grad written, 28 B (and so host_copies={"grad": 0})
+    nograd = simulate(testbed_plan, optimizer_overlap="sync", keep_grads=False)
     assert nograd.host_busy == pytest.approx(total / 4 * 28 / CPU_ADAM_BANDWIDTH)
-    # "async": the same fused pass out of place (28 B), from the start, beside the pipeline; no
-    # shadow copy, hand-over or pin: the step is max(pipeline, pass)
-    r = simulate(testbed_plan, optimizer_overlap="async")
+    assert simulate(testbed_plan, optimizer_overlap="sync", host_copies={"grad": 0}).host_busy == nograd.host_busy
+    # "async", keep_grads=False: the same fused pass out of place (28 B) reading the held
+    # downloads, from the start, beside the pipeline; no shadow copy, hand-over or pin: the step
+    # is max(pipeline, pass)
+    r = simulate(testbed_plan, optimizer_overlap="async", keep_grads=False)
     (opt,) = events(r, "optimizer")
     assert not [e for e in r.events if e.kind == "host-copy"] and opt.start == 0.0
     assert opt.end - opt.start == pytest.approx(total / 4 * 28 / CPU_ADAM_BANDWIDTH)
     assert r.step_time == pytest.approx(max(r.pipeline_time, opt.end))
+    # "async" by default (keep_grads): the main thread converts the downloads into the fp32 .grad
+    # after the pipeline (read s, write 4), and the pass reads that .grad (4 - s bytes more)
+    kept = simulate(testbed_plan, optimizer_overlap="async")
+    (opt,), (h,) = events(kept, "optimizer"), copies(kept, "hand-over")
+    assert opt.start == 0.0 and opt.end - opt.start == pytest.approx(total / 4 * (28 + 4 - s) / CPU_ADAM_BANDWIDTH)
+    assert h.stream == "host/handover" and h.start == pytest.approx(kept.pipeline_time)
+    assert h.end - h.start == pytest.approx(total / 4 * (s + 4) / HOST_COPY_BANDWIDTH)
+    assert kept.step_time == pytest.approx(max(h.end, opt.end))
     assert r.pipeline_time == pytest.approx(simulate(testbed_plan, host_copies={"pin": 0}).pipeline_time)
     with pytest.raises(MobiusError, match="host_copies has 'grads'"):
         simulate(testbed_plan, host_copies={"grads": 0})
@@ -726,11 +736,16 @@ def test_without_overlap_the_optimizer_steps_after_the_last_all_reduce(testbed_p
 
 
 def test_an_asynchronous_optimizer_overlaps_the_all_reduces_too(testbed_plan):
-    r = simulate(testbed_plan, servers=4, network="10Gbps", optimizer_overlap="async")
+    r = simulate(testbed_plan, servers=4, network="10Gbps", optimizer_overlap="async", keep_grads=False)
     (opt,) = events(r, "optimizer")
     comm_end = max(e.end for e in events(r, "allreduce"))
     assert opt.start == 0.0 and not [e for e in r.events if e.kind == "host-copy"]
     assert r.step_time == pytest.approx(max(comm_end, opt.end))
+    # keep_grads (the default): the averaged gradients converted into .grad after the all-reduces
+    kept = simulate(testbed_plan, servers=4, network="10Gbps", optimizer_overlap="async")
+    (h,) = [e for e in kept.events if e.kind == "host-copy"]
+    assert h.name == "hand-over" and h.start == pytest.approx(comm_end)
+    assert kept.step_time == pytest.approx(max(h.end, max(e.end for e in events(kept, "optimizer"))))
 
 
 @pytest.mark.parametrize("kwargs, message", [
