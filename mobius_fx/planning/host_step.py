@@ -88,10 +88,11 @@ HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e
 #   running while the next step computes: no shadow copy or pin. What it reads depends on the
 #   overlap's `keep_grads` (OverlapOptimizer.keep_grads, default True; `keep_grads=` of
 #   `simulate`, `CompileOptions` and `HostPass.of` mirror it):
-#   - keep_grads=True (the default): the fp32 `.grad` must exist when backward returns, so at
-#     backward's end the main thread converts each download into it (`OverlapOptimizer.take`:
-#     "handover", read s + write 4, after the pipeline and before opt.step() launches the
-#     update), and the pass reads that fp32 `.grad` -- whatever the loop made of it -- not the
+#   - keep_grads=True (the default): the fp32 `.grad` must exist when backward returns, so as
+#     each stage's gradients land the adder thread converts its downloads into it
+#     (`OverlapOptimizer.ready`: "handover", read s + write 4, per stage in landing order while
+#     the GPUs go on, as sync's pass; backward returns once the last has ended), and the pass
+#     reads that fp32 `.grad` -- whatever the loop made of it -- not the
 #     s-byte download ("grad", 4 - s more bytes read, at the optimizer's speed: the runtime's
 #     `grad_read`);
 #   - keep_grads=False: the downloads are held as they are and the pass reads them: nothing else.
@@ -207,9 +208,11 @@ class HostPass:
       stage before it in landing order has ended, on the one optimizer worker:
       H_k = max(D_k, H_prev) + `per_byte` G_k; the step ends at max(pipeline, max_k H_k) (the
       MIP orders the stages k = S-1, ..., 0, as they usually land);
-    - "async": the pass over all stages runs beside the pipeline from the start, and the main
-      thread converts the downloads into the fp32 `.grad` after the pipeline (`after`, keep_grads'
-      hand-over, 0 without it): the step is max(pipeline + `after` x sum G_k, `per_byte` x sum G_k);
+    - "async": the pass over all stages runs beside the pipeline from the start, and one thread
+      converts each stage's downloads into the fp32 `.grad` once they landed, in the order the
+      stages queued them as their backward ended (k = S-1, ..., 0; `after` per byte: keep_grads'
+      hand-over, 0 without it): A_k = max(D_k, A_{k+1}) + `after` G_k; the step is
+      max(pipeline, max_k A_k, `per_byte` x sum G_k);
     - "none": the hand-over and torch's step after the pipeline: pipeline + `per_byte` x sum G_k
       (the pinning before the next step's uploads, which delays them, is not modelled).
     `per_byte` 0 (no optimizer) charges nothing.
@@ -217,7 +220,7 @@ class HostPass:
 
     mode: str = "sync"
     per_byte: float = 0.0
-    after: float = 0.0  # "async": seconds per gradient byte on the main thread after the pipeline
+    after: float = 0.0  # "async": seconds per gradient byte of the hand-over into .grad as stages land
 
     def __post_init__(self) -> None:
         if self.mode not in OVERLAP_MODES:
@@ -227,8 +230,8 @@ class HostPass:
                 raise MobiusError(f"HostPass {name}={getattr(self, name)!r}; give seconds per gradient byte, "
                                   f"finite and >= 0")
         if self.after and self.mode != "async":
-            raise MobiusError(f"HostPass after={self.after!r} under {self.mode!r}; only \"async\" has main-thread "
-                              f"work after the pipeline apart from its pass (the others' is in per_byte)")
+            raise MobiusError(f"HostPass after={self.after!r} under {self.mode!r}; only \"async\" hands over apart "
+                              f"from its pass (the others' hand-over is in per_byte)")
 
     @staticmethod
     def of(topology: Any, stream_bytes: float, optimizer: str = "adamw", overlap: str = "sync",
@@ -269,8 +272,8 @@ class HostPass:
             return host_copy_bytes(kind, s, "adam", overlap, keep_grads=keep_grads) / copy_bw
 
         # the copies on the host's critical path: sync's refresh (fp32), none's hand-over, async's
-        # shadow (fp32) on the optimizer's worker; async's hand-over on the main thread after the
-        # pipeline; the pinning ("pin") runs on the upload workers during the next pipeline, not
+        # shadow (fp32) on the optimizer's worker; async's hand-over per stage as it lands, on its
+        # own thread; the pinning ("pin") runs on the upload workers during the next pipeline, not
         # charged here
         if overlap == "async":
             return HostPass(overlap, (step / bw + copy("shadow")) / s, copy("handover") / s)
@@ -287,7 +290,7 @@ class HostPass:
         if self.per_byte <= 0:
             return makespan
         if self.mode == "async":
-            return max(makespan + sum(grads) * self.after, self.seconds(sum(grads)))
+            return max([makespan, *self.ends(grads, done), self.seconds(sum(grads))])
         if self.mode == "none":
             return makespan + self.seconds(sum(grads))
         return max([makespan, *self.ends(grads, done)])
@@ -295,13 +298,18 @@ class HostPass:
     def ends(self, grads: list[float], done: list[float]) -> list[float]:
         """Under "sync", H_k: when stage k's pass ends on the one worker, which steps the stages
         in the order their gradients land (`done`; ties: the later stage first), each as soon as
-        it is free (k = 0 usually last); [] in the other modes. In landing order is also the
-        order that ends soonest (a single machine with release times)."""
-        if self.mode != "sync" or self.per_byte <= 0:
+        it is free (k = 0 usually last); under "async", A_k: the hand-overs into `.grad`
+        (`after` per byte) on one thread in the order the stages queued them, k = S-1, ..., 0
+        (the runtime's FIFO); [] in "none" (and without an optimizer, or a hand-over). In
+        landing order is also the order that ends soonest (a single machine with release times)."""
+        per = self.per_byte if self.mode == "sync" else self.after if self.mode == "async" else 0.0
+        if self.per_byte <= 0 or per <= 0:
             return []
         out, h = [0.0] * len(grads), 0.0
-        for k in sorted(range(len(grads)), key=lambda k: (done[k], -k)):
-            h = max(h, done[k]) + self.seconds(grads[k])
+        order = range(len(grads) - 1, -1, -1) if self.mode == "async" else sorted(
+            range(len(grads)), key=lambda k: (done[k], -k))
+        for k in order:
+            h = max(h, done[k]) + grads[k] * per
             out[k] = h
         return out
 

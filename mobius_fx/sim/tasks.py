@@ -271,17 +271,14 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
       streamed copy with fp32 ones; data parallel: the hand-over, the finite check, the step
       and the refresh), in the order the stages land, while the GPUs go on with earlier stages
       (without `per_stage`, as "none");
-    - "async": the steady state of a staleness-1 update (step t's update runs while step t+1
-      computes): the pass from the start, beside the pipeline (after the copy of w(t) into the
-      shadow where torch's step runs: "shadow", fp32), and with `keep_grads` the main thread's
-      conversion of the downloads into the fp32 `.grad` once every task so far has ended
-      ("handover" on "host/handover", before opt.step() launches the update), so the step takes
-      max(pipeline + hand-over, pass).
+    - "async": staleness 1 (step t's update runs while step t+1 computes): the pass from the
+      start beside the pipeline (fp32: after w(t) is copied into the shadow, "shadow"); with
+      `keep_grads` each stage's downloads made the fp32 `.grad` once landed (and all-reduced),
+      FIFO in stage order S-1..0 on "host/handover" (OverlapOptimizer.ready): the step is
+      max(pipeline, hand-overs, pass).
     `fused_refresh`: DeepSpeed's CPU Adam (the "zero3-offload" baseline), torch's formula plus the
-    streamed copy written as it steps: TOUCHED_BYTES + the streamed size, at `bandwidth`. The
-    DRAM traffic of the step and the copies is not charged to the links, and the host's
-    resources do not share its memory bandwidth with one another (each runs at its own measured
-    speed).
+    streamed copy written as it steps: TOUCHED_BYTES + the streamed size, at `bandwidth`. The host's
+    DRAM traffic is not charged to the links; its resources do not share its memory bandwidth.
 
     With `ctx.servers` > 1 (and `per_stage`), each stage's gradients are first all-reduced
     across the servers (`gradient_allreduce`): "sync" steps a stage once its all-reduce has
@@ -323,7 +320,15 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
     if mode == "async":
         step("optimizer step", master_bytes, copy("shadow", "shadow copy", master_bytes, "host/optimizer", [], (0,)),
              (1,))
-        copy("handover", "hand-over", master_bytes, "host/handover", everything, ())
+        if per_stage:
+            grads = _gradient_tasks(ctx)
+            prev: list = []
+            for k, nbytes in sorted(per_stage.items(), reverse=True):  # queued as the stages flush: S-1, ..., 0
+                landed = [reduced[k]] if k in reduced else grads.get(k) or everything
+                prev = copy("handover", f"hand-over s{k}", nbytes, "host/handover", [*landed, *prev], (-k,),
+                            stage=k)[-1:]
+        else:
+            copy("handover", "hand-over", master_bytes, "host/handover", everything, ())
         return
     handed = copy("handover", "hand-over", master_bytes, "host/handover", everything, ())
     step("optimizer step", master_bytes, sorted(set(everything + handed)), ())
