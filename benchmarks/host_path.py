@@ -150,7 +150,8 @@ def main() -> None:
         print("async: 'before' and 'spans' are today's path before the pass (the downloads converted into a new "
               "(before) or kept (spans) fp32 .grad, w(t) copied into the shadow: 'shadow', torch's step reading the "
               "fp32 .grad: +2 B not counted there, the copy pinned again at upload); 'after' the pass reading the "
-              "fp32 .grad converted as each stage completes (keep_grads, the default: 'grad_read' is its +2 B); 'no .grad' "
+              "fp32 .grad converted as each stage completes (keep_grads, the default: 'grad_read' is its +2 B); "
+              "'no .grad' "
               "the pass reading the bf16 downloads themselves")
 
 if __name__ == "__main__":

@@ -151,8 +151,8 @@ def run_case(case: Case, cache: str, time_limit: float, overlap: str = "sync", k
             except PlanError:
                 continue  # does not fit the GPUs
             fits += 1
-            results.append((mobius_fx.simulate(ctx.plan, optimizer_overlap=overlap, keep_grads=keep_grads).step_time, cuts,
-                            ctx.plan.step_time))
+            sim_time = mobius_fx.simulate(ctx.plan, optimizer_overlap=overlap, keep_grads=keep_grads).step_time
+            results.append((sim_time, cuts, ctx.plan.step_time))
     best_sim, best_cuts, _ = min(results)
     return {"case": case.name, "what": case.what, "layers": L, "gpus": len(topo.gpus),
             "microbatches": mip.microbatches, "partitions": f"{fits} / {2 ** (L - 1)}",
@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                          "yes" if r["above_lb"] else "NO", f"{r['pipe_pred_sim']:.3f}", _ms(r["host_after"])])
     print()
     print(f"MIP pick vs every contiguous partition, simulated (the whole step: fwd+bwd+gradient download and the "
-          f"host's optimizer work; fp16 on RTX 3090s; optimizer overlap {args.overlap!r}, keep_grads={args.keep_grads}, "
+          f"host's optimizer work; fp16 on RTX 3090s; optimizer overlap {args.overlap!r}, "
+          f"keep_grads={args.keep_grads}, "
           f"planned and simulated):")
     print(tabulate(rows, headers=["case", "server and batch", "GPUs", "micro-batches", "partitions fitting",
                                   "MIP pick (cuts, sim.)", "best (cuts, sim.)", "pick/best", "pred/sim", ">= LB",
