@@ -26,7 +26,7 @@ for loops that do not read it after backward). The row "total" is the bytes touc
 parameter per step: the optimizer's own 28 (AdamW) + outside + beside, ideally 28. Under
 `--mode async` the same pass steps each parameter into its shadow (overlap.py): "before" and
 "spans" are the path before it (w(t) copied into the shadow -- `shadow` -- and torch's step over
-it), "after" reads the fp32 `.grad` converted at backward's end (`grad_read`: its 2 extra bytes),
+it), "after" reads the fp32 `.grad` converted as each stage's gradients complete (`grad_read`: its 2 extra bytes),
 "no .grad" reads the bf16 downloads themselves.
 
     python benchmarks/host_path.py                  # ~100M parameters, bf16 streamed, 3 steps (async: 5)
@@ -150,7 +150,8 @@ def main() -> None:
         print("async: 'before' and 'spans' are today's path before the pass (the downloads converted into a new "
               "(before) or kept (spans) fp32 .grad, w(t) copied into the shadow: 'shadow', torch's step reading the "
               "fp32 .grad: +2 B not counted there, the copy pinned again at upload); 'after' the pass reading the "
-              "fp32 .grad converted at backward's end (keep_grads, the default: 'grad_read' is its +2 B); 'no .grad' "
+              "fp32 .grad converted as each stage completes (keep_grads, the default: 'grad_read' is its +2 B); "
+              "'no .grad' "
               "the pass reading the bf16 downloads themselves")
 
 if __name__ == "__main__":

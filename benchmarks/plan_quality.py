@@ -17,11 +17,19 @@ planner does not model the pinning). Columns:
 - MIP pick: its cuts and simulated time; best: the partition the simulator times fastest;
 - pick/best: simulated time of the MIP's pick over the best's (target: <= 1.03, "ok"/"FAIL");
 - pred/sim: the MIP's predicted time over the simulated time of its pick (target: 0.94-1.00);
-- >= LB: whether the prediction is at least `plan.lower_bound()`.
+- >= LB: whether the prediction is at least `plan.lower_bound()`;
+- pipe pred/sim: the pick's GPU pipeline alone (fwd + bwd + gradient downloads), predicted
+  (`step_model.evaluate(...).pipeline`) over simulated (`SimResult.pipeline_time`): where
+  pred/sim misses, whether the pipeline model or the host's terms miss;
+- host after: the host's work the step waits for after the pipeline, simulated (step - pipeline).
+
+`--no-keep-grads` plans and simulates a loop with `opt.keep_grads = False` (no fp32 `.grad` from
+the overlap; by default, as the runtime, "sync"'s pass writes it and "async"'s main thread
+converts the downloads into it after the pipeline: planning/host_step.py).
 
 Every figure is computed in this run, with a fresh plan cache. Always exits 0.
 
-    python benchmarks/plan_quality.py [--time-limit 10] [--overlap sync|none]
+    python benchmarks/plan_quality.py [--time-limit 10] [--overlap sync|async|none] [--no-keep-grads]
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ from mobius_fx import PlanError, Topology
 from mobius_fx.compiler import PassPipeline, default_pipeline
 from mobius_fx.kinds import OVERLAP_MODES
 from mobius_fx.options import CompileContext, CompileOptions
+from mobius_fx.passes.partition import problem_of
+from mobius_fx.planning.step_model import evaluate
 from mobius_fx.zoo import GPT, GPTConfig
 
 
@@ -97,13 +107,14 @@ def server(case: Case) -> Topology:
     return Topology.from_dict({"name": case.name, "p2p": False, "nodes": nodes, "links": links})
 
 
-def _context(case: Case, topo: Topology, cache: str, overlap: str = "sync", **settings) -> CompileContext:
+def _context(case: Case, topo: Topology, cache: str, overlap: str = "sync", keep_grads: bool = True,
+             **settings) -> CompileContext:
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab=case.vocab, seq=case.seq, hidden=case.hidden, blocks=case.blocks,
                               heads=case.hidden // 64))
     ids = torch.zeros(case.batch, case.seq, dtype=torch.long, device="meta")
     opts = CompileOptions(dtype=torch.float16, costs="model", cache_dir=cache, verbose=False,
-                          optimizer_overlap=overlap, **settings)
+                          optimizer_overlap=overlap, keep_grads=keep_grads, **settings)
     ctx = CompileContext(model=model, topology=topo, example_inputs=(ids,), settings=opts)
     ctx.settings = ctx.settings.resolved(case.batch, len(topo.gpus))  # the default: one micro-batch per GPU
     return ctx
@@ -114,13 +125,15 @@ def _cuts(plan) -> tuple[int, ...]:
     return tuple(itertools.accumulate(sizes[:-1]))
 
 
-def run_case(case: Case, cache: str, time_limit: float, overlap: str = "sync") -> dict:
+def run_case(case: Case, cache: str, time_limit: float, overlap: str = "sync", keep_grads: bool = True) -> dict:
     topo = server(case)
     t0 = time.perf_counter()
-    mip_ctx = _context(case, topo, cache, overlap, time_limit=time_limit)
+    mip_ctx = _context(case, topo, cache, overlap, keep_grads, time_limit=time_limit)
     default_pipeline().until("plan").run(mip_ctx)  # trace, annotate and the MIP, as mobius_fx.plan runs them
     mip = mip_ctx.plan
-    mip_sim = mobius_fx.simulate(mip, optimizer_overlap=overlap).step_time
+    sim = mobius_fx.simulate(mip, optimizer_overlap=overlap, keep_grads=keep_grads)
+    mip_sim = sim.step_time
+    pipe_pred = evaluate(problem_of(mip_ctx, mip.order), [0, *_cuts(mip)]).pipeline
     # Every contiguous partition through the plan's own passes with cuts= given (no re-trace).
     tail = default_pipeline()
     tail = PassPipeline([p for p in tail.passes if p.name in ("partition", "plan")],
@@ -138,14 +151,15 @@ def run_case(case: Case, cache: str, time_limit: float, overlap: str = "sync") -
             except PlanError:
                 continue  # does not fit the GPUs
             fits += 1
-            results.append((mobius_fx.simulate(ctx.plan, optimizer_overlap=overlap).step_time, cuts,
-                            ctx.plan.step_time))
+            sim_time = mobius_fx.simulate(ctx.plan, optimizer_overlap=overlap, keep_grads=keep_grads).step_time
+            results.append((sim_time, cuts, ctx.plan.step_time))
     best_sim, best_cuts, _ = min(results)
     return {"case": case.name, "what": case.what, "layers": L, "gpus": len(topo.gpus),
             "microbatches": mip.microbatches, "partitions": f"{fits} / {2 ** (L - 1)}",
             "mip_cuts": _cuts(mip), "mip_sim": mip_sim, "best_cuts": best_cuts, "best_sim": best_sim,
             "pick_best": mip_sim / best_sim, "pred_sim": mip.step_time / mip_sim,
             "above_lb": mip.step_time >= mip.lower_bound() * (1 - 1e-9), "solver": str(mip.solver),
+            "pipe_pred_sim": pipe_pred / sim.pipeline_time, "host_after": mip_sim - sim.pipeline_time,
             "seconds": time.perf_counter() - t0}
 
 
@@ -166,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=10.0, help="the MIP's budget per case, seconds")
     ap.add_argument("--overlap", choices=OVERLAP_MODES, default="sync",
                     help="the optimizer placement planned and simulated: sync (the default), async or none")
+    ap.add_argument("--no-keep-grads", dest="keep_grads", action="store_false",
+                    help="plan and simulate a loop with opt.keep_grads = False (no fp32 .grad from the overlap)")
     ap.add_argument("--cases", default=None,
                     help="comma-separated case names to run (default: all)")
     args = ap.parse_args(argv)
@@ -176,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.cases and case.name not in args.cases.split(","):
                 continue
             try:
-                r = run_case(case, cache, args.time_limit, args.overlap)
+                r = run_case(case, cache, args.time_limit, args.overlap, args.keep_grads)
             except PlanError as e:  # reported, not fatal: the table shows the other cases
                 print(f"{case.name}: the planner failed: {e}", flush=True)
                 continue
@@ -186,12 +202,15 @@ def main(argv: list[str] | None = None) -> int:
                          f"{list(r['mip_cuts'])} {_ms(r['mip_sim'])}", f"{list(r['best_cuts'])} {_ms(r['best_sim'])}",
                          f"{r['pick_best']:.3f} {_ok(r['pick_best'] <= PICK_BEST)}",
                          f"{r['pred_sim']:.3f} {_ok(PRED_SIM[0] <= r['pred_sim'] <= PRED_SIM[1])}",
-                         "yes" if r["above_lb"] else "NO"])
+                         "yes" if r["above_lb"] else "NO", f"{r['pipe_pred_sim']:.3f}", _ms(r["host_after"])])
     print()
     print(f"MIP pick vs every contiguous partition, simulated (the whole step: fwd+bwd+gradient download and the "
-          f"host's optimizer work; fp16 on RTX 3090s; optimizer overlap {args.overlap!r}, planned and simulated):")
+          f"host's optimizer work; fp16 on RTX 3090s; optimizer overlap {args.overlap!r}, "
+          f"keep_grads={args.keep_grads}, "
+          f"planned and simulated):")
     print(tabulate(rows, headers=["case", "server and batch", "GPUs", "micro-batches", "partitions fitting",
-                                  "MIP pick (cuts, sim.)", "best (cuts, sim.)", "pick/best", "pred/sim", ">= LB"]))
+                                  "MIP pick (cuts, sim.)", "best (cuts, sim.)", "pick/best", "pred/sim", ">= LB",
+                                  "pipe pred/sim", "host after"]))
     if out:
         worst_pick = max(out, key=lambda r: r["pick_best"])
         worst_pred = max(out, key=lambda r: abs(r["pred_sim"] - 1))

@@ -181,6 +181,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="when the CPU optimizer steps in the simulated comparison: per stage as its gradients land "
                          "(sync), a step late (async) or after the step (none); Mobius and RoundPipe (default "
                          f"{OVERLAP_DEFAULT}, as Pipeline.overlap)")
+    pl.add_argument("--no-keep-grads", dest="keep_grads", action="store_false",
+                    help="plan and simulate a loop that sets opt.keep_grads = False (no fp32 .grad from the overlap: "
+                         "4 B per parameter less under sync, no hand-over after the pipeline under async)")
     pl.add_argument("--servers", type=_checked(int, lambda v: v > 0, "a positive integer (servers, 1 or more)"),
                     default=None, metavar="R",
                     help="also simulate R servers running this plan data parallel (each its own slice of an R x "
@@ -250,10 +253,10 @@ def _cmd_plan(args) -> int:
                  dtype=args.dtype, memory_fraction=args.memory_fraction,
                  time_limit=args.time_limit, verbose=not args.quiet, optimizer=args.optimizer,
                  host_memory_fraction=args.host_memory_fraction, cache=args.cache, schedule=args.schedule,
-                 optimizer_overlap=args.optimizer_overlap)
+                 optimizer_overlap=args.optimizer_overlap, keep_grads=args.keep_grads)
     print(p.describe("full" if args.transfers else "summary"))
     cmp = compare(p, cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None,
-                  optimizer_overlap=args.optimizer_overlap)
+                  optimizer_overlap=args.optimizer_overlap, keep_grads=args.keep_grads)
     print()
     print(f"Simulated on {topo.name} ({args.model}, batch {args.batch} x {args.seq} tokens, {p.microbatches} "
           f"micro-batches; CPU optimizer overlap: {args.optimizer_overlap}):")
@@ -263,7 +266,7 @@ def _cmd_plan(args) -> int:
 
         cl = cluster(p, args.servers, args.network, tokens=args.batch * args.seq,
                      cpu_adam_bandwidth=args.adam_gbps * 1e9 if args.adam_gbps is not None else None,
-                     optimizer_overlap=args.optimizer_overlap)
+                     optimizer_overlap=args.optimizer_overlap, keep_grads=args.keep_grads)
         print()
         print(f"Simulated data parallel, mobius schedule, one server's step among R (batch {args.batch} x {args.seq} "
               f"tokens per server; ring all-reduce per stage over a {args.network * 8 / 1e9:.4g} Gbit/s = "

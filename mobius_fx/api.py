@@ -235,7 +235,8 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
          pipeline: PassPipeline | None = None, optimizer: str = _D.optimizer,
          host_memory_fraction: float | None = _D.host_memory_fraction, cache: bool = _D.cache,
          loss_fn: Any = None, example_target: Any = None, train_step: bool = False,
-         schedule: str | None = None, optimizer_overlap: str = _D.optimizer_overlap) -> Plan:
+         schedule: str | None = None, optimizer_overlap: str = _D.optimizer_overlap,
+         keep_grads: bool = _D.keep_grads) -> Plan:
     """Plan a Mobius pipeline for `model` on `topology`; nothing is run on a GPU.
 
     Works on the meta device, so a 15B model plans on a laptop:
@@ -281,7 +282,8 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     forward + backward that fits. The plan's first line (`plan.schedule_choice`) says which and
     why, and when the runtime does not execute it yet (compile then runs the fastest it does).
     `optimizer_overlap`: the mode `pipe.overlap` will step the optimizer in ("none", "sync",
-    "async"); the step model times the host's pass that way (planning/host_step.py).
+    "async"); the step model times the host's pass that way (planning/host_step.py), with
+    `keep_grads` as the overlap's (`opt.keep_grads`, default True: the fp32 `.grad` written).
     """
     if loss_fn is not None or example_target is not None or train_step:
         pipeline = step_passes(pipeline or default_pipeline())
@@ -295,7 +297,8 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
                example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
                cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
                time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, optimizer=optimizer,
-               host_memory_fraction=host_memory_fraction, cache=cache, optimizer_overlap=optimizer_overlap)
+               host_memory_fraction=host_memory_fraction, cache=cache, optimizer_overlap=optimizer_overlap,
+               keep_grads=keep_grads)
     if microbatches is None:  # the caller's count is binding; without one the planner times a few
         from mobius_fx.count_choice import count_candidates, count_planner
 

@@ -121,6 +121,10 @@ class CompileOptions:
     `optimizer_overlap`: how the CPU optimizer will step (`Pipeline.overlap`'s mode, "sync" by
     default, "async" or "none"), so the planner charges the host work the step waits for
     (mobius_fx/planning/host_step.py, `HostPass`) at the topology's measured host speeds.
+    `keep_grads`: whether the overlap writes the fp32 `.grad` (`OverlapOptimizer.keep_grads`, True
+    by default, as the runtime; False for a loop that sets `opt.keep_grads = False`): under "sync"
+    the fused pass writes it (4 B per parameter), under "async" the main thread converts the
+    downloads into it after the pipeline (6 B per parameter in bf16, before the update launches).
     """
 
     microbatches: int | None = None
@@ -143,6 +147,7 @@ class CompileOptions:
     optimizer: str = "adamw"
     host_memory_fraction: float | None = 0.9
     optimizer_overlap: str = OVERLAP_DEFAULT
+    keep_grads: bool = True
     microbatches_rule: str = ""  # why microbatches is what it is, when plan/compile chose it (`resolved`)
 
     def __post_init__(self) -> None:
@@ -188,6 +193,9 @@ class CompileOptions:
         check_optimizer(self.optimizer)
         set_("host_memory_fraction", check_host_memory_fraction(self.host_memory_fraction))
         _choice("optimizer_overlap", self.optimizer_overlap, OVERLAP_MODES)
+        if not isinstance(self.keep_grads, bool):
+            raise MobiusError(f"keep_grads={self.keep_grads!r}; it must be True (the overlap writes the fp32 .grad, "
+                              f"the runtime's default) or False (a loop with opt.keep_grads = False)")
         if not isinstance(self.microbatches_rule, str):
             raise MobiusError(f"microbatches_rule={self.microbatches_rule!r}; it must be a str (set by `resolved`)")
 

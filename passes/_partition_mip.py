@@ -357,14 +357,16 @@ class _Program:
     def tail(self) -> Any:
         """"none"'s host work after the pipeline (`HostPass`: per_byte x all gradient bytes), in units; 0 otherwise."""
         host = self.problem.host
-        if host is None or host.mode != "none" or host.per_byte <= 0:
+        if host is None or host.per_byte <= 0:
             return 0.0
-        return pulp.lpSum(self.g) * (host.per_byte / self.scale)
+        per = host.per_byte if host.mode == "none" else 0.0
+        return pulp.lpSum(self.g) * (per / self.scale) if per > 0 else 0.0
 
     def host_pass(self) -> None:
         """The host's pass (step_model.timeline's `HostPass.end`): "sync", one worker steps the stages
         in landing order, H_k >= max(D_k, H_{k+1}) + pass_k, T >= H_0; "async", T >= the pass over
-        all stages ("none": `tail`, in the end rows)."""
+        all stages, and the same rows for its hand-overs into `.grad` (`HostPass.after`) ("none":
+        `tail`, in the end rows)."""
         host, lp, s, T, D, g = self.problem.host, self.lp, self.s, self.T, self.D, self.g
         self.H = {}
         if host is None or host.per_byte <= 0:
@@ -372,7 +374,8 @@ class _Program:
         unit = host.per_byte / self.scale
         if host.mode == "async":
             lp += T >= pulp.lpSum(g) * unit, "host_async"
-        elif host.mode == "sync":
+            unit = host.after / self.scale  # its hand-overs: a chain as sync's passes
+        if host.mode != "none" and unit > 0:
             for k in range(s - 1, -1, -1):
                 self.H[k] = var(lp, f"H_{k}", 0)
                 lp += self.H[k] >= D[k] + g[k] * unit, f"host_pass_{k}"

@@ -17,7 +17,7 @@ from mobius_fx.errors import MobiusError
 from mobius_fx.kinds import OVERLAP_MODES
 
 __all__ = ["TOUCHED_BYTES", "STATE_BYTES", "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH", "HOST_COPY_KINDS",
-           "RUNTIME_HOST_COPIES", "RUNTIME_HOST_COPIES_REDUCED", "NO_HOST_COPIES", "H200_HOST_PARAMS",
+           "RUNTIME_HOST_COPIES", "RUNTIME_HOST_COPIES_REDUCED", "GRAD_COPIES", "NO_HOST_COPIES", "H200_HOST_PARAMS",
            "H200_HOST_ADAMW_SECONDS", "H200_HOST_HANDOVER_SECONDS", "fused_pass", "host_pass_bytes",
            "host_copy_bytes", "optimizer_bytes_touched", "PLANNED_OPTIMIZERS", "HostPass", "shared_landings"]
 
@@ -85,12 +85,27 @@ HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e
 #   non-finite check ("finite_check", read 4) and torch's step and "refresh" on the optimizer's.
 # - "async" (staleness 1): the same fused pass out of place into the shadow the next swap makes
 #   the weights, half-precision in, streamed copy out (`host_pass_bytes`: 28 B for AdamW in bf16),
-#   running while the next step computes: no shadow copy, hand-over or pin. fp32: torch's step and
-#   the pin of the new master before its first upload ("pin", 8 B).
-# A kind a mode does not make costs 0; `simulate(..., host_copies={"grad": 0})` (a loop with
-# keep_grads=False) or {"handover": 0} overrides a kind's bytes.
+#   running while the next step computes: no shadow copy or pin. What it reads depends on the
+#   overlap's `keep_grads` (OverlapOptimizer.keep_grads, default True; `keep_grads=` of
+#   `simulate`, `CompileOptions` and `HostPass.of` mirror it):
+#   - keep_grads=True (the default): the fp32 `.grad` must exist when backward returns, so as
+#     each stage's gradients land the adder thread converts its downloads into it
+#     (`OverlapOptimizer.ready`: "handover", read s + write 4, per stage in landing order while
+#     the GPUs go on, as sync's pass; backward returns once the last has ended), and the pass
+#     reads that fp32 `.grad` -- whatever the loop made of it -- not the
+#     s-byte download ("grad", 4 - s more bytes read, at the optimizer's speed: the runtime's
+#     `grad_read`);
+#   - keep_grads=False: the downloads are held as they are and the pass reads them: nothing else.
+#   fp32: the download is the `.grad` (no hand-over); torch's step into the shadow after w(t) is
+#   copied there ("shadow", read 4 + write 4, on the optimizer's worker) and the pin of the new
+#   master before its first upload ("pin", 8 B).
+# A kind a mode does not make costs 0; `simulate(..., keep_grads=False)` (a loop with
+# keep_grads=False) or `host_copies={"handover": 0}` overrides a kind's bytes.
 HOST_COPY_KINDS = ("pin", "refresh", "handover", "finite_check", "shadow", "grad")
-RUNTIME_HOST_COPIES = dict(zip(OVERLAP_MODES, (("pin", "handover"), ("grad", "refresh"), ("pin",))))  # none, sync, async
+# The copies a mode makes only for the fp32 `.grad` (`keep_grads`): none without it.
+GRAD_COPIES = dict(zip(OVERLAP_MODES, ((), ("grad",), ("handover", "grad"))))  # none, sync, async
+RUNTIME_HOST_COPIES = dict(zip(OVERLAP_MODES, (("pin", "handover"), ("grad", "refresh"),
+                                               ("pin", "handover", "shadow", "grad"))))  # none, sync, async
 # with servers > 1 (data parallel) under "sync": the unfused path
 RUNTIME_HOST_COPIES_REDUCED = {"sync": ("handover", "finite_check", "refresh")}
 # `simulate(plan, host_copies=NO_HOST_COPIES)`: no host copy at all -- the network and the
@@ -125,19 +140,26 @@ def host_pass_bytes(optimizer: str, streamed: float, overlap: str = "none", serv
 
 
 def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam", overlap: str = "none",
-                    servers: int = 1) -> float:
+                    servers: int = 1, keep_grads: bool = True) -> float:
     """Bytes read + written per parameter (per 4 master bytes) of host copy `kind`
     (HOST_COPY_KINDS) with weights streamed at `streamed` bytes per element, as the runtime
     makes it under `overlap` (see RUNTIME_HOST_COPIES; 0 for a kind the mode does not make,
-    and for every kind without an optimizer: nothing changes). "grad" is charged inside the
+    and for every kind without an optimizer: nothing changes), with the overlap's `keep_grads`
+    (False: no fp32 `.grad` under sync or async, `GRAD_COPIES`). "grad" is charged inside the
     fused pass at the optimizer's speed; the others at the host copies' speed.
 
     >>> [host_copy_bytes(k, 2) for k in HOST_COPY_KINDS], host_copy_bytes("handover", 4)
     ([6, 0, 6, 0, 0, 0], 0)
     >>> [host_copy_bytes(k, 2, overlap="sync") for k in HOST_COPY_KINDS]
     [0, 0, 0, 0, 0, 4]
+    >>> [host_copy_bytes(k, 2, overlap="async") for k in HOST_COPY_KINDS]
+    [0, 0, 6, 0, 0, 2]
+    >>> [host_copy_bytes(k, 2, overlap="async", keep_grads=False) for k in HOST_COPY_KINDS]
+    [0, 0, 0, 0, 0, 0]
     >>> [host_copy_bytes(k, 4, overlap="sync") for k in HOST_COPY_KINDS]
     [0, 8, 0, 0, 0, 0]
+    >>> [host_copy_bytes(k, 4, overlap="async") for k in HOST_COPY_KINDS]
+    [8, 0, 0, 0, 8, 0]
     """
     if kind not in HOST_COPY_KINDS:
         raise MobiusError(f"unknown host copy {kind!r}; the host copies the simulator models are "
@@ -147,15 +169,17 @@ def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam", overlap
     fused = fused_pass(overlap, streamed, servers)
     made = (RUNTIME_HOST_COPIES_REDUCED.get(overlap, RUNTIME_HOST_COPIES[overlap]) if servers > 1
             else RUNTIME_HOST_COPIES[overlap])
-    if kind not in made:
+    if kind not in made or (not keep_grads and kind in GRAD_COPIES.get(overlap, ())):
         return 0
-    if kind == "grad":
-        return 4 if fused else 0
+    if kind == "grad":  # sync's pass writes the fp32 .grad; async's reads it instead of the download
+        return (4 if overlap == "sync" else 4 - streamed) if fused else 0
     if kind in ("pin", "refresh"):
         return 0 if fused else 4 + streamed
     if kind == "handover":
         return 0 if streamed >= 4 else streamed + 4
-    return {"finite_check": 4, "shadow": 8}[kind]
+    if kind == "shadow":
+        return 0 if fused else 8
+    return {"finite_check": 4}[kind]
 
 
 def optimizer_bytes_touched(optimizer: str) -> int:
@@ -184,8 +208,11 @@ class HostPass:
       stage before it in landing order has ended, on the one optimizer worker:
       H_k = max(D_k, H_prev) + `per_byte` G_k; the step ends at max(pipeline, max_k H_k) (the
       MIP orders the stages k = S-1, ..., 0, as they usually land);
-    - "async": the pass over all stages runs beside the pipeline from the start: the step is
-      max(pipeline, `per_byte` x sum G_k);
+    - "async": the pass over all stages runs beside the pipeline from the start, and one thread
+      converts each stage's downloads into the fp32 `.grad` once they landed, in the order the
+      stages queued them as their backward ended (k = S-1, ..., 0; `after` per byte: keep_grads'
+      hand-over, 0 without it): A_k = max(D_k, A_{k+1}) + `after` G_k; the step is
+      max(pipeline, max_k A_k, `per_byte` x sum G_k);
     - "none": the hand-over and torch's step after the pipeline: pipeline + `per_byte` x sum G_k
       (the pinning before the next step's uploads, which delays them, is not modelled).
     `per_byte` 0 (no optimizer) charges nothing.
@@ -193,23 +220,36 @@ class HostPass:
 
     mode: str = "sync"
     per_byte: float = 0.0
+    after: float = 0.0  # "async": seconds per gradient byte of the hand-over into .grad as stages land
 
     def __post_init__(self) -> None:
         if self.mode not in OVERLAP_MODES:
             raise MobiusError(f"HostPass mode {self.mode!r}; use one of {', '.join(map(repr, OVERLAP_MODES))}")
-        if not 0 <= self.per_byte < math.inf:
-            raise MobiusError(f"HostPass per_byte={self.per_byte!r}; give seconds per gradient byte, finite and >= 0")
+        for name in ("per_byte", "after"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise MobiusError(f"HostPass {name}={getattr(self, name)!r}; give seconds per gradient byte, "
+                                  f"finite and >= 0")
+        if self.after and self.mode != "async":
+            raise MobiusError(f"HostPass after={self.after!r} under {self.mode!r}; only \"async\" hands over apart "
+                              f"from its pass (the others' hand-over is in per_byte)")
 
     @staticmethod
-    def of(topology: Any, stream_bytes: float, optimizer: str = "adamw", overlap: str = "sync") -> "HostPass":
+    def of(topology: Any, stream_bytes: float, optimizer: str = "adamw", overlap: str = "sync",
+           keep_grads: bool = True) -> "HostPass":
         """The pass of `optimizer` (a `PLANNED_OPTIMIZERS` name) under `overlap` with weights
-        streamed at `stream_bytes` per element, at the speeds of `topology`'s measured host section
+        streamed at `stream_bytes` per element, with the overlap's `keep_grads` (the fp32 `.grad`
+        written: OverlapOptimizer.keep_grads), at the speeds of `topology`'s measured host section
         (`HostFigures`: its optimizer's bytes/s unless DeepSpeed's, its host copies' bytes/s), else
         CPU_ADAM_BANDWIDTH and HOST_COPY_BANDWIDTH -- the simulator's defaults.
 
         >>> h = HostPass.of(None, 2, "adamw", "sync")
         >>> round(h.per_byte * 2 * 1e9 / (32 / CPU_ADAM_BANDWIDTH * 1e9), 12)   # 32 B per parameter
         1.0
+        >>> a = HostPass.of(None, 2, "adamw", "async")   # 28 + 2 B beside, the 6 B hand-over after the pipeline
+        >>> round(a.per_byte * 2 * CPU_ADAM_BANDWIDTH, 9), round(a.after * 2 * HOST_COPY_BANDWIDTH, 9)
+        (30.0, 6.0)
+        >>> HostPass.of(None, 2, "adamw", "async", keep_grads=False).after
+        0.0
         """
         if optimizer not in PLANNED_OPTIMIZERS:
             raise MobiusError(f"optimizer={optimizer!r}; the host pass models {', '.join(PLANNED_OPTIMIZERS)}")
@@ -226,11 +266,19 @@ class HostPass:
         s = float(stream_bytes)
         fused = fused_pass(overlap, s)
         step = touched - 4 + 2 * s if fused else touched
-        step += host_copy_bytes("grad", s, "adam", overlap)
-        # the copies on the host's critical path: sync's refresh (fp32), none's hand-over; the
-        # pinning ("pin") runs on the upload workers during the next pipeline, not charged here
-        copies = sum(host_copy_bytes(k, s, "adam", overlap) for k in ("refresh", "handover", "finite_check"))
-        return HostPass(overlap, (step / bw + copies / copy_bw) / s)
+        step += host_copy_bytes("grad", s, "adam", overlap, keep_grads=keep_grads)
+
+        def copy(kind: str) -> float:
+            return host_copy_bytes(kind, s, "adam", overlap, keep_grads=keep_grads) / copy_bw
+
+        # the copies on the host's critical path: sync's refresh (fp32), none's hand-over, async's
+        # shadow (fp32) on the optimizer's worker; async's hand-over per stage as it lands, on its
+        # own thread; the pinning ("pin") runs on the upload workers during the next pipeline, not
+        # charged here
+        if overlap == "async":
+            return HostPass(overlap, (step / bw + copy("shadow")) / s, copy("handover") / s)
+        copies = sum(copy(k) for k in ("refresh", "handover", "finite_check"))
+        return HostPass(overlap, (step / bw + copies) / s)
 
     def seconds(self, grad_bytes: float) -> float:
         """Seconds of the pass over a stage (or stages) with `grad_bytes` gradient bytes as streamed."""
@@ -242,7 +290,7 @@ class HostPass:
         if self.per_byte <= 0:
             return makespan
         if self.mode == "async":
-            return max(makespan, self.seconds(sum(grads)))
+            return max([makespan, *self.ends(grads, done), self.seconds(sum(grads))])
         if self.mode == "none":
             return makespan + self.seconds(sum(grads))
         return max([makespan, *self.ends(grads, done)])
@@ -250,13 +298,18 @@ class HostPass:
     def ends(self, grads: list[float], done: list[float]) -> list[float]:
         """Under "sync", H_k: when stage k's pass ends on the one worker, which steps the stages
         in the order their gradients land (`done`; ties: the later stage first), each as soon as
-        it is free (k = 0 usually last); [] in the other modes. In landing order is also the
-        order that ends soonest (a single machine with release times)."""
-        if self.mode != "sync" or self.per_byte <= 0:
+        it is free (k = 0 usually last); under "async", A_k: the hand-overs into `.grad`
+        (`after` per byte) on one thread in the order the stages queued them, k = S-1, ..., 0
+        (the runtime's FIFO); [] in "none" (and without an optimizer, or a hand-over). In
+        landing order is also the order that ends soonest (a single machine with release times)."""
+        per = self.per_byte if self.mode == "sync" else self.after if self.mode == "async" else 0.0
+        if self.per_byte <= 0 or per <= 0:
             return []
         out, h = [0.0] * len(grads), 0.0
-        for k in sorted(range(len(grads)), key=lambda k: (done[k], -k)):
-            h = max(h, done[k]) + self.seconds(grads[k])
+        order = range(len(grads) - 1, -1, -1) if self.mode == "async" else sorted(
+            range(len(grads)), key=lambda k: (done[k], -k))
+        for k in order:
+            h = max(h, done[k]) + grads[k] * per
             out[k] = h
         return out
 

@@ -45,7 +45,7 @@ class Evaluation:
     weights_back: tuple[float, ...] = ()
     restores_done: tuple[float, ...] = ()
     upload_done: tuple[float, ...] = ()
-    host_done: tuple[float, ...] = ()  # H_k: sync's pass of stage k ends (`HostPass.ends`; () otherwise)
+    host_done: tuple[float, ...] = ()  # H_k: sync's pass (async's hand-over) of stage k ends (`HostPass.ends`)
     pipeline: float = float("nan")  # the makespan without the host's work (fwd + bwd + downloads, links)
 
 
@@ -73,7 +73,7 @@ class Timeline:
     A: list[float]
     R: list[float]
     U: list[float] = field(default_factory=list)
-    H: list[float] = field(default_factory=list)  # sync's host pass ends (`HostPass.ends`)
+    H: list[float] = field(default_factory=list)  # sync's host pass (async's hand-over) ends (`HostPass.ends`)
     pipeline: float = float("nan")  # makespan before the host's work
 
 
@@ -186,8 +186,9 @@ def timeline(problem: Any, st: Any, full: bool = False):
         makespan = max(makespan, max(link_time(x, per_slot) for x in problem.links))
     pipeline, host, H = makespan, getattr(problem, "host", None), []
     if host is not None and host.per_byte > 0:  # the host's work the step waits for (`host_step.HostPass`)
-        H = host.ends(st.g, shared_landings(problem, st.g, [B[k][c.m - 1] + c.b[k] for k in range(c.s)], D))
-        makespan = max([pipeline, *H]) if host.mode == "sync" else host.end(pipeline, st.g, D)
+        landed = shared_landings(problem, st.g, [B[k][c.m - 1] + c.b[k] for k in range(c.s)], D)
+        H = host.ends(st.g, landed)
+        makespan = host.end(pipeline, st.g, landed)
     return Timeline(makespan, p, q, F, B, D, V, E, A, R, U, H, pipeline) if full else makespan
 
 

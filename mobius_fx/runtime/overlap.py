@@ -743,7 +743,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self._handed_fp = {i: (g, g._version) for i, (_, g) in grads.items()}
 
     def overlapping(self) -> bool:
-        """Whether this backward steps stages as their gradients complete."""
+        """Whether this backward steps stages as their gradients complete (sync), or hands their
+        gradients over into the fp32 `.grad` as they complete (async with `keep_grads`: `ready`)."""
+        if self.mode == "async":
+            return self.keep_grads and self.fuse and self._error is None
         return self.mode == "sync" and self._serial is None and not self._probing and self._error is None
 
     def wants(self, p: torch.Tensor) -> bool:
@@ -752,12 +755,18 @@ class OverlapOptimizer(torch.optim.Optimizer):
         expects autograd to do so."""
         if torch.is_grad_enabled():  # backward(create_graph=True): autograd builds on the gradients it accumulates
             return False
+        if self.mode == "async":  # where `take` would convert the downloads into an empty .grad
+            mine, homes = self._mine, self._pipeline._rt.grad_homes
+            if (homes is None or mine is None or mine.get(id(p)) is not p or p.grad is not None
+                    or id(p) in self._outside or _user_grad_hooks(p) or p.is_sparse):
+                return False
         node = self._nodes.get(id(p))
         if node is None:
             if not any(q is p for q in self._params()):
                 return False
             node = self._nodes[id(p)] = accumulator(p)
-        return id(p) not in self._outside and not has_grad_hooks(p) and engine_accumulates(node)
+        hooked = _user_grad_hooks(p) if self.mode == "async" else has_grad_hooks(p)
+        return id(p) not in self._outside and not hooked and engine_accumulates(node)
 
     def ready(self, groups: list[tuple[torch.Tensor, list[Callable[[], torch.Tensor]]]],
               finite: list[Callable[[], bool]] | None = None) -> None:
@@ -767,6 +776,20 @@ class OverlapOptimizer(torch.optim.Optimizer):
         the stages they came from are all finite, computed on the GPUs (None: read them here)."""
         params = [p for p, _ in groups]
         homes = self._pipeline._rt.grad_homes
+        if self.mode == "async":
+            # keep_grads: each stage's downloads converted into the fp32 .grad (`take`'s
+            # conversion) on the adder thread as the stage's gradients complete, while the GPUs go
+            # on with earlier stages, not on the main thread after the pipeline; backward's end
+            # (`backward_done`) waits for them, so `.grad` is final when backward returns
+            def hand_async() -> None:
+                downloads = [(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups]
+                for p, gs in downloads:
+                    if gs:
+                        self._stream_size[id(p)] = gs[0].element_size()
+                self._hand(downloads, homes)
+
+            self._adds.append(self._submit(self._adder, hand_async))
+            return
         if self._defer is not None or pre_hooks(self.inner):
             # the update waits for opt.step() (`_defer`; a step pre-hook runs before any update):
             # only the hand-over now, while the GPUs go on; `.grad` is final when backward returns
@@ -847,7 +870,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
                     refresh(params)
 
     def backward_done(self) -> None:
-        """End of a backward pass: every `.grad` is final when it returns."""
+        """End of a backward pass: every `.grad` is final when it returns (async: the hand-overs
+        `ready` queued have ended)."""
         self._wait_adds()
         if self.mode != "sync":
             return

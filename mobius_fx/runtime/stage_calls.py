@@ -396,7 +396,8 @@ class StageCalls:
         st = self.stages[k]
         self._forget_restored(step, k)
         acc = step.acc.pop(k, {})
-        if acc and self._overlaps(step) and self.reducer is None and getattr(self.overlap, "fuse", True):
+        if (acc and self._overlaps(step) and self.reducer is None and getattr(self.overlap, "fuse", True)
+                and getattr(self.overlap, "mode", "sync") == "sync"):  # async's hand-over steps nothing
             fetch = getattr(st.device, "fetch", None)
             flag = None
             if fetch is not None:

@@ -18,8 +18,8 @@ from mobius_fx.topology.presets import PRESETS
 from mobius_fx.topology.server import Topology
 from mobius_fx.units import check_positive, parse_network
 
-__all__ = ["topology_of", "masters_of", "network_of", "check_gpus", "host_rates", "host_copies_of", "rate", "ideal",
-           "MEASURED"]
+__all__ = ["topology_of", "masters_of", "network_of", "check_gpus", "host_rates", "host_copies_of", "keep_grads_of",
+           "rate", "ideal", "MEASURED"]
 
 
 def topology_of(plan: Plan, topology: Any) -> Topology:
@@ -121,6 +121,14 @@ def host_rates(topo: Any, cpu_adam_bandwidth: Any, deepspeed_adam_bandwidth: Any
     else:
         copy, sources["host copies"] = HOST_COPY_BANDWIDTH, "default: the gradient hand-over measured on the H200 run's host"
     return bw, ds, copy, sources
+
+
+def keep_grads_of(given: Any) -> bool:
+    """`simulate(keep_grads=)`, checked: the overlap's `OverlapOptimizer.keep_grads`."""
+    if not isinstance(given, bool):
+        raise MobiusError(f"keep_grads={given!r}; it must be True (the overlap writes the fp32 .grad, the "
+                          f"runtime's default) or False (a loop with opt.keep_grads = False)")
+    return given
 
 
 def host_copies_of(given: Any) -> dict[str, float]:

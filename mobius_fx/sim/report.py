@@ -61,7 +61,7 @@ class Comparison:
 
 def compare(plan: Plan, names=None, *, cpu_adam_bandwidth: float | None = None,
             deepspeed_adam_bandwidth: float | None = None, masters: str | None = None,
-            optimizer_overlap: str = "none") -> Comparison:
+            optimizer_overlap: str = "none", keep_grads: bool = True) -> Comparison:
     """Simulate `plan` under each schedule of `names` (default: every registered one,
     `mobius_fx.schedules.names()`, in its order), with the same costs, topology and simulator.
 
@@ -69,7 +69,8 @@ def compare(plan: Plan, names=None, *, cpu_adam_bandwidth: float | None = None,
     measured host section, else the simulator's default (a fused AdamW measured on the H200
     run's host, mobius_fx.planning.host_step.CPU_ADAM_BANDWIDTH); `deepspeed_adam_bandwidth` that of
     ZeRO-3's DeepSpeedCPUAdam (None: measured, else the same speed), `masters` where host memory
-    lives, `optimizer_overlap` when the CPU optimizer steps (all: see `mobius_fx.simulate`).
+    lives, `optimizer_overlap` when the CPU optimizer steps and `keep_grads` whether the overlap
+    writes the fp32 `.grad` (all: see `mobius_fx.simulate`).
     """
     from mobius_fx.sim.simulator import simulate
 
@@ -78,7 +79,7 @@ def compare(plan: Plan, names=None, *, cpu_adam_bandwidth: float | None = None,
         try:
             results[name] = simulate(plan, schedule=name, cpu_adam_bandwidth=cpu_adam_bandwidth,
                                      deepspeed_adam_bandwidth=deepspeed_adam_bandwidth, masters=masters,
-                                     optimizer_overlap=optimizer_overlap)
+                                     optimizer_overlap=optimizer_overlap, keep_grads=keep_grads)
         except PlanError as e:
             results[name] = str(e)
     return Comparison(plan, results)
@@ -131,7 +132,8 @@ class Cluster:
 
 def cluster(plan: Plan, servers: int, network: float | str, *, tokens: int, schedule: str = "mobius",
             counts: list[int] | None = None, cpu_adam_bandwidth: float | None = None,
-            optimizer_overlap: str = "none", network_latency: float | None = None) -> Cluster:
+            optimizer_overlap: str = "none", network_latency: float | None = None,
+            keep_grads: bool = True) -> Cluster:
     """Simulate `plan` data parallel on each of `counts` servers (default `server_counts(servers)`,
     always with 1) over NICs of `network` (bytes/s, "100Gbps", or math.inf): one server's step
     among R, the ring all-reduce of every stage's gradients on its NIC (see `mobius_fx.simulate`).
@@ -142,6 +144,7 @@ def cluster(plan: Plan, servers: int, network: float | str, *, tokens: int, sche
     bw = math.inf if isinstance(network, float) and network == math.inf else parse_network(network)
     counts = sorted(set([1, *(counts if counts is not None else server_counts(servers))]))
     results = {r: simulate(plan, schedule=schedule, cpu_adam_bandwidth=cpu_adam_bandwidth,
-                           optimizer_overlap=optimizer_overlap, servers=r, network=bw, network_latency=network_latency)
+                           optimizer_overlap=optimizer_overlap, servers=r, network=bw, network_latency=network_latency,
+                           keep_grads=keep_grads)
                for r in counts}
     return Cluster(plan, tokens, bw, results)

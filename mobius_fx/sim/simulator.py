@@ -39,7 +39,8 @@ from typing import Any
 from mobius_fx import schedules
 from mobius_fx.errors import MobiusError
 from mobius_fx.kinds import OVERLAP_MODES
-from mobius_fx.sim.arguments import check_gpus, host_copies_of, host_rates, masters_of, network_of, topology_of
+from mobius_fx.sim.arguments import (check_gpus, host_copies_of, host_rates, keep_grads_of, masters_of, network_of,
+                                     topology_of)
 from mobius_fx.sim.network import Link, LinkSegment, Task, replay
 from mobius_fx.planning.plans import Plan
 from mobius_fx.sim.tasks import MASTERS, Context
@@ -214,7 +215,8 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
              cpu_adam_bandwidth: float | None = None, deepspeed_adam_bandwidth: float | None = None,
              masters: str | None = None, optimizer_overlap: str = "none", servers: int = 1,
              network: float | str | None = None, network_latency: float | None = None,
-             host_copy_bandwidth: float | None = None, host_copies: Mapping[str, float] | None = None) -> SimResult:
+             host_copy_bandwidth: float | None = None, host_copies: Mapping[str, float] | None = None,
+             keep_grads: bool = True) -> SimResult:
     """Replay one training step of `plan` under `schedule` on `topology` (default: the plan's).
 
     The host as measured: `cpu_adam_bandwidth` (bytes/s, as planning.host_step.TOUCHED_BYTES counts
@@ -226,18 +228,18 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     DeepSpeedCPUAdam; None takes a host section measured with implementation "deepspeed", else
     the same speed as Mobius's optimizer (no assumed speed-up). The host's work per overlap mode
     is the runtime's (sim.tasks.cpu_optimizer, planning/host_step.py): "sync"/"async" with
-    half-precision gradients one fused pass per parameter (28 B AdamW, + 4 B sync's fp32 .grad),
-    no host copy; "none" (and fp32) torch's step and the copies around it, at
-    `host_copy_bandwidth` (None: the host section's `host_copy_bytes_per_s`, else
-    HOST_COPY_BANDWIDTH). `host_copies` sets a kind's bytes per parameter (per 4 master bytes;
-    HOST_COPY_KINDS; {"grad": 0}: a loop with `keep_grads=False`). The result says which
-    figures it used (`SimResult.host_sources`, `host_line()`).
+    half-precision gradients one fused pass per parameter (28 B AdamW); "none" (and fp32) torch's
+    step and the copies around it, at `host_copy_bandwidth` (None: the host section's
+    `host_copy_bytes_per_s`, else HOST_COPY_BANDWIDTH). `keep_grads` is the overlap's (True, the
+    default, charges the fp32 `.grad` as the runtime writes it: planning/host_step.py; False: a
+    loop with `opt.keep_grads = False`). `host_copies` sets a kind's bytes per parameter (per 4
+    master bytes; HOST_COPY_KINDS) over that. The result says which figures it used.
 
     `masters`: where host memory lives, "local" (default: each stage on the socket of the GPU
     that first moves it) or a root complex ("cpu0": all on that socket; GPUs elsewhere cross
     the inter-socket link) -- see mobius_fx.sim.tasks.MASTERS. `optimizer_overlap`: "none"
     (the CPU optimizer after the step), "sync" (each stage stepped once its gradients are on
-    the host) or "async" (staleness 1: the step is max(pipeline, the optimizer's pass)), for the Mobius
+    the host) or "async" (staleness 1: the step is max(pipeline + hand-over, the optimizer's pass)), for the Mobius
     schedules and RoundPipe's; "zero3-offload" keeps DeepSpeed's step after the pipeline and
     GPipe steps on the GPUs (sim.tasks.cpu_optimizer).
 
@@ -271,7 +273,7 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     spec = schedules.get(schedule)
     optimizer_bytes_touched(optimizer)
     bw, ds_bw, copy_bw, sources = host_rates(topo, cpu_adam_bandwidth, deepspeed_adam_bandwidth, host_copy_bandwidth)
-    copies = host_copies_of(host_copies)
+    copies, keep_grads = host_copies_of(host_copies), keep_grads_of(keep_grads)
     if optimizer_overlap not in OVERLAP_MODES:
         raise MobiusError(f"optimizer_overlap={optimizer_overlap!r}; use one of {', '.join(map(repr, OVERLAP_MODES))}: "
                           f"the optimizer after the step, per stage as gradients land, or a step late")
@@ -280,7 +282,7 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     check_gpus(plan, topo)
     ctx = Context(plan, topo, optimizer, bw, use_plan_routes=topo is plan.topology, masters=masters,
                   deepspeed_adam_bw=ds_bw, overlap=optimizer_overlap, servers=servers, network=net,
-                  network_latency=float(alpha), copy_bw=copy_bw, copies=copies)
+                  network_latency=float(alpha), copy_bw=copy_bw, copies=copies, keep_grads=keep_grads)
     spec.build(ctx)
     deepspeed = spec.optimizer == "deepspeed"
     if deepspeed:

@@ -66,13 +66,13 @@ class Context:
     `cpu_bw` is the user's torch optimizer's bytes/s, `deepspeed_adam_bw` the "zero3-offload"
     baseline's DeepSpeedCPUAdam (None: the same speed), `copy_bw` the host copies' bytes/s and
     `copies` their bytes per 4 master bytes by kind (HOST_COPY_KINDS; a kind not given:
-    `host_copy_bytes`, as the runtime makes it)."""
+    `host_copy_bytes`, as the runtime makes it with the overlap's `keep_grads`)."""
 
     def __init__(self, plan: Plan, topo: Any, optimizer: str, cpu_bw: float, use_plan_routes: bool, *,
                  masters: str = MASTERS, deepspeed_adam_bw: float | None = None,
                  overlap: str = "none", servers: int = 1, network: float = float("inf"),
                  network_latency: float = NETWORK_LATENCY, copy_bw: float = HOST_COPY_BANDWIDTH,
-                 copies: dict[str, float] | None = None):
+                 copies: dict[str, float] | None = None, keep_grads: bool = True):
         self.plan, self.topo, self.optimizer, self.cpu_bw = plan, topo, optimizer, cpu_bw
         self.overlap = overlap  # one of kinds.OVERLAP_MODES: when the CPU optimizer steps (see cpu_optimizer)
         self.copy_bw = copy_bw
@@ -105,13 +105,14 @@ class Context:
                              [float(s.output_bytes) for s in st], [s.grad_bytes / self.scale for s in st],
                              [f"s{s.index}" for s in st])
         self.streamed = 4.0 * self.scale  # streamed bytes per element
+        self.keep_grads = keep_grads  # the overlap's fp32 .grad (OverlapOptimizer.keep_grads): host_copy_bytes
         self.given_copies = dict(copies or {})
         self.copies = self.copies_for(overlap)
 
     def copies_for(self, overlap: str) -> dict[str, float]:
         """Host copy kind -> its bytes per 4 master bytes under `overlap` (`host_copy_bytes`, as
         the runtime makes them), overridden by the `copies` given."""
-        out = {k: float(host_copy_bytes(k, self.streamed, self.optimizer, overlap, self.servers))
+        out = {k: float(host_copy_bytes(k, self.streamed, self.optimizer, overlap, self.servers, self.keep_grads))
                for k in HOST_COPY_KINDS}
         out.update(self.given_copies)
         return out
@@ -270,14 +271,14 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
       streamed copy with fp32 ones; data parallel: the hand-over, the finite check, the step
       and the refresh), in the order the stages land, while the GPUs go on with earlier stages
       (without `per_stage`, as "none");
-    - "async": the steady state of a staleness-1 update (step t's update runs while step t+1
-      computes): the pass from the start, beside the pipeline, so the step takes
-      max(pipeline, pass).
+    - "async": staleness 1 (step t's update runs while step t+1 computes): the pass from the
+      start beside the pipeline (fp32: after w(t) is copied into the shadow, "shadow"); with
+      `keep_grads` each stage's downloads made the fp32 `.grad` once landed (and all-reduced),
+      FIFO in stage order S-1..0 on "host/handover" (OverlapOptimizer.ready): the step is
+      max(pipeline, hand-overs, pass).
     `fused_refresh`: DeepSpeed's CPU Adam (the "zero3-offload" baseline), torch's formula plus the
-    streamed copy written as it steps: TOUCHED_BYTES + the streamed size, at `bandwidth`. The
-    DRAM traffic of the step and the copies is not charged to the links, and the host's
-    resources do not share its memory bandwidth with one another (each runs at its own measured
-    speed).
+    streamed copy written as it steps: TOUCHED_BYTES + the streamed size, at `bandwidth`. The host's
+    DRAM traffic is not charged to the links; its resources do not share its memory bandwidth.
 
     With `ctx.servers` > 1 (and `per_stage`), each stage's gradients are first all-reduced
     across the servers (`gradient_allreduce`): "sync" steps a stage once its all-reduce has
@@ -317,7 +318,17 @@ def cpu_optimizer(ctx: Context, master_bytes: float, bandwidth: float | None = N
             copy("refresh", f"refresh s{k}", nbytes, "host/optimizer", stepped, (-k, 2), stage=k)
         return
     if mode == "async":
-        step("optimizer step", master_bytes, [], (1,))
+        step("optimizer step", master_bytes, copy("shadow", "shadow copy", master_bytes, "host/optimizer", [], (0,)),
+             (1,))
+        if per_stage:
+            grads = _gradient_tasks(ctx)
+            prev: list = []
+            for k, nbytes in sorted(per_stage.items(), reverse=True):  # queued as the stages flush: S-1, ..., 0
+                landed = [reduced[k]] if k in reduced else grads.get(k) or everything
+                prev = copy("handover", f"hand-over s{k}", nbytes, "host/handover", [*landed, *prev], (-k,),
+                            stage=k)[-1:]
+        else:
+            copy("handover", "hand-over", master_bytes, "host/handover", everything, ())
         return
     handed = copy("handover", "hand-over", master_bytes, "host/handover", everything, ())
     step("optimizer step", master_bytes, sorted(set(everything + handed)), ())

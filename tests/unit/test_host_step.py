@@ -37,25 +37,33 @@ def test_the_fused_pass_reads_the_download_and_writes_the_streamed_copy():
     # AdamW: p, m, v read and written (24 B) + the gradient read (s) + the copy written (s); the
     # fp32 .grad sync writes beside it (4 B); torch's step on a 4-byte gradient, no copy: 28 B
     assert host_pass_bytes("adamw", 2, "sync") == host_pass_bytes("adamw", 2, "async") == 24 + 2 + 2 == 28
-    assert host_copy_bytes("grad", 2, overlap="sync") == 4 and host_copy_bytes("grad", 2, overlap="async") == 0
+    # keep_grads (the runtime's default): sync's pass writes the fp32 .grad (4 B); async's reads it
+    # instead of the 2-byte download (2 B more) after the main thread converted the downloads into
+    # it (the hand-over, 6 B); keep_grads=False: neither
+    assert host_copy_bytes("grad", 2, overlap="sync") == 4 and host_copy_bytes("grad", 2, overlap="async") == 2
+    assert host_copy_bytes("handover", 2, overlap="async") == 6
+    assert all(host_copy_bytes(k, 2, overlap=m, keep_grads=False) == 0 for k in ("grad", "handover")
+               for m in ("sync", "async"))
     assert host_pass_bytes("adamw", 2, "none") == host_pass_bytes("adamw", 4, "sync") == 28
     assert host_pass_bytes("sgd", 2, "sync") == 16 + 2 + 2  # SGD momentum: p, m read and written
     # no host copy where the fused pass runs; "none" hands over (s + 4) and pins (4 + s); fp32 sync
     # refreshes the fp32 streamed copy (4 + 4); data-parallel sync: the unfused path
     for kind in ("pin", "refresh", "handover", "finite_check", "shadow"):
-        assert host_copy_bytes(kind, 2, overlap="sync") == host_copy_bytes(kind, 2, overlap="async") == 0
+        assert host_copy_bytes(kind, 2, overlap="sync") == 0
+        assert host_copy_bytes(kind, 2, overlap="async") == (6 if kind == "handover" else 0)
     assert (host_copy_bytes("handover", 2), host_copy_bytes("pin", 2)) == (6, 6)
     assert host_copy_bytes("refresh", 4, overlap="sync") == 8 and host_copy_bytes("pin", 4, overlap="async") == 8
+    assert host_copy_bytes("shadow", 4, overlap="async") == 8  # fp32 async: torch's step after w(t) -> shadow
     assert [host_copy_bytes(k, 2, overlap="sync", servers=2) for k in ("handover", "finite_check", "refresh")] == \
         [6, 4, 6]
 
 
 @pytest.mark.parametrize("stream, mode, expected", [
     (2, "sync", 32 / CPU_ADAM_BANDWIDTH / 2),
-    (2, "async", 28 / CPU_ADAM_BANDWIDTH / 2),
+    (2, "async", 30 / CPU_ADAM_BANDWIDTH / 2),
     (2, "none", (28 / CPU_ADAM_BANDWIDTH + 6 / HOST_COPY_BANDWIDTH) / 2),
     (4, "sync", (28 / CPU_ADAM_BANDWIDTH + 8 / HOST_COPY_BANDWIDTH) / 4),
-    (4, "async", 28 / CPU_ADAM_BANDWIDTH / 4),
+    (4, "async", (28 / CPU_ADAM_BANDWIDTH + 8 / HOST_COPY_BANDWIDTH) / 4),
 ])
 def test_the_planners_host_pass_is_those_bytes_over_the_host_speeds(stream, mode, expected):
     # seconds per streamed gradient byte: G_k / s parameters, each its bytes at its speed
@@ -70,7 +78,7 @@ def test_the_host_pass_reads_the_topologys_measured_host():
         (28 / (20 * GB) + 8 / (5 * GB)) / 4, rel=1e-12)
     deepspeed = replace(host, implementation="deepspeed")  # DeepSpeed's speed is the baseline's, not ours
     assert HostPass.of(topo.with_host(deepspeed), 2, "adamw", "async").per_byte == pytest.approx(
-        28 / CPU_ADAM_BANDWIDTH / 2, rel=1e-12)
+        30 / CPU_ADAM_BANDWIDTH / 2, rel=1e-12)
     assert HostPass.of(None, 2, "none", "sync").per_byte == 0
     with pytest.raises(MobiusError, match="HostPass mode 'later'"):
         HostPass("later", 1.0)
@@ -82,34 +90,76 @@ def _layers(rng, nl):
                       int(1e6 * rng.uniform(0.2, 2)), int(1e6)) for i in range(nl)]
 
 
+@pytest.mark.parametrize("stream, keep_grads", [(4, True), (2, True), (2, False)])
 @pytest.mark.parametrize("mode", ["sync", "async", "none"])
-def test_the_step_model_charges_the_host_as_the_simulator_does(mode):
+def test_the_step_model_charges_the_host_as_the_simulator_does(mode, stream, keep_grads):
     # No shared link: the simulator replays the model's pipeline (<= 0.1%); the host's work then
     # ends the step alike: sync's passes on one worker in landing order, async's beside the
-    # pipeline, none's after it (the pinning before the next uploads, which the planner does not
-    # model, left out of the simulation). A slow host (5 GB/s) so that it bounds the step.
+    # pipeline (and keep_grads' hand-over into the fp32 .grad after it), none's after it (the
+    # pinning before the next uploads, which the planner does not model, left out of the
+    # simulation). A slow host (5 GB/s, copies at 0.5 GB/s: async's hand-over outlasts its pass)
+    # so that it bounds the step. fp32 and fp16 streamed, with and without the fp32 .grad
+    # (OverlapOptimizer.keep_grads). Mutations: HostPass.of ignoring keep_grads, or async's
+    # hand-over left out of the simulator, fail it.
+    import torch
+
+    from mobius_fx.precision import Precision
+
+    precision = Precision(stream=torch.float16 if stream == 2 else torch.float32, master=torch.float32)
     rng = random.Random(7)
     checked = bound = 0
     for _ in range(10):
         n, nl, m = rng.randint(1, 3), rng.randint(2, 6), rng.randint(1, 3)
         topo = unshared_topology(n).with_host(HostFigures(optimizer="adamw", implementation="fused",
-                                                          optimizer_bytes_per_s=5 * GB, cores=16))
+                                                          optimizer_bytes_per_s=5 * GB, host_copy_bytes_per_s=GB / 2,
+                                                          cores=16))
         layers = _layers(rng, nl)
         cuts = [0] + sorted(rng.sample(range(1, nl), rng.randint(1, nl) - 1))
-        host = HostPass.of(topo, 4, "adamw", mode)
+        host = HostPass.of(topo, stream, "adamw", mode, keep_grads=keep_grads)
         prob = PartitionProblem.from_topology(layers, topo, microbatches=m, memory_fraction=0.99, input_bytes=1000,
-                                              host=host)
+                                              host=host, precision=precision)
         ev = evaluate(prob, cuts)
         if ev is None:
             continue
         plan = build_plan(layers, cuts, order=[g.name for g in topo.gpus], topology=topo, microbatches=m,
-                          step_time=0.0, input_bytes=1000, memory_fraction=0.99)
-        r = simulate(plan, optimizer_overlap=mode, host_copies={"pin": 0})
+                          step_time=0.0, input_bytes=1000, memory_fraction=0.99, precision=precision)
+        r = simulate(plan, optimizer_overlap=mode, host_copies={"pin": 0}, keep_grads=keep_grads)
         assert r.pipeline_time == pytest.approx(ev.pipeline, rel=1e-3)
         assert r.step_time == pytest.approx(ev.makespan, rel=1e-3)
         bound += ev.makespan > ev.pipeline * 1.01
         checked += 1
     assert checked >= 7 and bound >= 5
+
+
+@pytest.mark.parametrize("stream", [2, 4])
+@pytest.mark.parametrize("mode", ["sync", "async", "none"])
+def test_the_planners_host_terms_are_the_simulators_bytes(mode, stream):
+    # Per parameter (4 master bytes), with and without the fp32 .grad: the planner's seconds per
+    # gradient byte (HostPass: per_byte, async's `after`) are the simulator's host bytes over its
+    # speeds (`host_pass_bytes` + "grad" at the optimizer's, the copies at theirs), and keep_grads
+    # changes only sync's and async's (bf16: sync 32 -> 28 B; async 28 + 2 B and a 6 B hand-over
+    # -> 28 B). Mutation: HostPass.of charging async's hand-over in per_byte (beside the pipeline)
+    # instead of `after` fails it.
+    from mobius_fx.planning.host_step import HOST_COPY_KINDS
+
+    bw, copy_bw = 7 * GB, 3 * GB
+    topo = unshared_topology(1).with_host(HostFigures(optimizer="adamw", implementation="fused",
+                                                      optimizer_bytes_per_s=bw, host_copy_bytes_per_s=copy_bw, cores=16))
+    seen = {}
+    for keep in (True, False):
+        h = HostPass.of(topo, stream, "adamw", mode, keep_grads=keep)
+        c = {k: host_copy_bytes(k, stream, "adamw", mode, keep_grads=keep) for k in HOST_COPY_KINDS}
+        beside = (host_pass_bytes("adamw", stream, mode) + c["grad"]) / bw
+        worker = c["refresh"] + c["finite_check"] + c["shadow"] + (c["handover"] if mode != "async" else 0)
+        assert h.per_byte * stream == pytest.approx(beside + worker / copy_bw, rel=1e-12)
+        assert h.after * stream == pytest.approx(c["handover"] / copy_bw if mode == "async" else 0.0, abs=1e-30)
+        seen[keep] = (h, c)
+    (kept, c1), (bare, c0) = seen[True], seen[False]
+    if mode == "none" or (stream == 4 and mode == "async"):
+        assert kept == bare
+    elif stream == 2:
+        assert {k: c1[k] - c0[k] for k in c1 if c1[k] != c0[k]} == ({"grad": 4} if mode == "sync" else
+                                                                    {"grad": 2, "handover": 6})
 
 
 def test_the_mip_picks_with_the_host_pass():

@@ -189,3 +189,35 @@ def test_an_optimizer_the_pass_does_not_know_steps_as_today(tmp_path, one_thread
     assert counts["shadow"] == 8 * sum(p.numel() for p in model.parameters())  # torch's step over a copy
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("keep_grads", [True, False])
+def test_keep_grads_hands_each_stage_over_during_backward_not_after_it(tmp_path, keep_grads, one_thread):
+    # With keep_grads (the default) the fp32 .grad must exist when backward returns; the
+    # downloads of each stage are converted into it as the stage's gradients complete
+    # (OverlapOptimizer.ready, on the adder thread, while the GPUs go on with earlier stages),
+    # not all on the main thread after the pipeline (`take`): the simulator and the planner
+    # charge it that way (planning/host_step.py). The gradients are the reference's bit for bit.
+    # keep_grads=False holds the downloads: nothing handed over. Mutation: overlapping() False
+    # under async (the hand-over at backward's end, `take`) fails it.
+    model, twin, data, pipe, ref_pipe, opt, ref = _pair(tmp_path, _sgd, keep_grads, steps=2)
+    calls = []
+    ready = opt.ready
+    opt.ready = lambda groups, finite=None: (calls.append(len(groups)), ready(groups, finite))[1]
+    for x, in data:
+        calls.clear()
+        _loss(pipe(x), x).backward()
+        _loss(ref_pipe(x), x).backward()
+        handed = list(calls)
+        if keep_grads:
+            assert len(handed) >= 2 and sum(handed) == len(list(model.parameters())), handed  # per stage, all of them
+            for p, q in zip(model.parameters(), twin.parameters()):
+                assert p.grad is not None and torch.equal(p.grad, q.grad)
+        else:
+            assert not handed and all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+        ref.zero_grad()
+    opt.close()
+    ref.close()

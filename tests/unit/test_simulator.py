@@ -466,16 +466,31 @@ def test_the_host_copies_are_where_the_runtime_makes_them(testbed_plan):
         assert o.stream == "host/optimizer"
         assert o.end - o.start == pytest.approx(master[k] / 4 * (12 + s + 12 + s + 4) / CPU_ADAM_BANDWIDTH)
     assert sync.host_busy == pytest.approx(total / 4 * 32 / CPU_ADAM_BANDWIDTH)
-    # keep_grads=False: no .grad written, 28 B
-    nograd = simulate(testbed_plan, optimizer_overlap="sync", host_copies={"grad": 0})
+    # keep_grads=False: no .grad written, 28 B (and so host_copies={"grad": 0})
+    nograd = simulate(testbed_plan, optimizer_overlap="sync", keep_grads=False)
     assert nograd.host_busy == pytest.approx(total / 4 * 28 / CPU_ADAM_BANDWIDTH)
-    # "async": the same fused pass out of place (28 B), from the start, beside the pipeline; no
-    # shadow copy, hand-over or pin: the step is max(pipeline, pass)
-    r = simulate(testbed_plan, optimizer_overlap="async")
+    assert simulate(testbed_plan, optimizer_overlap="sync", host_copies={"grad": 0}).host_busy == nograd.host_busy
+    # "async", keep_grads=False: the same fused pass out of place (28 B) reading the held
+    # downloads, from the start, beside the pipeline; no shadow copy, hand-over or pin: the step
+    # is max(pipeline, pass)
+    r = simulate(testbed_plan, optimizer_overlap="async", keep_grads=False)
     (opt,) = events(r, "optimizer")
     assert not [e for e in r.events if e.kind == "host-copy"] and opt.start == 0.0
     assert opt.end - opt.start == pytest.approx(total / 4 * 28 / CPU_ADAM_BANDWIDTH)
     assert r.step_time == pytest.approx(max(r.pipeline_time, opt.end))
+    # "async" by default (keep_grads): each stage's downloads converted into the fp32 .grad once
+    # they landed (read s, write 4), on one thread in landing order, while the GPUs go on; the
+    # pass reads that .grad (4 - s bytes more)
+    kept = simulate(testbed_plan, optimizer_overlap="async")
+    (opt,), handed = events(kept, "optimizer"), copies(kept, "hand-over")
+    assert opt.start == 0.0 and opt.end - opt.start == pytest.approx(total / 4 * (28 + 4 - s) / CPU_ADAM_BANDWIDTH)
+    assert sorted(h.stage for h in handed) == sorted(k for k in master if master[k] > 0)
+    for h in handed:
+        landed = max(e.end for e in kept.events if e.kind == "gradient" and e.stage == h.stage)
+        assert h.stream == "host/handover" and h.start >= landed - 1e-12
+        assert h.end - h.start == pytest.approx(master[h.stage] / 4 * (s + 4) / HOST_COPY_BANDWIDTH)
+    assert min(h.start for h in handed) < kept.pipeline_time  # beside the GPUs, not after them
+    assert kept.step_time == pytest.approx(max(kept.pipeline_time, opt.end, *(h.end for h in handed)))
     assert r.pipeline_time == pytest.approx(simulate(testbed_plan, host_copies={"pin": 0}).pipeline_time)
     with pytest.raises(MobiusError, match="host_copies has 'grads'"):
         simulate(testbed_plan, host_copies={"grads": 0})
@@ -581,8 +596,8 @@ def test_an_asynchronous_optimizer_takes_the_longer_of_the_pipeline_and_the_upda
     for bw in (CPU_ADAM_BANDWIDTH, CPU_ADAM_BANDWIDTH / 100):
         r = simulate(testbed_plan, optimizer_overlap="async", cpu_adam_bandwidth=bw)
         (opt,) = events(r, "optimizer")
-        handed = [e for e in r.events if e.kind == "host-copy" and e.name == "hand-over"]
-        main = handed[0].end if handed else r.pipeline_time
+        handed = [e for e in r.events if e.kind == "host-copy" and e.name.startswith("hand-over")]
+        main = max([r.pipeline_time, *(e.end for e in handed)])  # keep_grads' hand-overs as stages land
         assert r.step_time == pytest.approx(max(main, opt.end), rel=1e-9)
     assert opt.end > main  # the slow optimizer case is the one it bounds
 
@@ -726,11 +741,18 @@ def test_without_overlap_the_optimizer_steps_after_the_last_all_reduce(testbed_p
 
 
 def test_an_asynchronous_optimizer_overlaps_the_all_reduces_too(testbed_plan):
-    r = simulate(testbed_plan, servers=4, network="10Gbps", optimizer_overlap="async")
+    r = simulate(testbed_plan, servers=4, network="10Gbps", optimizer_overlap="async", keep_grads=False)
     (opt,) = events(r, "optimizer")
     comm_end = max(e.end for e in events(r, "allreduce"))
     assert opt.start == 0.0 and not [e for e in r.events if e.kind == "host-copy"]
     assert r.step_time == pytest.approx(max(comm_end, opt.end))
+    # keep_grads (the default): each stage's averaged gradients converted into .grad after its all-reduce
+    kept = simulate(testbed_plan, servers=4, network="10Gbps", optimizer_overlap="async")
+    handed = [e for e in kept.events if e.kind == "host-copy"]
+    reduced = {e.stage: e.end for e in events(kept, "allreduce")}
+    assert handed and all(h.name.startswith("hand-over") and h.start >= reduced[h.stage] - 1e-12 for h in handed)
+    assert kept.step_time == pytest.approx(max(max(h.end for h in handed), comm_end,
+                                               max(e.end for e in events(kept, "optimizer"))))
 
 
 @pytest.mark.parametrize("kwargs, message", [
