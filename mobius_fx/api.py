@@ -293,12 +293,11 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
             (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs),
             dict(example_kwargs or {}), example_target)
     passes = (pipeline or default_pipeline()).until("plan")
-    ctx = _run(passes, model=model, topology=topology,
-               example_inputs=example_inputs, example_kwargs=example_kwargs, microbatches=microbatches,
-               cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, memory_fraction=memory_fraction, solver=solver,
-               time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir, optimizer=optimizer,
-               host_memory_fraction=host_memory_fraction, cache=cache, optimizer_overlap=optimizer_overlap,
-               keep_grads=keep_grads)
+    ctx = _run(passes, model=model, topology=topology, example_inputs=example_inputs, example_kwargs=example_kwargs,
+               microbatches=microbatches, cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, solver=solver,
+               memory_fraction=memory_fraction, time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir,
+               optimizer=optimizer, host_memory_fraction=host_memory_fraction, cache=cache,
+               optimizer_overlap=optimizer_overlap, keep_grads=keep_grads)
     if microbatches is None:  # the caller's count is binding; without one the planner times a few
         from mobius_fx.count_choice import count_candidates, count_planner
 
