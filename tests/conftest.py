@@ -31,3 +31,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def trace_cache(tmp_path_factory):
+    """Opt-in for a module whose subject is not tracing (`pytestmark = pytest.mark.usefixtures("trace_cache")`):
+    the trace cache on, in a folder of the module's own (``MOBIUS_FX_CACHE``; a compile given `cache_dir=`
+    uses that folder's), so a model traced once by the module is read back by its later compiles of the same
+    model, code and input shapes (the twin pipelines of a lockstep comparison, the same CLI model planned
+    again). A folder per module: no test's outcome depends on which modules ran before it."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MOBIUS_FX_TRACE_CACHE", "1")
+    mp.setenv("MOBIUS_FX_CACHE", str(tmp_path_factory.mktemp("trace_cache")))
+    yield
+    mp.undo()

@@ -42,12 +42,13 @@ def batches() -> list[torch.Tensor]:
 
 def train(model: torch.nn.Module, rank: int, world: int, overlap: str, process_group=None, *, shard: bool = False,
           steps: range = range(STEPS), opt_state: dict | None = None, fail_at: int | None = None,
-          report: dict | None = None) -> dict:
+          report: dict | None = None, save=None, save_after: int | None = None) -> dict:
     """Train `steps` of the common data on this rank's rows; returns the final weights. `report`
     (a dict) receives the optimizer's state_dict, how many parameters this rank stepped, each
     step's loss (`losses`: step -> this rank's loss), and --
     with `fail_at`, on the ranks that did not fail -- the error and whether the weights were
-    left as the step before."""
+    left as the step before. `save(model, opt_state)` is called once `save_after` steps are done
+    (training goes on: the run is both the checkpoint's and the uninterrupted one)."""
     data = batches()
     rows = GLOBAL_BATCH // world
     x0 = data[0][rank * rows:(rank + 1) * rows]
@@ -77,6 +78,10 @@ def train(model: torch.nn.Module, rank: int, world: int, overlap: str, process_g
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if save is not None and t + 1 == save_after:
+            if hasattr(opt, "synchronize"):
+                opt.synchronize()
+            save(model, opt.state_dict())
     if hasattr(opt, "synchronize"):
         opt.synchronize()
     if report is not None:
@@ -96,6 +101,7 @@ def main() -> None:
     ap.add_argument("--resume", help="a checkpoint saved by --save: model and optimizer state")
     ap.add_argument("--save", help="rank 0 saves the model and optimizer state here after training; with --shard "
                                    "each rank saves its share of the optimizer state beside it, in FILE.rank<R>")
+    ap.add_argument("--save-after", type=int, help="with --save: save once this many steps are done, and train on")
     ap.add_argument("--fail-at", type=int, help="the last rank exits in this step, after its forward")
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args()
@@ -112,13 +118,18 @@ def main() -> None:
             model.load_state_dict(ckpt["model"])
             opt_state = torch.load(f"{args.resume}.rank{args.rank}") if args.shard else ckpt["optimizer"]
         report: dict = {}
+
+        def save(model: torch.nn.Module, state: dict) -> None:
+            if args.shard:  # each rank holds the optimizer state of its own share of the parameters
+                torch.save(state, f"{args.save}.rank{args.rank}")
+            if args.rank == 0:
+                torch.save({"model": model.state_dict(), "optimizer": None if args.shard else state}, args.save)
+
         weights = train(model, args.rank, args.world, args.overlap, shard=args.shard, steps=range(*args.steps),
-                        opt_state=opt_state, fail_at=args.fail_at, report=report)
-        if args.save and args.shard:  # each rank holds the optimizer state of its own share of the parameters
-            torch.save(report["opt_state"], f"{args.save}.rank{args.rank}")
-        if args.save and args.rank == 0:
-            torch.save({"model": model.state_dict(), "optimizer": None if args.shard else report["opt_state"]},
-                       args.save)
+                        opt_state=opt_state, fail_at=args.fail_at, report=report,
+                        save=save if args.save and args.save_after is not None else None, save_after=args.save_after)
+        if args.save and args.save_after is None:
+            save(model, report["opt_state"])
         torch.save({"weights": weights, **{k: v for k, v in report.items() if k != "opt_state"},
                     "state_entries": len(report.get("opt_state", {}).get("state", {}))}, args.out)
     finally:

@@ -18,7 +18,7 @@ from mobius_fx.runtime.device_virtual import VirtualDevice
 from mobius_fx.build import build_pipeline
 from mobius_fx.zoo import expand16, training_cases
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "trace_cache")
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 

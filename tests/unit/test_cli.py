@@ -11,6 +11,8 @@ import torch
 from mobius_fx.__main__ import _network, main
 from mobius_fx.zoo import GPT, GPTConfig
 
+pytestmark = pytest.mark.usefixtures("trace_cache")  # the tiny model, planned again and again, traced once
+
 
 def _run(*args):
     return subprocess.run([sys.executable, "-m", "mobius_fx", *args], capture_output=True, text=True, timeout=120)

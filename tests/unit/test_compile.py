@@ -10,6 +10,8 @@ import mobius_fx
 from mobius_fx import MobiusError, Topology
 from mobius_fx.zoo import GPT, GPTConfig
 
+pytestmark = pytest.mark.usefixtures("trace_cache")  # tests/conftest.py: each model traced once per module
+
 
 def _gpt():
     torch.manual_seed(0)

@@ -21,6 +21,8 @@ from mobius_fx.runtime import overlap
 from mobius_fx.runtime.host_counters import COUNTERS, HostCounters
 from mobius_fx.zoo import nanogpt, nanogpt_inputs
 
+pytestmark = pytest.mark.usefixtures("trace_cache")  # tests/conftest.py: each model traced once per module
+
 
 @pytest.fixture(autouse=True)
 def _span_path(monkeypatch):

@@ -32,7 +32,7 @@ from mobius_fx.runtime.devices import make_devices
 from mobius_fx.options import CompileOptions
 from mobius_fx.build import build_pipeline
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "trace_cache")
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 _SEEN: list[int] = []  # the dispatch-mode stack's depth each time a stage's work ran `probe`

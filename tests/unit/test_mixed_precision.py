@@ -25,6 +25,8 @@ from mobius_fx.precision import Precision
 from mobius_fx.tracing import trace
 from mobius_fx.zoo import GPT, GPTConfig
 
+pytestmark = pytest.mark.usefixtures("trace_cache")  # tests/conftest.py: each model traced once per module
+
 BF16_U = 2.0**-8
 FP16_U = 2.0**-11
 

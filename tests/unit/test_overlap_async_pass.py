@@ -21,6 +21,8 @@ from mobius_fx.runtime import host_optimizer as H
 from mobius_fx.runtime.host_counters import COUNTERS, HostCounters
 from mobius_fx.zoo import nanogpt, nanogpt_inputs
 
+pytestmark = pytest.mark.usefixtures("trace_cache")  # tests/conftest.py: each model traced once per module
+
 
 def _loss(out, x):
     return F.cross_entropy(out.flatten(0, 1).float(), x.flatten())

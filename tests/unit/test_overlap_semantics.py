@@ -18,6 +18,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from tests.unit.test_overlap import _loss, _pair
 
+pytestmark = pytest.mark.usefixtures("trace_cache")  # tests/conftest.py: each model traced once per module
+
 STEPS = 4
 
 

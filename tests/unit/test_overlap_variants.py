@@ -8,11 +8,14 @@ import gc
 import io
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
 import mobius_fx
 from mobius_fx import Topology
+
+pytestmark = pytest.mark.usefixtures("trace_cache")  # tests/conftest.py: each model traced once per module
 
 
 class Scaled(nn.Module):

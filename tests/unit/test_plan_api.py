@@ -58,10 +58,14 @@ def test_gpt3_8b_on_the_paper_server_plans_in_under_a_minute(tmp_path):
     with torch.device("meta"):
         model = GPT(GPTConfig(hidden=3072, blocks=72, heads=24))
         ids = torch.zeros(8, 1024, dtype=torch.long)
+    # The MIP's budget is wall-clock time it spends whole when the search is not closed (here): 5 s
+    # instead of the default 20 s (both runs' best: a 3.59 s step, found before the budget runs out),
+    # so a plan with the default budget takes 15 s more than this one.
+    budget = 5.0
     plan = mobius_fx.plan(model, "mobius-testbed", example_inputs=(ids,), microbatches=8, dtype=torch.float16,
-                          cache_dir=str(tmp_path), verbose=False)
+                          time_limit=budget, cache_dir=str(tmp_path), verbose=False)
     elapsed = time.perf_counter() - t0
-    assert elapsed < 60
+    assert elapsed + (mobius_fx.CompileOptions().time_limit - budget) < 60
     assert plan.num_stages > 8
     roots = [s.root_complex for s in plan.stages]
     assert all(a != b for a, b in zip(roots, roots[1:])), roots
