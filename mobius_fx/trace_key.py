@@ -40,7 +40,7 @@ from torch import nn
 __all__ = ["trace_key", "inputs_fingerprint", "KEY_REVISION", "Unkeyable"]
 
 # Bump with any change to what a cached graph holds or how it is rebuilt (mobius_fx/trace_store.py).
-KEY_REVISION = "2026-12-05: graph nodes, placeholder shapes, ranges, guards, pytree codegen, state by name"
+KEY_REVISION = "2026-12-06: graph nodes, placeholder shapes, ranges, guards, pytree codegen, state by name, function attributes"
 
 _SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
 _PACKAGE_ROOTS = (Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent / "passes")
@@ -134,6 +134,8 @@ def _attributes(m: nn.Module, objects: dict[int, Any]) -> list:
         s = _simple(v)
         if s is not None or v is None:
             out.append([k, s])
+        elif callable(v) and not isinstance(v, (nn.Module, torch.Tensor, type)):
+            out.append([k, _callable_key(v, k)])
         elif not isinstance(v, (nn.Module, torch.Tensor)) and hasattr(v, "__dict__") and not callable(v):
             if id(v) not in objects:
                 fields = sorted([a, _simple(x)] for a, x in vars(v).items()
@@ -144,6 +146,50 @@ def _attributes(m: nn.Module, objects: dict[int, Any]) -> list:
     if hasattr(m, "_non_persistent_buffers_set"):
         out.append(["non-persistent", sorted(m._non_persistent_buffers_set)])
     return out
+
+
+def _callable_key(fn: Any, name: str, depth: int = 0) -> str:
+    """A hash of what a function attribute does (a model that calls `self.fn(x)` in forward bakes
+    `fn` into its graph): a Python function's module, name, bytecode, constants, defaults and the
+    values it closes over; a partial's function and arguments; a built-in or library function by
+    its qualified name; a callable object by its class and simple attributes. `Unkeyable` for what
+    none of these describes (a closure over a tensor, an object without plain attributes)."""
+    if depth > 4:
+        raise Unkeyable(f"attribute {name!r} nests functions too deep to key")
+    if isinstance(fn, functools.partial):
+        args = [_simple(a) if _simple(a) is not None else _callable_key(a, name, depth + 1) for a in fn.args]
+        kw = {k: _simple(a) if _simple(a) is not None else _callable_key(a, name, depth + 1)
+              for k, a in sorted(fn.keywords.items())}
+        parts: list = ["partial", _callable_key(fn.func, name, depth + 1), args, kw]
+    elif inspect.ismethod(fn):
+        parts = ["method", _qualname(type(fn.__self__)), _callable_key(fn.__func__, name, depth + 1)]
+    elif getattr(fn, "__code__", None) is not None:
+        code = fn.__code__
+        cells = []
+        for c in fn.__closure__ or ():
+            try:
+                v = c.cell_contents
+            except ValueError:  # an empty cell
+                cells.append(None)
+                continue
+            s = _simple(v)
+            cells.append(s if s is not None or v is None else _callable_key(v, name, depth + 1))
+        defaults = [_simple(d) for d in (fn.__defaults__ or ())]
+        parts = ["function", getattr(fn, "__module__", ""), fn.__qualname__, code.co_code.hex(),
+                 [_simple(c) if _simple(c) is not None else c.co_code.hex() if inspect.iscode(c) else repr(type(c))
+                  for c in code.co_consts],
+                 list(code.co_names), defaults, cells]
+    elif inspect.isbuiltin(fn) or inspect.isroutine(fn) or type(fn).__module__.split(".")[0] == "torch":
+        parts = ["library", getattr(fn, "__module__", None) or type(fn).__module__,
+                 getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or _qualname(type(fn))]
+    elif hasattr(fn, "__dict__"):
+        fields = {a: _simple(x) for a, x in vars(fn).items()}
+        if any(x is None and vars(fn)[a] is not None for a, x in fields.items()):
+            raise Unkeyable(f"attribute {name!r} is a {_qualname(type(fn))} holding more than plain values")
+        parts = ["object", _qualname(type(fn)), sorted(fields.items())]
+    else:
+        raise Unkeyable(f"attribute {name!r} is a callable {_qualname(type(fn))} whose behaviour cannot be keyed")
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,6 +3,7 @@ the cold one (same plan, same losses and gradients, against eager too), bound to
 own tensors; a changed model, input or setting misses; a corrupt entry is retraced, with a log line."""
 
 import copy
+import functools
 import importlib
 import logging
 import sys
@@ -135,6 +136,43 @@ def test_the_key_changes_with_the_model_its_inputs_and_the_trace_settings():
     dropped = copy.deepcopy(model)
     dropped.h[0].attn.dropout = 0.1
     assert _key(dropped, (idx,)) != base  # a module's plain attribute, read in forward
+
+
+class _Mixer(nn.Module):
+    """Holds a function it calls in forward (test_microbatch_semantics' row mixers are such)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.lin(x))
+
+
+def _scaled(factor):
+    return lambda t: t * factor
+
+
+def test_a_function_the_model_holds_is_in_the_key():
+    """Two models of one class that differ only by the function they hold are two traces: a
+    function's code, its defaults and what it closes over are keyed (a stale graph otherwise)."""
+    x = torch.randn(3, 4)
+    key = lambda fn: _key(_Mixer(fn), (x,))  # noqa: E731
+    assert key(torch.relu) == key(torch.relu) != key(torch.tanh)  # library functions by name
+    assert key(lambda t: t.flip(0)) != key(lambda t: t.sum(0, keepdim=True).expand_as(t))  # other code
+    assert key(_scaled(2.0)) == key(_scaled(2.0)) != key(_scaled(3.0))  # same code, another closure value
+    assert key(functools.partial(torch.roll, shifts=1, dims=0)) != key(functools.partial(torch.roll, shifts=2,
+                                                                                             dims=0))
+
+    class Scale:  # a callable object: its class and its simple attributes
+        def __init__(self, k):
+            self.k = k
+
+        def __call__(self, t):
+            return t * self.k
+
+    assert key(Scale(2)) == key(Scale(2)) != key(Scale(3))
 
 
 def test_another_forward_in_the_models_source_misses(tmp_path, monkeypatch):
