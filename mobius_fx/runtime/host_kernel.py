@@ -2,9 +2,8 @@
 own fused CPU Adam/AdamW kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp: `at::vec::Vectorized`
 and `at::parallel_for` over cache-line units, the same operations in the same order, compiled with
 the same floating-point contraction), extended to read a bf16/fp16 gradient, write the streamed
-copy, the fp32 `.grad`, the finite flag and optionally the new parameter and moments elsewhere
-(`p_out`, `m_out`/`v_out`, `buf_out`: out of place, the old ones left as they were), all in the
-same loop; and SGD (momentum) as torch's per-tensor step (each `add(..., alpha=)` one FMA).
+copy, the fp32 `.grad`, the finite flag and optionally the new parameter and moments out of place
+(`p_out`, `m_out`/`v_out`, `buf_out`: the old ones left as they were), all in the same loop; and SGD (momentum) as torch's per-tensor step (each `add(..., alpha=)` one FMA).
 
 Built at first use with `torch.utils.cpp_extension.load_inline` for this host's CPU capability
 (`torch.backends.cpu.get_cpu_capability()`: the `Vectorized` ISA torch dispatches to) and cached
@@ -399,12 +398,8 @@ bool adam(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const a
   check(m, "exp_avg", p.numel());
   check(v, "exp_avg_sq", p.numel());
   TORCH_CHECK(m_out.has_value() == v_out.has_value(), "host kernel: m_out and v_out go together");
-  if (m_out) {
-    check(*m_out, "m_out", p.numel());
-    check(*v_out, "v_out", p.numel());
-    TORCH_CHECK(m_out->scalar_type() == at::kFloat && v_out->scalar_type() == at::kFloat,
-                "host kernel: m_out and v_out must be fp32");
-  }
+  if (m_out) { check(*m_out, "m_out", p.numel()); check(*v_out, "v_out", p.numel()); }
+  TORCH_CHECK(!m_out || (m_out->scalar_type() == at::kFloat && v_out->scalar_type() == at::kFloat), "host kernel: m_out, v_out: fp32");
   TORCH_CHECK(m.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "host kernel: the moments must be fp32");
   return dispatch(g.scalar_type(), copy, [&](auto gtag, auto* ctag, auto) -> bool {
     using G = decltype(gtag);
@@ -424,10 +419,8 @@ bool sgd(const at::Tensor& p, const at::Tensor& g, const std::optional<at::Tenso
     TORCH_CHECK(buf->scalar_type() == at::kFloat, "host kernel: momentum_buffer must be fp32");
   }
   TORCH_CHECK(!buf_out || buf, "host kernel: buf_out without a momentum_buffer");
-  if (buf_out) {
-    check(*buf_out, "buf_out", p.numel());
-    TORCH_CHECK(buf_out->scalar_type() == at::kFloat, "host kernel: buf_out must be fp32");
-  }
+  if (buf_out) check(*buf_out, "buf_out", p.numel());
+  TORCH_CHECK(!buf_out || buf_out->scalar_type() == at::kFloat, "host kernel: buf_out must be fp32");
   return dispatch(g.scalar_type(), copy, [&](auto gtag, auto* ctag, auto) -> bool {
     using G = decltype(gtag);
     using C = std::remove_pointer_t<decltype(ctag)>;

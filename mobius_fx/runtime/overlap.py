@@ -17,12 +17,19 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   gradient -- is stepped serially, whole, at opt.step(), said once in the log). Step pre- and
   post-hooks (the optimizer's and torch's global ones) run once per opt.step().
 
-  What needs every gradient before any update cannot be stepped during backward: `clip_grad_norm_`
-  over all parameters, fp16 `GradScaler.unscale_`'s inf check, several backward passes per step
-  (gradient accumulation), a step pre-hook. The first step after `overlap()` therefore runs
-  serially and watches the loop; if gradients change between the end of backward and `opt.step()`,
-  a GradScaler steps, or two backward passes come before one step, the update waits for
-  opt.step() from then on (with a pre-hook, from the first step), said once in the log
+  What needs every gradient before any update cannot be stepped during backward for good:
+  `clip_grad_norm_` over all parameters, fp16 `GradScaler.unscale_`'s inf check, several backward
+  passes per step (gradient accumulation), a step pre-hook. The first step after `overlap()`
+  therefore runs serially and watches the loop. If gradients change between the end of backward
+  and `opt.step()` (a clip) in a bf16/fp16 pipeline whose optimizer the fused host pass steps, the
+  stages are stepped SPECULATIVELY from then on (`_speculate`, said once in the log): during
+  backward, out of place (new master, moments and streamed copy into spare buffers; the model and
+  `opt.state` keep the old ones), and opt.step() commits each parameter by pointer swaps where its
+  final `.grad` is bit for bit the download the pass read (a clip factor of 1.0), else drops the new
+  buffers and steps it with torch's own step from the final gradient -- serial's bits either way
+  (`opt.speculate = False`: the deferral below instead). If a GradScaler steps, two backward passes
+  come before one step, or speculation cannot run,
+  the update waits for opt.step() from then on (with a pre-hook, from the first step), said once in the log
   (`logging.getLogger("mobius_fx")`): gradients are still handed over into `.grad` during
   backward, the loop's code runs on the final ones, and opt.step() steps what it leaves --
   serial's bits (docs/overlap_semantics.md). A loop that changes its shape later (clipping switched
@@ -412,17 +419,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # False: no fp32 `.grad` from the host pass (4 B per parameter less), only for loops that
         # do not read or edit `.grad` between backward and step (docs/host_optimizer.md)
         self.keep_grads = True
-        # sync, a loop that edits the gradients between backward and opt.step() (clip_grad_norm_):
-        # True (the default) steps the stages during backward speculatively, out of place, and
-        # commits or rolls back at opt.step() (`_speculate`, docs/overlap_semantics.md); False: the
-        # update waits for opt.step() (`_defer`), as for a GradScaler
-        self.speculate = not shard
-        self._speculating: str | None = None  # why stages are stepped speculatively (None: they are not)
-        self._spec: dict[int, list] = {}  # id(p) -> this round's speculative step of p (`_speculate_one`)
-        self._spare_bufs: dict[int, dict[str, torch.Tensor]] = {}  # id(p) -> its spare master and moments
-        self.speculated_in_backward = 0  # parameters the last step() found stepped speculatively during backward
-        self.committed = 0  # ... of which it committed (their gradients were what the pass read)
-        self.rolled_back = 0  # ... and rolled back (then stepped from the final gradients, as serial)
+        self._init_speculation(shard)
         if mode == "async":
             self._hook_model()
         if mode == "sync" and not per_parameter(optimizer):
@@ -438,6 +435,19 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.owned = sum(1 for r in self._owners.values() if r == reducer.rank)
         else:
             self.owned = len(self._params())
+
+    def _init_speculation(self, shard: bool) -> None:
+        # sync, a loop that edits the gradients between backward and opt.step() (clip_grad_norm_):
+        # True (the default) steps the stages during backward speculatively, out of place, and
+        # commits or rolls back at opt.step() (`_speculate`, docs/overlap_semantics.md); False: the
+        # update waits for opt.step() (`_defer`), as for a GradScaler
+        self.speculate = not shard
+        self._speculating: str | None = None  # why stages are stepped speculatively (None: they are not)
+        self._spec: dict[int, list] = {}  # id(p) -> this round's speculative step of p (`_speculate_one`)
+        self._spare_bufs: dict[int, dict[str, torch.Tensor]] = {}  # id(p) -> its spare master and moments
+        self.speculated_in_backward = 0  # parameters the last step() found stepped speculatively during backward
+        self.committed = 0  # ... of which it committed (their gradients were what the pass read)
+        self.rolled_back = 0  # ... and rolled back (then stepped from the final gradients, as serial)
 
     # ------------------------------------------------------------------ the wrapped optimizer's face
     # Read through to the wrapped optimizer (its load_state_dict replaces param_groups and state):
@@ -619,7 +629,6 @@ class OverlapOptimizer(torch.optim.Optimizer):
         handed, self._handed = self._handed, set()
         spec, self._spec = self._spec, {}
         self.speculated_in_backward = len(spec)
-        self.committed = self.rolled_back = 0
         self.handed_in_backward = len(handed) - sum(1 for i in spec if i in handed)
         backwards, self._backwards = self._backwards, 0
         self._after_backward = {}
@@ -662,15 +671,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 log.info("pipe.overlap(mode='sync'): the first step ran serially; from the next one, stages are "
                          "stepped during backward as their gradients complete")
         self._pre_hooks()
-        if spec:  # after the pre-hooks (one may clip): commit what the final gradients allow, roll back the rest
-            same = same_hyper(hp, hyper_params(self.param_groups)) if hp is not None else False
-            for pid, rec in spec.items():
-                if same and self._unchanged(rec):
-                    self._commit(rec)
-                    stepped.add(pid)
-                    self.committed += 1
-                else:
-                    self.rolled_back += 1  # the old state was never touched: dropping the new one is the rollback
+        stepped |= self._settle(spec, hp)  # after the pre-hooks: one may clip
         rest = [p for p in self._params() if id(p) not in stepped and p.grad is not None]
         if rest:
             self._step_only(rest)
@@ -825,28 +826,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
         the stages they came from are all finite, computed on the GPUs (None: read them here)."""
         params = [p for p, _ in groups]
         homes = self._pipeline._rt.grad_homes
-        speculating = (self._speculating is not None and finite is not None and self.fuse and self.keep_grads
-                       and self._defer is None and not pre_hooks(self.inner))
-        if speculating:
-            # the loop edits gradients before opt.step(): step speculatively, out of place, commit or
-            # roll back at opt.step() (`_speculate`); what is not speculated is handed over
-            self._handed.update(id(p) for p in params)
-            if self._hp is None:
-                self._hp = hyper_params(self.param_groups)
-            hp_spec = [{**h, "params": g["params"]} for h, g in zip(self._hp, self.param_groups)]
-
-            def speculative() -> None:
-                ok = not self._nonfinite and all(f() for f in finite)
-                downloads = [(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups]
-                if not ok:  # a non-finite gradient: no speculation from it (opt.step() steps what the loop leaves)
-                    self._nonfinite = True
-                    self._hand(downloads, homes)
-                    return
-                self._speculate(downloads, hp_spec, homes)
-
-            job = self._submit(self._stepper, speculative)
-            self._adds.append(job)
-            self._steps.append(job)
+        if (self._speculating is not None and finite is not None and self.fuse and self.keep_grads
+                and self._defer is None and not pre_hooks(self.inner)):
+            self._ready_speculative(groups, finite, homes)
             return
         if self._defer is not None or pre_hooks(self.inner) or self._speculating is not None:
             # the update waits for opt.step() (`_defer`; a step pre-hook runs before any update):
@@ -898,6 +880,28 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self._skip(params)
 
         self._steps.append(self._submit(self._stepper, step))
+
+    def _ready_speculative(self, groups: list, finite: list[Callable[[], bool]], homes: GradHomes | None) -> None:
+        """`ready` while the loop edits gradients before opt.step(): the stage stepped
+        speculatively, out of place, on the optimizer's worker (`_speculate`; committed or rolled
+        back at opt.step()); what is not speculated is handed over."""
+        self._handed.update(id(p) for p, _ in groups)
+        if self._hp is None:
+            self._hp = hyper_params(self.param_groups)
+        hp = [{**h, "params": g["params"]} for h, g in zip(self._hp, self.param_groups)]
+
+        def speculative() -> None:
+            ok = not self._nonfinite and all(f() for f in finite)
+            downloads = [(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups]
+            if not ok:  # a non-finite gradient: no speculation from it (opt.step() steps what the loop leaves)
+                self._nonfinite = True
+                self._hand(downloads, homes)
+                return
+            self._speculate(downloads, hp, homes)
+
+        job = self._submit(self._stepper, speculative)
+        self._adds.append(job)
+        self._steps.append(job)
 
     def _hand(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], homes: GradHomes | None) -> None:
         """The downloaded gradients into `.grad`: summed into the master's home (`GradHomes`)
@@ -1210,6 +1214,19 @@ class OverlapOptimizer(torch.optim.Optimizer):
                                       state_out={k: sp[k].view(-1) for k in names})
         COUNTERS.add("grad_fused", nbytes(home))
         self._spec[id(p)] = [p, g, home, home._version, sp, names, copy, bool(ok), kind]
+
+    def _settle(self, spec: dict[int, list], hp: list[dict] | None) -> set[int]:
+        """opt.step() of a speculative round: commit each parameter whose final gradient is the one
+        its step read, with the hyper-parameters it was stepped with; roll back the others (the
+        old state was never touched: dropping the new one is the rollback). Returns the committed."""
+        same = hp is not None and same_hyper(hp, hyper_params(self.param_groups))
+        done = set()
+        for pid, rec in spec.items():
+            if same and self._unchanged(rec):
+                self._commit(rec)
+                done.add(pid)
+        self.committed, self.rolled_back = len(done), len(spec) - len(done)
+        return done
 
     def _unchanged(self, rec: list) -> bool:
         """Whether the gradient `p` has now is, bit for bit, the one its speculative step read.
