@@ -244,3 +244,19 @@ def test_the_pass_out_of_place_writes_the_in_place_bits_and_keeps_the_old_state(
     H.step_span(kind, group, p, g, st, step=3.0, p_out=op, state_out=ost, compiled=compiled)
     assert torch.equal(op, ip) and all(torch.equal(ost[k], ist[k]) for k in names)
     assert torch.equal(p, old_p) and all(torch.equal(st[k], old[k]) for k in names)
+
+
+def test_accumulation_started_while_speculating_drops_it_and_defers(cache, one_thread):
+    """From step 2 the loop accumulates two backward passes per step: the first pass's speculative
+    steps are dropped at the second backward (they read only its gradients) and the update waits
+    for opt.step() from then on; every step stays serial's."""
+    def loop(t, x, pipe, model, opt):
+        for _ in range(2 if t >= 2 else 1):
+            _loss(pipe(x), x).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+        opt.step()
+        opt.zero_grad()
+
+    model, opt, seen = _lockstep(cache, OPTIMIZERS["sgd-momentum"], loop)
+    assert seen[1][1] == _speculable(model) and seen[2:] == [(0, 0, 0)] * (STEPS - 2), seen
+    assert opt._defer is not None
