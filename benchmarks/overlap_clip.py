@@ -1,15 +1,21 @@
 """What a clipped loop costs under the sync overlap (docs/overlap_semantics.md).
 
-One process, one compiled GPT pipeline (virtual GPUs on the CPU), three loops run in turn,
+One process, one compiled GPT pipeline (bf16, virtual GPUs with streams on the CPU:
+device="virtual-async", so the fused host pass steps the stages), the loops run in turn,
 interleaved round by round so load from other processes falls on all alike:
 
-- `none+clip`: the optimizer stepped serially after backward, `clip_grad_norm_(..., 1.0)` first;
-- `sync+clip`: the same loop under `pipe.overlap(opt, "sync")`: gradients handed over during
-  backward, the update at opt.step() after the clip (deferred, exact);
+- `none+clip`: the optimizer stepped serially after backward, `clip_grad_norm_` first;
+- `defer+clip`: the same loop under `pipe.overlap(opt, "sync")` with `opt.speculate = False`:
+  gradients handed over during backward, the update at opt.step() after the clip (exact);
+- `spec+commit`: the same under "sync" as it is by default: stages stepped speculatively during
+  backward, out of place; `max_norm` large (the clip factor is 1.0), so opt.step() commits them;
+- `spec+rollback`: the same with `max_norm` tiny: every step clips, opt.step() rolls back and steps
+  from the clipped gradients (the worst case of speculation);
 - `sync`: no clipping, stages stepped during backward (the overlap at its best).
 
-Prints each loop's median step time (after the sync probe's first step) and its ratio to
-`none+clip`. Timings on a shared machine are noise: re-run on a quiet one.
+Prints each loop's median step time (after the sync probe's first step), its ratio to
+`none+clip` and to `sync`, and how many parameters the last step committed or rolled back.
+Timings on a shared machine are noise: re-run on a quiet one.
 
     python benchmarks/overlap_clip.py                       # hidden 256, 6 blocks, 4 GPUs
     python benchmarks/overlap_clip.py --hidden 512 --steps 8 --rounds 3
@@ -33,7 +39,9 @@ import mobius_fx  # noqa: E402
 from mobius_fx import Topology  # noqa: E402
 from mobius_fx.zoo import GPT, GPTConfig  # noqa: E402
 
-LOOPS = {"none+clip": ("none", True), "sync+clip": ("sync", True), "sync": ("sync", False)}
+# loop -> (overlap mode, max_norm or None for no clipping, speculate)
+LOOPS = {"none+clip": ("none", 1e6, True), "defer+clip": ("sync", 1e6, False), "spec+commit": ("sync", 1e6, True),
+         "spec+rollback": ("sync", 1e-6, True), "sync": ("sync", None, True)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,33 +61,39 @@ def main(argv: list[str] | None = None) -> None:
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     topo = Topology.virtual(gpus=args.gpus, memory=2 * nbytes)
     x = torch.randint(0, 256, (args.batch, args.seq))
-    pipe = mobius_fx.compile(model, topo, example_inputs=(x,), microbatches=args.microbatches, verbose=False)
+    pipe = mobius_fx.compile(model, topo, example_inputs=(x,), microbatches=args.microbatches, verbose=False,
+                             device="virtual-async", dtype=torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     print(f"GPT hidden {args.hidden}, {args.blocks} blocks ({params / 1e6:.1f}M parameters), {args.gpus} virtual "
           f"GPUs, {pipe.plan.num_stages if hasattr(pipe.plan, 'num_stages') else '?'} stages; {args.rounds} rounds "
           f"x {args.steps} steps per loop; {len(os.sched_getaffinity(0))} cores", flush=True)
     times: dict[str, list[float]] = {k: [] for k in LOOPS}
+    outcome: dict[str, tuple[int, int]] = {}
     for r in range(args.rounds):
         order = list(LOOPS) if r % 2 == 0 else list(LOOPS)[::-1]
         for name in order:
-            mode, clip = LOOPS[name]
-            opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4), mode=mode)
+            mode, max_norm, speculate = LOOPS[name]
+            opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), mode=mode)
+            if mode == "sync":
+                opt.speculate = speculate
             for t in range(2 + args.steps):
                 t0 = time.perf_counter()
-                F.cross_entropy(pipe(x).flatten(0, 1), x.flatten()).backward()
-                if clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                F.cross_entropy(pipe(x).flatten(0, 1).float(), x.flatten()).backward()
+                if max_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
                 opt.step()
                 opt.zero_grad()
                 if t >= 2:
                     times[name].append(time.perf_counter() - t0)
-            print(f"round {r + 1}: {name:9s} median {statistics.median(times[name][-args.steps:]) * 1e3:7.1f} ms/step",
+            outcome[name] = (getattr(opt, "committed", 0), getattr(opt, "rolled_back", 0))
+            print(f"round {r + 1}: {name:13s} median {statistics.median(times[name][-args.steps:]) * 1e3:7.1f} ms/step",
                   flush=True)
-    base = statistics.median(times["none+clip"])
-    print(f"{'loop':9s} {'median ms':>10s} {'/none+clip':>11s}")
+    base, best = statistics.median(times["none+clip"]), statistics.median(times["sync"])
+    print(f"{'loop':13s} {'median ms':>10s} {'/none+clip':>11s} {'/sync':>7s} {'committed':>10s} {'rolled back':>12s}")
     for name in LOOPS:
         med = statistics.median(times[name])
-        print(f"{name:9s} {med * 1e3:10.1f} {med / base:11.3f}")
+        print(f"{name:13s} {med * 1e3:10.1f} {med / base:11.3f} {med / best:7.3f} {outcome[name][0]:10d} "
+              f"{outcome[name][1]:12d}")
 
 
 if __name__ == "__main__":

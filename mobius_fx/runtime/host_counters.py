@@ -22,6 +22,13 @@ optimizer needs 28). The runtime counts those passes here, in bytes read plus wr
 - `grad_read`    — mode="async": the fused host pass reading the fp32 `.grad` (`keep_grads`, the
                    default) where it would read the streamed-dtype download: the difference (2 B
                    per parameter in bf16), beside the optimizer;
+- `spec_copy`    — pipe.overlap(mode="sync") speculating (a clipped loop) where the C++ kernel does
+                   not step: the optimizer's moments copied into spare buffers before the pass steps
+                   them there, so the old ones stay for a rollback (the C++ kernel writes them out of
+                   place in its own pass: 0 here; `overlap.OverlapOptimizer._speculate`);
+- `spec_check`   — the same, at opt.step(): the final `.grad` of a speculated parameter read and
+                   compared bit for bit with the download the pass read (only where its version
+                   changed: `clip_grad_norm_` multiplies even by 1.0);
 - `finite_check` — pipe.overlap(mode="sync") reading a stage's gradients on the host for a
                    non-finite value before stepping it during backward (a loop may skip a step on
                    one); only where the GPU could not tell (a device without `fetch`, data
@@ -50,7 +57,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 __all__ = ["COUNTERS", "HostCounters", "watch_optimizer_steps", "watch_masters", "masters_stepped", "BESIDE"]
 
 KINDS = ("pin", "refresh", "grad_convert", "grad_fused", "grad_alloc", "grad_add", "finite_check", "shadow",
-         "grad_read")
+         "grad_read", "spec_copy", "spec_check")
 BESIDE = ("refresh", "grad_fused", "grad_read")  # written inside or right after the optimizer's step
 
 

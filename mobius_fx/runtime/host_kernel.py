@@ -2,8 +2,8 @@
 own fused CPU Adam/AdamW kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp: `at::vec::Vectorized`
 and `at::parallel_for` over cache-line units, the same operations in the same order, compiled with
 the same floating-point contraction), extended to read a bf16/fp16 gradient, write the streamed
-copy, the fp32 `.grad`, the finite flag and optionally the new parameter elsewhere (`p_out`), all
-in the same loop; and SGD (momentum) as torch's per-tensor step (each `add(..., alpha=)` one FMA).
+copy, the fp32 `.grad`, the finite flag and optionally the new parameter and moments out of place
+(`p_out`, `m_out`/`v_out`, `buf_out`: the old ones left as they were), all in the same loop; and SGD (momentum) as torch's per-tensor step (each `add(..., alpha=)` one FMA).
 
 Built at first use with `torch.utils.cpp_extension.load_inline` for this host's CPU capability
 (`torch.backends.cpu.get_cpu_capability()`: the `Vectorized` ISA torch dispatches to) and cached
@@ -128,9 +128,11 @@ enum Mode { ORIGINAL = 0, ADAMW = 1 };
 
 // One chunk of torch's adam_math<float, float, mode> (the float path, unchanged in its operations)
 // with: the gradient loaded from G and written to grad_out as fp32, the finite flag, the new
-// parameter written to p_out (else in place) and to the streamed copy C.
+// parameter written to p_out (else in place) and to the streamed copy C, the moments read from m_in, v_in and
+// written to exp_avg_ptr, exp_avg_sq_ptr (the same pointers: in place; others: out of place, the old ones kept).
 template <typename G, typename C, int mode>
-bool adam_math(const float* p_in, float* param_ptr, const G* grad_ptr, float* exp_avg_ptr, float* exp_avg_sq_ptr,
+bool adam_math(const float* p_in, float* param_ptr, const G* grad_ptr, const float* m_in, const float* v_in,
+               float* exp_avg_ptr, float* exp_avg_sq_ptr,
                float* grad_out, C* copy, double lr, double exp_avg_grad_coefficient,
                double exp_avg_sq_grad_coefficient, double bias_correction2_sqrt, double eps, double weight_decay,
                double beta2, double step_size, bool maximize, int64_t size) {
@@ -153,7 +155,7 @@ bool adam_math(const float* p_in, float* param_ptr, const G* grad_ptr, float* ex
         param_vec = param_vec * Vec(scalar_t(1 - lr * weight_decay));
       }
     }
-    Vec exp_avg_vec = Vec::loadu(exp_avg_ptr + d);
+    Vec exp_avg_vec = Vec::loadu(m_in + d);
     // exp_avg.lerp_(grad, 1 - beta1)
     const Vec lerp_weight = Vec(scalar_t(exp_avg_grad_coefficient));
     auto mask = lerp_weight.abs() < Vec(0.5);
@@ -161,7 +163,7 @@ bool adam_math(const float* p_in, float* param_ptr, const G* grad_ptr, float* ex
     auto base = Vec::blendv(grad_vec, exp_avg_vec, mask);
     exp_avg_vec = at::vec::fmadd(coeff, grad_vec - exp_avg_vec, base);
 
-    Vec exp_avg_sq_vec = Vec::loadu(exp_avg_sq_ptr + d) * Vec(scalar_t(beta2)) +
+    Vec exp_avg_sq_vec = Vec::loadu(v_in + d) * Vec(scalar_t(beta2)) +
         Vec(scalar_t(exp_avg_sq_grad_coefficient)) * grad_vec * grad_vec;
     exp_avg_vec.store(exp_avg_ptr + d);
     exp_avg_sq_vec.store(exp_avg_sq_ptr + d);
@@ -175,6 +177,8 @@ bool adam_math(const float* p_in, float* param_ptr, const G* grad_ptr, float* ex
   bool ok = all_zero(acc);
   for (; d < size; d++) {
     if (param_ptr != p_in) param_ptr[d] = p_in[d];
+    if (exp_avg_ptr != m_in) exp_avg_ptr[d] = m_in[d];
+    if (exp_avg_sq_ptr != v_in) exp_avg_sq_ptr[d] = v_in[d];
     scalar_t grad_val = grad_ptr[d];
     if (grad_out) grad_out[d] = grad_val;
     ok = ok && std::isfinite(grad_val);
@@ -209,14 +213,17 @@ template <typename T> T* ptr(const std::optional<at::Tensor>& t) {
 template <typename G, typename C, int mode>
 bool adam_impl(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& copy,
-               const std::optional<at::Tensor>& p_out, double lr, double beta1, double beta2, double weight_decay,
+               const std::optional<at::Tensor>& p_out, const std::optional<at::Tensor>& m_out,
+               const std::optional<at::Tensor>& v_out, double lr, double beta1, double beta2, double weight_decay,
                double eps, double step, bool maximize) {
   const int64_t numel = param.numel();
   const float* p_in = param.data_ptr<float>();
   float* p_dst = p_out.has_value() ? p_out->data_ptr<float>() : param.data_ptr<float>();
   const G* g = grad.data_ptr<G>();
-  float* m = exp_avg.data_ptr<float>();
-  float* v = exp_avg_sq.data_ptr<float>();
+  const float* m = exp_avg.data_ptr<float>();
+  const float* v = exp_avg_sq.data_ptr<float>();
+  float* m_dst = m_out.has_value() ? m_out->data_ptr<float>() : exp_avg.data_ptr<float>();
+  float* v_dst = v_out.has_value() ? v_out->data_ptr<float>() : exp_avg_sq.data_ptr<float>();
   float* go = ptr<float>(grad_out);
   C* cp = ptr<C>(copy);
   // need to use double here to align with non-fused adam (torch's comment)
@@ -231,7 +238,8 @@ bool adam_impl(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   at::parallel_for(0, num_units, GRAIN, [&](int64_t begin, int64_t end) {
     begin *= UNIT;
     end = std::min(end * UNIT, numel);
-    bool fine = adam_math<G, C, mode>(p_in + begin, p_dst + begin, g + begin, m + begin, v + begin,
+    bool fine = adam_math<G, C, mode>(p_in + begin, p_dst + begin, g + begin, m + begin, v + begin, m_dst + begin,
+                                      v_dst + begin,
                                       go ? go + begin : nullptr, cp ? cp + begin : nullptr, lr,
                                       exp_avg_grad_coefficient, exp_avg_sq_grad_coefficient, bias_correction2_sqrt,
                                       eps, weight_decay, beta2, step_size, maximize, end - begin);
@@ -242,7 +250,8 @@ bool adam_impl(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
 
 // SGD as torch's per-tensor step: every `a.add(b, alpha=c)` is fma(b, c, a), `buf.mul_(mom)` rounds once
 template <typename G, typename C>
-bool sgd_math(const float* p_in, float* p_dst, const G* g, float* buf, float* grad_out, C* copy, float wd, float mom,
+bool sgd_math(const float* p_in, float* p_dst, const G* g, const float* buf_in, float* buf, float* grad_out, C* copy,
+              float wd, float mom,
               float damp1, float neg_lr, bool decay, bool nesterov, bool maximize, int64_t size) {
   fVec acc(0.0f);
   const bool nt_copy = copy && nt_ok(copy);
@@ -256,7 +265,7 @@ bool sgd_math(const float* p_in, float* p_dst, const G* g, float* buf, float* gr
     if (maximize) x = x.neg();
     if (decay) x = at::vec::fmadd(p, fVec(wd), x);
     if (buf) {
-      fVec b = at::vec::fmadd(x, fVec(damp1), fVec::loadu(buf + d) * fVec(mom));
+      fVec b = at::vec::fmadd(x, fVec(damp1), fVec::loadu(buf_in + d) * fVec(mom));
       b.store(buf + d);
       x = nesterov ? at::vec::fmadd(b, fVec(mom), x) : b;
     }
@@ -274,7 +283,7 @@ bool sgd_math(const float* p_in, float* p_dst, const G* g, float* buf, float* gr
     if (maximize) x = -x;
     if (decay) x = std::fma(p, wd, x);
     if (buf) {
-      float b = std::fma(x, damp1, buf[d] * mom);
+      float b = std::fma(x, damp1, buf_in[d] * mom);
       buf[d] = b;
       x = nesterov ? std::fma(b, mom, x) : b;
     }
@@ -288,13 +297,14 @@ bool sgd_math(const float* p_in, float* p_dst, const G* g, float* buf, float* gr
 template <typename G, typename C>
 bool sgd_impl(const at::Tensor& param, const at::Tensor& grad, const std::optional<at::Tensor>& buf,
               const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& copy,
-              const std::optional<at::Tensor>& p_out, double lr, double weight_decay, double momentum,
-              double dampening, bool nesterov, bool maximize) {
+              const std::optional<at::Tensor>& p_out, const std::optional<at::Tensor>& buf_out, double lr,
+              double weight_decay, double momentum, double dampening, bool nesterov, bool maximize) {
   const int64_t numel = param.numel();
   const float* p_in = param.data_ptr<float>();
   float* p_dst = p_out.has_value() ? p_out->data_ptr<float>() : param.data_ptr<float>();
   const G* g = grad.data_ptr<G>();
-  float* b = ptr<float>(buf);
+  const float* b = ptr<float>(buf);
+  float* b_dst = buf_out.has_value() ? buf_out->data_ptr<float>() : ptr<float>(buf);
   float* go = ptr<float>(grad_out);
   C* cp = ptr<C>(copy);
   const float wd = float(weight_decay), mom = float(momentum), damp1 = float(1 - dampening), neg_lr = float(-lr);
@@ -304,6 +314,7 @@ bool sgd_impl(const at::Tensor& param, const at::Tensor& grad, const std::option
     begin *= UNIT;
     end = std::min(end * UNIT, numel);
     bool fine = sgd_math<G, C>(p_in + begin, p_dst + begin, g + begin, b ? b + begin : nullptr,
+                               b ? b_dst + begin : nullptr,
                                go ? go + begin : nullptr, cp ? cp + begin : nullptr, wd, mom, damp1, neg_lr,
                                weight_decay != 0, nesterov, maximize, end - begin);
     if (!fine) ok.store(false, std::memory_order_relaxed);
@@ -381,32 +392,39 @@ bool dispatch(at::ScalarType gt, const std::optional<at::Tensor>& copy, F&& f) {
 bool adam(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
           const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& copy,
           const std::optional<at::Tensor>& p_out, double lr, double beta1, double beta2, double weight_decay,
-          double eps, double step, bool decoupled, bool maximize) {
+          double eps, double step, bool decoupled, bool maximize, const std::optional<at::Tensor>& m_out,
+          const std::optional<at::Tensor>& v_out) {
   check_all(p, g, grad_out, copy, p_out);
   check(m, "exp_avg", p.numel());
   check(v, "exp_avg_sq", p.numel());
+  TORCH_CHECK(m_out.has_value() == v_out.has_value(), "host kernel: m_out and v_out go together");
+  if (m_out) { check(*m_out, "m_out", p.numel()); check(*v_out, "v_out", p.numel()); }
+  TORCH_CHECK(!m_out || (m_out->scalar_type() == at::kFloat && v_out->scalar_type() == at::kFloat), "host kernel: m_out, v_out: fp32");
   TORCH_CHECK(m.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "host kernel: the moments must be fp32");
   return dispatch(g.scalar_type(), copy, [&](auto gtag, auto* ctag, auto) -> bool {
     using G = decltype(gtag);
     using C = std::remove_pointer_t<decltype(ctag)>;
-    return decoupled ? adam_impl<G, C, ADAMW>(p, g, m, v, grad_out, copy, p_out, lr, beta1, beta2, weight_decay, eps, step, maximize)
-                     : adam_impl<G, C, ORIGINAL>(p, g, m, v, grad_out, copy, p_out, lr, beta1, beta2, weight_decay, eps, step, maximize);
+    return decoupled ? adam_impl<G, C, ADAMW>(p, g, m, v, grad_out, copy, p_out, m_out, v_out, lr, beta1, beta2, weight_decay, eps, step, maximize)
+                     : adam_impl<G, C, ORIGINAL>(p, g, m, v, grad_out, copy, p_out, m_out, v_out, lr, beta1, beta2, weight_decay, eps, step, maximize);
   });
 }
 
 bool sgd(const at::Tensor& p, const at::Tensor& g, const std::optional<at::Tensor>& buf,
          const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& copy,
          const std::optional<at::Tensor>& p_out, double lr, double weight_decay, double momentum, double dampening,
-         bool nesterov, bool maximize) {
+         bool nesterov, bool maximize, const std::optional<at::Tensor>& buf_out) {
   check_all(p, g, grad_out, copy, p_out);
   if (buf) {
     check(*buf, "momentum_buffer", p.numel());
     TORCH_CHECK(buf->scalar_type() == at::kFloat, "host kernel: momentum_buffer must be fp32");
   }
+  TORCH_CHECK(!buf_out || buf, "host kernel: buf_out without a momentum_buffer");
+  if (buf_out) check(*buf_out, "buf_out", p.numel());
+  TORCH_CHECK(!buf_out || buf_out->scalar_type() == at::kFloat, "host kernel: buf_out must be fp32");
   return dispatch(g.scalar_type(), copy, [&](auto gtag, auto* ctag, auto) -> bool {
     using G = decltype(gtag);
     using C = std::remove_pointer_t<decltype(ctag)>;
-    return sgd_impl<G, C>(p, g, buf, grad_out, copy, p_out, lr, weight_decay, momentum, dampening, nesterov, maximize);
+    return sgd_impl<G, C>(p, g, buf, grad_out, copy, p_out, buf_out, lr, weight_decay, momentum, dampening, nesterov, maximize);
   });
 }
 

@@ -271,7 +271,8 @@ def _cpp_kernel() -> Any:
 
 def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state: dict, step: float | None = None,
               grad_out: torch.Tensor | None = None, copy_out: torch.Tensor | None = None,
-              compiled: bool = True, p_out: torch.Tensor | None = None) -> torch.Tensor:
+              compiled: bool = True, p_out: torch.Tensor | None = None,
+              state_out: dict | None = None) -> torch.Tensor:
     """Step elements of one parameter in one pass: `p` (fp32), `grad` (its gradient, any float
     dtype), the state tensors in `state` (torch's names; views of the same elements) and the
     outputs `grad_out` (fp32 `.grad`) and `copy_out` (the streamed copy) are flat and contiguous.
@@ -281,7 +282,10 @@ def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state
     cannot be built, logged once, the next in `BACKENDS`, then eager ops), else the formula in
     eager torch ops. `p_out` (fp32, flat, as `p`, not overlapping it): the new parameter is written
     there and `p` is left unchanged (the same bytes: `p` read, `p_out` written), e.g. a shadow copy
-    stepped while `p` is in use."""
+    stepped while `p` is in use. `state_out` (the state tensors' names to flat fp32 tensors as
+    `p`): the new state is written there and `state`'s tensors are left unchanged (with `p_out`:
+    a step out of place, for a speculative step that may be dropped; the C++ kernel reads the old
+    and writes the new in the same pass, the others copy the state there first)."""
     adam = kind == "adamw" or kind == "adam"
     # The C++ kernel first, with as little Python as possible around it: between two large spans the
     # interpreter runs with cold caches (~50 us for one small tensor's allocation, measured), while
@@ -298,17 +302,24 @@ def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state
                     b1, b2 = group["betas"]
                     ok = k.adam(p, grad, state["exp_avg"], state["exp_avg_sq"], grad_out, copy_out, p_out,
                                 float(group["lr"]), float(b1), float(b2), float(group["weight_decay"]),
-                                float(group["eps"]), float(step), kind == "adamw", bool(group.get("maximize")))
+                                float(group["eps"]), float(step), kind == "adamw", bool(group.get("maximize")),
+                                None if state_out is None else state_out["exp_avg"],
+                                None if state_out is None else state_out["exp_avg_sq"])
                 else:
                     mom = float(group["momentum"])
                     ok = k.sgd(p, grad, state.get("momentum_buffer") if mom != 0 else None, grad_out, copy_out,
                                p_out, float(group["lr"]), float(group["weight_decay"]), mom,
-                               float(group["dampening"]), bool(group.get("nesterov")), bool(group.get("maximize")))
+                               float(group["dampening"]), bool(group.get("nesterov")), bool(group.get("maximize")),
+                               None if state_out is None or mom == 0 else state_out["momentum_buffer"])
             except RuntimeError:  # a tensor it does not take (not contiguous, not on the CPU; checked before
                 pass  # any write): the next backend steps this span
             else:
                 return _TRUE if ok else _FALSE
     with torch.no_grad():
+        if state_out is not None:  # out of place: the old state copied into the new, stepped there
+            for k_, t in state_out.items():
+                t.copy_(state[k_])
+            state = {**state, **state_out}
         buf = None if adam or float(group["momentum"]) == 0 else state.get("momentum_buffer")
         if adam:
             s, decay, small_w = adam_scalars(group, float(step), kind)

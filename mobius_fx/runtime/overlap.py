@@ -17,12 +17,19 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   gradient -- is stepped serially, whole, at opt.step(), said once in the log). Step pre- and
   post-hooks (the optimizer's and torch's global ones) run once per opt.step().
 
-  What needs every gradient before any update cannot be stepped during backward: `clip_grad_norm_`
-  over all parameters, fp16 `GradScaler.unscale_`'s inf check, several backward passes per step
-  (gradient accumulation), a step pre-hook. The first step after `overlap()` therefore runs
-  serially and watches the loop; if gradients change between the end of backward and `opt.step()`,
-  a GradScaler steps, or two backward passes come before one step, the update waits for
-  opt.step() from then on (with a pre-hook, from the first step), said once in the log
+  What needs every gradient before any update cannot be stepped during backward for good:
+  `clip_grad_norm_` over all parameters, fp16 `GradScaler.unscale_`'s inf check, several backward
+  passes per step (gradient accumulation), a step pre-hook. The first step after `overlap()`
+  therefore runs serially and watches the loop. If gradients change between the end of backward
+  and `opt.step()` (a clip) in a bf16/fp16 pipeline whose optimizer the fused host pass steps, the
+  stages are stepped SPECULATIVELY from then on (`_speculate`, said once in the log): during
+  backward, out of place (new master, moments and streamed copy into spare buffers; the model and
+  `opt.state` keep the old ones), and opt.step() commits each parameter by pointer swaps where its
+  final `.grad` is bit for bit the download the pass read (a clip factor of 1.0), else drops the new
+  buffers and steps it with torch's own step from the final gradient -- serial's bits either way
+  (`opt.speculate = False`: the deferral below instead). If a GradScaler steps, two backward passes
+  come before one step, or speculation cannot run,
+  the update waits for opt.step() from then on (with a pre-hook, from the first step), said once in the log
   (`logging.getLogger("mobius_fx")`): gradients are still handed over into `.grad` during
   backward, the loop's code runs on the final ones, and opt.step() steps what it leaves --
   serial's bits (docs/overlap_semantics.md). A loop that changes its shape later (clipping switched
@@ -412,6 +419,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         # False: no fp32 `.grad` from the host pass (4 B per parameter less), only for loops that
         # do not read or edit `.grad` between backward and step (docs/host_optimizer.md)
         self.keep_grads = True
+        self._init_speculation(shard)
         if mode == "async":
             self._hook_model()
         if mode == "sync" and not per_parameter(optimizer):
@@ -427,6 +435,19 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self.owned = sum(1 for r in self._owners.values() if r == reducer.rank)
         else:
             self.owned = len(self._params())
+
+    def _init_speculation(self, shard: bool) -> None:
+        # sync, a loop that edits the gradients between backward and opt.step() (clip_grad_norm_):
+        # True (the default) steps the stages during backward speculatively, out of place, and
+        # commits or rolls back at opt.step() (`_speculate`, docs/overlap_semantics.md); False: the
+        # update waits for opt.step() (`_defer`), as for a GradScaler
+        self.speculate = not shard
+        self._speculating: str | None = None  # why stages are stepped speculatively (None: they are not)
+        self._spec: dict[int, list] = {}  # id(p) -> this round's speculative step of p (`_speculate_one`)
+        self._spare_bufs: dict[int, dict[str, torch.Tensor]] = {}  # id(p) -> its spare master and moments
+        self.speculated_in_backward = 0  # parameters the last step() found stepped speculatively during backward
+        self.committed = 0  # ... of which it committed (their gradients were what the pass read)
+        self.rolled_back = 0  # ... and rolled back (then stepped from the final gradients, as serial)
 
     # ------------------------------------------------------------------ the wrapped optimizer's face
     # Read through to the wrapped optimizer (its load_state_dict replaces param_groups and state):
@@ -472,6 +493,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.synchronize()
+        self._spec = {}  # a speculative step of the state replaced: dropped
         self.inner.load_state_dict(state_dict)
         self._dirty, self._stepped, self._backwards, self._hp = None, set(), 0, None
 
@@ -560,6 +582,27 @@ class OverlapOptimizer(torch.optim.Optimizer):
                         "handed over during backward, as their stages complete; the update then runs after your "
                         "code, on the gradients it leaves, exactly as a serial step): %s", why)
 
+    def _speculable(self) -> bool:
+        """Whether a loop that edits gradients can be speculated on: the pipeline streams a
+        narrower dtype than fp32 (bf16, fp16: the gradients arrive converted by the pass), the
+        fused host pass is on and built and steps every group of this optimizer (it writes the new
+        state out of place), `.grad` is kept (the loop edits it), no shard."""
+        cast = getattr(self._pipeline._rt, "dtype", None)  # the streamed dtype (None: the masters'): the pass
+        narrow = cast is not None and cast.itemsize < 4    # steps where the download is narrower (`_fusable`)
+        return (self.speculate and narrow and not self.shard and self.fuse and self.keep_grads and HOST_PASS
+                and getattr(self, "host_pass", True) and host_optimizer.compiled()
+                and all(host_optimizer.kind_of(self.inner, g) is not None for g in self.param_groups))
+
+    def _speculating_from_now(self, why: str) -> None:
+        """From the next round on, stages are stepped during backward speculatively (`_speculate`);
+        said once."""
+        self._speculating = why
+        log.warning("pipe.overlap(mode='sync'): %s. From now on each stage is stepped speculatively during "
+                    "backward, out of place (the new weights, moments and streamed copy into spare buffers: 16 B "
+                    "per parameter more host memory for AdamW in bf16), and opt.step() commits it where your code left "
+                    "the gradients the step read (clip factor 1.0) or rolls it back and steps from the gradients "
+                    "you left, exactly as a serial step", why)
+
     def step(self, closure: Callable[[], object] | None = None) -> Any:  # type: ignore[override]
         """Finish this step's update (sync) or launch it (async); see the module docstring."""
         serial = self.mode == "sync" and self._serial is not None
@@ -584,7 +627,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
         stepped, self._stepped = self._stepped, set()
         self.stepped_in_backward = len(stepped)
         handed, self._handed = self._handed, set()
-        self.handed_in_backward = len(handed)
+        spec, self._spec = self._spec, {}
+        self.speculated_in_backward = len(spec)
+        self.handed_in_backward = len(handed) - sum(1 for i in spec if i in handed)
         backwards, self._backwards = self._backwards, 0
         self._after_backward = {}
         hp, self._hp = self._hp, None
@@ -612,16 +657,21 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if self._outside and self._probing and backwards:
             log.info("pipe.overlap(mode='sync'): %d parameters also get gradients from outside the pipeline; they are "
                      "stepped at opt.step(), the others during backward", len(self._outside))
-        if changed:
-            self._deferring(f"{len(changed)} gradients changed between the end of backward and opt.step() "
-                            f"(clip_grad_norm_, GradScaler.unscale_, or code that edits .grad): every gradient "
-                            f"is needed before any update", refuse=bool(stepped))
+        if changed and self._speculating is None:  # speculating: what opt.step() checks below
+            why = (f"{len(changed)} gradients changed between the end of backward and opt.step() "
+                   f"(clip_grad_norm_, GradScaler.unscale_, or code that edits .grad): every gradient "
+                   f"is needed before any update")
+            if not stepped and self._defer is None and self._serial is None and self._speculable():
+                self._speculating_from_now(why)
+            else:
+                self._deferring(why, refuse=bool(stepped))
         if self._probing and backwards:
             self._probing = False
             if self._serial is None:
                 log.info("pipe.overlap(mode='sync'): the first step ran serially; from the next one, stages are "
                          "stepped during backward as their gradients complete")
         self._pre_hooks()
+        stepped |= self._settle(spec, hp)  # after the pre-hooks: one may clip
         rest = [p for p in self._params() if id(p) not in stepped and p.grad is not None]
         if rest:
             self._step_only(rest)
@@ -663,6 +713,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         for ex in {id(e): e for e in (self._adder, self._stepper) if e is not None}.values():
             ex.shutdown()
         self._held = {}
+        self._spec, self._spare_bufs = {}, {}
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
@@ -699,6 +750,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
             return
         for p in self._params():
             self._watch(p)
+        if self._backwards > 1 and self._speculating is not None:
+            # speculating, a backward with no opt.step() since the last: that round's speculative
+            # steps are dropped (the state is the old one: nothing to undo). A loop that skipped the
+            # step (a non-finite loss or norm) and zeroed the gradients starts a new round.
+            self._spec = {}
+            if not self._stepped and all(p.grad is None for p in self._params()):
+                self._backwards, self._handed, self._nonfinite, self._hp = 1, set(), False, None
+                self._after_backward = {}
         if self._backwards > 1:
             self._deferring("opt.step() was not called between two backward passes (gradient accumulation, or a loop "
                             "that skips steps, e.g. on a non-finite loss): a stage cannot be stepped before it is known "
@@ -790,7 +849,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
             self._adds.append(self._submit(self._adder, hand_async))
             return
-        if self._defer is not None or pre_hooks(self.inner):
+        if (self._speculating is not None and finite is not None and self.fuse and self.keep_grads
+                and self._defer is None and not pre_hooks(self.inner)):
+            self._ready_speculative(groups, finite, homes)
+            return
+        if self._defer is not None or pre_hooks(self.inner) or self._speculating is not None:
             # the update waits for opt.step() (`_defer`; a step pre-hook runs before any update):
             # only the hand-over now, while the GPUs go on; `.grad` is final when backward returns
             self._handed.update(id(p) for p in params)
@@ -841,6 +904,28 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
         self._steps.append(self._submit(self._stepper, step))
 
+    def _ready_speculative(self, groups: list, finite: list[Callable[[], bool]], homes: GradHomes | None) -> None:
+        """`ready` while the loop edits gradients before opt.step(): the stage stepped
+        speculatively, out of place, on the optimizer's worker (`_speculate`; committed or rolled
+        back at opt.step()); what is not speculated is handed over."""
+        self._handed.update(id(p) for p, _ in groups)
+        if self._hp is None:
+            self._hp = hyper_params(self.param_groups)
+        hp = [{**h, "params": g["params"]} for h, g in zip(self._hp, self.param_groups)]
+
+        def speculative() -> None:
+            ok = not self._nonfinite and all(f() for f in finite)
+            downloads = [(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups]
+            if not ok:  # a non-finite gradient: no speculation from it (opt.step() steps what the loop leaves)
+                self._nonfinite = True
+                self._hand(downloads, homes)
+                return
+            self._speculate(downloads, hp, homes)
+
+        job = self._submit(self._stepper, speculative)
+        self._adds.append(job)
+        self._steps.append(job)
+
     def _hand(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], homes: GradHomes | None) -> None:
         """The downloaded gradients into `.grad`: summed into the master's home (`GradHomes`)
         when `.grad` is None, else added into the `.grad` the loop kept (it accumulates)."""
@@ -884,6 +969,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         for f in self._steps:  # let the work already handed over finish, then account for it
             f.result()
         self._backwards = max(0, self._backwards - 1)  # a backward that failed does not count
+        self._spec = {}  # speculative steps of the stages it had finished: rolled back (nothing to undo)
         if self._stepped and self._dirty is None:
             self._dirty = (f"a backward failed after {len(self._stepped)} parameters of the stages it had finished "
                            f"were stepped")
@@ -1079,6 +1165,132 @@ class OverlapOptimizer(torch.optim.Optimizer):
             if entry is not None:
                 written.append((p, entry))
         return written
+
+    # ------------------------------------------------------------------ sync: speculation (a clipped loop)
+    @staticmethod
+    def _moments(kind: str, group: dict) -> tuple[str, ...]:
+        if kind != "sgd":
+            return ("exp_avg", "exp_avg_sq")
+        return ("momentum_buffer",) if float(group.get("momentum", 0)) != 0 else ()
+
+    def _speculate(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict],
+                   homes: GradHomes | None) -> None:
+        """A stage's step while the loop may still edit its gradients (clip_grad_norm_ between
+        backward and opt.step()), on the optimizer's worker: each parameter the host pass steps
+        (`_passable`) is stepped OUT OF PLACE (`_speculate_one`): the model, torch's state and the
+        streamed copy the uploads read keep the old values until opt.step() commits (pointer
+        swaps, `_commit`) or drops the new ones (the rollback: nothing to undo). The others are
+        handed over into `.grad` and stepped at opt.step() from what the loop leaves."""
+        where = {id(q): i for i, g in enumerate(hp) for q in g["params"]}
+        rest = []
+        for p, gs in downloads:
+            kind = sp = None
+            if id(p) in where and self._fusable(p, gs, hp[where[id(p)]], homes):
+                kind = self._passable(p, gs, hp[where[id(p)]], homes)
+            if kind is not None:
+                sp = self._spare(p, kind, hp[where[id(p)]])
+            if sp is None:
+                rest.append((p, gs))
+            else:
+                self._speculate_one(p, gs[0], kind, hp[where[id(p)]], homes, sp)
+        self._hand(rest, homes)
+
+    def _spare(self, p: torch.Tensor, kind: str, group: dict) -> dict[str, torch.Tensor] | None:
+        """The spare master and moments `p`'s speculative step writes (kept across steps: a commit
+        makes the old ones the spares), or None where one is not aligned for the pass."""
+        st = self.inner.state[p]
+        names = self._moments(kind, group)
+        sp = self._spare_bufs.get(id(p))
+        if sp is None or sp["p"].shape != p.shape or set(sp) != {"p", *names} \
+                or any(sp[k].shape != st[k].shape or sp[k].dtype != st[k].dtype for k in names):
+            sp = {"p": torch.empty_like(p, memory_format=torch.contiguous_format),
+                  **{k: torch.empty_like(st[k], memory_format=torch.contiguous_format) for k in names}}
+            self._spare_bufs[id(p)] = sp
+        if any(t.data_ptr() % ALIGN for t in sp.values()):
+            return None
+        return sp
+
+    def _speculate_one(self, p: torch.Tensor, g: torch.Tensor, kind: str, group: dict, homes: GradHomes | None,
+                       sp: dict[str, torch.Tensor]) -> None:
+        """`p` stepped by the host pass from its download `g`, out of place: the new master into
+        `sp["p"]` (`p_out`), the new moments into `sp`'s (`state_out`; the C++ kernel reads the old
+        and writes the new in the same loop: the pass's own 28 B per parameter for AdamW), the
+        streamed copy into the device's second copy (`next_copy`), Adam's `step` counted only at
+        the commit; `.grad` (its home) written as always. Recorded in `_spec` with what
+        opt.step() checks: the `.grad` tensor and its version, and the download."""
+        st = self.inner.state[p]
+        names = self._moments(kind, group)
+        home = homes.take(p)
+        p.grad = home
+        if host_optimizer.backend() != "c++":  # the others copy the state into `state_out` first
+            COUNTERS.add("spec_copy", 2 * sum(nbytes(st[k]) for k in names))
+        step = float(st["step"] + 1) if kind != "sgd" else None  # as torch's step_t += 1, in fp32
+        copy = None
+        if self.refresh_copies:
+            for dev in self._pipeline._rt.devices.values():
+                buf = dev.next_copy(p) if hasattr(dev, "next_copy") else None
+                if buf is not None and buf.is_contiguous() and buf.data_ptr() % ALIGN == 0:
+                    copy = (dev, buf)
+                    break
+        ok = host_optimizer.step_span(kind, group, p.detach().view(-1), g.reshape(-1),
+                                      {k: st[k].view(-1) for k in names}, step=step, grad_out=home.view(-1),
+                                      copy_out=None if copy is None else copy[1].view(-1), p_out=sp["p"].view(-1),
+                                      state_out={k: sp[k].view(-1) for k in names})
+        COUNTERS.add("grad_fused", nbytes(home))
+        self._spec[id(p)] = [p, g, home, home._version, sp, names, copy, bool(ok), kind]
+
+    def _settle(self, spec: dict[int, list], hp: list[dict] | None) -> set[int]:
+        """opt.step() of a speculative round: commit each parameter whose final gradient is the one
+        its step read, with the hyper-parameters it was stepped with; roll back the others (the
+        old state was never touched: dropping the new one is the rollback). Returns the committed."""
+        same = hp is not None and same_hyper(hp, hyper_params(self.param_groups))
+        done = set()
+        for pid, rec in spec.items():
+            if same and self._unchanged(rec):
+                self._commit(rec)
+                done.add(pid)
+        self.committed, self.rolled_back = len(done), len(spec) - len(done)
+        return done
+
+    def _unchanged(self, rec: list) -> bool:
+        """Whether the gradient `p` has now is, bit for bit, the one its speculative step read.
+        Free when `.grad` is the tensor the pass wrote at the version it left; else (clip_grad_norm_
+        multiplies every gradient, by exactly 1.0 when the norm is within max_norm) its bits are
+        compared with the download's, widened (exact), span by span: 4 + 2 B read per parameter."""
+        p, g, home, version, ok = rec[0], rec[1], rec[2], rec[3], rec[7]
+        if not ok:  # the pass met a non-finite value the GPUs had not reported: serial's step then
+            return False
+        now = p.grad
+        if now is home and now._version == version:
+            return True
+        if now is None or now.dtype != torch.float32 or now.shape != p.shape or now.is_sparse \
+                or not now.is_contiguous():
+            return False
+        a, b = now.view(-1).view(torch.int32), g.reshape(-1)
+        COUNTERS.add("spec_check", nbytes(now) + nbytes(g))
+        n, chunk = a.numel(), _span()
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            if not torch.equal(a[i:j], b[i:j].float().view(torch.int32)):
+                return False
+        return True
+
+    def _commit(self, rec: list) -> None:
+        """A speculative step made the model's: the new master, moments and streamed copy swapped
+        in by pointer, Adam's `step` counted (as torch's, in place)."""
+        p, sp, names, copy, kind = rec[0], rec[4], rec[5], rec[6], rec[8]
+        st = self.inner.state[p]
+        with torch.no_grad():
+            new = sp["p"]
+            sp["p"] = p.data
+            p.data = new
+            for k in names:
+                st[k], sp[k] = sp[k], st[k]
+            if kind != "sgd":
+                st["step"] += 1
+        torch.autograd.graph.increment_version(p)  # stepped: copies elsewhere are made again
+        if copy is not None:  # ... and the one the pass wrote is current
+            copy[0].swap_copy(p, copy[1])
 
     # ------------------------------------------------------------------ async: the staleness-1 update
     def _hook_model(self) -> None:

@@ -1,0 +1,262 @@
+"""pipe.overlap(opt, "sync") with a loop that edits the gradients between backward and opt.step()
+(issue 38 part 3): the stages are stepped during backward SPECULATIVELY -- out of place, the new
+master, moments and streamed copy into spare buffers -- and opt.step() commits them (pointer swaps)
+where the final gradients are, bit for bit, those the step read (clip_grad_norm_ within max_norm
+multiplies by exactly 1.0), or rolls them back (drops the new buffers) and steps from the final
+gradients. Either way the weights and torch's state equal serial stepping bit for bit.
+
+Each loop runs on a bf16 pipeline (device="virtual-async": the fused host pass steps the stages)
+and, in lockstep, on a twin with the same torch optimizer stepped serially after backward.
+Optimizers whose host-pass bits are torch's (SGD with momentum; AdamW(fused=True) on whole
+vectors, one thread: docs/host_optimizer.md). Mutations checked by hand (see the commit):
+committing without validating fails the small-max_norm tests; a rollback that swaps in the new
+moments (the wrong buffer) fails them too.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mobius_fx
+from mobius_fx import Topology
+from mobius_fx.runtime import host_optimizer as H
+from mobius_fx.runtime.host_counters import COUNTERS, HostCounters
+from mobius_fx.zoo import nanogpt, nanogpt_inputs
+
+STEPS = 4
+
+pytestmark = pytest.mark.skipif(not H.compiled(), reason="no compiled host pass: nothing is speculated")
+
+
+def _loss(out, x):
+    return F.cross_entropy(out.flatten(0, 1).float(), x.flatten())
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("overlap_speculation")
+
+
+def _pair(cache):
+    torch.manual_seed(0)
+    model = nanogpt(hidden=32, blocks=2, vocab=64, seq=8)  # every tensor a whole number of 16-float vectors
+    twin = copy.deepcopy(model)
+    data = [nanogpt_inputs(model, batch=4, seed=s) for s in range(STEPS + 1)]
+    topo = Topology.virtual(gpus=2, memory=8 * sum(p.numel() * 4 for p in model.parameters()))
+    kw = dict(example_inputs=data[0], microbatches=2, cuts=[1, 2], cache_dir=str(cache), verbose=False,
+              dtype=torch.bfloat16)
+    pipe = mobius_fx.compile(model, topo, device="virtual-async", **kw)
+    ref_pipe = mobius_fx.compile(twin, topo, device="virtual", **kw)
+    return model, twin, data, pipe, ref_pipe
+
+
+OPTIMIZERS = {
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
+}
+
+
+def _same(model, twin, opt, ref, t):
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), f"step {t}: {name}"
+        for (k, v), (k2, w) in zip(opt.state[p].items(), ref.state[q].items()):
+            assert k == k2 and torch.equal(v, w), f"step {t}: {name}.{k}"
+
+
+def _copies_current(pipe, model):
+    """The streamed copy each device uploads from holds the weights (a commit swapped it in)."""
+    for p in model.parameters():
+        for d in pipe.devices.values():
+            e = d._pinned.get(id(p))
+            if e is not None and e[4] == (p.data_ptr(), p._version):
+                assert torch.equal(e[2], p.detach().to(e[2].dtype))
+
+
+def _lockstep(cache, make, loop, steps=STEPS):
+    model, twin, data, pipe, ref_pipe = _pair(cache)
+    opt = pipe.overlap(make(model.parameters()), mode="sync")
+    ref = make(twin.parameters())
+    seen = []
+    for t, (x,) in enumerate(data[:steps]):
+        before = COUNTERS.snapshot()
+        loop(t, x, pipe, model, opt)
+        opt.counts = HostCounters.since(before, COUNTERS.snapshot())
+        loop(t, x, ref_pipe, twin, ref)
+        _same(model, twin, opt, ref, t)
+        _copies_current(pipe, model)
+        seen.append((opt.speculated_in_backward, opt.committed, opt.rolled_back))
+    return model, opt, seen
+
+
+def _clipped(max_norm):
+    def loop(t, x, pipe, model, opt):
+        _loss(pipe(x), x).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+    return loop
+
+
+def _speculable(model) -> int:
+    """Parameters the pass steps: all but the tied embedding (two downloads: handed over)."""
+    return sum(1 for p in model.parameters() if p.requires_grad) - 1
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_clip_within_max_norm_commits_the_speculative_step_bit_for_bit(cache, name, one_thread, caplog):
+    with caplog.at_level(logging.WARNING, logger="mobius_fx"):
+        model, opt, seen = _lockstep(cache, OPTIMIZERS[name], _clipped(1e6))
+    n = _speculable(model)
+    assert seen[0] == (0, 0, 0)  # the probe: serial, it finds the clip
+    assert all(s == (n, n, 0) for s in seen[1:]), seen  # stepped during backward, every one committed
+    # the bytes: the C++ pass writes the new state out of place in its own pass (no copy); opt.step()
+    # reads each speculated fp32 .grad and its bf16 download once (clip_grad_norm_ bumped the version)
+    spec = sum(p.numel() for p in model.parameters() if id(p) in opt._spare_bufs)
+    if H.backend() == "c++":
+        assert opt.counts["spec_copy"] == 0, opt.counts
+    assert opt.counts["spec_check"] == 6 * spec, (opt.counts, spec)
+    assert opt._speculating is not None and opt._defer is None and opt.stepped_in_backward == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "mobius_fx"]
+    assert len(said) == 1 and "speculatively" in said[0] and "clip_grad_norm_" in said[0]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_clip_below_the_norm_rolls_back_and_steps_from_the_clipped_gradients(cache, name, one_thread):
+    model, opt, seen = _lockstep(cache, OPTIMIZERS[name], _clipped(1e-3))
+    n = _speculable(model)
+    assert all(s == (n, 0, n) for s in seen[1:]), seen
+
+
+def test_a_clip_that_switches_between_commit_and_rollback_stays_exact(cache, one_thread):
+    """max_norm between the steps' norms: some steps commit, others roll back, state carried on."""
+    norms = [1e6, 1e-3, 1e6, 1e-3, 1e6]
+    model, opt, seen = _lockstep(cache, OPTIMIZERS["adamw-fused"],
+                                 lambda t, x, pipe, model, opt: _clipped(norms[t])(t, x, pipe, model, opt), steps=5)
+    n = _speculable(model)
+    assert seen[1:] == [(n, 0, n), (n, n, 0), (n, 0, n), (n, n, 0)]
+
+
+def test_step_hooks_fire_once_per_step_while_speculating(cache, one_thread):
+    calls = []
+
+    def loop(t, x, pipe, model, opt):
+        if t == 0:
+            opt.register_step_post_hook(lambda o, a, k: calls.append(id(o)))
+        _clipped(1e6)(t, x, pipe, model, opt)
+
+    model, opt, seen = _lockstep(cache, OPTIMIZERS["sgd-momentum"], loop)
+    assert len(calls) == 2 * STEPS  # the overlapped loop's and the reference's, once per opt.step() each
+    assert seen[-1][1] == _speculable(model)
+
+
+def test_a_skipped_non_finite_step_drops_the_speculation(cache, one_thread):
+    """A NaN loss at step 2 whose step the loop skips (clip's norm non-finite): nothing of it lands;
+    the steps after it speculate again."""
+    def loop(t, x, pipe, model, opt):
+        loss = _loss(pipe(x), x) * (float("nan") if t == 2 else 1.0)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+        if torch.isfinite(norm):
+            opt.step()
+        opt.zero_grad()
+
+    model, opt, seen = _lockstep(cache, OPTIMIZERS["adamw-fused"], loop, steps=5)
+    assert opt._defer is None and seen[-1] == (_speculable(model),) * 2 + (0,)
+
+
+def test_a_forward_between_backward_and_step_sees_the_old_weights(cache, one_thread):
+    """Speculating, the model keeps its old weights until opt.step(): an evaluation forward in
+    between runs on them, as in a serial loop (not refused: no stage's weights changed)."""
+    outs = {}
+
+    def loop(t, x, pipe, model, opt):
+        _loss(pipe(x), x).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+        with torch.no_grad():
+            outs.setdefault(t, []).append(pipe(x).float())
+        opt.step()
+        opt.zero_grad()
+
+    model, opt, seen = _lockstep(cache, OPTIMIZERS["sgd-momentum"], loop)
+    assert all(torch.equal(a, b) for a, b in outs.values())
+    assert seen[-1][1] == _speculable(model)
+
+
+def test_grad_scaler_with_clip_is_exact_and_deferred(cache, one_thread):
+    """GradScaler's unscale_ changes every gradient each step: the update waits for opt.step()
+    (`_defer`, no speculation), the hand-over still during backward; a step with an infinite loss
+    is skipped by the scaler."""
+    scalers = {}
+
+    def loop(t, x, pipe, model, opt):
+        scaler = scalers.setdefault(id(opt), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8))
+        loss = _loss(pipe(x), x) * (float("inf") if t == 2 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    model, opt, seen = _lockstep(cache, OPTIMIZERS["adamw-fused"], loop, steps=5)
+    assert opt._defer is not None and opt._speculating is None and opt._serial is None
+    assert opt.handed_in_backward == sum(1 for p in model.parameters() if p.requires_grad)
+    assert [s.get_scale() for s in scalers.values()] == [2.0 ** 7] * 2
+
+
+def test_speculate_false_defers_instead(cache, one_thread):
+    def make(ps):
+        return OPTIMIZERS["sgd-momentum"](ps)
+
+    model, twin, data, pipe, ref_pipe = _pair(cache)
+    opt = pipe.overlap(make(model.parameters()), mode="sync")
+    opt.speculate = False
+    ref = make(twin.parameters())
+    for t, (x,) in enumerate(data[:3]):
+        for m, p_, o in ((model, pipe, opt), (twin, ref_pipe, ref)):
+            _clipped(1e6)(t, x, p_, m, o)
+        _same(model, twin, opt, ref, t)
+    assert opt._defer is not None and opt._speculating is None and opt.speculated_in_backward == 0
+
+
+@pytest.mark.parametrize("kind,group,names", [
+    ("adamw", dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1, eps=1e-8), ("exp_avg", "exp_avg_sq")),
+    ("adam", dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1, eps=1e-8), ("exp_avg", "exp_avg_sq")),
+    ("sgd", dict(lr=0.1, momentum=0.9, weight_decay=1e-3, dampening=0.0, nesterov=True), ("momentum_buffer",)),
+])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_pass_out_of_place_writes_the_in_place_bits_and_keeps_the_old_state(kind, group, names, compiled):
+    """`step_span(..., p_out=, state_out=)`: the new parameter and state equal the in-place step's
+    bits (a scalar tail included: 16 * 37 + 5 elements), the old ones are left untouched."""
+    torch.manual_seed(0)
+    n = 16 * 37 + 5
+    p, g = torch.randn(n), torch.randn(n).bfloat16()
+    st = {k: torch.rand(n) for k in names}
+    ip, ist = p.clone(), {k: v.clone() for k, v in st.items()}
+    H.step_span(kind, group, ip, g, ist, step=3.0, compiled=compiled)
+    old_p, old = p.clone(), {k: v.clone() for k, v in st.items()}
+    op, ost = torch.empty(n), {k: torch.empty(n) for k in names}
+    H.step_span(kind, group, p, g, st, step=3.0, p_out=op, state_out=ost, compiled=compiled)
+    assert torch.equal(op, ip) and all(torch.equal(ost[k], ist[k]) for k in names)
+    assert torch.equal(p, old_p) and all(torch.equal(st[k], old[k]) for k in names)
+
+
+def test_accumulation_started_while_speculating_drops_it_and_defers(cache, one_thread):
+    """From step 2 the loop accumulates two backward passes per step: the first pass's speculative
+    steps are dropped at the second backward (they read only its gradients) and the update waits
+    for opt.step() from then on; every step stays serial's."""
+    def loop(t, x, pipe, model, opt):
+        for _ in range(2 if t >= 2 else 1):
+            _loss(pipe(x), x).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+        opt.step()
+        opt.zero_grad()
+
+    model, opt, seen = _lockstep(cache, OPTIMIZERS["sgd-momentum"], loop)
+    assert seen[1][1] == _speculable(model) and seen[2:] == [(0, 0, 0)] * (STEPS - 2), seen
+    assert opt._defer is not None
