@@ -68,8 +68,11 @@ class LossModel(nn.Module):
     Its `forward` takes the model's arguments (the same signature, so the tracers and the call
     binding read it as they read the model's) plus the keyword `target` when `loss_fn` is given,
     and returns the 0-dim loss. Its parameters and buffers are the model's own tensors (under
-    `model.`): the pipeline streams and steps the user's masters, nothing is copied.
+    `model.`): the pipeline streams and steps the user's masters, nothing is copied. The runtime's
+    errors name them as the user does, without that prefix (`user_root`).
     """
+
+    user_root = "model"
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
         super().__init__()
