@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.fx
 from torch import nn
 
 from mobius_fx.errors import MobiusError
@@ -49,9 +50,9 @@ def model_loss(out: Any) -> torch.Tensor:
     loss = None
     if isinstance(out, Mapping) and "loss" in out:
         loss = out["loss"]
-    elif not isinstance(out, torch.Tensor) and hasattr(out, "loss"):
+    elif not isinstance(out, (torch.Tensor, torch.fx.Proxy)) and hasattr(out, "loss"):
         loss = out.loss
-    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0 or isinstance(loss, torch.fx.Proxy):
         return loss
     what = (f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
             else f"a {type(out).__name__} without a 0-dim `loss`")
@@ -67,8 +68,11 @@ class LossModel(nn.Module):
     Its `forward` takes the model's arguments (the same signature, so the tracers and the call
     binding read it as they read the model's) plus the keyword `target` when `loss_fn` is given,
     and returns the 0-dim loss. Its parameters and buffers are the model's own tensors (under
-    `model.`): the pipeline streams and steps the user's masters, nothing is copied.
+    `model.`): the pipeline streams and steps the user's masters, nothing is copied. The runtime's
+    errors name them as the user does, without that prefix (`user_root`).
     """
+
+    user_root = "model"
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
         super().__init__()
@@ -140,6 +144,8 @@ class LossModel(nn.Module):
         if self.loss_fn is None:
             return model_loss(out)
         loss = self.loss_fn(out, target)
+        if isinstance(loss, torch.fx.Proxy):  # torch.fx.symbolic_trace: no shape yet; the step checks
+            return loss  # the loss it combines is one 0-dim tensor (runtime/step_output.py)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             what = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise MobiusError(f"loss_fn returned {what}; it must return a 0-dim tensor (the batch's loss, e.g. "

@@ -63,7 +63,7 @@ from mobius_fx.kinds import HOST
 from mobius_fx.errors import BudgetError, MobiusError
 from mobius_fx.runtime.placement import sent_device
 from mobius_fx.precision import Precision
-from mobius_fx.runtime.python_state import sync_shells
+from mobius_fx.runtime.python_state import sync_shells, user_path
 from mobius_fx.runtime.host_gradients import GradHomes
 from mobius_fx.runtime.stage_autograd import logged_grad
 from mobius_fx.runtime.stage_calls import StageCalls
@@ -323,7 +323,7 @@ class Runtime(StageCalls):
         for path, mod in model.named_modules(remove_duplicate=False):
             for attr, t in (*mod._parameters.items(), *mod._buffers.items()):
                 if t is not None:
-                    where.setdefault(id(t), (mod, attr, f"{path}.{attr}" if path else attr))
+                    where.setdefault(id(t), (mod, attr, user_path(model, f"{path}.{attr}" if path else attr)))
         self._places = [[where.get(id(m)) for m in st.masters] for st in self.stages]
 
     def follow(self) -> None:

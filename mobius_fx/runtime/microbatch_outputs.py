@@ -220,7 +220,11 @@ def _classify(gm: fx.GraphModule, whole: dict, part: dict, dep: set, m: int) -> 
         if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(v)):
             continue
         name = _name(n, gm)
-        if not any(a in dep for a in n.all_input_nodes) or name in _META_ONLY:
+        if not any(a in dep for a in n.all_input_nodes):
+            continue
+        if name in _META_ONLY:  # values from none; but a shape from the batch (zeros_like(h)) makes rows,
+            if _scaled(v, part.get(n)):  # whose sum over the batch is no constant
+                dep.add(n)
             continue
         dep.add(n)
         scaled = _scaled(v, part.get(n))
@@ -236,7 +240,7 @@ def _classify(gm: fx.GraphModule, whole: dict, part: dict, dep: set, m: int) -> 
         if scaled is None or scaled:
             continue
         free.add(n)
-        kind = _kind(n, gm, kinds, dep, free)
+        kind = _kind(n, gm, kinds, dep, free, whole)
         if kind is not None:
             kinds[n] = kind
         if kind == "mean" and is_index_mean_loss(n, gm, name, whole):
@@ -328,6 +332,10 @@ def _state_updates(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
+def _is_zero(a: object) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool) and a == 0
+
+
 def _refuse(n: fx.Node, src: fx.Node, gm: fx.GraphModule, m: int) -> None:
     raise MobiusError(f"`{n.format_node()}` mixes the rows of the batch (it reduces over, selects from or contracts "
                       f"the batch dimension, or reads a value that does: `{src.name}`), so with microbatches={m} each micro-batch would get "
@@ -335,7 +343,8 @@ def _refuse(n: fx.Node, src: fx.Node, gm: fx.GraphModule, m: int) -> None:
                       f"are combined across micro-batches (README \"Micro-batch semantics\"); {REMEDY}")
 
 
-def _kind(n: fx.Node, gm: fx.GraphModule, kinds: Mapping[fx.Node, str], dep: set, free: set) -> str | None:
+def _kind(n: fx.Node, gm: fx.GraphModule, kinds: Mapping[fx.Node, str], dep: set, free: set,
+          whole: Mapping) -> str | None:
     """How micro-batch values of `n` (a value the batch reaches, whose shape does not scale)
     combine into the whole batch's, or None when no rule says."""
     name = _name(n, gm)
@@ -346,6 +355,10 @@ def _kind(n: fx.Node, gm: fx.GraphModule, kinds: Mapping[fx.Node, str], dep: set
         # reducing a value already reduced over the batch (h.mean(0).sum()): linear reductions keep
         # its kind, max of a max stays a max; anything else has no rule
         inner = kinds.get(tensors[0])
+        src = whole.get(tensors[0])
+        if (len(tensors) == 1 and name not in _LOSSES and name != "count_nonzero" and isinstance(src, torch.Tensor)
+                and src.dim() == 0):
+            return inner  # a reduction of a 0-dim value (a loss's `.sum()`) is the value itself
         if name in _SUM | _MEAN and name != "count_nonzero" and inner in ("sum", "mean"):
             return inner
         if (name in _MAX and inner == "max") or (name in _MIN and inner == "min"):
@@ -374,6 +387,14 @@ def _kind(n: fx.Node, gm: fx.GraphModule, kinds: Mapping[fx.Node, str], dep: set
         return None
     if name in ("neg",) and inner[0] in ("mean", "sum"):
         return inner[0]
+    if len(inner) == 1 and len(n.args) == 2 and (
+            (name in ("add", "iadd") and any(_is_zero(a) for a in n.args)) or
+            (name in ("sub", "isub") and _is_zero(n.args[1]))):
+        return inner[0]  # x + 0 (Python's sum() starts at 0) is x
+    if name in _MUL and len(inner) == 1 and inner[0] in ("max", "min") and len(n.args) == 2 and n.args[0] in dep:
+        c = n.args[1]  # max(a, b) * c is max(a * c, b * c) for c > 0, their min for c < 0
+        if isinstance(c, (int, float)) and not isinstance(c, bool) and c != 0:
+            return inner[0] if c > 0 else {"max": "min", "min": "max"}[inner[0]]
     if name in _ADD and inner[0] in ("mean", "sum") and len(set(inner)) == 1:
         if len(inner) == 2 or inner[0] == "mean":  # sum + a constant is not a sum of the micro-batches' values
             return inner[0]

@@ -36,7 +36,7 @@ from torch import nn
 
 from mobius_fx.errors import MobiusError
 
-__all__ = ["PythonState", "plain", "reads_training", "sync_shells"]
+__all__ = ["PythonState", "plain", "reads_training", "sync_shells", "user_path"]
 
 _MISSING = object()
 _NOT_PLAIN = object()
@@ -101,6 +101,15 @@ def reads_training(module: nn.Module) -> bool:
     return False
 
 
+def user_path(model: nn.Module, path: str) -> str:
+    """`path` (a `named_modules` / `named_parameters` name in `model`) as the user names it: a model
+    wrapping the user's (`train_step`'s LossModel: `user_root = "model"`) drops that prefix."""
+    root = getattr(type(model), "user_root", "")
+    if root and (path == root or path.startswith(root + ".")):
+        return path[len(root) + 1:]
+    return path
+
+
 class PythonState:
     """The plain Python attributes of a model's modules at compile; see the module docstring."""
 
@@ -108,7 +117,7 @@ class PythonState:
         self.entries: list[tuple[str, nn.Module, dict[str, tuple[Any, Any]], int]] = []
         for path, module in model.named_modules():
             attrs = _attributes(module)
-            self.entries.append((path, module, attrs, len(module.__dict__)))
+            self.entries.append((user_path(model, path), module, attrs, len(module.__dict__)))
 
     def check(self, synced: set[int]) -> None:
         """Raise a MobiusError for the first attribute changed since compile on a module whose

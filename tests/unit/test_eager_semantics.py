@@ -4,6 +4,12 @@ Each test is one class of silent divergence a probe round found: grad-mode regio
 forward, a second backward without retain_graph, Python attributes changed after compile,
 async checkpoints one update behind, and the errors that used to come from deep inside torch
 (float8 streaming, double backward, meta inputs, two threads calling one pipeline).
+
+The tests that train run on both loops (`loop`: the eager-style `pipe(x).sum().backward()` and
+`pipe.train_step`, tests/unit/loops.py). Eager-only, because train_step has no such call or
+state: a second backward (with or without `retain_graph`) and `create_graph` (train_step returns
+a detached loss), and the variant switch under a running call (it reads `pipe._rt`, the model
+pipeline's variant; train_step runs the step pipeline).
 """
 
 import copy
@@ -15,13 +21,14 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import MobiusError, Topology
+from tests.unit.loops import LOOPS, compile_for, step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _compile(model, x, tmp_path, microbatches=2, **kw):
-    return mobius_fx.compile(model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(x,),
-                             cache_dir=str(tmp_path), verbose=False, microbatches=microbatches, **kw)
+def _compile(model, x, tmp_path, microbatches=2, loop="eager", **kw):
+    return compile_for(loop, model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(x,),
+                       cache_dir=str(tmp_path), microbatches=microbatches, loss=lambda out: out.sum(), **kw)
 
 
 def _mlp(seed=0):
@@ -89,17 +96,23 @@ def test_float8_streaming_is_refused_at_compile(tmp_path, dtype):
         _compile(model, x, tmp_path, dtype=dtype)
 
 
-def test_a_meta_input_at_call_time_is_refused(tmp_path):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_meta_input_at_call_time_is_refused(tmp_path, loop):
     model, x = _mlp(), torch.randn(4, 4)
-    pipe = _compile(model, x, tmp_path)
+    eager = copy.deepcopy(model)
+    pipe = _compile(model, x, tmp_path, loop=loop)
     with pytest.raises(MobiusError, match="meta device"):
-        pipe(x.to("meta"))
-    pipe(x).sum().backward()  # still usable
+        step(loop, pipe, x.to("meta"))
+    assert all(p.grad is None for p in model.parameters())
+    step(loop, pipe, x)  # still usable
+    eager(x).sum().backward()
+    _same_grads(model, eager)
 
 
-def test_a_second_thread_calling_a_running_pipeline_is_refused(tmp_path):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_second_thread_calling_a_running_pipeline_is_refused(tmp_path, loop):
     model, x = _mlp(), torch.randn(4, 4)
-    pipe = _compile(model, x, tmp_path)
+    pipe = _compile(model, x, tmp_path, loop=loop)
     errors, calls = [], []
 
     def other_thread():
@@ -116,11 +129,12 @@ def test_a_second_thread_calling_a_running_pipeline_is_refused(tmp_path):
             t.join()
 
     handle = model[2].register_forward_hook(hook)
-    pipe(x).sum().backward()
+    step(loop, pipe, x)
     handle.remove()
     assert calls and len(errors) == 1 and isinstance(errors[0], MobiusError), errors
     assert "one call at a time" in str(errors[0])
-    pipe(x).sum().backward()  # the lock was released
+    step(loop, pipe, x)  # the lock was released
+    pipe(x)  # and the model pipeline's too
 
 
 class _Masked(nn.Module):
@@ -170,13 +184,14 @@ def test_a_second_call_is_refused_before_it_switches_the_variant(tmp_path):
     (lambda m: setattr(m[2].weight, "data", torch.zeros(8, 3)), r"`2.weight` was changed in place to a torch.float32 "
                                                                 r"tensor of shape \(8, 3\).*of shape \(8, 8\)"),
 ])
-def test_a_parameter_of_another_kind_after_compile_is_refused(tmp_path, change, what):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_parameter_of_another_kind_after_compile_is_refused(tmp_path, change, what, loop):
     model, x = _mlp(), torch.randn(4, 4)
-    pipe = _compile(model, x, tmp_path)
-    pipe(x).sum().backward()
+    pipe = _compile(model, x, tmp_path, loop=loop)
+    step(loop, pipe, x)
     change(model)
     with pytest.raises(MobiusError, match=what + r".*compile the model again"):
-        pipe(x.to(next(model.parameters()).dtype))
+        step(loop, pipe, x.to(next(model.parameters()).dtype))
 
 
 def test_a_parameter_replaced_by_one_of_its_kind_is_used(tmp_path):
@@ -216,13 +231,14 @@ class _Regions(nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["no_grad", "set_grad_enabled", "inference_mode", "decorator"])
-def test_grad_mode_regions_in_forward_compute_as_in_eager(tmp_path, kind):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_grad_mode_regions_in_forward_compute_as_in_eager(tmp_path, kind, loop):
     torch.manual_seed(0)
     model, x = _Regions(kind), torch.randn(4, 4)
     eager = copy.deepcopy(model)
-    pipe = _compile(model, x, tmp_path)
+    pipe = _compile(model, x, tmp_path, loop=loop)
     assert torch.is_grad_enabled()  # tracing left the caller's grad mode alone
-    pipe(x).sum().backward()
+    step(loop, pipe, x)
     eager(x).sum().backward()
     _same_grads(model, eager)
     if kind != "set_grad_enabled":
@@ -259,61 +275,69 @@ def _force_export(monkeypatch):
 
 @pytest.mark.parametrize("front_end", ["fx", "export"])
 @pytest.mark.parametrize("attr, value", [("temperature", 0.5), ("k", 1), ("scale", 2.0)])
-def test_a_python_attribute_changed_after_compile_is_refused(tmp_path, monkeypatch, front_end, attr, value):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_python_attribute_changed_after_compile_is_refused(tmp_path, monkeypatch, front_end, attr, value, loop):
     torch.manual_seed(0)
     model, x = _Scaled(), torch.randn(4, 4)
     if front_end == "export":
         _force_export(monkeypatch)
-    pipe = _compile(model, x, tmp_path)
+    pipe = _compile(model, x, tmp_path, loop=loop)
     assert pipe._gm.meta["mobius_trace"].front_end == front_end
-    pipe(x)
+    if loop == "train_step":
+        assert pipe.step_pipeline._gm.meta["mobius_trace"].front_end == front_end
+    step(loop, pipe, x)
     old = getattr(model, attr)
     setattr(model, attr, value)
     with pytest.raises(MobiusError, match=rf"`{attr}` \(_Scaled\) was {old!r} .* is {value!r} now.*Compile the model"):
-        pipe(x)
+        step(loop, pipe, x)
     setattr(model, attr, old)
-    pipe(x).sum().backward()  # back to the compiled value: runs again
+    step(loop, pipe, x)  # back to the compiled value: runs again
 
 
-def test_a_leaf_modules_attribute_changed_after_compile_is_followed_on_the_fx_path(tmp_path):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_leaf_modules_attribute_changed_after_compile_is_followed_on_the_fx_path(tmp_path, loop):
     torch.manual_seed(0)
     model, x = _Scaled(), torch.randn(4, 4)
-    pipe = _compile(model, x, tmp_path)
+    pipe = _compile(model, x, tmp_path, loop=loop)
     model.drop.p = 0.0  # Dropout is a leaf to torch.fx: its stage calls it with its current p
     eager = copy.deepcopy(model)
-    out = pipe(x)
-    torch.testing.assert_close(out, eager(x))
-    out.sum().backward()
-    eager(x).sum().backward()
+    loss, out = step(loop, pipe, x)
+    ref = eager(x)
+    if out is not None:
+        torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(loss, ref.sum().detach())
+    ref.sum().backward()
     _same_grads(model, eager)
 
 
-def test_a_leaf_modules_attribute_baked_by_export_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_leaf_modules_attribute_baked_by_export_is_refused(tmp_path, monkeypatch, loop):
     model, x = _Scaled(), torch.randn(4, 4)
     _force_export(monkeypatch)
-    pipe = _compile(model, x, tmp_path)
+    pipe = _compile(model, x, tmp_path, loop=loop)
     model.drop.p = 0.0
     with pytest.raises(MobiusError, match=r"`drop.p` \(Dropout\) was 0.5"):
-        pipe(x)
+        step(loop, pipe, x)
 
 
 # ----------------------------------------------------------------------------- item 9: async checkpoints
 
-def _async(tmp_path, seed=0, slow=0.0):
+def _async(tmp_path, seed=0, slow=0.0, loop="eager"):
     import time
 
     model, x = _mlp(seed), torch.randn(4, 4)
-    pipe = _compile(model, x, tmp_path)
+    pipe = _compile(model, x, tmp_path, loop=loop)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if slow:
         inner.register_step_pre_hook(lambda *a: time.sleep(slow))  # the update stays in flight meanwhile
     return model, x, pipe, pipe.overlap(inner, mode="async")
 
 
-def test_an_async_checkpoint_holds_the_weights_of_the_optimizer_state_it_is_saved_with(tmp_path):
-    model, x, pipe, opt = _async(tmp_path, slow=0.05)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_async_checkpoint_holds_the_weights_of_the_optimizer_state_it_is_saved_with(tmp_path, loop):
+    model, x, pipe, opt = _async(tmp_path, slow=0.05, loop=loop)
     for _ in range(2):
-        pipe(x).sum().backward()
+        step(loop, pipe, x)
         opt.step()
         opt.zero_grad()
     ckpt = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
@@ -324,12 +348,13 @@ def test_an_async_checkpoint_holds_the_weights_of_the_optimizer_state_it_is_save
     assert steps == {2}
 
 
-def test_async_grad_after_step_is_the_gradient_the_step_used_and_accumulates_as_in_eager(tmp_path):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_async_grad_after_step_is_the_gradient_the_step_used_and_accumulates_as_in_eager(tmp_path, loop):
     def run(zero):
-        model, x, pipe, opt = _async(tmp_path, slow=0.2)
+        model, x, pipe, opt = _async(tmp_path, slow=0.2, loop=loop)
         grads, weights = [], []
         for _ in range(2):
-            pipe(x).sum().backward()
+            step(loop, pipe, x)
             grads.append(_grads(model))
             opt.step()
             assert all(torch.equal(a, p.grad) for a, p in zip(grads[-1], model.parameters()))  # eager's .grad

@@ -5,6 +5,10 @@ Issue 28 found the guesses this replaces: a sum averaged over micro-batches, an 
 taken from micro-batch 0, `mean(0)` concatenated, `t - t.mean(0)` and a (T, T) mask split
 silently. Outputs are combined by what made them (found by running the graph on fake tensors at
 the whole batch and at one micro-batch); row-mixing values are refused at compile.
+
+The one test that trains runs on both loops (`loop`: the eager-style `loss.backward()` and
+`pipe.train_step` with the loss on the last stage, tests/unit/loops.py); the others run forward
+only (train_step returns no outputs to compare).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 import mobius_fx
 from mobius_fx import MobiusError, Topology
 from mobius_fx.planning.microbatch import check_batch_dims
+from tests.unit.loops import LOOPS, compile_for, step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,6 +51,22 @@ OUTPUTS = {
     "weight": lambda h, y: h.new_ones(3) * 0 + 0,  # not reached by the batch: micro-batch 0's
     "zeros_like": lambda h, y: torch.zeros_like(h) + 1,  # shape from the batch, values from none
 }
+
+# How a loss made of the output's `.sum()` combines over micro-batches (train_step computes it on
+# the last stage, per micro-batch): "const" is not reached by the batch.
+LOSS_KIND = {"rows": "sum", "sum": "sum", "mse_sum": "sum", "scaled": "sum", "cast": "sum", "sum0": "sum",
+             "zeros_like": "sum", "mean": "mean", "mse_mean": "mean", "cross_entropy": "mean", "mean0": "mean",
+             "mean0_sum": "mean", "sum0_mean": "sum", "mean_plus": "mean", "max": "max", "amax0_max": "max",
+             "amin": "min", "weight": "const", "count": None}
+
+
+def _combinable(kinds):
+    """Whether `_loss` of these outputs is one kind the micro-batch losses combine by: a sum of
+    sums, a sum of means plus constants, one max or one min (a sum plus a mean, a sum plus a
+    constant or a max plus a max has no rule: train_step refuses it with several micro-batches)."""
+    terms = [LOSS_KIND[k] for k in kinds if LOSS_KIND[k] is not None]
+    return (set(terms) <= {"sum"} or set(terms) <= {"mean", "const"}
+            or (len(terms) == 1 and terms[0] in ("max", "min")))
 
 
 class Heads(nn.Module):
@@ -78,27 +99,65 @@ def _loss(out):
     return sum(v.float().sum() * (i + 1) for i, v in enumerate(out.values()) if v.is_floating_point())
 
 
+@pytest.mark.parametrize("loop", LOOPS)
 @settings(max_examples=10)
 @given(kinds=st.lists(st.sampled_from(sorted(OUTPUTS)), min_size=1, max_size=3, unique=True),
        microbatches=st.sampled_from([1, 2, 4]))
-def test_outputs_and_gradients_equal_eager_for_any_mix_of_output_kinds(kinds, microbatches):
+def test_outputs_and_gradients_equal_eager_for_any_mix_of_output_kinds(loop, kinds, microbatches):
     torch.manual_seed(0)
     model = Heads(kinds)
     x, y = torch.randn(8, 3), torch.randn(8, 4)
-    pipe = _compile(model, x, y, microbatches=microbatches)
-    got = pipe(x, y)
-    if any(v.is_floating_point() and v.requires_grad for v in got.values()):
-        _loss(got).backward()
-    mine = _grads(model)
-    model.zero_grad(set_to_none=True)
     want = model(x, y)
-    if any(v.is_floating_point() and v.requires_grad for v in want.values()):
-        _loss(want).backward()
-    assert got.keys() == want.keys()
-    for k in want:
-        assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
-        torch.testing.assert_close(got[k], want[k], msg=k)
-    for a, b in zip(mine, _grads(model)):
+    trains = any(v.is_floating_point() and v.requires_grad for v in want.values())
+    if trains:
+        ref = _loss(want)
+        ref.backward()
+    wanted = _grads(model)
+    model.zero_grad(set_to_none=True)
+    if not trains:
+        if loop == "train_step":
+            return  # no loss to train: the forward-only case is the eager loop's
+        pipe = _compile(model, x, y, microbatches=microbatches)
+        got, loss = pipe(x, y), None
+    else:
+        if loop == "train_step" and microbatches > 1 and not _combinable(kinds):
+            with pytest.raises(MobiusError, match=r"mixes the rows of the batch.*use microbatches=1"):
+                compile_for(loop, model, _topo(), example_inputs=(x, y), microbatches=microbatches, loss=_loss)
+            return
+        pipe = compile_for(loop, model, _topo(), example_inputs=(x, y), microbatches=microbatches, loss=_loss)
+        loss, got = step(loop, pipe, x, y)
+        torch.testing.assert_close(loss, ref.detach())
+    if got is not None:
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
+            torch.testing.assert_close(got[k], want[k], msg=k)
+    for a, b in zip(_grads(model), wanted):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("kinds", [["sum"], ["max"], ["amin"], ["zeros_like", "cast"], ["zeros_like", "cross_entropy"]],
+                         ids="+".join)
+def test_a_loss_on_the_last_stage_combines_as_eager_or_is_refused(kinds):
+    """train_step's loss, `_loss(out)` per micro-batch: Python's `sum()` starts at 0 (`loss + 0` is
+    the loss), `.sum()` of a 0-dim max is the max, `max * 2` a max; `zeros_like(h) + 1` has rows
+    (its sum grows with the micro-batch: not a constant, so a sum plus a mean is refused, never
+    combined as a mean: it came back 18.9 for eager's 34.9)."""
+    torch.manual_seed(0)
+    model = Heads(kinds)
+    x, y = torch.randn(8, 3), torch.randn(8, 4)
+    if not _combinable(kinds):
+        with pytest.raises(MobiusError, match=r"mixes the rows of the batch.*use microbatches=1"):
+            compile_for("train_step", model, _topo(), example_inputs=(x, y), microbatches=2, loss=_loss)
+        return
+    ref = _loss(model(x, y))
+    ref.backward()
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    pipe = compile_for("train_step", model, _topo(), example_inputs=(x, y), microbatches=2, loss=_loss)
+    loss, _ = step("train_step", pipe, x, y)
+    torch.testing.assert_close(loss, ref.detach())
+    for a, b in zip(_grads(model), want):
         torch.testing.assert_close(a, b)
 
 

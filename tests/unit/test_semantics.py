@@ -7,6 +7,13 @@ backward; in-place buffer updates run every call; state-changing modules update 
 `load_state_dict(assign=True)` after compile is followed; train()/eval() on an export graph
 warns; compile never changes the model (every parameter and buffer bit for bit), and T5
 compiles with the default settings.
+
+The tests that train run on both loops (`loop`: the eager-style `loss.backward()` and
+`pipe.train_step`, tests/unit/loops.py). Eager-only, because train_step has no such call:
+`backward(inputs=...)` and `torch.autograd.grad` on the masters (train_step always accumulates
+into every trainable master's `.grad`), and an input's gradient (train_step returns no graph
+to its inputs). T5 with the default settings runs eager only: its step's compile would add ~10 s,
+and T5's train_step with labels= is tested on every schedule in test_schedule_matrix.py.
 """
 
 import copy
@@ -17,18 +24,17 @@ from torch import nn
 from torch.nn.utils import spectral_norm as old_spectral_norm
 from torch.nn.utils.parametrizations import spectral_norm
 
-import mobius_fx
 from mobius_fx import MobiusError, Topology, TraceError
 from mobius_fx.passes.annotate import annotate
 from mobius_fx.tracing import trace
+from tests.unit.loops import LOOPS, compile_for, step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _compile(model, x, tmp_path, **kw):
-    kw.setdefault("verbose", False)
-    return mobius_fx.compile(model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(x,),
-                             cache_dir=str(tmp_path), **kw)
+def _compile(model, x, tmp_path, loop="eager", **kw):
+    return compile_for(loop, model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(x,),
+                       cache_dir=str(tmp_path), **kw)
 
 
 def _same_grads(model, eager):
@@ -81,22 +87,27 @@ class WithFunctions(nn.Module):
         return self.c(StraightThrough.apply(self.b(h)) * h)
 
 
-def test_custom_autograd_functions_keep_their_backward(tmp_path):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_custom_autograd_functions_keep_their_backward(tmp_path, loop):
     torch.manual_seed(0)
     model = WithFunctions()
     eager = copy.deepcopy(model)
     gm = trace(model, example_inputs=(torch.randn(4, 8),))
     assert gm.meta["mobius_trace"].front_end == "fx"
     assert sum(getattr(n.target, "autograd_function", None) is not None for n in gm.graph.nodes) == 2
-    pipe = _compile(model, torch.randn(4, 8), tmp_path, microbatches=2)
+    pipe = _compile(model, torch.randn(4, 8), tmp_path, loop, microbatches=2, loss=lambda out: out.square().sum())
     x = torch.randn(4, 8)
-    xp, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out, ref = pipe(xp), eager(xe)
-    torch.testing.assert_close(out, ref)
-    out.square().sum().backward()
-    ref.square().sum().backward()
+    xp, xe = x.clone().requires_grad_(loop == "eager"), x.clone().requires_grad_()
+    loss, out = step(loop, pipe, xp)
+    ref = eager(xe)
+    if out is not None:
+        torch.testing.assert_close(out, ref)
+    ref = ref.square().sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
     _same_grads(model, eager)
-    torch.testing.assert_close(xp.grad, xe.grad)
+    if loop == "eager":  # train_step returns no graph to its inputs
+        torch.testing.assert_close(xp.grad, xe.grad)
     assert model.a.weight.grad.abs().sum() > 0  # the straight-through estimator passes gradients
 
 
@@ -152,25 +163,29 @@ class Totals(nn.Module):
 
 
 @pytest.mark.parametrize("block, front_end", [(Counting, "export"), (Totals, "fx")])
-def test_in_place_buffer_updates_happen_every_call(tmp_path, block, front_end):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_in_place_buffer_updates_happen_every_call(tmp_path, block, front_end, loop):
     torch.manual_seed(0)
     model = nn.Sequential(block(), nn.ReLU(), nn.Linear(8, 8), block())
     eager = copy.deepcopy(model)
     x = torch.randn(4, 8)
-    pipe = _compile(model, x, tmp_path, microbatches=2)
+    pipe = _compile(model, x, tmp_path, loop, microbatches=2, loss=lambda out: out.sum())
     assert pipe._gm.meta["mobius_trace"].front_end == front_end
-    for step in range(3):
+    if loop == "train_step":
+        assert pipe.step_pipeline._gm.meta["mobius_trace"].front_end == front_end
+    for i in range(3):
         x = torch.randn(4, 8)
-        out = pipe(x)
-        out.sum().backward()
+        loss, out = step(loop, pipe, x)
         refs = []
         for c in x.chunk(2):  # eager micro-batch by micro-batch (gradient accumulation), as documented
             refs.append(eager(c))
             refs[-1].sum().backward()
-        torch.testing.assert_close(out, torch.cat(refs), msg=f"step {step}")
+        if out is not None:
+            torch.testing.assert_close(out, torch.cat(refs), msg=f"step {i}")
+        torch.testing.assert_close(loss, sum(r.sum() for r in refs).detach(), msg=f"step {i}")
         _same_grads(model, eager)  # the recompute saw the buffers as the forward did
         for (name, b), r in zip(model.named_buffers(), eager.buffers()):
-            torch.testing.assert_close(b, r, msg=f"{name}, step {step}")
+            torch.testing.assert_close(b, r, msg=f"{name}, step {i}")
 
 
 def test_the_fx_front_end_refuses_buffer_updates_it_cannot_record():
@@ -183,23 +198,26 @@ def test_the_fx_front_end_refuses_buffer_updates_it_cannot_record():
 
 @pytest.mark.parametrize("norm", [spectral_norm, old_spectral_norm], ids=["parametrizations", "hook"])
 @pytest.mark.parametrize("microbatches", [1, 2])
-def test_state_changing_modules_update_once_per_step(tmp_path, norm, microbatches):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_state_changing_modules_update_once_per_step(tmp_path, norm, microbatches, loop):
     torch.manual_seed(0)
     model = nn.Sequential(norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 8), norm(nn.Linear(8, 4)))
     eager = copy.deepcopy(model)
-    pipe = _compile(model, torch.randn(4, 8), tmp_path, microbatches=microbatches)
-    for step in range(2):
+    pipe = _compile(model, torch.randn(4, 8), tmp_path, loop, microbatches=microbatches,
+                    loss=lambda out: out.square().sum())
+    for i in range(2):
         x = torch.randn(4, 8)
-        out = pipe(x)
-        out.square().sum().backward()
+        loss, out = step(loop, pipe, x)
         refs = []
         for c in x.chunk(microbatches):  # eager micro-batch by micro-batch (gradient accumulation)
             refs.append(eager(c))
             refs[-1].square().sum().backward()
-        torch.testing.assert_close(out, torch.cat(refs))
+        if out is not None:
+            torch.testing.assert_close(out, torch.cat(refs))
+        torch.testing.assert_close(loss, sum(r.square().sum() for r in refs).detach())
         _same_grads(model, eager)  # the power iteration ran once per call, not again in recompute
         for (name, b), r in zip(model.named_buffers(), eager.buffers()):
-            torch.testing.assert_close(b, r, msg=f"{name}, step {step}")
+            torch.testing.assert_close(b, r, msg=f"{name}, step {i}")
 
 
 class ScalesItsWeight(nn.Module):
@@ -224,11 +242,12 @@ def test_an_in_place_parameter_update_in_forward_is_refused_at_compile(tmp_path)
 
 # ----------------------------------------------------------------------------- gradients on the masters
 
-def _mlp_pair(tmp_path, microbatches=2):
+def _mlp_pair(tmp_path, microbatches=2, loop="eager"):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     eager = copy.deepcopy(model)
-    return model, eager, _compile(model, torch.randn(4, 8), tmp_path, microbatches=microbatches)
+    return model, eager, _compile(model, torch.randn(4, 8), tmp_path, loop, microbatches=microbatches,
+                                  loss=lambda out: out.sum())
 
 
 def test_backward_with_inputs_accumulates_only_into_those_asked_for(tmp_path):
@@ -255,28 +274,32 @@ def test_autograd_grad_on_the_masters_gives_eager_gradients(tmp_path):
     assert all(s["current_bytes"] == 0 for s in pipe.memory_stats().values())
 
 
-def test_parameter_hooks_see_and_change_the_gradient(tmp_path):
-    model, eager, pipe = _mlp_pair(tmp_path)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_parameter_hooks_see_and_change_the_gradient(tmp_path, loop):
+    model, eager, pipe = _mlp_pair(tmp_path, loop=loop)
     seen = []
     model[0].weight.register_hook(lambda g: seen.append(g.clone()) or 2 * g)
     eager[0].weight.register_hook(lambda g: 2 * g)
     x = torch.randn(4, 8)
-    pipe(x).sum().backward()
+    step(loop, pipe, x)
     eager(x).sum().backward()
     _same_grads(model, eager)
     assert len(seen) == 1 and torch.equal(model[0].weight.grad, 2 * seen[0])
 
 
-def test_load_state_dict_with_assign_after_compile_is_followed(tmp_path):
-    model, eager, pipe = _mlp_pair(tmp_path)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_load_state_dict_with_assign_after_compile_is_followed(tmp_path, loop):
+    model, eager, pipe = _mlp_pair(tmp_path, loop=loop)
     new = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
     model.load_state_dict(new, assign=True)
     eager.load_state_dict(new)
     x = torch.randn(4, 8)
-    out, ref = pipe(x), eager(x)
-    torch.testing.assert_close(out, ref)
-    out.sum().backward()
+    loss, out = step(loop, pipe, x)
+    ref = eager(x)
+    if out is not None:
+        torch.testing.assert_close(out, ref)
     ref.sum().backward()
+    torch.testing.assert_close(loss, ref.sum().detach())
     _same_grads(model, eager)
 
 
@@ -362,12 +385,12 @@ def test_t5_compiles_with_the_default_settings(tmp_path):
     eager = copy.deepcopy(model)
     before = _state(model)
     ids, labels = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
-    pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(),
-                             example_kwargs=dict(input_ids=ids, labels=labels), cache_dir=str(tmp_path),
-                             verbose=False)
+    pipe = compile_for("eager", model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(),
+                       example_kwargs=dict(input_ids=ids, labels=labels), cache_dir=str(tmp_path))
     _bitwise_same(model, before)
-    out, ref = pipe(input_ids=ids, labels=labels), eager(input_ids=ids, labels=labels)
-    torch.testing.assert_close(out.loss, ref.loss)
-    out.loss.backward()
+    loss, _ = step("eager", pipe, input_ids=ids, labels=labels)  # the model's own loss
+    _bitwise_same(model, before)  # a step changes .grad only
+    ref = eager(input_ids=ids, labels=labels)
+    torch.testing.assert_close(loss, ref.loss.detach())
     ref.loss.backward()
     _same_grads(model, eager)
