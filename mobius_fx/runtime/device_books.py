@@ -1,5 +1,5 @@
 """The `Device` interface and a GPU's books (what it holds, its budget, and what moved): the
-interface the runtime (`engine.py`, `stage_calls.py`, `pipeline.py`) drives and each device kind
+interface the runtime (`engine.py`, `pipeline.py`) drives and each device kind
 (`device_<kind>.py`, registered by name in `device_registry.py`) implements.
 
 `Device` is an abstract class. Its abstract methods are the copies, slots, streams and RNG that

@@ -1,7 +1,7 @@
 """Host gradients: a master's gradient on the host, summed from the downloads of every stage that
 holds it, and the storage it is summed into.
 
-The runtime (`stage_calls.StageCalls._gradients`), the optimizer overlap (`overlap.py`) and the
+The runtime (`engine.Runtime._gradients`), the optimizer overlap (`overlap.py`) and the
 data-parallel reducer (`data_parallel.py`) all sum a master's downloads here, one way, so their
 results are bit for bit the same; `finite_flag` tells on the GPU, before the download, whether
 a stage's gradients are all finite. Every pass over host memory is counted

@@ -1334,7 +1334,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the gradients the update reads
     def take(self, master: torch.Tensor, thunks: list) -> bool:
-        """The runtime's end of backward (`StageCalls._gradients`), per master, before it would
+        """The runtime's end of backward (`Runtime._gradients`), per master, before it would
         hand autograd the master's gradient: async takes it instead where autograd would only put
         it in an empty `.grad` -- a parameter of this optimizer whose `.grad` is None, that this
         backward accumulates into, with no gradient hook of the user's. With `keep_grads` (the

@@ -1,5 +1,5 @@
 """The autograd Functions of a pipeline step: `StageFunction` (one stage call: forward without a
-graph, backward by recomputation, both run by `stage_calls.StageCalls`), `Masters` (the
+graph, backward by recomputation, both run by `engine.Runtime`), `Masters` (the
 masters' place in the graph: it hands autograd the host gradients) and `GradLog` (logs a
 gradient's copy as it flows back through a send).
 """
@@ -40,7 +40,7 @@ def logged_grad(t: torch.Tensor, dev: Device, direction: str, stage: int | None)
 
 
 class StageFunction(torch.autograd.Function):
-    """One stage call: forward without a graph, backward by recomputation (see stage_calls.py's docstring)."""
+    """One stage call: forward without a graph, backward by recomputation (see engine.py's docstring)."""
 
     @staticmethod
     def forward(ctx, call: StageCall, anchor: torch.Tensor, *tensors: torch.Tensor):

@@ -1,7 +1,7 @@
 """The state stage calls act on: `StageState` (a stage at run time: its module, its weight slots on
 its GPU and their masters), `Step` (the book-keeping of one forward and its backward),
 `StageCall` (one stage call of one micro-batch, as the autograd Function sees it) and `OnHost`
-(a stage input kept on the host for backward). The calls themselves: `stage_calls.StageCalls`.
+(a stage input kept on the host for backward). The calls themselves: `engine.Runtime` (its stage calls).
 """
 
 from __future__ import annotations

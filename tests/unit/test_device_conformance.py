@@ -72,7 +72,7 @@ ABSTRACT = {"compute", "fill", "ready", "vacate", "accept", "receive", "to_host"
 ROOT = Path(__file__).resolve().parents[2]
 # The modules that drive devices, and how they name one: `dev`, `src`, `dst`, `device`, `<x>.device`,
 # `<x>.devices[...]`, `devices[...]`; calls through getattr(<device>, "name", ...) included.
-DRIVERS = ["mobius_fx/runtime/engine.py", "mobius_fx/runtime/stage_calls.py", "mobius_fx/runtime/stage_state.py",
+DRIVERS = ["mobius_fx/runtime/engine.py", "mobius_fx/runtime/stage_state.py",
            "mobius_fx/runtime/stage_autograd.py", "mobius_fx/runtime/pipeline.py", "mobius_fx/runtime/overlap.py",
            "mobius_fx/runtime/executor.py", "mobius_fx/build.py"]
 

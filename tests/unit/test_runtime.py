@@ -591,7 +591,7 @@ def bf16_eager_by_microbatch(model, x, microbatches, loss_of):
     ref.zero_grad(set_to_none=True)
     chunks = [c.to(torch.bfloat16) for c in x.split(x.size(0) // microbatches)]
     outs: list[torch.Tensor] = [torch.empty(0)] * microbatches
-    from mobius_fx.runtime.stage_calls import NormsInFp32
+    from mobius_fx.runtime.engine import NormsInFp32
 
     for i in reversed(range(microbatches)):
         # layer norms in fp32, as CUDA's autocast (and so the virtual GPUs standing in for it) runs them
