@@ -488,7 +488,9 @@ def plan_only(args: argparse.Namespace, topo: Topology, *, bandwidth_source: str
     config = gpt_config(args.params, vocab=args.vocab, seq=args.seq, hidden=args.hidden, blocks=args.blocks)
     model, inputs = build_model(config, batch=args.batch, device="meta")
     t0 = time.perf_counter()
-    plan = mobius_fx.plan(model, topo, example_inputs=inputs, microbatches=args.microbatches, dtype=torch.bfloat16,
+    # compile's count (the GPT phase compiles with it), not the one plan() would choose by itself
+    count = args.microbatches or max(d for d in range(1, len(topo.gpus) + 1) if args.batch % d == 0)
+    plan = mobius_fx.plan(model, topo, example_inputs=inputs, microbatches=count, dtype=torch.bfloat16,
                           costs="model", time_limit=args.time_limit, verbose=False)
     return _figures(config, model, topo, plan, device="meta device, planned only", bandwidth_source=bandwidth_source,
                     timings={"plan": time.perf_counter() - t0}, note=sharing_note(cuda_indices(len(topo.gpus), 1)))
