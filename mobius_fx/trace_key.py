@@ -150,46 +150,70 @@ def _attributes(m: nn.Module, objects: dict[int, Any]) -> list:
 
 def _callable_key(fn: Any, name: str, depth: int = 0) -> str:
     """A hash of what a function attribute does (a model that calls `self.fn(x)` in forward bakes
-    `fn` into its graph): a Python function's module, name, bytecode, constants, defaults and the
-    values it closes over; a partial's function and arguments; a built-in or library function by
-    its qualified name; a callable object by its class and simple attributes. `Unkeyable` for what
-    none of these describes (a closure over a tensor, an object without plain attributes)."""
-    if depth > 4:
+    `fn` into its graph): a Python function's module, name, bytecode (nested functions' too),
+    constants, defaults and the values it closes over; a partial's function and arguments; a bound
+    method's function and the object it is bound to; a built-in or library routine by its qualified
+    name; a callable object by its class and attributes. Values are keyed by `_value_key` (a
+    tensor by its shape, dtype and bytes). `Unkeyable` for what none of these describes."""
+    if depth > 6:
         raise Unkeyable(f"attribute {name!r} nests functions too deep to key")
+    if isinstance(fn, torch.Tensor):
+        return _value_key(fn, name, depth + 1)
     if isinstance(fn, functools.partial):
-        args = [_simple(a) if _simple(a) is not None else _callable_key(a, name, depth + 1) for a in fn.args]
-        kw = {k: _simple(a) if _simple(a) is not None else _callable_key(a, name, depth + 1)
-              for k, a in sorted(fn.keywords.items())}
-        parts: list = ["partial", _callable_key(fn.func, name, depth + 1), args, kw]
+        parts: list = ["partial", _callable_key(fn.func, name, depth + 1),
+                       [_value_key(a, name, depth + 1) for a in fn.args],
+                       {k: _value_key(a, name, depth + 1) for k, a in sorted(fn.keywords.items())}]
     elif inspect.ismethod(fn):
-        parts = ["method", _qualname(type(fn.__self__)), _callable_key(fn.__func__, name, depth + 1)]
+        parts = ["method", _callable_key(fn.__func__, name, depth + 1), _value_key(fn.__self__, name, depth + 1)]
     elif getattr(fn, "__code__", None) is not None:
-        code = fn.__code__
         cells = []
         for c in fn.__closure__ or ():
             try:
-                v = c.cell_contents
+                cells.append(_value_key(c.cell_contents, name, depth + 1))
             except ValueError:  # an empty cell
                 cells.append(None)
-                continue
-            s = _simple(v)
-            cells.append(s if s is not None or v is None else _callable_key(v, name, depth + 1))
-        defaults = [_simple(d) for d in (fn.__defaults__ or ())]
-        parts = ["function", getattr(fn, "__module__", ""), fn.__qualname__, code.co_code.hex(),
-                 [_simple(c) if _simple(c) is not None else c.co_code.hex() if inspect.iscode(c) else repr(type(c))
-                  for c in code.co_consts],
-                 list(code.co_names), defaults, cells]
-    elif inspect.isbuiltin(fn) or inspect.isroutine(fn) or type(fn).__module__.split(".")[0] == "torch":
+        parts = ["function", getattr(fn, "__module__", ""), fn.__qualname__, _code_key(fn.__code__),
+                 [_value_key(d, name, depth + 1) for d in (fn.__defaults__ or ())],
+                 {k: _value_key(d, name, depth + 1) for k, d in sorted((fn.__kwdefaults__ or {}).items())}, cells]
+    elif inspect.isbuiltin(fn) or inspect.isroutine(fn):
         parts = ["library", getattr(fn, "__module__", None) or type(fn).__module__,
                  getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or _qualname(type(fn))]
-    elif hasattr(fn, "__dict__"):
-        fields = {a: _simple(x) for a, x in vars(fn).items()}
-        if any(x is None and vars(fn)[a] is not None for a, x in fields.items()):
-            raise Unkeyable(f"attribute {name!r} is a {_qualname(type(fn))} holding more than plain values")
-        parts = ["object", _qualname(type(fn)), sorted(fields.items())]
+    elif hasattr(fn, "__dict__") and not isinstance(fn, nn.Module):
+        parts = ["object", _qualname(type(fn)),
+                 sorted((a, _value_key(x, name, depth + 1)) for a, x in vars(fn).items() if "hash" not in a)]
     else:
         raise Unkeyable(f"attribute {name!r} is a callable {_qualname(type(fn))} whose behaviour cannot be keyed")
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _code_key(code: Any) -> list:
+    """A code object's bytecode, names and constants, nested code objects (lambdas, inner
+    functions) included."""
+    consts = [_code_key(c) if inspect.iscode(c) else _simple(c) if _simple(c) is not None else repr(type(c))
+              for c in code.co_consts]
+    return [code.co_code.hex(), list(code.co_names), consts]
+
+
+def _value_key(v: Any, name: str, depth: int) -> Any:
+    """A value a function attribute holds (closed over, a default, a partial's argument, a bound
+    method's object): plain data as it is, a tensor by shape, dtype and bytes, a function or
+    object by `_callable_key`, a module by its class (its state is keyed with the model's when it
+    is one of the model's modules); `Unkeyable` otherwise (a tensor on the meta device)."""
+    simple = _simple(v)
+    if simple is not None or v is None:
+        return simple
+    if isinstance(v, torch.Tensor):
+        if v.device.type == "meta" or v.is_sparse or v.numel() > 1 << 24:
+            raise Unkeyable(f"attribute {name!r} holds a {tuple(v.shape)} tensor whose values cannot be keyed")
+        data = v.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        return ["tensor", list(v.shape), str(v.dtype), hashlib.sha256(data).hexdigest()]
+    if isinstance(v, nn.Module):
+        return ["module", _qualname(type(v))]
+    if isinstance(v, type):
+        return ["class", _qualname(v)]
+    if callable(v) or hasattr(v, "__dict__"):
+        return _callable_key(v, name, depth)
+    raise Unkeyable(f"attribute {name!r} holds a {_qualname(type(v))} whose value cannot be keyed")
 
 
 @functools.lru_cache(maxsize=None)

@@ -173,6 +173,20 @@ def test_a_function_the_model_holds_is_in_the_key():
             return t * self.k
 
     assert key(Scale(2)) == key(Scale(2)) != key(Scale(3))
+    assert key(Scale(2).__call__) != key(Scale(3).__call__)  # a bound method: the object it is bound to
+    w2, w3 = torch.full((4,), 2.0), torch.full((4,), 3.0)
+    assert key(_scaled(w2)) == key(_scaled(w2.clone())) != key(_scaled(w3))  # a tensor closed over: its values
+    assert key(lambda t, w=w2: t * w) != key(lambda t, w=w3: t * w)  # a tensor default
+    assert key(lambda t, a=torch.relu: a(t)) != key(lambda t, a=torch.tanh: a(t))  # a function default
+    assert key(functools.partial(torch.mul, other=w2)) != key(functools.partial(torch.mul, other=w3))
+    assert key(lambda t: (lambda u: u * 2)(t)) != key(lambda t: (lambda u: u * 3)(t))  # a nested function's constant
+
+    def kw(t, *, s=2.0):
+        return t * s
+
+    k2 = key(kw)
+    kw.__kwdefaults__ = {"s": 3.0}
+    assert key(kw) != k2  # a keyword-only default
 
 
 def test_another_forward_in_the_models_source_misses(tmp_path, monkeypatch):
