@@ -377,9 +377,12 @@ class Device(abc.ABC):
         the work already issued on it (compute, downloads of it) completed: evicting frees only
         after the last use."""
 
-    def plan_slots(self, sizes: Sequence[int]) -> None:
+    def plan_slots(self, sizes: Sequence[int], *, exact: bool = False) -> list[int]:
         """The bytes of each stage slot the schedule holds at once on this GPU (a device with a
-        fixed slot pool sizes it from them, taking the larger of two plans; here: nothing to do)."""
+        fixed slot pool sizes it from them, taking the larger of two plans; `exact`: this plan,
+        to put back one a refused pool replaced); returns the plan it replaced. Here: nothing to
+        do, no plan."""
+        return []
 
     def open_pool(self) -> None:
         """Allocate and book the slot pool `plan_slots` sized, kept from now on (when compiling;

@@ -193,11 +193,16 @@ class StreamDevice(Device):
         return [e[2] for e in entries], uploaded
 
     # ------------------------------------------------------------------ slots
-    def plan_slots(self, sizes: Sequence[int]) -> None:
+    def plan_slots(self, sizes: Sequence[int], *, exact: bool = False) -> list[int]:
+        before = list(self._sizes)
+        if exact:
+            self._sizes = [int(b) for b in sizes]
+            return before
         n = max(len(sizes), len(self._sizes))
         old = self._sizes + [0] * (n - len(self._sizes))
         new = list(sizes) + [0] * (n - len(sizes))
         self._sizes = [max(a, int(b)) for a, b in zip(old, new)]
+        return before
 
     def slot_bytes(self, slots: Sequence[torch.Tensor]) -> int:
         return layout(slots, self.align)[1]

@@ -209,11 +209,12 @@ class Runtime:
         self.executed.append((kind, self.stages[k].device.name, k, phase, i))
         self.stamps.append(tick())
 
-    def _plan_slots(self, ir: ScheduleIR) -> dict[tuple[int, str, str], int]:
+    def _plan_slots(self, ir: ScheduleIR, replaced: dict[str, list[int]] | None = None
+                    ) -> dict[tuple[int, str, str], int]:
         """Walk each GPU's ops in the IR's order, giving each prefetched stage the first slot
         free then: the slots' count is the IR's resident stages on the GPU, each sized for the
-        largest stage it takes; tell each device (`Device.plan_slots`) and return the slot of
-        each (stage, phase, GPU)."""
+        largest stage it takes; tell each device (`Device.plan_slots`; the plans they replaced
+        into `replaced`, by GPU) and return the slot of each (stage, phase, GPU)."""
         home: dict[tuple[int, str, str], int] = {}
         for gpu in ir.gpus:
             dev = self.devices[gpu]
@@ -229,7 +230,9 @@ class Runtime:
                     on[o.stage] = home[(o.stage, o.phase, gpu)] = slot
                 elif o.kind == "evict":
                     on.pop(o.stage, None)
-            dev.plan_slots(sizes)
+            before = dev.plan_slots(sizes)
+            if replaced is not None:
+                replaced[gpu] = before
         return home
 
     # ------------------------------------------------------------------ weights

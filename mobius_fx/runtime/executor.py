@@ -197,13 +197,17 @@ class StepExecutor:
         own = self.ir.resident_at_most()
         base = self.schedule.ir().resident_at_most() if form is not None else own
         holds = {g for g in self.ir.gpus if own.get(g, 0) > base.get(g, 0)}
-        self.slot_home = self.rt._plan_slots(self.ir) if self.moves or holds else None
+        replaced: dict[str, list[int]] = {}
+        self.slot_home = self.rt._plan_slots(self.ir, replaced) if self.moves or holds else None
         if self.slot_home is None:
             return
         for gpu in self.ir.gpus:
             try:
                 self.rt.devices[gpu].open_pool()
             except BudgetError as e:
+                for g, sizes in replaced.items():  # the pipeline's own pools as they were: it still runs
+                    self.rt.devices[g].plan_slots(sizes, exact=True)
+                    self.rt.devices[g].open_pool()
                 there = sorted(k for k, g in away if g == gpu)
                 if there:
                     phases = " and ".join(p for p in ("forward", "backward") if any(
