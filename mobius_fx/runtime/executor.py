@@ -350,10 +350,13 @@ class StepExecutor:
                 raise MobiusError(f"stage {k}, micro-batch {i} on {o.place}: its input {j} ({ref.name}) never "
                                   f"arrived; the schedule IR '{self.name}' has no send bringing it before the run")
         result = self.rt.run(k, i, tuple(args))
-        if k in self.dealt and self.rt.stages[k].changing:
-            st = self.rt.stages[k]
+        st = self.rt.stages[k]
+        # a buffer the forward changed: seen by the recompute's books (`changing`) or, on a stage run
+        # without a backward, by its version since the upload
+        changed = st.changing | {j for j in st.buffer_idx if j < len(st.versions) and st.slots[j]._version != st.versions[j]}
+        if k in self.dealt and changed:
             raise MobiusError(f"schedule '{self.name}' deals stage {k}'s micro-batches to several GPUs, but its forward "
-                              f"changes buffer(s) {', '.join(st.spec.weights[j].name for j in sorted(st.changing))} "
+                              f"changes buffer(s) {', '.join(st.spec.weights[j].name for j in sorted(changed))} "
                               f"(running statistics, a counter): each GPU's copy would update its own, not micro-batch "
                               f"after micro-batch as eager does; compile with schedule='mobius' or 'roundpipe'")
         self.in_spans[(k, i)] = _spans(args)

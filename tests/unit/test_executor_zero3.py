@@ -359,3 +359,20 @@ def test_a_buffer_the_forward_updates_is_refused_as_each_replica_would_keep_its_
     with pytest.raises(MobiusError, match=r"deals stage 0's micro-batches to several GPUs, but its forward changes "
                                           r"buffer\(s\).*running_mean"):
         pipe.train_step(x, target=y)
+
+
+def test_a_frozen_stage_whose_forward_updates_a_buffer_is_refused_too():
+    """A stage without backward runs without the recompute's books: its buffer change is seen by
+    its version since the upload (before: not refused, each replica kept its own statistics)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 50))
+    for p in list(model[0].parameters()) + list(model[1].parameters()):
+        p.requires_grad_(False)
+    before = [b.clone() for b in model[1].buffers()]
+    x, y = torch.randn(12, 16), torch.randint(0, 50, (12,))
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(x,), microbatches=4,
+                             cuts=[3, 5], verbose=False, device=_devices(2, 9), loss_fn=F.cross_entropy, schedule=NAME)
+    with pytest.raises(MobiusError, match=r"deals stage 0's micro-batches to several GPUs, but its forward changes"):
+        pipe.train_step(x, target=y)
+    assert all(torch.equal(a, b) for a, b in zip(model[1].buffers(), before))  # the failed step changed nothing
