@@ -17,8 +17,9 @@ in ops the step executor (mobius_fx/runtime/executor.py) already runs:
   host (the runtime sums every download of a master: `host_gradients.host_gradient`); the host
   `step` of a stage waits for all N.
 
-Deviations from DeepSpeed, forced by a runtime that holds one GPU copy of a stage at a time
-(`StageState`): GPU g+1 uploads stage k after GPU g has evicted it (each such `prefetch` depends on
+Deviations from DeepSpeed, from when the runtime held one GPU copy of a stage at a time (the
+executor now keeps a copy per GPU, `StageState.copy_on`, so lockstep would run too; kept as
+tested): GPU g+1 uploads stage k after GPU g has evicted it (each such `prefetch` depends on
 the stage's previous `evict`), so the replicas run one stage apart, as a wavefront, not in
 lockstep; and no GPU keeps its last stage across the forward/backward turn (each uploads it again
 for backward: one more upload of the last stage per GPU than the simulator's ZeRO-3).
@@ -91,7 +92,7 @@ def data_parallel(ir: ScheduleIR, gpus: Sequence[str] | None = None) -> Schedule
     for n, (_, o) in enumerate(keyed):
         deps = {new[d] for d in o.deps}
         if o.kind == OpKind.PREFETCH and o.stage in last_evict:
-            deps.add(last_evict[o.stage])  # one GPU copy of a stage at a time: after the GPU before let it go
+            deps.add(last_evict[o.stage])  # the wavefront: after the GPU before let it go
         op = with_fields(o, index=n, deps=tuple(sorted(deps)))
         ops.append(op)
         if op.kind == OpKind.EVICT:

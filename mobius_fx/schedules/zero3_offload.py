@@ -54,7 +54,8 @@ def schedule_ir(ctx: Context) -> tuple[ScheduleIR, Costs]:
     layers; the user's optimizer (or the overlap) steps, not DeepSpeedCPUAdam; the all-gathers and
     reduce-scatters are plain uploads and downloads (no `collective` ops, nothing routed through
     host buffers); saved inputs offloaded to the host as in Mobius; the replicas one stage apart
-    (the runtime holds one GPU copy of a stage at a time) and no last stage kept across the turn."""
+    (a wavefront: each upload after the GPU before evicted the stage) and no last stage kept across
+    the turn."""
     n = len(ctx.gpus)
     u = layer_units(ctx)
     m = ctx.plan.microbatches

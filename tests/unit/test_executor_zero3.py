@@ -74,8 +74,8 @@ def test_data_parallel_deals_microbatches_and_uploads_every_stage_to_every_gpu(s
     assert sorted(o.stage for o in dp.select(kind="step")) == trains
     assert all(d < o.index for o in dp.ops for d in o.deps)
     assert max(dp.resident_at_most().values()) <= 2
-    # the runtime holds one GPU copy of a stage: in issue order a stage is on one GPU at a time,
-    # and each upload of it depends on the evict that let it go before
+    # the wavefront: in issue order a stage is on one GPU at a time, and each upload of it depends
+    # on the evict that let it go before
     where: dict[int, str] = {}
     last_evict: dict[int, int] = {}
     for o in dp.ops:

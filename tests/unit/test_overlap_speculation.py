@@ -68,13 +68,18 @@ def _same(model, twin, opt, ref, t):
             assert k == k2 and torch.equal(v, w), f"step {t}: {name}.{k}"
 
 
-def _copies_current(pipe, model):
-    """The streamed copy each device uploads from holds the weights (a commit swapped it in)."""
+def _copies_current(pipe, model, committed=0):
+    """The streamed copy each device uploads from holds the weights (a commit swapped it in);
+    `committed`: the parameters this round committed, each with a copy marked current (nothing left
+    for the next upload to copy again; the others, stepped in place by torch, are copied again)."""
+    current = set()
     for p in model.parameters():
         for d in pipe.devices.values():
             e = d._pinned.get(id(p))
             if e is not None and e[4] == (p.data_ptr(), p._version):
                 assert torch.equal(e[2], p.detach().to(e[2].dtype))
+                current.add(id(p))
+    assert len(current) >= committed, f"{committed} parameters committed, {len(current)} copies current"
 
 
 def _lockstep(cache, make, loop, steps=STEPS):
@@ -88,7 +93,7 @@ def _lockstep(cache, make, loop, steps=STEPS):
         opt.counts = HostCounters.since(before, COUNTERS.snapshot())
         loop(t, x, ref_pipe, twin, ref)
         _same(model, twin, opt, ref, t)
-        _copies_current(pipe, model)
+        _copies_current(pipe, model, committed=opt.committed)
         seen.append((opt.speculated_in_backward, opt.committed, opt.rolled_back))
     return model, opt, seen
 
