@@ -112,7 +112,7 @@ def choose_count(plan_at: Callable[[int], Any], counts: Sequence[int], schedule:
     `counts` (the default first, then ascending: `planning.microbatch.candidate_counts`) are
     planned by `plan_at(m)` in turn, each with its schedule chosen by `choose` (the simulated
     fwd+bwd that ranks the schedules); the fastest count wins, the fewer micro-batches on a tie.
-    Raising stops at the first count no faster than the one before (the bubble no longer
+    Raising stops at the first count slower than the best so far (the bubble no longer
     shrinks; each micro-batch adds its own costs) or once the best is within `NO_BUBBLE` of its
     plan's lower bound, so plan() simulates no more counts than it needs. A count whose plan or
     every schedule does not fit (MobiusError) is passed over; when none fits, the first error is
