@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 from mobius_fx.errors import MobiusError
 from mobius_fx.kinds import HOST
-from mobius_fx.planning.ir_transforms import with_fields
+from mobius_fx.planning.ir_transforms import rebuilt, with_fields
 from mobius_fx.planning.schedule_ir import Op, OpKind, ScheduleIR, build_schedule
 
 __all__ = ["data_parallel", "dealt"]
@@ -102,13 +102,6 @@ def data_parallel(ir: ScheduleIR, gpus: Sequence[str] | None = None) -> Schedule
     if optimizer:  # the host steps a stage once every GPU's gradients of it arrived (the reduce)
         for k in sorted(downloads):
             ops.append(Op(len(ops), OpKind.STEP, HOST, k, "optimizer", deps=tuple(downloads[k])))
-    for o in ops:
-        if any(d >= o.index for d in o.deps):
-            raise MobiusError(f"internal: data_parallel put op {o} before one it depends on")
-    by_place: dict[str, list[int]] = defaultdict(list)
-    for o in ops:
-        by_place[o.place].append(o.index)
-    return ScheduleIR(ops=tuple(ops), stages=stages, microbatches=m, gpus=tuple(g for g in names if g in offset),
-                      next_on_gpu=template.next_on_gpu, prev_on_gpu=template.prev_on_gpu,
-                      by_place={p: tuple(v) for p, v in by_place.items()}, sharded=ir.sharded,
-                      host_optimizer=ir.host_optimizer, through_markers=ir.through_markers)
+    return rebuilt(ir, ops, "data_parallel", stages=stages, microbatches=m,
+                   gpus=tuple(g for g in names if g in offset), next_on_gpu=template.next_on_gpu,
+                   prev_on_gpu=template.prev_on_gpu)

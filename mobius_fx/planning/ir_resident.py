@@ -18,7 +18,7 @@ from collections import defaultdict
 from typing import Any
 
 from mobius_fx.errors import MobiusError, PlanError
-from mobius_fx.planning.ir_transforms import with_fields
+from mobius_fx.planning.ir_transforms import rebuilt, with_fields
 from mobius_fx.planning.schedule_ir import OpKind, ScheduleIR
 from mobius_fx.units import fmt_bytes
 
@@ -53,15 +53,7 @@ def resident(ir: ScheduleIR) -> ScheduleIR:
                 deps.add(new[d])
         out.append(with_fields(o, index=new[o.index], kind=OpKind.HOLD if o.index in holds else o.kind,
                                deps=tuple(sorted(deps)), starts=tuple(sorted(new[s] for s in o.starts if s in new))))
-    by_place: dict[str, list[int]] = defaultdict(list)
-    for o in out:
-        if any(d >= o.index for d in o.deps):
-            raise MobiusError(f"internal: resident put op {o} before one it depends on")
-        by_place[o.place].append(o.index)
-    return ScheduleIR(ops=tuple(out), stages=ir.stages, microbatches=ir.microbatches, gpus=ir.gpus,
-                      next_on_gpu=ir.next_on_gpu, prev_on_gpu=ir.prev_on_gpu,
-                      by_place={p: tuple(v) for p, v in by_place.items()}, sharded=ir.sharded,
-                      host_optimizer=ir.host_optimizer, through_markers=ir.through_markers)
+    return rebuilt(ir, out, "resident")
 
 
 def resident_need(plan: Any) -> list[tuple[int, str, float, float]]:

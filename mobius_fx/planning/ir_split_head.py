@@ -71,14 +71,7 @@ def build_split_head(stages: Sequence[StageIO], microbatches: int, heads: Sequen
         raise MobiusError(f"split-head deals the last stage's {m} micro-batches: give one GPU per micro-batch, the "
                           f"first its own ({stages[-1].gpu}); got {list(heads)}")
     b = _Dealt(stages, m, list(heads))
-    for k in range(len(stages)):
-        if b.prev[k] is None:
-            b.fetched[k] = b.up(k, "forward", [])
-    for k in range(len(stages)):
-        b.forward(k)
-    for k in reversed(range(len(stages))):
-        if b.has_bwd[k]:
-            b.backward(k)
+    b.walk()
     if optimizer:
         for k in sorted(set(b.downloads) | set(b.head_downloads)):
             b.op("step", HOST, k, "optimizer", b.head_downloads.get(k, [b.downloads.get(k)]))

@@ -16,7 +16,7 @@ from typing import Any
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.schedule_ir import Op, OpKind, ScheduleIR
 
-__all__ = ["unchanged", "no_prefetch", "round_robin", "with_fields", "ScheduleForm"]
+__all__ = ["unchanged", "no_prefetch", "round_robin", "with_fields", "rebuilt", "ScheduleForm"]
 
 # The schedule a step pipeline's executor runs: its registered name and its runtime form (a
 # transform of the pipeline's Mobius IR; None: that IR unchanged). `compile(schedule=)` makes it.
@@ -58,16 +58,24 @@ def no_prefetch(ir: ScheduleIR) -> ScheduleIR:
     new = {old: n for n, old in enumerate(order)}
     out = tuple(with_fields(ops[old], index=new[old], deps=tuple(sorted(new[d] for d in ops[old].deps)),
                       starts=tuple(sorted(new[d] for d in ops[old].starts))) for old in order)
-    for o in out:
+    return rebuilt(ir, out, "no_prefetch")
+
+
+def rebuilt(ir: ScheduleIR, ops: Sequence[Op], who: str, **fields: Any) -> ScheduleIR:
+    """The ScheduleIR of a transform of `ir`: `ops` (each depending on earlier ones only, else an
+    internal error naming the transform `who`), their places indexed, the rest of `ir`'s fields
+    unless `fields` gives them."""
+    for o in ops:
         if any(d >= o.index for d in o.deps):
-            raise MobiusError(f"internal: no_prefetch put op {o} before one it depends on")
+            raise MobiusError(f"internal: {who} put op {o} before one it depends on")
     by_place: dict[str, list[int]] = defaultdict(list)
-    for o in out:
+    for o in ops:
         by_place[o.place].append(o.index)
-    return ScheduleIR(ops=out, stages=ir.stages, microbatches=ir.microbatches, gpus=ir.gpus,
-                      next_on_gpu=ir.next_on_gpu, prev_on_gpu=ir.prev_on_gpu,
-                      by_place={p: tuple(v) for p, v in by_place.items()}, sharded=ir.sharded,
-                      host_optimizer=ir.host_optimizer, through_markers=ir.through_markers)
+    kw = dict(stages=ir.stages, microbatches=ir.microbatches, gpus=ir.gpus, next_on_gpu=ir.next_on_gpu,
+              prev_on_gpu=ir.prev_on_gpu, sharded=ir.sharded, host_optimizer=ir.host_optimizer,
+              through_markers=ir.through_markers)
+    kw.update(fields)
+    return ScheduleIR(ops=tuple(ops), by_place={p: tuple(v) for p, v in by_place.items()}, **kw)
 
 
 def with_fields(o: Op, **kw: Any) -> Op:

@@ -125,7 +125,7 @@ def forward_backlog(problem: Any, terms: dict[str, list[Any]], k: int, first: An
     behind them; without this term the turn came 5.5 ms before the simulator's and the step was
     predicted at 0.90 of it. `terms`: `copy_terms` (the MIP passes linear forms, and its F[0][0]
     + f_0 as `first`: one row each)."""
-    n, m, s = len(problem.gpus), problem.microbatches, len(terms["w"])
+    n, m = len(problem.gpus), problem.microbatches
     if k - n < 1:  # no offloads of stage k-N before k's copies on its GPU (k-N = 0 saves none)
         return []
     pairs: dict[frozenset, list[Any]] = {}

@@ -350,14 +350,7 @@ def build_schedule(stages: Sequence[StageIO], microbatches: int, *, optimizer: b
     if backward_gpus is not None and len(backward_gpus) != len(stages):
         raise MobiusError(f"backward_gpus names {len(backward_gpus)} GPUs for {len(stages)} stages; give one per stage")
     b = ScheduleBuilder(stages, m, backward_gpus, hold)
-    for k in range(len(stages)):
-        if b.prev[k] is None:
-            b.fetched[k] = b.up(k, "forward", [])
-    for k in range(len(stages)):
-        b.forward(k)
-    for k in reversed(range(len(stages))):
-        if b.has_bwd[k]:
-            b.backward(k)
+    b.walk()
     if optimizer:
         for k in sorted(b.downloads):
             b.op("step", HOST, k, "optimizer", [b.downloads[k]])
@@ -426,7 +419,7 @@ class ScheduleBuilder:
     def forward(self, k: int) -> None:
         """Stage k's forward: its wait, the next stage's prefetch on its GPU, its micro-batches
         with the values they read and send, then its evict (or hold for backward)."""
-        st, g, gpu, m, op = self.stages[k], self.gpu[k], self.gpu, self.m, self.op
+        st, g, m, op = self.stages[k], self.gpu[k], self.m, self.op
         nxt, prev, direct = self.nxt, self.prev, self.direct
         wait = op("wait", g, k, "forward", [self.fetched[k]])
         if nxt[k] is not None:
@@ -463,6 +456,20 @@ class ScheduleBuilder:
             self.evicted[k] = self.last_evict[g] = op("evict", g, k, "forward", [last])
         else:
             op("hold", g, k, "forward", [last])
+
+    def walk(self) -> None:
+        """The step's ops: each GPU's first stage uploaded, every stage's forward in order, then the
+        backward of each stage that has one, last stage first (the optimizer's steps are the
+        caller's: they depend on where its downloads are)."""
+        n = len(self.stages)
+        for k in range(n):
+            if self.prev[k] is None:
+                self.fetched[k] = self.up(k, "forward", [])
+        for k in range(n):
+            self.forward(k)
+        for k in reversed(range(n)):
+            if self.has_bwd[k]:
+                self.backward(k)
 
     def backward(self, k: int) -> None:
         """Stage k's backward: its weights (fetched again if they left), the stage before it on
