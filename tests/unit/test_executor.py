@@ -74,6 +74,17 @@ def _eager(model, loss):
     return ref.detach(), _grads(model)
 
 
+def _step_equals_eager(model, pipe, x, y, steps=1):
+    """`steps` cross-entropy `train_step`s (the later ones start from what the first left: `.grad`
+    accumulates, as eager's): the last loss and every `.grad` equal eager's."""
+    for _ in range(steps):
+        loss = pipe.train_step(x, target=y)
+    got = _grads(model)
+    ref, want = _eager(model, lambda: F.cross_entropy(model(x), y))
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    _assert_grads_equal(got, {n: steps * g for n, g in want.items()})
+
+
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_each_runnable_schedule_equals_eager_and_its_ir(name):
     torch.manual_seed(0)
@@ -81,12 +92,7 @@ def test_each_runnable_schedule_equals_eager_and_its_ir(name):
     x, y = torch.randn(8, 16), torch.randint(0, 50, (8,))
     pipe = mobius_fx.compile(model, TOPO, example_inputs=(x,), microbatches=2, cuts=[1, 2, 3], verbose=False,
                              device=_devices(seed=3), loss_fn=F.cross_entropy, schedule=name)
-    for _ in range(2):  # the second step starts from what the first left (.grad accumulates, as eager's)
-        loss = pipe.train_step(x, target=y)
-    got = _grads(model)
-    ref, want = _eager(model, lambda: F.cross_entropy(model(x), y))
-    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
-    _assert_grads_equal(got, {n: 2 * g for n, g in want.items()})
+    _step_equals_eager(model, pipe, x, y, steps=2)
     ir = _step_ir(pipe, name, (x,), {"target": y})
     _check_conforms(pipe, ir)
     assert pipe.step_pipeline._rt._step_executor.name == name

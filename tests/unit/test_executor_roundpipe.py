@@ -20,21 +20,12 @@ from mobius_fx.planning.schedule_ir import StageInput, StageIO, build_schedule
 from mobius_fx.runtime.devices import make_devices
 from mobius_fx.zoo import GPT, GPTConfig
 from mobius_fx.zoo.small import SkipNet
-from tests.unit.test_executor import _check_conforms, _eager, _step_ir
+from tests.unit.test_executor import _check_conforms, _eager, _step_equals_eager, _step_ir
 from tests.unit.test_train_step import Classifier, _assert_grads_equal, _grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BUDGET = 64 << 20
-
-
-def _step_equals_eager(model, pipe, x, y):
-    """One `train_step` of cross-entropy: its loss and every `.grad` equal eager's."""
-    loss = pipe.train_step(x, target=y)
-    got = _grads(model)
-    ref, want = _eager(model, lambda: F.cross_entropy(model(x), y))
-    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
-    _assert_grads_equal(got, want)
 
 
 def _devices(n, seed, device="virtual-async"):
@@ -104,12 +95,7 @@ def test_roundpipe_train_step_equals_eager_and_its_ir(gpus, m, blocks, seed, dev
     pipe = mobius_fx.compile(model, Topology.virtual(gpus=gpus, memory="64MiB"), example_inputs=(x,), microbatches=m,
                              cuts=list(range(1, blocks + 1)), verbose=False, device=_devices(gpus, seed, device),
                              loss_fn=F.cross_entropy, schedule="roundpipe")
-    for _ in range(2):
-        loss = pipe.train_step(x, target=y)
-    got = _grads(model)
-    ref, want = _eager(model, lambda: F.cross_entropy(model(x), y))
-    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
-    _assert_grads_equal(got, {n: 2 * g for n, g in want.items()})
+    _step_equals_eager(model, pipe, x, y, steps=2)
     ir = _step_ir(pipe, "roundpipe", (x,), {"target": y})
     assert _moved_backward(ir)  # some stage's backward runs on another GPU than its forward
     _check_conforms(pipe, ir)

@@ -23,7 +23,7 @@ from mobius_fx.planning.schedule_ir import StageInput, StageIO, build_schedule
 from mobius_fx.runtime.devices import make_devices
 from mobius_fx.zoo import GPT, GPTConfig
 from mobius_fx.zoo.tiny_hf import hf_gpt2
-from tests.unit.test_executor import _check_conforms, _eager, _mutated, _step_ir
+from tests.unit.test_executor import _check_conforms, _eager, _mutated, _step_equals_eager, _step_ir
 from tests.unit.test_train_step import Classifier, _assert_grads_equal, _grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,12 +117,7 @@ def test_split_head_train_step_equals_eager_and_its_ir(gpus, m, blocks, seed, de
     model = Classifier(blocks=blocks)
     x, y = torch.randn(4 * m, 16), torch.randint(0, 50, (4 * m,))
     pipe = _compile(model, x, gpus, m, seed, device, cuts=list(range(1, blocks + 1)), loss_fn=F.cross_entropy)
-    for _ in range(2):
-        loss = pipe.train_step(x, target=y)
-    got = _grads(model)
-    ref, want = _eager(model, lambda: F.cross_entropy(model(x), y))
-    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
-    _assert_grads_equal(got, {n: 2 * g for n, g in want.items()})
+    _step_equals_eager(model, pipe, x, y, steps=2)
     ir = _step_ir(pipe, "split-head", (x,), {"target": y})
     assert len(_dealt_backward(ir)) == min(gpus, m)  # the last stage's backward runs on as many GPUs
     _check_conforms(pipe, ir)
@@ -256,7 +251,7 @@ def test_a_gpu_too_small_for_the_heads_copy_is_refused_and_mobius_still_runs():
     with pytest.raises(BudgetError, match=r"gpu1 would hold .* the weight slots") as e:
         pipe.train_step(x, target=y)
     note = "\n".join(getattr(e.value, "__notes__", []))
-    assert f"schedule 'split-head' uploads stage(s) [2] on gpu1 for their forward and backward (" in note
+    assert "schedule 'split-head' uploads stage(s) [2] on gpu1 for their forward and backward (" in note
     from mobius_fx.units import fmt_bytes
 
     assert f"{fmt_bytes(head)} of weights" in note
