@@ -351,10 +351,11 @@ class StepExecutor:
                                   f"arrived; the schedule IR '{self.name}' has no send bringing it before the run")
         result = self.rt.run(k, i, tuple(args))
         st = self.rt.stages[k]
-        # a buffer the forward changed: seen by the recompute's books (`changing`) or, on a stage run
-        # without a backward, by its version since the upload
-        changed = st.changing | {j for j in st.buffer_idx if j < len(st.versions) and st.slots[j]._version != st.versions[j]}
-        if k in self.dealt and changed:
+        # a dealt stage's buffer the forward changed: seen by the recompute's books (`changing`) or,
+        # on a stage run without a backward, by its version since the upload (only dealt stages pay)
+        changed = (st.changing | {j for j in st.buffer_idx if j < len(st.versions)
+                                  and st.slots[j]._version != st.versions[j]}) if k in self.dealt else set()
+        if changed:
             raise MobiusError(f"schedule '{self.name}' deals stage {k}'s micro-batches to several GPUs, but its forward "
                               f"changes buffer(s) {', '.join(st.spec.weights[j].name for j in sorted(changed))} "
                               f"(running statistics, a counter): each GPU's copy would update its own, not micro-batch "
