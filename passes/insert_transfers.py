@@ -16,7 +16,9 @@ Output: a `Schedule` with
   uploaded at the start, stage k+N is prefetched before stage k runs, stage k is evicted after
   its last micro-batch, and the last stage of each GPU stays resident for backward
   (docs/schedule.md). Activations are pushed to the next stage's GPU as soon as they are
-  produced; values needed further on (long skips, model outputs) go to host memory.
+  produced; values needed further on (long skips, model outputs) go to host memory;
+- the schedule IR itself (`Schedule.ir()`), built here once: the forward program is lowered from
+  it, and the runtime, `emit` and the step executor read it instead of building their own.
 
 The op nodes are registered side-effectful (`torch.fx.node._side_effectful_functions`, as
 `torch.distributed.pipelining` does for its split marker), so `graph.eliminate_dead_code()`
@@ -44,9 +46,9 @@ from mobius_fx.kinds import HOST
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.batch_sizes import set_microbatches
 from mobius_fx.planning.microbatch import check_count
-from mobius_fx.planning.schedule_ir import StageIO, build_schedule, neighbours
+from mobius_fx.planning.schedule_ir import ScheduleIR, neighbours
 from mobius_fx.planning import stage_contract as _ops
-from mobius_fx.planning.stage_contract import Schedule, StageSpec, ValueRef, WeightRef
+from mobius_fx.planning.stage_contract import Schedule, StageSpec, ValueRef, WeightRef, stages_ir
 
 __all__ = ["insert_transfers"]
 
@@ -97,11 +99,11 @@ def insert_transfers(gm: fx.GraphModule, *, stage_nodes: Sequence[Sequence[str]]
     output = next(n for n in split.graph.nodes if n.op == "output")
     out_arg = _resolve_output(output.args[0])
     info = getattr(gm.graph._codegen, "pytree_info", None)
-    graph, to_host = _schedule_graph(stages, [p.name for p in placeholders], out_arg, microbatches)
+    graph, host_ids, ir = _schedule_graph(stages, [p.name for p in placeholders], out_arg, microbatches)
     return Schedule(stages=stages, graph=graph, microbatches=microbatches, gpus=gpus, next_on_gpu=tuple(next_on),
                     prev_on_gpu=tuple(prev_on), inputs=tuple(p.name for p in placeholders),
                     out_spec=info.out_spec if info is not None else None, moved=tuple(moved),
-                    to_host=tuple(tuple(sorted(j for (st, j) in to_host if st == k)) for k in range(len(stages))))
+                    to_host=host_ids, built_ir=ir)
 
 
 # ----------------------------------------------------------------------------- stage assignment
@@ -305,17 +307,18 @@ def _resolve_output(arg: Any) -> Any:
 # ----------------------------------------------------------------------------- schedule graph
 
 def _schedule_graph(stages: tuple[StageSpec, ...], inputs: list[str], out_arg: Any,
-                    m: int) -> tuple[fx.Graph, set[tuple[int, int]]]:
+                    m: int) -> tuple[fx.Graph, tuple[tuple[int, ...], ...], ScheduleIR]:
     """The forward program: the schedule IR's forward ops, lowered in their order to calls of
-    the ops of the contract (mobius_fx.planning.stage_contract); also which stage outputs go to the host."""
+    the ops of the contract (mobius_fx.planning.stage_contract); also, per stage, its outputs that
+    go to the host, and the IR itself: the Schedule's, built here once (`Schedule.ir()`)."""
     program = _ForwardProgram(stages, inputs, m)
     to_host = _outputs_to_host(stages, out_arg)
-    program.host_ids = [tuple(sorted(j for (st, j) in to_host if st == k)) for k in range(len(stages))]
-    ir = build_schedule(StageIO.from_graph(stages, program.host_ids), m, optimizer=False)
+    program.host_ids = tuple(tuple(sorted(j for (st, j) in to_host if st == k)) for k in range(len(stages)))
+    ir = stages_ir(stages, program.host_ids, m)
     for o in ir.select(phase="forward"):
         program.lower(o)
     program.output(out_arg, m)
-    return program.graph, to_host
+    return program.graph, program.host_ids, ir
 
 
 def _outputs_to_host(stages: tuple[StageSpec, ...], out_arg: Any) -> set[tuple[int, int]]:

@@ -38,8 +38,8 @@ from torch import nn
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.schedule_ir import ScheduleIR, StageIO, build_schedule
 
-__all__ = ["ValueRef", "WeightRef", "StageSpec", "Schedule", "StageRuntime", "prefetch", "wait", "run_stage", "send",
-           "evict", "hold_for_backward", "split_microbatches", "merge_microbatches", "OPS", "running"]
+__all__ = ["ValueRef", "WeightRef", "StageSpec", "Schedule", "stages_ir", "StageRuntime", "prefetch", "wait",
+           "run_stage", "send", "evict", "hold_for_backward", "split_microbatches", "merge_microbatches", "OPS", "running"]
 
 
 # ----------------------------------------------------------------------------- the stages and the schedule
@@ -97,6 +97,7 @@ class Schedule:
     out_spec: pytree.TreeSpec | None = None  # torch.export's output TreeSpec (None: the graph returns the structure)
     moved: tuple[str, ...] = field(default=())  # compute nodes not listed, placed with their predecessor
     to_host: tuple[tuple[int, ...], ...] = ()  # per stage: its outputs copied to the host (read later or returned)
+    built_ir: ScheduleIR | None = field(default=None, repr=False)  # `stages_ir` of the above, built once (`ir()`)
 
     @property
     def num_stages(self) -> int:
@@ -106,18 +107,28 @@ class Schedule:
         return self.next_on_gpu[k] is None
 
     def ir(self) -> ScheduleIR:
-        """The schedule IR of these stages: order and dependencies, weight and gradient bytes in
-        the masters' dtype, activations 0 bytes (the Pipeline's `schedule_ir(values)` gives the
-        exact one). The runtime takes its backward prefetches from it and `pipe.code` prints its
-        backward part."""
-        def size(ts) -> int:
-            return sum(t.numel() * t.element_size() for t in ts)
+        """The schedule IR of these stages (`stages_ir`), built once: `insert_transfers` builds it,
+        lowers the forward program from it and gives it to the Schedule (`built_ir`). The runtime
+        takes its backward prefetches and slot plan from it, `pipe.code` prints its backward part
+        and the step executor compares its resident stages with it; the Pipeline's
+        `schedule_ir(values)` gives the one with exact activation bytes."""
+        if self.built_ir is None:  # a Schedule made without the pass: built at the first call, kept
+            object.__setattr__(self, "built_ir", stages_ir(self.stages, self.to_host, self.microbatches))
+        return self.built_ir
 
-        return build_schedule(StageIO.from_graph(
-            self.stages, self.to_host, weight_bytes=[size(w.tensor for w in st.weights) for st in self.stages],
-            grad_bytes=[size(w.tensor for w in st.weights
-                             if isinstance(w.tensor, nn.Parameter) and w.tensor.requires_grad) for st in self.stages]),
-            self.microbatches, optimizer=False)
+
+def stages_ir(stages: tuple[StageSpec, ...], to_host: tuple[tuple[int, ...], ...], microbatches: int) -> ScheduleIR:
+    """The schedule IR of `stages` (`to_host[k]`: stage k's outputs copied to the host): order and
+    dependencies, weight and gradient bytes in the masters' dtype, activations 0 bytes, no
+    optimizer `step`s (a step's IR is the step executor's, `executor.step_ir`)."""
+    def size(ts) -> int:
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    return build_schedule(StageIO.from_graph(
+        stages, to_host, weight_bytes=[size(w.tensor for w in st.weights) for st in stages],
+        grad_bytes=[size(w.tensor for w in st.weights
+                         if isinstance(w.tensor, nn.Parameter) and w.tensor.requires_grad) for st in stages]),
+        microbatches, optimizer=False)
 
 
 # ----------------------------------------------------------------------------- the ops

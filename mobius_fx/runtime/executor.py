@@ -32,7 +32,9 @@ runtime does is the IR by construction, and any schedule whose IR the runtime ca
   leaves them (hooks run; the optimizer overlap sees a backward reaching them).
 
 The eager-style loop (`loss_fn(pipe(x), y).backward()`) keeps its autograd path
-(runtime/stage_autograd.py); both read the same IR.
+(runtime/stage_autograd.py); both read the same IR. Each IR is built once (docs/executor.md,
+"Where each IR is built"): the Schedule's by `insert_transfers` (`Schedule.ir()`), the step IR
+and its program by `built_step`, once per (schedule, which masters train).
 
 Which schedules run: those registered with a runtime form (mobius_fx/schedules/registry.py
 `runtime=`, a transform of the pipeline's Mobius IR): "mobius", "mobius-noprefetch" (each upload
@@ -57,17 +59,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from mobius_fx.errors import BudgetError, MobiusError
 from mobius_fx.kinds import HOST
 from mobius_fx.planning.schedule_ir import Op, OpKind, ScheduleIR
 from mobius_fx.runtime.device_books import Device, nbytes
+from mobius_fx.runtime.engine import Runtime
 from mobius_fx.runtime.stage_state import refuse_changed_masters
-from mobius_fx.runtime.step_program import run_program
+from mobius_fx.runtime.step_program import build_program, run_program
 from mobius_fx.units import fmt_bytes
 
-__all__ = ["StepExecutor", "execute", "step_ir"]
+__all__ = ["StepExecutor", "built_step", "execute", "step_ir"]
 
 # The op kinds that act on a stage's state on the op's GPU (its weights, its gradient sums): the
 # executor runs them on the stage's copy there (`StepExecutor._use`).
@@ -79,7 +83,8 @@ def step_ir(pipe: Any, form: Callable[[ScheduleIR], ScheduleIR] | None = None) -
     gradient flags from each stage value's dtype as the traced graph records it; activations 0
     bytes: the executor needs the ops, not their sizes; each stage's optimizer `step` on the
     host after its download), transformed by the schedule's runtime
-    form (`schedules.get(name).runtime`; None: Mobius's own)."""
+    form (`schedules.get(name).runtime`; None: Mobius's own). Built anew at each call: the runtime
+    reads the one `built_step` keeps."""
     values: dict[str, torch.Tensor] = {}
     for spec in pipe.schedule.stages:
         out = next(n for n in spec.module.graph.nodes if n.op == "output").args[0]
@@ -94,20 +99,41 @@ def step_ir(pipe: Any, form: Callable[[ScheduleIR], ScheduleIR] | None = None) -
     return ir if form is None else form(ir)
 
 
+def _form(pipe: Any) -> tuple[str, Callable[[ScheduleIR], ScheduleIR] | None]:
+    """`pipe.schedule_form`, (name, runtime form), set by `compile(schedule=...)`; Mobius's by default."""
+    return pipe.__dict__.get("schedule_form") or ("mobius", None)
+
+
+def _trains(rt: Runtime) -> tuple[bool, ...]:
+    """Which masters train now: it decides which stages run backward, so a layer frozen or
+    unfrozen since the last step gets the IR of the step as it is now."""
+    return tuple(m.requires_grad for st in rt.stages for m in st.masters)
+
+
+def built_step(pipe: Any) -> tuple[ScheduleIR, fx.GraphModule]:
+    """The step IR (`step_ir`) of `pipe` (a step pipeline) under its schedule and its step program
+    (runtime/step_program.py `build_program`), built once per (schedule, which masters train) and
+    kept on its runtime: the executor runs them, `pipe.code` (step_code.py) prints that program.
+    Nothing here runs or allocates."""
+    rt = pipe._rt
+    name, form = _form(pipe)
+    key = (name, _trains(rt))
+    built = rt.__dict__.get("_built_step")
+    if built is None or built[0] != key:
+        ir = step_ir(pipe, form)
+        built = rt._built_step = (key, ir, build_program(ir, tuple(pipe.schedule.inputs), name))
+    return built[1], built[2]
+
+
 def execute(pipe: Any, flat: list, scale: float) -> Any:
     """Run one training step of `pipe` (a step pipeline, inside its `_forward`) on its inputs
     `flat`, the backward seeded with `scale` x the loss; returns the (detached) output. The
-    schedule is `pipe.schedule_form`, (name, runtime form), set by `compile(schedule=...)`."""
+    schedule is `pipe.schedule_form`, (name, runtime form), set by `compile(schedule=...)`; the
+    executor is made again when it or which masters train changed (`built_step`)."""
     rt = pipe._rt
-    name, form = pipe.__dict__.get("schedule_form") or ("mobius", None)
-    # which masters train decides which stages run backward: a layer frozen or unfrozen since
-    # the last step gets the IR of the step as it is now
-    trains = tuple(m.requires_grad for st in rt.stages for m in st.masters)
     ex = rt.__dict__.get("_step_executor")
-    if ex is None or ex.name != name or ex.trains != trains:
-        ex = StepExecutor(pipe, name, form)
-        ex.trains = trains
-        rt._step_executor = ex
+    if ex is None or ex.name != _form(pipe)[0] or ex.trains != _trains(rt):
+        ex = rt._step_executor = StepExecutor(pipe)
     return ex.run(flat, scale)
 
 
@@ -115,12 +141,15 @@ class StepExecutor:
     """Interprets the schedule IR of one compiled step pipeline (see the module docstring); one
     handler per op kind and phase (`_forward_handlers`, `_backward_handlers`)."""
 
-    def __init__(self, pipe: Any, name: str = "mobius", form: Callable[[ScheduleIR], ScheduleIR] | None = None) -> None:
+    def __init__(self, pipe: Any) -> None:
+        name, form = _form(pipe)
         self.name = name
         self.rt = pipe._rt
         self.schedule = pipe.schedule
         self.program = pipe.program
-        self.ir = step_ir(pipe, form)
+        self.trains = _trains(self.rt)
+        # the step IR and its program, built once (`built_step`; `pipe.code` prints the same program)
+        self.ir, self.step_gm = built_step(pipe)
         self.stages = self.schedule.stages
         self.m = self.ir.microbatches
         self.to_host = self.schedule.to_host or tuple(() for _ in self.stages)

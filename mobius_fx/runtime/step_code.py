@@ -15,15 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from mobius_fx.runtime.step_program import build_program
-
 __all__ = ["step_code"]
 
 
 def step_code(pipe: Any) -> str:
-    """The step `pipe` (a step pipeline) runs, as code: the step program of its executor's IR
-    (`executor.step_ir`), as `StepExecutor` builds it."""
-    from mobius_fx.runtime.executor import step_ir
+    """The step `pipe` (a step pipeline) runs, as code: the code of the step program its executor
+    runs (`executor.built_step`: the step IR and its program, built once and kept on the runtime;
+    printing builds nothing more and runs nothing)."""
+    from mobius_fx.runtime.executor import built_step
 
-    name, form = pipe.__dict__.get("schedule_form") or ("mobius", None)
-    return build_program(step_ir(pipe, form), tuple(pipe.schedule.inputs), name).code.strip("\n") + "\n"
+    return built_step(pipe)[1].code.strip("\n") + "\n"

@@ -884,6 +884,10 @@ KNOWN_ANY_PARAMETERS: dict[tuple[str, str], str] = {  # (module, "function(param
         "the step Pipeline, whose module runs the executor (Pipeline._forward): a type import would be a cycle",
     ("mobius_fx.runtime.executor", "step_ir(pipe)"):
         "the step Pipeline, whose module runs the executor (Pipeline._forward): a type import would be a cycle",
+    ("mobius_fx.runtime.executor", "built_step(pipe)"):
+        "the step Pipeline, whose module runs the executor (Pipeline._forward): a type import would be a cycle",
+    ("mobius_fx.runtime.executor", "_form(pipe)"):
+        "the step Pipeline, whose module runs the executor (Pipeline._forward): a type import would be a cycle",
     ("mobius_fx.runtime.step_code", "step_code(pipe)"):
         "the step Pipeline, built by build.py, which imports this module to print it: the pipeline module "
         "imports the executor, which this one reads",
