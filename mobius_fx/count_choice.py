@@ -73,15 +73,18 @@ def count_planner(passes: PassPipeline, ctx: CompileContext) -> Callable[[int], 
 def count_replanner(passes: PassPipeline, ctx: CompileContext, share: float = 1.0) -> Callable[[int], Any] | None:
     """replan_at(m): the same trace and layer costs planned at m micro-batches with their own
     cuts (the pipeline's partition pass: the MIP, under `share` x the settings' `time_limit`,
-    solved anew for m; cached by the solver under its own key, which holds m and the limit), or None when the cuts are
+    solved anew for m from the default's cuts, `hinted_partition_pass`; cached by the solver
+    under its own key, which holds m, the limit and those cuts), or None when the cuts are
     not the MIP's to make: the caller's `cuts=`, or a partition pass other than the standard one
     (`count_candidates` times no other count then)."""
-    from mobius_fx.passes.partition import partition_pass
+    from mobius_fx.passes.partition import hinted_partition_pass, partition_pass
 
     part = next((q for q in passes.passes if q.name == "partition"), None)
     if ctx.settings.cuts is not None or getattr(part, "fn", None) is not partition_pass:
         return None
-    rest = PassPipeline(passes.passes[passes.names.index("partition"):], given=tuple(ctx.facts))
+    own = hinted_partition_pass(ctx.partition)
+    rest = PassPipeline([FunctionPass("partition", own, reads=part.reads, writes=part.writes),
+                         *passes.passes[passes.names.index("partition") + 1:]], given=tuple(ctx.facts))
 
     def replan_at(m: int) -> Any:
         settings = dataclasses.replace(ctx.settings, microbatches=m, microbatches_rule="chosen by the planner",

@@ -214,11 +214,15 @@ def chosen(tmp_path_factory):
 
     calls = {"trace": 0, "mip": 0}
     trace, solve = tracing.trace, partition.solve
+    solved = []  # each MIP's (micro-batches, hint, boundaries)
 
     def counted(name, fn):
         def call(*a, **k):
             calls[name] += 1
-            return fn(*a, **k)
+            out = fn(*a, **k)
+            if name == "mip":
+                solved.append((a[0].microbatches, k.get("hint"), tuple(out.boundaries)))
+            return out
         return call
 
     mp = pytest.MonkeyPatch()
@@ -228,18 +232,18 @@ def chosen(tmp_path_factory):
         plan = _plan(tmp_path_factory.mktemp("chosen"), cache=False)
     finally:
         mp.undo()
-    return plan, calls
+    return plan, calls, solved
 
 
 def test_plan_chooses_a_count_the_simulator_says_is_faster_than_the_default(chosen, tmp_path):
-    plan, _ = chosen
+    plan, *_ = chosen
     default = _plan(tmp_path, microbatches=4)  # one per GPU
     assert candidate_counts(8, 4) == (4, 8) and plan.microbatches == 8
     assert _fastest(plan) < _fastest(default)
 
 
 def test_the_first_line_says_the_count_and_why(chosen):
-    plan, _ = chosen
+    plan, *_ = chosen
     first = str(plan).splitlines()[0]
     assert first == plan.schedule_choice and first.startswith("schedule: ")
     m = plan.microbatches
@@ -250,8 +254,10 @@ def test_the_first_line_says_the_count_and_why(chosen):
 
 
 def test_choosing_traces_once_and_runs_a_mip_for_the_default_and_the_chosen_count(chosen):
-    plan, calls = chosen
+    plan, calls, solved = chosen
     assert calls == {"trace": 1, "mip": 2}  # the other counts: the same trace, costs and the default's cuts
+    (m0, hint0, cuts0), (m1, hint1, _) = solved
+    assert (m0, hint0, m1, hint1) == (4, None, 8, cuts0)  # the chosen count's MIP starts from the default's cuts
     # 8 on its own cuts is no faster here (the MIP cuts 8 where it cut 4): the default's are kept
     assert plan.schedule_choice.endswith(", no faster)") and "; cuts: those planned at 4 (its own MIP's: " in \
         plan.schedule_choice
@@ -297,7 +303,7 @@ def test_the_benchmarks_floor_is_under_every_schedule_the_simulator_runs(chosen)
     spec = importlib.util.spec_from_file_location("bench_schedules", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    plan, _ = chosen
+    plan, *_ = chosen
     with torch.device("meta"):
         model = GPT(CFG)
     floor = bench.floor(plan, model)
