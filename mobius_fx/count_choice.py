@@ -2,7 +2,7 @@
 to time (`count_candidates`), each one's plan on the default count's facts (`count_planner`:
 the same trace, layer costs and cuts; the partition and plan passes run again, no MIP), and the
 chosen count's plan with its own cuts (`count_replanner`: the same trace and layer costs, the
-MIP run again at that count, time-limited). The ranking is `schedules.choice.choose_count`'s;
+MIP run again at that count from the default's cuts, time-limited). The ranking is `schedules.choice.choose_count`'s;
 the counts' rule `planning.microbatch.candidate_counts`.
 """
 
@@ -54,25 +54,13 @@ def count_planner(passes: PassPipeline, ctx: CompileContext) -> Callable[[int], 
     from mobius_fx.passes.partition import kept_partition_pass
 
     default = ctx.settings.microbatches
-    part = next(q for q in passes.passes if q.name == "partition")
-    kept = kept_partition_pass(ctx.partition, ctx.order, default)
-    rest = PassPipeline([FunctionPass("partition", kept, reads=part.reads, writes=part.writes),
-                         *passes.passes[passes.names.index("partition") + 1:]], given=tuple(ctx.facts))
-
-    def plan_at(m: int) -> Any:
-        if m == default:
-            return ctx.plan
-        settings = dataclasses.replace(ctx.settings, microbatches=m, microbatches_rule="chosen by the planner")
-        other = dataclasses.replace(ctx, settings=settings, partition=None, order=(), plan=None,
-                                    facts=set(ctx.facts), timings={}, touched={})
-        return rest.run(other).plan
-
-    return plan_at
+    again = _planned_again(passes, ctx, kept_partition_pass(ctx.partition, ctx.order, default))
+    return lambda m: ctx.plan if m == default else again(m)
 
 
-def count_replanner(passes: PassPipeline, ctx: CompileContext, share: float = 1.0) -> Callable[[int], Any] | None:
+def count_replanner(passes: PassPipeline, ctx: CompileContext) -> Callable[[int], Any] | None:
     """replan_at(m): the same trace and layer costs planned at m micro-batches with their own
-    cuts (the pipeline's partition pass: the MIP, under `share` x the settings' `time_limit`,
+    cuts (the pipeline's partition pass: the MIP, under the settings' `time_limit` again,
     solved anew for m from the default's cuts, `hinted_partition_pass`; cached by the solver
     under its own key, which holds m, the limit and those cuts), or None when the cuts are
     not the MIP's to make: the caller's `cuts=`, or a partition pass other than the standard one
@@ -82,15 +70,20 @@ def count_replanner(passes: PassPipeline, ctx: CompileContext, share: float = 1.
     part = next((q for q in passes.passes if q.name == "partition"), None)
     if ctx.settings.cuts is not None or getattr(part, "fn", None) is not partition_pass:
         return None
-    own = hinted_partition_pass(ctx.partition)
-    rest = PassPipeline([FunctionPass("partition", own, reads=part.reads, writes=part.writes),
+    return _planned_again(passes, ctx, hinted_partition_pass(ctx.partition))
+
+
+def _planned_again(passes: PassPipeline, ctx: CompileContext, partition: Callable[[Any, Any], None]) -> Callable[[int], Any]:
+    """at(m): `ctx`'s trace and layer costs planned at m micro-batches, by `passes` from the
+    partition pass on, with `partition` in its place."""
+    part = next(q for q in passes.passes if q.name == "partition")
+    rest = PassPipeline([FunctionPass("partition", partition, reads=part.reads, writes=part.writes),
                          *passes.passes[passes.names.index("partition") + 1:]], given=tuple(ctx.facts))
 
-    def replan_at(m: int) -> Any:
-        settings = dataclasses.replace(ctx.settings, microbatches=m, microbatches_rule="chosen by the planner",
-                                       time_limit=ctx.settings.time_limit * share)
+    def at(m: int) -> Any:
+        settings = dataclasses.replace(ctx.settings, microbatches=m, microbatches_rule="chosen by the planner")
         other = dataclasses.replace(ctx, settings=settings, partition=None, order=(), plan=None,
                                     facts=set(ctx.facts), timings={}, touched={})
         return rest.run(other).plan
 
-    return replan_at
+    return at
