@@ -73,7 +73,8 @@ def count_replanner(passes: PassPipeline, ctx: CompileContext) -> Callable[[int]
     return _planned_again(passes, ctx, hinted_partition_pass(ctx.partition))
 
 
-def _planned_again(passes: PassPipeline, ctx: CompileContext, partition: Callable[[Any, Any], None]) -> Callable[[int], Any]:
+def _planned_again(passes: PassPipeline, ctx: CompileContext,
+                   partition: Callable[[Any, Any], None]) -> Callable[[int], Any]:
     """at(m): `ctx`'s trace and layer costs planned at m micro-batches, by `passes` from the
     partition pass on, with `partition` in its place."""
     part = next(q for q in passes.passes if q.name == "partition")
