@@ -8,7 +8,8 @@ forward, backward and the gradient downloads), its ratio to `plan.lower_bound()`
 GPUs, the Mobius plan's busiest link / its bandwidth)), the step with the CPU optimizer under
 `--overlap` (default "async", RoundPipe's own) and tokens/s = batch x seq / step. The planner
 chooses each case's micro-batch count (`plan` without `microbatches=`: the default and the
-divisors of the batch near 2x, 4x, 8x it, by simulated fwd+bwd; column "mb"). Below: the
+divisors of the batch near 2x, 4x, 8x it, by simulated fwd+bwd; column "mb"; a winner other than
+the default is re-planned with its own MIP, kept when faster, docs/schedule_choice.md). Below: the
 planner's choice (`plan.schedule_choice`) and the acceptance check of issue 37: the fastest
 pipeline schedule (GPipe and ZeRO-3 offload, baselines, and the Mobius ablations not counted)
 at most 1.10 x the lower bound on Llama-8B 64 x 1024, 1.15 x on the others, beside each case's

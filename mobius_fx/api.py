@@ -20,7 +20,7 @@ from mobius_fx.errors import MobiusError, PlanError
 from mobius_fx.options import CompileContext, CompileOptions
 from mobius_fx.planning.ir_transforms import ScheduleForm
 from mobius_fx.planning.plans import Plan
-from mobius_fx.schedules.choice import choose as choose_schedule, choose_count
+from mobius_fx.schedules.choice import choose as choose_schedule
 from mobius_fx.runtime.device_books import Device
 from mobius_fx.topology.server import Topology
 from mobius_fx.train_step import StepCompiler
@@ -250,10 +250,10 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     default (one per GPU when the batch, dim 0 of the example inputs, divides into that many,
     else the largest divisor of the batch below the GPU count) and the divisors of the batch
     near 2x, 4x and 8x it (`planning.microbatch.candidate_counts`), each on the same trace and
-    the default's cuts (one MIP), by the simulated fwd+bwd that ranks the schedules, and keeps
-    the fastest (`schedules.choice.choose_count`; it stops raising when a count is no faster).
-    The plan's first line says the count and why, its header the rule. `compile` keeps the
-    default rule: give it `microbatches=plan.microbatches` to run the planner's count.
+    the default's cuts, by the simulated fwd+bwd that ranks the schedules, keeps the fastest
+    (`schedules.choice.choose_count`) and, if it is not the default, plans it again with its own
+    MIP (`time_limit` again), kept when faster. The first line says the count, why and whose
+    cuts, the header the rule. `compile` keeps the default rule: give it `microbatches=plan.microbatches`.
     A count that does not divide the batch raises `PlanError`.
     `cuts`: plan this partition instead of solving for one — the index in `plan.layers` of
     the first layer of every stage after the first (`cuts=[]`: one stage; `cuts=[1, 5]`: stages
@@ -299,10 +299,10 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
                optimizer=optimizer, host_memory_fraction=host_memory_fraction, cache=cache,
                optimizer_overlap=optimizer_overlap, keep_grads=keep_grads)
     if microbatches is None:  # the caller's count is binding; without one the planner times a few
-        from mobius_fx.count_choice import count_candidates, count_planner
+        from mobius_fx.count_choice import chosen_count
 
-        counts, alone = count_candidates(passes, ctx, _example_rows(ctx))
-        p, choice = choose_count(count_planner(passes, ctx), counts, schedule, alone=alone)
+        with _verbosity(ctx.settings.verbose):
+            p, choice = chosen_count(passes, ctx, _example_rows(ctx), schedule)
         return dataclasses.replace(p, schedule_choice=choice.line)
     p = ctx.plan
     return dataclasses.replace(p, schedule_choice=f"{choose_schedule(p, schedule).line}; {p.microbatches} "

@@ -74,7 +74,7 @@ from .partition_solve import solve
 if TYPE_CHECKING:  # pragma: no cover
     from mobius_fx.options import CompileContext
 
-__all__ = ["partition_pass", "reuse_partition_pass", "kept_partition_pass", "cut_stages", "map_stages", "on_order", "given_partition",
+__all__ = ["partition_pass", "reuse_partition_pass", "kept_partition_pass", "hinted_partition_pass", "cut_stages", "map_stages", "on_order", "given_partition",
            "problem_of", "param_sizes", "input_bytes"]
 
 log = logging.getLogger("mobius_fx")
@@ -96,9 +96,9 @@ def partition_pass(gm: Any, ctx: CompileContext, *, cut: Cut | None = None, orde
     return None
 
 
-def cut_stages(ctx: CompileContext) -> PartitionResult:
-    """The MIP's partition on the topology's GPU order, or with `cuts=` given
-    (`ctx.settings.cuts`) exactly that one."""
+def cut_stages(ctx: CompileContext, hint: Sequence[int] | None = None) -> PartitionResult:
+    """The MIP's partition on the topology's GPU order (started from the boundaries `hint` when
+    they fit: `solve`'s), or with `cuts=` given (`ctx.settings.cuts`) exactly that one."""
     s = ctx.settings
     if s.cuts is not None:
         return given_partition(problem_of(ctx), s.cuts)
@@ -106,7 +106,7 @@ def cut_stages(ctx: CompileContext) -> PartitionResult:
     log.info("partition: %d layers on %d GPUs, %d micro-batches; MIP time limit %.0f s", len(ctx.layers),
              len(problem.gpus), problem.microbatches, s.time_limit)
     return solve(problem, solver=s.solver, time_limit=s.time_limit, cache_dir=s.cache_dir,
-                 progress=lambda msg: log.info("partition: %s", msg))
+                 progress=lambda msg: log.info("partition: %s", msg), hint=hint)
 
 
 def map_stages(ctx: CompileContext, part: PartitionResult) -> tuple[str, ...]:
@@ -190,6 +190,14 @@ def reuse_partition_pass(layers: tuple[str, ...], boundaries: tuple[int, ...]) -
         return cut_stages(ctx)
 
     return lambda gm, ctx: partition_pass(gm, ctx, cut=reuse)
+
+
+def hinted_partition_pass(like: PartitionResult) -> Callable[[Any, Any], None]:
+    """The partition pass for another micro-batch count of the same trace, with its own MIP
+    (`api.plan` re-planning the count it chose): `partition_pass` whose MIP starts from the cuts
+    of `like` (the default count's partition), so it ends no worse than them under the step model."""
+    hint = tuple(like.boundaries)
+    return lambda gm, ctx: partition_pass(gm, ctx, cut=lambda c: cut_stages(c, hint))
 
 
 def kept_partition_pass(like: PartitionResult, order: Sequence[str], microbatches: int) -> Callable[[Any, Any], None]:

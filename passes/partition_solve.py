@@ -67,7 +67,8 @@ def _pick_solver(solver: str) -> str:
 
 def solve(problem: PartitionProblem, *, solver: str = "auto", time_limit: float = 20.0,
           stage_counts: Sequence[int] | None = None, cache_dir: str | os.PathLike | None = None,
-          progress: Callable[[str], None] | None = None, gap_rel: float = 1e-4) -> PartitionResult:
+          progress: Callable[[str], None] | None = None, gap_rel: float = 1e-4,
+          hint: Sequence[int] | None = None) -> PartitionResult:
     """The best partition over the candidate stage counts (default every one, 1..L); raises
     PlanError if none fits.
 
@@ -76,7 +77,9 @@ def solve(problem: PartitionProblem, *, solver: str = "auto", time_limit: float 
     docstring). The reported gap is against the smallest bound over all candidates, those the
     time left with their closed-form bound only included. Results are cached in `cache_dir`
     (default $MOBIUS_FX_CACHE or ~/.cache/mobius_fx/plans), keyed by the problem's numbers and
-    these settings.
+    these settings. `hint`: stage boundaries to start from (another micro-batch count's plan):
+    when they fit, they are their stage count's incumbent, so the result is never worse than
+    them under the step model, however short the time.
 
     solve(prob, time_limit=10).boundaries   # e.g. (0, 3, 7, 11)
     """
@@ -85,12 +88,14 @@ def solve(problem: PartitionProblem, *, solver: str = "auto", time_limit: float 
     cands = candidates(problem, stage_counts)
     say = progress or (lambda msg: None)
     settings = {"solver": name, "time_limit": time_limit, "stage_counts": cands, "gap_rel": gap_rel, "v": 6}  # v: the model and solver (bump when either changes)
+    if hint is not None:
+        settings["hint"] = [int(b) for b in hint]
     path = _cache_dir(cache_dir) / f"{_cache_key(problem, settings)}.json"
     cached = _cached(problem, path, say)
     if cached is not None:
         return cached
     search = _Search(problem, PrefixSums(problem), layer_runs(problem), name, gap_rel, say, t_start + time_limit)
-    search.seed(cands)  # 1. every count: its closed-form bound and its balanced cuts
+    search.seed(cands, hint)  # 1. every count: its closed-form bound and its balanced cuts (or the hint)
     search.improve(cands, t_start + min(0.1 * time_limit, 2.0))  # 2. the local search (10% of the time, 2 s)
     search.lp_bounds(cands, t_start + 0.85 * time_limit)  # 3. the LP bounds, until 85% of the time
     search.mips()  # 4. the MIP on the counts still open
@@ -150,11 +155,18 @@ class _Search:
     def settled(self, c: _Candidate) -> bool:
         return c.status in ("optimal", "infeasible", "cut off") or c.bound >= self.incumbent() * (1 - self.gap_rel)
 
-    def seed(self, cands: Sequence[int]) -> None:
-        """Every count's closed-form bound and its balanced cuts (one evaluation or two)."""
+    def seed(self, cands: Sequence[int], hint: Sequence[int] | None = None) -> None:
+        """Every count's closed-form bound and its balanced cuts (one evaluation or two), or
+        `hint` for its count when it fits and scores better."""
         self.states = {s: _Candidate(s, bound=stage_count_bound(self.problem, s, self.fast)) for s in cands}
-        for s in cands:
-            cuts, (viol, makespan) = seed_cuts(self.fast, s)
+        seeds = {s: seed_cuts(self.fast, s) for s in cands}
+        hint = list(hint or ())
+        if hint and hint[0] == 0 and hint == sorted(set(hint)) and hint[-1] < len(self.problem.layers) \
+                and len(hint) in seeds:
+            score = self.fast.score(list(hint))
+            if score[0] == 0 and score[1] < seeds[len(hint)][1][1]:
+                seeds[len(hint)] = (list(hint), score)
+        for s, (cuts, (viol, makespan)) in seeds.items():
             if viol == 0:
                 self.states[s].cuts, self.states[s].makespan = tuple(cuts), makespan
 

@@ -97,6 +97,20 @@ def test_the_pick_is_the_brute_force_best_over_every_stage_count(tmp_path):
     assert got.solver.status == "optimal" and got.solver.stage_counts == tuple(range(1, 11))
 
 
+def test_a_hint_is_its_stage_counts_incumbent_however_short_the_time(tmp_path):
+    """`solve(hint=)` (plan() re-planning its chosen micro-batch count from the default's cuts):
+    with no time to search, the balanced seeds miss the optimum and the hint does not; it is part
+    of the cache key."""
+    p = best_count_not_a_multiple_problem()
+    best = brute_force(p)
+    rushed = solve(p, time_limit=1e-3, cache_dir=tmp_path)
+    hinted = solve(p, time_limit=1e-3, cache_dir=tmp_path, hint=best.boundaries)
+    assert rushed.makespan > best.makespan * (1 + 1e-9) and not hinted.solver.cached
+    assert hinted.makespan == pytest.approx(best.makespan, rel=1e-9)
+    for bad in [(1, 3), (0, 3, 3), (0, 10), (0, 2, 1)]:  # not boundaries of these 10 layers: not a seed
+        assert solve(p, time_limit=1e-3, cache_dir=tmp_path, hint=bad).makespan == rushed.makespan
+
+
 def test_the_reported_gap_is_over_every_stage_count(tmp_path):
     # However short the time, best x (1 - gap) is a lower bound of every count's optimum,
     # counts the solver never reached included.

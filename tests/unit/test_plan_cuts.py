@@ -147,6 +147,8 @@ def test_plan_default_microbatches_and_the_header_says_why(tmp_path, batch, give
     p = _plan(tmp_path, batch=batch, topo=Topology.virtual(gpus=4), microbatches=given, cuts=[1, 3])
     assert p.microbatches == expected and header in p.summary()
     assert mobius_fx.Plan.from_json(p.to_json()).summary() == p.summary()
+    if given is None and expected > 4:  # a count chosen on the caller's cuts: no MIP of its own
+        assert p.schedule_choice.endswith("; cuts: the caller's (cuts=)") and p.solver.name == "given cuts"
 
 
 def test_compile_takes_cuts_and_defaults_to_one_microbatch_per_gpu(tmp_path):
