@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from mobius_fx.errors import MobiusError
 from mobius_fx.kinds import OVERLAP_MODES
@@ -19,7 +19,7 @@ from mobius_fx.kinds import OVERLAP_MODES
 __all__ = ["TOUCHED_BYTES", "STATE_BYTES", "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH", "HOST_COPY_KINDS",
            "RUNTIME_HOST_COPIES", "RUNTIME_HOST_COPIES_REDUCED", "GRAD_COPIES", "NO_HOST_COPIES", "H200_HOST_PARAMS",
            "H200_HOST_ADAMW_SECONDS", "H200_HOST_HANDOVER_SECONDS", "fused_pass", "host_pass_bytes",
-           "host_copy_bytes", "optimizer_bytes_touched", "PLANNED_OPTIMIZERS", "HostPass", "shared_landings"]
+           "host_copy_bytes", "optimizer_bytes_touched", "PLANNED_OPTIMIZERS", "HostPass"]
 
 # Master bytes: the simulator knows each stage's trainable master bytes (`Costs.master`: its
 # gradient bytes in the masters' dtype, `Stage.grad_bytes / Precision.scale`), not a count of
@@ -215,7 +215,9 @@ class HostPass:
       max(pipeline, max_k A_k, `per_byte` x sum G_k);
     - "none": the hand-over and torch's step after the pipeline: pipeline + `per_byte` x sum G_k
       (the pinning before the next step's uploads, which delays them, is not modelled).
-    `per_byte` 0 (no optimizer) charges nothing.
+    `per_byte` 0 (no optimizer) charges nothing. D_k, when stage k's gradients are all on the host:
+    the step model's `landings.shared_landings` (the downloads replayed beside the backward uploads
+    they share links with); the MIP's rows read the download ends of `step_timeline` instead.
     """
 
     mode: str = "sync"
@@ -312,58 +314,3 @@ class HostPass:
             h = max(h, done[k]) + grads[k] * per
             out[k] = h
         return out
-
-
-def shared_landings(problem: Any, grads: Sequence[float], ready: Sequence[float], D: Sequence[float]) -> list[float]:
-    """When each stage's gradients are all on the host, for sync's host passes (`HostPass`): the
-    downloads behind a shared link (`problem.shared_down`) share it fairly, as the simulator
-    serves copies of equal need (max-min: each at most its own link's speed, the link's
-    `servers` x the fastest of them in all), where D (`_gradient_downloads`) queues them in
-    stage order; so a stage's gradients land later than D_k when others share its link with it,
-    and several land together near the pipeline's end, while a stage that D queues behind others
-    lands sooner. A fluid replay of the downloads alone (each GPU's in stage order k, k-N, ...,
-    each from its last backward run, `ready[k]`, `grads[k]` bytes); D_k for a stage behind no
-    shared link. `problem`: a `step_model.PartitionProblem` (its `down`, `shared_down`, `gpus`)."""
-    n, s = len(problem.gpus), len(grads)
-    links = [(x.servers * max(problem.down[i] for i in x.slots), set(x.slots)) for x in problem.shared_down]
-    if not links:
-        return list(D)
-    queue = {i: [k for k in range(s - 1, -1, -1) if k % n == i] for i in range(n)}
-    active: dict[int, float] = {}  # stage -> bytes left
-    land = list(D)
-    shared = set().union(*(slots for _, slots in links))
-    t = 0.0
-    for _ in range(4 * s + 4):
-        for i, ks in queue.items():  # each GPU's next download once the one before it ended
-            while ks and not any(k % n == i for k in active) and ready[ks[0]] <= t + 1e-15:
-                k = ks.pop(0)
-                if grads[k] > 0:
-                    active[k] = grads[k]
-                elif k % n in shared:
-                    land[k] = t
-        if not active:
-            nxt = [ready[ks[0]] for ks in queue.values() if ks]
-            if not nxt:
-                break
-            t = max(t, min(nxt))
-            continue
-        rate = {k: problem.down[k % n] for k in active}
-        for cap, slots in links:  # water-filling on each shared link
-            users = sorted((k for k in active if k % n in slots), key=lambda k: rate[k])
-            left = cap
-            for j, k in enumerate(users):
-                share = left / (len(users) - j)
-                rate[k] = min(rate[k], share)
-                left -= rate[k]
-        dt = min(active[k] / rate[k] for k in active)
-        nxt = [ready[ks[0]] - t for i, ks in queue.items() if ks and not any(k % n == i for k in active)
-               and ready[ks[0]] > t]
-        dt = min([dt, *nxt])
-        t += dt
-        for k in list(active):
-            active[k] -= rate[k] * dt
-            if active[k] <= 1e-9 * grads[k]:
-                del active[k]
-                if k % n in shared:
-                    land[k] = t
-    return land

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from mobius_fx.planning.host_step import shared_landings
+from mobius_fx.planning.landings import shared_landings
 from mobius_fx.planning.link_loads import copy_terms, forward_backlog, link_time, slot_bytes
 
 __all__ = ["Evaluation", "Timeline", "timeline", "SharedLink", "shared_links", "queue_before", "queue_window",
@@ -186,10 +186,20 @@ def timeline(problem: Any, st: Any, full: bool = False):
         makespan = max(makespan, max(link_time(x, per_slot) for x in problem.links))
     pipeline, host, H = makespan, getattr(problem, "host", None), []
     if host is not None and host.per_byte > 0:  # the host's work the step waits for (`host_step.HostPass`)
-        landed = shared_landings(problem, st.g, [B[k][c.m - 1] + c.b[k] for k in range(c.s)], D)
+        landed = shared_landings(problem, st.g, [B[k][c.m - 1] + c.b[k] for k in range(c.s)], D, _uploads(problem, c, B))
         H = host.ends(st.g, landed)
         makespan = host.end(pipeline, st.g, landed)
     return Timeline(makespan, p, q, F, B, D, V, E, A, R, U, H, pipeline) if full else makespan
+
+
+def _uploads(problem: Any, c: "_CopyTimes", B: list[list[float]]) -> list[tuple[int, float, float, float]]:
+    """The backward uploads the gradient downloads share links with (`landings.Upload`): stage
+    k's weights fetched again (k < S-N) and its M saved inputs restored after them, on its GPU's
+    upload stream from stage k+N's backward start (the IR's prefetch, after that stage's
+    weights are there), ranked 2S-1-k as the simulator's `copy_need` ranks them."""
+    n, m, s = c.n, c.m, c.s
+    return [(k % n, B[k + n][0], c.wb[k] + m * c.r[k] * problem.up[k % n], 2 * s - 1 - k)
+            for k in range(s - n - 1, -1, -1) if c.wb[k] > 0]
 
 
 class _CopyTimes:
