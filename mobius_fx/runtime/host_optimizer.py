@@ -269,6 +269,17 @@ def _cpp_kernel() -> Any:
     return _cpp
 
 
+def _unscaled(grad: torch.Tensor, grad_out: torch.Tensor | None,
+              inv: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`step_span`'s `grad_scale` for the kernels after the C++ one, in a pass of its own: the widened
+    gradient into `grad_out` (then None), and times `inv` in fp32 as torch's unscale_ kernel (a new
+    tensor: `grad` is left as it is)."""
+    wide = grad.to(torch.float32, copy=True)
+    if grad_out is not None:
+        grad_out.copy_(wide)
+    return wide.mul_(torch.tensor(inv, dtype=torch.float32)), None
+
+
 def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state: dict, step: float | None = None,
               grad_out: torch.Tensor | None = None, copy_out: torch.Tensor | None = None,
               compiled: bool = True, p_out: torch.Tensor | None = None,
@@ -323,12 +334,8 @@ def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state
             else:
                 return _TRUE if ok else _FALSE
     with torch.no_grad():
-        if grad_scale is not None and float(grad_scale) != 1.0:  # unscaled first, as torch's unscale_ kernel
-            wide = grad.to(torch.float32, copy=True)
-            if grad_out is not None:
-                grad_out.copy_(wide)
-                grad_out = None
-            grad = wide.mul_(torch.tensor(float(grad_scale), dtype=torch.float32))
+        if grad_scale is not None and float(grad_scale) != 1.0:
+            grad, grad_out = _unscaled(grad, grad_out, float(grad_scale))
         if state_out is not None:  # out of place: the old state copied into the new, stepped there
             for k_, t in state_out.items():
                 t.copy_(state[k_])

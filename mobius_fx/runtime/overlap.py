@@ -126,7 +126,8 @@ from mobius_fx.runtime.host_gradients import GradHomes, convert_span, sum_downlo
 
 __all__ = ["OverlapOptimizer", "HOST_PASS", "ALIGN", "UNIT", "SPAN_UNITS", "SPAN", "WeakHook", "accumulator",
            "engine_accumulates", "has_grad_hooks", "fingerprint", "partition_owners", "hyper_params", "same_hyper",
-           "called_by_grad_scaler", "grad_scaler_calling", "PER_PARAMETER", "per_parameter", "raw_step", "pre_hooks", "post_hooks",
+           "called_by_grad_scaler", "grad_scaler_calling", "PER_PARAMETER", "per_parameter", "raw_step", "pre_hooks",
+           "post_hooks",
            "stepped_masters"]
 
 log = logging.getLogger("mobius_fx")
@@ -265,7 +266,7 @@ def called_by_grad_scaler() -> bool:
     return grad_scaler_calling(3) is not None
 
 
-def grad_scaler_calling(depth: int = 2) -> Any:
+def grad_scaler_calling(depth: int = 2) -> torch.amp.GradScaler | None:
     """The torch.amp.GradScaler whose `step` called opt.step() (directly or through an LR scheduler's
     wrapper of step), or None: the `self` of the nearest grad_scaler.py frame above the caller of the
     function that calls this (`depth` frames up). The sync overlap reads the scale a speculative
@@ -615,10 +616,24 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._speculating = why
         log.warning("pipe.overlap(mode='sync'): %s. From now on each stage is stepped speculatively during "
                     "backward, out of place (the new weights, moments and streamed copy into spare buffers: 16 B "
-                    "per parameter more host memory for AdamW in bf16; a GradScaler's unscale applied in the pass), and "
-                    "opt.step() commits it where your code and the step pre-hooks left the gradients the step read (a "
-                    "clip factor of 1.0) or rolls it back and steps from the gradients you left, exactly as a serial "
-                    "step", why)
+                    "per parameter more host memory for AdamW in bf16; a GradScaler's unscale applied in the pass), "
+                    "and opt.step() commits it where your code and the step pre-hooks left the gradients the step "
+                    "read (a clip factor of 1.0) or rolls it back and steps from the gradients you left, exactly as a "
+                    "serial step", why)
+
+    def _watch_scaler(self, scaler: torch.amp.GradScaler | None, stepped: bool) -> None:
+        """opt.step() called by `scaler.step` (or not: None). The scaler that steps the optimizer is
+        the one that scaled the loss: the next rounds' speculative steps unscale by its scale
+        (`_scale_now`); after a step it did not make, by none. Its first step starts the
+        speculation (or, where that cannot run, the deferral)."""
+        self._scaler = weakref.ref(scaler) if scaler is not None else None
+        if scaler is not None and self._speculating is None:
+            why = ("a GradScaler steps this optimizer: its unscale_ and inf check need every gradient before any "
+                   "update")
+            if not stepped and self._defer is None and self._serial is None and self._speculable():
+                self._speculating_from_now(why)
+            else:
+                self._deferring(why, refuse=stepped)
 
     def step(self, closure: Callable[[], object] | None = None) -> Any:  # type: ignore[override]
         """Finish this step's update (sync) or launch it (async); see the module docstring."""
@@ -639,14 +654,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             f.result()
         self._wait_adds()
         now = {id(p): p for p in self._params()}
-        changed = [i for i, (g, v, f) in self._after_backward.items()
-                   if i not in now or now[i].grad is not g or g._version != v or (f is not None and fingerprint(g) != f)]
-        moved = set(changed)
-        if self._probing and any(i in now and now[i].grad is g and g._version == v and f is not None
-                                 for i, (g, v, f) in self._after_backward.items() if i in moved):
-            # a gradient edited in place without a version bump (GradScaler.unscale_'s kernel):
-            # a speculation's check then compares the bits every step (`_unchanged`)
-            self._silent_edits = True
+        changed = self._changed(now)
         stepped, self._stepped = self._stepped, set()
         self.stepped_in_backward = len(stepped)
         handed, self._handed = self._handed, set()
@@ -667,17 +675,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
                               f"backward began, when {len(stepped)} parameters were already stepped; a pre-hook runs "
                               f"before any update (with one, the update waits for opt.step()). Register it before "
                               f"loss.backward(), or use mode='none'")
-        scaler = grad_scaler_calling()
-        # the scaler that steps the optimizer is the one that scaled the loss: the next rounds'
-        # speculative steps unscale by its scale (`_round_scale`); a step it did not make, none
-        self._scaler = weakref.ref(scaler) if scaler is not None else None
-        if scaler is not None and self._speculating is None:
-            why = ("a GradScaler steps this optimizer: its unscale_ and inf check need every gradient before any "
-                   "update")
-            if not stepped and self._defer is None and self._serial is None and self._speculable():
-                self._speculating_from_now(why)
-            else:
-                self._deferring(why, refuse=bool(stepped))
+        self._watch_scaler(grad_scaler_calling(), bool(stepped))
         if hp is not None and not same_hyper(hp, hyper_params(self.param_groups)):
             self._deferring("hyper-parameters (lr, momentum, weight decay ...) changed between the end of backward and "
                             "opt.step(): the stages are stepped during backward", refuse=bool(stepped))
@@ -710,6 +708,20 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self._gather()
         self._post_hooks()
         return None
+
+    def _changed(self, now: dict[int, torch.Tensor]) -> list[int]:
+        """The parameters whose gradient changed since backward ended (another tensor, a new
+        version, or -- while probing -- other bits). The probe also notes a gradient edited in
+        place without a version bump (GradScaler.unscale_'s kernel): a speculation's check then
+        compares the bits every step (`_unchanged`)."""
+        changed = []
+        for i, (g, v, f) in self._after_backward.items():
+            if i not in now or now[i].grad is not g or g._version != v:
+                changed.append(i)
+            elif f is not None and fingerprint(g) != f:
+                changed.append(i)
+                self._silent_edits = True
+        return changed
 
     def _gather(self) -> None:
         """shard=True: every rank stepped its own parameters; each owner's new values to all."""

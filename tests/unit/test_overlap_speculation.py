@@ -194,9 +194,9 @@ def test_a_forward_between_backward_and_step_sees_the_old_weights(cache, one_thr
 
 def _scaled(max_norm, inf_at=(), init_scale=2.0 ** 8):
     """The GradScaler loop: scale(loss).backward(); unscale_; clip_grad_norm_; scaler.step; update.
-    `max_norm`: a number, or one per step. An infinite loss at the steps `inf_at` (the scaler skips them and halves its scale); the scale
-    doubles after every 2 steps without inf (growth_interval=2): the scale changes between steps
-    both ways. `loop.scales[id(opt)]`: the scale each step's loss was multiplied by."""
+    `max_norm`: a number, or one per step. An infinite loss at the steps `inf_at` (the scaler skips
+    them and halves its scale); the scale doubles after every 2 steps without inf
+    (growth_interval=2): the scale changes between steps both ways. `loop.scales[id(opt)]`: the scale each step's loss was multiplied by."""
     scalers, scales = {}, {}
 
     def loop(t, x, pipe, model, opt):
