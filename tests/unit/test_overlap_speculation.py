@@ -253,6 +253,26 @@ def test_grad_scaler_with_clip_at_one_is_speculated_and_exact(cache, one_thread)
     assert all(s[0] == n and s[1] + s[2] == n for s in seen[1:]), seen
 
 
+def test_an_unscale_without_the_scalers_step_is_compared_not_trusted(cache, one_thread):
+    """unscale_ edits `.grad` in place without a version bump. A loop that unscales and calls
+    opt.step() itself (not scaler.step: the overlap sees no scaler, so its pass does not unscale):
+    the probe notes the silent edit, so each speculative step is compared bit for bit -- rolled back,
+    it read the scaled gradient -- never taken as unchanged by its version."""
+    scalers = {}
+
+    def loop(t, x, pipe, model, opt):
+        scaler = scalers.setdefault(id(opt), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8))
+        scaler.scale(_loss(pipe(x), x)).backward()
+        scaler.unscale_(opt)
+        opt.step()
+        scaler.update()
+        opt.zero_grad()
+
+    model, opt, seen = _lockstep(cache, OPTIMIZERS["sgd-momentum"], loop)
+    n = _speculable(model)
+    assert opt._silent_edits and seen[1:] == [(n, 0, n)] * (STEPS - 1), seen
+
+
 def _pre_hook_clip(make, max_norm):
     def made(ps):
         ps = list(ps)
