@@ -1320,10 +1320,13 @@ class OverlapOptimizer(torch.optim.Optimizer):
         return done
 
     def _unchanged(self, rec: list) -> bool:
-        """Whether the gradient `p` has now is, bit for bit, the one its speculative step read.
-        Free when `.grad` is the tensor the pass wrote at the version it left; else (clip_grad_norm_
-        multiplies every gradient, by exactly 1.0 when the norm is within max_norm) its bits are
-        compared with the download's, widened (exact), span by span: 4 + 2 B read per parameter."""
+        """Whether the gradient `p` has now is, bit for bit, the one its speculative step read, and
+        `p` and its moments the tensors, at the versions, it read. Free when `.grad` is the tensor
+        the pass wrote at the version it left (and no scale was applied; no silent edit seen);
+        else (clip_grad_norm_ multiplies every gradient, by exactly 1.0 when the norm is within
+        max_norm; a GradScaler's unscale_ multiplies by its inverse scale without a version bump)
+        its bits are compared with the download's, widened (exact) and times the inverse scale the
+        step applied (rounded as unscale_ rounds), span by span: 4 + 2 B read per parameter."""
         p, g, home, version, ok, inv, names = rec[0], rec[1], rec[2], rec[3], rec[7], rec[9], rec[5]
         if not ok:  # the pass met a non-finite value the GPUs had not reported: serial's step then
             return False
