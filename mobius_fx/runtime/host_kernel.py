@@ -124,6 +124,32 @@ inline bool all_zero(const fVec& acc) {
   return true;
 }
 
+// A GradScaler's unscale, as torch's `_amp_foreach_non_finite_check_and_unscale_`: the fp32 gradient
+// times the fp32 inverse scale, rounded once, before the update reads it. The product goes through an
+// empty asm statement (a vector register it may have changed), so that -ffp-contract=fast cannot
+// fuse the multiply into the update's first add (torch stores the rounded product into `.grad`).
+inline fVec unscaled(const fVec& x, float inv) {
+  fVec y = x * fVec(inv);
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 r = y;
+  __asm__("" : "+v"(r));
+  return fVec(r);
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 r = y;
+  __asm__("" : "+x"(r));
+  return fVec(r);
+#else
+  float a[W];
+  y.store(a);
+  __asm__ __volatile__("" : : "r"(a) : "memory");
+  return fVec::loadu(a);
+#endif
+}
+inline float unscaled(float x, float inv) {
+  volatile float y = x * inv;  // a volatile store: rounded, not contracted
+  return y;
+}
+
 enum Mode { ORIGINAL = 0, ADAMW = 1 };
 
 // One chunk of torch's adam_math<float, float, mode> (the float path, unchanged in its operations)
@@ -135,7 +161,7 @@ bool adam_math(const float* p_in, float* param_ptr, const G* grad_ptr, const flo
                float* exp_avg_ptr, float* exp_avg_sq_ptr,
                float* grad_out, C* copy, double lr, double exp_avg_grad_coefficient,
                double exp_avg_sq_grad_coefficient, double bias_correction2_sqrt, double eps, double weight_decay,
-               double beta2, double step_size, bool maximize, int64_t size) {
+               double beta2, double step_size, bool maximize, int64_t size, bool scaled, float inv) {
   using Vec = fVec;
   using scalar_t = float;
   Vec acc(0.0f);
@@ -146,6 +172,7 @@ bool adam_math(const float* p_in, float* param_ptr, const G* grad_ptr, const flo
     Vec param_vec = Vec::loadu(p_in + d);
     Vec grad_vec = load_f<G>(grad_ptr + d);
     if (grad_out) grad_vec.store(grad_out + d);
+    if (scaled) grad_vec = unscaled(grad_vec, inv);
     acc = acc + (grad_vec - grad_vec);
     if (maximize) grad_vec = grad_vec * Vec(scalar_t(-1.0));
     if (weight_decay != 0.f) {
@@ -181,6 +208,7 @@ bool adam_math(const float* p_in, float* param_ptr, const G* grad_ptr, const flo
     if (exp_avg_sq_ptr != v_in) exp_avg_sq_ptr[d] = v_in[d];
     scalar_t grad_val = grad_ptr[d];
     if (grad_out) grad_out[d] = grad_val;
+    if (scaled) grad_val = unscaled(grad_val, inv);
     ok = ok && std::isfinite(grad_val);
     if (maximize) grad_val = -grad_val;
     if (weight_decay != 0.f) {
@@ -215,7 +243,7 @@ bool adam_impl(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
                const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& copy,
                const std::optional<at::Tensor>& p_out, const std::optional<at::Tensor>& m_out,
                const std::optional<at::Tensor>& v_out, double lr, double beta1, double beta2, double weight_decay,
-               double eps, double step, bool maximize) {
+               double eps, double step, bool maximize, double grad_scale) {
   const int64_t numel = param.numel();
   const float* p_in = param.data_ptr<float>();
   float* p_dst = p_out.has_value() ? p_out->data_ptr<float>() : param.data_ptr<float>();
@@ -242,7 +270,8 @@ bool adam_impl(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
                                       v_dst + begin,
                                       go ? go + begin : nullptr, cp ? cp + begin : nullptr, lr,
                                       exp_avg_grad_coefficient, exp_avg_sq_grad_coefficient, bias_correction2_sqrt,
-                                      eps, weight_decay, beta2, step_size, maximize, end - begin);
+                                      eps, weight_decay, beta2, step_size, maximize, end - begin,
+                                      grad_scale != 1.0, float(grad_scale));
     if (!fine) ok.store(false, std::memory_order_relaxed);
   });
   return ok.load();
@@ -252,7 +281,8 @@ bool adam_impl(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
 template <typename G, typename C>
 bool sgd_math(const float* p_in, float* p_dst, const G* g, const float* buf_in, float* buf, float* grad_out, C* copy,
               float wd, float mom,
-              float damp1, float neg_lr, bool decay, bool nesterov, bool maximize, int64_t size) {
+              float damp1, float neg_lr, bool decay, bool nesterov, bool maximize, int64_t size, bool scaled,
+              float inv) {
   fVec acc(0.0f);
   const bool nt_copy = copy && nt_ok(copy);
   const bool nt_p = p_dst != p_in && nt_ok(p_dst);
@@ -261,6 +291,7 @@ bool sgd_math(const float* p_in, float* p_dst, const G* g, const float* buf_in, 
     fVec p = fVec::loadu(p_in + d);
     fVec x = load_f<G>(g + d);
     if (grad_out) x.store(grad_out + d);
+    if (scaled) x = unscaled(x, inv);
     acc = acc + (x - x);
     if (maximize) x = x.neg();
     if (decay) x = at::vec::fmadd(p, fVec(wd), x);
@@ -279,6 +310,7 @@ bool sgd_math(const float* p_in, float* p_dst, const G* g, const float* buf_in, 
     float p = p_in[d];
     float x = g[d];
     if (grad_out) grad_out[d] = x;
+    if (scaled) x = unscaled(x, inv);
     ok = ok && std::isfinite(x);
     if (maximize) x = -x;
     if (decay) x = std::fma(p, wd, x);
@@ -298,7 +330,8 @@ template <typename G, typename C>
 bool sgd_impl(const at::Tensor& param, const at::Tensor& grad, const std::optional<at::Tensor>& buf,
               const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& copy,
               const std::optional<at::Tensor>& p_out, const std::optional<at::Tensor>& buf_out, double lr,
-              double weight_decay, double momentum, double dampening, bool nesterov, bool maximize) {
+              double weight_decay, double momentum, double dampening, bool nesterov, bool maximize,
+              double grad_scale) {
   const int64_t numel = param.numel();
   const float* p_in = param.data_ptr<float>();
   float* p_dst = p_out.has_value() ? p_out->data_ptr<float>() : param.data_ptr<float>();
@@ -316,7 +349,8 @@ bool sgd_impl(const at::Tensor& param, const at::Tensor& grad, const std::option
     bool fine = sgd_math<G, C>(p_in + begin, p_dst + begin, g + begin, b ? b + begin : nullptr,
                                b ? b_dst + begin : nullptr,
                                go ? go + begin : nullptr, cp ? cp + begin : nullptr, wd, mom, damp1, neg_lr,
-                               weight_decay != 0, nesterov, maximize, end - begin);
+                               weight_decay != 0, nesterov, maximize, end - begin, grad_scale != 1.0,
+                               float(grad_scale));
     if (!fine) ok.store(false, std::memory_order_relaxed);
   });
   return ok.load();
@@ -393,7 +427,7 @@ bool adam(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const a
           const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& copy,
           const std::optional<at::Tensor>& p_out, double lr, double beta1, double beta2, double weight_decay,
           double eps, double step, bool decoupled, bool maximize, const std::optional<at::Tensor>& m_out,
-          const std::optional<at::Tensor>& v_out) {
+          const std::optional<at::Tensor>& v_out, double grad_scale) {
   check_all(p, g, grad_out, copy, p_out);
   check(m, "exp_avg", p.numel());
   check(v, "exp_avg_sq", p.numel());
@@ -404,15 +438,15 @@ bool adam(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const a
   return dispatch(g.scalar_type(), copy, [&](auto gtag, auto* ctag, auto) -> bool {
     using G = decltype(gtag);
     using C = std::remove_pointer_t<decltype(ctag)>;
-    return decoupled ? adam_impl<G, C, ADAMW>(p, g, m, v, grad_out, copy, p_out, m_out, v_out, lr, beta1, beta2, weight_decay, eps, step, maximize)
-                     : adam_impl<G, C, ORIGINAL>(p, g, m, v, grad_out, copy, p_out, m_out, v_out, lr, beta1, beta2, weight_decay, eps, step, maximize);
+    return decoupled ? adam_impl<G, C, ADAMW>(p, g, m, v, grad_out, copy, p_out, m_out, v_out, lr, beta1, beta2, weight_decay, eps, step, maximize, grad_scale)
+                     : adam_impl<G, C, ORIGINAL>(p, g, m, v, grad_out, copy, p_out, m_out, v_out, lr, beta1, beta2, weight_decay, eps, step, maximize, grad_scale);
   });
 }
 
 bool sgd(const at::Tensor& p, const at::Tensor& g, const std::optional<at::Tensor>& buf,
          const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& copy,
          const std::optional<at::Tensor>& p_out, double lr, double weight_decay, double momentum, double dampening,
-         bool nesterov, bool maximize, const std::optional<at::Tensor>& buf_out) {
+         bool nesterov, bool maximize, const std::optional<at::Tensor>& buf_out, double grad_scale) {
   check_all(p, g, grad_out, copy, p_out);
   if (buf) {
     check(*buf, "momentum_buffer", p.numel());
@@ -424,7 +458,8 @@ bool sgd(const at::Tensor& p, const at::Tensor& g, const std::optional<at::Tenso
   return dispatch(g.scalar_type(), copy, [&](auto gtag, auto* ctag, auto) -> bool {
     using G = decltype(gtag);
     using C = std::remove_pointer_t<decltype(ctag)>;
-    return sgd_impl<G, C>(p, g, buf, grad_out, copy, p_out, buf_out, lr, weight_decay, momentum, dampening, nesterov, maximize);
+    return sgd_impl<G, C>(p, g, buf, grad_out, copy, p_out, buf_out, lr, weight_decay, momentum, dampening, nesterov, maximize,
+                          grad_scale);
   });
 }
 

@@ -269,10 +269,21 @@ def _cpp_kernel() -> Any:
     return _cpp
 
 
+def _unscaled(grad: torch.Tensor, grad_out: torch.Tensor | None,
+              inv: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`step_span`'s `grad_scale` for the kernels after the C++ one, in a pass of its own: the widened
+    gradient into `grad_out` (then None), and times `inv` in fp32 as torch's unscale_ kernel (a new
+    tensor: `grad` is left as it is)."""
+    wide = grad.to(torch.float32, copy=True)
+    if grad_out is not None:
+        grad_out.copy_(wide)
+    return wide.mul_(torch.tensor(inv, dtype=torch.float32)), None
+
+
 def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state: dict, step: float | None = None,
               grad_out: torch.Tensor | None = None, copy_out: torch.Tensor | None = None,
               compiled: bool = True, p_out: torch.Tensor | None = None,
-              state_out: dict | None = None) -> torch.Tensor:
+              state_out: dict | None = None, grad_scale: float | None = None) -> torch.Tensor:
     """Step elements of one parameter in one pass: `p` (fp32), `grad` (its gradient, any float
     dtype), the state tensors in `state` (torch's names; views of the same elements) and the
     outputs `grad_out` (fp32 `.grad`) and `copy_out` (the streamed copy) are flat and contiguous.
@@ -285,7 +296,12 @@ def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state
     stepped while `p` is in use. `state_out` (the state tensors' names to flat fp32 tensors as
     `p`): the new state is written there and `state`'s tensors are left unchanged (with `p_out`:
     a step out of place, for a speculative step that may be dropped; the C++ kernel reads the old
-    and writes the new in the same pass, the others copy the state there first)."""
+    and writes the new in the same pass, the others copy the state there first). `grad_scale` (an
+    fp32 value: a GradScaler's inverse scale): the step reads the widened gradient times it, rounded
+    once in fp32, as torch's `_amp_foreach_non_finite_check_and_unscale_` leaves `.grad` (the finite
+    flag is the product's); `grad_out` still gets the widened gradient itself (the `.grad` the
+    scaler then unscales). The C++ kernel multiplies in its loop; the others first, in a pass of
+    their own."""
     adam = kind == "adamw" or kind == "adam"
     # The C++ kernel first, with as little Python as possible around it: between two large spans the
     # interpreter runs with cold caches (~50 us for one small tensor's allocation, measured), while
@@ -304,18 +320,22 @@ def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state
                                 float(group["lr"]), float(b1), float(b2), float(group["weight_decay"]),
                                 float(group["eps"]), float(step), kind == "adamw", bool(group.get("maximize")),
                                 None if state_out is None else state_out["exp_avg"],
-                                None if state_out is None else state_out["exp_avg_sq"])
+                                None if state_out is None else state_out["exp_avg_sq"],
+                                1.0 if grad_scale is None else float(grad_scale))
                 else:
                     mom = float(group["momentum"])
                     ok = k.sgd(p, grad, state.get("momentum_buffer") if mom != 0 else None, grad_out, copy_out,
                                p_out, float(group["lr"]), float(group["weight_decay"]), mom,
                                float(group["dampening"]), bool(group.get("nesterov")), bool(group.get("maximize")),
-                               None if state_out is None or mom == 0 else state_out["momentum_buffer"])
+                               None if state_out is None or mom == 0 else state_out["momentum_buffer"],
+                               1.0 if grad_scale is None else float(grad_scale))
             except RuntimeError:  # a tensor it does not take (not contiguous, not on the CPU; checked before
                 pass  # any write): the next backend steps this span
             else:
                 return _TRUE if ok else _FALSE
     with torch.no_grad():
+        if grad_scale is not None and float(grad_scale) != 1.0:
+            grad, grad_out = _unscaled(grad, grad_out, float(grad_scale))
         if state_out is not None:  # out of place: the old state copied into the new, stepped there
             for k_, t in state_out.items():
                 t.copy_(state[k_])

@@ -21,14 +21,17 @@ that the training loop keeps using in its place (`step`, `zero_grad`, `state_dic
   `clip_grad_norm_` over all parameters, fp16 `GradScaler.unscale_`'s inf check, several backward
   passes per step (gradient accumulation), a step pre-hook. The first step after `overlap()`
   therefore runs serially and watches the loop. If gradients change between the end of backward
-  and `opt.step()` (a clip) in a bf16/fp16 pipeline whose optimizer the fused host pass steps, the
-  stages are stepped SPECULATIVELY from then on (`_speculate`, said once in the log): during
-  backward, out of place (new master, moments and streamed copy into spare buffers; the model and
-  `opt.state` keep the old ones), and opt.step() commits each parameter by pointer swaps where its
-  final `.grad` is bit for bit the download the pass read (a clip factor of 1.0), else drops the new
-  buffers and steps it with torch's own step from the final gradient -- serial's bits either way
-  (`opt.speculate = False`: the deferral below instead). If a GradScaler steps, two backward passes
-  come before one step, or speculation cannot run,
+  and `opt.step()` (a clip), a GradScaler steps the optimizer, or a step pre-hook is registered, in
+  a bf16/fp16 pipeline whose optimizer the fused host pass steps, the stages are stepped
+  SPECULATIVELY from then on (`_speculate`, said once in the log): during backward, out of place
+  (new master, moments and streamed copy into spare buffers; the model and `opt.state` keep the old
+  ones; a GradScaler's loss: the download times the fp32 inverse of the scale the loss was
+  multiplied by, as its unscale_ computes it, `_scale_now`), and opt.step() -- after the pre-hooks
+  -- commits each parameter by pointer swaps where its final `.grad` is bit for bit what the pass
+  read (a clip factor of 1.0), else drops the new buffers and steps it with torch's own step from
+  the final gradient -- serial's bits either way (`opt.speculate = False`: the deferral below
+  instead). A step the scaler skips (inf found) drops the speculation at the next backward. If two
+  backward passes come before one step, or speculation cannot run,
   the update waits for opt.step() from then on (with a pre-hook, from the first step), said once in the log
   (`logging.getLogger("mobius_fx")`): gradients are still handed over into `.grad` during
   backward, the loop's code runs on the final ones, and opt.step() steps what it leaves --
@@ -123,7 +126,8 @@ from mobius_fx.runtime.host_gradients import GradHomes, convert_span, sum_downlo
 
 __all__ = ["OverlapOptimizer", "HOST_PASS", "ALIGN", "UNIT", "SPAN_UNITS", "SPAN", "WeakHook", "accumulator",
            "engine_accumulates", "has_grad_hooks", "fingerprint", "partition_owners", "hyper_params", "same_hyper",
-           "called_by_grad_scaler", "PER_PARAMETER", "per_parameter", "raw_step", "pre_hooks", "post_hooks",
+           "called_by_grad_scaler", "grad_scaler_calling", "PER_PARAMETER", "per_parameter", "raw_step", "pre_hooks",
+           "post_hooks",
            "stepped_masters"]
 
 log = logging.getLogger("mobius_fx")
@@ -259,14 +263,23 @@ def same_hyper(a: list[dict], b: list[dict]) -> bool:
 def called_by_grad_scaler() -> bool:
     """Whether opt.step() was called by torch.amp.GradScaler.step (directly or through an LR
     scheduler's wrapper of step)."""
-    frame = sys._getframe(2)
+    return grad_scaler_calling(3) is not None
+
+
+def grad_scaler_calling(depth: int = 2) -> torch.amp.GradScaler | None:
+    """The torch.amp.GradScaler whose `step` called opt.step() (directly or through an LR scheduler's
+    wrapper of step), or None: the `self` of the nearest grad_scaler.py frame above the caller of the
+    function that calls this (`depth` frames up). The sync overlap reads the scale a speculative
+    step unscales by from it (`OverlapOptimizer._round_scale`)."""
+    frame = sys._getframe(depth)
     for _ in range(4):
         if frame is None:
-            return False
+            return None
         if frame.f_code.co_filename.endswith("grad_scaler.py"):
-            return True
+            scaler = frame.f_locals.get("self")
+            return scaler if isinstance(scaler, torch.amp.GradScaler) else None
         frame = frame.f_back
-    return False
+    return None
 
 
 def per_parameter(opt: torch.optim.Optimizer) -> bool:
@@ -439,14 +452,18 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def _init_speculation(self, shard: bool) -> None:
         # sync, a loop that edits the gradients between backward and opt.step() (clip_grad_norm_):
         # True (the default) steps the stages during backward speculatively, out of place, and
-        # commits or rolls back at opt.step() (`_speculate`, docs/overlap_semantics.md); False: the
-        # update waits for opt.step() (`_defer`), as for a GradScaler
+        # commits or rolls back at opt.step() (`_speculate`, docs/overlap_semantics.md); so do a
+        # GradScaler's loop and a step pre-hook (which may clip); False: the update waits for
+        # opt.step() (`_defer`)
         self.speculate = not shard
         self._speculating: str | None = None  # why stages are stepped speculatively (None: they are not)
         self._spec: dict[int, list] = {}  # id(p) -> this round's speculative step of p (`_speculate_one`)
         self._spare_bufs: dict[int, dict[str, torch.Tensor]] = {}  # id(p) -> its spare master and moments
         self.speculated_in_backward = 0  # parameters the last step() found stepped speculatively during backward
         self.committed = 0  # ... of which it committed (their gradients were what the pass read)
+        self._scaler: Any = None  # a weak reference to the GradScaler whose step called the last opt.step()
+        self._round_scale: torch.Tensor | None = None  # its scale when this round's backward began (the loss's)
+        self._silent_edits = False  # the probe saw a gradient edited without a version bump
         self.rolled_back = 0  # ... and rolled back (then stepped from the final gradients, as serial)
 
     # ------------------------------------------------------------------ the wrapped optimizer's face
@@ -599,9 +616,24 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._speculating = why
         log.warning("pipe.overlap(mode='sync'): %s. From now on each stage is stepped speculatively during "
                     "backward, out of place (the new weights, moments and streamed copy into spare buffers: 16 B "
-                    "per parameter more host memory for AdamW in bf16), and opt.step() commits it where your code left "
-                    "the gradients the step read (clip factor 1.0) or rolls it back and steps from the gradients "
-                    "you left, exactly as a serial step", why)
+                    "per parameter more host memory for AdamW in bf16; a GradScaler's unscale applied in the pass), "
+                    "and opt.step() commits it where your code and the step pre-hooks left the gradients the step "
+                    "read (a clip factor of 1.0) or rolls it back and steps from the gradients you left, exactly as a "
+                    "serial step", why)
+
+    def _watch_scaler(self, scaler: torch.amp.GradScaler | None, stepped: bool) -> None:
+        """opt.step() called by `scaler.step` (or not: None). The scaler that steps the optimizer is
+        the one that scaled the loss: the next rounds' speculative steps unscale by its scale
+        (`_scale_now`); after a step it did not make, by none. Its first step starts the
+        speculation (or, where that cannot run, the deferral)."""
+        self._scaler = weakref.ref(scaler) if scaler is not None else None
+        if scaler is not None and self._speculating is None:
+            why = ("a GradScaler steps this optimizer: its unscale_ and inf check need every gradient before any "
+                   "update")
+            if not stepped and self._defer is None and self._serial is None and self._speculable():
+                self._speculating_from_now(why)
+            else:
+                self._deferring(why, refuse=stepped)
 
     def step(self, closure: Callable[[], object] | None = None) -> Any:  # type: ignore[override]
         """Finish this step's update (sync) or launch it (async); see the module docstring."""
@@ -622,8 +654,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             f.result()
         self._wait_adds()
         now = {id(p): p for p in self._params()}
-        changed = [i for i, (g, v, f) in self._after_backward.items()
-                   if i not in now or now[i].grad is not g or g._version != v or (f is not None and fingerprint(g) != f)]
+        changed = self._changed(now)
         stepped, self._stepped = self._stepped, set()
         self.stepped_in_backward = len(stepped)
         handed, self._handed = self._handed, set()
@@ -644,9 +675,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
                               f"backward began, when {len(stepped)} parameters were already stepped; a pre-hook runs "
                               f"before any update (with one, the update waits for opt.step()). Register it before "
                               f"loss.backward(), or use mode='none'")
-        if called_by_grad_scaler():
-            self._deferring("a GradScaler steps this optimizer: its inf check needs every gradient before any update",
-                            refuse=bool(stepped))
+        self._watch_scaler(grad_scaler_calling(), bool(stepped))
         if hp is not None and not same_hyper(hp, hyper_params(self.param_groups)):
             self._deferring("hyper-parameters (lr, momentum, weight decay ...) changed between the end of backward and "
                             "opt.step(): the stages are stepped during backward", refuse=bool(stepped))
@@ -679,6 +708,20 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self._gather()
         self._post_hooks()
         return None
+
+    def _changed(self, now: dict[int, torch.Tensor]) -> list[int]:
+        """The parameters whose gradient changed since backward ended (another tensor, a new
+        version, or -- while probing -- other bits). The probe also notes a gradient edited in
+        place without a version bump (GradScaler.unscale_'s kernel): a speculation's check then
+        compares the bits every step (`_unchanged`)."""
+        changed = []
+        for i, (g, v, f) in self._after_backward.items():
+            if i not in now or now[i].grad is not g or g._version != v:
+                changed.append(i)
+            elif f is not None and fingerprint(g) != f:
+                changed.append(i)
+                self._silent_edits = True
+        return changed
 
     def _gather(self) -> None:
         """shard=True: every rank stepped its own parameters; each owner's new values to all."""
@@ -758,10 +801,27 @@ class OverlapOptimizer(torch.optim.Optimizer):
             if not self._stepped and all(p.grad is None for p in self._params()):
                 self._backwards, self._handed, self._nonfinite, self._hp = 1, set(), False, None
                 self._after_backward = {}
+        if self._backwards == 1:
+            self._round_scale = self._scale_now()
+            if (pre_hooks(self.inner) and self._speculating is None and self._defer is None and self._serial is None
+                    and not self._probing and not self._stepped and self._speculable()):
+                self._speculating_from_now("a step pre-hook is registered: it runs at opt.step() before any update "
+                                           "and may edit the gradients (clip_grad_norm_ in a hook)")
         if self._backwards > 1:
             self._deferring("opt.step() was not called between two backward passes (gradient accumulation, or a loop "
                             "that skips steps, e.g. on a non-finite loss): a stage cannot be stepped before it is known "
                             "that the step will be taken with these gradients", refuse=bool(self._stepped))
+
+    def _scale_now(self) -> torch.Tensor | None:
+        """The scale of the GradScaler that stepped the last opt.step() (`grad_scaler_calling`) as
+        this backward begins: the loss it runs from was multiplied by it (`scaler.scale(loss)`;
+        `scaler.update()` changes it only after the step). A copy of the tensor (read on the worker:
+        no device sync here), or None: no scaler, a disabled one, or one not yet used."""
+        scaler = self._scaler() if self._scaler is not None else None
+        if scaler is None or not getattr(scaler, "_enabled", False):
+            return None
+        scale = getattr(scaler, "_scale", None)
+        return scale.detach().clone() if isinstance(scale, torch.Tensor) else None
 
     def _check_dirty(self) -> None:
         if self._dirty is not None:
@@ -850,7 +910,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self._adds.append(self._submit(self._adder, hand_async))
             return
         if (self._speculating is not None and finite is not None and self.fuse and self.keep_grads
-                and self._defer is None and not pre_hooks(self.inner)):
+                and self._defer is None):
             self._ready_speculative(groups, finite, homes)
             return
         if self._defer is not None or pre_hooks(self.inner) or self._speculating is not None:
@@ -912,6 +972,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if self._hp is None:
             self._hp = hyper_params(self.param_groups)
         hp = [{**h, "params": g["params"]} for h, g in zip(self._hp, self.param_groups)]
+        scale = self._round_scale
 
         def speculative() -> None:
             ok = not self._nonfinite and all(f() for f in finite)
@@ -920,7 +981,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 self._nonfinite = True
                 self._hand(downloads, homes)
                 return
-            self._speculate(downloads, hp, homes)
+            # a GradScaler's loss: the step reads the gradient unscaled as its unscale_ will leave it
+            # (fp32 inverse scale computed as unscale_ does); None: read as it came
+            inv = None if scale is None else float(scale.double().reciprocal().float())
+            self._speculate(downloads, hp, homes, inv)
 
         job = self._submit(self._stepper, speculative)
         self._adds.append(job)
@@ -1174,7 +1238,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         return ("momentum_buffer",) if float(group.get("momentum", 0)) != 0 else ()
 
     def _speculate(self, downloads: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict],
-                   homes: GradHomes | None) -> None:
+                   homes: GradHomes | None, inv: float | None = None) -> None:
         """A stage's step while the loop may still edit its gradients (clip_grad_norm_ between
         backward and opt.step()), on the optimizer's worker: each parameter the host pass steps
         (`_passable`) is stepped OUT OF PLACE (`_speculate_one`): the model, torch's state and the
@@ -1192,7 +1256,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             if sp is None:
                 rest.append((p, gs))
             else:
-                self._speculate_one(p, gs[0], kind, hp[where[id(p)]], homes, sp)
+                self._speculate_one(p, gs[0], kind, hp[where[id(p)]], homes, sp, inv)
         self._hand(rest, homes)
 
     def _spare(self, p: torch.Tensor, kind: str, group: dict) -> dict[str, torch.Tensor] | None:
@@ -1211,13 +1275,15 @@ class OverlapOptimizer(torch.optim.Optimizer):
         return sp
 
     def _speculate_one(self, p: torch.Tensor, g: torch.Tensor, kind: str, group: dict, homes: GradHomes | None,
-                       sp: dict[str, torch.Tensor]) -> None:
+                       sp: dict[str, torch.Tensor], inv: float | None = None) -> None:
         """`p` stepped by the host pass from its download `g`, out of place: the new master into
         `sp["p"]` (`p_out`), the new moments into `sp`'s (`state_out`; the C++ kernel reads the old
         and writes the new in the same loop: the pass's own 28 B per parameter for AdamW), the
         streamed copy into the device's second copy (`next_copy`), Adam's `step` counted only at
         the commit; `.grad` (its home) written as always. Recorded in `_spec` with what
-        opt.step() checks: the `.grad` tensor and its version, and the download."""
+        opt.step() checks: the `.grad` tensor and its version, the download, `inv` (a GradScaler's
+        inverse scale the step multiplied the widened download by: `step_span`'s `grad_scale`, as
+        its unscale_ does) and the versions of the parameter and its state (the check's too)."""
         st = self.inner.state[p]
         names = self._moments(kind, group)
         home = homes.take(p)
@@ -1235,9 +1301,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
         ok = host_optimizer.step_span(kind, group, p.detach().view(-1), g.reshape(-1),
                                       {k: st[k].view(-1) for k in names}, step=step, grad_out=home.view(-1),
                                       copy_out=None if copy is None else copy[1].view(-1), p_out=sp["p"].view(-1),
-                                      state_out={k: sp[k].view(-1) for k in names})
+                                      state_out={k: sp[k].view(-1) for k in names}, grad_scale=inv)
         COUNTERS.add("grad_fused", nbytes(home))
-        self._spec[id(p)] = [p, g, home, home._version, sp, names, copy, bool(ok), kind]
+        versions = (p.data_ptr(), p._version, *((st[k].data_ptr(), st[k]._version) for k in names))
+        self._spec[id(p)] = [p, g, home, home._version, sp, names, copy, bool(ok), kind, inv, versions]
 
     def _settle(self, spec: dict[int, list], hp: list[dict] | None) -> set[int]:
         """opt.step() of a speculative round: commit each parameter whose final gradient is the one
@@ -1253,15 +1320,25 @@ class OverlapOptimizer(torch.optim.Optimizer):
         return done
 
     def _unchanged(self, rec: list) -> bool:
-        """Whether the gradient `p` has now is, bit for bit, the one its speculative step read.
-        Free when `.grad` is the tensor the pass wrote at the version it left; else (clip_grad_norm_
-        multiplies every gradient, by exactly 1.0 when the norm is within max_norm) its bits are
-        compared with the download's, widened (exact), span by span: 4 + 2 B read per parameter."""
-        p, g, home, version, ok = rec[0], rec[1], rec[2], rec[3], rec[7]
+        """Whether the gradient `p` has now is, bit for bit, the one its speculative step read, and
+        `p` and its moments the tensors, at the versions, it read. Free when `.grad` is the tensor
+        the pass wrote at the version it left (and no scale was applied; no silent edit seen);
+        else (clip_grad_norm_ multiplies every gradient, by exactly 1.0 when the norm is within
+        max_norm; a GradScaler's unscale_ multiplies by its inverse scale without a version bump)
+        its bits are compared with the download's, widened (exact) and times the inverse scale the
+        step applied (rounded as unscale_ rounds), span by span: 4 + 2 B read per parameter."""
+        p, g, home, version, ok, inv, names = rec[0], rec[1], rec[2], rec[3], rec[7], rec[9], rec[5]
         if not ok:  # the pass met a non-finite value the GPUs had not reported: serial's step then
             return False
+        st = self.inner.state[p]
+        if rec[10] != (p.data_ptr(), p._version, *((st[k].data_ptr(), st[k]._version) for k in names)):
+            return False  # the parameter or its state changed since the step read them (a pre-hook's edit)
+        scaled = inv is not None and inv != 1.0
         now = p.grad
-        if now is home and now._version == version:
+        # free where .grad is the tensor the pass wrote, at its version, and the step read it as it is;
+        # not after a GradScaler's unscale_ (expected to change it) or another edit that does not bump
+        # the version (seen by the probe: `_silent_edits`)
+        if now is home and now._version == version and not scaled and not self._silent_edits:
             return True
         if now is None or now.dtype != torch.float32 or now.shape != p.shape or now.is_sparse \
                 or not now.is_contiguous():
@@ -1269,9 +1346,12 @@ class OverlapOptimizer(torch.optim.Optimizer):
         a, b = now.view(-1).view(torch.int32), g.reshape(-1)
         COUNTERS.add("spec_check", nbytes(now) + nbytes(g))
         n, chunk = a.numel(), _span()
+        factor = torch.tensor(inv, dtype=torch.float32) if scaled else None
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
-            if not torch.equal(a[i:j], b[i:j].float().view(torch.int32)):
+            # the gradient the step read: the download widened (times unscale_'s factor, rounded once)
+            read = b[i:j].float() if factor is None else b[i:j].float() * factor
+            if not torch.equal(a[i:j], read.view(torch.int32)):
                 return False
         return True
 

@@ -42,14 +42,14 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("overlap_speculation")
 
 
-def _pair(cache):
+def _pair(cache, dtype=torch.bfloat16):
     torch.manual_seed(0)
     model = nanogpt(hidden=32, blocks=2, vocab=64, seq=8)  # every tensor a whole number of 16-float vectors
     twin = copy.deepcopy(model)
-    data = [nanogpt_inputs(model, batch=4, seed=s) for s in range(STEPS + 1)]
+    data = [nanogpt_inputs(model, batch=4, seed=s) for s in range(STEPS + 2)]
     topo = Topology.virtual(gpus=2, memory=8 * sum(p.numel() * 4 for p in model.parameters()))
     kw = dict(example_inputs=data[0], microbatches=2, cuts=[1, 2], cache_dir=str(cache), verbose=False,
-              dtype=torch.bfloat16)
+              dtype=dtype)
     pipe = mobius_fx.compile(model, topo, device="virtual-async", **kw)
     ref_pipe = mobius_fx.compile(twin, topo, device="virtual", **kw)
     return model, twin, data, pipe, ref_pipe
@@ -82,8 +82,8 @@ def _copies_current(pipe, model, committed=0):
     assert len(current) >= committed, f"{committed} parameters committed, {len(current)} copies current"
 
 
-def _lockstep(cache, make, loop, steps=STEPS):
-    model, twin, data, pipe, ref_pipe = _pair(cache)
+def _lockstep(cache, make, loop, steps=STEPS, dtype=torch.bfloat16):
+    model, twin, data, pipe, ref_pipe = _pair(cache, dtype)
     opt = pipe.overlap(make(model.parameters()), mode="sync")
     ref = make(twin.parameters())
     seen = []
@@ -192,26 +192,136 @@ def test_a_forward_between_backward_and_step_sees_the_old_weights(cache, one_thr
     assert seen[-1][1] == _speculable(model)
 
 
-def test_grad_scaler_with_clip_is_exact_and_deferred(cache, one_thread):
-    """GradScaler's unscale_ changes every gradient each step: the update waits for opt.step()
-    (`_defer`, no speculation), the hand-over still during backward; a step with an infinite loss
-    is skipped by the scaler."""
-    scalers = {}
+def _scaled(max_norm, inf_at=(), init_scale=2.0 ** 8):
+    """The GradScaler loop: scale(loss).backward(); unscale_; clip_grad_norm_; scaler.step; update.
+    `max_norm`: a number, or one per step. An infinite loss at the steps `inf_at` (the scaler skips
+    them and halves its scale); the scale doubles after every 2 steps without inf
+    (growth_interval=2): the scale changes between steps both ways. `loop.scales[id(opt)]`: the scale each step's loss was multiplied by."""
+    scalers, scales = {}, {}
 
     def loop(t, x, pipe, model, opt):
-        scaler = scalers.setdefault(id(opt), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8))
-        loss = _loss(pipe(x), x) * (float("inf") if t == 2 else 1.0)
+        scaler = scalers.setdefault(id(opt), torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2))
+        loss = _loss(pipe(x), x) * (float("inf") if t in inf_at else 1.0)
+        scales.setdefault(id(opt), []).append(scaler.get_scale())
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm[t] if isinstance(max_norm, list) else max_norm)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
 
-    model, opt, seen = _lockstep(cache, OPTIMIZERS["adamw-fused"], loop, steps=5)
-    assert opt._defer is not None and opt._speculating is None and opt._serial is None
-    assert opt.handed_in_backward == sum(1 for p in model.parameters() if p.requires_grad)
-    assert [s.get_scale() for s in scalers.values()] == [2.0 ** 7] * 2
+    loop.scales = scales
+    return loop
+
+
+# the probe, a rollback (it clips), a commit (clip factor 1.0) at a scale grown since, an infinite
+# loss (skipped by the scaler), a commit at the scale backed off since, a rollback
+SCALED_NORMS = [1e6, 1e-3, 1e6, 1e6, 1e6, 1e-3]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_grad_scaler_with_clip_is_speculated_and_exact(cache, name, dtype, one_thread, caplog):
+    """A GradScaler loop with clip_grad_norm_ under sync: the stages are stepped speculatively
+    during backward from the download times the fp32 inverse of the scale the loss was multiplied
+    by (read fresh each backward: the scale grows and backs off between steps), and opt.step()
+    commits them where the clip left the unscaled gradients alone (factor 1.0), else rolls back;
+    the step with an infinite loss is skipped by the scaler (its speculation dropped at the next
+    backward). Every weight and state tensor equals serial stepping after every step; speculation,
+    not deferral, ran."""
+    loop = _scaled(SCALED_NORMS, inf_at=(3,))
+    with caplog.at_level(logging.WARNING, logger="mobius_fx"):
+        model, opt, seen = _lockstep(cache, OPTIMIZERS[name], loop, steps=len(SCALED_NORMS), dtype=dtype)
+    n = _speculable(model)
+    commit, rollback = (n, n, 0), (n, 0, n)
+    assert [seen[t] for t in (0, 1, 2, 4, 5)] == [(0, 0, 0), rollback, commit, commit, rollback], seen
+    assert opt._speculating is not None and opt._defer is None and opt._serial is None
+    assert opt.stepped_in_backward == 0
+    ours, ref = loop.scales.values()
+    assert ours == ref == [2.0 ** 8, 2.0 ** 8, 2.0 ** 9, 2.0 ** 9, 2.0 ** 8, 2.0 ** 8]  # grown, skipped, backed off
+    said = [r.getMessage() for r in caplog.records if r.name == "mobius_fx"]
+    assert len(said) == 1 and "speculatively" in said[0] and "GradScaler" in said[0], said
+
+
+def test_grad_scaler_with_clip_at_one_is_speculated_and_exact(cache, one_thread):
+    """The acceptance loop (clip_grad_norm_(..., 1.0), a GradScaler, fp16) at a scale that is not a
+    power of two (its inverse rounds): every step speculated, committed or rolled back as the
+    norm says, serial's bits either way."""
+    model, opt, seen = _lockstep(cache, OPTIMIZERS["adamw-fused"], _scaled(1.0, init_scale=3.0 * 2 ** 6),
+                                 dtype=torch.float16)
+    n = _speculable(model)
+    assert all(s[0] == n and s[1] + s[2] == n for s in seen[1:]), seen
+
+
+def test_an_unscale_without_the_scalers_step_is_compared_not_trusted(cache, one_thread):
+    """unscale_ edits `.grad` in place without a version bump. A loop that unscales and calls
+    opt.step() itself (not scaler.step: the overlap sees no scaler, so its pass does not unscale):
+    the probe notes the silent edit, so each speculative step is compared bit for bit -- rolled back,
+    it read the scaled gradient -- never taken as unchanged by its version."""
+    scalers = {}
+
+    def loop(t, x, pipe, model, opt):
+        scaler = scalers.setdefault(id(opt), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8))
+        scaler.scale(_loss(pipe(x), x)).backward()
+        scaler.unscale_(opt)
+        opt.step()
+        scaler.update()
+        opt.zero_grad()
+
+    model, opt, seen = _lockstep(cache, OPTIMIZERS["sgd-momentum"], loop)
+    n = _speculable(model)
+    assert opt._silent_edits and seen[1:] == [(n, 0, n)] * (STEPS - 1), seen
+
+
+def _pre_hook_clip(make, max_norm):
+    def made(ps):
+        ps = list(ps)
+        opt = make(ps)
+
+        def clip(o, args, kwargs):
+            torch.nn.utils.clip_grad_norm_(ps, max_norm)
+        opt.register_step_pre_hook(clip)
+        return opt
+    return made
+
+
+def _plain(t, x, pipe, model, opt):
+    _loss(pipe(x), x).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("max_norm, commits", [(1e6, True), (1e-3, False)], ids=["commit", "rollback"])
+def test_clipping_in_a_step_pre_hook_is_speculated_and_exact(cache, name, max_norm, commits, one_thread, caplog):
+    """clip_grad_norm_ as a step pre-hook: the stages are stepped speculatively during backward
+    (from the second step: the first is the probe); opt.step() runs the hook, then checks and
+    commits or rolls back."""
+    with caplog.at_level(logging.WARNING, logger="mobius_fx"):
+        model, opt, seen = _lockstep(cache, _pre_hook_clip(OPTIMIZERS[name], max_norm), _plain)
+    n = _speculable(model)
+    assert seen[0] == (0, 0, 0) and seen[1:] == [(n, n, 0) if commits else (n, 0, n)] * (STEPS - 1), seen
+    assert opt._speculating is not None and opt._defer is None and opt.stepped_in_backward == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "mobius_fx"]
+    assert len(said) == 1 and "pre-hook" in said[0] and "speculatively" in said[0], said
+
+
+def test_a_pre_hook_that_edits_the_weights_rolls_back(cache, one_thread):
+    """A pre-hook that changes a parameter in place (its version moves) after the speculative step
+    read it: that parameter is rolled back and stepped from the edited weights, as serial."""
+    def make(ps):
+        ps = list(ps)
+        opt = OPTIMIZERS["sgd-momentum"](ps)
+
+        def shrink(o, a, k):
+            with torch.no_grad():
+                ps[1].mul_(0.5)
+        opt.register_step_pre_hook(shrink)
+        return opt
+
+    model, opt, seen = _lockstep(cache, make, _plain)
+    n = _speculable(model)
+    assert seen[1:] == [(n, n - 1, 1)] * (STEPS - 1), seen
 
 
 def test_speculate_false_defers_instead(cache, one_thread):
@@ -265,3 +375,37 @@ def test_accumulation_started_while_speculating_drops_it_and_defers(cache, one_t
     model, opt, seen = _lockstep(cache, OPTIMIZERS["sgd-momentum"], loop)
     assert seen[1][1] == _speculable(model) and seen[2:] == [(0, 0, 0)] * (STEPS - 2), seen
     assert opt._defer is not None
+
+
+@pytest.mark.parametrize("kind,group,names", [
+    ("adamw", dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1, eps=1e-8), ("exp_avg", "exp_avg_sq")),
+    ("adam", dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1, eps=1e-8), ("exp_avg", "exp_avg_sq")),
+    ("sgd", dict(lr=0.1, momentum=0.9, weight_decay=1e-3, dampening=0.0, nesterov=True), ("momentum_buffer",)),
+])
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("gdtype", [torch.bfloat16, torch.float16])
+def test_the_pass_unscales_the_gradient_as_grad_scaler_does(kind, group, names, compiled, gdtype):
+    """`step_span(..., grad_scale=inv)`: the step reads the widened gradient times `inv`, rounded once
+    in fp32 -- torch's `_amp_foreach_non_finite_check_and_unscale_` -- the bits of a step from that
+    unscaled fp32 gradient (out of place too, a scalar tail included); `grad_out` gets the widened
+    gradient itself (the scaler unscales it in place). inv = 1/192 is not a power of two: the product
+    rounds, so a multiply fused into the update's first add (contraction) would show."""
+    torch.manual_seed(0)
+    n = 16 * 37 + 5
+    scale = torch.tensor(192.0)
+    inv = scale.double().reciprocal().float()  # as GradScaler.unscale_
+    p, g = torch.randn(n), (torch.randn(n) * 192).to(gdtype)
+    st = {k: torch.rand(n) for k in names}
+    unscaled = g.float()
+    found = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_([unscaled], found, inv)
+    assert found.item() == 0 and not torch.equal(unscaled, g.float() * 0.005)  # rounded: not 1/200's
+    ref_p, ref_st = p.clone(), {k: v.clone() for k, v in st.items()}
+    H.step_span(kind, group, ref_p, unscaled, ref_st, step=3.0, compiled=compiled)
+    for out_of_place in (False, True):
+        q, qst, go = p.clone(), {k: v.clone() for k, v in st.items()}, torch.empty(n)
+        kw = dict(p_out=torch.empty(n), state_out={k: torch.empty(n) for k in names}) if out_of_place else {}
+        H.step_span(kind, group, q, g, qst, step=3.0, compiled=compiled, grad_out=go, grad_scale=float(inv), **kw)
+        new_p, new_st = (kw["p_out"], kw["state_out"]) if out_of_place else (q, qst)
+        assert torch.equal(new_p, ref_p) and all(torch.equal(new_st[k], ref_st[k]) for k in names)
+        assert torch.equal(go, g.float())
