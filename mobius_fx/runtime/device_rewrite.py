@@ -258,11 +258,13 @@ def moved_module(spec: StageSpec, module: fx.GraphModule, src: torch.device, dst
     `src` (`place_stage`): a new GraphModule over a copy of its graph, rewritten from `src` to
     `dst` as `place_stage` rewrites (device constants, factories that meet the stage, autocast
     regions, the higher-order ops' bodies, as copies). The modules the graph calls are shared
-    with `module` (fx copies the graph's attributes into a skeleton of its own): the stage's own
-    module is never changed. Returns it and its tensor constants that are not weights, moved
-    to `dst`, as (module path, attribute, tensor): the caller binds them into the copy whenever
-    it runs the copy (`StageState.bind_slots`), and the stage's own values when it runs the stage
-    (a constant of a shared module is one attribute for both)."""
+    with `module` (fx copies the graph's attributes into a skeleton of its own): the stage's
+    graph and its own attributes are never changed. Returns it and its tensor constants that
+    are not weights, moved to `dst`, as (module path, attribute, tensor), bound into the new
+    module: a constant of a module both call is one attribute for both, so the caller binds the
+    copy's whenever it runs the copy (`StageState.bind_slots`) and the stage's own values when
+    it runs the stage. (Compiled pipelines upload every tensor a stage reads as a weight; this
+    is for one built otherwise.)"""
     from mobius_fx.runtime.stage_state import bind
 
     new = moved_graph_module(module, src, dst)

@@ -103,7 +103,7 @@ def _constants(gm: fx.GraphModule) -> set[torch.device]:
     out = set()
     for n in gm.graph.nodes:
         for a in [*n.args, *n.kwargs.values()]:
-            if isinstance(a, torch.device) or (isinstance(a, str) and n.target == "to"):
+            if isinstance(a, torch.device) or (isinstance(a, str) and (n.target == "to" or a == n.kwargs.get("device"))):
                 out.add(torch.device(a))
     return out
 
@@ -263,3 +263,38 @@ def test_a_leaf_module_of_the_users_may_draw():
     model = nn.Sequential(nn.Linear(4, 4), Leaf())
     assert random_nodes(fx.GraphModule(model, LeafTracer().trace(model))) == ["_1"]
     assert random_nodes(fx.symbolic_trace(model)) == []  # traced through: nothing draws
+
+
+class WithConstants(nn.Module):
+    """Buffers of its own and inside a leaf module the graph calls (shared with a copy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4).eval()
+        self.register_buffer("c", torch.ones(4))
+
+    def forward(self, x):
+        # a constant the trace computes (`_tensor_constant0`) and a factory with a literal device
+        return self.norm(x) * self.c + torch.zeros(4) + torch.zeros(x.shape[1], device="cpu")
+
+
+def test_moved_module_moves_the_constants_that_are_not_weights_and_leaves_the_stage_alone():
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mobius_fx.runtime.device_rewrite import moved_module
+
+    gm = fx.symbolic_trace(WithConstants())
+    code, c = gm.code, gm.c
+    cuda1 = torch.device("cuda", 1)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        new, consts = moved_module(SimpleNamespace(weights=()), gm, torch.device("cpu"), cuda1)
+        assert {f"{p}.{a}" if p else a for p, a, _ in consts} == {"c", "_tensor_constant0", "norm.weight", "norm.bias",
+                                                                    "norm.running_mean", "norm.running_var",
+                                                                    "norm.num_batches_tracked"}
+        assert all(t.device == cuda1 for _, _, t in consts)
+        assert new.c.device == cuda1 and _constants(new) == {cuda1}
+    assert gm.code == code and gm.c is c and _constants(gm) == {torch.device("cpu")}  # the stage's own: unchanged
+    # shared: its constants are those bound last, so StageState binds each state's (`bind_slots`)
+    assert new.norm is gm.norm and gm.norm.running_mean.device == cuda1
