@@ -298,3 +298,27 @@ def test_moved_module_moves_the_constants_that_are_not_weights_and_leaves_the_st
     assert gm.code == code and gm.c is c and _constants(gm) == {torch.device("cpu")}  # the stage's own: unchanged
     # shared: its constants are those bound last, so StageState binds each state's (`bind_slots`)
     assert new.norm is gm.norm and gm.norm.running_mean.device == cuda1
+
+
+def test_on_cuda_the_executor_replays_the_copies_before_allocating_them(monkeypatch):
+    """GPUs that are CUDA devices (faked: set after compile): the executor's first step calls the
+    placement check with the copies on other devices, before any copy has a slot."""
+    import mobius_fx.runtime.placement as placement
+
+    torch.manual_seed(0)
+    model = ConstGPT()
+    ids = torch.randint(0, 32, (4, 8))
+    devs = _devices(3, 1, indexed=False)
+    pipe = _compile(model, ids, "roundpipe", devs)
+    want = pipe.step_pipeline._copies()
+    for g, d in enumerate(devs.values()):
+        d.torch_device = torch.device("cuda", g)
+    seen = []
+
+    def check(schedule, example, devices, traced, copies=None):
+        seen.append({k: set(gs) for k, gs in copies.items()})
+        raise MobiusError("checked")
+    monkeypatch.setattr(placement, "check_placement", check)
+    with pytest.raises(MobiusError, match="checked"):
+        pipe.train_step(ids, target=ids)
+    assert seen == [want]
