@@ -16,8 +16,7 @@ import torch.fx as fx
 from mobius_fx.planning.stage_contract import StageSpec
 
 __all__ = ["traced_device", "rewrite_graph", "rewritten_body", "place_stage", "moved_module", "moved_graph_module",
-           "random_nodes",
-           "weight_places", "named_tensors", "moved_device", "copy_graph", "COMPUTE_OPS"]
+           "bind", "random_nodes", "weight_places", "named_tensors", "moved_device", "copy_graph", "COMPUTE_OPS"]
 
 # torch-level factory functions (the fx front end records them as call_function nodes)
 _TORCH_FACTORIES = frozenset(getattr(torch, n) for n in (
@@ -209,6 +208,18 @@ def _set_module(root: torch.nn.Module, target: str, module: torch.nn.Module) -> 
     owner._modules[name] = module
 
 
+def bind(module: torch.nn.Module, path: str, attr: str, value: torch.Tensor) -> None:
+    """Make `value` the tensor at `path`.`attr` of `module` (a parameter, a buffer or a plain
+    attribute, as it is there): a stage's weight slot, or a constant moved to its device."""
+    owner = module.get_submodule(path) if path else module
+    if attr in owner._parameters:
+        owner._parameters[attr] = value
+    elif attr in owner._buffers:
+        owner._buffers[attr] = value
+    else:
+        object.__setattr__(owner, attr, value)
+
+
 def weight_places(spec: StageSpec) -> set[str]:
     return {f"{path}.{attr}" if path else attr for w in spec.weights for path, attr in w.slots}
 
@@ -229,8 +240,6 @@ def place_stage(spec: StageSpec, src: torch.device, dst: torch.device) -> list[s
     """Bind stage `spec`'s graph to `dst`: `rewrite_graph` on its graph (recompiled when it
     changed) and its tensor constants that are not weights moved to `dst` when on `src`.
     Returns what changed (node names, then attribute names)."""
-    from mobius_fx.runtime.stage_state import bind
-
     module = spec.module
     changed = rewrite_graph(module.graph, src, dst)
     if changed:
@@ -265,8 +274,6 @@ def moved_module(spec: StageSpec, module: fx.GraphModule, src: torch.device, dst
     copy's whenever it runs the copy (`StageState.bind_slots`) and the stage's own values when
     it runs the stage. (Compiled pipelines upload every tensor a stage reads as a weight; this
     is for one built otherwise.)"""
-    from mobius_fx.runtime.stage_state import bind
-
     new = moved_graph_module(module, src, dst)
     weights = weight_places(spec)
     consts = []

@@ -45,7 +45,9 @@ dealt to the GPUs, each GPU's partial weight gradient summed on the host) and "z
 (`ir_data_parallel.data_parallel`: one replica per GPU on its dealt micro-batches, every stage
 uploaded to every GPU, each GPU's gradient downloads summed on the host). An op on a stage at a
 GPU other than its own runs on the stage's copy there (`_use`: slots of its own on that GPU, its
-books and executed ops that GPU's), whose slot pool is planned from that IR; the stages' own
+books and executed ops that GPU's; on another torch device, such as cuda:1 for a stage of
+cuda:0, a module of its own with that device's constants: `_check_moves`, docs/executor.md
+"Stages on other GPUs"), whose slot pool is planned from that IR; the stages' own
 states are back after the step; a stage's gradients go to the optimizer overlap at its last
 download. `compile(schedule=...)` refuses the others with the reason.
 """

@@ -48,7 +48,7 @@ from mobius_fx.runtime.device_rewrite import (
     weight_places,
 )
 from mobius_fx.planning.microbatch import divides
-from mobius_fx.planning.stage_contract import Schedule
+from mobius_fx.planning.stage_contract import Schedule, StageSpec
 
 __all__ = ["check_placement", "example_spec", "Placement", "target_devices", "sent_device"]
 
@@ -294,7 +294,7 @@ def check_placement(schedule: Schedule, example: Sequence[object] | None, device
     return count
 
 
-def _replay_copy(spec: Any, args: list, traced: torch.device, dev: torch.device, there: torch.device,
+def _replay_copy(spec: StageSpec, args: list, traced: torch.device, dev: torch.device, there: torch.device,
                  gpu: str) -> int:
     """Stage `spec`'s copy on `there` (GPU `gpu`) under fake tensors (`check_placement`): the
     stage as binding it to `dev` leaves it, moved to `there` as the runtime moves its copy

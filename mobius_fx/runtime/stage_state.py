@@ -16,10 +16,10 @@ from torch import nn
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.stage_contract import StageSpec
 from mobius_fx.runtime.device_books import Device, nbytes
-from mobius_fx.runtime.device_rewrite import moved_module
+from mobius_fx.runtime.device_rewrite import bind, moved_module
 from mobius_fx.runtime.host_counters import watch_masters
 
-__all__ = ["StageState", "Step", "StageCall", "OnHost", "bind", "refuse_changed_masters"]
+__all__ = ["StageState", "Step", "StageCall", "OnHost", "refuse_changed_masters"]
 
 
 class StageState:
@@ -90,16 +90,6 @@ class StageState:
                 bind(self.module, path, attr, slot)
         for path, attr, t in self.consts:
             bind(self.module, path, attr, t)
-
-
-def bind(module: nn.Module, path: str, attr: str, value: torch.Tensor) -> None:
-    owner = module.get_submodule(path) if path else module
-    if attr in owner._parameters:
-        owner._parameters[attr] = value
-    elif attr in owner._buffers:
-        owner._buffers[attr] = value
-    else:
-        object.__setattr__(owner, attr, value)
 
 
 class Step:
