@@ -117,12 +117,13 @@ class CudaDevice(StreamDevice):
 
     def rng_differs(self, other):
         """A CUDA generator's state is its Philox seed and offset (`torch.cuda.get_rng_state`:
-        16 bytes, no device in it); a random kernel's draws are a function of that state, its
-        sizes and its launch grid, which torch sizes from the device's SM count and threads per
-        SM (aten/src/ATen/native/cuda/Dropout.cu, DistributionTemplates.h: `grid.x =
-        min(multiProcessorCount * blocks_per_sm, ...)`; the offset advanced by the same count).
-        So the state of cuda:0 restored on cuda:1 draws the same numbers when both are the same
-        GPU model (name, compute capability, SM count, threads per SM); other models might not."""
+        16 bytes, no device in it: aten/src/ATen/cuda/CUDAGeneratorImpl.cpp `get_state`; its
+        `set_state` on another GPU's generator sets those two); a random kernel's draws are a
+        function of that state, its sizes and its launch grid, which torch sizes from the
+        device's SM count and threads per SM (aten/src/ATen/native/cuda/Dropout.cu: `grid.x =
+        min(multiProcessorCount * blocks_per_sm, ...)`; the offset advanced by a count from that
+        grid). So the state of cuda:0 restored on cuda:1 draws the same numbers when both are the
+        same GPU model (name, compute capability, SM count, threads per SM); others might not."""
         if not isinstance(other, CudaDevice):
             return super().rng_differs(other)
         if other.torch_device == self.torch_device:

@@ -190,8 +190,8 @@ class _Replay(fx.Interpreter):
         if len(devices) < 2 and named:
             devices = [named.group(1), named.group(2)]
         pair = " and ".join(devices[:2]) if len(devices) >= 2 else first
-        return (f"stage {self.k}{self.copy} would run on {self.device} but its node `{n.format_node()}` sees tensors of two "
-                f"devices, {pair}{' (' + '; '.join(where) + ')' if where else ''}: torch refuses that on a GPU "
+        return (f"stage {self.k}{self.copy} would run on {self.device} but its node `{n.format_node()}` sees tensors "
+                f"of two devices, {pair}{' (' + '; '.join(where) + ')' if where else ''}: torch refuses that on a GPU "
                 f"({first}). A device fixed by the trace that the stage's device does not replace (a tensor made "
                 f"on the traced device outside a factory op, a plain tensor attribute of a module that is neither "
                 f"a parameter nor a buffer, an explicit `.cpu()`) is the usual cause: make it follow an input "
@@ -288,9 +288,12 @@ def check_placement(schedule: Schedule, example: Sequence[object] | None, device
                 out = None
             count += replay.count
             outputs[spec.index] = tuple(out) if out is not None else None
-            for there in sorted({torch.device(devices[g]) for g in (copies or {}).get(spec.index, ())} - {dev}, key=str):
-                count += _replay_copy(spec, args, traced, dev, there, [g for g in (copies or {})[spec.index]
-                                                                      if torch.device(devices[g]) == there][0])
+            others: dict[torch.device, str] = {}  # each other device a copy runs on, and its first GPU there
+            for g in sorted((copies or {}).get(spec.index, ())):
+                others.setdefault(torch.device(devices[g]), g)
+            for there, gpu in others.items():
+                if there != dev:
+                    count += _replay_copy(spec, args, traced, dev, there, gpu)
     return count
 
 

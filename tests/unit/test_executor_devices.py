@@ -103,7 +103,8 @@ def _constants(gm: fx.GraphModule) -> set[torch.device]:
     out = set()
     for n in gm.graph.nodes:
         for a in [*n.args, *n.kwargs.values()]:
-            if isinstance(a, torch.device) or (isinstance(a, str) and (n.target == "to" or a == n.kwargs.get("device"))):
+            named = isinstance(a, str) and (n.target == "to" or a == n.kwargs.get("device"))
+            if isinstance(a, torch.device) or named:
                 out.add(torch.device(a))
     return out
 
@@ -210,8 +211,8 @@ def test_a_stage_that_draws_is_refused_where_the_generators_differ_and_runs_wher
         m.setattr(CpuRng, "rng_differs", lambda self, other: f"{self.name} and {other.name} differ")
         with pytest.raises(MobiusError, match=r"schedule 'roundpipe' recomputes stage \d's micro-batch \d on gpu\d for "
                                               r"its backward after its forward on gpu\d, and the stage draws random "
-                                              r"numbers \(scaled_dot_product_attention.*\).*gpu\d and gpu\d differ.*schedule='mobius'.*one "
-                                              r"model"):
+                                              r"numbers \(scaled_dot_product_attention.*\).*gpu\d and gpu\d differ.*"
+                                              r"schedule='mobius'.*one model"):
             pipe.train_step(ids, target=ids)
     assert all(p.grad is None for p in model.parameters())
     pipe.train_step(ids, target=ids)  # virtual GPUs share the CPU generator: runs
