@@ -323,3 +323,50 @@ def test_on_cuda_the_executor_replays_the_copies_before_allocating_them(monkeypa
     with pytest.raises(MobiusError, match="checked"):
         pipe.train_step(ids, target=ids)
     assert seen == [want]
+
+
+def test_hf_gpt2_with_labels_under_zero3_on_other_torch_devices_equals_eager_and_replays_on_fake_cuda():
+    """An export graph (literal devices: stage 0's `arange`, ...): ZeRO-3 copies every stage
+    to other torch devices; they run and equal eager, and replay on fake CUDA."""
+    from mobius_fx.zoo.tiny_hf import hf_gpt2
+
+    torch.manual_seed(0)
+    model = hf_gpt2(layers=2, vocab=64, positions=8)
+    ids = torch.randint(0, 64, (4, 8))
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=3, memory="64MiB"), example_inputs=(ids,),
+                             example_kwargs={"labels": ids}, microbatches=2, verbose=False, costs="model",
+                             device=_devices(3, 1, indexed=True), schedule="zero3-offload")
+    loss = pipe.train_step(ids, labels=ids)
+    got = _grads(model)
+    model.zero_grad()
+    ref = model(ids, labels=ids).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    _assert_grads_equal(got, _grads(model))
+    ex = pipe.step_pipeline._rt._step_executor
+    moved = _moved(ex)
+    assert moved and any(_constants(st.module) for st in moved.values())
+    for (k, g), st in moved.items():
+        assert _constants(st.module) <= {st.device.torch_device}, (k, g)
+    sp = pipe.step_pipeline
+    ops = [sum(n.op in _COMPUTE for n in spec.module.graph.nodes) for spec in sp.schedule.stages]
+    assert sp.check_placement("cuda") == sum(ops) + sum(ops[k] * len(gs) for k, gs in sp._copies().items())
+
+
+def test_a_copy_rewrites_the_bodies_of_higher_order_ops_as_copies():
+    """export's `torch.no_grad()` and autocast regions are GraphModules of their own, shared with
+    the stage: the copy gets them rewritten to its device, the stage keeps its own."""
+    from mobius_fx.runtime.device_rewrite import moved_graph_module
+    from tests.unit.test_placement import Regions
+
+    gm = mobius_fx.trace(Regions(), example_inputs=(torch.randn(4, 8),), front_end="export")
+    cuda1 = torch.device("cuda", 1)
+    targets = [n.target for n in gm.graph.nodes
+               if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), fx.GraphModule)]
+    assert targets
+    before = {t: getattr(gm, t).code for t in targets}
+    new = moved_graph_module(gm, torch.device("cpu"), cuda1)
+    moved = [getattr(new, t) for t in targets]
+    assert all(_constants(b) <= {cuda1} for b in moved) and any(_constants(b) for b in moved)
+    assert {t: getattr(gm, t).code for t in targets} == before
+    assert all(_constants(getattr(gm, t)) <= {torch.device("cpu")} for t in targets)
