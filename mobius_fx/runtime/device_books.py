@@ -510,6 +510,16 @@ class Device(abc.ABC):
         """Run with the generator this device's random ops use set to `state` (a recompute draws
         what the forward drew), then restore the state it had before."""
 
+    def rng_differs(self, other: "Device") -> str | None:
+        """Why a generator state saved here (`rng_state`) and restored on `other` (`other.rng`)
+        might not draw what it drew here (a stage's recompute on another GPU than its forward);
+        None when it draws the same. Here: the same torch device draws the same, any other might
+        not (a kind whose generators are interchangeable says so)."""
+        if other.torch_device == self.torch_device:
+            return None
+        return (f"{self.name} ({self.torch_device}) and {other.name} ({other.torch_device}) are different devices of "
+                f"kind {type(self).__name__}/{type(other).__name__}, which do not say their generators draw alike")
+
     def synchronize(self) -> None:
         """Block the host until all work queued on this device completed; raise the first error
         a queue met. Here: nothing is queued."""

@@ -51,6 +51,10 @@ class CpuRng:
     def rng_state(self):
         return torch.get_rng_state()
 
+    def rng_differs(self, other):
+        """The CPU generator is one per process: every GPU the CPU plays draws from it."""
+        return None if isinstance(other, CpuRng) else super().rng_differs(other)
+
     @contextlib.contextmanager
     def rng(self, state):
         now = torch.get_rng_state()

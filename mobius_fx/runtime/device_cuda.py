@@ -115,6 +115,26 @@ class CudaDevice(StreamDevice):
     def rng_state(self):
         return torch.cuda.get_rng_state(self.torch_device)
 
+    def rng_differs(self, other):
+        """A CUDA generator's state is its Philox seed and offset (`torch.cuda.get_rng_state`:
+        16 bytes, no device in it: aten/src/ATen/cuda/CUDAGeneratorImpl.cpp `get_state`; its
+        `set_state` on another GPU's generator sets those two); a random kernel's draws are a
+        function of that state, its sizes and its launch grid, which torch sizes from the
+        device's SM count and threads per SM (aten/src/ATen/native/cuda/Dropout.cu: `grid.x =
+        min(multiProcessorCount * blocks_per_sm, ...)`; the offset advanced by a count from that
+        grid). So the state of cuda:0 restored on cuda:1 draws the same numbers when both are the
+        same GPU model (name, compute capability, SM count, threads per SM); others might not."""
+        if not isinstance(other, CudaDevice):
+            return super().rng_differs(other)
+        if other.torch_device == self.torch_device:
+            return None
+        mine, theirs = cuda_model(self.torch_device), cuda_model(other.torch_device)
+        if mine == theirs:
+            return None
+        return (f"{self.name} ({self.torch_device}: {mine}) and {other.name} ({other.torch_device}: {theirs}) are "
+                f"different GPU models, and torch sizes a random kernel's launch grid (hence which random numbers "
+                f"it draws where) from the GPU's SM count")
+
     @contextlib.contextmanager
     def rng(self, state):
         now = torch.cuda.get_rng_state(self.torch_device)
@@ -123,6 +143,13 @@ class CudaDevice(StreamDevice):
             yield
         finally:
             torch.cuda.set_rng_state(now, self.torch_device)
+
+
+def cuda_model(device: torch.device) -> tuple:
+    """What a CUDA random kernel's draws depend on besides the generator state and the sizes:
+    (name, compute capability, SM count, threads per SM)."""
+    p = torch.cuda.get_device_properties(device)
+    return (p.name, (p.major, p.minor), p.multi_processor_count, getattr(p, "max_threads_per_multi_processor", None))
 
 
 register_device("cuda", CudaDevice)

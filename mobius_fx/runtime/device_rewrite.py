@@ -1,6 +1,9 @@
 """The device constants a trace fixed, rewritten to each stage's device (mobius_fx/runtime/placement.py
 says why and how): `traced_device`, `rewrite_graph` on one graph, `place_stage` on a stage
-(its graph, its higher-order ops' bodies, its tensor constants that are not weights).
+(its graph, its higher-order ops' bodies, its tensor constants that are not weights),
+`moved_module` for a copy of a placed stage on another device (a schedule that runs a stage on
+another GPU: runtime/executor.py), and `random_nodes`: the ops of a graph that draw random
+numbers (a recompute elsewhere must draw the same).
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ import torch.fx as fx
 
 from mobius_fx.planning.stage_contract import StageSpec
 
-__all__ = ["traced_device", "rewrite_graph", "rewritten_body", "place_stage", "weight_places", "named_tensors",
-           "moved_device", "copy_graph", "COMPUTE_OPS"]
+__all__ = ["traced_device", "rewrite_graph", "rewritten_body", "place_stage", "moved_module", "moved_graph_module",
+           "bind", "random_nodes", "weight_places", "named_tensors", "moved_device", "copy_graph", "COMPUTE_OPS"]
 
 # torch-level factory functions (the fx front end records them as call_function nodes)
 _TORCH_FACTORIES = frozenset(getattr(torch, n) for n in (
@@ -205,6 +208,18 @@ def _set_module(root: torch.nn.Module, target: str, module: torch.nn.Module) -> 
     owner._modules[name] = module
 
 
+def bind(module: torch.nn.Module, path: str, attr: str, value: torch.Tensor) -> None:
+    """Make `value` the tensor at `path`.`attr` of `module` (a parameter, a buffer or a plain
+    attribute, as it is there): a stage's weight slot, or a constant moved to its device."""
+    owner = module.get_submodule(path) if path else module
+    if attr in owner._parameters:
+        owner._parameters[attr] = value
+    elif attr in owner._buffers:
+        owner._buffers[attr] = value
+    else:
+        object.__setattr__(owner, attr, value)
+
+
 def weight_places(spec: StageSpec) -> set[str]:
     return {f"{path}.{attr}" if path else attr for w in spec.weights for path, attr in w.slots}
 
@@ -225,8 +240,6 @@ def place_stage(spec: StageSpec, src: torch.device, dst: torch.device) -> list[s
     """Bind stage `spec`'s graph to `dst`: `rewrite_graph` on its graph (recompiled when it
     changed) and its tensor constants that are not weights moved to `dst` when on `src`.
     Returns what changed (node names, then attribute names)."""
-    from mobius_fx.runtime.stage_state import bind
-
     module = spec.module
     changed = rewrite_graph(module.graph, src, dst)
     if changed:
@@ -246,6 +259,130 @@ def place_stage(spec: StageSpec, src: torch.device, dst: torch.device) -> list[s
             bind(module, path, attr, t.detach().to(dst))
             changed.append(name)
     return changed
+
+
+def moved_module(spec: StageSpec, module: fx.GraphModule, src: torch.device, dst: torch.device
+                 ) -> tuple[fx.GraphModule, list[tuple[str, str, torch.Tensor]]]:
+    """Stage `spec`'s module as its copy on `dst` runs it, `module` being the stage bound to
+    `src` (`place_stage`): a new GraphModule over a copy of its graph, rewritten from `src` to
+    `dst` as `place_stage` rewrites (device constants, factories that meet the stage, autocast
+    regions, the higher-order ops' bodies, as copies). The modules the graph calls are shared
+    with `module` (fx copies the graph's attributes into a skeleton of its own): the stage's
+    graph and its own attributes are never changed. Returns it and its tensor constants that
+    are not weights, moved to `dst`, as (module path, attribute, tensor), bound into the new
+    module: a constant of a module both call is one attribute for both, so the caller binds the
+    copy's whenever it runs the copy (`StageState.bind_slots`) and the stage's own values when
+    it runs the stage. (Compiled pipelines upload every tensor a stage reads as a weight; this
+    is for one built otherwise.)"""
+    new = moved_graph_module(module, src, dst)
+    weights = weight_places(spec)
+    consts = []
+    for name, t in named_tensors(new):
+        if name not in weights and t.device != dst and _same(t.device, src):
+            path, _, attr = name.rpartition(".")
+            consts.append((path, attr, t.detach().to(dst)))
+    for path, attr, t in consts:
+        bind(new, path, attr, t)
+    return new, consts
+
+
+def moved_graph_module(module: fx.GraphModule, src: torch.device, dst: torch.device,
+                       bodies_from: torch.device | None = None) -> fx.GraphModule:
+    """A new GraphModule over a copy of `module`'s graph rewritten from `src` to `dst`, its
+    higher-order ops' bodies rewritten from `bodies_from` (default `src`) to `dst` (as copies),
+    the modules and tensors it calls or reads shared with `module` (`moved_module`; the
+    placement check's stage as bound to its device: runtime/placement.py)."""
+    graph = copy_graph(module.graph)
+    rewrite_graph(graph, src, dst)
+    new = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    for node in graph.nodes:
+        body = _attr(new, str(node.target)) if node.op == "get_attr" else None
+        if isinstance(body, fx.GraphModule):
+            _set_module(new, str(node.target), rewritten_body(body, bodies_from or src, dst)[0])
+    return new
+
+
+# Random ops of a torch.fx graph (not aten): torch functions, tensor methods, modules; aten ops say
+# so with their `nondeterministic_seeded` tag
+_RANDOM_FUNCTIONS = frozenset({
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "multinomial",
+    "normal", "poisson", "rrelu", "gumbel_softmax", "scaled_dot_product_attention"})
+_RANDOM_METHODS = frozenset({"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_",
+                             "geometric_", "cauchy_", "log_normal_", "multinomial"})
+# the arguments (name, position, default) of the torch-level functions that draw nothing when the
+# probability is 0 or they are not training (aten ops: read from their schema)
+_PROBABILITY = {"scaled_dot_product_attention": (("dropout_p", 4, 0.0), None)}
+_PROBABILITY.update({n: (("p", 1, 0.5), ("training", 2, True)) for n in (
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")})
+
+
+def _argument(node: fx.Node, name: str, pos: int, default: object) -> object:
+    return node.kwargs.get(name, node.args[pos] if len(node.args) > pos else default)
+
+
+def _draws_nothing(node: fx.Node) -> bool:
+    """A dropout-like op whose probability is the literal 0, or whose `train` is False: it draws
+    no random number. Anything else (a probability computed at run time) draws."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        p = train = None
+        for pos, a in enumerate(t._schema.arguments):
+            default = a.default_value if a.has_default_value() else None
+            if a.name in ("p", "dropout_p"):
+                p = _argument(node, a.name, pos, default)
+            elif a.name in ("train", "training"):
+                train = _argument(node, a.name, pos, default)
+    else:
+        known = _PROBABILITY.get(getattr(t, "__name__", ""))
+        if known is None:
+            return False
+        p = _argument(node, *known[0])
+        train = _argument(node, *known[1]) if known[1] is not None else None
+    return (isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0) or train is False
+
+
+def _may_draw(m: torch.nn.Module) -> bool:
+    """A module a graph calls as a leaf: a dropout (p > 0) or RReLU layer draws; one of torch.nn's
+    other layers does not; any other (the user's leaf module, whose forward the trace did not
+    see) may."""
+    if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+        return m.p != 0
+    if isinstance(m, fx.GraphModule):
+        return bool(random_nodes(m))
+    return isinstance(m, torch.nn.RReLU) or not type(m).__module__.startswith("torch.")
+
+
+def random_nodes(module: torch.nn.Module) -> list[str]:
+    """The nodes of `module`'s graph (and of its higher-order ops' bodies) that draw random numbers
+    or may: aten ops tagged `nondeterministic_seeded`, the torch functions and tensor methods
+    that draw, and leaf modules holding a dropout or RReLU layer or a module of the user's
+    (`_may_draw`); a dropout or attention whose probability is the literal 0 (or whose `train`
+    is False) draws nothing. Conservative: a module's `training` is not consulted (it may change
+    after this is asked)."""
+    out: list[str] = []
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, fx.Graph):
+        return out
+    for node in graph.nodes:
+        t = node.target
+        if node.op == "call_function":
+            if isinstance(t, torch._ops.OpOverload):
+                if torch.Tag.nondeterministic_seeded in t.tags and not _draws_nothing(node):
+                    out.append(node.name)
+            elif getattr(t, "__name__", "") in _RANDOM_FUNCTIONS and not _draws_nothing(node):
+                out.append(node.name)
+        elif node.op == "call_method" and t in _RANDOM_METHODS:
+            out.append(node.name)
+        elif node.op == "call_module":
+            sub = _attr(module, str(t))
+            if isinstance(sub, torch.nn.Module) and any(_may_draw(m) for m in sub.modules()):
+                out.append(node.name)
+        elif node.op == "get_attr":
+            body = _attr(module, str(t))
+            if isinstance(body, fx.GraphModule):
+                out += [f"{t}.{n}" for n in random_nodes(body)]
+    return out
 
 
 def copy_graph(graph: fx.Graph) -> fx.Graph:

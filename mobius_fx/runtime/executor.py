@@ -47,7 +47,9 @@ dealt to the GPUs, each GPU's partial weight gradient summed on the host) and "z
 (`ir_data_parallel.data_parallel`: one replica per GPU on its dealt micro-batches, every stage
 uploaded to every GPU, each GPU's gradient downloads summed on the host). An op on a stage at a
 GPU other than its own runs on the stage's copy there (`_use`: slots of its own on that GPU, its
-books and executed ops that GPU's), whose slot pool is planned from that IR; the stages' own
+books and executed ops that GPU's; on another torch device, such as cuda:1 for a stage of
+cuda:0, a module of its own with that device's constants: `_check_moves`, docs/executor.md
+"Stages on other GPUs"), whose slot pool is planned from that IR; the stages' own
 states are back after the step; a stage's gradients go to the optimizer overlap at its last
 download. `compile(schedule=...)` refuses the others with the reason.
 """
@@ -66,12 +68,13 @@ from mobius_fx.errors import BudgetError, MobiusError
 from mobius_fx.kinds import HOST
 from mobius_fx.planning.schedule_ir import Op, OpKind, ScheduleIR
 from mobius_fx.runtime.device_books import Device, nbytes
+from mobius_fx.runtime.device_rewrite import random_nodes
 from mobius_fx.runtime.engine import Runtime
 from mobius_fx.runtime.stage_state import refuse_changed_masters
 from mobius_fx.runtime.step_program import build_program, run_program
 from mobius_fx.units import fmt_bytes
 
-__all__ = ["StepExecutor", "built_step", "execute", "step_ir"]
+__all__ = ["StepExecutor", "away_from_home", "built_step", "execute", "step_ir"]
 
 # The op kinds that act on a stage's state on the op's GPU (its weights, its gradient sums): the
 # executor runs them on the stage's copy there (`StepExecutor._use`).
@@ -123,6 +126,16 @@ def built_step(pipe: Any) -> tuple[ScheduleIR, fx.GraphModule]:
         ir = step_ir(pipe, form)
         built = rt._built_step = (key, ir, build_program(ir, tuple(pipe.schedule.inputs), name))
     return built[1], built[2]
+
+
+def away_from_home(ir: ScheduleIR, gpus: list[str]) -> dict[tuple[int, str], set[str]]:
+    """{(stage, GPU): phases} of the ops `ir` runs on a stage's state at a GPU other than the
+    stage's own (`gpus[k]`): where the executor runs a copy of the stage (`StageState.copy_on`)."""
+    away: dict[tuple[int, str], set[str]] = defaultdict(set)
+    for o in ir.ops:
+        if o.kind in _ON_A_STAGE and o.place != gpus[o.stage]:
+            away[(o.stage, o.place)].add(o.phase)
+    return away
 
 
 def execute(pipe: Any, flat: list, scale: float) -> Any:
@@ -191,30 +204,16 @@ class StepExecutor:
 
     def _place_copies(self, name: str, form: Callable[[ScheduleIR], ScheduleIR] | None) -> None:
         """A copy of each stage the IR runs on a GPU besides its own (`StageState.copy_on`;
-        RoundPipe's backward, split-head's dealt last stage, ZeRO-3's replicas), on the same torch
-        device only, and the slot pools planned from the IR when it runs stages away from their
+        RoundPipe's backward, split-head's dealt last stage, ZeRO-3's replicas; `_check_moves`),
+        and the slot pools planned from the IR when it runs stages away from their
         GPU or keeps more stages on a GPU at once than the pipeline's own IR (GPipe's, every stage
         resident: a slot each). A GPU too small for that pool is refused naming the stages, the
         GPU and the bytes."""
-        away: dict[tuple[int, str], set[str]] = defaultdict(set)
-        for o in self.ir.ops:
-            if o.kind in _ON_A_STAGE and o.place != self.stages[o.stage].gpu:
-                away[(o.stage, o.place)].add(o.phase)
+        away = away_from_home(self.ir, [spec.gpu for spec in self.stages])
         self.moves = bool(away)
         # the stages whose forward runs on several GPUs (split-head's dealt last stage)
         self.dealt = {k for k in range(len(self.stages)) if len({g for (j, _), g in self.frun.items() if j == k}) > 1}
-        for (k, g), phases in sorted(away.items()):
-            spec = self.stages[k]
-            here, there = self.rt.devices[spec.gpu].torch_device, self.rt.devices[g].torch_device
-            if here != there:
-                what = (f"backward on {g} ({there}) after its forward on {spec.gpu} ({here})" if phases == {"backward"}
-                        else f"micro-batch(es) {sorted(i for (j, i), p in self.frun.items() if j == k and p == g)} on "
-                             f"{g} ({there}), forward and backward, besides its own GPU {spec.gpu} ({here})")
-                raise MobiusError(
-                    f"schedule '{name}' runs stage {k}'s {what}; the runtime moves a stage only between GPUs sharing "
-                    f"one torch device (virtual, virtual-async): a stage's graph has its GPU's device constants "
-                    f"(runtime/device_rewrite.py) and its recompute restores its forward GPU's RNG state. Train with "
-                    f"schedule='mobius', or try {name} on device='virtual-async'")
+        self._check_moves(name, away)
         home = {(k, st.device.name): st for k, st in enumerate(self.rt.stages)}
         self.copies: dict[tuple[int, str], Any] = {
             **home, **{(k, g): self.rt.stages[k].copy_on(self.rt.devices[g], self.rt.dtype) for k, g in away}}
@@ -252,6 +251,58 @@ class StepExecutor:
                                f"(stages {mine}; the pipeline's own schedule: {base.get(gpu, 0)}): its slot pool "
                                f"holds all their weights; train with schedule='mobius', or give {gpu} more memory")
                 raise
+
+    def _check_moves(self, name: str, away: dict[tuple[int, str], set[str]]) -> None:
+        """What running stages away from their GPU needs, checked before anything is allocated:
+
+        - a copy on another torch device runs a module of its own (`StageState.copy_on`: its
+          graph with that device's constants); on CUDA every copy is first replayed under fake
+          tensors (`placement.check_placement` with `copies`), so an op that would see two
+          devices is named now;
+        - a GPU of another device type is refused (a stage's autocast and RNG are per type);
+        - a stage that draws random numbers (dropout; `device_rewrite.random_nodes`) whose
+          backward recomputes on another device than its forward ran on needs that device's
+          generator, set to the state the forward's had, to draw what the forward drew
+          (`Device.rng_differs`: CUDA GPUs of one model do); otherwise it is refused."""
+        devices = self.rt.devices
+        for (k, g), phases in sorted(away.items()):
+            spec = self.stages[k]
+            here, there = devices[spec.gpu].torch_device, devices[g].torch_device
+            if here.type != there.type:
+                what = "backward" if phases == {"backward"} else "forward and backward"
+                raise MobiusError(
+                    f"schedule '{name}' runs stage {k}'s {what} on {g} ({there}), a device of another type than its "
+                    f"own GPU {spec.gpu} ({here}): a stage's autocast and random state are those of its device type. "
+                    f"Give every GPU the same device type, or train with schedule='mobius'")
+        randoms: dict[int, list[str]] = {}
+        for (k, i), fg in sorted(self.frun.items()):
+            bg = self.brun.get((k, i))
+            if bg is None or bg == fg:
+                continue
+            why = devices[fg].rng_differs(devices[bg])
+            if why is None:
+                continue
+            if k not in randoms:
+                randoms[k] = random_nodes(self.rt.stages[k].module)
+            if randoms[k]:
+                nodes = randoms[k]
+                raise MobiusError(
+                    f"schedule '{name}' recomputes stage {k}'s micro-batch {i} on {bg} for its backward after its "
+                    f"forward on {fg}, and the stage draws random numbers ({', '.join(nodes[:3])}"
+                    f"{' ...' if len(nodes) > 3 else ''}): the recompute must draw what the forward drew, but {why}. "
+                    f"Train with schedule='mobius' (each stage's backward on its forward's GPU), on GPUs of one "
+                    f"model, or without dropout (p=0, or model.eval())")
+        moved = defaultdict(set)
+        for k, g in away:
+            if devices[g].torch_device != devices[self.stages[k].gpu].torch_device:
+                moved[k].add(g)
+        placement = getattr(self.rt, "placement", None)
+        if moved and placement is not None and placement.example is not None and any(
+                devices[g].torch_device.type == "cuda" for gs in moved.values() for g in gs):
+            from mobius_fx.runtime.placement import check_placement
+
+            check_placement(self.schedule, placement.example, {g: d.torch_device for g, d in devices.items()},
+                            placement.traced, copies=moved)
 
     def _handler(self, handlers: dict, o: Op) -> Callable[[Op], None]:
         """The handler of op `o` in its phase; an op kind the executor does not run in that phase is

@@ -319,8 +319,13 @@ class Pipeline(ModelFace, nn.Module):
         runtime hands them (every tensor input copied to the stage's device, non-tensors as
         they are, weights and buffers uploaded there). Raises a MobiusError naming the stage,
         the node and the two devices when one op would see tensors of two devices (a 0-dim
-        CPU tensor is allowed, as torch allows it). Every compiled variant is checked.
-        `compile(..., device="cuda")` runs it before allocating anything.
+        CPU tensor is allowed, as torch allows it). Every compiled variant is checked. A
+        training step compiled with a schedule that runs stages on other GPUs than their own
+        (`compile(schedule="roundpipe" | "split-head" | "zero3-offload")`: `pipe.step_pipeline`)
+        has those copies replayed too, each on its GPU's device, its graph moved there as the
+        runtime moves it (for the variant that ran last; the executor checks a variant's copies
+        on CUDA as it starts). `compile(..., device="cuda")` runs it before allocating anything
+        (the copies: the step executor, before it allocates them).
 
         pipe = mobius_fx.compile(model, topology, example_inputs=(x,), device="virtual")
         pipe.check_placement("cuda")   # e.g. 412
@@ -334,8 +339,22 @@ class Pipeline(ModelFace, nn.Module):
             placement = rt.placement
             given = {g: d.torch_device for g, d in rt.devices.items()}
             targets = target_devices(schedule.gpus, given, placement.indices, device)
-            total += check_placement(schedule, placement.example, targets, placement.traced)
+            total += check_placement(schedule, placement.example, targets, placement.traced,
+                                     copies=self._copies() if v is None or v.runtime is self._rt else None)
         return total
+
+    def _copies(self) -> dict[int, set[str]] | None:
+        """{stage: the other GPUs its schedule runs it on} for a training step compiled with a
+        schedule that moves stages (`compile(schedule=)`), else None."""
+        form = self.__dict__.get("schedule_form")
+        if form is None or form[1] is None:
+            return None
+        from mobius_fx.runtime.executor import away_from_home, step_ir
+
+        copies: dict[int, set[str]] = {}
+        for k, g in away_from_home(step_ir(self, form[1]), [spec.gpu for spec in self.schedule.stages]):
+            copies.setdefault(k, set()).add(g)
+        return copies
 
     def memory_stats(self) -> dict[str, dict[str, int]]:
         """Bytes each GPU of the topology holds now and held at peak, one entry per GPU, used by a

@@ -44,10 +44,11 @@ import torch.utils._pytree as pytree
 
 from mobius_fx.errors import MobiusError
 from mobius_fx.runtime.device_rewrite import (
-    COMPUTE_OPS, copy_graph, moved_device, named_tensors, rewrite_graph, rewritten_body, weight_places,
+    COMPUTE_OPS, copy_graph, moved_device, moved_graph_module, named_tensors, rewrite_graph, rewritten_body,
+    weight_places,
 )
 from mobius_fx.planning.microbatch import divides
-from mobius_fx.planning.stage_contract import Schedule
+from mobius_fx.planning.stage_contract import Schedule, StageSpec
 
 __all__ = ["check_placement", "example_spec", "Placement", "target_devices", "sent_device"]
 
@@ -129,16 +130,17 @@ class _Replay(fx.Interpreter):
     """One stage's graph under fake tensors; names the node of a device clash."""
 
     def __init__(self, module: fx.GraphModule, graph: fx.Graph, k: int, device: torch.device,
-                 traced: torch.device) -> None:
+                 traced: torch.device | None) -> None:
         super().__init__(module, garbage_collect_values=False, graph=graph)  # values kept: a clash names their origin
-        self.k, self.device, self.traced, self.count = k, device, traced, 0
+        self.k, self.device, self.traced, self.count = k, device, traced, 0  # traced None: bodies already rewritten
         self.bodies: dict[str, fx.GraphModule] = {}
+        self.copy = ""  # ", its copy on GPU x," for a stage's copy on another GPU
         self.clash: str | None = None  # the message of a clash (fx's Interpreter appends to the error's own)
         self.stuck = ""  # the op fake tensors could not run, if any
 
     def fetch_attr(self, target: str) -> Any:
         value = super().fetch_attr(target)
-        if isinstance(value, fx.GraphModule):  # a higher-order op's body, rewritten as binding rewrites it
+        if isinstance(value, fx.GraphModule) and self.traced is not None:  # a body, rewritten as binding does
             if target not in self.bodies:
                 self.bodies[target] = rewritten_body(value, self.traced, self.device)[0]
             return self.bodies[target]
@@ -188,8 +190,8 @@ class _Replay(fx.Interpreter):
         if len(devices) < 2 and named:
             devices = [named.group(1), named.group(2)]
         pair = " and ".join(devices[:2]) if len(devices) >= 2 else first
-        return (f"stage {self.k} would run on {self.device} but its node `{n.format_node()}` sees tensors of two "
-                f"devices, {pair}{' (' + '; '.join(where) + ')' if where else ''}: torch refuses that on a GPU "
+        return (f"stage {self.k}{self.copy} would run on {self.device} but its node `{n.format_node()}` sees tensors "
+                f"of two devices, {pair}{' (' + '; '.join(where) + ')' if where else ''}: torch refuses that on a GPU "
                 f"({first}). A device fixed by the trace that the stage's device does not replace (a tensor made "
                 f"on the traced device outside a factory op, a plain tensor attribute of a module that is neither "
                 f"a parameter nor a buffer, an explicit `.cpu()`) is the usual cause: make it follow an input "
@@ -219,13 +221,19 @@ class _Replay(fx.Interpreter):
 
 
 def check_placement(schedule: Schedule, example: Sequence[object] | None, devices: Mapping[str, torch.device],
-                    traced: torch.device) -> int:
+                    traced: torch.device, copies: Mapping[int, Iterable[str]] | None = None) -> int:
     """Replay every stage of `schedule` on `devices[stage.gpu]` under fake tensors (see the
     module docstring), `example` being the flat example inputs (`example_spec`) and `traced`
     the device they were traced on. Returns the number of ops replayed; raises MobiusError at
     the first op that would see two devices. A stage whose replay hits an op fake tensors
     cannot run (a data-dependent branch) is left unchecked from there, with a warning, and so
-    are the stages that need its outputs."""
+    are the stages that need its outputs.
+
+    `copies` ({stage: GPU names}): the other GPUs a schedule runs each stage on (RoundPipe's
+    backward, split-head's dealt last stage, ZeRO-3's replicas: runtime/executor.py); where
+    one is another device, the stage's copy there is replayed too, its graph rewritten from
+    the stage's device to that one as the runtime's copy is (`device_rewrite.moved_module`),
+    its inputs, weights and constants there."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.nn.utils.stateless import _reparametrize_module
@@ -280,7 +288,49 @@ def check_placement(schedule: Schedule, example: Sequence[object] | None, device
                 out = None
             count += replay.count
             outputs[spec.index] = tuple(out) if out is not None else None
+            others: dict[torch.device, str] = {}  # each other device a copy runs on, and its first GPU there
+            for g in sorted((copies or {}).get(spec.index, ())):
+                others.setdefault(torch.device(devices[g]), g)
+            for there, gpu in others.items():
+                if there != dev:
+                    count += _replay_copy(spec, args, traced, dev, there, gpu)
     return count
+
+
+def _replay_copy(spec: StageSpec, args: list, traced: torch.device, dev: torch.device, there: torch.device,
+                 gpu: str) -> int:
+    """Stage `spec`'s copy on `there` (GPU `gpu`) under fake tensors (`check_placement`): the
+    stage as binding it to `dev` leaves it, moved to `there` as the runtime moves its copy
+    (`moved_graph_module` of `moved_module`), its inputs sent there, its weights uploaded there,
+    its other tensor constants there when binding and moving put them there."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    placed = moved_graph_module(spec.module, traced, dev)  # what place_stage leaves (bodies too)
+    module = moved_graph_module(placed, dev, there)  # what the copy runs (moved_module)
+
+    def sent(x: object) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=there)
+        return sent_device(x, there) if isinstance(x, torch.device) else x
+    weights = weight_places(spec)
+    fakes = {}
+    for name, t in named_tensors(module):
+        at = moved_device(name, t, weights, traced, dev)
+        fakes[name] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                          device=there if name in weights or at == dev else at)
+    replay = _Replay(module, module.graph, spec.index, there, None)
+    replay.copy = f", its copy on {gpu},"
+    try:
+        with _reparametrize_module(module, fakes):
+            replay.run(*pytree.tree_map(sent, args))
+    except MobiusError as e:
+        if replay.clash is None:
+            raise
+        raise MobiusError(replay.clash) from e.__cause__
+    except _Unreplayable:
+        log.warning("check_placement: stage %d's copy on %s (%s) is unchecked from %s on: fake tensors cannot run it, "
+                    "even on the meta device", spec.index, gpu, there, replay.stuck)
+    return replay.count
 
 
 def target_devices(gpus: Iterable[str], given: Mapping[str, torch.device], indices: Mapping[str, int] | None,

@@ -16,9 +16,10 @@ from torch import nn
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.stage_contract import StageSpec
 from mobius_fx.runtime.device_books import Device, nbytes
+from mobius_fx.runtime.device_rewrite import bind, moved_module
 from mobius_fx.runtime.host_counters import watch_masters
 
-__all__ = ["StageState", "Step", "StageCall", "OnHost", "bind", "refuse_changed_masters"]
+__all__ = ["StageState", "Step", "StageCall", "OnHost", "refuse_changed_masters"]
 
 
 class StageState:
@@ -51,6 +52,9 @@ class StageState:
         self.changing: set[int] = set()  # buffer slots a forward has changed: copied before each call
         self.weight_bytes = sum(nbytes(s) for s in self.slots)
         self.shells = spec.shells
+        # tensor constants (not weights) bound into the module whenever it runs this state
+        # ((path, attribute, tensor); set when a copy on another device moved them: `copy_on`)
+        self.consts: list[tuple[str, str, torch.Tensor]] = []
         self.resident = False
         self.token: Any = None
         self.versions: list[int] = []
@@ -58,32 +62,34 @@ class StageState:
 
     def copy_on(self, device: Device, dtype: torch.dtype | None) -> "StageState":
         """This stage's copy on another GPU (a schedule that runs it on several: the step
-        executor's split-head, RoundPipe's backward): the same module, spec and masters, slots of
-        its own on `device`, bound into the module only while the executor runs the copy
-        (`bind_slots`); not resident."""
+        executor's split-head, ZeRO-3's replicas, RoundPipe's backward): the same spec and
+        masters, slots of its own on `device`, bound into the module only while the executor
+        runs the copy (`bind_slots`); not resident. On the same torch device (virtual GPUs, or
+        pipeline GPUs sharing one CUDA device) the copy runs the stage's own module; on another
+        (cuda:0 -> cuda:1) a module of its own (`device_rewrite.moved_module`): its graph with
+        that device's constants, its tensor constants there."""
         new = object.__new__(StageState)
         new.__dict__.update(self.__dict__)
         new.device = device
+        here, there = self.device.torch_device, device.torch_device
+        if there != here:
+            new.module, new.consts = moved_module(self.spec, self.module, here, there)
+            if new.consts and not self.consts:  # the stage's own values, bound back when it runs again (in
+                self.consts[:] = [(path, attr, getattr(self.module.get_submodule(path) if path else self.module, attr))
+                               for path, attr, _ in new.consts]  # place: its same-device copies share the list)
         new.slots = [device.new_slot(m, dtype, p) for m, p in zip(self.masters, self.is_param)]
         new.weight_bytes = sum(nbytes(s) for s in new.slots)
         new.changing, new.resident, new.token, new.versions, new.train = set(), False, None, [], []
         return new
 
     def bind_slots(self) -> None:
-        """Make the module compute with this state's slots (a copy's, or the stage's own again)."""
+        """Make the module compute with this state's slots (a copy's, or the stage's own again)
+        and its tensor constants (a copy's on another device, or the stage's own again)."""
         for w, slot in zip(self.spec.weights, self.slots):
             for path, attr in w.slots:
                 bind(self.module, path, attr, slot)
-
-
-def bind(module: nn.Module, path: str, attr: str, value: torch.Tensor) -> None:
-    owner = module.get_submodule(path) if path else module
-    if attr in owner._parameters:
-        owner._parameters[attr] = value
-    elif attr in owner._buffers:
-        owner._buffers[attr] = value
-    else:
-        object.__setattr__(owner, attr, value)
+        for path, attr, t in self.consts:
+            bind(self.module, path, attr, t)
 
 
 class Step:
