@@ -419,15 +419,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._held: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # async: downloads the update reads
         self._stream_size: dict[int, int] = {}  # async: id(param) -> its downloads' element size
         self._mine: dict[int, torch.Tensor] | None = None  # async: this optimizer's parameters by id (per backward)
-        # False: no fp32 `.grad` from the host pass (4 B per parameter less), only for loops that
-        # do not read or edit `.grad` between backward and step (docs/host_optimizer.md)
-        self.keep_grads = True
-        # with keep_grads, sync (not speculating) and async: each gradient is widened to fp32 on
-        # its GPU and downloaded straight into its `.grad` home (`Runtime.widens_gradients`): the
-        # host converts nothing and the pass reads the fp32 `.grad` (2 B more than the bf16
-        # download): 28 + 2 B per parameter, the GPU->host link 2 B more. False: bf16 downloads,
-        # converted on the host (sync: inside the pass, +4 B; async: on the adder thread, +6 + 2 B)
-        self.widen_downloads = WIDEN_DOWNLOADS
+        # keep_grads False: no fp32 `.grad` (2 B per parameter less), only for loops that do not read or
+        # edit `.grad` between backward and step; widen_downloads (`widens`): `.grad` widened on the GPUs
+        self.keep_grads, self.widen_downloads = True, WIDEN_DOWNLOADS  # (docs/host_optimizer.md)
         self._init_speculation(shard)
         if mode == "async":
             self._hook_model()
