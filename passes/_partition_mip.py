@@ -23,9 +23,8 @@ from typing import Any
 import pulp
 
 from mobius_fx.planning.step_model import PartitionProblem, PrefixSums
-from mobius_fx.planning.link_loads import forward_backlog, link_time, slot_bytes
-from mobius_fx.planning.step_timeline import (UPLOADS_PER_DOWNLOAD, Evaluation, grad_link_scale, queue_before,
-                                              queue_window)
+from mobius_fx.planning.link_loads import forward_backlog, grad_link_scale, link_time, slot_bytes
+from mobius_fx.planning.step_timeline import UPLOADS_PER_DOWNLOAD, Evaluation, queue_before, queue_window
 
 from ._partition_mip_rows import add_memory_rows, frozen_prefix, stage_working, tied_copies, var
 

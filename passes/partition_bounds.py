@@ -10,7 +10,7 @@ from typing import Sequence
 
 from mobius_fx.planning.step_model import PartitionProblem, PrefixSums
 from mobius_fx.planning.step_memory import MEMORY_TOLERANCE
-from mobius_fx.planning.step_timeline import grad_link_scale
+from mobius_fx.planning.link_loads import grad_link_scale
 
 from ._partition_mip import build_mip
 from .mip_solver import solve_relaxation

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from mobius_fx.planning.host_step import shared_landings
-from mobius_fx.planning.link_loads import copy_terms, forward_backlog, link_time, slot_bytes
+from mobius_fx.planning.link_loads import copy_terms, forward_backlog, grad_link_scale, link_time, slot_bytes
 
 __all__ = ["Evaluation", "Timeline", "timeline", "SharedLink", "shared_links", "queue_before", "queue_window",
-           "grad_link_scale", "freed", "UPLOADS_PER_DOWNLOAD"]
+           "freed", "UPLOADS_PER_DOWNLOAD"]
 
 
 @dataclass(frozen=True)
@@ -394,13 +394,6 @@ def _backward_starts(problem: Any, st: Any, c: _CopyTimes, F: list[list[float]],
         if last > row[m - 1]:  # the last run waits for all M restores
             row[m - 1] = last
     return B, q, A, R
-
-
-def grad_link_scale(problem: Any) -> float:
-    """The gradient downloads' bytes on the links per byte as streamed (`HostPass.down_scale`: 2
-    where the runtime widens bf16 gradients to fp32 on the GPUs), 1 without a host model."""
-    host = getattr(problem, "host", None)
-    return 1.0 if host is None else float(getattr(host, "down_scale", 1.0))
 
 
 def _gradient_downloads(problem: Any, st: Any, c: _CopyTimes, B: list[list[float]], R: list[float]) -> list[float]:
