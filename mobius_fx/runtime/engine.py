@@ -846,7 +846,7 @@ class Runtime:
         narrower. The schedule IR books the same bytes (`Pipeline.schedule_ir`)."""
         return (isinstance(master, torch.nn.Parameter) and master.requires_grad and master.dtype == torch.float32
                 and streamed.is_floating_point and streamed.itemsize < master.dtype.itemsize
-                and master.device.type == "cpu" and self._holder_count.get(id(master), 0) == 1)
+                and master.is_cpu and self._holder_count.get(id(master), 0) == 1)
 
     def _widens(self, step: Step) -> bool:
         """`widens_gradients`, decided once per backward (at its first flush)."""
