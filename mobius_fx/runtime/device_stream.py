@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mobius_fx.runtime import host_threads
-from mobius_fx.runtime.device_books import WIDEN_CHUNK, Device, nbytes, widen_transient
+from mobius_fx.runtime.device_books import Device, nbytes, widen_transient
 from mobius_fx.runtime.device_common import SavedInput, check_unchanged
 from mobius_fx.runtime.host_counters import COUNTERS, watch_optimizer_steps
 from mobius_fx.runtime.streams import PENDING, HostWaits, SlotPool, layout, views
