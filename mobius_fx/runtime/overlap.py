@@ -121,8 +121,8 @@ from mobius_fx.runtime.device_books import nbytes
 from mobius_fx.runtime.host_counters import COUNTERS
 from mobius_fx.runtime.host_gradients import GradHomes, convert_span, is_home, sum_downloads
 
-__all__ = ["OverlapOptimizer", "HOST_PASS", "WIDEN_DOWNLOADS", "ALIGN", "UNIT", "SPAN_UNITS", "SPAN", "WeakHook", "accumulator",
-           "engine_accumulates", "has_grad_hooks", "fingerprint", "partition_owners", "hyper_params", "same_hyper",
+__all__ = ["OverlapOptimizer", "HOST_PASS", "ALIGN", "UNIT", "SPAN_UNITS", "SPAN", "WeakHook", "accumulator",
+           "WIDEN_DOWNLOADS", "engine_accumulates", "has_grad_hooks", "fingerprint", "partition_owners", "hyper_params", "same_hyper",
            "called_by_grad_scaler", "PER_PARAMETER", "per_parameter", "raw_step", "pre_hooks", "post_hooks",
            "stepped_masters"]
 
