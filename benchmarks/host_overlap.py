@@ -11,13 +11,14 @@ CPU_ADAM_BANDWIDTH, 111 GB/s), the host's busy time (`SimResult.host_busy`: the 
 passes and every host copy), and the two checks:
 
 - step <= 1.05 x max(fwd+bwd, fused pass);
-- host busy <= 1.2 x the fused pass (28 B per parameter; sync writes the fp32 .grad too: 32 B).
+- host busy <= 1.2 x the fused pass (28 B per parameter; with the fp32 .grad: 30 B).
 
-Planned and simulated with the overlap's `keep_grads` (default True, the runtime's: under "async"
-the main thread converts the downloads into the fp32 `.grad` after the pipeline, 6 B per
-parameter at the host copies' speed, and the pass reads that .grad, 2 B more; under "sync" the
-pass writes it, 4 B); `--no-keep-grads`: a loop with `opt.keep_grads = False`. The column
-"hand-over" is the main thread's conversion after the pipeline (async's, "none"'s).
+Planned and simulated with the overlap's `keep_grads` (default True, the runtime's: the GPUs widen
+each gradient to fp32 and download it straight into `.grad`, 4 B per parameter on the GPU->host
+links instead of 2, so the host converts nothing and the pass reads that .grad, 2 B more, under
+"sync" and "async" alike: planning/host_step.py `widened_downloads`); `--no-keep-grads`: a loop
+with `opt.keep_grads = False` (bf16 downloads read by the pass). The column "hand-over" is the
+host's conversion of downloads into `.grad` ("none"'s; async's with `opt.widen_downloads = False`).
 
 Simulated, not measured; every figure from this run. Always exits 0.
 

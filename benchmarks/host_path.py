@@ -18,16 +18,21 @@ stepped by `pipe.overlap(mode="sync")`. Per step it prints, from the runtime's o
 step, no refresh, a new fp32 gradient per master per step converted in a pass of its own, every
 gradient read on the host for a non-finite value); "spans" the issue-27 path (gradients converted
 span by span inside the stage's step, the streamed copy refreshed by a pass of its own after it:
-the fused host pass off, `overlap.HOST_PASS = False`); "after" the defaults now: the fused
-host pass (mobius_fx/runtime/host_optimizer.py) steps each parameter in one pass that reads the
-bf16 download and writes the streamed copy and the fp32 `.grad`. The ideal is 0 bytes outside the
+the fused host pass off, `overlap.HOST_PASS = False`); "after" the defaults now: the GPUs widen
+each gradient to fp32 and download it straight into its `.grad` (`Runtime.widens_gradients`), and
+the fused host pass (mobius_fx/runtime/host_optimizer.py) steps each parameter in one pass that
+reads that fp32 `.grad` (`grad_read`: 2 B more than the bf16 download) and writes the streamed
+copy; "bf16 dl" the same with `opt.widen_downloads = False` (bf16 downloads: sync's pass reads
+them and writes the fp32 `.grad`, `grad_fused`; async converts them into `.grad` on the adder
+thread, `grad_convert`, and its pass reads that). The ideal is 0 bytes outside the
 optimizer; "no .grad" the same with `opt.keep_grads = False` (the pass writes no fp32 `.grad`:
 for loops that do not read it after backward). The row "total" is the bytes touched per
 parameter per step: the optimizer's own 28 (AdamW) + outside + beside, ideally 28. Under
 `--mode async` the same pass steps each parameter into its shadow (overlap.py): "before" and
 "spans" are the path before it (w(t) copied into the shadow -- `shadow` -- and torch's step over
-it), "after" reads the fp32 `.grad` converted as each stage's gradients complete (`grad_read`: its 2 extra bytes),
-"no .grad" reads the bf16 downloads themselves.
+it), "after" reads the fp32 `.grad` the GPUs widened (`grad_read`: its 2 extra bytes), "bf16 dl"
+the one converted as each stage's gradients complete, "no .grad" reads the bf16 downloads
+themselves.
 
     python benchmarks/host_path.py                  # ~100M parameters, bf16 streamed, 3 steps (async: 5)
     python benchmarks/host_path.py --params 5e6 --steps 4 --dtype fp32
@@ -64,7 +69,7 @@ def _config(params: float) -> GPTConfig:
 
 
 def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before: bool, host_pass: bool = True,
-        mode: str = "sync", keep_grads: bool = True) -> list[dict]:
+        mode: str = "sync", keep_grads: bool = True, widen: bool = True) -> list[dict]:
     overlap.HOST_PASS = host_pass and not before
     torch.manual_seed(0)
     model = GPT(_config(params))
@@ -82,6 +87,7 @@ def run(label: str, params: float, steps: int, dtype: torch.dtype | None, before
     opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-4), mode=mode, refresh_copies=not before)
     opt.fuse = not before  # before: whole gradients converted, then read on the host, then stepped
     opt.keep_grads = keep_grads  # False: no fp32 .grad written by the fused host pass (overlap.py)
+    opt.widen_downloads = widen  # False: bf16 gradient downloads, converted into .grad on the host
     rows = []
     for step in range(steps):
         c0 = COUNTERS.snapshot()
@@ -123,12 +129,13 @@ def main() -> None:
         args.steps = 5 if args.mode == "async" else 3
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
-    runs = (("before", True, False, True), ("spans", False, False, True), ("after", False, True, True),
-            ("no .grad", False, True, False))
-    results = {label: run(label, args.params, args.steps, dtype, before, host_pass, args.mode, keep)
-               for label, before, host_pass, keep in runs}
+    runs = (("before", True, False, True, False), ("spans", False, False, True, False),
+            ("bf16 dl", False, True, True, False), ("after", False, True, True, True),
+            ("no .grad", False, True, False, True))
+    results = {label: run(label, args.params, args.steps, dtype, before, host_pass, args.mode, keep, widen)
+               for label, before, host_pass, keep, widen in runs}
     last = {k: v[-1] for k, v in results.items()}
-    labels = [label for label, _, _, _ in runs]
+    labels = [label for label, *_ in runs]
     print(f"\nsteady state (step {args.steps - 1}), {last['after']['params'] / 1e6:.1f}M parameters, "
           f"{args.dtype} streamed, mode={args.mode}, bytes per parameter per step:")
     print(f"{'':28s}{'ideal':>10s}" + "".join(f"{k:>10s}" for k in labels))
@@ -150,7 +157,8 @@ def main() -> None:
         print("async: 'before' and 'spans' are today's path before the pass (the downloads converted into a new "
               "(before) or kept (spans) fp32 .grad, w(t) copied into the shadow: 'shadow', torch's step reading the "
               "fp32 .grad: +2 B not counted there, the copy pinned again at upload); 'after' the pass reading the "
-              "fp32 .grad converted as each stage completes (keep_grads, the default: 'grad_read' is its +2 B); "
+              "fp32 .grad the GPUs widened (keep_grads, the default: 'grad_read' is its +2 B); 'bf16 dl' the one "
+              "converted as each stage completes; "
               "'no .grad' "
               "the pass reading the bf16 downloads themselves")
 

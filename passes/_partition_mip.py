@@ -23,7 +23,7 @@ from typing import Any
 import pulp
 
 from mobius_fx.planning.step_model import PartitionProblem, PrefixSums
-from mobius_fx.planning.link_loads import forward_backlog, link_time, slot_bytes
+from mobius_fx.planning.link_loads import forward_backlog, grad_link_scale, link_time, slot_bytes
 from mobius_fx.planning.step_timeline import UPLOADS_PER_DOWNLOAD, Evaluation, queue_before, queue_window
 
 from ._partition_mip_rows import add_memory_rows, frozen_prefix, stage_working, tied_copies, var
@@ -332,8 +332,9 @@ class _Program:
         self.D = D = [var(lp, f"D_{k}", 0) for k in range(s)]
         self.T = T = var(lp, "makespan", 0)
         busy = [wb[j] * up[j] + m * saved[j] * up[j] for j in range(s)]
+        widen = grad_link_scale(problem)
         for k in range(s - 1, -1, -1):
-            grads = g[k] * down[k]
+            grads = g[k] * (down[k] * widen)  # widen: the runtime's fp32 downloads (`HostPass.down_scale`)
             starts = [(B[k][m - 1] + b[k], f"download_{k}")]
             if k + n < s:
                 starts.append((D[k + n], f"download_queue_{k}"))

@@ -10,6 +10,7 @@ from typing import Sequence
 
 from mobius_fx.planning.step_model import PartitionProblem, PrefixSums
 from mobius_fx.planning.step_memory import MEMORY_TOLERANCE
+from mobius_fx.planning.link_loads import grad_link_scale
 
 from ._partition_mip import build_mip
 from .mip_solver import solve_relaxation
@@ -52,7 +53,8 @@ def stage_count_bound(problem: PartitionProblem, s: int, fast: PrefixSums | None
     cs = [least_c(i) for i in range(L)]
     start = (fast.w[1] + problem.input_bytes / m) / problem.up[0]
     fwd_compute = (m * fast.f[L] + sum(ci * fi for ci, fi in zip(cs, f))) / nu + start
-    grad0 = fast.g[1] / problem.down[0] if P == 0 else 0.0
+    widen = grad_link_scale(problem)  # the runtime's fp32 gradient downloads (`HostPass.down_scale`)
+    grad0 = fast.g[1] * widen / problem.down[0] if P == 0 else 0.0
     bwd_compute = (m * sum(b) + sum(ci * bi for ci, bi in zip(cs, b))) / nu + grad0
     # Link capacity in "GPU links' worth": a shared link counts `servers`, a GPU on none 1.
     servers = lambda links: _servers(links, n)
@@ -60,7 +62,7 @@ def stage_count_bound(problem: PartitionProblem, s: int, fast: PrefixSums | None
     fwd_link = fast.w[L] / (up_max * servers(problem.shared_up)) + m * min(f)
     refetched = sum(fast.w[i + 1] - fast.w[i] for i in range(P, max(P, s - n)))
     bwd_link = max(refetched / (up_max * servers(problem.shared_up)),
-                   fast.g[L] / (down_max * servers(problem.shared_down)))
+                   fast.g[L] * widen / (down_max * servers(problem.shared_down)))
     return max(fwd_compute, fwd_link) + max(bwd_compute, bwd_link)
 
 

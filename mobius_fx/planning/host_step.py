@@ -19,7 +19,8 @@ from mobius_fx.kinds import OVERLAP_MODES
 __all__ = ["TOUCHED_BYTES", "STATE_BYTES", "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH", "HOST_COPY_KINDS",
            "RUNTIME_HOST_COPIES", "RUNTIME_HOST_COPIES_REDUCED", "GRAD_COPIES", "NO_HOST_COPIES", "H200_HOST_PARAMS",
            "H200_HOST_ADAMW_SECONDS", "H200_HOST_HANDOVER_SECONDS", "fused_pass", "host_pass_bytes",
-           "host_copy_bytes", "optimizer_bytes_touched", "PLANNED_OPTIMIZERS", "HostPass"]
+           "host_copy_bytes", "optimizer_bytes_touched", "PLANNED_OPTIMIZERS", "HostPass", "widened_downloads",
+           "download_scale"]
 
 # Master bytes: the simulator knows each stage's trainable master bytes (`Costs.master`: its
 # gradient bytes in the masters' dtype, `Stage.grad_bytes / Precision.scale`), not a count of
@@ -99,6 +100,14 @@ HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e
 #   fp32: the download is the `.grad` (no hand-over); torch's step into the shadow after w(t) is
 #   copied there ("shadow", read 4 + write 4, on the optimizer's worker) and the pin of the new
 #   master before its first upload ("pin", 8 B).
+# Widened downloads (`widened_downloads`: sync and async with keep_grads, half-precision, one
+# server; the runtime's `Runtime.widens_gradients`, on by default: `OverlapOptimizer.
+# widen_downloads`): each gradient is widened to fp32 on its GPU and downloaded straight into its
+# `.grad`, so the host converts nothing -- no "handover" under async, sync's pass writes no `.grad`
+# -- and the pass reads the fp32 `.grad` ("grad": 4 - s more bytes read than the download, both
+# modes): 28 + 2 B per parameter for AdamW in bf16. The GPU->host link carries 4 B per parameter
+# instead of s (`download_scale`; the runtime keeps a tied weight's downloads in s bytes, the
+# models widen every stage's: a slight overcharge on the link).
 # A kind a mode does not make costs 0; `simulate(..., keep_grads=False)` (a loop with
 # keep_grads=False) or `host_copies={"handover": 0}` overrides a kind's bytes.
 HOST_COPY_KINDS = ("pin", "refresh", "handover", "finite_check", "shadow", "grad")
@@ -124,6 +133,25 @@ def fused_pass(overlap: str, streamed: float, servers: int = 1) -> bool:
     return overlap != "none" and streamed < 4 and not (servers > 1 and overlap == "sync")
 
 
+def widened_downloads(overlap: str, streamed: float, servers: int = 1, keep_grads: bool = True,
+                      widen: bool = True) -> bool:
+    """Whether the runtime widens the gradient downloads to fp32 on the GPUs, straight into the
+    fp32 `.grad` (`Runtime.widens_gradients`): sync or async keeping `.grad`, the fused pass
+    (half precision), one server; `widen` False: `opt.widen_downloads = False`.
+
+    >>> widened_downloads("sync", 2), widened_downloads("async", 2, keep_grads=False), widened_downloads("sync", 4)
+    (True, False, False)
+    """
+    return widen and keep_grads and servers == 1 and fused_pass(overlap, streamed, servers)
+
+
+def download_scale(overlap: str, streamed: float, servers: int = 1, keep_grads: bool = True,
+                   widen: bool = True) -> float:
+    """The factor on a stage's gradient download bytes (as streamed) on the GPU->host links: 4 /
+    `streamed` where the downloads are widened (`widened_downloads`), else 1."""
+    return 4.0 / streamed if widened_downloads(overlap, streamed, servers, keep_grads, widen) else 1.0
+
+
 def host_pass_bytes(optimizer: str, streamed: float, overlap: str = "none", servers: int = 1) -> float:
     """Bytes read + written per parameter (per 4 master bytes) by the optimizer's own pass
     under `overlap`, not counting the fp32 `.grad` ("grad" of `host_copy_bytes`): the fused pass
@@ -140,7 +168,7 @@ def host_pass_bytes(optimizer: str, streamed: float, overlap: str = "none", serv
 
 
 def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam", overlap: str = "none",
-                    servers: int = 1, keep_grads: bool = True) -> float:
+                    servers: int = 1, keep_grads: bool = True, widen: bool = True) -> float:
     """Bytes read + written per parameter (per 4 master bytes) of host copy `kind`
     (HOST_COPY_KINDS) with weights streamed at `streamed` bytes per element, as the runtime
     makes it under `overlap` (see RUNTIME_HOST_COPIES; 0 for a kind the mode does not make,
@@ -150,9 +178,13 @@ def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam", overlap
 
     >>> [host_copy_bytes(k, 2) for k in HOST_COPY_KINDS], host_copy_bytes("handover", 4)
     ([6, 0, 6, 0, 0, 0], 0)
-    >>> [host_copy_bytes(k, 2, overlap="sync") for k in HOST_COPY_KINDS]
-    [0, 0, 0, 0, 0, 4]
+    >>> [host_copy_bytes(k, 2, overlap="sync") for k in HOST_COPY_KINDS]   # widened: the fp32 .grad read
+    [0, 0, 0, 0, 0, 2]
     >>> [host_copy_bytes(k, 2, overlap="async") for k in HOST_COPY_KINDS]
+    [0, 0, 0, 0, 0, 2]
+    >>> [host_copy_bytes(k, 2, overlap="sync", widen=False) for k in HOST_COPY_KINDS]   # the pass writes .grad
+    [0, 0, 0, 0, 0, 4]
+    >>> [host_copy_bytes(k, 2, overlap="async", widen=False) for k in HOST_COPY_KINDS]
     [0, 0, 6, 0, 0, 2]
     >>> [host_copy_bytes(k, 2, overlap="async", keep_grads=False) for k in HOST_COPY_KINDS]
     [0, 0, 0, 0, 0, 0]
@@ -171,12 +203,13 @@ def host_copy_bytes(kind: str, streamed: float, optimizer: str = "adam", overlap
             else RUNTIME_HOST_COPIES[overlap])
     if kind not in made or (not keep_grads and kind in GRAD_COPIES.get(overlap, ())):
         return 0
-    if kind == "grad":  # sync's pass writes the fp32 .grad; async's reads it instead of the download
-        return (4 if overlap == "sync" else 4 - streamed) if fused else 0
+    widened = widened_downloads(overlap, streamed, servers, keep_grads, widen)
+    if kind == "grad":  # sync's pass writes the fp32 .grad; async's (and a widened one) reads it instead
+        return (4 if overlap == "sync" and not widened else 4 - streamed) if fused else 0
     if kind in ("pin", "refresh"):
         return 0 if fused else 4 + streamed
     if kind == "handover":
-        return 0 if streamed >= 4 else streamed + 4
+        return 0 if streamed >= 4 or widened else streamed + 4
     if kind == "shadow":
         return 0 if fused else 8
     return {"finite_check": 4}[kind]
@@ -223,10 +256,14 @@ class HostPass:
     mode: str = "sync"
     per_byte: float = 0.0
     after: float = 0.0  # "async": seconds per gradient byte of the hand-over into .grad as stages land
+    down_scale: float = 1.0  # the gradient downloads' bytes on the links per byte as streamed (`download_scale`)
 
     def __post_init__(self) -> None:
         if self.mode not in OVERLAP_MODES:
             raise MobiusError(f"HostPass mode {self.mode!r}; use one of {', '.join(map(repr, OVERLAP_MODES))}")
+        if not 1.0 <= self.down_scale < math.inf:
+            raise MobiusError(f"HostPass down_scale={self.down_scale!r}; give the gradient downloads' bytes per byte "
+                              f"as streamed, >= 1 (2.0: bf16 gradients widened to fp32 on the GPUs)")
         for name in ("per_byte", "after"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise MobiusError(f"HostPass {name}={getattr(self, name)!r}; give seconds per gradient byte, "
@@ -237,21 +274,21 @@ class HostPass:
 
     @staticmethod
     def of(topology: Any, stream_bytes: float, optimizer: str = "adamw", overlap: str = "sync",
-           keep_grads: bool = True) -> "HostPass":
+           keep_grads: bool = True, widen: bool = True) -> "HostPass":
         """The pass of `optimizer` (a `PLANNED_OPTIMIZERS` name) under `overlap` with weights
         streamed at `stream_bytes` per element, with the overlap's `keep_grads` (the fp32 `.grad`
         written: OverlapOptimizer.keep_grads), at the speeds of `topology`'s measured host section
         (`HostFigures`: its optimizer's bytes/s unless DeepSpeed's, its host copies' bytes/s), else
         CPU_ADAM_BANDWIDTH and HOST_COPY_BANDWIDTH -- the simulator's defaults.
 
-        >>> h = HostPass.of(None, 2, "adamw", "sync")
-        >>> round(h.per_byte * 2 * 1e9 / (32 / CPU_ADAM_BANDWIDTH * 1e9), 12)   # 32 B per parameter
-        1.0
-        >>> a = HostPass.of(None, 2, "adamw", "async")   # 28 + 2 B beside, the 6 B hand-over after the pipeline
+        >>> h = HostPass.of(None, 2, "adamw", "sync")   # widened downloads: 28 + the fp32 .grad read (2 B)
+        >>> round(h.per_byte * 2 * 1e9 / (30 / CPU_ADAM_BANDWIDTH * 1e9), 12), h.down_scale
+        (1.0, 2.0)
+        >>> a = HostPass.of(None, 2, "adamw", "async", widen=False)   # 28 + 2 B beside, the 6 B hand-over
         >>> round(a.per_byte * 2 * CPU_ADAM_BANDWIDTH, 9), round(a.after * 2 * HOST_COPY_BANDWIDTH, 9)
         (30.0, 6.0)
-        >>> HostPass.of(None, 2, "adamw", "async", keep_grads=False).after
-        0.0
+        >>> HostPass.of(None, 2, "adamw", "async").after, HostPass.of(None, 2, "adamw", "async", keep_grads=False).after
+        (0.0, 0.0)
         """
         if optimizer not in PLANNED_OPTIMIZERS:
             raise MobiusError(f"optimizer={optimizer!r}; the host pass models {', '.join(PLANNED_OPTIMIZERS)}")
@@ -263,24 +300,25 @@ class HostPass:
         if host is not None and host.host_copy_bytes_per_s is not None:
             copy_bw = float(host.host_copy_bytes_per_s)
         touched = PLANNED_OPTIMIZERS[optimizer]
+        s = float(stream_bytes)
+        down = download_scale(overlap, s, keep_grads=keep_grads, widen=widen) if touched else 1.0
         if not touched:
             return HostPass(overlap, 0.0)
-        s = float(stream_bytes)
         fused = fused_pass(overlap, s)
         step = touched - 4 + 2 * s if fused else touched
-        step += host_copy_bytes("grad", s, "adam", overlap, keep_grads=keep_grads)
+        step += host_copy_bytes("grad", s, "adam", overlap, keep_grads=keep_grads, widen=widen)
 
         def copy(kind: str) -> float:
-            return host_copy_bytes(kind, s, "adam", overlap, keep_grads=keep_grads) / copy_bw
+            return host_copy_bytes(kind, s, "adam", overlap, keep_grads=keep_grads, widen=widen) / copy_bw
 
         # the copies on the host's critical path: sync's refresh (fp32), none's hand-over, async's
         # shadow (fp32) on the optimizer's worker; async's hand-over per stage as it lands, on its
         # own thread; the pinning ("pin") runs on the upload workers during the next pipeline, not
         # charged here
         if overlap == "async":
-            return HostPass(overlap, (step / bw + copy("shadow")) / s, copy("handover") / s)
+            return HostPass(overlap, (step / bw + copy("shadow")) / s, copy("handover") / s, down)
         copies = sum(copy(k) for k in ("refresh", "handover", "finite_check"))
-        return HostPass(overlap, (step / bw + copies) / s)
+        return HostPass(overlap, (step / bw + copies) / s, down_scale=down)
 
     def seconds(self, grad_bytes: float) -> float:
         """Seconds of the pass over a stage (or stages) with `grad_bytes` gradient bytes as streamed."""

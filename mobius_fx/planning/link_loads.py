@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["LinkLoad", "link_loads", "copy_terms", "slot_bytes", "link_time", "forward_backlog"]
+__all__ = ["LinkLoad", "link_loads", "copy_terms", "slot_bytes", "link_time", "forward_backlog",
+           "grad_link_scale"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,13 @@ def link_loads(topology: Any, gpus: Sequence[str]) -> tuple[LinkLoad, ...]:
                  for (u, v), ks in kinds.items())
 
 
+def grad_link_scale(problem: Any) -> float:
+    """The gradient downloads' bytes on the links per byte as streamed (`HostPass.down_scale`: 2
+    where the runtime widens bf16 gradients to fp32 on the GPUs), 1 without a host model."""
+    host = getattr(problem, "host", None)
+    return 1.0 if host is None else float(getattr(host, "down_scale", 1.0))
+
+
 def copy_terms(problem: Any, st: Any) -> dict[str, list[float]]:
     """The per-stage numbers `slot_bytes` reads, from a cut set's `StageTotals`: "w" / "wb"
     weights forward / fetched again for backward, "g" weight gradients, "saved" the saved
@@ -84,13 +92,14 @@ def slot_bytes(problem: Any, terms: dict[str, list[Any]]) -> dict[str, list[Any]
     weight gradients, offloads of the saved inputs and the outputs (down); activations forward
     and their gradients back (the hops)."""
     n, m, s = len(problem.gpus), problem.microbatches, len(terms["w"])
+    widen = grad_link_scale(problem)
     out: dict[str, list[Any]] = {k: [0.0] * n for k in ("up", "down", "hop", "hop_back")}
     for k in range(s):
         i = k % n
         out["up"][i] += terms["w"][k] + m * terms["saved"][k]
         if k < s - n:
             out["up"][i] += terms["wb"][k]
-        out["down"][i] += terms["g"][k]
+        out["down"][i] += terms["g"][k] * widen  # the runtime's fp32 gradient downloads (`grad_link_scale`)
         if k:
             out["down"][i] += m * terms["saved"][k]
         if k < s - 1:

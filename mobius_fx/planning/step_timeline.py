@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from mobius_fx.planning.landings import shared_landings
-from mobius_fx.planning.link_loads import copy_terms, forward_backlog, link_time, slot_bytes
+from mobius_fx.planning.link_loads import copy_terms, forward_backlog, grad_link_scale, link_time, slot_bytes
 
 __all__ = ["Evaluation", "Timeline", "timeline", "SharedLink", "shared_links", "queue_before", "queue_window",
            "freed", "UPLOADS_PER_DOWNLOAD"]
@@ -186,7 +186,8 @@ def timeline(problem: Any, st: Any, full: bool = False):
         makespan = max(makespan, max(link_time(x, per_slot) for x in problem.links))
     pipeline, host, H = makespan, getattr(problem, "host", None), []
     if host is not None and host.per_byte > 0:  # the host's work the step waits for (`host_step.HostPass`)
-        landed = shared_landings(problem, st.g, [B[k][c.m - 1] + c.b[k] for k in range(c.s)], D, _uploads(problem, c, B))
+        landed = shared_landings(problem, [g * host.down_scale for g in st.g],
+                                 [B[k][c.m - 1] + c.b[k] for k in range(c.s)], D, _uploads(problem, c, B))
         H = host.ends(st.g, landed)
         makespan = host.end(pipeline, st.g, landed)
     return Timeline(makespan, p, q, F, B, D, V, E, A, R, U, H, pipeline) if full else makespan
@@ -414,6 +415,7 @@ def _gradient_downloads(problem: Any, st: Any, c: _CopyTimes, B: list[list[float
     download that ends before it is charged at most 2(1-d) of the time left to it)."""
     n, m, s, b, dx = c.n, c.m, c.s, c.b, c.dx
     up, down = problem.up, problem.down
+    widen = grad_link_scale(problem)
     busy = [c.wb[j] / up[j % n] + m * c.r[j] for j in range(s)]  # stage j's backward uploads
     D = [0.0] * s
     for k in range(s - 1, -1, -1):
@@ -422,10 +424,10 @@ def _gradient_downloads(problem: Any, st: Any, c: _CopyTimes, B: list[list[float
             done = D[k + n]
         for j in c.down_q[k]:
             done = max(done, D[j])
-        D[k] = done + st.g[k] / down[k % n]
+        D[k] = done + st.g[k] * widen / down[k % n]
         if k >= n and dx[k % n] < 1:
             overlap = R[k - n] - done
             for j in range(k - n, max(-1, k - (UPLOADS_PER_DOWNLOAD + 1) * n), -n):
                 overlap += busy[j] if j < k - n else 0.0
-                D[k] = max(D[k], done + st.g[k] / down[k % n] + 2 * (1 - dx[k % n]) * overlap)
+                D[k] = max(D[k], done + st.g[k] * widen / down[k % n] + 2 * (1 - dx[k % n]) * overlap)
     return D

@@ -60,9 +60,19 @@ from mobius_fx.runtime.memory_sources import BookedBytes, Mark, MemorySource
 from mobius_fx.runtime.transfer_log import TransferLog
 from mobius_fx.units import fmt_bytes
 
-__all__ = ["Device", "nbytes", "MEMORY_BOOKS", "check_memory_books"]
+__all__ = ["Device", "nbytes", "MEMORY_BOOKS", "check_memory_books", "WIDEN_CHUNK", "widen_transient"]
 
 MEMORY_BOOKS = ("auto", "ops", "allocator")
+
+# Elements a download `into=` a wider host tensor converts on the GPU at a time: the transient it
+# holds there is at most WIDEN_CHUNK elements of the wider dtype (16 MiB in fp32), whatever the
+# tensor's size (`Device.download`; the planner's memory model charges the same, step_memory).
+WIDEN_CHUNK = 1 << 22
+
+
+def widen_transient(numel: int, itemsize: int) -> int:
+    """Bytes a GPU holds at most while it widens a `numel`-element download to `itemsize` bytes."""
+    return min(numel, WIDEN_CHUNK) * itemsize
 
 
 def check_memory_books(value: Any) -> str:
@@ -112,6 +122,7 @@ class Device(abc.ABC):
     """
 
     kind = "abstract"
+    pins_host = False  # host buffers its copies read or write are page-locked (CUDA): GradHomes(pinned=)
     granule = 1  # the allocator's rounding: a storage of n bytes holds n rounded up to this
     default_books = "ops"  # memory_books="auto" on this kind of device
 
@@ -487,12 +498,17 @@ class Device(abc.ABC):
         """Order this device's compute after `events` (from `deferred`)."""
 
     @abc.abstractmethod
-    def download(self, t: torch.Tensor, kind: str) -> Callable[[], torch.Tensor]:
+    def download(self, t: torch.Tensor, kind: str, into: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
         """Start copying `t` (on this GPU: a weight gradient, a buffer's slot) to the host,
         ordered after the compute that made it; returns a thunk that waits for the copy (the
         host blocks there, nowhere else) and gives the host tensor, whose values are `t`'s when
         `download` was called: a later `vacate` and refill of `t`'s slot does not change them.
-        Logs one `kind` d2h copy of `t`'s bytes. The caller frees what it booked for `t`."""
+        Logs one `kind` d2h copy of `t`'s bytes. The caller frees what it booked for `t`.
+
+        `into`: a contiguous host tensor of `t`'s shape (pinned where `pins_host`), possibly of
+        a wider dtype, that the copy is written into and the thunk gives: `t` is converted on
+        this GPU, `WIDEN_CHUNK` elements at a time (the transient booked while it lives), and
+        `into`'s bytes are logged (the runtime's widened gradient downloads: `Runtime._download`)."""
 
     @abc.abstractmethod
     def fetch(self, t: torch.Tensor) -> Callable[[], bool]:

@@ -326,6 +326,18 @@ def check_gradients_download_and_flags(make: Make) -> None:
     _expect(host.device.type == "cpu" and torch.equal(host, torch.full((32,), 0.5)), "download gave wrong values")
     _expect(read() is True, "fetch of a true flag did not read True")
     _expect(_logged(dev, "gradient d2h") == (1, nbytes(host)), f"download logged {_logged(dev, 'gradient d2h')}")
+    # widened on the GPU into a host tensor of the caller's (the overlap's fp32 .grad home)
+    with dev.working(0):
+        h = torch.full((32,), 1 / 3, device=dev.torch_device).to(torch.bfloat16)
+        dev.claim(h, "stage 0's weight gradients")
+    into = torch.empty(32, dtype=torch.float32, pin_memory=dev.pins_host)
+    pending = dev.download(h, "gradient", into=into)
+    want = h.float().cpu()
+    dev.free(nbytes(h))
+    del h
+    _expect(pending() is into and torch.equal(into, want), "a download into= a wider host tensor gave other values")
+    _expect(_logged(dev, "gradient d2h") == (2, nbytes(host) + nbytes(into)),
+            f"a widened download logged {_logged(dev, 'gradient d2h')}, want its fp32 bytes")
     dev.synchronize()
     _expect(dev.current_bytes == base, f"{dev.current_bytes - base} bytes stay booked after the download and free")
 

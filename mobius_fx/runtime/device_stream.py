@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mobius_fx.runtime import host_threads
-from mobius_fx.runtime.device_books import Device, nbytes
+from mobius_fx.runtime.device_books import Device, nbytes, widen_transient
 from mobius_fx.runtime.device_common import SavedInput, check_unchanged
 from mobius_fx.runtime.host_counters import COUNTERS, watch_optimizer_steps
 from mobius_fx.runtime.streams import PENDING, HostWaits, SlotPool, layout, views
@@ -74,6 +74,12 @@ class StreamDevice(Device):
         """A copy of `value` on `device` (cast to `dtype`), issued on `stream` (`src_stream`: the
         source GPU's stream, for a copy between two CUDA devices); the result is allocated now
         and written when the stream gets to it. A copy to the host lands in pinned memory."""
+        raise NotImplementedError
+
+    def _issue_widen(self, stream: Any, value: torch.Tensor, into: torch.Tensor) -> None:
+        """`value` (on this GPU) copied into the host tensor `into` (contiguous, `value`'s
+        shape, a wider dtype, pinned on CUDA), converted on this GPU `WIDEN_CHUNK` elements at a
+        time, issued on `stream`; written when the stream gets to it."""
         raise NotImplementedError
 
     def _copy_in(self, targets: list[torch.Tensor], sources: list[torch.Tensor], last: list[Any]) -> None:
@@ -380,13 +386,23 @@ class StreamDevice(Device):
         for ev in events:
             self.compute_stream.wait_event(ev)
 
-    def _to_host_raw(self, value: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def _to_host_raw(self, value: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """`value` into a pinned host buffer on the download stream, after the compute that made
-        it; the buffer is pending (streams.PENDING) until the returned event."""
+        it (`into`: into that host tensor, widened on this GPU); the buffer is pending
+        (streams.PENDING) until the returned event."""
         made = self._event()
         made.record(self.compute_stream)
         self.download_stream.wait_event(made)
-        host = self._issue_copy(self.download_stream, value, torch.device("cpu"), None)
+        if into is not None:
+            n = widen_transient(value.numel(), into.element_size()) if into.dtype != value.dtype else 0
+            self.alloc(n, "a downloaded gradient widened on the GPU")  # booked while issued (stream-ordered after)
+            try:
+                self._issue_widen(self.download_stream, value, into)
+            finally:
+                self.free(n)
+            host = into
+        else:
+            host = self._issue_copy(self.download_stream, value, torch.device("cpu"), None)
         self._used_by(value, self.download_stream)
         done = self._event()
         done.record(self.download_stream)
@@ -446,9 +462,9 @@ class StreamDevice(Device):
         self.log.add("input", "h2d", nbytes(out))
         return out
 
-    def download(self, t, kind):
-        host, _ = self._to_host_raw(t.detach())
-        self.log.add(kind, "d2h", nbytes(t))
+    def download(self, t, kind, into=None):
+        host, _ = self._to_host_raw(t.detach(), into)
+        self.log.add(kind, "d2h", nbytes(host))
 
         def wait() -> torch.Tensor:
             PENDING.settle(host, kind)

@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from mobius_fx.runtime.device_books import Device, nbytes
+from mobius_fx.runtime.device_books import Device, nbytes, widen_transient
 from mobius_fx.runtime.device_common import CpuRng, SavedInput, check_unchanged
 from mobius_fx.runtime.device_registry import register_device
 
@@ -80,7 +80,17 @@ class VirtualDevice(CpuRng, Device):
         self.log.add("input", "h2d", nbytes(saved.host))
         return saved.host.clone()  # the copy on this GPU (charged to it inside compute())
 
-    def download(self, t, kind):
+    def download(self, t, kind, into=None):
+        if into is not None:  # widened on the GPU, a chunk at a time (the transient booked), into the host tensor
+            n = widen_transient(t.numel(), into.element_size()) if into.dtype != t.dtype else 0
+            self.alloc(n, "a downloaded gradient widened on the GPU")
+            try:
+                with torch.no_grad():
+                    into.view(-1).copy_(t.detach().reshape(-1))
+            finally:
+                self.free(n)
+            self.log.add(kind, "d2h", nbytes(into))
+            return lambda: into
         self.log.add(kind, "d2h", nbytes(t))
         host = t.detach().clone() if kind == "buffer" else t.detach()
         return lambda: host

@@ -195,6 +195,10 @@ class Runtime:
         self.analysed = False  # whether microbatch_outputs.prepare ran (at compile, or at the first call)
         self.output_kinds: list | None = None  # how each output leaf combines (microbatch_outputs.analyse); None: guess
         self.grad_homes = GradHomes()  # host gradient storage kept across steps (the optimizer overlap's hand-over)
+        self._holder_count: dict[int, int] = {}  # id(master) -> how many stages hold it (`widened`)
+        for st in self.stages:
+            for m in {id(m) for m in st.masters}:
+                self._holder_count[m] = self._holder_count.get(m, 0) + 1
         self._from_host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # GPU copy -> its host original
         self._lock = threading.RLock()
         self._anchor = torch.zeros((), requires_grad=True)
@@ -810,11 +814,45 @@ class Runtime:
                 a = step.finite[k]
                 flag = None if a is None or flag is None else (lambda a=a, b=flag: a() and b())
             step.finite[k] = flag
+        widen = bool(acc) and self._widens(step)
         for j, g in acc.items():
+            master = st.masters[j]
+            # widened on the GPU straight into the master's `.grad` home: the host converts nothing
+            into = (self.grad_homes.take(master, pinned=st.device.pins_host)
+                    if widen and self.widened(master, g.dtype) and g.shape == master.shape else None)
             with st.device.log.stage(k):
-                step.pending.append((st.masters[j], st.device.download(g, "gradient")))
+                step.pending.append((master, st.device.download(g, "gradient", into)))
             st.device.free(nbytes(g))
         del acc
+
+    def widens_gradients(self) -> bool:
+        """Whether a backward now would download the weight gradients the optimizer overlap
+        hands over widened to the masters' dtype (fp32) on the GPUs, each straight into the
+        storage the overlap keeps for `.grad` (`GradHomes`, pinned on CUDA): `pipe.overlap(opt,
+        "sync" or "async")` with `keep_grads` (the fp32 `.grad` the loop reads), not speculating,
+        `opt.widen_downloads` on (`OverlapOptimizer.widens`), no data-parallel reducer, a
+        half-precision stream. Then each such gradient costs the GPU->host link the master's
+        bytes (4 per parameter, not 2) and the host no conversion: `.grad` is the download, bit
+        for bit what the host's conversion gave (a widening is exact)."""
+        hook = self.overlap
+        return (hook is not None and self.reducer is None and self.grad_homes is not None
+                and self.dtype is not None and self.dtype.itemsize < 4
+                and bool(getattr(hook, "widens", lambda: False)()) and hook.overlapping())
+
+    def widened(self, master: torch.Tensor, streamed: torch.dtype) -> bool:
+        """Whether `master`'s gradient, streamed in `streamed`, is downloaded widened (when the
+        backward widens at all, `widens_gradients`): a trainable fp32 parameter held by ONE stage
+        (a tied weight's downloads stay in the streamed dtype: the host sums them), streamed
+        narrower. The schedule IR books the same bytes (`Pipeline.schedule_ir`)."""
+        return (isinstance(master, torch.nn.Parameter) and master.requires_grad and master.dtype == torch.float32
+                and streamed.is_floating_point and streamed.itemsize < master.dtype.itemsize
+                and master.is_cpu and self._holder_count.get(id(master), 0) == 1)
+
+    def _widens(self, step: Step) -> bool:
+        """`widens_gradients`, decided once per backward (at its first flush)."""
+        if step.widen is None:
+            step.widen = self._overlaps(step) and self.widens_gradients()
+        return step.widen
 
     def _overlaps(self, step: Step) -> bool:
         """Whether this backward hands complete gradients to the optimizer overlap (decided at

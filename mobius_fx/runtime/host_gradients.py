@@ -18,7 +18,17 @@ import torch
 from mobius_fx.runtime.device_books import nbytes
 from mobius_fx.runtime.host_counters import COUNTERS
 
-__all__ = ["GradHomes", "host_gradient", "sum_downloads", "convert_span", "finite_flag"]
+__all__ = ["GradHomes", "is_home", "host_gradient", "sum_downloads", "convert_span", "finite_flag"]
+
+# Every gradient home (`GradHomes.take`), by id, held weakly: a download written into one (the
+# runtime's widened downloads) is storage kept across steps, not fresh memory (`grad_alloc`).
+_KEPT: dict[int, weakref.ref] = {}
+
+
+def is_home(t: torch.Tensor) -> bool:
+    """Whether `t` is a gradient home some `GradHomes` made (storage kept across steps)."""
+    ref = _KEPT.get(id(t))
+    return ref is not None and ref() is t
 
 
 class GradHomes:
@@ -36,16 +46,24 @@ class GradHomes:
     def __init__(self) -> None:
         self._homes: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
 
-    def take(self, master: torch.Tensor) -> torch.Tensor:
+    def take(self, master: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+        """A home for `master`'s gradient that nobody else holds (made when none is free).
+        `pinned`: one in page-locked memory, which a GPU's download can be copied straight into
+        (the runtime's widened downloads on CUDA, `Runtime._download`)."""
         entry = self._homes.get(id(master))
         if entry is None or entry[0]() is not master:
             entry = self._homes[id(master)] = (weakref.ref(master), [])
         homes = entry[1]
         for i in range(len(homes)):
-            if homes[i].shape == master.shape and homes[i].dtype == master.dtype and _alone(homes[i]):
+            if (homes[i].shape == master.shape and homes[i].dtype == master.dtype and _alone(homes[i])
+                    and (not pinned or homes[i].is_pinned())):
                 return homes[i]
-        home = torch.empty_like(master, memory_format=torch.contiguous_format)
+        if pinned:
+            home = torch.empty(master.shape, dtype=master.dtype, pin_memory=True)
+        else:
+            home = torch.empty_like(master, memory_format=torch.contiguous_format)
         COUNTERS.add("grad_alloc", nbytes(home))
+        _KEPT[id(home)] = weakref.ref(home, lambda _, key=id(home): _KEPT.pop(key, None))
         homes.insert(0, home)
         del homes[self.KEEP:]  # the oldest held elsewhere (a gradient the user kept) is theirs now
         return home
@@ -76,7 +94,8 @@ def sum_downloads(master: torch.Tensor, downloads: Sequence[torch.Tensor],
         if total is None:
             if g.dtype == master.dtype and g.device == master.device:
                 total = g
-                COUNTERS.add("grad_alloc", nbytes(g))  # the download's own buffer, handed on
+                if not is_home(g):  # a download into a gradient home (widened on the GPU) is not new memory
+                    COUNTERS.add("grad_alloc", nbytes(g))  # the download's own buffer, handed on
             else:
                 if homes is not None:
                     total = homes.take(master)

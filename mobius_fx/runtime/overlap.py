@@ -122,12 +122,12 @@ from mobius_fx.kinds import OVERLAP_MODES
 from mobius_fx.runtime import host_optimizer, host_threads
 from mobius_fx.runtime.device_books import nbytes
 from mobius_fx.runtime.host_counters import COUNTERS
-from mobius_fx.runtime.host_gradients import GradHomes, convert_span, sum_downloads
+from mobius_fx.runtime.host_gradients import GradHomes, convert_span, is_home, sum_downloads
 
 __all__ = ["OverlapOptimizer", "HOST_PASS", "ALIGN", "UNIT", "SPAN_UNITS", "SPAN", "WeakHook", "accumulator",
-           "engine_accumulates", "has_grad_hooks", "fingerprint", "partition_owners", "hyper_params", "same_hyper",
-           "called_by_grad_scaler", "grad_scaler_calling", "PER_PARAMETER", "per_parameter", "raw_step", "pre_hooks",
-           "post_hooks",
+           "WIDEN_DOWNLOADS", "engine_accumulates", "has_grad_hooks", "fingerprint", "partition_owners",
+           "hyper_params", "same_hyper", "called_by_grad_scaler", "grad_scaler_calling", "PER_PARAMETER",
+           "per_parameter", "raw_step", "pre_hooks", "post_hooks",
            "stepped_masters"]
 
 log = logging.getLogger("mobius_fx")
@@ -135,6 +135,9 @@ log = logging.getLogger("mobius_fx")
 # ------------------------------------------------------------------ the host pass's switches
 # Whether sync's stage step uses the fused host pass (`host_optimizer`) where it can.
 HOST_PASS = os.environ.get("MOBIUS_FX_HOST_PASS", "1") != "0"
+# The default of `OverlapOptimizer.widen_downloads`: the gradients handed over into the fp32 `.grad`
+# are widened on the GPUs and downloaded straight into it (`Runtime.widens_gradients`).
+WIDEN_DOWNLOADS = os.environ.get("MOBIUS_FX_WIDEN_DOWNLOADS", "1") != "0"
 ALIGN = 64  # bytes: every tensor the compiled pass reads or writes starts at this alignment
 
 
@@ -429,9 +432,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._held: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # async: downloads the update reads
         self._stream_size: dict[int, int] = {}  # async: id(param) -> its downloads' element size
         self._mine: dict[int, torch.Tensor] | None = None  # async: this optimizer's parameters by id (per backward)
-        # False: no fp32 `.grad` from the host pass (4 B per parameter less), only for loops that
-        # do not read or edit `.grad` between backward and step (docs/host_optimizer.md)
-        self.keep_grads = True
+        # keep_grads False: no fp32 `.grad` (2 B per parameter less), only for loops that do not read or
+        # edit `.grad` between backward and step; widen_downloads (`widens`): `.grad` widened on the GPUs
+        self.keep_grads, self.widen_downloads = True, WIDEN_DOWNLOADS  # (docs/host_optimizer.md)
         self._init_speculation(shard)
         if mode == "async":
             self._hook_model()
@@ -861,6 +864,27 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if self._probing:
             self._handed_fp = {i: (g, g._version) for i, (_, g) in grads.items()}
 
+    def widens(self) -> bool:
+        """Whether the runtime may download the gradients this backward hands over widened to
+        the masters' dtype, straight into their `.grad` homes (`Runtime.widens_gradients`): a
+        loop that keeps the fp32 `.grad` (`keep_grads`), stepped by the fused hand-over, sync not
+        speculating (its commit check compares `.grad` with the bf16 download) or async."""
+        return (self.widen_downloads and self.keep_grads and self.fuse and self._error is None
+                and (self.mode == "async" or (self.mode == "sync" and self._speculating is None)))
+
+    def _streamed_size(self, g: torch.Tensor) -> int:
+        """Bytes per element of a download as the pipeline streamed it: a widened download
+        (`widens`) is fp32 on the host but was summed and streamed in the pipeline's dtype."""
+        cast = self._pipeline._rt.dtype
+        if cast is not None and g.is_floating_point() and cast.itemsize < g.element_size() and is_home(g):
+            return cast.itemsize
+        return g.element_size()
+
+    def _widened(self, p: torch.Tensor, gs: list[torch.Tensor]) -> bool:
+        """Whether `p`'s gradient came as one download widened on the GPU into a `.grad` home:
+        the fp32 gradient itself, the pass reads it (`_host_pass`) and nothing converts it."""
+        return len(gs) == 1 and gs[0].dtype == p.dtype and self._streamed_size(gs[0]) < p.element_size()
+
     def overlapping(self) -> bool:
         """Whether this backward steps stages as their gradients complete (sync), or hands their
         gradients over into the fp32 `.grad` as they complete (async with `keep_grads`: `ready`)."""
@@ -904,7 +928,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 downloads = [(p, [g for g in (t() for t in thunks) if g is not None]) for p, thunks in groups]
                 for p, gs in downloads:
                     if gs:
-                        self._stream_size[id(p)] = gs[0].element_size()
+                        self._stream_size[id(p)] = self._streamed_size(gs[0])
                 self._hand(downloads, homes)
 
             self._adds.append(self._submit(self._adder, hand_async))
@@ -1043,12 +1067,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
                            f"next backward or opt.step() refuses until the state is reloaded")
 
     # ------------------------------------------------------------------ sync: a stage's fused step
-    def _fusable(self, p: torch.Tensor, gs: list[torch.Tensor], group: dict, homes: GradHomes | None) -> bool:
+    def _fusable(self, p: torch.Tensor, gs: list[torch.Tensor], group: dict, homes: GradHomes | None,
+                 widened: bool = False) -> bool:
         """Whether `p` can be handed over and stepped span by span (`_step_fused`): its downloads
         need a conversion into a fresh `.grad` (a gradient home), the optimizer is one whose
         update is elementwise and whose state for `p` is made (`_CHUNKED`), and every tensor is
-        contiguous, so a span of each is the same elements."""
-        if homes is None or p.grad is not None or not gs or gs[0].dtype == p.dtype or p.is_sparse:
+        contiguous, so a span of each is the same elements. `widened`: the download is already
+        the fp32 `.grad` (`_widened`), only the host pass may step it (`_step_fused`)."""
+        if homes is None or p.grad is not None or not gs or (gs[0].dtype == p.dtype and not widened) or p.is_sparse:
             return False
         if not p.is_contiguous() or any(not g.is_contiguous() or g.shape != p.shape or g.device != p.device
                                         for g in gs):
@@ -1086,16 +1112,20 @@ class OverlapOptimizer(torch.optim.Optimizer):
         where = {id(q): i for i, g in enumerate(hp) for q in g["params"]}
         fused, whole, passed = [], [], []
         for p, gs in downloads:
-            if id(p) in where and self._fusable(p, gs, hp[where[id(p)]], homes):
+            widened = self._widened(p, gs)
+            if id(p) in where and self._fusable(p, gs, hp[where[id(p)]], homes, widened):
                 kind = self._passable(p, gs, hp[where[id(p)]], homes)
                 if kind is not None:
                     passed.append((p, gs, kind))
+                elif widened:  # the fp32 .grad already: torch's step reads it (the spans' bits, converting nothing)
+                    whole.append((p, gs))
                 else:
                     fused.append((p, gs))
             else:
                 whole.append((p, gs))
         if passed and _raw_step(type(self.inner)) is None:
-            fused += [(p, gs) for p, gs, _ in passed]
+            fused += [(p, gs) for p, gs, _ in passed if not self._widened(p, gs)]
+            whole += [(p, gs) for p, gs, _ in passed if self._widened(p, gs)]
             passed = []
         self._hand(whole, homes)
         params = [p for p, _ in downloads]
@@ -1203,7 +1233,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         written = []
         keep = self.keep_grads
         for p, gs, kind in passed:
-            home = homes.take(p) if keep else None
+            widened = self._widened(p, gs)  # the download is the fp32 .grad (widened on the GPU): read, not written
+            home = gs[0] if widened else homes.take(p) if keep else None
             p.grad = home
             st = state[p]
             step = None
@@ -1215,13 +1246,15 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 entry[3].synchronize()  # the stage's last upload has read the old copy
             flat = {k: (v.view(-1) if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in st.items()}
             ok = host_optimizer.step_span(kind, hp[where[id(p)]], p.detach().view(-1), gs[0].reshape(-1), flat,
-                                          step=step, grad_out=None if home is None else home.view(-1),
+                                          step=step, grad_out=None if home is None or widened else home.view(-1),
                                           copy_out=None if entry is None else entry[2].view(-1))
             if not bool(ok) and self._dirty is None:  # the GPUs said finite: a download went wrong
                 self._dirty = (f"the host pass met a non-finite gradient of a {tuple(p.shape)} parameter that the GPUs "
                                f"had reported finite (a corrupted download) and stepped it")
             if home is None:  # no .grad: the step hooks' version bump (host_counters) skips it
                 torch.autograd.graph.increment_version(p)
+            elif widened:  # beside the optimizer's 28 B/param: the fp32 .grad read where it would read the download
+                COUNTERS.add("grad_read", (p.element_size() - self._streamed_size(gs[0])) * p.numel())
             else:
                 # beside the optimizer's own 28 B/param: the fp32 .grad written (the download read
                 # replaces the fp32 gradient's read, the copy written within the same bytes)
@@ -1437,7 +1470,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         downloads = [g for g in (t() for t in thunks) if g is not None]
         if not downloads or any(g.shape != master.shape or g.is_sparse for g in downloads):
             return False
-        self._stream_size[id(master)] = downloads[0].element_size()
+        self._stream_size[id(master)] = self._streamed_size(downloads[0])
         if self.keep_grads or downloads[0].dtype == master.dtype:
             grad = sum_downloads(master, downloads, homes)
             if grad is None:

@@ -213,13 +213,17 @@ class Pipeline(ModelFace, nn.Module):
     def __reduce_ex__(self, protocol: int):
         raise MobiusError(_NO_COPY.format(op="pickled or saved (pickle, torch.save, copy.copy)"))
 
-    def schedule_ir(self, values: Mapping[str, torch.Tensor] | None = None, *, optimizer: bool = False):
+    def schedule_ir(self, values: Mapping[str, torch.Tensor] | None = None, *, optimizer: bool = False,
+                    widened: bool | None = None):
         """The step this pipeline runs, as the schedule IR (mobius_fx/planning/schedule_ir.py): weight and
         gradient bytes from its GPU slots; activation bytes from `values`, one micro-batch's
         tensor (real or meta) per value name of the traced graph (absent: 0 bytes). A value's
         gradient flows back when it is floating, not a model input, and a floating input or
         parameter of the stage that makes it reaches it (`Runtime.carries_grad`). `transfer_stats(
         last_step=True, by_stage=True)` after a training step equals `ir.bytes_moved()`.
+        `widened`: whether the gradient downloads are widened to the masters' dtype on the GPUs
+        (the optimizer overlap's, `Runtime.widens_gradients`; None: whether a backward now would):
+        then a master one stage holds downloads its fp32 bytes.
         """
         from mobius_fx.planning.schedule_ir import StageIO, build_schedule
 
@@ -232,6 +236,8 @@ class Pipeline(ModelFace, nn.Module):
             raise MobiusError(f"schedule_ir(values=...): values[{bad[0]!r}] is a {type(values[bad[0]]).__name__}, "
                               f"not a tensor; give one micro-batch's tensor (real or meta) per value name")
         values = dict(values or {})
+        if widened is None:
+            widened = self._rt.widens_gradients()
 
         def size(name: str) -> int:
             t = values.get(name)
@@ -252,7 +258,9 @@ class Pipeline(ModelFace, nn.Module):
         rt = self._rt.stages
         ios = StageIO.from_runtime(
             specs, self.schedule.to_host, weight_bytes=[st.weight_bytes for st in rt],
-            grad_bytes=[sum(nbytes(s) for j, s in enumerate(st.slots) if st.is_param[j] and st.masters[j].requires_grad)
+            grad_bytes=[sum(nbytes(s) if not (widened and self._rt.widened(st.masters[j], s.dtype))
+                            else s.numel() * st.masters[j].element_size()
+                            for j, s in enumerate(st.slots) if st.is_param[j] and st.masters[j].requires_grad)
                         for st in rt],
             size=lambda ref: size(value(ref)),
             carries_grad=lambda ref: (ref.stage >= 0 and floating(value(ref))

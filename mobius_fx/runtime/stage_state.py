@@ -117,6 +117,10 @@ class Step:
         # are finite, computed on its GPU before the download (None: the device cannot; the
         # optimizer then reads the gradients on the host)
         self.finite: dict[int, Any] = {}
+        # whether this backward downloads the optimizer overlap's gradients widened to the masters'
+        # dtype on the GPUs, straight into their `.grad` homes (decided at its first flush:
+        # `Runtime._widens`)
+        self.widen: bool | None = None
         # per stage, the version counter of each of its parameters when its first forward call
         # ran: its backward recomputes from the masters, so one changed since is refused
         self.param_versions: dict[int, list[tuple[int, int]]] = {}

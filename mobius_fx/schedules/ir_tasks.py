@@ -96,10 +96,13 @@ def _copy_task(ctx: Context, ir: ScheduleIR, o: Op, c: Costs, tag: str, after: l
     if HOST in (o.src, o.dst) and o.kind != "collective":
         home = ctx.home((gpu, o.stage) if ir.sharded else o.stage, gpu)
     kind = "collective" if o.kind == "collective" else TRANSFER_KIND[o.kind]
-    t = ctx.move(f"{gpu}/{stream}", (slot, o.index), o.src, o.dst, o.bytes, f"{o.kind} {tag}",
+    nbytes = o.bytes
+    if o.kind == "download" and o.what == "gradient" and ir.host_optimizer == "user":  # widened on the GPU (fp32)
+        nbytes *= getattr(ctx, "down_scale", 1.0)
+    t = ctx.move(f"{gpu}/{stream}", (slot, o.index), o.src, o.dst, nbytes, f"{o.kind} {tag}",
                  after=after + ([pin] if pin is not None else []), after_start=starts,
                  need=(copy_need(o, len(ir.stages)) if o.need is None else (o.need,)), home=home,
-                 kind=kind, phase=o.phase, gpu=gpu, stage=o.stage, microbatch=o.microbatch)
+                 kind=kind, phase=o.phase, gpu=gpu, stage=o.stage, microbatch=o.microbatch, planned=int(o.bytes))
     return t, pin
 
 
@@ -136,7 +139,9 @@ def check_transfers(ctx: Context) -> None:
     ours: Counter = Counter()
     for t in ctx.tasks:
         if t.meta.get("kind") in ("prefetch", "activation", "gradient"):
-            ours[(t.meta["kind"], t.meta["phase"], t.meta["stage"], t.meta["src"], t.meta["dst"], t.meta["bytes"])] += 1
+            # the plan's bytes as streamed (`planned`: a widened gradient download moves down_scale x them)
+            ours[(t.meta["kind"], t.meta["phase"], t.meta["stage"], t.meta["src"], t.meta["dst"],
+                  t.meta.get("planned", t.meta["bytes"]))] += 1
     theirs: Counter = Counter()
     for t in ctx.plan.transfers:
         if t.kind != "evict" and t.bytes > 0 and t.src != t.dst:

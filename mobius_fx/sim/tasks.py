@@ -16,7 +16,8 @@ from typing import Any
 from mobius_fx.sim.network import Link, Task
 from mobius_fx.planning.plans import Plan
 from mobius_fx.kinds import HOST
-from mobius_fx.planning.host_step import HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, TOUCHED_BYTES, host_copy_bytes, host_pass_bytes
+from mobius_fx.planning.host_step import (HOST_COPY_BANDWIDTH, HOST_COPY_KINDS, TOUCHED_BYTES, download_scale,
+                                         host_copy_bytes, host_pass_bytes)
 
 __all__ = ["Costs", "Context", "cpu_optimizer", "gpu_optimizer", "ring_allreduce_time", "gradient_allreduce",
            "NETWORK_LATENCY", "MASTERS"]
@@ -72,7 +73,7 @@ class Context:
                  masters: str = MASTERS, deepspeed_adam_bw: float | None = None,
                  overlap: str = "none", servers: int = 1, network: float = float("inf"),
                  network_latency: float = NETWORK_LATENCY, copy_bw: float = HOST_COPY_BANDWIDTH,
-                 copies: dict[str, float] | None = None, keep_grads: bool = True):
+                 copies: dict[str, float] | None = None, keep_grads: bool = True, widen: bool = True):
         self.plan, self.topo, self.optimizer, self.cpu_bw = plan, topo, optimizer, cpu_bw
         self.overlap = overlap  # one of kinds.OVERLAP_MODES: when the CPU optimizer steps (see cpu_optimizer)
         self.copy_bw = copy_bw
@@ -106,13 +107,18 @@ class Context:
                              [f"s{s.index}" for s in st])
         self.streamed = 4.0 * self.scale  # streamed bytes per element
         self.keep_grads = keep_grads  # the overlap's fp32 .grad (OverlapOptimizer.keep_grads): host_copy_bytes
+        self.widen = widen  # the overlap's widened downloads (OverlapOptimizer.widen_downloads): host_step
         self.given_copies = dict(copies or {})
         self.copies = self.copies_for(overlap)
+        # the gradient downloads' bytes on the links per byte as streamed: 2 where the runtime widens
+        # them to fp32 on the GPUs (sync / async keeping .grad, half precision: `download_scale`)
+        self.down_scale = download_scale(overlap, self.streamed, servers, keep_grads, widen)
 
     def copies_for(self, overlap: str) -> dict[str, float]:
         """Host copy kind -> its bytes per 4 master bytes under `overlap` (`host_copy_bytes`, as
         the runtime makes them), overridden by the `copies` given."""
-        out = {k: float(host_copy_bytes(k, self.streamed, self.optimizer, overlap, self.servers, self.keep_grads))
+        out = {k: float(host_copy_bytes(k, self.streamed, self.optimizer, overlap, self.servers, self.keep_grads,
+                                        self.widen))
                for k in HOST_COPY_KINDS}
         out.update(self.given_copies)
         return out

@@ -27,9 +27,12 @@ pytestmark = pytest.mark.usefixtures("trace_cache")  # tests/conftest.py: each m
 @pytest.fixture(autouse=True)
 def _span_path(monkeypatch):
     """These tests cover the span-by-span hand-over with its refresh pass: the path of optimizers
-    the fused host pass does not step, and of every one where it cannot be built. The pass
-    (on by default) is tested in test_overlap_host_pass.py."""
+    the fused host pass does not step, and of every one where it cannot be built, for bf16
+    downloads (the widened ones are the fp32 `.grad` already: torch's step reads them whole). The
+    pass (on by default) is tested in test_overlap_host_pass.py, the widened downloads in
+    test_overlap_widened.py."""
     monkeypatch.setattr(overlap, "HOST_PASS", False)
+    monkeypatch.setattr(overlap, "WIDEN_DOWNLOADS", False)
 
 
 def _loss(out, x):
@@ -96,10 +99,11 @@ def test_steady_sync_steps_pin_nothing_and_reuse_gradient_storage(tmp_path):
     assert torch.equal(kept, kept_value)  # step 4 did not write into the gradient the user kept
 
 
-@pytest.mark.parametrize("opt_name,span", [("adamw", 100), ("adamw-fused", overlap.UNIT),
-                                           ("adam-amsgrad-groups", 100), ("sgd-momentum", 100), ("sgd", 1000)])
+@pytest.mark.parametrize("opt_name,span,widen", [("adamw", 100, False), ("adamw-fused", overlap.UNIT, False),
+                                                 ("adam-amsgrad-groups", 100, False), ("sgd-momentum", 100, False),
+                                                 ("sgd", 1000, False), ("adamw", 100, True)])
 def test_the_fused_hand_over_steps_bit_for_bit_as_serial_and_nothing_outside_the_optimizer(
-        tmp_path, monkeypatch, opt_name, span):
+        tmp_path, monkeypatch, opt_name, span, widen):
     """Steady sync steps of a bf16-streamed pipeline: the gradients reach `.grad` inside the
     stage's optimizer step, span by span (spans of 100 elements here: parameters cut mid-way, at
     no vector width, and small ones batched together; whole units of the fused kernel for
@@ -108,6 +112,7 @@ def test_the_fused_hand_over_steps_bit_for_bit_as_serial_and_nothing_outside_the
     optimizer (<= 1 byte per parameter per step: 0 measured, no conversion, no finiteness read on
     the host)."""
     monkeypatch.setattr(overlap, "SPAN", span)
+    monkeypatch.setattr(overlap, "WIDEN_DOWNLOADS", widen)  # True: the fp32 .grad from the GPUs, torch's step
     vocab = 2 * overlap.UNIT // 32 if span == overlap.UNIT else 64
     model, twin, data, pipe, ref_pipe, opt, ref = _fused_pair(tmp_path, opt_name, vocab)
     params = list(model.parameters())
@@ -131,7 +136,10 @@ def test_the_fused_hand_over_steps_bit_for_bit_as_serial_and_nothing_outside_the
         if j >= 2:  # the probe (0) and the first overlapping step (1) are behind
             assert opt.stepped_in_backward == len(params)
             assert HostCounters.outside_optimizer(mine) <= n, mine  # <= 1 byte per parameter
-            assert mine["finite_check"] == 0 and mine["grad_fused"] >= 6 * n, mine
+            tied = sum(p.numel() for p in params if p.dim() == 2 and p.shape[0] == vocab)
+            # the bf16 downloads converted span by span (6 B); widened: only the tied weight's two (16 B)
+            assert mine["finite_check"] == 0, mine
+            assert (mine["grad_fused"] == 16 * tied) if widen else (mine["grad_fused"] >= 6 * n), mine
     for p, q in zip(params, twin.parameters()):  # the state too (Adam's step counts, moments)
         for (k, v), (k2, w) in zip(opt.state[p].items(), ref.state[q].items()):
             assert k == k2 and torch.equal(v, w), k

@@ -223,10 +223,10 @@ def test_cli_plans_given_cuts(tiny_factory, capsys):
 
 def test_cli_compares_with_the_optimizer_overlap_asked_for(tiny_factory, capsys):
     # The comparison's step column follows --optimizer-overlap: "async" hides an optimizer
-    # faster than the pipeline behind it (its one fused pass runs beside the pipeline), and with
-    # --no-keep-grads (no fp32 .grad, no hand-over) the step is the pipeline; by default the
-    # main thread's hand-over into .grad follows the pipeline; "none" adds the hand-over and the
-    # optimizer after it.
+    # faster than the pipeline behind it (its one fused pass runs beside the pipeline): the step is
+    # the pipeline, by default (the fp32 .grad widened on the GPUs: no hand-over, the downloads 4 B
+    # per parameter) and with --no-keep-grads (no fp32 .grad, bf16 downloads: never a longer one);
+    # "none" adds the hand-over and the optimizer after it.
     argv = ["plan", "--model", "plan_cuts_models:tiny", "--topology", "mobius-testbed", "--batch", "8", "--quiet",
             "--cuts", "1,3", "--adam-gbps", "1000"]
     def parse_time(text):  # fmt_time's "36 us", "1.2 ms", "3 s"
@@ -241,9 +241,9 @@ def test_cli_compares_with_the_optimizer_overlap_asked_for(tiny_factory, capsys)
         fwd_bwd, step = (" ".join(x) for x in (lambda f: (f[1:3], f[3:5]))(
             next(line for line in out.splitlines() if line.startswith("mobius ")).split()))
         steps[mode] = parse_time(step)
-        assert (parse_time(step) > parse_time(fwd_bwd)) if mode != "async-bare" else (step == fwd_bwd), \
+        assert (parse_time(step) > parse_time(fwd_bwd)) if mode == "none" else (step == fwd_bwd), \
             (mode, fwd_bwd, step)
-    assert steps["async-bare"] < steps["async"] < steps["none"], steps
+    assert steps["async-bare"] <= steps["async"] < steps["none"], steps
 
 
 @pytest.mark.parametrize("value, rule", [("1,x", "comma-separated layer indices"),

@@ -457,19 +457,27 @@ def test_the_host_copies_are_where_the_runtime_makes_them(testbed_plan):
     assert h.end - h.start == pytest.approx(total / 4 * (s + 4) / HOST_COPY_BANDWIDTH)
     assert o.end - o.start == pytest.approx(total / 4 * 28 / CPU_ADAM_BANDWIDTH) and o.start >= h.end - 1e-12
     # "sync" with half-precision gradients: per stage ONE fused pass (runtime/host_optimizer.py):
-    # reads the s-byte download, p, m, v (s + 12), writes p, m, v, the s-byte streamed copy and
-    # the fp32 .grad (12 + s + 4): 28 + 4 B in bf16/fp16, at the optimizer's speed; no host copy
+    # reads the fp32 .grad the GPUs widened and downloaded into it (4 B), p, m, v (12), writes p, m,
+    # v and the s-byte streamed copy (12 + s): 28 + 4 - s B (30 in bf16/fp16), at the optimizer's
+    # speed; no host copy. The gradient downloads carry 4 B per parameter
     sync = simulate(testbed_plan, optimizer_overlap="sync")
     assert sync.host_copy_time == 0 and not [e for e in sync.events if e.kind == "host-copy"]
     for k in (k for k in master if master[k] > 0):
         (o,) = [e for e in events(sync, "optimizer") if e.stage == k]
         assert o.stream == "host/optimizer"
-        assert o.end - o.start == pytest.approx(master[k] / 4 * (12 + s + 12 + s + 4) / CPU_ADAM_BANDWIDTH)
-    assert sync.host_busy == pytest.approx(total / 4 * 32 / CPU_ADAM_BANDWIDTH)
+        assert o.end - o.start == pytest.approx(master[k] / 4 * (12 + 4 + 12 + s) / CPU_ADAM_BANDWIDTH)
+        assert sum(e.bytes for e in events(sync, "gradient", stage=k)) == pytest.approx(master[k], abs=8)
+    assert sync.host_busy == pytest.approx(total / 4 * (28 + 4 - s) / CPU_ADAM_BANDWIDTH)
+    # widen_downloads=False (opt.widen_downloads = False): s-byte downloads, the pass reads them and
+    # writes the fp32 .grad (12 + s + 12 + s + 4: 28 + 4 B)
+    narrow = simulate(testbed_plan, optimizer_overlap="sync", widen_downloads=False)
+    assert narrow.host_busy == pytest.approx(total / 4 * 32 / CPU_ADAM_BANDWIDTH)
+    assert sum(e.bytes for e in events(narrow, "gradient")) == pytest.approx(total * s / 4, abs=64)
     # keep_grads=False: no .grad written, 28 B (and so host_copies={"grad": 0})
     nograd = simulate(testbed_plan, optimizer_overlap="sync", keep_grads=False)
     assert nograd.host_busy == pytest.approx(total / 4 * 28 / CPU_ADAM_BANDWIDTH)
-    assert simulate(testbed_plan, optimizer_overlap="sync", host_copies={"grad": 0}).host_busy == nograd.host_busy
+    assert simulate(testbed_plan, optimizer_overlap="sync", host_copies={"grad": 0}).host_busy == \
+        pytest.approx(nograd.host_busy, rel=1e-12)
     # "async", keep_grads=False: the same fused pass out of place (28 B) reading the held
     # downloads, from the start, beside the pipeline; no shadow copy, hand-over or pin: the step
     # is max(pipeline, pass)
@@ -478,10 +486,16 @@ def test_the_host_copies_are_where_the_runtime_makes_them(testbed_plan):
     assert not [e for e in r.events if e.kind == "host-copy"] and opt.start == 0.0
     assert opt.end - opt.start == pytest.approx(total / 4 * 28 / CPU_ADAM_BANDWIDTH)
     assert r.step_time == pytest.approx(max(r.pipeline_time, opt.end))
-    # "async" by default (keep_grads): each stage's downloads converted into the fp32 .grad once
+    # "async" by default (keep_grads, widened downloads): the .grad comes from the GPUs in fp32, no
+    # hand-over; the pass reads it (4 - s bytes more than the download)
+    wide = simulate(testbed_plan, optimizer_overlap="async")
+    (opt,) = events(wide, "optimizer")
+    assert not [e for e in wide.events if e.kind == "host-copy"]
+    assert opt.start == 0.0 and opt.end - opt.start == pytest.approx(total / 4 * (28 + 4 - s) / CPU_ADAM_BANDWIDTH)
+    # "async" with widen_downloads=False: each stage's downloads converted into the fp32 .grad once
     # they landed (read s, write 4), on one thread in landing order, while the GPUs go on; the
     # pass reads that .grad (4 - s bytes more)
-    kept = simulate(testbed_plan, optimizer_overlap="async")
+    kept = simulate(testbed_plan, optimizer_overlap="async", widen_downloads=False)
     (opt,), handed = events(kept, "optimizer"), copies(kept, "hand-over")
     assert opt.start == 0.0 and opt.end - opt.start == pytest.approx(total / 4 * (28 + 4 - s) / CPU_ADAM_BANDWIDTH)
     assert sorted(h.stage for h in handed) == sorted(k for k in master if master[k] > 0)
@@ -570,16 +584,19 @@ def test_a_synchronous_overlap_steps_each_stage_once_its_gradients_have_landed(t
     for e in steps:
         assert e.start >= grads_done[e.stage] - 1e-12
     work = lambda r: sum(e.end - e.start for e in r.events if e.kind == "optimizer")
-    # the same step, as one fused pass: the s-byte download read instead of a 4-byte gradient, the
-    # s-byte streamed copy and the 4-byte fp32 .grad written (28 - 4 + 2s + 4 against torch's 28)
+    # the same step, as one fused pass: the fp32 .grad the GPUs widened read (4 B, as torch's), the
+    # s-byte streamed copy written (28 + s against torch's 28)
     s = testbed_plan.precision.stream_bytes
-    fused = TOUCHED_BYTES["adam"] - 4 + 2 * s + 4
+    fused = TOUCHED_BYTES["adam"] + s
     assert work(sync) == pytest.approx(work(serial) * fused / TOUCHED_BYTES["adam"], rel=1e-9)
-    # sync's step refreshes the streamed copies, so its uploads stage nothing: never a slower pipeline,
-    # the same one when nothing is pinned in either
-    assert sync.pipeline_time <= serial.pipeline_time
+    # sync's step refreshes the streamed copies, so its uploads stage nothing: never a slower pipeline
+    # with the same downloads (widen_downloads=False: s-byte ones), the same one when nothing is
+    # pinned in either; the widened downloads (4 B) never make it faster
+    narrow = simulate(testbed_plan, schedule=schedule, optimizer_overlap="sync", widen_downloads=False)
+    assert narrow.pipeline_time <= serial.pipeline_time and narrow.pipeline_time <= sync.pipeline_time + 1e-12
     bare = {"pin": 0}
-    assert simulate(testbed_plan, schedule=schedule, optimizer_overlap="sync", host_copies=bare).pipeline_time == \
+    assert simulate(testbed_plan, schedule=schedule, optimizer_overlap="sync", host_copies=bare,
+                    widen_downloads=False).pipeline_time == \
         pytest.approx(simulate(testbed_plan, schedule=schedule, host_copies=bare).pipeline_time, rel=1e-12)
     # the per-stage passes end sooner than one step after the pipeline, with the host copies
     # serial mode makes and without them
@@ -692,7 +709,9 @@ def test_all_reduces_run_one_at_a_time_in_the_order_stages_complete(testbed_plan
 def test_an_infinitely_fast_network_scales_perfectly(testbed_plan, mode):
     from mobius_fx.sim.report import cluster
 
-    one = simulate(testbed_plan, optimizer_overlap=mode)
+    # data parallel downloads the gradients as streamed (the reducer sums them on the host: no
+    # widened downloads), so one server is compared without them
+    one = simulate(testbed_plan, optimizer_overlap=mode, widen_downloads=False)
     if mode == "sync":  # data-parallel sync takes the runtime's unfused host path (gradients reduced on
         # the host: no finite flag from the GPUs), so compare with 2 servers
         one = simulate(testbed_plan, optimizer_overlap=mode, servers=2, network=math.inf)
@@ -702,9 +721,9 @@ def test_an_infinitely_fast_network_scales_perfectly(testbed_plan, mode):
         assert simulate(testbed_plan, optimizer_overlap=mode, servers=servers, network=1e18).step_time == \
             pytest.approx(one.step_time, rel=1e-6)
     c = cluster(testbed_plan, 8, math.inf, tokens=1000, optimizer_overlap=mode)
-    base = c.efficiency(2)  # 1 but for sync's unfused data-parallel host path
+    base = c.efficiency(2)  # 1 but for sync's unfused data-parallel host path and one server's widened downloads
     assert sorted(c.results) == [1, 2, 4, 8] and all(c.efficiency(r) == pytest.approx(base) for r in c.results
-                                                     if r > 1) and (mode == "sync" or base == pytest.approx(1.0))
+                                                     if r > 1) and (mode != "none" or base == pytest.approx(1.0))
     slow = cluster(testbed_plan, 4, "10Gbps", tokens=1000, optimizer_overlap=mode)
     assert slow.efficiency(4) < slow.efficiency(2) < 1.0
     assert slow.throughput(4) == pytest.approx(4 * 1000 / slow.results[4].step_time)
@@ -712,8 +731,9 @@ def test_an_infinitely_fast_network_scales_perfectly(testbed_plan, mode):
 
 def test_the_all_reduce_delays_its_stages_optimizer_step_in_sync_mode(testbed_plan):
     # Each stage steps once its averaged gradients are back, not when they land from the GPUs;
-    # a slower network delays the steps and the step, never the pipeline.
-    one = simulate(testbed_plan, optimizer_overlap="sync")
+    # a slower network delays the steps and the step, never the pipeline (one server's downloads as
+    # streamed: data parallel does not widen them).
+    one = simulate(testbed_plan, optimizer_overlap="sync", widen_downloads=False)
     r = simulate(testbed_plan, optimizer_overlap="sync", servers=4, network="10Gbps")
     reduced = {e.stage: e for e in events(r, "allreduce")}
     steps = events(r, "optimizer")
