@@ -34,7 +34,8 @@ def one_switch(gpus: int) -> Topology:
 def test_the_async_hand_overs_start_when_the_simulated_gradients_land():
     # benchmarks/plan_quality.py's link-bound case as 8 equal layers of 450 MB (fp32 masters,
     # 225 MB streamed in fp16), one per stage on 4 GPUs behind a switch, 4 micro-batches, under
-    # "async" with the fp32 .grad kept: one thread converts each stage's downloads into it as they
+    # "async" with the fp32 .grad kept and bf16 downloads (`widen_downloads=False`; widened
+    # downloads leave the host nothing to convert): one thread converts each stage's downloads into it as they
     # land (27.5 GB/s), so the step ends with that chain, which starts at the landings. The
     # downloads share the uplink with the backward weight uploads, which the simulator serves
     # first, so the downloads get what the duplex budget leaves (0.44 of their speed). Measured:
@@ -44,12 +45,12 @@ def test_the_async_hand_overs_start_when_the_simulated_gradients_land():
     layers = [LayerCost(f"h{i}", (f"n{i}",), 1.0, 1.0, 6e-3, 18e-3, int(450e6), int(450e6), int(8e6), int(50e6))
               for i in range(8)]
     cuts, m = tuple(range(8)), 4
-    host = HostPass.of(topo, 2, "adamw", "async")
+    host = HostPass.of(topo, 2, "adamw", "async", widen=False)
     prob = PartitionProblem.from_topology(layers, topo, microbatches=m, host=host, precision=FP16, input_bytes=1000)
     ev = evaluate(prob, cuts)
     plan = build_plan(layers, cuts, order=[g.name for g in topo.gpus], topology=topo, microbatches=m,
                       step_time=ev.makespan, input_bytes=1000, precision=FP16)
-    r = simulate(plan, optimizer_overlap="async", keep_grads=True, host_copies={"pin": 0})
+    r = simulate(plan, optimizer_overlap="async", keep_grads=True, widen_downloads=False, host_copies={"pin": 0})
     assert r.step_time > r.pipeline_time * 1.1  # the hand-overs end the step
     assert 0.94 <= ev.makespan / r.step_time <= 1.00, (ev.makespan, r.step_time)
 
