@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import itertools
 import math
-import tempfile
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +32,10 @@ from mobius_fx.tracing import trace
 from mobius_fx.precision import Precision
 from mobius_fx.zoo import GPT, GPTConfig, mlp, nanogpt, nanogpt_inputs
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# The trace cache on (tests/conftest.py): each zoo model is traced once for the module, by
+# `smallest_budget`, and its compiles read the graph back (tracing is not what this checks:
+# tests/unit/test_trace_cache.py does). Plans are cached in the module's folder too.
+pytestmark = pytest.mark.usefixtures("one_thread", "trace_cache")
 
 FRACTION = 0.9  # compile's default memory_fraction
 
@@ -73,7 +77,8 @@ def smallest_budget(name: str, gpus: int, dtype, costs: str) -> int:
     if key not in _SMALLEST:
         model, args, _ = _zoo(name)
         precision = Precision.of_model(model, dtype)
-        layers = annotate(trace(model, example_inputs=args), example_inputs=args, costs=costs, precision=precision)
+        gm = trace(model, example_inputs=args, cache_dir=Path(os.environ["MOBIUS_FX_CACHE"]) / "traces")
+        layers = annotate(gm, example_inputs=args, costs=costs, precision=precision)
         sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters(remove_duplicate=False)}
         inputs = sum(t.numel() * t.element_size() for t in args)
         prob = PartitionProblem.from_topology(layers, Topology.virtual(gpus=gpus, memory=2**40), microbatches=gpus,
@@ -93,10 +98,8 @@ def smallest_budget(name: str, gpus: int, dtype, costs: str) -> int:
 def test_a_plan_compile_accepts_runs_within_its_budget_and_its_planned_peaks(name, gpus, dtype, costs, factor):
     budget = int(smallest_budget(name, gpus, dtype, costs) * factor)
     model, args, loss = _zoo(name)
-    with tempfile.TemporaryDirectory() as plans:
-        pipe = mobius_fx.compile(model, Topology.virtual(gpus=gpus, memory=budget), example_inputs=args,
-                                 microbatches=gpus, costs=costs, dtype=dtype, verbose=False, device="virtual",
-                                 cache_dir=plans)
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=gpus, memory=budget), example_inputs=args,
+                             microbatches=gpus, costs=costs, dtype=dtype, verbose=False, device="virtual")
     loss(pipe(*args)).backward()  # no BudgetError
     plan, m, n = pipe.plan, pipe.plan.microbatches, gpus
     # Every GPU's books within the memory the plan may use (memory_fraction of its budget).

@@ -365,13 +365,18 @@ def test_view_nodes_move_no_bytes_and_take_no_time():
 
 @pytest.mark.slow
 def test_gpt3_8b_on_meta_is_annotated_at_planner_scale():
+    """GPT-3 8B's shapes (hidden 3072, vocab 50257, 8 x 1024 tokens) on 12 of its 72 blocks: ~6 GB of
+    weights, past 32-bit byte counts; the 72 blocks are traced, annotated and planned by
+    tests/unit/test_plan_api.py::test_gpt3_8b_on_the_paper_server_plans_in_under_a_minute."""
+    blocks = 12
     with torch.device("meta"):
-        model = nanogpt(hidden=3072, blocks=72, vocab=50257, seq=1024, heads=24)
+        model = nanogpt(hidden=3072, blocks=blocks, vocab=50257, seq=1024, heads=24)
     inputs = nanogpt_inputs(model, batch=8, device="meta")
     gm = trace(model, example_inputs=inputs, dynamic_batch=False)  # static shapes export faster
     layers = annotate(gm, example_inputs=inputs)
-    assert len(layers) == 72 + 2
-    assert sum(layer.param_bytes for layer in layers) == unique_param_bytes(model)  # ~31 GiB, tied once
+    assert len(layers) == blocks + 2
+    assert unique_param_bytes(model) > 2**32
+    assert sum(layer.param_bytes for layer in layers) == unique_param_bytes(model)  # ~6 GB, tied once
     assert len({layer.signature for layer in layers[1:-1]}) == 1
     block = layers[1]
     assert block.fwd_flops == pytest.approx(24 * 8 * 1024 * 3072**2 + 4 * 8 * 1024**2 * 3072, rel=0.01)

@@ -56,5 +56,8 @@ def test_gpu_check_dry_run_from_the_checkout(checkout):
 
 
 def test_an_example_runs_from_the_checkout(checkout):
+    """examples/lora.py, from the checkout: its own asserts (frozen weights get no gradient, stay
+    unchanged, and only the adapters' gradient bytes are sent back) pass, and it says so last."""
     r = _run(checkout, "examples/lora.py")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "never sent back" in r.stdout.splitlines()[-1]

@@ -19,6 +19,9 @@ import mobius_fx
 from mobius_fx import Topology
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+# The script's model, traced once for the module (tests/conftest.py): its dry runs and virtual runs
+# compile the same model again and again; tracing is not what this checks (test_trace_cache.py does).
+pytestmark = pytest.mark.usefixtures("trace_cache")
 
 
 def _load():

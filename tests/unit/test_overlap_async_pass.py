@@ -39,7 +39,7 @@ def _pair(tmp_path, make, keep_grads=True, steps=6):
     twin = copy.deepcopy(model)
     data = [nanogpt_inputs(model, batch=4, seed=s) for s in range(steps)]
     topo = Topology.virtual(gpus=2, memory=8 * sum(p.numel() * 4 for p in model.parameters()))
-    kw = dict(example_inputs=data[0], microbatches=2, cuts=[1, 2], cache_dir=str(tmp_path), verbose=False,
+    kw = dict(example_inputs=data[0], microbatches=2, cuts=[1, 2], verbose=False,  # the module's cache: traced once
               dtype=torch.bfloat16, device="virtual-async")
     pipe, ref_pipe = mobius_fx.compile(model, topo, **kw), mobius_fx.compile(twin, topo, **kw)
     opt = pipe.overlap(make(model.parameters()), mode="async")

@@ -1,6 +1,7 @@
 """The schedule IR (mobius_fx/planning/schedule_ir.py): the order and the bytes of a step, and the plan's
 transfer table as a sum over it."""
 
+import functools
 from collections import defaultdict
 
 import pytest
@@ -298,9 +299,23 @@ def _cases():
     yield "hf-llama-3on2", llama, gm, [names[:h], names[h:2 * h], names[2 * h:]], ["gpu0", "gpu1", "gpu0"], ids
 
 
-@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
+# The cases are built when a test first runs, not at import: test_executor, test_train_step and
+# test_conformance_props import this module's helpers (as tests.unit.test_schedule_ir, a second copy of
+# the module), and building them there traced the hf-llama and GPTs again at every collection.
+CASES = ("residual-4on2", "residual-7on3", "residual-3on1", "skip-4on2", "tied-gpt-3on2", "frozen-2on2",
+         "frozen-4on2", "lora-gpt-3on2", "hf-llama-3on2")
+
+
+@functools.lru_cache(maxsize=None)
+def _built() -> dict:
+    cases = {c[0]: c for c in _cases()}
+    assert tuple(cases) == CASES, tuple(cases)
+    return cases
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_the_runtime_moves_exactly_what_its_schedule_ir_says(case):
-    _, model, gm, nodes, gpus, inputs = case
+    _, model, gm, nodes, gpus, inputs = _built()[case]
     m = 2
     pipe = build_pipeline(model, gm, stage_nodes=nodes, stage_gpus=gpus, gpu_budgets={}, microbatches=m,
                           example_inputs=inputs, device="virtual")
