@@ -304,7 +304,8 @@ def test_moved_module_moves_the_constants_that_are_not_weights_and_leaves_the_st
 def test_copies_on_two_other_devices_keep_the_stages_own_constants_and_move_their_own():
     """`StageState.copy_on` onto cuda:1, then cuda:2 (fake): the stage's own constants
     (`consts`, bound back when it runs) are its CPU ones, not those the first copy bound into
-    the leaf module both share; the second copy's are all on cuda:2."""
+    the leaf module both share; the second copy's are all on cuda:2; the stage's module is left
+    with its own (the executor's first op on a stage's own GPU binds nothing: `_use`)."""
     from types import SimpleNamespace
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -326,6 +327,7 @@ def test_copies_on_two_other_devices_keep_the_stages_own_constants_and_move_thei
         for i, copy in enumerate(copies, 1):
             assert {t.device for _, _, t in copy.consts} == {torch.device("cuda", i)}, i
             assert len(copy.consts) == len(st.consts)
+    assert {t.device for _, t in named_tensors(gm)} == {cpu}  # copy_on leaves the stage as it found it
     st.bind_slots()
     assert {t.device for _, t in named_tensors(gm)} == {cpu}
     torch.testing.assert_close(gm(torch.ones(2, 4)), WithConstants().eval()(torch.ones(2, 4)))
