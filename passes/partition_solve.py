@@ -157,14 +157,14 @@ class _Search:
 
     def seed(self, cands: Sequence[int], hint: Sequence[int] | None = None) -> None:
         """Every count's closed-form bound and its balanced cuts (one evaluation or two), or
-        `hint` for its count when it fits and scores better."""
+        `hint` for its count when it fits and the seed does not or scores worse."""
         self.states = {s: _Candidate(s, bound=stage_count_bound(self.problem, s, self.fast)) for s in cands}
         seeds = {s: seed_cuts(self.fast, s) for s in cands}
         hint = list(hint or ())
         if hint and hint[0] == 0 and hint == sorted(set(hint)) and hint[-1] < len(self.problem.layers) \
                 and len(hint) in seeds:
             score = self.fast.score(list(hint))
-            if score[0] == 0 and score[1] < seeds[len(hint)][1][1]:
+            if score[0] == 0 and tuple(score) < tuple(seeds[len(hint)][1]):  # fits; a seed that does not loses
                 seeds[len(hint)] = (list(hint), score)
         for s, (cuts, (viol, makespan)) in seeds.items():
             if viol == 0:

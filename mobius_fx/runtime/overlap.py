@@ -796,11 +796,14 @@ class OverlapOptimizer(torch.optim.Optimizer):
             return
         for p in self._params():
             self._watch(p)
-        if self._backwards > 1 and self._speculating is not None:
-            # speculating, a backward with no opt.step() since the last: that round's speculative
+        if self._backwards > 1:
+            # a backward with no opt.step() since the last. Speculating: that round's speculative
             # steps are dropped (the state is the old one: nothing to undo). A loop that skipped the
-            # step (a non-finite loss or norm) and zeroed the gradients starts a new round.
-            self._spec = {}
+            # step (a non-finite loss or norm, a GradScaler's inf: often fp16's first steps) and
+            # zeroed the gradients starts a new round where nothing was stepped in place (the probe
+            # too: it probes again), speculating or not.
+            if self._speculating is not None:
+                self._spec = {}
             if not self._stepped and all(p.grad is None for p in self._params()):
                 self._backwards, self._handed, self._nonfinite, self._hp = 1, set(), False, None
                 self._after_backward = {}

@@ -357,10 +357,10 @@ class Pipeline(ModelFace, nn.Module):
         form = self.__dict__.get("schedule_form")
         if form is None or form[1] is None:
             return None
-        from mobius_fx.runtime.executor import away_from_home, step_ir
+        from mobius_fx.runtime.executor import away_from_home, built_step
 
         copies: dict[int, set[str]] = {}
-        for k, g in away_from_home(step_ir(self, form[1]), [spec.gpu for spec in self.schedule.stages]):
+        for k, g in away_from_home(built_step(self)[0], [spec.gpu for spec in self.schedule.stages]):
             copies.setdefault(k, set()).add(g)
         return copies
 

@@ -236,7 +236,6 @@ def check_placement(schedule: Schedule, example: Sequence[object] | None, device
     its inputs, weights and constants there."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from torch.nn.utils.stateless import _reparametrize_module
 
     if example is None:
         raise MobiusError("check_placement needs the example inputs' shapes, but this pipeline was built without "
@@ -275,17 +274,7 @@ def check_placement(schedule: Schedule, example: Sequence[object] | None, device
                                                device=moved_device(name, t, weights, traced, dev))
                      for name, t in named_tensors(spec.module)}
             replay = _Replay(spec.module, graph, spec.index, dev, traced)
-            try:
-                with _reparametrize_module(spec.module, fakes):
-                    out = replay.run(*args)
-            except MobiusError as e:
-                if replay.clash is None:
-                    raise
-                raise MobiusError(replay.clash) from e.__cause__
-            except _Unreplayable:
-                log.warning("check_placement: stage %d on %s is unchecked from %s on: fake tensors cannot run it, "
-                            "even on the meta device", spec.index, dev, replay.stuck)
-                out = None
+            out = _replayed(replay, spec.module, fakes, args, f"stage {spec.index} on {dev}")
             count += replay.count
             outputs[spec.index] = tuple(out) if out is not None else None
             others: dict[torch.device, str] = {}  # each other device a copy runs on, and its first GPU there
@@ -303,8 +292,6 @@ def _replay_copy(spec: StageSpec, args: list, traced: torch.device, dev: torch.d
     stage as binding it to `dev` leaves it, moved to `there` as the runtime moves its copy
     (`moved_graph_module` of `moved_module`), its inputs sent there, its weights uploaded there,
     its other tensor constants there when binding and moving put them there."""
-    from torch.nn.utils.stateless import _reparametrize_module
-
     placed = moved_graph_module(spec.module, traced, dev)  # what place_stage leaves (bodies too)
     module = moved_graph_module(placed, dev, there)  # what the copy runs (moved_module)
 
@@ -320,17 +307,27 @@ def _replay_copy(spec: StageSpec, args: list, traced: torch.device, dev: torch.d
                                           device=there if name in weights or at == dev else at)
     replay = _Replay(module, module.graph, spec.index, there, None)
     replay.copy = f", its copy on {gpu},"
+    _replayed(replay, module, fakes, pytree.tree_map(sent, args), f"stage {spec.index}'s copy on {gpu} ({there})")
+    return replay.count
+
+
+def _replayed(replay: "_Replay", module: torch.nn.Module, fakes: dict[str, torch.Tensor], args: Sequence[object],
+              what: str) -> Any:
+    """`replay` run on `args` with `module`'s tensors the `fakes`: its output, or None (logged)
+    where fake tensors cannot run it; a device clash it met raised as its MobiusError."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
     try:
         with _reparametrize_module(module, fakes):
-            replay.run(*pytree.tree_map(sent, args))
+            return replay.run(*args)
     except MobiusError as e:
         if replay.clash is None:
             raise
         raise MobiusError(replay.clash) from e.__cause__
     except _Unreplayable:
-        log.warning("check_placement: stage %d's copy on %s (%s) is unchecked from %s on: fake tensors cannot run it, "
-                    "even on the meta device", spec.index, gpu, there, replay.stuck)
-    return replay.count
+        log.warning("check_placement: %s is unchecked from %s on: fake tensors cannot run it, even on the meta device",
+                    what, replay.stuck)
+        return None
 
 
 def target_devices(gpus: Iterable[str], given: Mapping[str, torch.device], indices: Mapping[str, int] | None,

@@ -16,7 +16,7 @@ from torch import nn
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.stage_contract import StageSpec
 from mobius_fx.runtime.device_books import Device, nbytes
-from mobius_fx.runtime.device_rewrite import bind, moved_module
+from mobius_fx.runtime.device_rewrite import bind, moved_module, named_tensors
 from mobius_fx.runtime.host_counters import watch_masters
 
 __all__ = ["StageState", "Step", "StageCall", "OnHost", "refuse_changed_masters"]
@@ -73,10 +73,13 @@ class StageState:
         new.device = device
         here, there = self.device.torch_device, device.torch_device
         if there != here:
+            own = dict(named_tensors(self.module))  # before moved_module binds the copy's into shared modules
             new.module, new.consts = moved_module(self.spec, self.module, here, there)
             if new.consts and not self.consts:  # the stage's own values, bound back when it runs again (in
-                self.consts[:] = [(path, attr, getattr(self.module.get_submodule(path) if path else self.module, attr))
-                               for path, attr, _ in new.consts]  # place: its same-device copies share the list)
+                self.consts[:] = [(path, attr, own[f"{path}.{attr}" if path else attr])  # place: its same-device
+                                  for path, attr, _ in new.consts]  # copies share the list)
+            for path, attr, t in self.consts:  # the stage's module left with its own, as it was (the
+                bind(self.module, path, attr, t)  # executor binds nothing before a stage's first op at home)
         new.slots = [device.new_slot(m, dtype, p) for m, p in zip(self.masters, self.is_param)]
         new.weight_bytes = sum(nbytes(s) for s in new.slots)
         new.changing, new.resident, new.token, new.versions, new.train = set(), False, None, [], []

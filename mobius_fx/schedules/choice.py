@@ -259,7 +259,7 @@ def _cuts_clause(best: int, default: int, kept: Timed, own: Timed | str | None, 
                  kept_why: str) -> str:
     """Whose cuts the chosen count's plan has, and why (choose_count's line)."""
     if best == default:
-        return "its own MIP's"
+        return kept_why or "its own MIP's"
     if own is None:
         return kept_why or f"those planned at {default} (its own MIP not run)"
     if isinstance(own, str):

@@ -301,6 +301,38 @@ def test_moved_module_moves_the_constants_that_are_not_weights_and_leaves_the_st
     assert new.norm is gm.norm and gm.norm.running_mean.device == cuda1
 
 
+def test_copies_on_two_other_devices_keep_the_stages_own_constants_and_move_their_own():
+    """`StageState.copy_on` onto cuda:1, then cuda:2 (fake): the stage's own constants
+    (`consts`, bound back when it runs) are its CPU ones, not those the first copy bound into
+    the leaf module both share; the second copy's are all on cuda:2; the stage's module is left
+    with its own (the executor's first op on a stage's own GPU binds nothing: `_use`)."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mobius_fx.runtime.device_rewrite import named_tensors
+    from mobius_fx.runtime.stage_state import StageState
+
+    gm = fx.symbolic_trace(WithConstants())
+    spec = SimpleNamespace(index=0, module=gm, weights=(), shells=None)
+    st = StageState(spec, VirtualDevice("gpu0", None), [], None)
+    cpu = torch.device("cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        copies = []
+        for i in (1, 2):
+            dev = VirtualDevice(f"gpu{i}", None)
+            dev.torch_device = torch.device("cuda", i)
+            copies.append(st.copy_on(dev, None))
+        assert st.consts and {t.device for _, _, t in st.consts} == {cpu}
+        for i, copy in enumerate(copies, 1):
+            assert {t.device for _, _, t in copy.consts} == {torch.device("cuda", i)}, i
+            assert len(copy.consts) == len(st.consts)
+    assert {t.device for _, t in named_tensors(gm)} == {cpu}  # copy_on leaves the stage as it found it
+    st.bind_slots()
+    assert {t.device for _, t in named_tensors(gm)} == {cpu}
+    torch.testing.assert_close(gm(torch.ones(2, 4)), WithConstants().eval()(torch.ones(2, 4)))
+
+
 def test_on_cuda_the_executor_replays_the_copies_before_allocating_them(monkeypatch):
     """GPUs that are CUDA devices (faked: set after compile): the executor's first step calls the
     placement check with the copies on other devices, before any copy has a slot."""

@@ -176,6 +176,9 @@ def test_without_replan_the_defaults_cuts_stay_and_the_line_says_why(monkeypatch
     assert plan.microbatches == 8 and c.line.endswith("; cuts: those planned at 4 (its own MIP not run)")
     plan, c = choose_count(plan_at, (4, 8), kept_why="the caller's (cuts=)")
     assert c.line.endswith("; cuts: the caller's (cuts=)")
+    plan_at, _ = _stub(monkeypatch, {4: 0.8, 8: 1.0})  # the default the fastest: still the caller's cuts
+    plan, c = choose_count(plan_at, (4, 8), kept_why="the caller's (cuts=)")
+    assert plan.microbatches == 4 and c.line.endswith("; cuts: the caller's (cuts=)")
 
 
 def test_one_count_says_why_no_other_was_timed(monkeypatch):

@@ -243,6 +243,16 @@ def test_grad_scaler_with_clip_is_speculated_and_exact(cache, name, dtype, one_t
     assert len(said) == 1 and "speculatively" in said[0] and "GradScaler" in said[0], said
 
 
+def test_a_first_step_the_grad_scaler_skips_still_leads_to_speculation(cache, one_thread):
+    """fp16's GradScaler often skips its first steps (init_scale 2**16 overflows): the probe round's
+    step skipped and the gradients zeroed, the next backward probes again (nothing was stepped),
+    and the loop is then speculated, not deferred for good; serial's bits throughout."""
+    model, opt, seen = _lockstep(cache, OPTIMIZERS["adamw-fused"], _scaled(1e6, inf_at=(0,)), steps=STEPS)
+    n = _speculable(model)
+    assert opt._defer is None and opt._speculating is not None, (opt._defer, seen)
+    assert seen[-1] == (n, n, 0), seen
+
+
 def test_grad_scaler_with_clip_at_one_is_speculated_and_exact(cache, one_thread):
     """The acceptance loop (clip_grad_norm_(..., 1.0), a GradScaler, fp16) at a scale that is not a
     power of two (its inverse rounds): every step speculated, committed or rolled back as the

@@ -111,6 +111,20 @@ def test_a_hint_is_its_stage_counts_incumbent_however_short_the_time(tmp_path):
         assert solve(p, time_limit=1e-3, cache_dir=tmp_path, hint=bad).makespan == rushed.makespan
 
 
+def test_a_feasible_hint_beats_a_seed_that_does_not_fit(tmp_path, monkeypatch):
+    """A hint that fits is taken over a balanced seed that does not, however short that seed's
+    makespan (a seed over memory is no incumbent): the result is never worse than the hint."""
+    import mobius_fx.passes.partition_solve as S
+
+    p = best_count_not_a_multiple_problem()
+    best = brute_force(p)
+    seed = S.seed_cuts
+    # every balanced seed over memory, with a makespan below any partition's
+    monkeypatch.setattr(S, "seed_cuts", lambda fast, s: (seed(fast, s)[0], (1.0, 0.0)))
+    hinted = solve(p, time_limit=1e-3, cache_dir=tmp_path, hint=best.boundaries)
+    assert hinted.makespan == pytest.approx(best.makespan, rel=1e-9)
+
+
 def test_the_reported_gap_is_over_every_stage_count(tmp_path):
     # However short the time, best x (1 - gap) is a lower bound of every count's optimum,
     # counts the solver never reached included.
