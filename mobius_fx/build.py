@@ -30,7 +30,6 @@ from mobius_fx.runtime import microbatch_outputs
 from mobius_fx.precision import Precision
 from mobius_fx.runtime.engine import Runtime
 from mobius_fx.runtime.data_parallel import GradientReducer
-from mobius_fx.runtime.step_code import step_code
 from mobius_fx.runtime.variants import Recompiler, StepSource, VariantPipeline
 
 __all__ = ["build_pipeline", "Wiring"]
@@ -189,10 +188,9 @@ def build_pipeline(model: nn.Module, gm: fx.GraphModule, *, stage_nodes: Sequenc
         pipe.schedule_form = wiring.schedule_form
     if example_inputs or example_kwargs:  # the call it serves (call_signatures.py); the recompiler adds variants
         pipe._add_variant(tuple(example_inputs), dict(example_kwargs or {}), *_plan_cuts(plan))
-    if wiring.step_code:
-        pipe.code = step_code(pipe)
-        for v in getattr(pipe, "_variants", None) or []:
-            v.code = pipe.code
+    if wiring.step_code:  # its `code` is the step program it runs (each variant its own)
+        for p in [pipe, *(getattr(pipe, "_variants", None) or [])]:
+            object.__setattr__(p, "_step_code", True)
     if step is not None and wiring.step_example is not None:
         step.get(*step.arguments(*wiring.step_example))
     return pipe

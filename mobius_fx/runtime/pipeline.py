@@ -71,6 +71,21 @@ class Pipeline(ModelFace, nn.Module):
         runtime.watch(model)
         self._show_model(model)  # forward's signature, config, .to(own device): runtime/model_face.py
 
+    @property
+    def code(self) -> str:
+        """The schedule as Python: a model pipeline's forward program (with its backward as
+        comments); a training step's (`step_pipeline`) step program as the executor runs it now
+        (runtime/step_code.py: rebuilt when which layers train changes)."""
+        if self.__dict__.get("_step_code"):
+            from mobius_fx.runtime.step_code import step_code
+
+            return step_code(self)
+        return self.__dict__["_code"]
+
+    @code.setter
+    def code(self, value: str) -> None:
+        object.__setattr__(self, "_code", value)
+
     def forward(self, *args: object, **kwargs: object) -> Any:
         """Run the schedule on this call's inputs. One call at a time: a pipeline's GPU slots,
         streams and step book-keeping belong to the step in progress, so a second call from

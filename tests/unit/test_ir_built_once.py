@@ -82,3 +82,5 @@ def test_each_ir_is_built_once_and_read_by_everyone(monkeypatch):
         pipe.train_step(x, target=y)
     assert Counter(builds) == {"build_plan": 2, "insert_transfers": 2, "step_ir": 2}, builds
     assert sp._rt._step_executor.ir is built_step(sp)[0] is not ir
+    # the printed step is the one that now runs (the frozen layer's stage runs no backward)
+    assert sp.code == built_step(sp)[1].code.strip("\n") + "\n" != code
