@@ -88,9 +88,9 @@ def floor(plan, model) -> float:
     return weights / flow + bwd / plan.num_gpus
 
 
-def _plan(name: str, topo: str, batch: int, seq: int, time_limit: float):
+def _plan(name: str, topo: str, batch: int, seq: int, time_limit: float, overlap: str = "async"):
     model, inputs = zoo.build(name, batch=batch, seq=seq, device="meta")
-    plan = mobius_fx.plan(model, topo, example_inputs=inputs, dtype=torch.float16,  # the planner chooses the count
+    plan = mobius_fx.plan(model, topo, example_inputs=inputs, dtype=torch.float16, optimizer_overlap=overlap,  # the planner chooses the count
                           time_limit=time_limit, verbose=False, **zoo.step_arguments(model, inputs))
     return plan, zoo.named._vocab(model), floor(plan, model)
 
@@ -98,7 +98,7 @@ def _plan(name: str, topo: str, batch: int, seq: int, time_limit: float):
 def _run_case(case: str, model: str, topo: str, batch: int, seq: int, overlap: str, time_limit: float):
     """The case's plan, lower bound, floor, rows (one per schedule) and results {schedule: SimResult | error}."""
     t0 = time.perf_counter()
-    plan, vocab, fl = _plan(model, topo, batch, seq, time_limit)
+    plan, vocab, fl = _plan(model, topo, batch, seq, time_limit, overlap)
     lb = plan.lower_bound()
     print(f"[{case}] planned {plan.num_stages} stages, {plan.microbatches} micro-batches ({plan.microbatches_rule}) "
           f"in {time.perf_counter() - t0:.0f} s; lower bound {lb:.3f} s, floor {fl / lb:.3f} x it; "

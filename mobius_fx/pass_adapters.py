@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from mobius_fx.errors import MobiusError
 from mobius_fx.options import CompileContext
 
 __all__ = ["trace_pass", "annotate_pass", "plan_pass", "insert_transfers_pass", "emit_pass"]
@@ -73,9 +74,41 @@ def plan_pass(gm, ctx: CompileContext):
     ctx.plan.host_budget().check(s.host_memory_fraction, microbatches=s.microbatches)
     # what the runtime will run (compile); `api.plan` chooses again among every candidate
     form = getattr(ctx.wiring, "form", None)  # compile(schedule=): the caller's
-    ctx.plan = dataclasses.replace(ctx.plan, schedule_choice=choose(ctx.plan, form[0] if form else None,
-                                                                    runnable=True).line)
+    choice = choose(ctx.plan, form[0] if form else None, runnable=True)
+    widen = widen_choice(ctx.plan, choice.name, s.optimizer_overlap, s.keep_grads)
+    ctx.plan = dataclasses.replace(ctx.plan, schedule_choice=choice.line, **widen)
+    if not widen.get("widen_downloads", True):  # the MIP timed widened downloads: the prediction as chosen
+        from mobius_fx.passes.partition import problem_of
+        from mobius_fx.planning.step_model import evaluate
+
+        ev = evaluate(problem_of(ctx, ctx.order, widen=False), part.boundaries)
+        if ev is not None:
+            ctx.plan = dataclasses.replace(ctx.plan, step_time=ev.makespan)
     return None
+
+
+def widen_choice(plan, schedule: str, overlap: str, keep_grads: bool) -> dict:
+    """Whether the GPUs should widen the gradients the optimizer overlap keeps as the fp32 `.grad`
+    (`OverlapOptimizer.widen_downloads`): 2 B more per parameter on the GPU->host links, where
+    they may slow the pipeline (behind a shared PCIe switch), against the host's conversion, which
+    may end the step. Both simulated under `schedule` and `overlap`; the faster step wins, a tie
+    widens. {"widen_downloads", "widen_rule"} for the Plan ({} where the choice changes nothing)."""
+    from mobius_fx.planning.host_step import widened_downloads
+    from mobius_fx.sim.simulator import simulate
+
+    if not widened_downloads(overlap, plan.precision.stream.itemsize, 1, keep_grads, True):
+        return {}
+    try:
+        wide, narrow = (simulate(plan, schedule=schedule, optimizer_overlap=overlap, keep_grads=keep_grads,
+                                 widen_downloads=w).step_time for w in (True, False))
+    except MobiusError:  # a schedule the simulator cannot run here: the runtime's default stands
+        return {}
+    widen = wide <= narrow
+    how = ("widened to fp32 on the GPUs, downloaded straight into .grad" if widen
+           else "downloaded as streamed, widened into .grad on the host")
+    return {"widen_downloads": widen,
+            "widen_rule": f"gradients: {how} (simulated {overlap} step {wide:.4g} s widened vs {narrow:.4g} s not; "
+                          f"opt.widen_downloads overrides)"}
 
 
 def insert_transfers_pass(gm, ctx: CompileContext):

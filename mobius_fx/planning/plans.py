@@ -107,6 +107,12 @@ class Plan:
     # Which registered schedule runs this plan and why (mobius_fx/schedules/choice.py; the front
     # sets it): the first line `describe` prints. Empty: not chosen (a plan built directly).
     schedule_choice: str = ""
+    # Whether the GPUs widen the gradients the optimizer overlap keeps as the fp32 `.grad` and
+    # download them straight into it (`OverlapOptimizer.widen_downloads`: 2 B more per parameter
+    # on the GPU->host links, no conversion on the host), chosen by the simulated step (the front,
+    # pass_adapters.widen_choice); `widen_rule` says so in `describe` ("" where it does not matter).
+    widen_downloads: bool = True
+    widen_rule: str = ""
     topology: "Topology | None" = field(default=None, compare=False, repr=False)
     # The plan's memory model (`MemoryModel(microbatches, precision)`: what its stages' bytes were
     # scaled by); `build_plan` hands over the one it sized the stages with, else it is made here.
@@ -242,7 +248,7 @@ class Plan:
         if transfers not in ("full", "summary", "none"):
             raise MobiusError(f"Plan.describe(transfers={transfers!r}); use 'full' (every transfer), 'summary' (by "
                               f"kind, phase and link) or 'none'")
-        head = self.summary() + "\n" + self.host_memory()
+        head = self.summary() + "\n" + self.host_memory() + (f"\n{self.widen_rule}" if self.widen_rule else "")
         parts = [(self.schedule_choice + "\n" + head) if self.schedule_choice else head, self.stage_table()]
         if transfers == "full":
             parts.append(self.transfer_table())
@@ -298,6 +304,7 @@ class Plan:
                 precision=_precision(d), microbatches_rule=d.get("microbatches_rule", ""),  # absent in older JSON
                 optimizer=d.get("optimizer", "adamw"),  # absent in older JSON
                 schedule_choice=d.get("schedule_choice", ""),  # absent in older JSON
+                widen_downloads=d.get("widen_downloads", True), widen_rule=d.get("widen_rule", ""),
                 topology=topo,
             )
         except (KeyError, TypeError, ValueError) as e:

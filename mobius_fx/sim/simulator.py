@@ -216,7 +216,7 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
              masters: str | None = None, optimizer_overlap: str = "none", servers: int = 1,
              network: float | str | None = None, network_latency: float | None = None,
              host_copy_bandwidth: float | None = None, host_copies: Mapping[str, float] | None = None,
-             keep_grads: bool = True, widen_downloads: bool = True) -> SimResult:
+             keep_grads: bool = True, widen_downloads: bool | None = None) -> SimResult:
     """Replay one training step of `plan` under `schedule` on `topology` (default: the plan's).
 
     The host as measured: `cpu_adam_bandwidth` (bytes/s, as planning.host_step.TOUCHED_BYTES counts
@@ -230,10 +230,9 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     is the runtime's (sim.tasks.cpu_optimizer, planning/host_step.py): "sync"/"async" with
     half-precision gradients one fused pass per parameter (28 B AdamW); "none" (and fp32) torch's
     step and the copies around it, at `host_copy_bandwidth` (None: the host section's
-    `host_copy_bytes_per_s`, else HOST_COPY_BANDWIDTH). `keep_grads` is the overlap's (True, the
-    default, charges the fp32 `.grad` as the runtime makes it: planning/host_step.py; False: a loop with
-    `opt.keep_grads = False`); so is `widen_downloads` (host_step.widened_downloads). `host_copies`
-    sets a kind's bytes per parameter (per 4 master bytes; HOST_COPY_KINDS) over that; the result names the figures.
+    `host_copy_bytes_per_s`, else HOST_COPY_BANDWIDTH). `keep_grads` is the overlap's (True: the
+    fp32 `.grad` as the runtime makes it, planning/host_step.py; False: `opt.keep_grads = False`); so is `widen_downloads` (None: `Plan.widen_downloads`). `host_copies` sets a
+    kind's bytes per parameter (per 4 master bytes; HOST_COPY_KINDS); the result names the figures.
 
     `masters`: where host memory lives, "local" (default: each stage on the socket of the GPU
     that first moves it) or a root complex ("cpu0": all on that socket; GPUs elsewhere cross
@@ -280,9 +279,10 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     masters = masters_of(MASTERS if masters is None else masters, topo)
     net, alpha = network_of(spec, servers, network, network_latency)
     check_gpus(plan, topo)
+    widen = getattr(plan, "widen_downloads", True) if widen_downloads is None else widen_downloads
     ctx = Context(plan, topo, optimizer, bw, use_plan_routes=topo is plan.topology, masters=masters,
                   deepspeed_adam_bw=ds_bw, overlap=optimizer_overlap, servers=servers, network=net,
-                  network_latency=float(alpha), copy_bw=copy_bw, copies=copies, keep_grads=keep_grads, widen=widen_downloads)
+                  network_latency=float(alpha), copy_bw=copy_bw, copies=copies, keep_grads=keep_grads, widen=widen)
     spec.build(ctx)
     deepspeed = spec.optimizer == "deepspeed"
     if deepspeed:

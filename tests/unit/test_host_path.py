@@ -66,6 +66,7 @@ def _fused_pair(tmp_path, opt_name, vocab=64):
         return torch.optim.SGD(params, lr=1e-1)
 
     opt = pipe.overlap(make(model.parameters()), mode="sync")
+    opt.widen_downloads = overlap.WIDEN_DOWNLOADS  # the switch a test sets, not the plan's choice for this server
     return model, twin, data, pipe, ref_pipe, opt, make(twin.parameters())
 
 

@@ -50,6 +50,7 @@ def _gpt_pair(tmp_path, mode, device, steps=4):
               dtype=torch.bfloat16, device=device)
     pipe, ref_pipe = mobius_fx.compile(model, topo, **kw), mobius_fx.compile(twin, topo, **kw)
     opt, ref = pipe.overlap(_sgd(model.parameters()), mode=mode), ref_pipe.overlap(_sgd(twin.parameters()), mode=mode)
+    opt.widen_downloads = True  # whatever the plan chose for this virtual server (`Plan.widen_downloads`)
     ref.widen_downloads = False  # the path before: bf16 downloads converted on the host
     return model, twin, data, pipe, ref_pipe, opt, ref
 
@@ -126,6 +127,7 @@ def test_the_host_touches_30_bytes_per_parameter_and_the_log_books_the_irs_fp32_
     pipe = mobius_fx.compile(model, topo, example_inputs=(xs[0],), microbatches=2, cuts=[1, 2, 3],
                              cache_dir=str(tmp_path), verbose=False, dtype=torch.bfloat16, device="virtual-async")
     opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-3), mode=mode)
+    opt.widen_downloads = True  # whatever the plan chose for this virtual server (`Plan.widen_downloads`)
     for j, x in enumerate(xs):
         before = COUNTERS.snapshot()
         pipe(x).float().pow(2).mean().backward()
