@@ -4,8 +4,10 @@ of the step's gradient downloads and of the backward uploads that share links wi
 simulator (mobius_fx/sim/network.py) serves them.
 
 The step model's D (`step_timeline._gradient_downloads`) queues the downloads in stage order
-and charges the duplex per GPU; it bounds the pipeline's end well, but the host's chain reads
-*each* stage's landing, and there the order matters: the simulator shares a switch uplink
+and charges the duplex per GPU (the MIP's rows). With a host model the timeline ends the
+pipeline at the last landing of this replay instead (fp32 downloads made D 4.8 ms short on
+benchmarks/plan_quality.py's compute-bound case), and the host's chain reads *each* stage's
+landing, where the order matters: the simulator shares a switch uplink
 max-min fairly among copies of equal need (every gradient download is needed by the
 optimizer alone), serves a copy needed sooner first (a backward weight prefetch, a restore:
 full speed, the downloads get what is left), and a link at a switch carries both directions
@@ -13,7 +15,9 @@ together at most its duplex share d x (both bandwidths). So while a GPU behind a
 its backward weights at full speed, the downloads crossing the same links get 2d - 1 of their
 speed (0.44 at d = 0.72), and the gradients land later than a replay of the downloads alone
 says (benchmarks/plan_quality.py's link-bound case under async: stage 6's 227 MB landed at
-192 ms planned, 223 ms simulated, and the hand-overs after it chained from there).
+192 ms planned, 223 ms simulated, and the hand-overs after it chained from there). Without
+peer-to-peer the backward activation gradients are relayed through the host across the same
+uplink, needed sooner than any download: they go first too (`Hop`).
 
     shared_landings(problem, grads, ready, D, uploads)
 """
