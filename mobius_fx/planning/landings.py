@@ -4,8 +4,10 @@ of the step's gradient downloads and of the backward uploads that share links wi
 simulator (mobius_fx/sim/network.py) serves them.
 
 The step model's D (`step_timeline._gradient_downloads`) queues the downloads in stage order
-and charges the duplex per GPU; it bounds the pipeline's end well, but the host's chain reads
-*each* stage's landing, and there the order matters: the simulator shares a switch uplink
+and charges the duplex per GPU (the MIP's rows). With a host model the timeline ends the
+pipeline at the last landing of this replay instead (fp32 downloads made D 4.8 ms short on
+benchmarks/plan_quality.py's compute-bound case), and the host's chain reads *each* stage's
+landing, where the order matters: the simulator shares a switch uplink
 max-min fairly among copies of equal need (every gradient download is needed by the
 optimizer alone), serves a copy needed sooner first (a backward weight prefetch, a restore:
 full speed, the downloads get what is left), and a link at a switch carries both directions
@@ -13,7 +15,9 @@ together at most its duplex share d x (both bandwidths). So while a GPU behind a
 its backward weights at full speed, the downloads crossing the same links get 2d - 1 of their
 speed (0.44 at d = 0.72), and the gradients land later than a replay of the downloads alone
 says (benchmarks/plan_quality.py's link-bound case under async: stage 6's 227 MB landed at
-192 ms planned, 223 ms simulated, and the hand-overs after it chained from there).
+192 ms planned, 223 ms simulated, and the hand-overs after it chained from there). Without
+peer-to-peer the backward activation gradients are relayed through the host across the same
+uplink, needed sooner than any download: they go first too (`Hop`).
 
     shared_landings(problem, grads, ready, D, uploads)
 """
@@ -23,12 +27,16 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-__all__ = ["Upload", "shared_landings"]
+__all__ = ["Upload", "Hop", "shared_landings"]
 
 # (slot, release time, bytes, rank): a backward upload on slot's host link (its weights fetched
 # again and the saved inputs restored after them), released at that time; rank orders it against
 # the other uploads on a shared link (smaller first: the simulator's `copy_need`, stage k's 2S-1-k).
 Upload = tuple[int, float, float, float]
+# (slot from, slot to, release time, bytes, rank): a backward activation gradient relayed through
+# the host (no peer-to-peer), out of `from`'s host link and into `to`'s, released when the run
+# that made it ends; ranked as an upload (the simulator's `copy_need`), ahead of every download.
+Hop = tuple[int, int, float, float, float]
 
 
 def _rates(flows: dict[Any, tuple[float, tuple]], caps: dict[Any, float]) -> dict[Any, float]:
@@ -98,7 +106,7 @@ def _resources(problem: Any) -> tuple[dict[Any, float], list[tuple], list[tuple]
 
 
 def shared_landings(problem: Any, grads: Sequence[float], ready: Sequence[float], D: Sequence[float],
-                    uploads: Sequence[Upload] = ()) -> list[float]:
+                    uploads: Sequence[Upload] = (), hops: Sequence[Hop] = ()) -> list[float]:
     """When each stage's gradients are all on the host (the module docstring): a fluid replay of
     each GPU's gradient downloads, in stage order k, k-N, ... (stage k's `grads[k]` bytes from
     its last backward run's end, `ready[k]`), and of its backward `uploads` (in the order given
@@ -106,7 +114,10 @@ def shared_landings(problem: Any, grads: Sequence[float], ready: Sequence[float]
     they share with the downloads (by rank among themselves), the downloads max-min fairly
     among themselves, each at most its own link's speed, a shared uplink's `servers` x the
     fastest of its slots each way and, below duplex 1, a link's two directions together at
-    most its duplex share of both. D (`step_timeline._gradient_downloads`) where nothing is
+    most its duplex share of both. `hops` (`Hop`) cross the links of their sender's downloads
+    and of their receiver's uploads, each from its release, ahead of the downloads (a relayed
+    activation gradient takes a switch uplink's both ways, and its duplex budget, from them).
+    D (`step_timeline._gradient_downloads`) where nothing is
     shared and every link is full duplex: there the replay is D. `problem`: a
     `step_model.PartitionProblem` (its `up`, `down`, `shared_up`, `shared_down`, `duplex`)."""
     n, s = len(problem.gpus), len(grads)
@@ -117,8 +128,14 @@ def shared_landings(problem: Any, grads: Sequence[float], ready: Sequence[float]
     ups: dict[int, list[Upload]] = {i: [u for u in uploads if u[0] == i and u[2] > 0] for i in range(n)}
     active: dict[tuple, list] = {}  # (way, slot): [bytes left, class, resources, stage k or the upload's bytes]
     land, t, left = list(D), 0.0, s
-    for _ in range(8 * (s + len(uploads)) + 8):
+    pending = sorted((h for h in hops if h[3] > 0), key=lambda h: h[2])
+    for _ in range(8 * (s + len(uploads) + len(pending)) + 8):
         releases = []
+        while pending and pending[0][2] <= t + 1e-15:
+            h = pending.pop(0)
+            active[("h", len(pending), h[0])] = [h[3], h[4], tuple(dict.fromkeys(down_res[h[0]] + up_res[h[1]])), h[3]]
+        if pending:
+            releases.append(pending[0][2])
         for i in range(n):  # each GPU's next copy each way once the one before it ended
             while downs[i] and ("d", i) not in active and ready[downs[i][0]] <= t + 1e-15:
                 k = downs[i].pop(0)

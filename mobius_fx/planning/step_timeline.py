@@ -180,14 +180,25 @@ def timeline(problem: Any, st: Any, full: bool = False):
     V, E = _host_copy_starts(st, c, F, [max(forward_backlog(problem, terms, k, F[0][0] + st.f[0]), default=0.0) for k in range(c.s)])
     B, q, A, R = _backward_starts(problem, st, c, F, V)
     D = _gradient_downloads(problem, st, c, B, R)
-    makespan = max(D)
+    landed, host = D, getattr(problem, "host", None)
+    if host is not None and (problem.shared_down or any(d < 1 for d in (problem.duplex or ()))):
+        # The gradients are all on the host when the last lands. The simulator shares a switch
+        # uplink max-min fairly among the downloads (all of equal need), where D queues them in
+        # stage order `servers` at a time: a GPU's second download crawls beside the others'
+        # (compute-bound in benchmarks/plan_quality.py, fp32 downloads: its last landed 4.8 ms
+        # after D's), and the downloads end together, not one alone at the end (link-bound, tiny
+        # batch: D 0.3% over). So the fluid replay of `shared_landings` times the end, with the
+        # activation gradients relayed through the host ahead of the downloads (`_relayed_hops`).
+        # The MIP keeps D's rows (its host pass reads D too): with a host model it is not exact.
+        landed = shared_landings(problem, [g * grad_link_scale(problem) for g in st.g],
+                                 [B[k][c.m - 1] + c.b[k] for k in range(c.s)], D, _uploads(problem, c, B),
+                                 _relayed_hops(problem, st, c, B))
+    makespan = max(landed)
     if getattr(problem, "links", ()):  # no link carries more than its bandwidth (`LinkLoad`)
         per_slot = slot_bytes(problem, copy_terms(problem, st))
         makespan = max(makespan, max(link_time(x, per_slot) for x in problem.links))
-    pipeline, host, H = makespan, getattr(problem, "host", None), []
+    pipeline, H = makespan, []
     if host is not None and host.per_byte > 0:  # the host's work the step waits for (`host_step.HostPass`)
-        landed = shared_landings(problem, [g * host.down_scale for g in st.g],
-                                 [B[k][c.m - 1] + c.b[k] for k in range(c.s)], D, _uploads(problem, c, B))
         H = host.ends(st.g, landed)
         makespan = host.end(pipeline, st.g, landed)
     return Timeline(makespan, p, q, F, B, D, V, E, A, R, U, H, pipeline) if full else makespan
@@ -201,6 +212,17 @@ def _uploads(problem: Any, c: "_CopyTimes", B: list[list[float]]) -> list[tuple[
     n, m, s = c.n, c.m, c.s
     return [(k % n, B[k + n][0], c.wb[k] + m * c.r[k] * problem.up[k % n], 2 * s - 1 - k)
             for k in range(s - n - 1, -1, -1) if c.wb[k] > 0]
+
+
+def _relayed_hops(problem: Any, st: Any, c: "_CopyTimes", B: list[list[float]]) -> list[tuple[int, int, float, float, float]]:
+    """The backward activation gradients that cross a shared download link (relayed through the
+    host: `LinkLoad.hop_back` on it), as `landings.Hop`s: stage k's M of them to stage k-1, each
+    released when its run ends, ranked 2S-k as the simulator's `copy_need` ranks stage k-1's."""
+    n, m, s = c.n, c.m, c.s
+    names = {x.name for x in problem.shared_down}
+    relayed = {i for x in getattr(problem, "links", ()) if x.name in names for i in x.hop_back}
+    return [(k % n, (k - 1) % n, B[k][i] + c.b[k], st.out[k - 1], 2 * s - k)
+            for k in range(1, s) if (k - 1) % n in relayed and c.hop_back_t[k - 1] > 0 for i in range(m)]
 
 
 class _CopyTimes:
