@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from mobius_fx.errors import MobiusError
 from mobius_fx.options import CompileContext
 
 __all__ = ["trace_pass", "annotate_pass", "plan_pass", "insert_transfers_pass", "emit_pass"]
@@ -75,40 +74,27 @@ def plan_pass(gm, ctx: CompileContext):
     # what the runtime will run (compile); `api.plan` chooses again among every candidate
     form = getattr(ctx.wiring, "form", None)  # compile(schedule=): the caller's
     choice = choose(ctx.plan, form[0] if form else None, runnable=True)
-    widen = widen_choice(ctx.plan, choice.name, s.optimizer_overlap, s.keep_grads)
-    ctx.plan = dataclasses.replace(ctx.plan, schedule_choice=choice.line, **widen)
-    if not widen.get("widen_downloads", True):  # the MIP timed widened downloads: the prediction as chosen
-        from mobius_fx.passes.partition import problem_of
-        from mobius_fx.planning.step_model import evaluate
-
-        ev = evaluate(problem_of(ctx, ctx.order, widen=False), part.boundaries)
-        if ev is not None:
-            ctx.plan = dataclasses.replace(ctx.plan, step_time=ev.makespan)
+    ctx.plan = dataclasses.replace(ctx.plan, schedule_choice=choice.line,
+                                   **widen_choice(ctx.topology, s.optimizer_overlap, s.keep_grads, s.precision))
     return None
 
 
-def widen_choice(plan, schedule: str, overlap: str, keep_grads: bool) -> dict:
-    """Whether the GPUs should widen the gradients the optimizer overlap keeps as the fp32 `.grad`
-    (`OverlapOptimizer.widen_downloads`): 2 B more per parameter on the GPU->host links, where
-    they may slow the pipeline (behind a shared PCIe switch), against the host's conversion, which
-    may end the step. Both simulated under `schedule` and `overlap`; the faster step wins, a tie
-    widens. {"widen_downloads", "widen_rule"} for the Plan ({} where the choice changes nothing)."""
-    from mobius_fx.planning.host_step import widened_downloads
-    from mobius_fx.sim.simulator import simulate
+def widen_choice(topology, overlap: str, keep_grads: bool, precision) -> dict:
+    """{"widen_downloads", "widen_rule"} for the Plan: whether the GPUs widen the gradients the
+    optimizer overlap keeps as the fp32 `.grad` (planning/host_step.py `widen_fits`: where each
+    GPU's links to the host are its own and full duplex), the rule the MIP's host model
+    (`HostPass.of`) and the simulator followed too; {} where nothing is widened."""
+    from mobius_fx.planning.host_step import widen_fits, widened_downloads
 
-    if not widened_downloads(overlap, plan.precision.stream.itemsize, 1, keep_grads, True):
+    stream = (precision.stream if precision is not None else None)
+    if stream is None or not widened_downloads(overlap, stream.itemsize, 1, keep_grads, True):
         return {}
-    try:
-        wide, narrow = (simulate(plan, schedule=schedule, optimizer_overlap=overlap, keep_grads=keep_grads,
-                                 widen_downloads=w).step_time for w in (True, False))
-    except MobiusError:  # a schedule the simulator cannot run here: the runtime's default stands
-        return {}
-    widen = wide <= narrow
-    how = ("widened to fp32 on the GPUs, downloaded straight into .grad" if widen
-           else "downloaded as streamed, widened into .grad on the host")
-    return {"widen_downloads": widen,
-            "widen_rule": f"gradients: {how} (simulated {overlap} step {wide:.4g} s widened vs {narrow:.4g} s not; "
-                          f"opt.widen_downloads overrides)"}
+    widen = widen_fits(topology)
+    how = ("widened to fp32 on the GPUs, downloaded straight into .grad (each GPU's links to the host are its own "
+           "and full duplex)" if widen else
+           "downloaded as streamed, widened into .grad on the host (a GPU's link to the host is shared or "
+           "half duplex: 2 more bytes per parameter there would slow the pipeline)")
+    return {"widen_downloads": widen, "widen_rule": f"gradients: {how}; opt.widen_downloads overrides"}
 
 
 def insert_transfers_pass(gm, ctx: CompileContext):

@@ -222,15 +222,15 @@ def kept_partition_pass(like: PartitionResult, order: Sequence[str], microbatche
     return kept
 
 
-def problem_of(ctx: CompileContext, order: Sequence[str] | None = None, widen: bool = True) -> PartitionProblem:
+def problem_of(ctx: CompileContext, order: Sequence[str] | None = None) -> PartitionProblem:
     """The step model's numbers for this compile: the layers' costs, the GPUs in `order`, the
     model input's bytes, the tied weights' extra copies (as the plan pass's plan counts them) and
-    the host's pass under the settings' optimizer, `optimizer_overlap` and `keep_grads` (`HostPass`),
-    the gradients widened on the GPUs or not (`widen`: `Plan.widen_downloads`)."""
+    the host's pass under the settings' optimizer, `optimizer_overlap` and `keep_grads` (`HostPass`;
+    gradients widened on the GPUs where the topology suits it: host_step.widen_fits)."""
     s = ctx.settings
     sizes, trainable = param_sizes(ctx)
     precision = s.precision or Precision()
-    host = HostPass.of(ctx.topology, 4 * precision.scale, s.optimizer, s.optimizer_overlap, s.keep_grads, widen)
+    host = HostPass.of(ctx.topology, 4 * precision.scale, s.optimizer, s.optimizer_overlap, s.keep_grads)
     return PartitionProblem.from_topology(ctx.layers, ctx.topology, microbatches=s.microbatches, order=order,
                                           memory_fraction=s.memory_fraction, precision=s.precision,
                                           input_bytes=input_bytes(ctx),

@@ -19,7 +19,7 @@ from mobius_fx.kinds import OVERLAP_MODES
 __all__ = ["TOUCHED_BYTES", "STATE_BYTES", "CPU_ADAM_BANDWIDTH", "HOST_COPY_BANDWIDTH", "HOST_COPY_KINDS",
            "RUNTIME_HOST_COPIES", "RUNTIME_HOST_COPIES_REDUCED", "GRAD_COPIES", "NO_HOST_COPIES", "H200_HOST_PARAMS",
            "H200_HOST_ADAMW_SECONDS", "H200_HOST_HANDOVER_SECONDS", "fused_pass", "host_pass_bytes",
-           "host_copy_bytes", "optimizer_bytes_touched", "PLANNED_OPTIMIZERS", "HostPass", "widened_downloads",
+           "host_copy_bytes", "optimizer_bytes_touched", "PLANNED_OPTIMIZERS", "HostPass", "widen_fits", "widened_downloads",
            "download_scale"]
 
 # Master bytes: the simulator knows each stage's trainable master bytes (`Costs.master`: its
@@ -131,6 +131,30 @@ def fused_pass(overlap: str, streamed: float, servers: int = 1) -> bool:
     (True, False, False, False)
     """
     return overlap != "none" and streamed < 4 and not (servers > 1 and overlap == "sync")
+
+
+def widen_fits(topology: Any) -> bool:
+    """Whether the GPUs of `topology` should widen the gradients they download into the fp32
+    `.grad` (`Plan.widen_downloads`, the overlap's default `widen_downloads`): where every link
+    from a GPU to host memory is its own and full duplex, the 2 extra bytes per parameter ride a
+    direction the uploads leave idle; behind a shared PCIe switch uplink, or on a link whose two
+    directions interfere (`link_duplex` < 1), they would slow the pipeline's own transfers, so
+    the host converts instead. None (no topology): widen.
+
+    >>> from mobius_fx.topology.server import Topology
+    >>> widen_fits(Topology.preset("rtx4090x8")), widen_fits(Topology.preset("mobius-testbed"))
+    (True, False)
+    """
+    if topology is None:
+        return True
+    used: set[tuple[str, str]] = set()
+    for g in topology.gpus:
+        route = topology.route(g.name, "host")
+        for u, v in zip(route, route[1:]):
+            if (u, v) in used or topology.link_duplex(u, v) < 1:
+                return False
+            used.add((u, v))
+    return True
 
 
 def widened_downloads(overlap: str, streamed: float, servers: int = 1, keep_grads: bool = True,
@@ -274,10 +298,10 @@ class HostPass:
 
     @staticmethod
     def of(topology: Any, stream_bytes: float, optimizer: str = "adamw", overlap: str = "sync",
-           keep_grads: bool = True, widen: bool = True) -> "HostPass":
+           keep_grads: bool = True, widen: bool | None = None) -> "HostPass":
         """The pass of `optimizer` (a `PLANNED_OPTIMIZERS` name) under `overlap` with weights
         streamed at `stream_bytes` per element, with the overlap's `keep_grads` (the fp32 `.grad`
-        written: OverlapOptimizer.keep_grads), at the speeds of `topology`'s measured host section
+        written: OverlapOptimizer.keep_grads) and `widen` (None: `widen_fits(topology)`), at the speeds of `topology`'s measured host section
         (`HostFigures`: its optimizer's bytes/s unless DeepSpeed's, its host copies' bytes/s), else
         CPU_ADAM_BANDWIDTH and HOST_COPY_BANDWIDTH -- the simulator's defaults.
 
@@ -292,6 +316,7 @@ class HostPass:
         """
         if optimizer not in PLANNED_OPTIMIZERS:
             raise MobiusError(f"optimizer={optimizer!r}; the host pass models {', '.join(PLANNED_OPTIMIZERS)}")
+        widen = widen_fits(topology) if widen is None else widen  # the plan's choice (`Plan.widen_downloads`)
         host = getattr(topology, "host", None)
         bw = CPU_ADAM_BANDWIDTH
         if host is not None and host.optimizer_bytes_per_s is not None and host.implementation != "deepspeed":

@@ -109,9 +109,9 @@ class Plan:
     schedule_choice: str = ""
     # Whether the GPUs widen the gradients the optimizer overlap keeps as the fp32 `.grad` and
     # download them straight into it (`OverlapOptimizer.widen_downloads`: 2 B more per parameter
-    # on the GPU->host links, no conversion on the host), chosen by the simulated step (the front,
-    # pass_adapters.widen_choice); `widen_rule` says so in `describe` ("" where it does not matter).
-    widen_downloads: bool = True
+    # on the GPU->host links, no conversion on the host): the topology's rule (host_step.widen_fits,
+    # the MIP's too; None: that rule); `widen_rule` says so in `describe` ("" where nothing is widened).
+    widen_downloads: bool | None = None
     widen_rule: str = ""
     topology: "Topology | None" = field(default=None, compare=False, repr=False)
     # The plan's memory model (`MemoryModel(microbatches, precision)`: what its stages' bytes were
@@ -304,7 +304,7 @@ class Plan:
                 precision=_precision(d), microbatches_rule=d.get("microbatches_rule", ""),  # absent in older JSON
                 optimizer=d.get("optimizer", "adamw"),  # absent in older JSON
                 schedule_choice=d.get("schedule_choice", ""),  # absent in older JSON
-                widen_downloads=d.get("widen_downloads", True), widen_rule=d.get("widen_rule", ""),
+                widen_downloads=d.get("widen_downloads"), widen_rule=d.get("widen_rule", ""),
                 topology=topo,
             )
         except (KeyError, TypeError, ValueError) as e:

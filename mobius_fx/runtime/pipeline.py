@@ -329,7 +329,7 @@ class Pipeline(ModelFace, nn.Module):
         if self._rt.reducer is not None:
             self._rt.reducer.owners = None
         opt = OverlapOptimizer(self, optimizer, mode, shard=shard, refresh_copies=refresh_copies)
-        if self.plan is not None and not getattr(self.plan, "widen_downloads", True):
+        if self.plan is not None and getattr(self.plan, "widen_downloads", None) is False:
             opt.widen_downloads = False  # the plan's choice (`Plan.widen_rule`); the user may set it again
         object.__setattr__(self, "_overlap", opt)
         self._rt.overlap = opt  # sync steps stages during backward; async takes the gradients its update reads

@@ -44,7 +44,7 @@ from mobius_fx.sim.arguments import (check_gpus, host_copies_of, host_rates, kee
 from mobius_fx.sim.network import Link, LinkSegment, Task, replay
 from mobius_fx.planning.plans import Plan
 from mobius_fx.sim.tasks import MASTERS, Context
-from mobius_fx.planning.host_step import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, optimizer_bytes_touched
+from mobius_fx.planning.host_step import CPU_ADAM_BANDWIDTH, HOST_COPY_BANDWIDTH, optimizer_bytes_touched, widen_fits
 from mobius_fx.units import fmt_bytes, fmt_time
 
 __all__ = ["simulate", "SimResult", "SimEvent"]
@@ -231,7 +231,7 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     half-precision gradients one fused pass per parameter (28 B AdamW); "none" (and fp32) torch's
     step and the copies around it, at `host_copy_bandwidth` (None: the host section's
     `host_copy_bytes_per_s`, else HOST_COPY_BANDWIDTH). `keep_grads` is the overlap's (True: the
-    fp32 `.grad` as the runtime makes it, planning/host_step.py; False: `opt.keep_grads = False`); so is `widen_downloads` (None: `Plan.widen_downloads`). `host_copies` sets a
+    fp32 `.grad` as the runtime makes it, planning/host_step.py; False: `opt.keep_grads = False`); so is `widen_downloads` (None: the plan's, host_step.widen_fits). `host_copies` sets a
     kind's bytes per parameter (per 4 master bytes; HOST_COPY_KINDS); the result names the figures.
 
     `masters`: where host memory lives, "local" (default: each stage on the socket of the GPU
@@ -279,7 +279,7 @@ def simulate(plan: Plan, *, schedule: str = "mobius", topology: Any = None, opti
     masters = masters_of(MASTERS if masters is None else masters, topo)
     net, alpha = network_of(spec, servers, network, network_latency)
     check_gpus(plan, topo)
-    widen = getattr(plan, "widen_downloads", True) if widen_downloads is None else widen_downloads
+    widen = next(w for w in (widen_downloads, getattr(plan, "widen_downloads", None), widen_fits(topo)) if w is not None)
     ctx = Context(plan, topo, optimizer, bw, use_plan_routes=topo is plan.topology, masters=masters,
                   deepspeed_adam_bw=ds_bw, overlap=optimizer_overlap, servers=servers, network=net,
                   network_latency=float(alpha), copy_bw=copy_bw, copies=copies, keep_grads=keep_grads, widen=widen)

@@ -224,10 +224,10 @@ def test_cli_plans_given_cuts(tiny_factory, capsys):
 def test_cli_compares_with_the_optimizer_overlap_asked_for(tiny_factory, capsys):
     # The comparison's step column follows --optimizer-overlap: "async" hides an optimizer
     # faster than the pipeline behind it (its one fused pass runs beside the pipeline): the step is
-    # the pipeline, by default (the fp32 .grad widened on the GPUs: no hand-over, the downloads 4 B
-    # per parameter) and with --no-keep-grads (no fp32 .grad, bf16 downloads: never a longer one);
+    # the pipeline, by default (on 8 RTX 4090s, each GPU on its own link, the fp32 .grad is widened
+    # on the GPUs: no hand-over, the downloads 4 B per parameter) and with --no-keep-grads (no fp32 .grad, bf16 downloads: never a longer one);
     # "none" adds the hand-over and the optimizer after it.
-    argv = ["plan", "--model", "plan_cuts_models:tiny", "--topology", "mobius-testbed", "--batch", "8", "--quiet",
+    argv = ["plan", "--model", "plan_cuts_models:tiny", "--topology", "rtx4090x8", "--batch", "8", "--quiet",
             "--cuts", "1,3", "--adam-gbps", "1000"]
     def parse_time(text):  # fmt_time's "36 us", "1.2 ms", "3 s"
         value, unit = text.split()

@@ -460,7 +460,7 @@ def test_the_host_copies_are_where_the_runtime_makes_them(testbed_plan):
     # reads the fp32 .grad the GPUs widened and downloaded into it (4 B), p, m, v (12), writes p, m,
     # v and the s-byte streamed copy (12 + s): 28 + 4 - s B (30 in bf16/fp16), at the optimizer's
     # speed; no host copy. The gradient downloads carry 4 B per parameter
-    sync = simulate(testbed_plan, optimizer_overlap="sync")
+    sync = simulate(testbed_plan, optimizer_overlap="sync", widen_downloads=True)
     assert sync.host_copy_time == 0 and not [e for e in sync.events if e.kind == "host-copy"]
     for k in (k for k in master if master[k] > 0):
         (o,) = [e for e in events(sync, "optimizer") if e.stage == k]
@@ -488,7 +488,7 @@ def test_the_host_copies_are_where_the_runtime_makes_them(testbed_plan):
     assert r.step_time == pytest.approx(max(r.pipeline_time, opt.end))
     # "async" by default (keep_grads, widened downloads): the .grad comes from the GPUs in fp32, no
     # hand-over; the pass reads it (4 - s bytes more than the download)
-    wide = simulate(testbed_plan, optimizer_overlap="async")
+    wide = simulate(testbed_plan, optimizer_overlap="async", widen_downloads=True)
     (opt,) = events(wide, "optimizer")
     assert not [e for e in wide.events if e.kind == "host-copy"]
     assert opt.start == 0.0 and opt.end - opt.start == pytest.approx(total / 4 * (28 + 4 - s) / CPU_ADAM_BANDWIDTH)
@@ -574,7 +574,7 @@ def test_a_synchronous_overlap_steps_each_stage_once_its_gradients_have_landed(t
     # the step ends sooner than stepping everything after the pipeline, never before it, and
     # the optimizer does the same work.
     serial = simulate(testbed_plan, schedule=schedule, optimizer_overlap="none")
-    sync = simulate(testbed_plan, schedule=schedule, optimizer_overlap="sync")
+    sync = simulate(testbed_plan, schedule=schedule, optimizer_overlap="sync", widen_downloads=True)
     grads_done: dict[int, float] = {}
     for e in sync.events:
         if e.kind == "gradient":

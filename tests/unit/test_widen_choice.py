@@ -1,8 +1,9 @@
-"""The planner chooses whether the GPUs widen the gradients the optimizer overlap keeps as the fp32
-`.grad` (`Plan.widen_downloads`, `pass_adapters.widen_choice`): by the simulated step, both ways.
-Widening adds 2 B per parameter on the GPU->host links and saves the host's conversion; behind
-one shared PCIe switch the links lose, on 8 RTX 4090s with a link each the host does. The runtime's
-overlap starts from the plan's choice, and `simulate` charges it by default."""
+"""Whether the GPUs widen the gradients the optimizer overlap keeps as the fp32 `.grad`
+(`Plan.widen_downloads`, planning/host_step.py `widen_fits`): 2 B more per parameter on the
+GPU->host links against the host's conversion. Where every GPU's links to the host are its own
+and full duplex the extra bytes ride a direction the uploads leave idle, so the GPUs widen;
+behind a shared PCIe switch the host converts. One rule for the MIP's host model, the plan, the
+simulator and the runtime's overlap, so they agree."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import mobius_fx
 from mobius_fx import Topology
 from mobius_fx.pass_adapters import widen_choice
 from mobius_fx.planning.costs import LayerCost
+from mobius_fx.planning.host_step import HostPass, widen_fits
 from mobius_fx.planning.plans import build_plan
 from mobius_fx.sim.simulator import simulate
 from tests.unit.test_landings import FP16, one_switch
@@ -28,26 +30,32 @@ def _plan(topo: Topology):
                       step_time=1.0, input_bytes=1000, precision=FP16)
 
 
-@pytest.mark.parametrize("overlap", ["sync", "async"])
-def test_the_choice_is_the_faster_simulated_step(overlap):
-    chosen = {}
-    for name, topo in (("one switch", one_switch(4)), ("rtx4090x8", Topology.preset("rtx4090x8"))):
+def test_the_rule_follows_the_links():
+    assert widen_fits(Topology.preset("rtx4090x8")) and widen_fits(None)
+    assert not widen_fits(Topology.preset("mobius-testbed")) and not widen_fits(one_switch(4))
+    # where the rule widens, widening is the faster simulated step, and where it does not, the slower
+    for topo in (one_switch(4), Topology.preset("rtx4090x8")):
         plan = _plan(topo)
-        got = widen_choice(plan, "mobius", overlap, True)
-        wide, narrow = (simulate(plan, optimizer_overlap=overlap, widen_downloads=w).step_time for w in (True, False))
-        assert got["widen_downloads"] == (wide <= narrow), (name, wide, narrow)
-        assert ("widened to fp32 on the GPUs" if wide <= narrow else "widened into .grad on the host") in got["widen_rule"]
-        chosen[name] = got["widen_downloads"]
-        # simulate charges the plan's choice unless told otherwise
-        mine = dataclasses.replace(plan, **got)
-        assert simulate(mine, optimizer_overlap=overlap).step_time == min(wide, narrow)
-    assert chosen == {"one switch": False, "rtx4090x8": True}
+        wide, narrow = (simulate(plan, optimizer_overlap="async", widen_downloads=w).step_time for w in (True, False))
+        assert (wide <= narrow) == widen_fits(topo), (topo.name, wide, narrow)
 
 
-def test_no_choice_where_nothing_is_widened():
-    plan = _plan(one_switch(4))
-    assert widen_choice(plan, "mobius", "none", True) == {}
-    assert widen_choice(plan, "mobius", "async", False) == {}  # opt.keep_grads = False: no .grad to widen into
+@pytest.mark.parametrize("overlap", ["sync", "async"])
+def test_the_planner_the_plan_and_the_simulator_follow_one_rule(overlap):
+    for topo in (one_switch(4), Topology.preset("rtx4090x8")):
+        rule = widen_fits(topo)
+        assert HostPass.of(topo, 2, "adamw", overlap).down_scale == (2.0 if rule else 1.0)  # the MIP's host
+        got = widen_choice(topo, overlap, True, FP16)
+        assert got["widen_downloads"] is rule and ("on the GPUs" if rule else "on the host") in got["widen_rule"]
+        plan = _plan(topo)  # widen_downloads None: the rule
+        assert simulate(plan, optimizer_overlap=overlap).step_time == \
+            simulate(plan, optimizer_overlap=overlap, widen_downloads=rule).step_time
+
+
+def test_nothing_to_choose_where_nothing_is_widened():
+    topo = one_switch(4)
+    assert widen_choice(topo, "none", True, FP16) == {}
+    assert widen_choice(topo, "async", False, FP16) == {}  # opt.keep_grads = False: no .grad to widen into
 
 
 def test_the_overlap_starts_from_the_plans_choice(one_thread):
@@ -56,8 +64,8 @@ def test_the_overlap_starts_from_the_plans_choice(one_thread):
     x = torch.randn(4, 16)
     pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(x,), microbatches=2,
                              cuts=[1, 2, 3], verbose=False, dtype=torch.bfloat16)
+    assert pipe.plan.widen_rule in str(pipe.plan)
     for widen in (True, False):
         pipe.plan = dataclasses.replace(pipe.plan, widen_downloads=widen)
         opt = pipe.overlap(torch.optim.AdamW(model.parameters()), "sync")
         assert opt.widen_downloads is widen
-    assert "gradients:" not in str(pipe.plan) or pipe.plan.widen_rule in str(pipe.plan)
