@@ -43,6 +43,7 @@ def _pair(tmp_path, make, keep_grads=True, steps=6):
               dtype=torch.bfloat16, device="virtual-async")
     pipe, ref_pipe = mobius_fx.compile(model, topo, **kw), mobius_fx.compile(twin, topo, **kw)
     opt = pipe.overlap(make(model.parameters()), mode="async")
+    opt.widen_downloads = True  # the widened path, whatever the rule says for this virtual server (a switch)
     opt.keep_grads = keep_grads
     ref = ref_pipe.overlap(make(twin.parameters()), mode="async")
     ref.fuse, ref.host_pass = False, False  # today's path

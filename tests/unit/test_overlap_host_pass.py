@@ -37,6 +37,7 @@ def _pair(tmp_path, make):
     pipe = mobius_fx.compile(model, topo, device="virtual-async", **kw)
     ref_pipe = mobius_fx.compile(twin, topo, device="virtual", **kw)
     opt = pipe.overlap(make(model.parameters()), mode="sync")
+    opt.widen_downloads = True  # the widened path, whatever the rule says for this virtual server (a switch)
     return model, twin, data, pipe, ref_pipe, opt, make(twin.parameters())
 
 

@@ -426,8 +426,9 @@ class LiveBytes(TorchDispatchMode):
         rt._forward = working(rt._forward, stage_gpu)
         rt._backward_call = working(rt._backward_call, stage_gpu)
 
-        def download(t, kind, _download):
-            host = _download(t, kind)().clone()
+        def download(t, kind, into=None, *, _download):
+            got = _download(t, kind, into)()
+            host = got if into is not None else got.clone()  # a download into a .grad home is that home
             return lambda: host
 
         host = lambda *_: None  # noqa: E731
