@@ -132,6 +132,10 @@ def main() -> None:
             save(model, report["opt_state"])
         torch.save({"weights": weights, **{k: v for k, v in report.items() if k != "opt_state"},
                     "state_entries": len(report.get("opt_state", {}).get("state", {}))}, args.out)
+        if args.fail_at is not None:  # a survivor whose peer died: its process group cannot be torn down,
+            sys.stdout.flush()        # and gloo's threads abort the interpreter's exit now and then
+            sys.stderr.flush()        # ("terminate called without an active exception"): leave at once
+            os._exit(0)
     finally:
         if args.fail_at is None:
             dist.destroy_process_group()
