@@ -35,6 +35,7 @@ Every figure is computed in this run, with a fresh plan cache. Always exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -133,6 +134,8 @@ def run_case(case: Case, cache: str, time_limit: float, overlap: str = "sync", k
     mip = mip_ctx.plan
     sim = mobius_fx.simulate(mip, optimizer_overlap=overlap, keep_grads=keep_grads)
     mip_sim = sim.step_time
+    if mip.widen_downloads is not None:  # the pipeline timed in the plan's mode of gradient download
+        mip_ctx.settings = dataclasses.replace(mip_ctx.settings, widen_downloads=mip.widen_downloads)
     pipe_pred = evaluate(problem_of(mip_ctx, mip.order), [0, *_cuts(mip)]).pipeline
     # Every contiguous partition through the plan's own passes with cuts= given (no re-trace).
     tail = default_pipeline()

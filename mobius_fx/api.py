@@ -236,7 +236,7 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
          host_memory_fraction: float | None = _D.host_memory_fraction, cache: bool = _D.cache,
          loss_fn: Any = None, example_target: Any = None, train_step: bool = False,
          schedule: str | None = None, optimizer_overlap: str = _D.optimizer_overlap,
-         keep_grads: bool = _D.keep_grads) -> Plan:
+         keep_grads: bool = _D.keep_grads, widen_downloads: bool | None = _D.widen_downloads) -> Plan:
     """Plan a Mobius pipeline for `model` on `topology`; nothing is run on a GPU.
 
     Works on the meta device, so a 15B model plans on a laptop:
@@ -283,7 +283,7 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
     why, and when the runtime does not execute it yet (compile then runs the fastest it does).
     `optimizer_overlap`: the mode `pipe.overlap` will step the optimizer in ("none", "sync",
     "async"); the step model times the host's pass that way (planning/host_step.py), with
-    `keep_grads` as the overlap's (`opt.keep_grads`, default True: the fp32 `.grad` written).
+    `keep_grads`, `widen_downloads`: as the overlap's (default True; None: chosen, see `CompileOptions`).
     """
     if loss_fn is not None or example_target is not None or train_step:
         pipeline = step_passes(pipeline or default_pipeline())
@@ -297,7 +297,7 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
                microbatches=microbatches, cuts=cuts, verbose=verbose, costs=costs, dtype=dtype, solver=solver,
                memory_fraction=memory_fraction, time_limit=time_limit, cross_map=cross_map, cache_dir=cache_dir,
                optimizer=optimizer, host_memory_fraction=host_memory_fraction, cache=cache,
-               optimizer_overlap=optimizer_overlap, keep_grads=keep_grads)
+               optimizer_overlap=optimizer_overlap, keep_grads=keep_grads, widen_downloads=widen_downloads)
     if microbatches is None:  # the caller's count is binding; without one the planner times a few
         from mobius_fx.count_choice import chosen_count
 

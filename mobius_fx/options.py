@@ -125,6 +125,11 @@ class CompileOptions:
     by default, as the runtime; False for a loop that sets `opt.keep_grads = False`): under "sync"
     the fused pass writes it (4 B per parameter), under "async" the main thread converts the
     downloads into it after the pipeline (6 B per parameter in bf16, before the update launches).
+    `widen_downloads`: whether the GPUs widen the gradients the overlap keeps as the fp32 `.grad`
+    to fp32 and download them straight into it (`OverlapOptimizer.widen_downloads`; 2 more bytes
+    per parameter on the GPU->host links, no conversion on the host). None (the default): the
+    planner's choice (passes/partition.py `widen_choice`: widened where each GPU's links to the
+    host are its own and full duplex, elsewhere whichever gives the shorter step in the step model).
     """
 
     microbatches: int | None = None
@@ -148,6 +153,7 @@ class CompileOptions:
     host_memory_fraction: float | None = 0.9
     optimizer_overlap: str = OVERLAP_DEFAULT
     keep_grads: bool = True
+    widen_downloads: bool | None = None
     microbatches_rule: str = ""  # why microbatches is what it is, when plan/compile chose it (`resolved`)
 
     def __post_init__(self) -> None:
@@ -196,6 +202,10 @@ class CompileOptions:
         if not isinstance(self.keep_grads, bool):
             raise MobiusError(f"keep_grads={self.keep_grads!r}; it must be True (the overlap writes the fp32 .grad, "
                               f"the runtime's default) or False (a loop with opt.keep_grads = False)")
+        if self.widen_downloads is not None and not isinstance(self.widen_downloads, bool):
+            raise MobiusError(f"widen_downloads={self.widen_downloads!r}; it must be None (the planner chooses), True "
+                              f"(the GPUs widen the gradients to fp32 before downloading them) or False (downloaded "
+                              f"as streamed, widened on the host)")
         if not isinstance(self.microbatches_rule, str):
             raise MobiusError(f"microbatches_rule={self.microbatches_rule!r}; it must be a str (set by `resolved`)")
 

@@ -75,26 +75,34 @@ def plan_pass(gm, ctx: CompileContext):
     form = getattr(ctx.wiring, "form", None)  # compile(schedule=): the caller's
     choice = choose(ctx.plan, form[0] if form else None, runnable=True)
     ctx.plan = dataclasses.replace(ctx.plan, schedule_choice=choice.line,
-                                   **widen_choice(ctx.topology, s.optimizer_overlap, s.keep_grads, s.precision))
+                                   **widen_choice(ctx.topology, s.optimizer_overlap, s.keep_grads, s.precision,
+                                                 part))
     return None
 
 
-def widen_choice(topology, overlap: str, keep_grads: bool, precision) -> dict:
+def widen_choice(topology, overlap: str, keep_grads: bool, precision, part=None) -> dict:
     """{"widen_downloads", "widen_rule"} for the Plan: whether the GPUs widen the gradients the
-    optimizer overlap keeps as the fp32 `.grad` (planning/host_step.py `widen_fits`: where each
-    GPU's links to the host are its own and full duplex), the rule the MIP's host model
-    (`HostPass.of`) and the simulator followed too; {} where nothing is widened."""
+    optimizer overlap keeps as the fp32 `.grad`: the partition's choice (`part.widen`, the
+    partition pass's `widen_choice` by the step model where the topology's links are shared or
+    half duplex, or the caller's `widen_downloads`), else the topology's rule (planning/host_step.py
+    `widen_fits`: where each GPU's links to the host are its own and full duplex), the mode the
+    MIP's host model (`HostPass.of`) timed and the simulator follows; {} where nothing is widened."""
     from mobius_fx.planning.host_step import widen_fits, widened_downloads
 
     stream = (precision.stream if precision is not None else None)
     if stream is None or not widened_downloads(overlap, stream.itemsize, 1, keep_grads, True):
         return {}
-    widen = widen_fits(topology)
-    how = ("widened to fp32 on the GPUs, downloaded straight into .grad (each GPU's links to the host are its own "
-           "and full duplex)" if widen else
-           "downloaded as streamed, widened into .grad on the host (a GPU's link to the host is shared or "
-           "half duplex: 2 more bytes per parameter there would slow the pipeline)")
-    return {"widen_downloads": widen, "widen_rule": f"gradients: {how}; opt.widen_downloads overrides"}
+    chosen = getattr(part, "widen", None)
+    widen = widen_fits(topology) if chosen is None else chosen
+    if chosen is None:
+        why = ("each GPU's links to the host are its own and full duplex" if widen else
+               "a GPU's link to the host is shared or half duplex: 2 more bytes per parameter there would slow the "
+               "pipeline")
+    else:
+        why = part.widen_why
+    how = ("widened to fp32 on the GPUs, downloaded straight into .grad" if widen else
+           "downloaded as streamed, widened into .grad on the host")
+    return {"widen_downloads": widen, "widen_rule": f"gradients: {how} ({why}); opt.widen_downloads overrides"}
 
 
 def insert_transfers_pass(gm, ctx: CompileContext):

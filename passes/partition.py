@@ -61,7 +61,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from mobius_fx.errors import PlanError
-from mobius_fx.planning.host_step import HostPass
+from mobius_fx.planning.host_step import PLANNED_OPTIMIZERS, HostPass, widen_fits, widened_downloads
 from mobius_fx.precision import Precision
 from mobius_fx.planning.step_model import Evaluation, PartitionProblem, SolverInfo, evaluate
 from mobius_fx.planning.step_memory import tied_weights
@@ -75,7 +75,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mobius_fx.options import CompileContext
 
 __all__ = ["partition_pass", "reuse_partition_pass", "kept_partition_pass", "hinted_partition_pass", "cut_stages", "map_stages", "on_order", "given_partition",
-           "problem_of", "param_sizes", "input_bytes"]
+           "problem_of", "widen_open", "widen_choice", "WIDEN_MARGIN", "param_sizes", "input_bytes"]
 
 log = logging.getLogger("mobius_fx")
 
@@ -88,12 +88,87 @@ def partition_pass(gm: Any, ctx: CompileContext, *, cut: Cut | None = None, orde
     partition and order): the stages `cut` gives (default `cut_stages`: the MIP, or `cuts=`),
     on the GPU order `order` gives them (default `map_stages`: cross_map), timed on that order
     (`on_order`: cut again when they do not fit it). `cut` and `order` let a caller swap one
-    step and keep the rest (`reuse_partition_pass`; a test's fixed GPU order)."""
+    step and keep the rest (`reuse_partition_pass`; a test's fixed GPU order). Where whether the
+    GPUs widen the gradient downloads is the planner's to choose (`widen_open`), `widen_choice`
+    chooses it, planning again for the other mode when that gives a shorter step."""
+    part, gpus = _partitioned(ctx, cut, order)
+    given = ctx.settings.widen_downloads
+    if given is not None:
+        part = dataclasses.replace(part, widen=given, widen_why=f"the caller's (widen_downloads={given})")
+    elif widen_open(ctx):
+        part, gpus = widen_choice(ctx, part, gpus, cut, order)
+    ctx.order = gpus
+    ctx.partition = part
+    return None
+
+
+def _partitioned(ctx: CompileContext, cut: Cut | None, order: Order | None) -> tuple[PartitionResult, tuple[str, ...]]:
     part = (cut or cut_stages)(ctx)
     gpus = tuple((order or map_stages)(ctx, part))
-    ctx.order = gpus
-    ctx.partition = on_order(ctx, part, gpus)
-    return None
+    return on_order(ctx, part, gpus), gpus
+
+
+# Where the topology's rule would not widen the gradient downloads (`widen_fits`: a GPU's link to
+# the host shared or half duplex), the widened step must be shorter by this share in the step
+# model before the planner widens: a near tie keeps the links' bytes down.
+WIDEN_MARGIN = 0.01
+
+
+class _Widened:
+    """A read-only view of a compile's context whose settings set `widen_downloads` (the passes'
+    context is recorded, not copied: `compiler._Recorder`); the partition helpers only read it."""
+
+    def __init__(self, ctx: Any, widen: bool) -> None:
+        self._ctx = ctx
+        self.settings = dataclasses.replace(ctx.settings, widen_downloads=widen)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+
+def widen_open(ctx: CompileContext) -> bool:
+    """Whether widening the gradient downloads is the planner's to choose for `ctx`: the
+    caller did not set it (`widen_downloads=None`), the overlap keeping the fp32 `.grad` would
+    widen them (sync or async, `keep_grads`, a half-precision stream: `widened_downloads`) and the
+    topology's rule says not to (`widen_fits` False: a link shared or half duplex, where 2 more
+    bytes per parameter may slow the pipeline, or save the host more than that costs)."""
+    s = ctx.settings
+    if s.widen_downloads is not None or PLANNED_OPTIMIZERS.get(s.optimizer, 0) == 0:
+        return False
+    precision = s.precision or Precision()
+    return (widened_downloads(s.optimizer_overlap, 4 * precision.scale, 1, s.keep_grads, True)
+            and not widen_fits(ctx.topology))
+
+
+def widen_choice(ctx: CompileContext, part: PartitionResult, gpus: tuple[str, ...], cut: Cut | None = None,
+                 order: Order | None = None) -> tuple[PartitionResult, tuple[str, ...]]:
+    """`part` (planned downloading the gradients as streamed, the rule's mode on this topology)
+    or a partition planned with them widened, whichever the step model times shorter: the same
+    cuts are timed widened (no MIP); when that is shorter by `WIDEN_MARGIN`, the cuts are planned
+    again widened (`cut` again, the MIP started from `part`'s cuts; never with `cuts=` given) and
+    the shorter of the two kept. So the plan's prediction, its pick and the simulator (which
+    follows `Plan.widen_downloads`) time the same mode. Returns the partition, with `widen` and
+    `widen_why` set, and its GPU order."""
+    wide = _Widened(ctx, True)
+    ev = evaluate(problem_of(wide, order=gpus), part.boundaries)
+    if ev is None or ev.makespan >= part.makespan * (1 - WIDEN_MARGIN):
+        timed = "" if ev is None else f", {ev.makespan:.4g} s widened"
+        return dataclasses.replace(part, widen=False, widen_why=f"the step model: {part.makespan:.4g} s as "
+                                                               f"streamed{timed}"), gpus
+    best = PartitionResult(ev.boundaries, ev.makespan, ev.prefetch_fwd, ev.prefetch_bwd, part.solver)
+    best_gpus = gpus
+    if ctx.settings.cuts is None:
+        log.info("partition: widened gradient downloads time %.4g s against %.4g s; partitioning again widened",
+                 ev.makespan, part.makespan)
+        hint = tuple(part.boundaries)
+        try:
+            again, again_gpus = _partitioned(wide, cut or (lambda c: cut_stages(c, hint)), order)
+        except PlanError:
+            again = None
+        if again is not None and again.makespan < best.makespan:
+            best, best_gpus = again, again_gpus
+    why = f"the step model: {best.makespan:.4g} s widened, {part.makespan:.4g} s as streamed"
+    return dataclasses.replace(best, widen=True, widen_why=why), best_gpus
 
 
 def cut_stages(ctx: CompileContext, hint: Sequence[int] | None = None) -> PartitionResult:
@@ -208,7 +283,10 @@ def kept_partition_pass(like: PartitionResult, order: Sequence[str], microbatche
     boundaries = tuple(like.boundaries)
 
     def kept(gm: Any, ctx: CompileContext) -> None:
-        problem = problem_of(ctx, order=order)
+        timed = ctx  # the default count's widening choice, timed so
+        if like.widen is not None and ctx.settings.widen_downloads is None:
+            timed = _Widened(ctx, like.widen)
+        problem = problem_of(timed, order=order)
         ev = evaluate(problem, boundaries)
         if ev is None:
             raise PlanError(f"microbatches={ctx.settings.microbatches}: the cuts {boundaries} planned at {microbatches} "
@@ -217,7 +295,8 @@ def kept_partition_pass(like: PartitionResult, order: Sequence[str], microbatche
         ctx.order = tuple(order)
         info = dataclasses.replace(like.solver, objective=ev.makespan,
                                    status=f"{like.solver.status}; the cuts of microbatches={microbatches}")
-        ctx.partition = PartitionResult(ev.boundaries, ev.makespan, ev.prefetch_fwd, ev.prefetch_bwd, info)
+        ctx.partition = PartitionResult(ev.boundaries, ev.makespan, ev.prefetch_fwd, ev.prefetch_bwd, info,
+                                        like.widen, like.widen_why)
 
     return kept
 
@@ -225,12 +304,14 @@ def kept_partition_pass(like: PartitionResult, order: Sequence[str], microbatche
 def problem_of(ctx: CompileContext, order: Sequence[str] | None = None) -> PartitionProblem:
     """The step model's numbers for this compile: the layers' costs, the GPUs in `order`, the
     model input's bytes, the tied weights' extra copies (as the plan pass's plan counts them) and
-    the host's pass under the settings' optimizer, `optimizer_overlap` and `keep_grads` (`HostPass`;
-    gradients widened on the GPUs where the topology suits it: host_step.widen_fits)."""
+    the host's pass under the settings' optimizer, `optimizer_overlap`, `keep_grads` and
+    `widen_downloads` (`HostPass`; None: gradients widened on the GPUs where the topology's rule
+    says so, host_step.widen_fits)."""
     s = ctx.settings
     sizes, trainable = param_sizes(ctx)
     precision = s.precision or Precision()
-    host = HostPass.of(ctx.topology, 4 * precision.scale, s.optimizer, s.optimizer_overlap, s.keep_grads)
+    host = HostPass.of(ctx.topology, 4 * precision.scale, s.optimizer, s.optimizer_overlap, s.keep_grads,
+                       s.widen_downloads)
     return PartitionProblem.from_topology(ctx.layers, ctx.topology, microbatches=s.microbatches, order=order,
                                           memory_fraction=s.memory_fraction, precision=s.precision,
                                           input_bytes=input_bytes(ctx),

@@ -29,13 +29,17 @@ LOCAL_SEARCH_COUNTS = 8  # the local search improves the seeds of this many coun
 class PartitionResult:
     """Stage boundaries (index of each stage's first layer), predicted makespan (s), the
     prefetched bytes per stage (forward p_k: 0 for k < N; backward q_k: 0 for the resident
-    k >= S-N) and the solver report."""
+    k >= S-N) and the solver report. `widen`: whether the step model timed the gradient
+    downloads widened to fp32 on the GPUs (None: the topology's rule, `host_step.widen_fits`;
+    set by the partition pass where it chose, `partition.widen_choice`), and `widen_why` why."""
 
     boundaries: tuple[int, ...]
     makespan: float
     prefetch_fwd: tuple[float, ...]
     prefetch_bwd: tuple[float, ...]
     solver: SolverInfo
+    widen: bool | None = None
+    widen_why: str = ""
 
 
 def result_of(ev: Evaluation, info: SolverInfo) -> PartitionResult:

@@ -2,8 +2,10 @@
 (`Plan.widen_downloads`, planning/host_step.py `widen_fits`): 2 B more per parameter on the
 GPU->host links against the host's conversion. Where every GPU's links to the host are its own
 and full duplex the extra bytes ride a direction the uploads leave idle, so the GPUs widen;
-behind a shared PCIe switch the host converts. One rule for the MIP's host model, the plan, the
-simulator and the runtime's overlap, so they agree."""
+behind a shared PCIe switch the widening may slow the pipeline or save the host more than it
+costs, so the partition pass chooses by the step model (passes/partition.py `widen_choice`),
+planning again in the chosen mode. One choice for the MIP's host model, the plan, the simulator
+and the runtime's overlap, so they agree."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from mobius_fx.planning.costs import LayerCost
 from mobius_fx.planning.host_step import HostPass, widen_fits
 from mobius_fx.planning.plans import build_plan
 from mobius_fx.sim.simulator import simulate
+from mobius_fx.zoo import GPT, GPTConfig
+from passes.partition import WIDEN_MARGIN
 from tests.unit.test_landings import FP16, one_switch
 
 
@@ -69,3 +73,47 @@ def test_the_overlap_starts_from_the_plans_choice(one_thread):
         pipe.plan = dataclasses.replace(pipe.plan, widen_downloads=widen)
         opt = pipe.overlap(torch.optim.AdamW(model.parameters()), "sync")
         assert opt.widen_downloads is widen
+
+
+def _plans(overlap: str, tmp_path) -> dict:
+    # 4 blocks of a 1024-wide GPT on the paper's testbed (PCIe switches: the rule does not widen)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=8192, seq=512, hidden=1024, blocks=4, heads=8, dropout=0.0))
+        x = torch.randint(0, 8192, (4, 512), device="meta")
+    return {w: mobius_fx.plan(model, "mobius-testbed", example_inputs=(x,), microbatches=4, dtype=torch.float16,
+                              verbose=False, optimizer_overlap=overlap, time_limit=5, widen_downloads=w,
+                              cache_dir=str(tmp_path)) for w in (None, True, False)}
+
+
+@pytest.mark.parametrize("overlap", ["sync", "async"])
+def test_behind_switches_the_planner_takes_the_shorter_step(overlap, tmp_path):
+    """Where the rule would not widen, the partition pass times both modes and plans the shorter
+    one's cuts: on this case async's hand-over makes widening shorter, sync's fused pass the bf16
+    downloads (mutation: the rule alone -> the async case plans the longer step)."""
+    plans = _plans(overlap, tmp_path)
+    chosen, wide, narrow = plans[None], plans[True], plans[False]
+    assert abs(wide.step_time / narrow.step_time - 1) > WIDEN_MARGIN  # the case decides, not the margin
+    assert chosen.widen_downloads is (wide.step_time < narrow.step_time)
+    assert chosen.step_time <= min(wide.step_time, narrow.step_time) * (1 + 1e-9)
+    assert "the step model" in chosen.widen_rule and "the caller's" in wide.widen_rule
+    assert wide.widen_downloads is True and narrow.widen_downloads is False
+    # the simulator times the plan's mode, the one the runtime's overlap starts from
+    assert simulate(chosen, optimizer_overlap=overlap).step_time == \
+        simulate(chosen, optimizer_overlap=overlap, widen_downloads=chosen.widen_downloads).step_time
+    assert overlap != "async" or chosen.widen_downloads  # the async case widens: its hand-over costs more
+
+
+def test_where_the_rule_widens_nothing_is_timed_twice():
+    from types import SimpleNamespace
+
+    from mobius_fx.options import CompileOptions
+    from mobius_fx.precision import Precision
+    from passes.partition import widen_open
+
+    bf16 = dataclasses.replace(CompileOptions(dtype=torch.float16), precision=Precision(torch.float16, torch.float32))
+    assert widen_open(SimpleNamespace(settings=bf16, topology=Topology.preset("mobius-testbed")))
+    assert not widen_open(SimpleNamespace(settings=bf16, topology=Topology.preset("rtx4090x8")))
+    assert not widen_open(SimpleNamespace(settings=dataclasses.replace(bf16, widen_downloads=False),
+                                          topology=Topology.preset("mobius-testbed")))
+    assert not widen_open(SimpleNamespace(settings=dataclasses.replace(bf16, optimizer_overlap="none"),
+                                          topology=Topology.preset("mobius-testbed")))
