@@ -5,18 +5,22 @@ the two ends of a tied embedding.
 - every schedule with a runtime form: after `train_step` the host holds the model once in the
   streamed dtype (tied weights once), each changed master is copied once per step whichever GPUs
   upload it, the store counts one epoch per step, and the step equals eager; under
-  pipe.overlap(mode="sync") too, where the fused host pass writes the one copy every GPU reads, so
-  nothing is copied again at upload in steady state (`pin` 0 bytes); the plan's host budget
-  counts the same bytes;
+  pipe.overlap(mode="sync") too, where the fused host pass (or a refresh) writes the one copy every
+  GPU reads once a step, so nothing is copied again at upload in steady state (`pin` 0 bytes) and
+  no copy is written twice (with a store per GPU, roundpipe refreshed the other GPU's stale copies:
+  79 writes for 52 masters); the plan's host budget counts the same bytes;
 - the store's rules, deterministic: one writer and no reader of a half-written copy (threads
   meeting on one master), a writer waits for every reader's upload event and for a reader that
   has not recorded its event yet;
 - the same rules on virtual-async (random delays on every stream) with the copy slowed down: four
-  GPUs uploading each layer at once still copy each master once and compute eager's gradients.
+  GPUs filling a stage of the same masters at once copy each master once and upload whole copies.
 
-Mutations run (each failed the tests named): a store per device again (shared_copies left the
-private ones) -> the byte, copy-count and pin tests; no lock in `take` -> the threads test and the
-virtual-async test; a writer waiting only for the last reader's event -> the events test.
+Mutations run (each failed the tests named): a store per device again (`shared_copies` leaving
+the devices' private ones) -> the byte, copy-count and writes-per-step tests of every schedule; no
+lock in `take` -> the threads test (4 writes, not 1) and the virtual-async test (21 copies, not 6);
+no lock and the copy marked used before it is written -> both again (a half-written slot); a
+writer waiting only for the last reader's event, or not for a reader still issuing -> the events
+test; every device bumping the shared epoch -> the schedule tests (5 epochs a step, not 1).
 """
 
 from __future__ import annotations
