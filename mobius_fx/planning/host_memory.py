@@ -14,7 +14,8 @@ must be able to read each term back. What the runtime keeps on the host (mobius_
 - optimizer state: `OPTIMIZER_STATE[optimizer]` times the trainable masters' bytes (AdamW and
   Adam keep exp_avg and exp_avg_sq in the parameter's dtype: 2x; SGD with momentum 1x);
 - the streamed copy: the masters cast to the streamed dtype, pinned, kept across steps, that
-  the uploads read (`device_stream.StreamDevice._pinned_copy`; one per stage's GPU copy);
+  the uploads read (`runtime.streamed_copies.StreamedCopies`): one per master, shared by every GPU
+  that uploads it (a tied weight, ZeRO-3 offload's GPUs, roundpipe's forward and backward GPUs);
 - activations: the stage inputs offloaded for backward and the model's outputs, all
   micro-batches, held from the forward to the backward (the schedule IR's forward copies to the
   host);
@@ -160,7 +161,9 @@ def host_budget(*, layers: Sequence[Any], stages: Sequence[Any], ir: Any, precis
                 limit: int | None) -> HostBudget:
     """The `HostBudget` of a plan's parts: its `layers` (bytes in the masters' dtype), `stages`
     (bytes as streamed), schedule IR `ir`, `precision`, the `optimizer` it is planned for and
-    the host's DRAM `limit`."""
+    the host's DRAM `limit`. The streamed copy is the masters once in the streamed dtype, not the
+    stages' weights: a tied weight two stages upload is one copy on the host, as is a layer that
+    several GPUs upload (the runtime's `StreamedCopies`)."""
     check_optimizer(optimizer)
     itemsizes = {"master_itemsize": precision.master.itemsize, "stream_itemsize": precision.stream.itemsize}
     masters = sum(int(l.param_bytes) for l in layers)
@@ -176,5 +179,5 @@ def host_budget(*, layers: Sequence[Any], stages: Sequence[Any], ir: Any, precis
                     largest[end] = max(largest.get(end, 0), int(o.bytes))
     return HostBudget(optimizer, masters=masters, grads=grads, grad_downloads=downloads,
                       optimizer_state=grads * OPTIMIZER_STATE[optimizer],
-                      streamed_copy=sum(int(s.param_bytes) for s in stages), activations=held,
+                      streamed_copy=int(masters * precision.scale), activations=held,
                       pinned_buffers=2 * sum(largest.values()), limit=limit, **itemsizes)

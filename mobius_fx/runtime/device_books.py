@@ -57,6 +57,7 @@ from mobius_fx.errors import BudgetError, MobiusError
 from mobius_fx.runtime.device_common import empty_slot
 from mobius_fx.runtime.device_tracker import OpTracker
 from mobius_fx.runtime.memory_sources import BookedBytes, Mark, MemorySource
+from mobius_fx.runtime.streamed_copies import StreamedCopies
 from mobius_fx.runtime.transfer_log import TransferLog
 from mobius_fx.units import fmt_bytes
 
@@ -419,6 +420,16 @@ class Device(abc.ABC):
     def refresh(self, masters: Sequence[torch.Tensor]) -> None:
         """The optimizer just stepped `masters`: a device keeping host copies of them to upload
         from writes them now (`StreamDevice`). Here: none kept, nothing to do."""
+
+    @property
+    def streamed_copies(self) -> StreamedCopies | None:
+        """The store of the host copies of the masters in the streamed dtype this device uploads
+        from, shared with the other devices of its Runtime (`StreamDevice`); None: it keeps none."""
+        return None
+
+    def use_streamed_copies(self, copies: StreamedCopies) -> None:
+        """Upload from `copies` from now on: the Runtime's store, one copy per master for all its
+        devices (`streamed_copies.shared_copies`). Here: none kept, nothing to do."""
 
     def forget_pinned_copies(self) -> None:
         """The masters changed in a way no version counter shows: any kept host copy is made

@@ -19,8 +19,10 @@ class CudaDevice(StreamDevice):
     """A real GPU (one pipeline GPU; several may share one CUDA device, each with its streams).
 
     Weights upload from pinned host copies of the masters in the streamed dtype, kept across
-    steps (`StreamDevice._pinned_copy`): made again by the upload worker only for masters that
-    changed, or written by the optimizer overlap right after a stage's step (`refresh`).
+    steps (`StreamDevice._pinned_copy`), one per master shared by every GPU of the Runtime
+    (`streamed_copies.StreamedCopies`; pinned memory is readable by every GPU's DMA): made again
+    by an upload worker only for masters that changed, or written by the optimizer overlap right
+    after a stage's step (`refresh`).
     """
 
     granule = 512  # CUDACachingAllocator rounds every block up to 512 bytes (memory_allocated counts blocks)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from mobius_fx.runtime import host_threads
 from mobius_fx.runtime.device_books import Device, nbytes, widen_transient
 from mobius_fx.runtime.device_common import SavedInput, check_unchanged
 from mobius_fx.runtime.host_counters import COUNTERS, watch_optimizer_steps
+from mobius_fx.runtime.streamed_copies import Entry, Event, StreamedCopies
 from mobius_fx.runtime.streams import PENDING, HostWaits, SlotPool, layout, views
 
 
@@ -44,17 +45,13 @@ class StreamDevice(Device):
         self.upload_stream: Any = None
         self.download_stream: Any = None
         self.copy_stream: Any = None
-        # The streamed copies of the masters the slots upload from (`_pinned_copy`): id(master) ->
-        # [master, step it was last used in, host copy in the slot's dtype, event of its last
-        # upload, (master's storage pointer, version) when `refresh` wrote it]. Kept across steps;
+        # The streamed copies of the masters the slots upload from (`_pinned_copy`), kept across
+        # steps: the Runtime's store, shared by all its devices (one copy per master on the host;
+        # mobius_fx/runtime/streamed_copies.py), or this device's own when it is used standalone.
         # `refresh` (the optimizer overlap) writes a stepped stage's new values right after its
-        # step, so the next step's upload copies nothing.
-        self._pinned: dict[int, list[Any]] = {}
-        # mode="async": per master a second streamed copy, [master, host copy, event of its last
-        # upload], that the update in flight writes w(t+1) into while the running step uploads
-        # w(t) from the first (`next_copy`); `swap_copy` exchanges them when the update lands
-        self._spares: dict[int, list[Any]] = {}
-        self._epoch = 0
+        # step, so the next step's upload copies nothing; mode="async" keeps a second copy per
+        # master there (`next_copy`, `swap_copy`).
+        self._copies = StreamedCopies(private=True)
         # An unchanged (storage pointer, version) needs no new copy (`_pinned_copy`); False copies
         # every master at its first upload of every step (the behaviour before issue 27)
         self.trust_versions = True
@@ -106,97 +103,89 @@ class StreamDevice(Device):
 
     def new_step(self) -> None:
         self.waits.clear()  # the log covers the step now running (it would grow without end)
-        self._epoch += 1
+        if self._copies.private:  # a shared store counts the step once (the Runtime's begin_step)
+            self._copies.new_step()
 
     # ------------------------------------------------------------------ the streamed copies of the masters
+    @property
+    def streamed_copies(self) -> StreamedCopies:
+        """The store of the streamed copies this device uploads from (shared with the other
+        devices of its Runtime)."""
+        return self._copies
+
+    def use_streamed_copies(self, copies: StreamedCopies) -> None:
+        """Upload from `copies` from now on (the Runtime's, shared by its devices)."""
+        self._copies = copies
+
     def _host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A host tensor the upload stream copies from (CUDA: pinned)."""
         return torch.empty(shape, dtype=dtype)
 
-    def _pinned_copy(self, master: torch.Tensor, dtype: torch.dtype) -> list[Any]:
-        """The streamed copy of `master` in `dtype` (upload worker only), kept across steps and
-        written again only when the master changed since it was last written: another storage
-        (`p.data = ...`, a replaced parameter, async's swap) or another version (every in-place
-        write through the tensor: optimizer steps -- the fused ones through
-        `host_counters.watch_optimizer_steps` --, `load_state_dict`, `torch.no_grad()` edits).
-        A write through `.data` in place (`p.data.mul_()`) is seen by neither: call
-        `Pipeline.refresh_weights()` after one. Buffers are copied every step: modules update
-        theirs in place unseen (BatchNorm's running statistics bump no version counter)."""
-        entry = self._pinned.get(id(master))
-        if entry is None or entry[0] is not master or entry[2].dtype != dtype or entry[2].shape != master.shape:
-            entry = [master, None, self._host_buffer(master.shape, dtype), None, None]
-            self._pinned[id(master)] = entry
-        now = (master.data_ptr(), master._version)  # the offset counts (a view into a flat buffer)
-        if entry[1] is None or (entry[1] != self._epoch and entry[4] != now):
-            if entry[3] is not None:
-                entry[3].synchronize()  # an earlier upload may still read the old copy
-            with torch.no_grad():
-                entry[2].copy_(master.detach())
+    def _pinned_copy(self, master: torch.Tensor, dtype: torch.dtype) -> tuple[Entry, torch.Tensor]:
+        """The streamed copy of `master` in `dtype` (upload worker only; the caller uploads from
+        it, then `StreamedCopies.release`s it), kept across steps and written again only when
+        the master changed since it was last written: another storage (`p.data = ...`, a
+        replaced parameter, async's swap) or another version (every in-place write through the
+        tensor: optimizer steps -- the fused ones through `host_counters.watch_optimizer_steps`
+        --, `load_state_dict`, `torch.no_grad()` edits). A write in place through `.data`
+        (`p.data.mul_()`) is seen by neither: call `Pipeline.refresh_weights()` after one.
+        Buffers are copied every step: modules update theirs in place unseen (BatchNorm's
+        running statistics bump no version counter). Of the devices sharing the store, the one
+        that writes a copy counts it (`pinned_copies`, the `pin` counter)."""
+        entry, host, wrote = self._copies.take(master, dtype, self._host_buffer, self.trust_versions)
+        if wrote:
             self.pinned_copies["copies"] += 1
-            self.pinned_copies["bytes"] += nbytes(entry[2])
-            COUNTERS.add("pin", nbytes(master) + nbytes(entry[2]))
-            entry[4] = now if self.trust_versions and isinstance(master, torch.nn.Parameter) else None
-        entry[1] = self._epoch
-        return entry
+            self.pinned_copies["bytes"] += nbytes(host)
+            COUNTERS.add("pin", nbytes(master) + nbytes(host))
+        return entry, host
 
     def forget_pinned_copies(self) -> None:
         """Every streamed copy is made again at its next upload (`Pipeline.refresh_weights`)."""
-        for entry in self._pinned.values():
-            entry[4] = None
+        self._copies.forget()
 
     def refresh(self, masters: Sequence[torch.Tensor]) -> None:
         """The optimizer stepped `masters` (pipe.overlap, on its worker, after a stage's last
-        backward): write their new values into the streamed copies now, so the next step's
-        uploads need no copy of their own. A copy already current -- written by the fused host
-        pass in the step itself (`overlap.OverlapOptimizer._host_pass`), its (storage pointer,
-        version) recorded after the step -- is left as it is."""
+        backward): write their new values into the streamed copies now (once every upload that
+        read them is done), so the next step's uploads need no copy of their own. A copy already
+        current -- written by the fused host pass in the step itself
+        (`overlap.OverlapOptimizer._host_pass`), or by another device sharing the store -- is
+        left as it is."""
         for m in masters:
-            entry = self._pinned.get(id(m))
-            if entry is None or entry[0] is not m or entry[4] == (m.data_ptr(), m._version):
-                continue
-            if entry[3] is not None:
-                entry[3].synchronize()  # the stage's last upload has been read (it ran its backward)
-            with torch.no_grad():
-                entry[2].copy_(m.detach())
-            entry[4] = (m.data_ptr(), m._version)
-            self.pinned_copies["refreshed_copies"] += 1
-            self.pinned_copies["refreshed_bytes"] += nbytes(entry[2])
-            COUNTERS.add("refresh", nbytes(m) + nbytes(entry[2]))
+            n = self._copies.refresh(m)
+            if n:
+                self.pinned_copies["refreshed_copies"] += 1
+                self.pinned_copies["refreshed_bytes"] += n
+                COUNTERS.add("refresh", nbytes(m) + n)
 
     def next_copy(self, master: torch.Tensor) -> torch.Tensor | None:
         """mode="async": the second streamed copy of `master` (None when it has no first one),
-        once the last upload that read it is done; the update in flight writes the new weights
+        once every upload that read it is done; the update in flight writes the new weights
         there while the running step uploads the old ones from the first (optimizer's worker)."""
-        entry = self._pinned.get(id(master))
-        if entry is None or entry[0] is not master:
-            return None
-        spare = self._spares.get(id(master))
-        if spare is None or spare[0] is not master or spare[1].shape != entry[2].shape \
-                or spare[1].dtype != entry[2].dtype:
-            spare = self._spares[id(master)] = [master, self._host_buffer(entry[2].shape, entry[2].dtype), None]
-        if spare[2] is not None:
-            spare[2].synchronize()  # an upload of an earlier step read it
-        return spare[1]
+        return self._copies.next_copy(master)
 
     def swap_copy(self, master: torch.Tensor, copy: torch.Tensor) -> None:
         """mode="async": the update that wrote `copy` (`next_copy`) landed -- `master` holds the
         new weights --: `copy` becomes the streamed copy the next uploads read, current for the
         master's (storage pointer, version) now, and the old one the spare."""
-        entry, spare = self._pinned.get(id(master)), self._spares.get(id(master))
-        if entry is None or entry[0] is not master or spare is None or spare[1] is not copy:
-            return
-        entry[2], spare[1] = copy, entry[2]
-        entry[3], spare[2] = None, entry[3]
-        entry[4] = (master.data_ptr(), master._version) if self.trust_versions else None
+        self._copies.swap_copy(master, copy, self.trust_versions)
 
-    def _sources(self, targets: list[torch.Tensor], masters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-        entries = [self._pinned_copy(m, t.dtype) for t, m in zip(targets, masters)]
+    def _sources(self, targets: list[torch.Tensor], masters: list[torch.Tensor]
+                 ) -> tuple[list[torch.Tensor], Callable[[Event | None], None]]:
+        """The streamed copies to upload `masters` into `targets` from, and what to call with the
+        upload's event once it is issued (None: it was not): every copy is released then."""
+        taken: list[tuple[Entry, torch.Tensor]] = []
 
-        def uploaded(event: Any) -> None:
-            for e in entries:
-                e[3] = event
+        def uploaded(event: Event | None) -> None:
+            for entry, host in taken:
+                self._copies.release(entry, host, self, event)
 
-        return [e[2] for e in entries], uploaded
+        try:
+            for t, m in zip(targets, masters):
+                taken.append(self._pinned_copy(m, t.dtype))
+        except BaseException:
+            uploaded(None)
+            raise
+        return [host for _, host in taken], uploaded
 
     # ------------------------------------------------------------------ slots
     def plan_slots(self, sizes: Sequence[int], *, exact: bool = False) -> list[int]:
@@ -281,14 +270,16 @@ class StreamDevice(Device):
                 ev.synchronize()
             with host_threads.copying():  # at most the plan's upload_busy workers copy at once
                 sources, uploaded = self._sources(targets, masters)
-            for ev in last:
-                self.upload_stream.wait_event(ev)
-            self._copy_in(targets, sources, last)
-            done = self._event()
-            done.record(self.upload_stream)
-            region.filled = done
-            if uploaded is not None:
-                uploaded(done)
+            done = None
+            try:
+                for ev in last:
+                    self.upload_stream.wait_event(ev)
+                self._copy_in(targets, sources, last)
+                done = self._event()
+                done.record(self.upload_stream)
+                region.filled = done
+            finally:
+                uploaded(done)  # the copies may be written again once `done` is (never before this)
             return done
 
         self.log.add("weight", "h2d", sum(nbytes(s) for s in slots), len(slots))

@@ -98,7 +98,7 @@ from mobius_fx.planning.microbatch import split as split_inputs
 from mobius_fx.planning.schedule_ir import ScheduleIR
 from mobius_fx.planning.stage_contract import Schedule
 from mobius_fx.precision import Precision
-from mobius_fx.runtime import host_threads
+from mobius_fx.runtime import host_threads, streamed_copies
 from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.host_gradients import GradHomes, finite_flag, host_gradient
 from mobius_fx.runtime.microbatch_outputs import combine, guess_kind
@@ -188,6 +188,8 @@ class Runtime:
         self._slot_home = self._plan_slots(ir)  # (stage, phase, GPU) -> the slot the IR's order gives it there
         for gpu in ir.gpus:  # the pools are allocated once, now, and reused step after step
             devices[gpu].open_pool()
+        # one streamed copy per master on the host, read by every GPU that uploads it (streamed_copies.py)
+        self.streamed_copies = streamed_copies.shared_copies(list(devices.values()))
         # the user's modules the stages call as leaves (through shells): their Python attributes are followed
         self.shell_users = {id(user) for st in self.stages for user, _ in st.shells}
         self.planned_rows = 0  # rows of the example batch the plan was made for (0: unknown)
@@ -467,6 +469,7 @@ class Runtime:
             for dev in self.devices.values():
                 dev.new_step()
                 dev.log.mark()
+            streamed_copies.new_step(list(self.devices.values()))  # once per step, however many GPUs share it
             for st in self.stages:
                 for user, shell in st.shells:  # train()/eval() and plain attributes (Dropout.p) changed since
                     sync_shells(user, shell)

@@ -5,7 +5,7 @@ optimizer's own is on the critical path (issue 27: 40 bytes per parameter per st
 optimizer needs 28). The runtime counts those passes here, in bytes read plus written:
 
 - `pin`          — a master copied (and cast) into the streamed copy an upload reads, by the upload
-                   worker (`StreamDevice._pinned_copy`);
+                   worker (`StreamDevice._pinned_copy`; once per master, whichever GPUs upload it);
 - `refresh`      — the same copy written by the optimizer overlap right after a stage's step
                    (`StreamDevice.refresh`): beside the optimizer, off the critical path in sync mode;
 - `grad_convert` — a downloaded gradient converted into the master's dtype, or summed with another

@@ -90,7 +90,7 @@ The fused step (sync). A stage's parameters whose optimizer the host pass knows 
 AdamW, SGD: `host_optimizer.kind_of`) are stepped by it, one parameter per call, in ONE pass over
 host memory: it reads the downloaded half-precision gradient, updates the fp32 master and torch's
 own state, and writes the fp32 `.grad` (its home, kept across steps) and the streamed copy the
-next upload reads (`StreamDevice._pinned`), so no refresh pass follows for them (`_host_pass`;
+next upload reads (the one copy every GPU uploads from: `streamed_copies.StreamedCopies`), so no refresh pass follows for them (`_host_pass`;
 `HOST_PASS = False` or `MOBIUS_FX_HOST_PASS=0` turns it off; where it cannot be built, the log
 says so once and the path below runs). The others: the downloaded gradients converted into
 `.grad` span by span, each span right before the wrapped optimizer's own step runs over views of
@@ -105,6 +105,7 @@ model is read (hooks on the model).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -123,6 +124,7 @@ from mobius_fx.runtime import host_optimizer, host_threads
 from mobius_fx.runtime.device_books import nbytes
 from mobius_fx.runtime.host_counters import COUNTERS
 from mobius_fx.runtime.host_gradients import GradHomes, convert_span, is_home, sum_downloads
+from mobius_fx.runtime.streamed_copies import Entry, StreamedCopies
 
 __all__ = ["OverlapOptimizer", "HOST_PASS", "ALIGN", "UNIT", "SPAN_UNITS", "SPAN", "WeakHook", "accumulator",
            "WIDEN_DOWNLOADS", "engine_accumulates", "has_grad_hooks", "fingerprint", "partition_owners",
@@ -1141,7 +1143,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             stepped_masters(sub)
             return
         rest = {id(p) for p, _ in whole}
-        written: list[tuple[torch.Tensor, list]] = []
+        written: list[tuple[torch.Tensor, Entry]] = []
 
         def body(opt: torch.optim.Optimizer, *_: object, **__: object) -> None:
             with torch.no_grad():
@@ -1155,7 +1157,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         body(sub)  # no step hooks: opt.step() runs them once (`_pre_hooks`)
         stepped_masters(sub)  # the version bump the global post-hook would give
         for p, entry in written:  # after that bump: the copy the pass wrote is current
-            entry[4] = (p.data_ptr(), p._version)
+            StreamedCopies.mark_current(entry, p)
 
     def _chunks(self, fused: list[tuple[torch.Tensor, list[torch.Tensor]]], hp: list[dict], where: dict[int, int],
                 homes: GradHomes | None, raw: Callable[[torch.optim.Optimizer], object]) -> None:
@@ -1218,17 +1220,21 @@ class OverlapOptimizer(torch.optim.Optimizer):
             return None
         return kind
 
-    def _streamed(self, p: torch.Tensor) -> list | None:
-        """The first streamed copy of `p` a device keeps (`StreamDevice._pinned` entry), if any."""
+    def _streamed(self, p: torch.Tensor) -> tuple[StreamedCopies, Entry] | None:
+        """The streamed copy of `p` the devices upload from (one, shared by them: `StreamedCopies`)
+        with its store, if there is one the pass can write."""
         for dev in self._pipeline._rt.devices.values():
-            entry = getattr(dev, "_pinned", {}).get(id(p))
-            if (entry is not None and entry[0] is p and entry[2].shape == p.shape and entry[2].is_contiguous()
-                    and entry[2].data_ptr() % ALIGN == 0):
-                return entry
+            store = getattr(dev, "streamed_copies", None)
+            entry = store.get(p) if store is not None else None
+            if entry is not None:
+                host = entry.host
+                if host.shape == p.shape and host.is_contiguous() and host.data_ptr() % ALIGN == 0:
+                    return store, entry
+                return None
         return None
 
     def _host_pass(self, passed: list[tuple[torch.Tensor, list[torch.Tensor], str]], hp: list[dict],
-                   where: dict[int, int], homes: GradHomes | None) -> list[tuple[torch.Tensor, list]]:
+                   where: dict[int, int], homes: GradHomes | None) -> list[tuple[torch.Tensor, Entry]]:
         """Step each parameter in one pass (`host_optimizer.step_span`): the download in, the
         master, torch's state, `.grad` (its home) and the streamed copy out. Returns the
         (parameter, streamed-copy entry) pairs it wrote, for `_step_fused` to mark current."""
@@ -1244,13 +1250,13 @@ class OverlapOptimizer(torch.optim.Optimizer):
             if kind != "sgd":
                 st["step"] += 1  # once per parameter, as torch's step
                 step = float(st["step"])
-            entry = self._streamed(p) if self.refresh_copies else None
-            if entry is not None and entry[3] is not None:
-                entry[3].synchronize()  # the stage's last upload has read the old copy
+            streamed = self._streamed(p) if self.refresh_copies else None
             flat = {k: (v.view(-1) if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in st.items()}
-            ok = host_optimizer.step_span(kind, hp[where[id(p)]], p.detach().view(-1), gs[0].reshape(-1), flat,
-                                          step=step, grad_out=None if home is None or widened else home.view(-1),
-                                          copy_out=None if entry is None else entry[2].view(-1))
+            # the copy every GPU uploads from, written once every upload that read it is done
+            with streamed[0].writing(streamed[1]) if streamed is not None else contextlib.nullcontext() as copy:
+                ok = host_optimizer.step_span(kind, hp[where[id(p)]], p.detach().view(-1), gs[0].reshape(-1), flat,
+                                              step=step, grad_out=None if home is None or widened else home.view(-1),
+                                              copy_out=None if copy is None else copy.view(-1))
             if not bool(ok) and self._dirty is None:  # the GPUs said finite: a download went wrong
                 self._dirty = (f"the host pass met a non-finite gradient of a {tuple(p.shape)} parameter that the GPUs "
                                f"had reported finite (a corrupted download) and stepped it")
@@ -1262,8 +1268,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 # beside the optimizer's own 28 B/param: the fp32 .grad written (the download read
                 # replaces the fp32 gradient's read, the copy written within the same bytes)
                 COUNTERS.add("grad_fused", nbytes(home))
-            if entry is not None:
-                written.append((p, entry))
+            if streamed is not None:
+                written.append((p, streamed[1]))
         return written
 
     # ------------------------------------------------------------------ sync: speculation (a clipped loop)

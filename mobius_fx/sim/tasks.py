@@ -81,7 +81,7 @@ class Context:
         # bytes): not where the optimizer's step writes them (DeepSpeed's CPU Adam writes its fp16
         # copy itself: zero3_offload turns this off).
         self.pin_before_upload = True
-        self._pins: dict[tuple[str, int], int] = {}  # (gpu, stage) -> its pin task this step
+        self._pins: dict[int, int] = {}  # stage -> its pin task this step
         # Data-parallel servers, each server's NIC bandwidth (bytes/s per direction) and the
         # latency of one ring step (s): see gradient_allreduce.
         self.servers, self.network, self.network_latency = servers, network, network_latency
@@ -130,19 +130,21 @@ class Context:
 
     def pin_copy(self, gpu: str, stage: int, master_bytes: float, after_start: list = ()) -> int | None:
         """The pinning of stage `stage`'s streamed copy (its `master_bytes` of trainable
-        masters; frozen weights are pinned once, not every step) by `gpu`'s upload worker, on the
-        "<gpu>/pin" resource, once per step and GPU (each GPU keeps its own copies), started
+        masters; frozen weights are pinned once, not every step) by the upload worker of the
+        first GPU that uploads it, on the "<gpu>/pin" resource, once per step: the GPUs share one
+        streamed copy per master (runtime/streamed_copies.py), so a stage another GPU uploads too
+        -- roundpipe's backward, ZeRO-3 offload's every GPU -- waits for the same pin. Started
         when the upload is triggered (`after_start`). The stage's uploads wait for the task
         returned; None when nothing is pinned (`pin_before_upload` off, no bytes)."""
         seconds = self.copy_seconds("pin", master_bytes) if self.pin_before_upload else 0.0
         if seconds <= 0:
             return None
-        if (gpu, stage) not in self._pins:
-            self._pins[(gpu, stage)] = self.add(Task(
+        if stage not in self._pins:
+            self._pins[stage] = self.add(Task(
                 f"pin s{stage} {gpu}", f"{gpu}/pin", (stage,), seconds,
                 after_start=[d for d in after_start if d is not None],
                 meta={"kind": "host-copy", "copy": "pin", "phase": "forward", "gpu": gpu, "stage": stage}))
-        return self._pins[(gpu, stage)]
+        return self._pins[stage]
 
     def route(self, src: str, dst: str) -> tuple[str, ...]:
         if (src, dst) not in self._routes:

@@ -255,9 +255,9 @@ def test_cuda_bf16_pipeline_matches_eager_autocast(tmp_path):
     assert abs(loss.item() - ref.item()) <= 8 * BF16_U * abs(ref.item())
     assert max(((p.grad - q.grad.cpu()).norm() / q.grad.norm()).item()
                for p, q in zip(model.parameters(), eager.parameters())) <= 8 * BF16_U
-    st = pipe.devices["gpu0"]._pinned
-    assert st and all(e[2].dtype == torch.bfloat16 and e[2].is_pinned() for e in st.values()
-                      if e[0].is_floating_point())
+    st = pipe.devices["gpu0"].streamed_copies
+    assert len(st) and all(e.host.dtype == torch.bfloat16 and e.host.is_pinned() for e in st.entries()
+                           if e.master.is_floating_point())
 
 
 class _UpcastThenNorm(torch.nn.Module):

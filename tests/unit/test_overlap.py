@@ -378,7 +378,7 @@ def test_on_the_cuda_stand_in_the_step_refreshes_the_streamed_copies(tmp_path):
         copies.append(sum(d.pinned_copies["copies"] for d in devs) - before)
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p, q)
-    streamed = sum(len(d._pinned) for d in devs)
+    streamed = len(devs[0].streamed_copies)  # one store, shared by the devices
     assert copies[0] == copies[1] == streamed  # the first step is serial: every copy made at upload
     assert copies[2:] == [0] * (len(data) - 2)  # then the optimizer's step writes them all
     assert sum(d.pinned_copies["refreshed_copies"] for d in devs) >= (len(data) - 2) * streamed
@@ -413,7 +413,7 @@ def test_under_refresh_copies_frozen_weights_are_pinned_once_and_again_only_when
         opt.step()
         opt.zero_grad()
         copies.append(sum(d.pinned_copies["copies"] for d in devs) - before)
-    streamed = sum(len(d._pinned) for d in devs)
+    streamed = len(devs[0].streamed_copies)  # one store, shared by the devices
     assert copies[0] == streamed and copies[2:4] == [0, 0]  # frozen ones too, after their first copy
     assert copies[4] == 1  # the one frozen weight that changed
     # A write in place through .data bumps no version: pipe.refresh_weights() streams it.

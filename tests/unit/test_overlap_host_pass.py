@@ -44,9 +44,9 @@ def _pair(tmp_path, make):
 def _copies_current(pipe, model):
     for p in model.parameters():
         for d in pipe.devices.values():
-            e = d._pinned.get(id(p))
+            e = d.streamed_copies.get(p)
             if e is not None:
-                assert torch.equal(e[2], p.detach().to(e[2].dtype))
+                assert torch.equal(e.host, p.detach().to(e.host.dtype))
 
 
 @pytest.mark.parametrize("name,make", [

@@ -75,9 +75,9 @@ def _copies_current(pipe, model, committed=0):
     current = set()
     for p in model.parameters():
         for d in pipe.devices.values():
-            e = d._pinned.get(id(p))
-            if e is not None and e[4] == (p.data_ptr(), p._version):
-                assert torch.equal(e[2], p.detach().to(e[2].dtype))
+            e = d.streamed_copies.get(p)
+            if e is not None and e.current == (p.data_ptr(), p._version):
+                assert torch.equal(e.host, p.detach().to(e.host.dtype))
                 current.add(id(p))
     assert len(current) >= committed, f"{committed} parameters committed, {len(current)} copies current"
 
