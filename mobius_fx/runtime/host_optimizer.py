@@ -292,6 +292,38 @@ def _unscaled(grad: torch.Tensor, grad_out: torch.Tensor | None,
     return wide.mul_(torch.tensor(inv, dtype=torch.float32)), None
 
 
+def _cpp_step(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state: dict, step: float | None,
+              grad_out: torch.Tensor | None, copy_out: torch.Tensor | None, p_out: torch.Tensor | None,
+              state_out: dict | None, grad_scale: float | None, grad2: torch.Tensor | None) -> torch.Tensor | None:
+    """`step_span` by the C++ kernel: its finite flag, or None where it cannot be built (logged once)
+    or does not take a tensor (checked before any write): the next backend steps the span then."""
+    adam = kind == "adamw" or kind == "adam"
+    try:
+        k = _cpp or _cpp_kernel()
+    except Exception as e:  # noqa: BLE001 - no C++ compiler, a build error: the next backend
+        _failed("c++", e)
+        return None
+    try:
+        if adam:
+            b1, b2 = group["betas"]
+            ok = k.adam(p, grad, state["exp_avg"], state["exp_avg_sq"], grad_out, copy_out, p_out,
+                        float(group["lr"]), float(b1), float(b2), float(group["weight_decay"]),
+                        float(group["eps"]), float(step), kind == "adamw", bool(group.get("maximize")),
+                        None if state_out is None else state_out["exp_avg"],
+                        None if state_out is None else state_out["exp_avg_sq"],
+                        1.0 if grad_scale is None else float(grad_scale), grad2)
+        else:
+            mom = float(group["momentum"])
+            ok = k.sgd(p, grad, state.get("momentum_buffer") if mom != 0 else None, grad_out, copy_out,
+                       p_out, float(group["lr"]), float(group["weight_decay"]), mom,
+                       float(group["dampening"]), bool(group.get("nesterov")), bool(group.get("maximize")),
+                       None if state_out is None or mom == 0 else state_out["momentum_buffer"],
+                       1.0 if grad_scale is None else float(grad_scale), grad2)
+    except RuntimeError:  # a tensor it does not take (not contiguous, not on the CPU; checked before any
+        return None  # write): the next backend steps this span
+    return _TRUE if ok else _FALSE
+
+
 def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state: dict, step: float | None = None,
               grad_out: torch.Tensor | None = None, copy_out: torch.Tensor | None = None,
               compiled: bool = True, p_out: torch.Tensor | None = None,
@@ -325,31 +357,9 @@ def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state
     # torch's fused step crosses no Python between its tensors.
     if (compiled and "c++" not in _broken and "c++" in BACKENDS and grad.dtype in _FLOATS
             and (copy_out is None or copy_out.dtype in _FLOATS) and (grad2 is None or grad2.dtype == grad.dtype)):
-        try:
-            k = _cpp or _cpp_kernel()
-        except Exception as e:  # noqa: BLE001 - no C++ compiler, a build error: the next backend
-            _failed("c++", e)
-        else:
-            try:
-                if adam:
-                    b1, b2 = group["betas"]
-                    ok = k.adam(p, grad, state["exp_avg"], state["exp_avg_sq"], grad_out, copy_out, p_out,
-                                float(group["lr"]), float(b1), float(b2), float(group["weight_decay"]),
-                                float(group["eps"]), float(step), kind == "adamw", bool(group.get("maximize")),
-                                None if state_out is None else state_out["exp_avg"],
-                                None if state_out is None else state_out["exp_avg_sq"],
-                                1.0 if grad_scale is None else float(grad_scale), grad2)
-                else:
-                    mom = float(group["momentum"])
-                    ok = k.sgd(p, grad, state.get("momentum_buffer") if mom != 0 else None, grad_out, copy_out,
-                               p_out, float(group["lr"]), float(group["weight_decay"]), mom,
-                               float(group["dampening"]), bool(group.get("nesterov")), bool(group.get("maximize")),
-                               None if state_out is None or mom == 0 else state_out["momentum_buffer"],
-                               1.0 if grad_scale is None else float(grad_scale), grad2)
-            except RuntimeError:  # a tensor it does not take (not contiguous, not on the CPU; checked before
-                pass  # any write): the next backend steps this span
-            else:
-                return _TRUE if ok else _FALSE
+        flag = _cpp_step(kind, group, p, grad, state, step, grad_out, copy_out, p_out, state_out, grad_scale, grad2)
+        if flag is not None:
+            return flag
     with torch.no_grad():
         if grad_scale is not None and float(grad_scale) != 1.0:
             grad, grad_out = _unscaled(grad, grad_out, float(grad_scale), grad2)
