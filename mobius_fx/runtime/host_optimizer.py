@@ -3,7 +3,10 @@ stepped by a kernel that reads the gradient as it was downloaded (bf16/fp16, or 
 the fp32 master and the optimizer's state in place -- kept in torch's own `opt.state[p]`
 (`exp_avg`, `exp_avg_sq`, `momentum_buffer`, `step`), so `state_dict()` stays torch's -- and
 writes, in the same loop, the streamed copy the next upload reads (bf16/fp16), optionally the
-fp32 `.grad` users read after backward, and whether the gradient was all finite.
+fp32 `.grad` users read after backward, and whether the gradient was all finite. A tied master
+(two stages hold it, so two downloads) is stepped in the same pass: it reads both and sums them
+as `host_gradients.sum_downloads` does (`step_span`'s `grad2`); `sum_two` is that sum alone in one
+pass, for a hand-over that must make `.grad` before the step (async).
 
 Bytes per parameter for AdamW with a bf16 gradient and a bf16 streamed copy: read p, m, v (12) and
 the gradient (2), write p, m, v (12) and the copy (2): 28, the bytes torch's own fused AdamW

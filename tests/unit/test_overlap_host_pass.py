@@ -61,10 +61,14 @@ def test_the_host_pass_steps_bit_for_bit_as_serial_and_writes_the_streamed_copy(
     for j, (x,) in enumerate(data):
         before = COUNTERS.snapshot()
         _loss(pipe(x), x).backward()
+        counts = HostCounters.since(before, COUNTERS.snapshot())  # the pipeline's backward alone
+        _loss(ref_pipe(x), x).backward()
+        for (pn, p), q in zip(model.named_parameters(), twin.parameters()):  # .grad: the tied one's the sum
+            assert torch.equal(p.grad, q.grad), (j, pn)
+        before = COUNTERS.snapshot()
         opt.step()
         opt.zero_grad()
-        counts = HostCounters.since(before, COUNTERS.snapshot())
-        _loss(ref_pipe(x), x).backward()
+        counts = {k: v + HostCounters.since(before, COUNTERS.snapshot())[k] for k, v in counts.items()}
         ref.step()
         ref.zero_grad()
         for (pn, p), q in zip(model.named_parameters(), twin.parameters()):
