@@ -9,11 +9,14 @@ optimizer needs 28). The runtime counts those passes here, in bytes read plus wr
 - `refresh`      — the same copy written by the optimizer overlap right after a stage's step
                    (`StreamDevice.refresh`): beside the optimizer, off the critical path in sync mode;
 - `grad_convert` — a downloaded gradient converted into the master's dtype, or summed with another
-                   stage's (a tied weight), on its way to `.grad` (`host_gradient`), a pass of its own;
+                   stage's (a tied weight), on its way to `.grad` (`host_gradient`), a pass of its own
+                   (a tied weight's two downloads summed in one: `overlap._summed`, read 2 + 2, write 4);
 - `grad_fused`   — the same conversion done inside the optimizer overlap's step of a stage, span by
                    span (`overlap.OverlapOptimizer._step_fused`): each span of `.grad` is written and at
                    once read by the optimizer from cache. Beside the optimizer, like `refresh`: the
-                   bytes are those of writing the fp32 `.grad` torch users read after backward;
+                   bytes are those of writing the fp32 `.grad` torch users read after backward; and
+                   the fused host pass's own beside its 28 B: the `.grad` it writes, a tied weight's
+                   second download it reads (`host_optimizer.step_span`'s `grad2`);
 - `grad_alloc`   — fresh host memory allocated for a gradient (faulted in by its first write);
 - `grad_add`     — a gradient added into an existing `.grad` (accumulation the loop asked for);
 - `shadow`       — mode="async": a parameter copied into the shadow its update is written into,

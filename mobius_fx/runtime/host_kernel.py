@@ -3,7 +3,9 @@ own fused CPU Adam/AdamW kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp: `
 and `at::parallel_for` over cache-line units, the same operations in the same order, compiled with
 the same floating-point contraction), extended to read a bf16/fp16 gradient, write the streamed
 copy, the fp32 `.grad`, the finite flag and optionally the new parameter and moments out of place
-(`p_out`, `m_out`/`v_out`, `buf_out`: the old ones left as they were), all in the same loop; and SGD (momentum) as torch's per-tensor step (each `add(..., alpha=)` one FMA).
+(`p_out`, `m_out`/`v_out`, `buf_out`: the old ones left as they were), all in the same loop (a tied
+master's second download, `grad2`, read and added to the first in fp32 in that loop too: the sum is
+the gradient, as `host_gradients.sum_downloads` makes it; `sum2`: that sum alone, one pass); and SGD (momentum) as torch's per-tensor step (each `add(..., alpha=)` one FMA).
 
 Built at first use with `torch.utils.cpp_extension.load_inline` for this host's CPU capability
 (`torch.backends.cpu.get_cpu_capability()`: the `Vectorized` ISA torch dispatches to) and cached
@@ -157,7 +159,8 @@ enum Mode { ORIGINAL = 0, ADAMW = 1 };
 // parameter written to p_out (else in place) and to the streamed copy C, the moments read from m_in, v_in and
 // written to exp_avg_ptr, exp_avg_sq_ptr (the same pointers: in place; others: out of place, the old ones kept).
 template <typename G, typename C, int mode>
-bool adam_math(const float* p_in, float* param_ptr, const G* grad_ptr, const float* m_in, const float* v_in,
+bool adam_math(const float* p_in, float* param_ptr, const G* grad_ptr, const G* grad2_ptr, const float* m_in,
+               const float* v_in,
                float* exp_avg_ptr, float* exp_avg_sq_ptr,
                float* grad_out, C* copy, double lr, double exp_avg_grad_coefficient,
                double exp_avg_sq_grad_coefficient, double bias_correction2_sqrt, double eps, double weight_decay,
@@ -171,6 +174,7 @@ bool adam_math(const float* p_in, float* param_ptr, const G* grad_ptr, const flo
   for (; d < size - (size % Vec::size()); d += Vec::size()) {
     Vec param_vec = Vec::loadu(p_in + d);
     Vec grad_vec = load_f<G>(grad_ptr + d);
+    if (grad2_ptr) grad_vec = grad_vec + load_f<G>(grad2_ptr + d);  // a tied master's 2nd download, in fp32
     if (grad_out) grad_vec.store(grad_out + d);
     if (scaled) grad_vec = unscaled(grad_vec, inv);
     acc = acc + (grad_vec - grad_vec);
@@ -207,6 +211,7 @@ bool adam_math(const float* p_in, float* param_ptr, const G* grad_ptr, const flo
     if (exp_avg_ptr != m_in) exp_avg_ptr[d] = m_in[d];
     if (exp_avg_sq_ptr != v_in) exp_avg_sq_ptr[d] = v_in[d];
     scalar_t grad_val = grad_ptr[d];
+    if (grad2_ptr) grad_val = grad_val + scalar_t(grad2_ptr[d]);
     if (grad_out) grad_out[d] = grad_val;
     if (scaled) grad_val = unscaled(grad_val, inv);
     ok = ok && std::isfinite(grad_val);
@@ -239,7 +244,8 @@ template <typename T> T* ptr(const std::optional<at::Tensor>& t) {
 }
 
 template <typename G, typename C, int mode>
-bool adam_impl(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+bool adam_impl(const at::Tensor& param, const at::Tensor& grad, const std::optional<at::Tensor>& grad2,
+               const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& copy,
                const std::optional<at::Tensor>& p_out, const std::optional<at::Tensor>& m_out,
                const std::optional<at::Tensor>& v_out, double lr, double beta1, double beta2, double weight_decay,
@@ -248,6 +254,7 @@ bool adam_impl(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   const float* p_in = param.data_ptr<float>();
   float* p_dst = p_out.has_value() ? p_out->data_ptr<float>() : param.data_ptr<float>();
   const G* g = grad.data_ptr<G>();
+  const G* g2 = ptr<G>(grad2);
   const float* m = exp_avg.data_ptr<float>();
   const float* v = exp_avg_sq.data_ptr<float>();
   float* m_dst = m_out.has_value() ? m_out->data_ptr<float>() : exp_avg.data_ptr<float>();
@@ -266,7 +273,8 @@ bool adam_impl(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   at::parallel_for(0, num_units, GRAIN, [&](int64_t begin, int64_t end) {
     begin *= UNIT;
     end = std::min(end * UNIT, numel);
-    bool fine = adam_math<G, C, mode>(p_in + begin, p_dst + begin, g + begin, m + begin, v + begin, m_dst + begin,
+    bool fine = adam_math<G, C, mode>(p_in + begin, p_dst + begin, g + begin, g2 ? g2 + begin : nullptr, m + begin,
+                                      v + begin, m_dst + begin,
                                       v_dst + begin,
                                       go ? go + begin : nullptr, cp ? cp + begin : nullptr, lr,
                                       exp_avg_grad_coefficient, exp_avg_sq_grad_coefficient, bias_correction2_sqrt,
@@ -279,7 +287,8 @@ bool adam_impl(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
 
 // SGD as torch's per-tensor step: every `a.add(b, alpha=c)` is fma(b, c, a), `buf.mul_(mom)` rounds once
 template <typename G, typename C>
-bool sgd_math(const float* p_in, float* p_dst, const G* g, const float* buf_in, float* buf, float* grad_out, C* copy,
+bool sgd_math(const float* p_in, float* p_dst, const G* g, const G* g2, const float* buf_in, float* buf, float* grad_out,
+              C* copy,
               float wd, float mom,
               float damp1, float neg_lr, bool decay, bool nesterov, bool maximize, int64_t size, bool scaled,
               float inv) {
@@ -290,6 +299,7 @@ bool sgd_math(const float* p_in, float* p_dst, const G* g, const float* buf_in, 
   for (; d < size - (size % W); d += W) {
     fVec p = fVec::loadu(p_in + d);
     fVec x = load_f<G>(g + d);
+    if (g2) x = x + load_f<G>(g2 + d);  // a tied master's 2nd download, in fp32
     if (grad_out) x.store(grad_out + d);
     if (scaled) x = unscaled(x, inv);
     acc = acc + (x - x);
@@ -309,6 +319,7 @@ bool sgd_math(const float* p_in, float* p_dst, const G* g, const float* buf_in, 
   for (; d < size; d++) {
     float p = p_in[d];
     float x = g[d];
+    if (g2) x = x + float(g2[d]);
     if (grad_out) grad_out[d] = x;
     if (scaled) x = unscaled(x, inv);
     ok = ok && std::isfinite(x);
@@ -327,7 +338,8 @@ bool sgd_math(const float* p_in, float* p_dst, const G* g, const float* buf_in, 
 }
 
 template <typename G, typename C>
-bool sgd_impl(const at::Tensor& param, const at::Tensor& grad, const std::optional<at::Tensor>& buf,
+bool sgd_impl(const at::Tensor& param, const at::Tensor& grad, const std::optional<at::Tensor>& grad2,
+              const std::optional<at::Tensor>& buf,
               const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& copy,
               const std::optional<at::Tensor>& p_out, const std::optional<at::Tensor>& buf_out, double lr,
               double weight_decay, double momentum, double dampening, bool nesterov, bool maximize,
@@ -336,6 +348,7 @@ bool sgd_impl(const at::Tensor& param, const at::Tensor& grad, const std::option
   const float* p_in = param.data_ptr<float>();
   float* p_dst = p_out.has_value() ? p_out->data_ptr<float>() : param.data_ptr<float>();
   const G* g = grad.data_ptr<G>();
+  const G* g2 = ptr<G>(grad2);
   const float* b = ptr<float>(buf);
   float* b_dst = buf_out.has_value() ? buf_out->data_ptr<float>() : ptr<float>(buf);
   float* go = ptr<float>(grad_out);
@@ -346,7 +359,8 @@ bool sgd_impl(const at::Tensor& param, const at::Tensor& grad, const std::option
   at::parallel_for(0, num_units, GRAIN, [&](int64_t begin, int64_t end) {
     begin *= UNIT;
     end = std::min(end * UNIT, numel);
-    bool fine = sgd_math<G, C>(p_in + begin, p_dst + begin, g + begin, b ? b + begin : nullptr,
+    bool fine = sgd_math<G, C>(p_in + begin, p_dst + begin, g + begin, g2 ? g2 + begin : nullptr,
+                               b ? b + begin : nullptr,
                                b ? b_dst + begin : nullptr,
                                go ? go + begin : nullptr, cp ? cp + begin : nullptr, wd, mom, damp1, neg_lr,
                                weight_decay != 0, nesterov, maximize, end - begin, grad_scale != 1.0,
@@ -392,11 +406,16 @@ void check(const at::Tensor& t, const char* what, int64_t n) {
 }
 
 void check_all(const at::Tensor& p, const at::Tensor& g, const std::optional<at::Tensor>& go,
-               const std::optional<at::Tensor>& copy, const std::optional<at::Tensor>& p_out) {
+               const std::optional<at::Tensor>& copy, const std::optional<at::Tensor>& p_out,
+               const std::optional<at::Tensor>& g2 = std::nullopt) {
   int64_t n = p.numel();
   check(p, "p", n);
   TORCH_CHECK(p.scalar_type() == at::kFloat, "host kernel: p must be fp32");
   check(g, "grad", n);
+  if (g2) {
+    check(*g2, "grad2", n);
+    TORCH_CHECK(g2->scalar_type() == g.scalar_type(), "host kernel: grad2 must have grad's dtype");
+  }
   if (go) { check(*go, "grad_out", n); TORCH_CHECK(go->scalar_type() == at::kFloat, "host kernel: grad_out must be fp32"); }
   if (copy) check(*copy, "copy_out", n);
   if (p_out) { check(*p_out, "p_out", n); TORCH_CHECK(p_out->scalar_type() == at::kFloat, "host kernel: p_out must be fp32"); }
@@ -427,8 +446,8 @@ bool adam(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const a
           const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& copy,
           const std::optional<at::Tensor>& p_out, double lr, double beta1, double beta2, double weight_decay,
           double eps, double step, bool decoupled, bool maximize, const std::optional<at::Tensor>& m_out,
-          const std::optional<at::Tensor>& v_out, double grad_scale) {
-  check_all(p, g, grad_out, copy, p_out);
+          const std::optional<at::Tensor>& v_out, double grad_scale, const std::optional<at::Tensor>& grad2) {
+  check_all(p, g, grad_out, copy, p_out, grad2);
   check(m, "exp_avg", p.numel());
   check(v, "exp_avg_sq", p.numel());
   TORCH_CHECK(m_out.has_value() == v_out.has_value(), "host kernel: m_out and v_out go together");
@@ -438,16 +457,17 @@ bool adam(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const a
   return dispatch(g.scalar_type(), copy, [&](auto gtag, auto* ctag, auto) -> bool {
     using G = decltype(gtag);
     using C = std::remove_pointer_t<decltype(ctag)>;
-    return decoupled ? adam_impl<G, C, ADAMW>(p, g, m, v, grad_out, copy, p_out, m_out, v_out, lr, beta1, beta2, weight_decay, eps, step, maximize, grad_scale)
-                     : adam_impl<G, C, ORIGINAL>(p, g, m, v, grad_out, copy, p_out, m_out, v_out, lr, beta1, beta2, weight_decay, eps, step, maximize, grad_scale);
+    return decoupled ? adam_impl<G, C, ADAMW>(p, g, grad2, m, v, grad_out, copy, p_out, m_out, v_out, lr, beta1, beta2, weight_decay, eps, step, maximize, grad_scale)
+                     : adam_impl<G, C, ORIGINAL>(p, g, grad2, m, v, grad_out, copy, p_out, m_out, v_out, lr, beta1, beta2, weight_decay, eps, step, maximize, grad_scale);
   });
 }
 
 bool sgd(const at::Tensor& p, const at::Tensor& g, const std::optional<at::Tensor>& buf,
          const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& copy,
          const std::optional<at::Tensor>& p_out, double lr, double weight_decay, double momentum, double dampening,
-         bool nesterov, bool maximize, const std::optional<at::Tensor>& buf_out, double grad_scale) {
-  check_all(p, g, grad_out, copy, p_out);
+         bool nesterov, bool maximize, const std::optional<at::Tensor>& buf_out, double grad_scale,
+         const std::optional<at::Tensor>& grad2) {
+  check_all(p, g, grad_out, copy, p_out, grad2);
   if (buf) {
     check(*buf, "momentum_buffer", p.numel());
     TORCH_CHECK(buf->scalar_type() == at::kFloat, "host kernel: momentum_buffer must be fp32");
@@ -458,7 +478,7 @@ bool sgd(const at::Tensor& p, const at::Tensor& g, const std::optional<at::Tenso
   return dispatch(g.scalar_type(), copy, [&](auto gtag, auto* ctag, auto) -> bool {
     using G = decltype(gtag);
     using C = std::remove_pointer_t<decltype(ctag)>;
-    return sgd_impl<G, C>(p, g, buf, grad_out, copy, p_out, buf_out, lr, weight_decay, momentum, dampening, nesterov, maximize,
+    return sgd_impl<G, C>(p, g, grad2, buf, grad_out, copy, p_out, buf_out, lr, weight_decay, momentum, dampening, nesterov, maximize,
                           grad_scale);
   });
 }
@@ -477,11 +497,48 @@ void triad(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const 
   });
 }
 
+// A tied master's two downloads summed into its fp32 `.grad` in one pass (the hand-over: read a and b,
+// write out), with the bits of `host_gradients.sum_downloads` (a widened, b added in fp32: one rounding)
+template <typename G>
+void sum2_impl(float* out, const G* a, const G* b, int64_t numel) {
+  int64_t num_units = (numel + UNIT - 1) / UNIT;
+  at::parallel_for(0, num_units, GRAIN, [&](int64_t begin, int64_t end) {
+    begin *= UNIT;
+    end = std::min(end * UNIT, numel);
+    const bool nt = nt_ok(out + begin);
+    int64_t d = begin;
+    for (; d < end - ((end - begin) % W); d += W) {
+      fVec x = load_f<G>(a + d) + load_f<G>(b + d);
+      if (nt) store_nt<float>(out + d, x); else x.store(out + d);
+    }
+    if (nt) fence();
+    for (; d < end; d++) out[d] = float(a[d]) + float(b[d]);
+  });
+}
+
+void sum2(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  int64_t n = out.numel();
+  check(out, "out", n);
+  TORCH_CHECK(out.scalar_type() == at::kFloat, "host kernel: out must be fp32");
+  check(a, "a", n);
+  check(b, "b", n);
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "host kernel: a and b must have one dtype");
+  switch (a.scalar_type()) {
+    case at::kFloat: sum2_impl<float>(out.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), n); break;
+    case at::kBFloat16: sum2_impl<c10::BFloat16>(out.data_ptr<float>(), a.data_ptr<c10::BFloat16>(),
+                                                 b.data_ptr<c10::BFloat16>(), n); break;
+    case at::kHalf: sum2_impl<c10::Half>(out.data_ptr<float>(), a.data_ptr<c10::Half>(), b.data_ptr<c10::Half>(), n);
+      break;
+    default: TORCH_CHECK(false, "host kernel: download dtype ", a.scalar_type(), " is not fp32, bf16 or fp16");
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam", &adam, "one fused Adam/AdamW step of a flat span");
   m.def("sgd", &sgd, "one fused SGD (momentum) step of a flat span");
+  m.def("sum2", &sum2, "out = a + b in fp32 (two downloads of a tied master summed into its .grad, one pass)");
   m.def("triad", &triad, "the host's ceiling over the pass's bytes: one multiply-add per tensor");
   m.def("nontemporal", [](bool on) { bool was = g_nt; g_nt = on; return was; },
         "whether the streamed copy and p_out are written with non-temporal stores (returns the previous setting)");

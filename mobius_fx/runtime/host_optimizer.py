@@ -3,7 +3,10 @@ stepped by a kernel that reads the gradient as it was downloaded (bf16/fp16, or 
 the fp32 master and the optimizer's state in place -- kept in torch's own `opt.state[p]`
 (`exp_avg`, `exp_avg_sq`, `momentum_buffer`, `step`), so `state_dict()` stays torch's -- and
 writes, in the same loop, the streamed copy the next upload reads (bf16/fp16), optionally the
-fp32 `.grad` users read after backward, and whether the gradient was all finite.
+fp32 `.grad` users read after backward, and whether the gradient was all finite. A tied master
+(two stages hold it, so two downloads) is stepped in the same pass: it reads both and sums them
+as `host_gradients.sum_downloads` does (`step_span`'s `grad2`); `sum_two` is that sum alone in one
+pass, for a hand-over that must make `.grad` before the step (async).
 
 Bytes per parameter for AdamW with a bf16 gradient and a bf16 streamed copy: read p, m, v (12) and
 the gradient (2), write p, m, v (12) and the copy (2): 28, the bytes torch's own fused AdamW
@@ -73,13 +76,14 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import types
 from typing import Any, Callable
 
 import torch
 
 from mobius_fx.runtime import host_kernel
 
-__all__ = ["KINDS", "kind_of", "compiled", "step_span", "adam_scalars", "sgd_scalars", "adam_bound", "sgd_bound",
+__all__ = ["KINDS", "kind_of", "compiled", "step_span", "sum_two", "adam_scalars", "sgd_scalars", "adam_bound", "sgd_bound",
            "OPTIONS", "reason_not_compiled", "backend", "reasons", "BACKENDS"]
 
 log = logging.getLogger("mobius_fx")
@@ -113,10 +117,14 @@ def kind_of(opt: torch.optim.Optimizer, group: dict) -> str | None:
 
 
 # ------------------------------------------------------------------ the formulas (one per kind)
-def _gradient(g16: torch.Tensor, grad_out: torch.Tensor | None, maximize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's fp32 gradient from the streamed one (written to `grad_out`, the fp32 `.grad`, when
-    given), negated under `maximize`, and whether it is all finite (a 0-d bool)."""
+def _gradient(g16: torch.Tensor, grad_out: torch.Tensor | None, maximize: bool,
+              g2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's fp32 gradient from the streamed one (plus `g2`, a tied master's second download,
+    added in fp32 as `host_gradients.sum_downloads` does: one rounding), written to `grad_out` (the
+    fp32 `.grad`) when given, negated under `maximize`, and whether it is all finite (a 0-d bool)."""
     g = g16.float()
+    if g2 is not None:
+        g = g + g2.float()
     if grad_out is not None:
         grad_out.copy_(g)
     ok = torch.isfinite(g).all()
@@ -125,11 +133,11 @@ def _gradient(g16: torch.Tensor, grad_out: torch.Tensor | None, maximize: bool) 
 
 def _adam(p: torch.Tensor, g16: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor | None,
           copy_out: torch.Tensor | None, s: torch.Tensor, decoupled: bool, decay: bool, maximize: bool,
-          small_w: bool, p_out: torch.Tensor | None = None) -> torch.Tensor:
+          small_w: bool, p_out: torch.Tensor | None = None, g2: torch.Tensor | None = None) -> torch.Tensor:
     """One Adam/AdamW step of flat fp32 `p`, `m`, `v` from gradient `g16`, in place (the new `p`
     into `p_out` instead when given); `s` = the fp32 scalars of `adam_scalars`. Returns whether
     `g16` is all finite (a 0-d bool)."""
-    g, ok = _gradient(g16, grad_out, maximize)
+    g, ok = _gradient(g16, grad_out, maximize, g2)
     wdf, w1, b2, c2, bc2s, eps, nss = s[0], s[1], s[2], s[3], s[4], s[5], s[6]
     p1 = p
     if decay:
@@ -151,11 +159,11 @@ def _adam(p: torch.Tensor, g16: torch.Tensor, m: torch.Tensor, v: torch.Tensor, 
 
 def _sgd(p: torch.Tensor, g16: torch.Tensor, buf: torch.Tensor | None, grad_out: torch.Tensor | None,
          copy_out: torch.Tensor | None, s: torch.Tensor, decay: bool, nesterov: bool, maximize: bool,
-         p_out: torch.Tensor | None = None) -> torch.Tensor:
+         p_out: torch.Tensor | None = None, g2: torch.Tensor | None = None) -> torch.Tensor:
     """One SGD step (momentum when `buf` is given) of flat fp32 `p` from `g16`, in place (the new `p`
     into `p_out` instead when given), as torch's
     per-tensor step (`a.add(b, alpha=c)` is fma(b, c, a) there); `s` = `sgd_scalars`."""
-    g, ok = _gradient(g16, grad_out, maximize)
+    g, ok = _gradient(g16, grad_out, maximize, g2)
     wd, mom, damp1, neg_lr = s[0], s[1], s[2], s[3]
     if decay:
         g = g + p * wd
@@ -227,6 +235,11 @@ def _kernel(key: tuple) -> Callable[..., Any]:
         k = _kernels.get(key)
         if k is None:
             fn = _adam if key[0] in ("adam", "adamw") else _sgd
+            # a code object of its own per key: dynamo keeps its compiled graphs, and counts them against
+            # its recompile limit (8), per code object; the keys (kinds, flags, dtypes, a tied master's
+            # second download, p_out) would otherwise share one limit, and the 9th would fail to build
+            fn = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                                    fn.__closure__)
             k = _kernels[key] = torch.compile(fn, dynamic=True, fullgraph=True, options=dict(OPTIONS))
         return k
 
@@ -270,20 +283,55 @@ def _cpp_kernel() -> Any:
 
 
 def _unscaled(grad: torch.Tensor, grad_out: torch.Tensor | None,
-              inv: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+              inv: float, grad2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`step_span`'s `grad_scale` for the kernels after the C++ one, in a pass of its own: the widened
-    gradient into `grad_out` (then None), and times `inv` in fp32 as torch's unscale_ kernel (a new
-    tensor: `grad` is left as it is)."""
+    gradient (plus `grad2` in fp32) into `grad_out` (then None), and times `inv` in fp32 as torch's
+    unscale_ kernel (a new tensor: `grad` is left as it is)."""
     wide = grad.to(torch.float32, copy=True)
+    if grad2 is not None:
+        wide.add_(grad2)  # fp32 + widened grad2, one rounding: sum_downloads' bits
     if grad_out is not None:
         grad_out.copy_(wide)
     return wide.mul_(torch.tensor(inv, dtype=torch.float32)), None
 
 
+def _cpp_step(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state: dict, step: float | None,
+              grad_out: torch.Tensor | None, copy_out: torch.Tensor | None, p_out: torch.Tensor | None,
+              state_out: dict | None, grad_scale: float | None, grad2: torch.Tensor | None) -> torch.Tensor | None:
+    """`step_span` by the C++ kernel: its finite flag, or None where it cannot be built (logged once)
+    or does not take a tensor (checked before any write): the next backend steps the span then."""
+    adam = kind == "adamw" or kind == "adam"
+    try:
+        k = _cpp or _cpp_kernel()
+    except Exception as e:  # noqa: BLE001 - no C++ compiler, a build error: the next backend
+        _failed("c++", e)
+        return None
+    try:
+        if adam:
+            b1, b2 = group["betas"]
+            ok = k.adam(p, grad, state["exp_avg"], state["exp_avg_sq"], grad_out, copy_out, p_out,
+                        float(group["lr"]), float(b1), float(b2), float(group["weight_decay"]),
+                        float(group["eps"]), float(step), kind == "adamw", bool(group.get("maximize")),
+                        None if state_out is None else state_out["exp_avg"],
+                        None if state_out is None else state_out["exp_avg_sq"],
+                        1.0 if grad_scale is None else float(grad_scale), grad2)
+        else:
+            mom = float(group["momentum"])
+            ok = k.sgd(p, grad, state.get("momentum_buffer") if mom != 0 else None, grad_out, copy_out,
+                       p_out, float(group["lr"]), float(group["weight_decay"]), mom,
+                       float(group["dampening"]), bool(group.get("nesterov")), bool(group.get("maximize")),
+                       None if state_out is None or mom == 0 else state_out["momentum_buffer"],
+                       1.0 if grad_scale is None else float(grad_scale), grad2)
+    except RuntimeError:  # a tensor it does not take (not contiguous, not on the CPU; checked before any
+        return None  # write): the next backend steps this span
+    return _TRUE if ok else _FALSE
+
+
 def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state: dict, step: float | None = None,
               grad_out: torch.Tensor | None = None, copy_out: torch.Tensor | None = None,
               compiled: bool = True, p_out: torch.Tensor | None = None,
-              state_out: dict | None = None, grad_scale: float | None = None) -> torch.Tensor:
+              state_out: dict | None = None, grad_scale: float | None = None,
+              grad2: torch.Tensor | None = None) -> torch.Tensor:
     """Step elements of one parameter in one pass: `p` (fp32), `grad` (its gradient, any float
     dtype), the state tensors in `state` (torch's names; views of the same elements) and the
     outputs `grad_out` (fp32 `.grad`) and `copy_out` (the streamed copy) are flat and contiguous.
@@ -301,41 +349,24 @@ def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state
     once in fp32, as torch's `_amp_foreach_non_finite_check_and_unscale_` leaves `.grad` (the finite
     flag is the product's); `grad_out` still gets the widened gradient itself (the `.grad` the
     scaler then unscales). The C++ kernel multiplies in its loop; the others first, in a pass of
-    their own."""
+    their own. `grad2` (flat, as `grad`, of its dtype): a tied master's second download (two stages
+    hold it); the gradient is then `grad` widened plus `grad2` added in fp32, rounded once -- the
+    bits of `host_gradients.sum_downloads` -- read in the same pass: `grad_out` gets that sum, and
+    `grad_scale` multiplies the sum (as unscale_ does the summed `.grad`). Three or more downloads
+    are not taken here (the caller sums them: `sum_downloads`)."""
     adam = kind == "adamw" or kind == "adam"
     # The C++ kernel first, with as little Python as possible around it: between two large spans the
     # interpreter runs with cold caches (~50 us for one small tensor's allocation, measured), while
     # torch's fused step crosses no Python between its tensors.
     if (compiled and "c++" not in _broken and "c++" in BACKENDS and grad.dtype in _FLOATS
-            and (copy_out is None or copy_out.dtype in _FLOATS)):
-        try:
-            k = _cpp or _cpp_kernel()
-        except Exception as e:  # noqa: BLE001 - no C++ compiler, a build error: the next backend
-            _failed("c++", e)
-        else:
-            try:
-                if adam:
-                    b1, b2 = group["betas"]
-                    ok = k.adam(p, grad, state["exp_avg"], state["exp_avg_sq"], grad_out, copy_out, p_out,
-                                float(group["lr"]), float(b1), float(b2), float(group["weight_decay"]),
-                                float(group["eps"]), float(step), kind == "adamw", bool(group.get("maximize")),
-                                None if state_out is None else state_out["exp_avg"],
-                                None if state_out is None else state_out["exp_avg_sq"],
-                                1.0 if grad_scale is None else float(grad_scale))
-                else:
-                    mom = float(group["momentum"])
-                    ok = k.sgd(p, grad, state.get("momentum_buffer") if mom != 0 else None, grad_out, copy_out,
-                               p_out, float(group["lr"]), float(group["weight_decay"]), mom,
-                               float(group["dampening"]), bool(group.get("nesterov")), bool(group.get("maximize")),
-                               None if state_out is None or mom == 0 else state_out["momentum_buffer"],
-                               1.0 if grad_scale is None else float(grad_scale))
-            except RuntimeError:  # a tensor it does not take (not contiguous, not on the CPU; checked before
-                pass  # any write): the next backend steps this span
-            else:
-                return _TRUE if ok else _FALSE
+            and (copy_out is None or copy_out.dtype in _FLOATS) and (grad2 is None or grad2.dtype == grad.dtype)):
+        flag = _cpp_step(kind, group, p, grad, state, step, grad_out, copy_out, p_out, state_out, grad_scale, grad2)
+        if flag is not None:
+            return flag
     with torch.no_grad():
         if grad_scale is not None and float(grad_scale) != 1.0:
-            grad, grad_out = _unscaled(grad, grad_out, float(grad_scale))
+            grad, grad_out = _unscaled(grad, grad_out, float(grad_scale), grad2)
+            grad2 = None
         if state_out is not None:  # out of place: the old state copied into the new, stepped there
             for k_, t in state_out.items():
                 t.copy_(state[k_])
@@ -352,14 +383,38 @@ def step_span(kind: str, group: dict, p: torch.Tensor, grad: torch.Tensor, state
             flags = (float(group["weight_decay"]) != 0, bool(group.get("nesterov")), bool(group.get("maximize")))
             fn = _sgd
         out = {} if p_out is None else {"p_out": p_out}
+        if grad2 is not None:
+            out["g2"] = grad2
         if compiled and "inductor" in BACKENDS and "inductor" not in _broken:
             key = (kind, flags, grad.dtype, None if copy_out is None else copy_out.dtype, grad_out is not None,
-                   buf is None if kind == "sgd" else None, p_out is None)
+                   buf is None if kind == "sgd" else None, p_out is None, None if grad2 is None else grad2.dtype)
             try:
                 return _kernel(key)(*args, *flags, **out)
             except Exception as e:  # noqa: BLE001 - no C++ compiler, an inductor error: torch's path
                 _failed("inductor", e)
         return fn(*args, *flags, **out)
+
+
+def sum_two(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """A tied master's two downloads summed into `out` (its fp32 `.grad` home) in ONE pass: read
+    `a` and `b`, write `out` = `a` widened + `b` in fp32 (one rounding: `host_gradients.sum_downloads`'
+    bits, which copies then adds: read a, write out, read b, read and write out). The C++ kernel
+    (`host_kernel`'s `sum2`); False (nothing written) where it is not built or does not take the
+    tensors (flat views of one size, one 16-bit or fp32 dtype, contiguous, on the CPU): the caller
+    sums with `sum_downloads` then."""
+    if "c++" in _broken or "c++" not in BACKENDS or a.dtype != b.dtype or a.dtype not in _FLOATS \
+            or out.dtype != torch.float32:
+        return False
+    try:
+        k = _cpp or _cpp_kernel()
+    except Exception as e:  # noqa: BLE001 - no C++ compiler, a build error: logged once, the caller's sum
+        _failed("c++", e)
+        return False
+    try:
+        k.sum2(out.view(-1), a.reshape(-1), b.reshape(-1))
+    except RuntimeError:  # checked before any write
+        return False
+    return True
 
 
 # ------------------------------------------------------------------ the derived bounds (see the module docstring)

@@ -160,6 +160,21 @@ SPAN_UNITS = 2
 SPAN: int | None = None  # elements per span; None: UNIT * SPAN_UNITS * the worker's threads
 
 
+def _summed(master: torch.Tensor, downloads: list[torch.Tensor], homes: GradHomes | None) -> torch.Tensor | None:
+    """`sum_downloads(master, downloads, homes)` into a fresh `.grad`, a tied master's two 16-bit
+    downloads in ONE pass (`host_optimizer.sum_two`: read both, write the fp32 home; the same bits):
+    8 B per bf16 parameter instead of `sum_downloads`' 16 (its copy, then its addition)."""
+    if (len(downloads) == 2 and homes is not None and master.dtype == torch.float32 and master.is_contiguous()
+            and downloads[0].dtype != master.dtype and all(g.shape == master.shape and g.device == master.device
+                                                            and not g.is_sparse for g in downloads)):
+        home = homes.take(master)
+        if host_optimizer.sum_two(home, downloads[0], downloads[1]):
+            COUNTERS.add("grad_convert", sum(nbytes(g) for g in downloads) + nbytes(home))
+            return home
+        del home  # not taken: sum_downloads takes it again (a home held here would look kept)
+    return sum_downloads(master, downloads, homes)
+
+
 def _span() -> int:
     return SPAN if SPAN is not None else UNIT * SPAN_UNITS * max(1, torch.get_num_threads())
 
@@ -1025,7 +1040,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for p, gs in downloads:
                 fresh = p.grad is None
-                total = sum_downloads(p, gs, homes if fresh else None)
+                total = _summed(p, gs, homes) if fresh else sum_downloads(p, gs, None)
                 if total is None:
                     continue
                 if fresh:
@@ -1204,11 +1219,15 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def _passable(self, p: torch.Tensor, gs: list[torch.Tensor], group: dict, homes: GradHomes | None) -> str | None:
         """The host pass's kind for `p` (`_fusable` already holds), or None: the pass is on and
         built, the optimizer and group are ones it steps as torch does (`host_optimizer.kind_of`),
-        one download, an fp32 master with its state made, every tensor aligned."""
+        one download, or two of one dtype (a tied master held by two stages: the pass reads both and
+        sums them as `sum_downloads` does; three or more keep the span path, `_chunks`), an fp32
+        master with its state made, every tensor aligned."""
         if not (HOST_PASS and getattr(self, "host_pass", True) and host_optimizer.compiled()):
             return None
         kind = host_optimizer.kind_of(self.inner, group)
-        if kind is None or len(gs) != 1 or p.dtype != torch.float32 or not gs[0].is_floating_point():
+        if kind is None or len(gs) not in (1, 2) or p.dtype != torch.float32 or not gs[0].is_floating_point():
+            return None
+        if len(gs) == 2 and (gs[1].dtype != gs[0].dtype or gs[1].data_ptr() % ALIGN):
             return None
         state = self.inner.state.get(p) or {}
         names = (("exp_avg", "exp_avg_sq") if kind != "sgd"
@@ -1235,9 +1254,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
     def _host_pass(self, passed: list[tuple[torch.Tensor, list[torch.Tensor], str]], hp: list[dict],
                    where: dict[int, int], homes: GradHomes | None) -> list[tuple[torch.Tensor, Entry]]:
-        """Step each parameter in one pass (`host_optimizer.step_span`): the download in, the
-        master, torch's state, `.grad` (its home) and the streamed copy out. Returns the
-        (parameter, streamed-copy entry) pairs it wrote, for `_step_fused` to mark current."""
+        """Step each parameter in one pass (`host_optimizer.step_span`): the download in (a tied
+        master's two: summed in the pass), the master, torch's state, `.grad` (its home: the sum)
+        and the streamed copy out. Returns the (parameter, streamed-copy entry) pairs it wrote,
+        for `_step_fused` to mark current."""
         state = self.inner.state
         written = []
         keep = self.keep_grads
@@ -1252,14 +1272,17 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 step = float(st["step"])
             streamed = self._streamed(p) if self.refresh_copies else None
             flat = {k: (v.view(-1) if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in st.items()}
+            second = gs[1].reshape(-1) if len(gs) == 2 else None  # a tied master's other stage's download
             # the copy every GPU uploads from, written once every upload that read it is done
             with streamed[0].writing(streamed[1]) if streamed is not None else contextlib.nullcontext() as copy:
                 ok = host_optimizer.step_span(kind, hp[where[id(p)]], p.detach().view(-1), gs[0].reshape(-1), flat,
                                               step=step, grad_out=None if home is None or widened else home.view(-1),
-                                              copy_out=None if copy is None else copy.view(-1))
+                                              copy_out=None if copy is None else copy.view(-1), grad2=second)
             if not bool(ok) and self._dirty is None:  # the GPUs said finite: a download went wrong
                 self._dirty = (f"the host pass met a non-finite gradient of a {tuple(p.shape)} parameter that the GPUs "
                                f"had reported finite (a corrupted download) and stepped it")
+            if second is not None:  # beside the optimizer's 28 B/param: the second download read
+                COUNTERS.add("grad_fused", nbytes(second))
             if home is None:  # no .grad: the step hooks' version bump (host_counters) skips it
                 torch.autograd.graph.increment_version(p)
             elif widened:  # beside the optimizer's 28 B/param: the fp32 .grad read where it would read the download
@@ -1298,7 +1321,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             if sp is None:
                 rest.append((p, gs))
             else:
-                self._speculate_one(p, gs[0], kind, hp[where[id(p)]], homes, sp, inv)
+                self._speculate_one(p, gs, kind, hp[where[id(p)]], homes, sp, inv)
         self._hand(rest, homes)
 
     def _spare(self, p: torch.Tensor, kind: str, group: dict) -> dict[str, torch.Tensor] | None:
@@ -1316,9 +1339,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
             return None
         return sp
 
-    def _speculate_one(self, p: torch.Tensor, g: torch.Tensor, kind: str, group: dict, homes: GradHomes | None,
-                       sp: dict[str, torch.Tensor], inv: float | None = None) -> None:
-        """`p` stepped by the host pass from its download `g`, out of place: the new master into
+    def _speculate_one(self, p: torch.Tensor, gs: list[torch.Tensor], kind: str, group: dict,
+                       homes: GradHomes | None, sp: dict[str, torch.Tensor], inv: float | None = None) -> None:
+        """`p` stepped by the host pass from its download `gs[0]` (a tied master's two: summed in
+        the pass, `step_span`'s `grad2`), out of place: the new master into
         `sp["p"]` (`p_out`), the new moments into `sp`'s (`state_out`; the C++ kernel reads the old
         and writes the new in the same loop: the pass's own 28 B per parameter for AdamW), the
         streamed copy into the device's second copy (`next_copy`), Adam's `step` counted only at
@@ -1340,11 +1364,13 @@ class OverlapOptimizer(torch.optim.Optimizer):
                 if buf is not None and buf.is_contiguous() and buf.data_ptr() % ALIGN == 0:
                     copy = (dev, buf)
                     break
-        ok = host_optimizer.step_span(kind, group, p.detach().view(-1), g.reshape(-1),
+        g = tuple(d.reshape(-1) for d in gs)
+        ok = host_optimizer.step_span(kind, group, p.detach().view(-1), g[0],
                                       {k: st[k].view(-1) for k in names}, step=step, grad_out=home.view(-1),
                                       copy_out=None if copy is None else copy[1].view(-1), p_out=sp["p"].view(-1),
-                                      state_out={k: sp[k].view(-1) for k in names}, grad_scale=inv)
-        COUNTERS.add("grad_fused", nbytes(home))
+                                      state_out={k: sp[k].view(-1) for k in names}, grad_scale=inv,
+                                      grad2=g[1] if len(g) == 2 else None)
+        COUNTERS.add("grad_fused", nbytes(home) + sum(nbytes(d) for d in g[1:]))  # .grad written, a 2nd download read
         versions = (p.data_ptr(), p._version, *((st[k].data_ptr(), st[k]._version) for k in names))
         self._spec[id(p)] = [p, g, home, home._version, sp, names, copy, bool(ok), kind, inv, versions]
 
@@ -1367,8 +1393,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
         the pass wrote at the version it left (and no scale was applied; no silent edit seen);
         else (clip_grad_norm_ multiplies every gradient, by exactly 1.0 when the norm is within
         max_norm; a GradScaler's unscale_ multiplies by its inverse scale without a version bump)
-        its bits are compared with the download's, widened (exact) and times the inverse scale the
-        step applied (rounded as unscale_ rounds), span by span: 4 + 2 B read per parameter."""
+        its bits are compared with the download's, widened (exact; a tied master's two: their sum in
+        fp32, as the pass made it) and times the inverse scale the step applied (rounded as unscale_
+        rounds), span by span: 4 + 2 B read per parameter (+ 2 for a second download)."""
         p, g, home, version, ok, inv, names = rec[0], rec[1], rec[2], rec[3], rec[7], rec[9], rec[5]
         if not ok:  # the pass met a non-finite value the GPUs had not reported: serial's step then
             return False
@@ -1385,14 +1412,19 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if now is None or now.dtype != torch.float32 or now.shape != p.shape or now.is_sparse \
                 or not now.is_contiguous():
             return False
-        a, b = now.view(-1).view(torch.int32), g.reshape(-1)
-        COUNTERS.add("spec_check", nbytes(now) + nbytes(g))
+        a, b = now.view(-1).view(torch.int32), g[0]
+        COUNTERS.add("spec_check", nbytes(now) + sum(nbytes(d) for d in g))
         n, chunk = a.numel(), _span()
         factor = torch.tensor(inv, dtype=torch.float32) if scaled else None
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
-            # the gradient the step read: the download widened (times unscale_'s factor, rounded once)
-            read = b[i:j].float() if factor is None else b[i:j].float() * factor
+            # the gradient the step read: the download widened (+ a second one in fp32), times unscale_'s
+            # factor, rounded once
+            read = b[i:j].float()
+            if len(g) == 2:
+                read.add_(g[1][i:j])
+            if factor is not None:
+                read = read * factor
             if not torch.equal(a[i:j], read.view(torch.int32)):
                 return False
         return True
@@ -1481,7 +1513,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             return False
         self._stream_size[id(master)] = self._streamed_size(downloads[0])
         if self.keep_grads or downloads[0].dtype == master.dtype:
-            grad = sum_downloads(master, downloads, homes)
+            grad = _summed(master, downloads, homes)  # a tied master's two downloads: one pass
             if grad is None:
                 return False
             master.grad = grad
@@ -1505,9 +1537,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._held = {}
 
     # ------------------------------------------------------------------ the update
-    def _async_passable(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> str | None:
+    def _async_passable(self, p: torch.Tensor, grad: torch.Tensor, group: dict,
+                        second: torch.Tensor | None = None) -> str | None:
         """The host pass's kind for stepping `p` into its shadow from `grad` (the held download,
-        or `.grad`), or None (torch's own step, with the shadow copied first)."""
+        or `.grad`; `second`: a tied master's other held download, of `grad`'s dtype, summed in the
+        pass), or None (torch's own step, with the shadow copied first)."""
         if not (HOST_PASS and getattr(self, "host_pass", True) and host_optimizer.compiled()):
             return None
         kind = host_optimizer.kind_of(self.inner, group)
@@ -1521,7 +1555,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
                  else (("momentum_buffer",) if float(group.get("momentum", 0)) != 0 else ()))
         if kind != "sgd" and not isinstance(state.get("step"), torch.Tensor):
             return None  # the first step makes the state: torch's
-        tensors = [p, grad] + [state.get(k) for k in names]
+        if second is not None and (second.dtype != grad.dtype or second.is_sparse or second.device != p.device):
+            return None
+        tensors = [p, grad] + [state.get(k) for k in names] + ([] if second is None else [second])
         if any(t is None or t.dtype not in (torch.float32, grad.dtype) or t.shape != p.shape
                or not t.is_contiguous() or t.data_ptr() % ALIGN for t in tensors):
             return None
@@ -1557,21 +1593,24 @@ class OverlapOptimizer(torch.optim.Optimizer):
             if q is None or q.shape != p.shape or q.dtype != p.dtype:
                 q = self._shadows[id(p)] = nn.Parameter(torch.empty_like(p, memory_format=torch.preserve_format),
                                                         requires_grad=p.requires_grad)
-            grad = p.grad
+            grad, second = p.grad, None
             if id(p) in held:
                 downloads = held[id(p)][1]
-                grad = downloads[0] if len(downloads) == 1 else sum_downloads(p, downloads, homes)
+                if len(downloads) <= 2:  # a tied master's two: the pass reads both (three or more: summed first)
+                    grad, second = downloads[0], (downloads[1] if len(downloads) == 2 else None)
+                else:
+                    grad = sum_downloads(p, downloads, homes)
             group = hp[where[id(p)]]
             # the pass where the gradient came in a narrower dtype than the master's (bf16 streamed), as
             # sync's: it saves the conversion there; an fp32 pipeline keeps torch's step, its bits and all
             narrow = self._stream_size.get(id(p), p.element_size()) < p.element_size()
-            kind = (self._async_passable(p, grad, group)
+            kind = (self._async_passable(p, grad, group, second)
                     if narrow and q.is_contiguous() and q.data_ptr() % ALIGN == 0 else None)
             if kind is None and p.grad is None:  # torch's step reads .grad: the held download converted into it
-                p.grad = grad if grad.dtype == p.dtype else sum_downloads(p, held[id(p)][1], homes)
+                p.grad = grad if grad.dtype == p.dtype and second is None else _summed(p, held[id(p)][1], homes)
             q.grad = p.grad  # p.grad shows it too, as eager's does after step (unshare_grads before a write)
             if kind is not None:
-                passed.append((p, q, grad, kind, group))
+                passed.append((p, q, grad, kind, group, second))
             else:
                 copied.append((p, q))
         state = self.inner.state
@@ -1601,7 +1640,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         `copied` and the optimizer's own step over them with the hyper-parameters of `groups`."""
         state = self.inner.state
         with torch.no_grad():
-            for p, q, grad, kind, group in passed:
+            for p, q, grad, kind, group, second in passed:
                 st = state[q] if q in state else {}
                 step = None
                 if kind != "sgd":
@@ -1616,7 +1655,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
                         break
                 flat = {k: (v.view(-1) if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in st.items()}
                 host_optimizer.step_span(kind, group, p.detach().view(-1), grad.reshape(-1), flat, step=step,
-                                         copy_out=None if copy is None else copy.view(-1), p_out=q.detach().view(-1))
+                                         copy_out=None if copy is None else copy.view(-1), p_out=q.detach().view(-1),
+                                         grad2=None if second is None else second.reshape(-1))
+                if second is not None:  # beside the optimizer's 28 B/param: a tied master's 2nd download read
+                    COUNTERS.add("grad_fused", nbytes(second))
                 wide = grad.element_size() - sizes.get(id(p), grad.element_size())
                 if wide > 0:  # the fp32 .grad read instead of the streamed-dtype download
                     COUNTERS.add("grad_read", wide * grad.numel())
