@@ -129,7 +129,8 @@ class _Recompiler:
         out = PassPipeline(passes, given=(*self.passes.given, "graph") if graph else self.passes.given)
         part = next((p for p in passes if p.name == "partition"), None)
         if getattr(part, "fn", None) is partition_pass:  # the user's own partitioner stays as it is
-            reuse = reuse_partition_pass(like.layers, like.boundaries)
+            reuse = reuse_partition_pass(like.layers, like.boundaries,
+                                         getattr(like.plan, "widen_downloads", None))
             out.replace("partition", FunctionPass("partition", reuse, reads=part.reads, writes=part.writes))
         return out
 
