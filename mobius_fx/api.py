@@ -319,7 +319,9 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             process_group: Any = None, batch_dims: dict | None = _D.batch_dims,
             memory_books: str = _D.memory_books, optimizer: str = _D.optimizer,
             host_memory_fraction: float | None = _D.host_memory_fraction, cache: bool = _D.cache,
-            loss_fn: Any = None, example_target: Any = None, schedule: str | None = None):
+            loss_fn: Any = None, example_target: Any = None, schedule: str | None = None,
+            optimizer_overlap: str = _D.optimizer_overlap, keep_grads: bool = _D.keep_grads,
+            widen_downloads: bool | None = _D.widen_downloads):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -382,6 +384,10 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     (docs/executor.md). The others run in the simulator only and are refused here, with the reason
     (and whether they would fit, naming the stage and its bytes when not). The
     eager-style loop (`pipe(x)`, `loss.backward()`) runs Mobius's forward program and autograd.
+    `optimizer_overlap`, `keep_grads`, `widen_downloads`: as for `plan`, the mode you will give
+    `pipe.overlap` (default "sync"): the planner times the host's pass that way and chooses whether
+    the GPUs widen the gradient downloads for it (the plan's "gradients:" line); `pipe.overlap` in
+    another mode falls back to the topology's rule for them.
     """
     _refuse_meta(model, example_inputs, example_kwargs)
     if example_target is not None and loss_fn is None:
@@ -408,7 +414,8 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
                cache_dir=cache_dir, device=device, max_variants=max_variants, batch_dims=batch_dims,
                memory_books=memory_books, optimizer=optimizer, host_memory_fraction=host_memory_fraction,
-               cache=cache, wiring=wiring)
+               cache=cache, wiring=wiring, optimizer_overlap=optimizer_overlap, keep_grads=keep_grads,
+               widen_downloads=widen_downloads)
     return ctx.pipeline
 
 

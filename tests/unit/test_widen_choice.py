@@ -159,3 +159,21 @@ def test_a_variant_keeps_the_compiled_plans_choice(monkeypatch):
     assert len(plans) == 2
     assert [p.widen_downloads for p in plans] == [opt.widen_downloads] * 2, [p.widen_rule for p in plans]
     assert "the compiled plan's choice" in plans[1].widen_rule
+
+
+def test_the_overlap_applies_the_choice_to_the_mode_it_was_timed_for(one_thread):
+    """compile(optimizer_overlap=) times the widening for that mode (Plan.widen_for); pipe.overlap
+    applies it in that mode only, and the topology's rule in another (mutation: the choice
+    applied to every mode -> the sync overlap widens behind the switch)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    x = torch.randn(4, 16)
+    topo = Topology.virtual(gpus=2, memory="64MiB")
+    assert not widen_fits(topo)
+    pipe = mobius_fx.compile(model, topo, example_inputs=(x,), microbatches=2, cuts=[1, 2, 3], verbose=False,
+                             dtype=torch.bfloat16, optimizer_overlap="async")
+    assert pipe.plan.widen_for == "async" and "under 'async'" in pipe.plan.widen_rule
+    assert mobius_fx.Plan.from_json(pipe.plan.to_json()).widen_for == "async"
+    pipe.plan = dataclasses.replace(pipe.plan, widen_downloads=True)
+    assert pipe.overlap(torch.optim.AdamW(model.parameters()), "async").widen_downloads is True
+    assert pipe.overlap(torch.optim.AdamW(model.parameters()), "sync").widen_downloads is False  # the rule
