@@ -477,6 +477,11 @@ class _CompileWiring:
         passes, memory_books, loss_fn, example_target = self.passes, self.memory_books, self.loss_fn, self.example_target
         name = self.form[0] if self.form is not None else None
 
+        # the step pipeline runs under this pipeline's overlap (`Pipeline.overlap`), which widens the
+        # gradient downloads as this plan chose: the step's plan is timed so, not chosen again
+        chosen = getattr(ctx.plan, "widen_downloads", None)
+        widen = settings.widen_downloads if chosen is None else chosen
+
         def step(devices: Mapping[str, Device]) -> StepCompiler:
             s = settings
 
@@ -489,7 +494,9 @@ class _CompileWiring:
                                cross_map=s.cross_map, cache_dir=s.cache_dir, device=dict(devices), verbose=s.verbose,
                                max_variants=s.max_variants, pipeline=step_passes(passes), process_group=False,
                                batch_dims=s.batch_dims, memory_books=memory_books, optimizer=s.optimizer,
-                               host_memory_fraction=s.host_memory_fraction, cache=s.cache, schedule=name)
+                               host_memory_fraction=s.host_memory_fraction, cache=s.cache, schedule=name,
+                               optimizer_overlap=s.optimizer_overlap, keep_grads=s.keep_grads,
+                               widen_downloads=widen)
                 finally:
                     _COMPILING_STEP.reset(token)
 

@@ -177,3 +177,17 @@ def test_the_overlap_applies_the_choice_to_the_mode_it_was_timed_for(one_thread)
     pipe.plan = dataclasses.replace(pipe.plan, widen_downloads=True)
     assert pipe.overlap(torch.optim.AdamW(model.parameters()), "async").widen_downloads is True
     assert pipe.overlap(torch.optim.AdamW(model.parameters()), "sync").widen_downloads is False  # the rule
+
+
+def test_the_training_step_is_timed_in_the_compiled_plans_mode(one_thread):
+    """pipe.train_step runs under the model pipeline's overlap, which widens as the compiled plan
+    chose: the step pipeline's plan is timed in that mode and for that overlap mode (mutation: the
+    step compiled with the default settings -> 'sync', chosen again)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(x,), microbatches=2,
+                             cuts=[1, 2, 3], verbose=False, dtype=torch.bfloat16, optimizer_overlap="async",
+                             loss_fn=torch.nn.functional.mse_loss, example_target=y)
+    step = pipe.step_pipeline.plan
+    assert step.widen_for == "async" and step.widen_downloads is pipe.plan.widen_downloads
