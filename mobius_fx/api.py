@@ -129,7 +129,8 @@ class _Recompiler:
         out = PassPipeline(passes, given=(*self.passes.given, "graph") if graph else self.passes.given)
         part = next((p for p in passes if p.name == "partition"), None)
         if getattr(part, "fn", None) is partition_pass:  # the user's own partitioner stays as it is
-            reuse = reuse_partition_pass(like.layers, like.boundaries)
+            reuse = reuse_partition_pass(like.layers, like.boundaries,
+                                         getattr(like.plan, "widen_downloads", None))
             out.replace("partition", FunctionPass("partition", reuse, reads=part.reads, writes=part.writes))
         return out
 
@@ -318,7 +319,9 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
             process_group: Any = None, batch_dims: dict | None = _D.batch_dims,
             memory_books: str = _D.memory_books, optimizer: str = _D.optimizer,
             host_memory_fraction: float | None = _D.host_memory_fraction, cache: bool = _D.cache,
-            loss_fn: Any = None, example_target: Any = None, schedule: str | None = None):
+            loss_fn: Any = None, example_target: Any = None, schedule: str | None = None,
+            optimizer_overlap: str = _D.optimizer_overlap, keep_grads: bool = _D.keep_grads,
+            widen_downloads: bool | None = _D.widen_downloads):
     """Compile `model` into a Mobius pipeline you train with your usual loop.
 
         pipe = mobius_fx.compile(model, Topology.virtual(gpus=4, memory="256MiB"),
@@ -381,6 +384,10 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
     (docs/executor.md). The others run in the simulator only and are refused here, with the reason
     (and whether they would fit, naming the stage and its bytes when not). The
     eager-style loop (`pipe(x)`, `loss.backward()`) runs Mobius's forward program and autograd.
+    `optimizer_overlap`, `keep_grads`, `widen_downloads`: as for `plan`, the mode you will give
+    `pipe.overlap` (default "sync"): the planner times the host's pass that way and chooses whether
+    the GPUs widen the gradient downloads for it (the plan's "gradients:" line); `pipe.overlap` in
+    another mode falls back to the topology's rule for them.
     """
     _refuse_meta(model, example_inputs, example_kwargs)
     if example_target is not None and loss_fn is None:
@@ -407,7 +414,8 @@ def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, examp
                memory_fraction=memory_fraction, solver=solver, time_limit=time_limit, cross_map=cross_map,
                cache_dir=cache_dir, device=device, max_variants=max_variants, batch_dims=batch_dims,
                memory_books=memory_books, optimizer=optimizer, host_memory_fraction=host_memory_fraction,
-               cache=cache, wiring=wiring)
+               cache=cache, wiring=wiring, optimizer_overlap=optimizer_overlap, keep_grads=keep_grads,
+               widen_downloads=widen_downloads)
     return ctx.pipeline
 
 
@@ -469,6 +477,11 @@ class _CompileWiring:
         passes, memory_books, loss_fn, example_target = self.passes, self.memory_books, self.loss_fn, self.example_target
         name = self.form[0] if self.form is not None else None
 
+        # the step pipeline runs under this pipeline's overlap (`Pipeline.overlap`), which widens the
+        # gradient downloads as this plan chose: the step's plan is timed so, not chosen again
+        chosen = getattr(ctx.plan, "widen_downloads", None)
+        widen = settings.widen_downloads if chosen is None else chosen
+
         def step(devices: Mapping[str, Device]) -> StepCompiler:
             s = settings
 
@@ -481,7 +494,9 @@ class _CompileWiring:
                                cross_map=s.cross_map, cache_dir=s.cache_dir, device=dict(devices), verbose=s.verbose,
                                max_variants=s.max_variants, pipeline=step_passes(passes), process_group=False,
                                batch_dims=s.batch_dims, memory_books=memory_books, optimizer=s.optimizer,
-                               host_memory_fraction=s.host_memory_fraction, cache=s.cache, schedule=name)
+                               host_memory_fraction=s.host_memory_fraction, cache=s.cache, schedule=name,
+                               optimizer_overlap=s.optimizer_overlap, keep_grads=s.keep_grads,
+                               widen_downloads=widen)
                 finally:
                     _COMPILING_STEP.reset(token)
 

@@ -102,7 +102,8 @@ def widen_choice(topology, overlap: str, keep_grads: bool, precision, part=None)
         why = part.widen_why
     how = ("widened to fp32 on the GPUs, downloaded straight into .grad" if widen else
            "downloaded as streamed, widened into .grad on the host")
-    return {"widen_downloads": widen, "widen_rule": f"gradients: {how} ({why}); opt.widen_downloads overrides"}
+    return {"widen_downloads": widen, "widen_for": overlap,
+            "widen_rule": f"gradients: {how} under {overlap!r} ({why}); opt.widen_downloads overrides"}
 
 
 def insert_transfers_pass(gm, ctx: CompileContext):

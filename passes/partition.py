@@ -245,10 +245,14 @@ def given_partition(problem: PartitionProblem, cuts: Sequence[int]) -> Partition
     return PartitionResult(ev.boundaries, ev.makespan, ev.prefetch_fwd, ev.prefetch_bwd, info)
 
 
-def reuse_partition_pass(layers: tuple[str, ...], boundaries: tuple[int, ...]) -> Callable[[Any, Any], None]:
+def reuse_partition_pass(layers: tuple[str, ...], boundaries: tuple[int, ...],
+                         widen: bool | None = None) -> Callable[[Any, Any], None]:
     """The partition pass for a variant of a compiled pipeline (another call signature or shape):
     it keeps `boundaries`, the cuts of the plan it varies, when its layers have the same names
-    and those cuts fit the GPUs with this example's costs; otherwise it partitions again."""
+    and those cuts fit the GPUs with this example's costs; otherwise it partitions again. `widen`:
+    the compiled plan's `widen_downloads`; where that is the planner's to choose (`widen_open`)
+    the variant is planned and timed in that mode, not chosen again: the pipeline's overlap
+    widens or not for every variant alike (`Pipeline.overlap` reads the compiled plan's)."""
 
     def reuse(ctx: CompileContext) -> PartitionResult:
         names = tuple(layer.name for layer in ctx.layers)
@@ -264,7 +268,16 @@ def reuse_partition_pass(layers: tuple[str, ...], boundaries: tuple[int, ...]) -
         log.warning("mobius_fx: the compiled plan's cuts %s %s; partitioning again", tuple(boundaries), why)
         return cut_stages(ctx)
 
-    return lambda gm, ctx: partition_pass(gm, ctx, cut=reuse)
+    def run(gm: Any, ctx: CompileContext) -> None:
+        if widen is None or not widen_open(ctx):
+            return partition_pass(gm, ctx, cut=reuse)
+        part, gpus = _partitioned(_Widened(ctx, widen), reuse, None)
+        ctx.order = gpus
+        ctx.partition = dataclasses.replace(part, widen=widen, widen_why="the compiled plan's choice, which the "
+                                                                         "pipeline's overlap follows for every call")
+        return None
+
+    return run
 
 
 def hinted_partition_pass(like: PartitionResult) -> Callable[[Any, Any], None]:

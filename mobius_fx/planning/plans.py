@@ -109,10 +109,13 @@ class Plan:
     schedule_choice: str = ""
     # Whether the GPUs widen the gradients the optimizer overlap keeps as the fp32 `.grad` and
     # download them straight into it (`OverlapOptimizer.widen_downloads`: 2 B more per parameter
-    # on the GPU->host links, no conversion on the host): the topology's rule (host_step.widen_fits,
-    # the MIP's too; None: that rule); `widen_rule` says so in `describe` ("" where nothing is widened).
+    # on the GPU->host links, no conversion on the host): the planner's choice (passes/partition.py
+    # `widen_choice`, the MIP's too; None: the topology's rule, host_step.widen_fits); `widen_rule`
+    # says so in `describe` ("" where nothing is widened); `widen_for` the optimizer overlap mode it
+    # was timed for ("sync", "async"; `Pipeline.overlap` applies it to that mode only).
     widen_downloads: bool | None = None
     widen_rule: str = ""
+    widen_for: str = ""
     topology: "Topology | None" = field(default=None, compare=False, repr=False)
     # The plan's memory model (`MemoryModel(microbatches, precision)`: what its stages' bytes were
     # scaled by); `build_plan` hands over the one it sized the stages with, else it is made here.
@@ -305,7 +308,7 @@ class Plan:
                 optimizer=d.get("optimizer", "adamw"),  # absent in older JSON
                 schedule_choice=d.get("schedule_choice", ""),  # absent in older JSON
                 widen_downloads=d.get("widen_downloads"), widen_rule=d.get("widen_rule", ""),
-                topology=topo,
+                widen_for=d.get("widen_for", ""), topology=topo,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise MobiusError(f"not a mobius_fx plan JSON ({type(e).__name__}: {e}); write it with plan.to_json()") from e

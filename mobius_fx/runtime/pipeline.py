@@ -5,6 +5,7 @@ program (the ops of mobius_fx.planning.stage_contract on a `runtime.Runtime`); `
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
@@ -26,6 +27,8 @@ from mobius_fx.runtime.module_hooks import HookState
 from mobius_fx.runtime.python_state import PythonState, reads_training
 from mobius_fx.runtime.engine import Runtime
 from mobius_fx.runtime.model_face import ModelFace
+
+log = logging.getLogger("mobius_fx")
 
 __all__ = ["Pipeline"]
 
@@ -329,11 +332,30 @@ class Pipeline(ModelFace, nn.Module):
         if self._rt.reducer is not None:
             self._rt.reducer.owners = None
         opt = OverlapOptimizer(self, optimizer, mode, shard=shard, refresh_copies=refresh_copies)
-        if self.plan is not None and getattr(self.plan, "widen_downloads", None) is False:
+        if self.plan is not None and not self._widens_for(mode):
             opt.widen_downloads = False  # the plan's choice (`Plan.widen_rule`); the user may set it again
         object.__setattr__(self, "_overlap", opt)
         self._rt.overlap = opt  # sync steps stages during backward; async takes the gradients its update reads
         return opt
+
+    def _widens_for(self, mode: str) -> bool:
+        """Whether the overlap in `mode` may widen the gradient downloads on the GPUs: the plan's
+        choice when it was timed for `mode` (`Plan.widen_for`), else the topology's rule
+        (`host_step.widen_fits`: each GPU's links to the host its own and full duplex), said once
+        in the log with the remedy (compile with optimizer_overlap=mode, which times the choice)."""
+        plan = self.plan
+        chosen = getattr(plan, "widen_downloads", None)
+        if chosen is not None and getattr(plan, "widen_for", "") in ("", mode):
+            return chosen
+        from mobius_fx.planning.host_step import widen_fits
+
+        rule = widen_fits(getattr(plan, "topology", None))
+        if chosen is not None and chosen != rule:
+            log.info("mobius_fx: the plan chose %s gradient downloads for optimizer_overlap=%r; under %r the "
+                     "topology's rule downloads them %s (compile(..., optimizer_overlap=%r) times the choice for it)",
+                     "widened" if chosen else "bf16", plan.widen_for, mode, "widened" if rule else "as streamed",
+                     mode)
+        return rule
 
     def check_placement(self, device: str = "cuda") -> int:
         """Replay every stage graph as it would run on `device` ("cuda": each GPU at its CUDA

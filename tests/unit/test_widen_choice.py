@@ -117,3 +117,77 @@ def test_where_the_rule_widens_nothing_is_timed_twice():
                                           topology=Topology.preset("mobius-testbed")))
     assert not widen_open(SimpleNamespace(settings=dataclasses.replace(bf16, optimizer_overlap="none"),
                                           topology=Topology.preset("mobius-testbed")))
+
+
+def test_a_variant_keeps_the_compiled_plans_choice(monkeypatch):
+    """A variant (another call signature) is planned in the compiled plan's widening mode, the one
+    the pipeline's overlap follows for every call (`Pipeline.overlap` reads the compiled plan's):
+    its plan, prediction and simulator time what runs. Mutation (`reuse_partition_pass` choosing
+    again): a variant whose costs tip the other way says widened while the overlap is not."""
+    import mobius_fx.passes.partition as partition
+    from tests.unit.test_landings import one_switch
+
+    chosen = partition.widen_choice
+
+    def tipped(ctx, part, gpus, cut=None, order=None):  # every choice after the compiled plan's tips over
+        part, gpus = chosen(ctx, part, gpus, cut, order)
+        tipped.calls += 1
+        return (part if tipped.calls == 1 else dataclasses.replace(part, widen=not part.widen)), gpus
+
+    tipped.calls = 0
+    monkeypatch.setattr(partition, "widen_choice", tipped)
+
+    class Biased(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+        def forward(self, x, bias=None):
+            x = x if bias is None else x + bias
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Biased()
+    pipe = mobius_fx.compile(model, one_switch(2), example_inputs=(torch.randn(4, 16),), microbatches=2,
+                             cuts=[1, 2, 3], verbose=False, dtype=torch.bfloat16, device="virtual", max_variants=2)
+    assert tipped.calls == 1  # the topology's rule does not widen here: the planner chose
+    opt = pipe.overlap(torch.optim.AdamW(model.parameters()), "sync")
+    pipe(torch.randn(4, 16), bias=torch.randn(4, 16))  # another signature: a variant of its own
+    plans = [v.plan for v in pipe.variants]
+    assert len(plans) == 2
+    assert [p.widen_downloads for p in plans] == [opt.widen_downloads] * 2, [p.widen_rule for p in plans]
+    assert "the compiled plan's choice" in plans[1].widen_rule
+
+
+def test_the_overlap_applies_the_choice_to_the_mode_it_was_timed_for(one_thread):
+    """compile(optimizer_overlap=) times the widening for that mode (Plan.widen_for); pipe.overlap
+    applies it in that mode only, and the topology's rule in another (mutation: the choice
+    applied to every mode -> the sync overlap widens behind the switch)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    x = torch.randn(4, 16)
+    topo = Topology.virtual(gpus=2, memory="64MiB")
+    assert not widen_fits(topo)
+    pipe = mobius_fx.compile(model, topo, example_inputs=(x,), microbatches=2, cuts=[1, 2, 3], verbose=False,
+                             dtype=torch.bfloat16, optimizer_overlap="async")
+    assert pipe.plan.widen_for == "async" and "under 'async'" in pipe.plan.widen_rule
+    assert mobius_fx.Plan.from_json(pipe.plan.to_json()).widen_for == "async"
+    pipe.plan = dataclasses.replace(pipe.plan, widen_downloads=True)
+    assert pipe.overlap(torch.optim.AdamW(model.parameters()), "async").widen_downloads is True
+    assert pipe.overlap(torch.optim.AdamW(model.parameters()), "sync").widen_downloads is False  # the rule
+
+
+def test_the_training_step_is_timed_in_the_compiled_plans_mode(one_thread):
+    """pipe.train_step runs under the model pipeline's overlap, which widens as the compiled plan
+    chose: the step pipeline's plan is timed in that mode and for that overlap mode (mutation: the
+    step compiled with the default settings -> 'sync', chosen again)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory="64MiB"), example_inputs=(x,), microbatches=2,
+                             cuts=[1, 2, 3], verbose=False, dtype=torch.bfloat16, optimizer_overlap="async",
+                             loss_fn=torch.nn.functional.mse_loss, example_target=y)
+    step = pipe.step_pipeline.plan
+    assert step.widen_for == "async" and step.widen_downloads is pipe.plan.widen_downloads
