@@ -181,6 +181,8 @@ class _Program:
         self.hop = [inv(problem.hop[k % n]) for k in range(s)]  # activation k -> k+1
         self.hop_back = [inv(problem.backward_hop[k % n]) for k in range(s)]  # gradient k+1 -> k
         self.up = [1 / (problem.up[k % n] * scale) for k in range(s)]  # seconds per byte, in units
+        inlink = problem.inlink or (math.inf,) * n  # each GPU's own link: its uploads and the inputs relayed to it
+        self.inlink = [inv(inlink[k % n]) if k and problem.hop[(k - 1) % n] < math.inf else 0.0 for k in range(s)]
         self.dx = problem.duplex or (1.0,) * n  # step_model.timeline: gradients slowed by the uploads they overlap
         self.down = [1 / (problem.down[k % n] * scale) for k in range(s)]
 
@@ -201,6 +203,9 @@ class _Program:
                     lp += F[k][i] >= F[k][prev[i]] + (i - prev[i]) * f[k], f"mb_f{k}_{i}"
                 if k:
                     lp += F[k][i] >= F[k - 1][i] + f[k - 1] + at[k]["a"] * hop[k - 1], f"act_f{k}_{i}"
+                    if self.inlink[k]:  # its weights and the inputs relayed from k-1 share the GPU's own link
+                        base = 0 if k < n else F[k - n][0]
+                        lp += F[k][i] >= base + (w[k] + (i + 1) * at[k]["a"]) * self.inlink[k], f"inlink_f{k}_{i}"
                 elif in0 > 0:  # the model inputs of micro-batches 0..i and the weights share the host link
                     lp += F[0][i] >= (w[0] + (i + 1) * in0) * up[0], f"input_f{i}"
 

@@ -119,6 +119,12 @@ class PartitionProblem:
     duplex: tuple[float, ...] | None = None
     links: tuple[LinkLoad, ...] = ()
     host: HostPass | None = None
+    # Bytes/s of each GPU's own link from the host where the activations relayed to it from the
+    # GPU before it (through the host or a switch) cross it too (inf where they come another way,
+    # a direct link): stage k's weights and its first i+1 inputs are on it no sooner than their
+    # bytes over this rate after the upload began (`step_timeline`'s forward, the MIP's `inlink_f`
+    # rows). None: not charged.
+    inlink: tuple[float, ...] | None = None
 
     @property
     def frozen_prefix(self) -> int:
@@ -222,12 +228,20 @@ class PartitionProblem:
 
         hop = tuple(bw(names[i], names[(i + 1) % n]) for i in range(n))
         hop_back = tuple(bw(names[(i + 1) % n], names[i]) for i in range(n))
+
+        def own_link(j: int) -> float:  # slot j's link from the host, when the hop into j crosses it too
+            g, frm = names[j], names[(j - 1) % n]
+            r, h = topology.route("host", g), (topology.route(frm, g) if frm != g else ())
+            if len(r) < 2 or len(h) < 2 or tuple(h[-2:]) != tuple(r[-2:]):
+                return math.inf
+            return float(topology.link_bandwidth(r[-2], r[-1]))
         return PartitionProblem(
             layers=tuple(layers), microbatches=microbatches, gpus=names,
             capacity=tuple(int(by_name[g].memory * memory_fraction) for g in names),
             up=tuple(float(topology.bandwidth("host", g)) for g in names),
             down=tuple(float(topology.bandwidth(g, "host")) for g in names),
             hop=hop, memory=MemoryModel(microbatches, precision or Precision()),
+            inlink=tuple(own_link(j) for j in range(n)),
             memory_fraction=memory_fraction, hop_back=hop_back, input_bytes=float(input_bytes),
             tied=tuple(tied), shared_up=shared_links(topology, names, "up"),
             shared_down=shared_links(topology, names, "down"), duplex=tuple(duplex(g) for g in names),

@@ -289,9 +289,12 @@ class _CopyTimes:
 
 def _forward_starts(problem: Any, st: Any, c: _CopyTimes) -> tuple[list[list[float]], list[float], list[float]]:
     """(F, p, U): each stage's forward run starts, the bytes prefetched for it and the end of its
-    forward upload, in stage order; stage 0 waits for the model inputs on its host link too."""
+    forward upload, in stage order; stage 0 waits for the model inputs on its host link too, and
+    a stage fed from another GPU for its inputs on its own link (`PartitionProblem.inlink`: its
+    weights and its first i+1 relayed inputs cross it after the upload began)."""
     n, m, s, f, w = c.n, c.m, c.s, st.f, st.w
     up, cap, hop_t, in0 = problem.up, problem.capacity, c.hop_t, c.in0
+    inlink = getattr(problem, "inlink", None)
     F: list[list[float]] = []
     p = [0.0] * s
     U = [0.0] * s  # end of stage k's forward upload
@@ -310,9 +313,14 @@ def _forward_starts(problem: Any, st: Any, c: _CopyTimes) -> tuple[list[list[flo
         t, fk = t0, f[k]
         if k:
             before, gap = F[k - 1], f[k - 1] + hop_t[k - 1]
+            shared = (inlink is not None and problem.hop[(k - 1) % n] < math.inf  # inputs from another GPU,
+                      and inlink[sl] < math.inf)  # on this GPU's link from the host
+            base, rate, ink = (0.0 if k < n else F[k - n][0]), (inlink[sl] if shared else math.inf), st.out[k - 1]
             for i in range(m):
                 if before[i] + gap > t:
                     t = before[i] + gap
+                if shared and base + (w[k] + (i + 1) * ink) / rate > t:
+                    t = base + (w[k] + (i + 1) * ink) / rate
                 row[i] = t
                 t += fk
         else:  # the model inputs of micro-batches 0..i and the weights share stage 0's host link
