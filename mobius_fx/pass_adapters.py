@@ -75,13 +75,13 @@ def plan_pass(gm, ctx: CompileContext):
     form = getattr(ctx.wiring, "form", None)  # compile(schedule=): the caller's
     choice = choose(ctx.plan, form[0] if form else None, runnable=True)
     ctx.plan = dataclasses.replace(ctx.plan, schedule_choice=choice.line,
-                                   **widen_choice(ctx.topology, s.optimizer_overlap, s.keep_grads, s.precision,
+                                   **plan_widening(ctx.topology, s.optimizer_overlap, s.keep_grads, s.precision,
                                                  part))
     return None
 
 
-def widen_choice(topology, overlap: str, keep_grads: bool, precision, part=None) -> dict:
-    """{"widen_downloads", "widen_rule"} for the Plan: whether the GPUs widen the gradients the
+def plan_widening(topology, overlap: str, keep_grads: bool, precision, part=None) -> dict:
+    """{"widen_downloads", "widen_for", "widen_rule"} for the Plan: whether the GPUs widen the gradients the
     optimizer overlap keeps as the fp32 `.grad`: the partition's choice (`part.widen`, the
     partition pass's `widen_choice` by the step model where the topology's links are shared or
     half duplex, or the caller's `widen_downloads`), else the topology's rule (planning/host_step.py

@@ -145,7 +145,8 @@ def widen_choice(ctx: CompileContext, part: PartitionResult, gpus: tuple[str, ..
     """`part` (planned downloading the gradients as streamed, the rule's mode on this topology)
     or a partition planned with them widened, whichever the step model times shorter: the same
     cuts are timed widened (no MIP); when that is shorter by `WIDEN_MARGIN`, the cuts are planned
-    again widened (`cut` again, the MIP started from `part`'s cuts; never with `cuts=` given) and
+    again widened (the caller's `cut` again where given, else the MIP started from `part`'s cuts;
+    never with `cuts=` given) and
     the shorter of the two kept. So the plan's prediction, its pick and the simulator (which
     follows `Plan.widen_downloads`) time the same mode. Returns the partition, with `widen` and
     `widen_why` set, and its GPU order."""

@@ -16,7 +16,7 @@ import torch
 
 import mobius_fx
 from mobius_fx import Topology
-from mobius_fx.pass_adapters import widen_choice
+from mobius_fx.pass_adapters import plan_widening
 from mobius_fx.planning.costs import LayerCost
 from mobius_fx.planning.host_step import HostPass, widen_fits
 from mobius_fx.planning.plans import build_plan
@@ -49,7 +49,7 @@ def test_the_planner_the_plan_and_the_simulator_follow_one_rule(overlap):
     for topo in (one_switch(4), Topology.preset("rtx4090x8")):
         rule = widen_fits(topo)
         assert HostPass.of(topo, 2, "adamw", overlap).down_scale == (2.0 if rule else 1.0)  # the MIP's host
-        got = widen_choice(topo, overlap, True, FP16)
+        got = plan_widening(topo, overlap, True, FP16)
         assert got["widen_downloads"] is rule and ("on the GPUs" if rule else "on the host") in got["widen_rule"]
         plan = _plan(topo)  # widen_downloads None: the rule
         assert simulate(plan, optimizer_overlap=overlap).step_time == \
@@ -58,8 +58,8 @@ def test_the_planner_the_plan_and_the_simulator_follow_one_rule(overlap):
 
 def test_nothing_to_choose_where_nothing_is_widened():
     topo = one_switch(4)
-    assert widen_choice(topo, "none", True, FP16) == {}
-    assert widen_choice(topo, "async", False, FP16) == {}  # opt.keep_grads = False: no .grad to widen into
+    assert plan_widening(topo, "none", True, FP16) == {}
+    assert plan_widening(topo, "async", False, FP16) == {}  # opt.keep_grads = False: no .grad to widen into
 
 
 def test_the_overlap_starts_from_the_plans_choice(one_thread):
