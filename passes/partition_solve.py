@@ -41,7 +41,8 @@ MODEL_REVISION = ("2026-12-04: memory rows (a neighbour holds its weights and bo
                   "uplink take the first server; 2026-12-06: the host's pass (HostPass: sync's per-stage passes, "
                   "async's max, none's tail); async's hand-over into the fp32 .grad after the pipeline (HostPass.after, "
                   "keep_grads); the gradients' landings replayed beside the backward uploads (landings.shared_landings); "
-                  "2026-12-06 (4th): a stage's weights and its relayed inputs share the GPU's own link (inlink)")
+                  "2026-12-06 (4th): a stage's weights and its relayed inputs share the GPU's own link (inlink); "
+                  "2026-12-07: the inputs relayed while the weights upload delay them (their flows share the link)")
 
 
 def _cache_key(problem: PartitionProblem, settings: dict) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from mobius_fx.planning.costs import LayerCost
 from mobius_fx.planning.step_model import MemoryModel, PartitionProblem, evaluate
 from mobius_fx import Topology
@@ -42,3 +44,17 @@ def test_a_direct_link_between_gpus_is_not_the_host_link():
     links.append({"a": "gpu0", "b": "gpu1", "bandwidth_gbps": 50.0})
     topo = Topology.from_dict({"name": "direct", "p2p": True, "nodes": nodes, "links": links})
     assert _problem(topo).inlink == (math.inf, math.inf)
+
+
+def test_inputs_relayed_while_the_weights_upload_delay_them():
+    # stage 0 holds a tenth of the weights: its four outputs are relayed to gpu1 while stage 1's
+    # weights still upload there. The simulator shares the link between the flows, so the weights
+    # are all there only after the four inputs' bytes too: every run of stage 1 waits for that
+    # (charging only the first input, micro-batch 0 started 0.92 ms early: 9.54 ms, not 10.46).
+    ws = [W // 10, W, W, W]
+    layers = [LayerCost(f"h{i}", (f"n{i}",), 1.0, 1.0, 1e-4, 3e-4, ws[i], ws[i], OUT, 2 * OUT) for i in range(4)]
+    problem = PartitionProblem.from_topology(layers, one_switch(2), microbatches=4)
+    ev = evaluate(problem, (0, 1, 2, 3))
+    assert max(t + 1e-4 for t in ev.fwd_start[0]) < W / 6.5e9  # the inputs all leave during the upload
+    assert ev.fwd_start[1][0] == pytest.approx((W + OUT) / 6.5e9, rel=1e-9)  # the weights and all 4 quarters
+    assert ev.upload_done[1] == pytest.approx(ev.fwd_start[1][0], rel=1e-9)
