@@ -34,12 +34,14 @@ it), "after" reads the fp32 `.grad` the GPUs widened (`grad_read`: its 2 extra b
 the one converted as each stage's gradients complete, "no .grad" reads the bf16 downloads
 themselves.
 
-The tied embedding (`wte`, used again as the LM head: held by two stages, so two bf16 downloads,
-never widened; ~4% of the parameters at the default size): under sync the pass reads both and sums
-them as it steps (`grad_fused`: the second download read + its fp32 `.grad` written, 6 B per
-parameter of it); under async the hand-over sums them into `.grad` in one pass (`grad_convert`: read
-2 + 2, write 4) and the pass reads that (`grad_read`); "no .grad" reads both in the pass (2 B). Its
-second GPU's streamed copy is refreshed (sync) or pinned (async): a copy per GPU holding it.
+The tied embedding (`wte`, used again as the LM head: held by two stages, so two partial
+gradients; ~4% of the parameters at the default size): "after" sums them on the GPU of the stage
+holding it first (the head's partial downloaded bf16 and sent back up: runtime/tied_sums.py) and
+downloads the sum widened into `.grad`, like every other gradient; with bf16 downloads ("bf16 dl")
+sync's pass reads both and sums them as it steps (`grad_fused`: the second download read + its fp32
+`.grad` written, 6 B per parameter of it) and async's hand-over sums them into `.grad` in one pass
+(`grad_convert`: read 2 + 2, write 4); "no .grad" reads both in the pass (2 B). One streamed copy
+per master, which both GPUs upload.
 
     python benchmarks/host_path.py                  # ~100M parameters, bf16 streamed, 3 steps (async: 5)
     python benchmarks/host_path.py --params 5e6 --steps 4 --dtype fp32

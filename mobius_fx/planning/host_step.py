@@ -106,8 +106,9 @@ HOST_COPY_BANDWIDTH = H200_HOST_PARAMS * 6 / H200_HOST_HANDOVER_SECONDS  # 27.5e
 # `.grad`, so the host converts nothing -- no "handover" under async, sync's pass writes no `.grad`
 # -- and the pass reads the fp32 `.grad` ("grad": 4 - s more bytes read than the download, both
 # modes): 28 + 2 B per parameter for AdamW in bf16. The GPU->host link carries 4 B per parameter
-# instead of s (`download_scale`; the runtime keeps a tied weight's downloads in s bytes, the
-# models widen every stage's: a slight overcharge on the link).
+# instead of s (`download_scale`; a tied weight's partials: all but the first holder's download s
+# bytes, which go back up to that holder's GPU, and it downloads their sum widened (runtime/
+# tied_sums.py); the models widen every holder's download: the same bytes, one leg the other way).
 # A kind a mode does not make costs 0; `simulate(..., keep_grads=False)` (a loop with
 # keep_grads=False) or `host_copies={"handover": 0}` overrides a kind's bytes.
 HOST_COPY_KINDS = ("pin", "refresh", "handover", "finite_check", "shadow", "grad")

@@ -68,7 +68,8 @@ def data_parallel(ir: ScheduleIR, gpus: Sequence[str] | None = None) -> Schedule
     for g, (gpu, mbs) in enumerate(zip(names, dealt(m, len(names)))):
         if not mbs:
             continue
-        rep = build_schedule([dataclasses.replace(st, gpu=gpu) for st in stages], len(mbs), optimizer=False,
+        # each replica downloads every stage's gradients: the host sums a tied weight's (no `tied_sums`)
+        rep = build_schedule([dataclasses.replace(st, gpu=gpu, tied_sums=()) for st in stages], len(mbs), optimizer=False,
                              hold=False)
         template = template or rep
         offset[gpu] = len(keyed)

@@ -18,7 +18,7 @@ compiled pipeline without compiling again, so this form keeps the pipeline's sta
   weights at once. Its inputs are pushed there from the stage before (or sent from the host),
   its outputs (the loss's sums and counts) go to the host, the gradients of its inputs go back
   to the stage before; after that GPU's last micro-batch its partial weight gradient is
-  downloaded (the host sums the partials, as it sums a tied weight's) and the copy evicted,
+  downloaded (the host sums the partials) and the copy evicted,
   before any backward upload on that GPU.
 """
 
@@ -170,5 +170,6 @@ class _Dealt(ScheduleBuilder):
                 if st.grad_bytes:
                     self.head_downloads.setdefault(k, []).append(
                         op("download", g, k, "backward", [r], src=g, dst=HOST, what="gradient", bytes=st.grad_bytes))
+                    self.grad_downloads[k].append(self.head_downloads[k][-1])
                 self.head_evict[g] = op("evict", g, k, "backward", [r])
         self.evicted_b[k] = self.head_evict[h]

@@ -45,7 +45,7 @@ from mobius_fx.kinds import HOST
 from mobius_fx.errors import MobiusError
 from mobius_fx.planning.microbatch import check_count
 
-__all__ = ["Op", "OpKind", "StageIO", "StageInput", "ScheduleIR", "build_schedule", "ScheduleBuilder", "neighbours",
+__all__ = ["Op", "OpKind", "StageIO", "StageInput", "TiedSum", "ScheduleIR", "build_schedule", "ScheduleBuilder", "neighbours",
            "OP_KINDS", "PHASES"]
 
 
@@ -91,6 +91,19 @@ class StageInput:
 
 
 @dataclass(frozen=True)
+class TiedSum:
+    """A tied weight's gradient (a parameter several stages hold) completed on the GPU of the
+    stage that holds it first (its backward runs last): every download `sources` made of its
+    partial (`bytes` each, as streamed) is sent back from the host to that GPU, summed there in
+    the masters' dtype with the stage's own partial, and downloaded once, widened: that download
+    moves `extra` bytes more than the stage's streamed gradients (`Runtime.tied_sums`)."""
+
+    sources: tuple[int, ...]
+    bytes: int
+    extra: int
+
+
+@dataclass(frozen=True)
 class StageIO:
     """What the schedule needs to know of one stage: where it runs and what it moves."""
 
@@ -102,6 +115,7 @@ class StageIO:
     #                                     (model outputs, values read two or more stages later)
     host_grads: tuple[bool, ...] = ()  # per host output: whether a gradient comes back for it
     #                                    (empty: all do; a causal mask built from token ids does not)
+    tied_sums: tuple[TiedSum, ...] = ()  # tied weights' gradients summed on its GPU before its download
 
     # One constructor per place a step's stages are described; each gives the whole step's
     # stages, in order, for `build_schedule`.
@@ -134,15 +148,17 @@ class StageIO:
                      weight_bytes: Sequence[int], grad_bytes: Sequence[int],
                      size: Callable[[Any], int], carries_grad: Callable[[Any], bool],
                      output_size: Callable[[int, int], int],
-                     output_grad: Callable[[int, int], bool]) -> tuple["StageIO", ...]:
+                     output_grad: Callable[[int, int], bool],
+                     tied_sums: Sequence[tuple[TiedSum, ...]] = ()) -> tuple["StageIO", ...]:
         """A compiled pipeline's stages as its runtime holds them: `stages` as for `from_graph`,
         the bytes of its GPU slots (`weight_bytes`, `grad_bytes` per stage), `size(ref)` /
         `carries_grad(ref)` of an input, `output_size(k, j)` / `output_grad(k, j)` of output j of
-        stage k sent to the host."""
+        stage k sent to the host, `tied_sums[k]` the tied gradients stage k sums (default none)."""
         return tuple(cls(gpu=st.gpu, weight_bytes=weight_bytes[k], grad_bytes=grad_bytes[k],
                          inputs=tuple(StageInput(r.stage, size(r), needs_grad=carries_grad(r)) for r in st.inputs),
                          host_outputs=tuple(output_size(st.index, j) for j in to_host[st.index]),
-                         host_grads=tuple(output_grad(st.index, j) for j in to_host[st.index]))
+                         host_grads=tuple(output_grad(st.index, j) for j in to_host[st.index]),
+                         tied_sums=tuple(tied_sums[k]) if tied_sums else ())
                      for k, st in enumerate(stages))
 
 
@@ -395,6 +411,7 @@ class ScheduleBuilder:
         self.evicted_b: dict[int, int] = {}
         self.grads_back: dict[tuple[int, int], list[int]] = defaultdict(list)  # (stage, mb) -> gradient copies it waits for
         self.downloads: dict[int, int] = {}
+        self.grad_downloads: dict[int, list[int]] = defaultdict(list)  # stage -> every download of its gradients
         self.fetched_b: set[int] = set()  # stages whose backward prefetch the stage after them on their GPU issued
         # the last forward stage on a GPU keeps its weights for its backward when that runs there, first
         self.keeps = [hold and self.nxt[k] is None and self.has_bwd[k] and self.bgpu[k] == self.gpu[k] and self.bnxt[k] is None
@@ -504,10 +521,18 @@ class ScheduleBuilder:
             self.run_b[(k, i)] = r
             self._grads_out(k, i, r)
         last = self.run_b[(k, 0)]
-        if st.grad_bytes:
-            self.downloads[k] = op("download", g, k, "backward", [last], src=g, dst=HOST, what="gradient",
-                                   bytes=st.grad_bytes)
+        sums = self.tied_partials(k, g, last)
+        if st.grad_bytes or sums:
+            self.downloads[k] = op("download", g, k, "backward", [last, *sums], src=g, dst=HOST, what="gradient",
+                                   bytes=st.grad_bytes + sum(t.extra for t in st.tied_sums))
+            self.grad_downloads[k].append(self.downloads[k])
         self.evicted_b[k] = op("evict", g, k, "backward", [last])  # the weights; the gradients are a copy of their own
+
+    def tied_partials(self, k: int, g: str, last: int) -> list[int]:
+        """Stage k's `tied_sums`: each download of a partial its sources made, sent back from the
+        host to `g` after stage k's last backward run `last` (its download sums them)."""
+        return [self.op("send", g, k, "backward", [last, d], src=HOST, dst=g, what="gradient", bytes=t.bytes)
+                for t in self.stages[k].tied_sums for s in t.sources for d in self.grad_downloads.get(s, ())]
 
     def _grads_out(self, k: int, i: int, r: int) -> None:
         """Micro-batch i's input gradients of stage k (its backward run r) go back the way the inputs came."""

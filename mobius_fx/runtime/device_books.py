@@ -61,7 +61,7 @@ from mobius_fx.runtime.streamed_copies import StreamedCopies
 from mobius_fx.runtime.transfer_log import TransferLog
 from mobius_fx.units import fmt_bytes
 
-__all__ = ["Device", "nbytes", "MEMORY_BOOKS", "check_memory_books", "WIDEN_CHUNK", "widen_transient"]
+__all__ = ["Device", "nbytes", "MEMORY_BOOKS", "check_memory_books", "WIDEN_CHUNK", "widen_transient", "widened_chunks"]
 
 MEMORY_BOOKS = ("auto", "ops", "allocator")
 
@@ -74,6 +74,22 @@ WIDEN_CHUNK = 1 << 22
 def widen_transient(numel: int, itemsize: int) -> int:
     """Bytes a GPU holds at most while it widens a `numel`-element download to `itemsize` bytes."""
     return min(numel, WIDEN_CHUNK) * itemsize
+
+
+def widened_chunks(value: torch.Tensor, into: torch.Tensor, addends: Sequence[torch.Tensor] = ()):
+    """(part of `into`, what goes into it) per `WIDEN_CHUNK` elements of a widened download
+    (`Device.download(into=, addends=)`): `value`'s chunk, or with `addends` (on `value`'s GPU, its
+    shape) their sum in `into`'s dtype in order, `value` added last -- a chunk-sized temporary on
+    `value`'s device, made when the pair is drawn (on CUDA: on the stream that draws it)."""
+    src, dst, adds = value.reshape(-1), into.view(-1), [a.reshape(-1) for a in addends]
+    for a in range(0, src.numel(), WIDEN_CHUNK):
+        part = src[a:a + WIDEN_CHUNK]
+        if adds:
+            total = adds[0][a:a + WIDEN_CHUNK].to(into.dtype)
+            for x in adds[1:]:
+                total.add_(x[a:a + WIDEN_CHUNK])
+            part = total.add_(part)
+        yield dst[a:a + WIDEN_CHUNK], part
 
 
 def check_memory_books(value: Any) -> str:
@@ -509,7 +525,8 @@ class Device(abc.ABC):
         """Order this device's compute after `events` (from `deferred`)."""
 
     @abc.abstractmethod
-    def download(self, t: torch.Tensor, kind: str, into: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+    def download(self, t: torch.Tensor, kind: str, into: torch.Tensor | None = None,
+                 addends: Sequence[torch.Tensor] = ()) -> Callable[[], torch.Tensor]:
         """Start copying `t` (on this GPU: a weight gradient, a buffer's slot) to the host,
         ordered after the compute that made it; returns a thunk that waits for the copy (the
         host blocks there, nowhere else) and gives the host tensor, whose values are `t`'s when
@@ -519,7 +536,10 @@ class Device(abc.ABC):
         `into`: a contiguous host tensor of `t`'s shape (pinned where `pins_host`), possibly of
         a wider dtype, that the copy is written into and the thunk gives: `t` is converted on
         this GPU, `WIDEN_CHUNK` elements at a time (the transient booked while it lives), and
-        `into`'s bytes are logged (the runtime's widened gradient downloads: `Runtime._download`)."""
+        `into`'s bytes are logged (the runtime's widened gradient downloads: `Runtime._download`).
+        `addends` (with `into`): tensors on this GPU of `t`'s shape (a tied weight's partials,
+        runtime/tied_sums.py) summed in `into`'s dtype, in order, with `t` last, chunk by chunk
+        as it widens (`widened_chunks`), ordered after the compute before the call."""
 
     @abc.abstractmethod
     def fetch(self, t: torch.Tensor) -> Callable[[], bool]:

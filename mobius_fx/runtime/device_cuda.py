@@ -9,7 +9,7 @@ import torch
 
 from mobius_fx.errors import MobiusError
 from mobius_fx.runtime import host_threads
-from mobius_fx.runtime.device_books import WIDEN_CHUNK
+from mobius_fx.runtime.device_books import widened_chunks
 from mobius_fx.runtime.memory_sources import CudaAllocator
 from mobius_fx.runtime.device_registry import register_device
 from mobius_fx.runtime.device_stream import StreamDevice
@@ -92,13 +92,13 @@ class CudaDevice(StreamDevice):
                 return value.to(dtype) if dtype is not None and dtype != value.dtype else value.clone()
             return value.to(device, dtype=dtype or value.dtype, non_blocking=True)
 
-    def _issue_widen(self, stream, value, into):
-        src, dst = value.reshape(-1), into.view(-1)
+    def _issue_widen(self, stream, value, into, addends=()):
         with torch.cuda.stream(stream), torch.no_grad():
-            for a in range(0, src.numel(), WIDEN_CHUNK):
+            for part, chunk in widened_chunks(value, into, addends):
                 # non_blocking with a dtype change: ATen converts on the GPU (a chunk-sized temporary
-                # on `stream`, reused only after it) and copies the result into the pinned `into`
-                dst[a:a + WIDEN_CHUNK].copy_(src[a:a + WIDEN_CHUNK], non_blocking=True)
+                # on `stream`, reused only after it) and copies the result into the pinned `into`;
+                # with addends, their sum is that temporary, made on `stream` too
+                part.copy_(chunk, non_blocking=True)
 
     def _used_by(self, t, stream):
         if t.is_cuda:

@@ -16,8 +16,8 @@ weights booked by `fill` and freed by `vacate`; the budget refused with `BudgetE
 booked; compute after `ready` sees the upload; a slot refilled only after its last use (a
 download of it still gives the old weights) and reused, not grown; activations moved, cast,
 differentiable and logged as the IR books them; saved inputs offloaded and restored, a change in
-place refused; gradients claimed, downloaded, freed; flags fetched unlogged; `accept`; the RNG
-replayed and restored; a stage's work booked against its budget.
+place refused; gradients claimed, downloaded, freed (widened, and summed with partials); flags
+fetched unlogged; `accept`; the RNG replayed and restored; a stage's work booked against its budget.
 """
 
 from __future__ import annotations
@@ -342,6 +342,34 @@ def check_gradients_download_and_flags(make: Make) -> None:
     _expect(dev.current_bytes == base, f"{dev.current_bytes - base} bytes stay booked after the download and free")
 
 
+def check_download_sums_partials(make: Make) -> None:
+    """A widened download with `addends` (a tied weight's partials, runtime/tied_sums.py) writes
+    their sum and the value's, in fp32 in order (the host's `sum_downloads` bits), and logs the
+    fp32 bytes once; nothing stays booked."""
+    dev = make({"gpu0": None})["gpu0"]
+    base = dev.current_bytes
+    vals = [(torch.randn(37, generator=torch.Generator().manual_seed(s)) * 10 ** s).to(torch.bfloat16)
+            for s in range(3)]
+    for v, x in zip(vals, (1.0, 1.0, 2.0 ** 24)):  # fp32 addition's order shows: (1 + 1) + 2^24 != (2^24 + 1) + 1
+        v[:4] = x
+    with dev.working(0):
+        parts = [v.to(dev.torch_device) for v in vals]
+        for t in parts:
+            dev.claim(t, "stage 0's weight gradients")
+    into = torch.empty(37, dtype=torch.float32, pin_memory=dev.pins_host)
+    pending = dev.download(parts[2], "gradient", into=into, addends=parts[:2])
+    for t in parts:
+        dev.free(nbytes(t))
+    del parts
+    want = (vals[0].float() + vals[1].float()) + vals[2].float()
+    _expect(pending() is into and torch.equal(into, want), "a download with addends did not write their fp32 sum, "
+                                                           "in order, with the value last")
+    _expect(_logged(dev, "gradient d2h") == (1, nbytes(into)), f"a summed download logged "
+                                                               f"{_logged(dev, 'gradient d2h')}, want its fp32 bytes")
+    dev.synchronize()
+    _expect(dev.current_bytes == base, f"{dev.current_bytes - base} bytes stay booked after a summed download")
+
+
 def check_accept(make: Make) -> None:
     dev = make({"gpu0": None})["gpu0"]
     with dev.compute():
@@ -391,6 +419,7 @@ CONTRACT: dict[str, Callable[[Make], None]] = {
     "activations move": check_activations_move,
     "offload and restore": check_offload_and_restore,
     "gradients, downloads, flags": check_gradients_download_and_flags,
+    "downloads sum partials": check_download_sums_partials,
     "accept": check_accept,
     "rng": check_rng,
     "stage work measured": check_stage_work_measured,

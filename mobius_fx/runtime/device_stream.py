@@ -73,10 +73,12 @@ class StreamDevice(Device):
         and written when the stream gets to it. A copy to the host lands in pinned memory."""
         raise NotImplementedError
 
-    def _issue_widen(self, stream: Any, value: torch.Tensor, into: torch.Tensor) -> None:
+    def _issue_widen(self, stream: Any, value: torch.Tensor, into: torch.Tensor,
+                     addends: Sequence[torch.Tensor] = ()) -> None:
         """`value` (on this GPU) copied into the host tensor `into` (contiguous, `value`'s
         shape, a wider dtype, pinned on CUDA), converted on this GPU `WIDEN_CHUNK` elements at a
-        time, issued on `stream`; written when the stream gets to it."""
+        time (with `addends`: summed with them first, `widened_chunks`), issued on `stream`;
+        written when the stream gets to it."""
         raise NotImplementedError
 
     def _copy_in(self, targets: list[torch.Tensor], sources: list[torch.Tensor], last: list[Any]) -> None:
@@ -377,24 +379,26 @@ class StreamDevice(Device):
         for ev in events:
             self.compute_stream.wait_event(ev)
 
-    def _to_host_raw(self, value: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+    def _to_host_raw(self, value: torch.Tensor, into: torch.Tensor | None = None,
+                     addends: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, Any]:
         """`value` into a pinned host buffer on the download stream, after the compute that made
-        it (`into`: into that host tensor, widened on this GPU); the buffer is pending
-        (streams.PENDING) until the returned event."""
+        it (`into`: into that host tensor, widened on this GPU, summed with `addends` first, which
+        the compute stream accepted); the buffer is pending (streams.PENDING) until the returned event."""
         made = self._event()
         made.record(self.compute_stream)
         self.download_stream.wait_event(made)
         if into is not None:
-            n = widen_transient(value.numel(), into.element_size()) if into.dtype != value.dtype else 0
+            n = widen_transient(value.numel(), into.element_size()) if into.dtype != value.dtype or addends else 0
             self.alloc(n, "a downloaded gradient widened on the GPU")  # booked while issued (stream-ordered after)
             try:
-                self._issue_widen(self.download_stream, value, into)
+                self._issue_widen(self.download_stream, value, into, tuple(addends))
             finally:
                 self.free(n)
             host = into
         else:
             host = self._issue_copy(self.download_stream, value, torch.device("cpu"), None)
-        self._used_by(value, self.download_stream)
+        for t in (value, *addends):
+            self._used_by(t, self.download_stream)
         done = self._event()
         done.record(self.download_stream)
         PENDING.add(host, done, self.waits)
@@ -453,8 +457,8 @@ class StreamDevice(Device):
         self.log.add("input", "h2d", nbytes(out))
         return out
 
-    def download(self, t, kind, into=None):
-        host, _ = self._to_host_raw(t.detach(), into)
+    def download(self, t, kind, into=None, addends=()):
+        host, _ = self._to_host_raw(t.detach(), into, [a.detach() for a in addends])
         self.log.add(kind, "d2h", nbytes(host))
 
         def wait() -> torch.Tensor:

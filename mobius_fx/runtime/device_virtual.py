@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from mobius_fx.runtime.device_books import Device, nbytes, widen_transient
+from mobius_fx.runtime.device_books import Device, nbytes, widen_transient, widened_chunks
 from mobius_fx.runtime.device_common import CpuRng, SavedInput, check_unchanged
 from mobius_fx.runtime.device_registry import register_device
 
@@ -80,13 +80,14 @@ class VirtualDevice(CpuRng, Device):
         self.log.add("input", "h2d", nbytes(saved.host))
         return saved.host.clone()  # the copy on this GPU (charged to it inside compute())
 
-    def download(self, t, kind, into=None):
+    def download(self, t, kind, into=None, addends=()):
         if into is not None:  # widened on the GPU, a chunk at a time (the transient booked), into the host tensor
-            n = widen_transient(t.numel(), into.element_size()) if into.dtype != t.dtype else 0
+            n = widen_transient(t.numel(), into.element_size()) if into.dtype != t.dtype or addends else 0
             self.alloc(n, "a downloaded gradient widened on the GPU")
             try:
                 with torch.no_grad():
-                    into.view(-1).copy_(t.detach().reshape(-1))
+                    for part, value in widened_chunks(t.detach(), into, [a.detach() for a in addends]):
+                        part.copy_(value)
             finally:
                 self.free(n)
             self.log.add(kind, "d2h", nbytes(into))

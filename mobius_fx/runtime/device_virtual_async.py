@@ -10,7 +10,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from mobius_fx.runtime import host_threads
-from mobius_fx.runtime.device_books import WIDEN_CHUNK
+from mobius_fx.runtime.device_books import widened_chunks
 from mobius_fx.runtime.device_common import CpuRng
 from mobius_fx.runtime.device_registry import register_device
 from mobius_fx.runtime.device_stream import StreamDevice
@@ -94,18 +94,18 @@ class VirtualAsyncDevice(CpuRng, StreamDevice):
             region.readers.append(mark._at)
         return out
 
-    def _issue_widen(self, stream, value, into):
+    def _issue_widen(self, stream, value, into, addends=()):
         v = value.detach()
         pending = PENDING.event(v)
         if pending is not None and not pending.ordered_before(stream, strict=True):
             self._race(f"{self.name}: a download on {stream.name} reads a buffer before the event that marks it "
                        f"written (the stream did not wait for it)")
-        dst = _alias(into).view(-1)  # written later, by the stream's thread: not a version bump autograd would see
-        src = v.reshape(-1)
+        dst = _alias(into)  # written later, by the stream's thread: not a version bump autograd would see
 
         def widen() -> None:
-            for a in range(0, src.numel(), WIDEN_CHUNK):  # as CUDA's: a chunk converted, then copied
-                dst[a:a + WIDEN_CHUNK].copy_(src[a:a + WIDEN_CHUNK])
+            with torch.no_grad():
+                for part, chunk in widened_chunks(v, dst, addends):  # as CUDA's: a chunk converted, then copied
+                    part.copy_(chunk)
 
         stream.submit(widen)
         region = self._region_of(v)

@@ -98,7 +98,7 @@ from mobius_fx.planning.microbatch import split as split_inputs
 from mobius_fx.planning.schedule_ir import ScheduleIR
 from mobius_fx.planning.stage_contract import Schedule
 from mobius_fx.precision import Precision
-from mobius_fx.runtime import host_threads, streamed_copies
+from mobius_fx.runtime import host_threads, streamed_copies, tied_sums
 from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.host_gradients import GradHomes, finite_flag, host_gradient
 from mobius_fx.runtime.microbatch_outputs import combine, guess_kind
@@ -197,10 +197,10 @@ class Runtime:
         self.analysed = False  # whether microbatch_outputs.prepare ran (at compile, or at the first call)
         self.output_kinds: list | None = None  # how each output leaf combines (microbatch_outputs.analyse); None: guess
         self.grad_homes = GradHomes()  # host gradient storage kept across steps (the optimizer overlap's hand-over)
-        self._holder_count: dict[int, int] = {}  # id(master) -> how many stages hold it (`widened`)
-        for st in self.stages:
+        self.holders: dict[int, tuple[int, ...]] = {}  # id(master) -> the stages holding it (`widened`, tied_sums.py)
+        for k, st in enumerate(self.stages):
             for m in {id(m) for m in st.masters}:
-                self._holder_count[m] = self._holder_count.get(m, 0) + 1
+                self.holders[m] = (*self.holders.get(m, ()), k)
         self._from_host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # GPU copy -> its host original
         self._lock = threading.RLock()
         self._anchor = torch.zeros((), requires_grad=True)
@@ -818,6 +818,21 @@ class Runtime:
                 flag = None if a is None or flag is None else (lambda a=a, b=flag: a() and b())
             step.finite[k] = flag
         widen = bool(acc) and self._widens(step)
+        sums = tied_sums.sums_at(self.stages, self.holders, k, step) if widen else {}
+        for j in sums:  # a tied weight's partials summed here, into its `.grad` home (runtime/tied_sums.py)
+            parts, master = tied_sums.partials(self.stages, self.holders, k, j, step), st.masters[j]
+            own = j in acc
+            g = acc.pop(j, None)
+            if g is None and parts:  # no gradient of its own this step: the partials alone
+                g = parts.pop()
+            if g is None:
+                continue
+            into = self.grad_homes.take(master, pinned=st.device.pins_host)
+            with st.device.log.stage(k):
+                step.pending.append((master, st.device.download(g, "gradient", into, addends=parts)))
+            if own:  # booked by the backward (`claim`); the partials' bookings end with them (`track`)
+                st.device.free(nbytes(g))
+            del parts, g
         for j, g in acc.items():
             master = st.masters[j]
             # widened on the GPU straight into the master's `.grad` home: the host converts nothing
@@ -844,12 +859,11 @@ class Runtime:
 
     def widened(self, master: torch.Tensor, streamed: torch.dtype) -> bool:
         """Whether `master`'s gradient, streamed in `streamed`, is downloaded widened (when the
-        backward widens at all, `widens_gradients`): a trainable fp32 parameter held by ONE stage
-        (a tied weight's downloads stay in the streamed dtype: the host sums them), streamed
-        narrower. The schedule IR books the same bytes (`Pipeline.schedule_ir`)."""
-        return (isinstance(master, torch.nn.Parameter) and master.requires_grad and master.dtype == torch.float32
-                and streamed.is_floating_point and streamed.itemsize < master.dtype.itemsize
-                and master.is_cpu and self._holder_count.get(id(master), 0) == 1)
+        backward widens at all, `widens_gradients`): a trainable fp32 parameter held by ONE stage,
+        streamed narrower (`widenable`). A tied weight's partials are downloaded as streamed and
+        the stage holding it first sums them on its GPU into one widened download
+        (runtime/tied_sums.py). The schedule IR books the same bytes (`Pipeline.schedule_ir`)."""
+        return tied_sums.widenable(master, streamed) and len(self.holders.get(id(master), ())) == 1
 
     def _widens(self, step: Step) -> bool:
         """`widens_gradients`, decided once per backward (at its first flush)."""

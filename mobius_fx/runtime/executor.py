@@ -71,6 +71,7 @@ from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.device_rewrite import random_nodes
 from mobius_fx.runtime.engine import Runtime
 from mobius_fx.runtime.stage_state import refuse_changed_masters
+from mobius_fx.runtime import tied_sums
 from mobius_fx.runtime.step_program import build_program, run_program
 from mobius_fx.units import fmt_bytes
 
@@ -120,7 +121,7 @@ def built_step(pipe: Any) -> tuple[ScheduleIR, fx.GraphModule]:
     Nothing here runs or allocates."""
     rt = pipe._rt
     name, form = _form(pipe)
-    key = (name, _trains(rt))
+    key = (name, _trains(rt), rt.widens_gradients())  # widened downloads move other bytes (and sum tied weights)
     built = rt.__dict__.get("_built_step")
     if built is None or built[0] != key:
         ir = step_ir(pipe, form)
@@ -142,10 +143,11 @@ def execute(pipe: Any, flat: list, scale: float) -> Any:
     """Run one training step of `pipe` (a step pipeline, inside its `_forward`) on its inputs
     `flat`, the backward seeded with `scale` x the loss; returns the (detached) output. The
     schedule is `pipe.schedule_form`, (name, runtime form), set by `compile(schedule=...)`; the
-    executor is made again when it or which masters train changed (`built_step`)."""
+    executor is made again when it, which masters train or whether the gradient downloads widen
+    changed (`built_step`)."""
     rt = pipe._rt
     ex = rt.__dict__.get("_step_executor")
-    if ex is None or ex.name != _form(pipe)[0] or ex.trains != _trains(rt):
+    if ex is None or ex.name != _form(pipe)[0] or ex.trains != _trains(rt) or ex.widens != rt.widens_gradients():
         ex = rt._step_executor = StepExecutor(pipe)
     return ex.run(flat, scale)
 
@@ -161,6 +163,7 @@ class StepExecutor:
         self.schedule = pipe.schedule
         self.program = pipe.program
         self.trains = _trains(self.rt)
+        self.widens = self.rt.widens_gradients()  # widened downloads sum a tied weight on a GPU: other ops
         # the step IR and its program, built once (`built_step`; `pipe.code` prints the same program)
         self.ir, self.step_gm = built_step(pipe)
         self.stages = self.schedule.stages
@@ -173,6 +176,8 @@ class StepExecutor:
             self.grad_in.append([inp.needs_grad and (inp.source < 0 or self.has_bwd[inp.source]) for inp in io.inputs])
             self.has_bwd.append(io.grad_bytes > 0 or any(self.grad_in[k]))
         self.backward = {o.stage for o in self.ir.ops if o.kind == OpKind.RUN and o.phase == "backward"}
+        # the stages whose download sums a tied weight's partials on their GPU (runtime/tied_sums.py)
+        self.gpu_sums = {o.stage for o in self.ir.ops if _partial(o)}
         # the GPU of each (stage, micro-batch)'s forward and backward run: a RUN op's place (RoundPipe
         # runs a stage's backward on another GPU than its forward; split-head deals its last stage
         # by micro-batch)
@@ -584,6 +589,10 @@ class StepExecutor:
         if o.what == "input":
             self._restore(o)
             return
+        if _partial(o):  # a tied weight's gradient partial back to the GPU that sums it
+            self.rt.step.gpu_sums = self.gpu_sums
+            tied_sums.fetch_partial(self.rt.stages, self.rt.holders, o.stage, self.rt.step)
+            return
         k, i = o.stage, o.microbatch
         if o.src == HOST:  # the gradient of host output p of stage k, the next one with a gradient
             n = self.host_grads_sent[(k, i)]
@@ -639,9 +648,16 @@ class StepExecutor:
         """Stage k's gradient sums to the host; the masters they complete go to the optimizer
         overlap now (or wait for autograd's accumulation at the end of the step)."""
         rt, k = self.rt, o.stage
+        rt.step.gpu_sums = self.gpu_sums
         rt._download(k, rt.step)
         if (rt.overlap is not None or rt.reducer is not None) and o.index == self.last_download.get(k):
             rt._hand_over(k, rt.step)  # complete: split-head downloads a partial sum from each GPU it dealt k to
+
+
+def _partial(o: Op) -> bool:
+    """Whether `o` sends a tied weight's gradient partial from the host to the GPU that sums it
+    (`schedule_ir.TiedSum`)."""
+    return o.kind == OpKind.SEND and o.what == "gradient" and o.src == HOST
 
 
 def _spans(values: list) -> list[list[int]]:

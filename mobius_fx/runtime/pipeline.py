@@ -241,9 +241,11 @@ class Pipeline(ModelFace, nn.Module):
         last_step=True, by_stage=True)` after a training step equals `ir.bytes_moved()`.
         `widened`: whether the gradient downloads are widened to the masters' dtype on the GPUs
         (the optimizer overlap's, `Runtime.widens_gradients`; None: whether a backward now would):
-        then a master one stage holds downloads its fp32 bytes.
+        then a master one stage holds downloads its fp32 bytes, and a tied one's partials go back
+        to the GPU of the stage holding it first, which downloads their sum (`TiedSum`).
         """
-        from mobius_fx.planning.schedule_ir import StageIO, build_schedule
+        from mobius_fx.planning.schedule_ir import StageIO, TiedSum, build_schedule
+        from mobius_fx.runtime.tied_sums import tied_sums
 
         if values is not None and not isinstance(values, Mapping):
             raise MobiusError(f"schedule_ir(values={values!r}): values is a {type(values).__name__}; pass a dict of "
@@ -274,12 +276,17 @@ class Pipeline(ModelFace, nn.Module):
             return specs[ref.stage].outputs[ref.index] if ref.stage >= 0 else ref.name
 
         rt = self._rt.stages
+        # a tied weight's partials summed on the GPU of the stage holding it first (runtime/tied_sums.py)
+        tied = [tuple(TiedSum(srcs, nbytes(rt[k].slots[j]), rt[k].slots[j].numel() * rt[k].masters[j].element_size()
+                              - nbytes(rt[k].slots[j]))
+                      for j, srcs in tied_sums(rt, self._rt.holders, k).items()) if widened else ()
+                for k in range(len(rt))]
         ios = StageIO.from_runtime(
             specs, self.schedule.to_host, weight_bytes=[st.weight_bytes for st in rt],
             grad_bytes=[sum(nbytes(s) if not (widened and self._rt.widened(st.masters[j], s.dtype))
                             else s.numel() * st.masters[j].element_size()
                             for j, s in enumerate(st.slots) if st.is_param[j] and st.masters[j].requires_grad)
-                        for st in rt],
+                        for st in rt], tied_sums=tied,
             size=lambda ref: size(value(ref)),
             carries_grad=lambda ref: (ref.stage >= 0 and floating(value(ref))
                                       and self._rt.carries_grad(ref.stage, ref.index)),

@@ -124,6 +124,12 @@ class Step:
         # dtype on the GPUs, straight into their `.grad` homes (decided at its first flush:
         # `Runtime._widens`)
         self.widen: bool | None = None
+        # the stages whose download completes a tied weight's gradient on their GPU, as the
+        # schedule IR the executor runs says (its `send ... gradient host->gpu`; None: the model
+        # pipeline's backward, every first holder), and the partials fetched there: (stage, slot)
+        # -> tensors on its GPU (runtime/tied_sums.py)
+        self.gpu_sums: set[int] | None = None
+        self.partials: dict[tuple[int, int], list[torch.Tensor]] = {}
         # per stage, the version counter of each of its parameters when its first forward call
         # ran: its backward recomputes from the masters, so one changed since is refused
         self.param_versions: dict[int, list[tuple[int, int]]] = {}

@@ -138,9 +138,10 @@ def test_the_fused_hand_over_steps_bit_for_bit_as_serial_and_nothing_outside_the
             assert opt.stepped_in_backward == len(params)
             assert HostCounters.outside_optimizer(mine) <= n, mine  # <= 1 byte per parameter
             tied = sum(p.numel() for p in params if p.dim() == 2 and p.shape[0] == vocab)
-            # the bf16 downloads converted span by span (6 B); widened: only the tied weight's two (16 B)
+            # the bf16 downloads converted span by span (6 B); widened: none, the tied weight's two
+            # partials too are summed on the GPU of the stage holding it first (runtime/tied_sums.py)
             assert mine["finite_check"] == 0, mine
-            assert (mine["grad_fused"] == 16 * tied) if widen else (mine["grad_fused"] >= 6 * n), mine
+            assert (mine["grad_fused"] == 0 < tied) if widen else (mine["grad_fused"] >= 6 * n), mine
     for p, q in zip(params, twin.parameters()):  # the state too (Adam's step counts, moments)
         for (k, v), (k2, w) in zip(opt.state[p].items(), ref.state[q].items()):
             assert k == k2 and torch.equal(v, w), k

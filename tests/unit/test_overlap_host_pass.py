@@ -78,14 +78,14 @@ def test_the_host_pass_steps_bit_for_bit_as_serial_and_writes_the_streamed_copy(
         if j >= 2:  # the probe (0) and the first overlapping step (1) are behind
             _copies_current(pipe, model)  # (after a serial step they are made again at the next upload)
             assert opt.stepped_in_backward == len(params)
-            # the tied embedding (two bf16 downloads) is stepped by the pass too: it reads both, sums them
-            # as sum_downloads does and writes its .grad: 2 + 4 B beside the optimizer's 28 (it took the
-            # span path before: two reads, .grad written, added, read: 16 B, and a refresh of its copy)
+            # the tied embedding's two partials are summed on the GPU of the stage holding it first and
+            # downloaded widened, as every other gradient (runtime/tied_sums.py; with bf16 downloads the
+            # pass reads both and writes its .grad, 2 + 4 B: test_overlap_widened.py's twin)
             tied = sum(p.numel() for p in params if p.dim() == 2 and p.shape[0] == 64)
             assert counts["pin"] == 0 and counts["refresh"] == 0, counts
             # the pass: reads the fp32 .grad widened on the GPUs (+2 B over the bf16 download), writes none
-            assert counts["grad_fused"] == 6 * tied and counts["grad_convert"] == 0, counts
-            assert counts["grad_read"] == 2 * (n - tied), counts
+            assert counts["grad_fused"] == 0 < tied and counts["grad_convert"] == 0, counts
+            assert counts["grad_read"] == 2 * n, counts
     for p, q in zip(params, twin.parameters()):
         for (k, v), (k2, w) in zip(opt.state[p].items(), ref.state[q].items()):
             assert k == k2 and torch.equal(v, w), k

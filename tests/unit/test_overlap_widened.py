@@ -21,7 +21,7 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import Topology
-from mobius_fx.runtime import device_virtual_async, host_optimizer as H
+from mobius_fx.runtime import device_books, host_optimizer as H
 from mobius_fx.runtime.devices import make_devices
 from mobius_fx.runtime.host_counters import COUNTERS, HostCounters
 from mobius_fx.runtime.host_gradients import is_home
@@ -39,8 +39,9 @@ def _sgd(ps):
 
 
 def _gpt_pair(tmp_path, mode, device, steps=4):
-    """Two pipelines over copies of one nanoGPT (tied wte / lm_head: two bf16 downloads summed on
-    the host), one widening its downloads (the default), one not."""
+    """Two pipelines over copies of one nanoGPT (tied wte / lm_head: two partials, summed on the GPU
+    of the stage holding it first when widening, runtime/tied_sums.py, else on the host), one
+    widening its downloads (the default), one not."""
     torch.manual_seed(0)
     model = nanogpt(hidden=32, blocks=2, vocab=64, seq=8)
     twin = copy.deepcopy(model)
@@ -59,21 +60,26 @@ def _gpt_pair(tmp_path, mode, device, steps=4):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_widened_grads_equal_the_host_conversion_bit_for_bit(tmp_path, mode, device, monkeypatch, one_thread):
     # a small chunk: the stand-in widens every tensor of more than 100 elements in several chunks
-    monkeypatch.setattr(device_virtual_async, "WIDEN_CHUNK", 100)
+    monkeypatch.setattr(device_books, "WIDEN_CHUNK", 100)
     model, twin, data, pipe, ref_pipe, opt, ref = _gpt_pair(tmp_path, mode, device)
     tied = {id(p) for p in model.parameters() if p.dim() == 2 and p.shape[0] == 64}
+    assert len(tied) == 1
     for j, (x,) in enumerate(data):
         _loss(pipe(x), x).backward()
         _loss(ref_pipe(x), x).backward()
         for (name, p), q in zip(model.named_parameters(), twin.parameters()):
             assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad), (j, name)
-            assert j == 0 or id(p) in tied or is_home(p.grad), name  # the download is the .grad: no conversion
+            assert j == 0 or is_home(p.grad), name  # the download is the .grad: no conversion, no sum on the host
         d2h = [d.log.as_dict(since_mark=True).get("gradient d2h", {}).get("bytes", 0) for d in pipe.devices.values()]
         d2h_ref = [d.log.as_dict(since_mark=True).get("gradient d2h", {}).get("bytes", 0)
                    for d in ref_pipe.devices.values()]
+        h2d = sum(d.log.as_dict(since_mark=True).get("gradient h2d", {}).get("bytes", 0) for d in pipe.devices.values())
         if j >= 1:  # sync's first step is its probe (serial: nothing overlapped, nothing widened)
-            n = sum(p.numel() for p in model.parameters() if id(p) not in tied)
-            assert sum(d2h) - sum(d2h_ref) == 2 * n, (d2h, d2h_ref)  # fp32, not bf16, for each untied one
+            n = sum(p.numel() for p in model.parameters())
+            t = sum(p.numel() for p in model.parameters() if id(p) in tied)
+            # fp32, not bf16, for each one; the tied one's first partial downloaded as streamed
+            # and sent back up to the GPU that sums it
+            assert sum(d2h) - sum(d2h_ref) == 2 * n and h2d == 2 * t, (d2h, d2h_ref, h2d)
         opt.step()
         ref.step()
         opt.zero_grad()
@@ -90,7 +96,7 @@ def test_widened_grads_equal_the_host_conversion_bit_for_bit(tmp_path, mode, dev
 def test_widening_is_exact_for_every_bf16_value(kind, monkeypatch):
     # a bf16 value widened on the GPU (chunk by chunk) and downloaded is the host's conversion:
     # every one of the 65536 bit patterns, NaNs as NaNs; the fp32 bytes logged
-    monkeypatch.setattr(device_virtual_async, "WIDEN_CHUNK", 1000)
+    monkeypatch.setattr(device_books, "WIDEN_CHUNK", 1000)
     bits = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     dev = make_devices({"gpu0": None}, device=kind)["gpu0"]
     with dev.compute():

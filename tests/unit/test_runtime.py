@@ -426,8 +426,8 @@ class LiveBytes(TorchDispatchMode):
         rt._forward = working(rt._forward, stage_gpu)
         rt._backward_call = working(rt._backward_call, stage_gpu)
 
-        def download(t, kind, into=None, *, _download):
-            got = _download(t, kind, into)()
+        def download(t, kind, into=None, addends=(), *, _download):
+            got = _download(t, kind, into, addends)()
             host = got if into is not None else got.clone()  # a download into a .grad home is that home
             return lambda: host
 
