@@ -68,8 +68,12 @@ def data_parallel(ir: ScheduleIR, gpus: Sequence[str] | None = None) -> Schedule
     for g, (gpu, mbs) in enumerate(zip(names, dealt(m, len(names)))):
         if not mbs:
             continue
-        # each replica downloads every stage's gradients: the host sums a tied weight's (no `tied_sums`)
-        rep = build_schedule([dataclasses.replace(st, gpu=gpu, tied_sums=()) for st in stages], len(mbs), optimizer=False,
+        # each replica downloads every stage's gradients, partials the host sums (a tied weight's
+        # too: no `tied_sums`), as streamed where there are several (`StageIO.partial_grad_bytes`)
+        several = sum(1 for x in dealt(m, len(names)) if x) > 1
+        rep = build_schedule([dataclasses.replace(st, gpu=gpu, tied_sums=(), grad_bytes=st.partial_bytes() if several
+                                                  else st.grad_bytes, partial_grad_bytes=None) for st in stages],
+                             len(mbs), optimizer=False,
                              hold=False)
         template = template or rep
         offset[gpu] = len(keyed)

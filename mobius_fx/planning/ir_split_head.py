@@ -167,9 +167,10 @@ class _Dealt(ScheduleBuilder):
             r = self.run_b[(k, i)] = op("run", g, k, "backward", deps, microbatch=i)
             self._grads_out(k, i, r)
             if i == first[g]:  # that GPU's last micro-batch: its partial gradient to the host, its copy evicted
-                if st.grad_bytes:
+                if st.grad_bytes:  # partials from several GPUs: as streamed (`StageIO.partial_grad_bytes`)
+                    nbytes = st.partial_bytes() if len(self.head_gpus) > 1 else st.grad_bytes
                     self.head_downloads.setdefault(k, []).append(
-                        op("download", g, k, "backward", [r], src=g, dst=HOST, what="gradient", bytes=st.grad_bytes))
+                        op("download", g, k, "backward", [r], src=g, dst=HOST, what="gradient", bytes=nbytes))
                     self.grad_downloads[k].append(self.head_downloads[k][-1])
                 self.head_evict[g] = op("evict", g, k, "backward", [r])
         self.evicted_b[k] = self.head_evict[h]

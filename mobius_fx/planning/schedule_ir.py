@@ -116,6 +116,14 @@ class StageIO:
     host_grads: tuple[bool, ...] = ()  # per host output: whether a gradient comes back for it
     #                                    (empty: all do; a causal mask built from token ids does not)
     tied_sums: tuple[TiedSum, ...] = ()  # tied weights' gradients summed on its GPU before its download
+    # bytes of one partial download where a schedule downloads the stage's gradients from several
+    # GPUs (split-head's dealt stage, ZeRO-3 offload's replicas): as streamed, never widened (the
+    # host sums the partials); None: grad_bytes
+    partial_grad_bytes: int | None = None
+
+    def partial_bytes(self) -> int:
+        """What each of several partial downloads of this stage's gradients moves."""
+        return self.grad_bytes if self.partial_grad_bytes is None else self.partial_grad_bytes
 
     # One constructor per place a step's stages are described; each gives the whole step's
     # stages, in order, for `build_schedule`.
@@ -149,16 +157,19 @@ class StageIO:
                      size: Callable[[Any], int], carries_grad: Callable[[Any], bool],
                      output_size: Callable[[int, int], int],
                      output_grad: Callable[[int, int], bool],
-                     tied_sums: Sequence[tuple[TiedSum, ...]] = ()) -> tuple["StageIO", ...]:
+                     tied_sums: Sequence[tuple[TiedSum, ...]] = (),
+                     partial_grad_bytes: Sequence[int] | None = None) -> tuple["StageIO", ...]:
         """A compiled pipeline's stages as its runtime holds them: `stages` as for `from_graph`,
         the bytes of its GPU slots (`weight_bytes`, `grad_bytes` per stage), `size(ref)` /
         `carries_grad(ref)` of an input, `output_size(k, j)` / `output_grad(k, j)` of output j of
-        stage k sent to the host, `tied_sums[k]` the tied gradients stage k sums (default none)."""
+        stage k sent to the host, `tied_sums[k]` the tied gradients stage k sums (default none),
+        `partial_grad_bytes[k]` one partial download of its gradients (default: grad_bytes)."""
         return tuple(cls(gpu=st.gpu, weight_bytes=weight_bytes[k], grad_bytes=grad_bytes[k],
                          inputs=tuple(StageInput(r.stage, size(r), needs_grad=carries_grad(r)) for r in st.inputs),
                          host_outputs=tuple(output_size(st.index, j) for j in to_host[st.index]),
                          host_grads=tuple(output_grad(st.index, j) for j in to_host[st.index]),
-                         tied_sums=tuple(tied_sums[k]) if tied_sums else ())
+                         tied_sums=tuple(tied_sums[k]) if tied_sums else (),
+                         partial_grad_bytes=partial_grad_bytes[k] if partial_grad_bytes is not None else None)
                      for k, st in enumerate(stages))
 
 

@@ -837,7 +837,8 @@ class Runtime:
             master = st.masters[j]
             # widened on the GPU straight into the master's `.grad` home: the host converts nothing
             into = (self.grad_homes.take(master, pinned=st.device.pins_host)
-                    if widen and self.widened(master, g.dtype) and g.shape == master.shape else None)
+                    if widen and k not in step.split_downloads and self.widened(master, g.dtype)
+                    and g.shape == master.shape else None)  # partials from several GPUs: as streamed
             with st.device.log.stage(k):
                 step.pending.append((master, st.device.download(g, "gradient", into)))
             st.device.free(nbytes(g))

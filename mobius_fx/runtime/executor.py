@@ -56,7 +56,7 @@ download. `compile(schedule=...)` refuses the others with the reason.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -176,8 +176,11 @@ class StepExecutor:
             self.grad_in.append([inp.needs_grad and (inp.source < 0 or self.has_bwd[inp.source]) for inp in io.inputs])
             self.has_bwd.append(io.grad_bytes > 0 or any(self.grad_in[k]))
         self.backward = {o.stage for o in self.ir.ops if o.kind == OpKind.RUN and o.phase == "backward"}
-        # the stages whose download sums a tied weight's partials on their GPU (runtime/tied_sums.py)
+        # the stages whose download sums a tied weight's partials on their GPU (runtime/tied_sums.py),
+        # and those downloaded from several GPUs (partials the host sums: never widened)
         self.gpu_sums = {o.stage for o in self.ir.ops if _partial(o)}
+        downloads = Counter(o.stage for o in self.ir.ops if o.kind == OpKind.DOWNLOAD)
+        self.split_downloads = {k for k, n in downloads.items() if n > 1}
         # the GPU of each (stage, micro-batch)'s forward and backward run: a RUN op's place (RoundPipe
         # runs a stage's backward on another GPU than its forward; split-head deals its last stage
         # by micro-batch)
@@ -590,7 +593,7 @@ class StepExecutor:
             self._restore(o)
             return
         if _partial(o):  # a tied weight's gradient partial back to the GPU that sums it
-            self.rt.step.gpu_sums = self.gpu_sums
+            self.rt.step.gpu_sums, self.rt.step.split_downloads = self.gpu_sums, self.split_downloads
             tied_sums.fetch_partial(self.rt.stages, self.rt.holders, o.stage, self.rt.step)
             return
         k, i = o.stage, o.microbatch
@@ -648,7 +651,7 @@ class StepExecutor:
         """Stage k's gradient sums to the host; the masters they complete go to the optimizer
         overlap now (or wait for autograd's accumulation at the end of the step)."""
         rt, k = self.rt, o.stage
-        rt.step.gpu_sums = self.gpu_sums
+        rt.step.gpu_sums, rt.step.split_downloads = self.gpu_sums, self.split_downloads
         rt._download(k, rt.step)
         if (rt.overlap is not None or rt.reducer is not None) and o.index == self.last_download.get(k):
             rt._hand_over(k, rt.step)  # complete: split-head downloads a partial sum from each GPU it dealt k to

@@ -242,7 +242,8 @@ class Pipeline(ModelFace, nn.Module):
         `widened`: whether the gradient downloads are widened to the masters' dtype on the GPUs
         (the optimizer overlap's, `Runtime.widens_gradients`; None: whether a backward now would):
         then a master one stage holds downloads its fp32 bytes, and a tied one's partials go back
-        to the GPU of the stage holding it first, which downloads their sum (`TiedSum`).
+        to the GPU of the stage holding it first, which downloads their sum (`TiedSum`); a stage
+        a schedule downloads from several GPUs (split-head's, ZeRO-3's) is not widened.
         """
         from mobius_fx.planning.schedule_ir import StageIO, TiedSum, build_schedule
         from mobius_fx.runtime.tied_sums import tied_sums
@@ -287,6 +288,8 @@ class Pipeline(ModelFace, nn.Module):
                             else s.numel() * st.masters[j].element_size()
                             for j, s in enumerate(st.slots) if st.is_param[j] and st.masters[j].requires_grad)
                         for st in rt], tied_sums=tied,
+            partial_grad_bytes=[sum(nbytes(s) for j, s in enumerate(st.slots) if st.is_param[j] and st.masters[j].requires_grad)
+                                for st in rt],
             size=lambda ref: size(value(ref)),
             carries_grad=lambda ref: (ref.stage >= 0 and floating(value(ref))
                                       and self._rt.carries_grad(ref.stage, ref.index)),

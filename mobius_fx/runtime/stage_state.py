@@ -129,6 +129,7 @@ class Step:
         # pipeline's backward, every first holder), and the partials fetched there: (stage, slot)
         # -> tensors on its GPU (runtime/tied_sums.py)
         self.gpu_sums: set[int] | None = None
+        self.split_downloads: set[int] = set()  # stages the IR downloads from several GPUs: never widened
         self.partials: dict[tuple[int, int], list[torch.Tensor]] = {}
         # per stage, the version counter of each of its parameters when its first forward call
         # ran: its backward recomputes from the masters, so one changed since is refused

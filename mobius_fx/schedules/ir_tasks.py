@@ -43,6 +43,9 @@ def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, costs: Costs | None = None, p
     triggers: list[tuple[int, int]] = []
     pins: dict[int, list[int]] = {}  # pin task -> the waits whose first run triggers it (as its upload)
     flush: list[int] = []  # the barrier before the GPUs' optimizer steps
+    # a stage downloaded from several GPUs (a dealt head, ZeRO-3's replicas): partials the host
+    # sums, downloaded as streamed (the runtime widens only a stage's one download)
+    downloads = Counter(o.stage for o in ops if o.kind == "download")
 
     def ends(d: int) -> list[int]:  # the tasks whose ends op d stands for
         if d not in task and d not in through:
@@ -58,7 +61,8 @@ def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, costs: Costs | None = None, p
         elif o.kind in (*TRANSFER_KIND, "collective") and o.direction and o.bytes > 0:  # a copy (an evict has no direction)
             waits = [d for d in o.deps if o.kind == "prefetch" and ops[d].kind == "wait"]
             task[o.index], pin = _copy_task(ctx, ir, o, c, tag, after, [t for d in o.starts for t in ends(d)],
-                                            slot[(o.phase, o.stage)] if o.slot is None else o.slot)
+                                            slot[(o.phase, o.stage)] if o.slot is None else o.slot,
+                                            widen=downloads[o.stage] == 1)
             if pin is not None:
                 pins.setdefault(pin, waits)
             triggers += [(task[o.index], d) for d in waits]
@@ -75,7 +79,7 @@ def tasks_from_ir(ctx: Context, ir: ScheduleIR, *, costs: Costs | None = None, p
 
 
 def _copy_task(ctx: Context, ir: ScheduleIR, o: Op, c: Costs, tag: str, after: list[int], starts: list[int],
-               slot: int) -> tuple[int | None, int | None]:
+               slot: int, widen: bool = True) -> tuple[int | None, int | None]:
     """Copy `o` as a flow on the route src -> dst (and the pinning of its streamed copy, for a
     prefetch: `Context.pin_copy`), on the receiving GPU's upload stream (prefetch, restore, an
     input sent again), its activation stream (other sends to a GPU) or the sending GPU's
@@ -97,7 +101,7 @@ def _copy_task(ctx: Context, ir: ScheduleIR, o: Op, c: Costs, tag: str, after: l
         home = ctx.home((gpu, o.stage) if ir.sharded else o.stage, gpu)
     kind = "collective" if o.kind == "collective" else TRANSFER_KIND[o.kind]
     nbytes = o.bytes
-    if o.kind == "download" and o.what == "gradient" and ir.host_optimizer == "user":  # widened on the GPU (fp32)
+    if o.kind == "download" and o.what == "gradient" and ir.host_optimizer == "user" and widen:  # widened on the GPU (fp32)
         nbytes *= getattr(ctx, "down_scale", 1.0)
     t = ctx.move(f"{gpu}/{stream}", (slot, o.index), o.src, o.dst, nbytes, f"{o.kind} {tag}",
                  after=after + ([pin] if pin is not None else []), after_start=starts,

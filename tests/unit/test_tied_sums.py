@@ -115,10 +115,9 @@ def test_every_schedules_train_step_sums_the_tied_weight_as_the_host_did(name):
             o.step()
     for (n, a), b in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(a.grad, b.grad), n
-        if name in ("split-head", "zero3-offload"):
-            # one path hands the overlap more downloads of a master than its fused pass takes (the
-            # host's sum of split-head's three tied partials; ZeRO-3's two fp32 partials of every
-            # master when widened): stepped by torch's own AdamW there, the same update within rounding
+        if name == "split-head" and n == "wte.weight":
+            # the host's sum of split-head's three tied partials is more downloads than the fused
+            # pass takes: torch's own AdamW steps it there, the same update within rounding
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=n)
             continue
         assert torch.equal(a, b), n
