@@ -20,6 +20,7 @@ from mobius_fx.errors import MobiusError, PlanError
 from mobius_fx.options import CompileContext, CompileOptions
 from mobius_fx.planning.ir_transforms import ScheduleForm
 from mobius_fx.planning.plans import Plan
+from mobius_fx.pass_adapters import overlap_of
 from mobius_fx.schedules.choice import choose as choose_schedule
 from mobius_fx.runtime.device_books import Device
 from mobius_fx.topology.server import Topology
@@ -306,8 +307,8 @@ def plan(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_
             p, choice = chosen_count(passes, ctx, _example_rows(ctx), schedule)
         return dataclasses.replace(p, schedule_choice=choice.line)
     p = ctx.plan
-    return dataclasses.replace(p, schedule_choice=f"{choose_schedule(p, schedule).line}; {p.microbatches} "
-                                                  f"micro-batches (the caller's)")
+    line = choose_schedule(p, schedule, **overlap_of(ctx.settings)).line  # as the plan's overlap steps it
+    return dataclasses.replace(p, schedule_choice=f"{line}; {p.microbatches} micro-batches (the caller's)")
 
 
 def compile(model: torch.nn.Module, topology: Any, *, example_inputs: Any, example_kwargs: dict | None = None,

@@ -23,9 +23,12 @@ def chosen_count(passes: PassPipeline, ctx: CompileContext, rows: int | None, sc
     the fastest replanned by `count_replanner`)."""
     from mobius_fx.schedules.choice import choose_count
 
+    from mobius_fx.pass_adapters import overlap_of
+
     counts, alone = count_candidates(passes, ctx, rows)
     return choose_count(count_planner(passes, ctx), counts, schedule, alone=alone,
-                        replan=count_replanner(passes, ctx), kept_why="the caller's (cuts=)")
+                        replan=count_replanner(passes, ctx), kept_why="the caller's (cuts=)",
+                        **overlap_of(ctx.settings))  # timed as the plan's optimizer overlap steps it
 
 
 def count_candidates(passes: PassPipeline, ctx: CompileContext, rows: int | None) -> tuple[tuple[int, ...], str]:

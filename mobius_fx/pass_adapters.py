@@ -9,10 +9,11 @@ partition pass (partition + cross map) is `mobius_fx.passes.partition.partition_
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from mobius_fx.options import CompileContext
 
-__all__ = ["trace_pass", "annotate_pass", "plan_pass", "insert_transfers_pass", "emit_pass"]
+__all__ = ["trace_pass", "annotate_pass", "plan_pass", "insert_transfers_pass", "emit_pass", "overlap_of"]
 
 
 def trace_pass(gm, ctx: CompileContext):
@@ -71,13 +72,20 @@ def plan_pass(gm, ctx: CompileContext):
                           input_bytes=input_bytes(ctx), optimizer=s.optimizer)
     # the host's memory: refused here, before anything is emitted (plan and compile alike)
     ctx.plan.host_budget().check(s.host_memory_fraction, microbatches=s.microbatches)
-    # what the runtime will run (compile); `api.plan` chooses again among every candidate
+    ctx.plan = dataclasses.replace(ctx.plan, **plan_widening(ctx.topology, s.optimizer_overlap, s.keep_grads,
+                                                             s.precision, part))
+    # what the runtime will run (compile), timed as the plan's optimizer overlap and gradient
+    # downloads will step it; `api.plan` chooses again among every candidate
     form = getattr(ctx.wiring, "form", None)  # compile(schedule=): the caller's
-    choice = choose(ctx.plan, form[0] if form else None, runnable=True)
-    ctx.plan = dataclasses.replace(ctx.plan, schedule_choice=choice.line,
-                                   **plan_widening(ctx.topology, s.optimizer_overlap, s.keep_grads, s.precision,
-                                                 part))
+    choice = choose(ctx.plan, form[0] if form else None, runnable=True, **overlap_of(s))
+    ctx.plan = dataclasses.replace(ctx.plan, schedule_choice=choice.line)
     return None
+
+
+def overlap_of(s: Any) -> dict[str, Any]:
+    """`simulate`'s arguments for the optimizer overlap the plan is made for (settings `s`): the
+    schedules are compared as that mode steps them (the plan's own widening: its `widen_downloads`)."""
+    return {"optimizer_overlap": s.optimizer_overlap, "keep_grads": s.keep_grads}
 
 
 def plan_widening(topology, overlap: str, keep_grads: bool, precision, part=None) -> dict:

@@ -191,3 +191,17 @@ def test_the_training_step_is_timed_in_the_compiled_plans_mode(one_thread):
                              loss_fn=torch.nn.functional.mse_loss, example_target=y)
     step = pipe.step_pipeline.plan
     assert step.widen_for == "async" and step.widen_downloads is pipe.plan.widen_downloads
+
+
+@pytest.mark.parametrize("overlap", ["sync", "async"])
+def test_the_plans_schedule_choice_is_timed_as_its_overlap_steps_it(overlap, tmp_path):
+    """The plan's first line compares the schedules as the plan's optimizer overlap will step them,
+    its widening included (`pass_adapters.overlap_of`); timed under "none" (bf16 downloads, no host
+    pass: the simulator's default) the async case, which widens, read other times (mutation)."""
+    from mobius_fx.schedules.choice import choose
+
+    chosen = _plans(overlap, tmp_path)[None]
+    line = choose(chosen, optimizer_overlap=overlap, keep_grads=True).line
+    assert chosen.schedule_choice == f"{line}; 4 micro-batches (the caller's)"
+    if chosen.widen_downloads:
+        assert choose(chosen).line != line
