@@ -65,3 +65,44 @@ def test_a_first_holder_without_its_own_gradient_still_gets_the_partials():
         assert torch.equal(model.emb.weight.grad, twin.emb.weight.grad)
     for o in opts:
         o.close()
+
+
+class DetachedHead(nn.Module):
+    """A tied weight whose other holder (the head) gives it no gradient: the head reads it detached."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.h = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(2))
+        self.head = nn.Linear(16, 64)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.h:
+            x = block(x)
+        return F.linear(x, self.head.weight.detach(), self.head.bias)
+
+
+def test_a_holder_without_a_partial_sends_nothing_to_sum():
+    torch.manual_seed(0)
+    model = DetachedHead()
+    twin = copy.deepcopy(model)
+    ids = [torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    topo = Topology.virtual(gpus=2, memory="64MiB")
+    pipes, opts = [], []
+    for m, widen in ((model, True), (twin, False)):
+        p = mobius_fx.compile(m, topo, example_inputs=(ids[0],), microbatches=2, cuts=[1, 2], verbose=False,
+                              device=_devices(seed=5), loss_fn=_lm_loss, dtype=torch.bfloat16)
+        o = p.overlap(torch.optim.SGD(m.parameters(), lr=1e-2), mode="sync")
+        o.widen_downloads = widen
+        pipes.append(p)
+        opts.append(o)
+    for x in ids:
+        for p, o in zip(pipes, opts):
+            o.zero_grad()
+            p.train_step(x, target=x)
+            o.step()
+        assert torch.equal(model.emb.weight.grad, twin.emb.weight.grad)
+    for o in opts:
+        o.close()
