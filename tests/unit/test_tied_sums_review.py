@@ -11,6 +11,7 @@ from torch import nn
 
 import mobius_fx
 from mobius_fx import Topology
+from mobius_fx.errors import BudgetError
 from tests.unit.test_executor import _devices
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -106,3 +107,31 @@ def test_a_holder_without_a_partial_sends_nothing_to_sum():
         assert torch.equal(model.emb.weight.grad, twin.emb.weight.grad)
     for o in opts:
         o.close()
+
+
+@pytest.mark.xfail(strict=True, raises=BudgetError,
+                   reason="the plan's memory model charges neither the partials sent back up to the first "
+                          "holder's GPU nor the fp32 chunk its widened sum takes (step_memory): a plan that "
+                          "fits with the host's sum (and at the commit before) raises BudgetError")
+def test_a_plan_that_fits_keeps_fitting_when_the_first_holder_sums_the_tied_weight():
+    # a GPT whose embedding (its head) is most of stage 0: 4096 x 64 parameters, 0.5 MiB in bf16.
+    # At 2.25 MB per GPU the plan fits and the step with bf16 downloads peaks at 1.68 MB on gpu0;
+    # summing the head's partial on gpu0 holds that partial (0.5 MiB) and a 1 MiB fp32 chunk more
+    from mobius_fx.zoo import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=4096, seq=8, hidden=64, blocks=2, heads=2))
+    ids = torch.randint(0, 4096, (2, 8), generator=torch.Generator().manual_seed(0))
+    pipe = mobius_fx.compile(model, Topology.virtual(gpus=2, memory=2_250_000), example_inputs=(ids,),
+                             microbatches=2, cuts=[1, 2, 3], verbose=False, device="virtual-async",
+                             loss_fn=_lm_loss, dtype=torch.bfloat16)
+    opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-3), mode="sync")
+    opt.widen_downloads = True  # whatever the plan chose for this virtual server (off: the step passes)
+    try:
+        for _ in range(2):  # the first step is the probe (serial: nothing widened)
+            opt.zero_grad()
+            pipe.train_step(ids, target=ids)
+            opt.step()
+        assert opt.widens() and pipe._rt.widens_gradients()
+    finally:
+        opt.close()
