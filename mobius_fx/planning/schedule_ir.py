@@ -96,7 +96,8 @@ class TiedSum:
     stage that holds it first (its backward runs last): every download `sources` made of its
     partial (`bytes` each, as streamed) is sent back from the host to that GPU, summed there in
     the masters' dtype with the stage's own partial, and downloaded once, widened: that download
-    moves `extra` bytes more than the stage's streamed gradients (`Runtime.tied_sums`)."""
+    moves `extra` bytes more than the stage's streamed gradients (`Pipeline.schedule_ir` makes
+    them: runtime/tied_sums.py)."""
 
     sources: tuple[int, ...]
     bytes: int

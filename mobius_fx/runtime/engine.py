@@ -817,7 +817,8 @@ class Runtime:
                 a = step.finite[k]
                 flag = None if a is None or flag is None else (lambda a=a, b=flag: a() and b())
             step.finite[k] = flag
-        widen = bool(acc) and self._widens(step)
+        # a stage with no gradient of its own may still sum the partials the IR's sends fetched
+        widen = (bool(acc) or any(s == k for s, _ in step.partials)) and self._widens(step)
         sums = tied_sums.sums_at(self.stages, self.holders, k, step) if widen else {}
         for j in sums:  # a tied weight's partials summed here, into its `.grad` home (runtime/tied_sums.py)
             parts, master = tied_sums.partials(self.stages, self.holders, k, j, step), st.masters[j]

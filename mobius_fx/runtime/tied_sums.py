@@ -74,9 +74,11 @@ def fetch_partial(stages: Sequence[StageState], holders: Holders, k: int, step: 
     """The next partial stage k sums (in the order `tied_sums` lists its slots, each slot's
     partials in the order they were downloaded) from the host onto stage k's GPU: the schedule
     IR's `send ... gradient host->gpu` of stage k. It leaves the step's pending downloads, so the
-    optimizer overlap is handed the sum alone."""
+    optimizer overlap is handed the sum alone. None pending: a holder's backward gave the weight
+    no gradient this step (it reads it detached), so there is nothing to send."""
     st = stages[k]
-    for j in sums_at(stages, holders, k, step):
+    sums = sums_at(stages, holders, k, step)
+    for j in sums:
         m = st.masters[j]
         at = next((n for n, (master, _) in enumerate(step.pending) if master is m), None)
         if at is None:
@@ -93,9 +95,11 @@ def fetch_partial(stages: Sequence[StageState], holders: Holders, k: int, step: 
         dev.track(part, "gradient")
         step.partials.setdefault((k, j), []).append(dev.accept(part))
         return
-    raise MobiusError(f"the schedule IR sends a tied weight's gradient partial to stage {k}'s GPU ({st.device.name}), "
-                      f"but no download of one is pending: stage {k} holds no tied weight whose partials "
-                      f"{sorted(sums_at(stages, holders, k, step))} it sums, or they were already sent")
+    if not sums:
+        raise MobiusError(f"the schedule IR sends a tied weight's gradient partial to stage {k}'s GPU "
+                          f"({st.device.name}), but this backward sums none there (widened downloads: "
+                          f"{bool(step.widen)}; the stages summing on their GPU: {step.gpu_sums}): the IR is not "
+                          f"this step's; build it with the pipeline's widening (`Pipeline.schedule_ir`)")
 
 
 def partials(stages: Sequence[StageState], holders: Holders, k: int, j: int, step: Step) -> list[torch.Tensor]:
