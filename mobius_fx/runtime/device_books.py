@@ -61,35 +61,37 @@ from mobius_fx.runtime.streamed_copies import StreamedCopies
 from mobius_fx.runtime.transfer_log import TransferLog
 from mobius_fx.units import fmt_bytes
 
-__all__ = ["Device", "nbytes", "MEMORY_BOOKS", "check_memory_books", "WIDEN_CHUNK", "widen_transient", "widened_chunks"]
+__all__ = ["Device", "nbytes", "MEMORY_BOOKS", "check_memory_books", "WIDEN_CHUNK", "MIN_WIDEN_CHUNK",
+           "widened_chunks"]
 
 MEMORY_BOOKS = ("auto", "ops", "allocator")
 
 # Elements a download `into=` a wider host tensor converts on the GPU at a time: the transient it
 # holds there is at most WIDEN_CHUNK elements of the wider dtype (16 MiB in fp32), whatever the
-# tensor's size (`Device.download`; the planner's memory model charges the same, step_memory).
+# tensor's size, and less where less is free (`Device.widen_chunk`, down to MIN_WIDEN_CHUNK). The
+# planner's memory model does not charge it: a download takes what its stage's work left free.
 WIDEN_CHUNK = 1 << 22
+MIN_WIDEN_CHUNK = 1 << 12
 
 
-def widen_transient(numel: int, itemsize: int) -> int:
-    """Bytes a GPU holds at most while it widens a `numel`-element download to `itemsize` bytes."""
-    return min(numel, WIDEN_CHUNK) * itemsize
-
-
-def widened_chunks(value: torch.Tensor, into: torch.Tensor, addends: Sequence[torch.Tensor] = ()):
-    """(part of `into`, what goes into it) per `WIDEN_CHUNK` elements of a widened download
-    (`Device.download(into=, addends=)`): `value`'s chunk, or with `addends` (on `value`'s GPU, its
-    shape) their sum in `into`'s dtype in order, `value` added last -- a chunk-sized temporary on
-    `value`'s device, made when the pair is drawn (on CUDA: on the stream that draws it)."""
+def widened_chunks(value: torch.Tensor, into: torch.Tensor, addends: Sequence[torch.Tensor] = (),
+                   chunk: int = 0):
+    """(part of `into`, what goes into it) per `chunk` elements (default `WIDEN_CHUNK`) of a widened
+    download (`Device.download(into=, addends=)`): `value`'s chunk, or with `addends` (host tensors
+    of its shape: a tied weight's partials) their chunks brought to `value`'s device and summed in
+    `into`'s dtype in order, `value` added last -- chunk-sized temporaries there, made when the pair
+    is drawn (on CUDA: on the stream that draws it)."""
+    step = chunk or WIDEN_CHUNK
     src, dst, adds = value.reshape(-1), into.view(-1), [a.reshape(-1) for a in addends]
-    for a in range(0, src.numel(), WIDEN_CHUNK):
-        part = src[a:a + WIDEN_CHUNK]
+    for a in range(0, src.numel(), step):
+        part = src[a:a + step]
         if adds:
-            total = adds[0][a:a + WIDEN_CHUNK].to(into.dtype)
+            total = adds[0][a:a + step].to(value.device, into.dtype, non_blocking=True)
             for x in adds[1:]:
-                total.add_(x[a:a + WIDEN_CHUNK])
+                total.add_(x[a:a + step].to(value.device, non_blocking=True))
             part = total.add_(part)
-        yield dst[a:a + WIDEN_CHUNK], part
+        yield dst[a:a + step], part
+        del part
 
 
 def check_memory_books(value: Any) -> str:
@@ -537,9 +539,29 @@ class Device(abc.ABC):
         a wider dtype, that the copy is written into and the thunk gives: `t` is converted on
         this GPU, `WIDEN_CHUNK` elements at a time (the transient booked while it lives), and
         `into`'s bytes are logged (the runtime's widened gradient downloads: `Runtime._download`).
-        `addends` (with `into`): tensors on this GPU of `t`'s shape (a tied weight's partials,
-        runtime/tied_sums.py) summed in `into`'s dtype, in order, with `t` last, chunk by chunk
-        as it widens (`widened_chunks`), ordered after the compute before the call."""
+        `addends` (with `into`): host tensors of `t`'s shape (a tied weight's partials the other
+        stages downloaded, runtime/tied_sums.py), brought back to this GPU chunk by chunk and
+        summed in `into`'s dtype, in order, with `t` last, as it widens (`widened_chunks`), so the
+        GPU never holds more than chunk-sized pieces of them (`widen_chunk` sizes the chunks to
+        the memory free); the caller has waited for them to land and logs their copies (the
+        schedule IR's sends)."""
+
+    def widen_chunk(self, numel: int, per_element: int) -> int:
+        """Elements a widened download converts at a time, each taking `per_element` bytes on this
+        GPU: `WIDEN_CHUNK` (or `numel`, if fewer), or as many as its free budget holds, down to
+        `MIN_WIDEN_CHUNK` (then the booking raises `BudgetError`, naming the download)."""
+        chunk = min(numel, WIDEN_CHUNK)
+        if self.budget is not None and chunk * per_element > self.budget - self.current_bytes:
+            chunk = max(min(numel, MIN_WIDEN_CHUNK), (self.budget - self.current_bytes) // per_element)
+        return max(1, chunk)
+
+    @staticmethod
+    def widen_bytes(into: torch.Tensor, t: torch.Tensor, addends: Sequence[torch.Tensor]) -> int:
+        """Bytes per element a widened download of `t` into `into` holds on the GPU: the wider
+        chunk, and one addend's chunk as it arrives (0 when nothing is widened or summed)."""
+        if into.dtype == t.dtype and not addends:
+            return 0
+        return into.element_size() + max((a.element_size() for a in addends), default=0)
 
     @abc.abstractmethod
     def fetch(self, t: torch.Tensor) -> Callable[[], bool]:

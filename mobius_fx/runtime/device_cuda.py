@@ -92,13 +92,15 @@ class CudaDevice(StreamDevice):
                 return value.to(dtype) if dtype is not None and dtype != value.dtype else value.clone()
             return value.to(device, dtype=dtype or value.dtype, non_blocking=True)
 
-    def _issue_widen(self, stream, value, into, addends=()):
+    def _issue_widen(self, stream, value, into, addends=(), chunk=0):
         with torch.cuda.stream(stream), torch.no_grad():
-            for part, chunk in widened_chunks(value, into, addends):
+            for part, piece in widened_chunks(value, into, addends, chunk):
                 # non_blocking with a dtype change: ATen converts on the GPU (a chunk-sized temporary
                 # on `stream`, reused only after it) and copies the result into the pinned `into`;
-                # with addends, their sum is that temporary, made on `stream` too
-                part.copy_(chunk, non_blocking=True)
+                # with addends (pinned host tensors), each chunk of theirs copied up and summed into
+                # that temporary on `stream` too; the last chunk's freed before the next is made
+                part.copy_(piece, non_blocking=True)
+                del piece
 
     def _used_by(self, t, stream):
         if t.is_cuda:

@@ -343,9 +343,9 @@ def check_gradients_download_and_flags(make: Make) -> None:
 
 
 def check_download_sums_partials(make: Make) -> None:
-    """A widened download with `addends` (a tied weight's partials, runtime/tied_sums.py) writes
-    their sum and the value's, in fp32 in order (the host's `sum_downloads` bits), and logs the
-    fp32 bytes once; nothing stays booked."""
+    """A widened download with `addends` (host tensors: a tied weight's partials the other stages
+    downloaded, runtime/tied_sums.py) writes their sum and the value's, in fp32 in order (the
+    host's `sum_downloads` bits), and logs the fp32 bytes once; nothing stays booked."""
     dev = make({"gpu0": None})["gpu0"]
     base = dev.current_bytes
     vals = [(torch.randn(37, generator=torch.Generator().manual_seed(s)) * 10 ** s).to(torch.bfloat16)
@@ -353,14 +353,13 @@ def check_download_sums_partials(make: Make) -> None:
     for v, x in zip(vals, (1.0, 1.0, 2.0 ** 24)):  # fp32 addition's order shows: (1 + 1) + 2^24 != (2^24 + 1) + 1
         v[:4] = x
     with dev.working(0):
-        parts = [v.to(dev.torch_device) for v in vals]
-        for t in parts:
-            dev.claim(t, "stage 0's weight gradients")
+        own = vals[2].to(dev.torch_device)
+        dev.claim(own, "stage 0's weight gradients")
     into = torch.empty(37, dtype=torch.float32, pin_memory=dev.pins_host)
-    pending = dev.download(parts[2], "gradient", into=into, addends=parts[:2])
-    for t in parts:
-        dev.free(nbytes(t))
-    del parts
+    pending = dev.download(own, "gradient", into=into,
+                           addends=[v.pin_memory() if dev.pins_host else v for v in vals[:2]])
+    dev.free(nbytes(own))
+    del own
     want = (vals[0].float() + vals[1].float()) + vals[2].float()
     _expect(pending() is into and torch.equal(into, want), "a download with addends did not write their fp32 sum, "
                                                            "in order, with the value last")

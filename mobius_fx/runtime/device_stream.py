@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mobius_fx.runtime import host_threads
-from mobius_fx.runtime.device_books import Device, nbytes, widen_transient
+from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.device_common import SavedInput, check_unchanged
 from mobius_fx.runtime.host_counters import COUNTERS, watch_optimizer_steps
 from mobius_fx.runtime.streamed_copies import Entry, Event, StreamedCopies
@@ -74,11 +74,11 @@ class StreamDevice(Device):
         raise NotImplementedError
 
     def _issue_widen(self, stream: Any, value: torch.Tensor, into: torch.Tensor,
-                     addends: Sequence[torch.Tensor] = ()) -> None:
+                     addends: Sequence[torch.Tensor] = (), chunk: int = 0) -> None:
         """`value` (on this GPU) copied into the host tensor `into` (contiguous, `value`'s
-        shape, a wider dtype, pinned on CUDA), converted on this GPU `WIDEN_CHUNK` elements at a
-        time (with `addends`: summed with them first, `widened_chunks`), issued on `stream`;
-        written when the stream gets to it."""
+        shape, a wider dtype, pinned on CUDA), converted on this GPU `chunk` elements at a time
+        (with `addends`, host tensors: each chunk of theirs brought here and summed first,
+        `widened_chunks`), issued on `stream`; written when the stream gets to it."""
         raise NotImplementedError
 
     def _copy_in(self, targets: list[torch.Tensor], sources: list[torch.Tensor], last: list[Any]) -> None:
@@ -382,23 +382,24 @@ class StreamDevice(Device):
     def _to_host_raw(self, value: torch.Tensor, into: torch.Tensor | None = None,
                      addends: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, Any]:
         """`value` into a pinned host buffer on the download stream, after the compute that made
-        it (`into`: into that host tensor, widened on this GPU, summed with `addends` first, which
-        the compute stream accepted); the buffer is pending (streams.PENDING) until the returned event."""
+        it (`into`: into that host tensor, widened on this GPU, summed with the host tensors
+        `addends` first); the buffer is pending (streams.PENDING) until the returned event."""
         made = self._event()
         made.record(self.compute_stream)
         self.download_stream.wait_event(made)
         if into is not None:
-            n = widen_transient(value.numel(), into.element_size()) if into.dtype != value.dtype or addends else 0
+            per = self.widen_bytes(into, value, addends)
+            chunk = self.widen_chunk(value.numel(), per) if per else 0
+            n = chunk * per
             self.alloc(n, "a downloaded gradient widened on the GPU")  # booked while issued (stream-ordered after)
             try:
-                self._issue_widen(self.download_stream, value, into, tuple(addends))
+                self._issue_widen(self.download_stream, value, into, tuple(addends), chunk)
             finally:
                 self.free(n)
             host = into
         else:
             host = self._issue_copy(self.download_stream, value, torch.device("cpu"), None)
-        for t in (value, *addends):
-            self._used_by(t, self.download_stream)
+        self._used_by(value, self.download_stream)
         done = self._event()
         done.record(self.download_stream)
         PENDING.add(host, done, self.waits)

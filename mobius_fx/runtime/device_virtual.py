@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from mobius_fx.runtime.device_books import Device, nbytes, widen_transient, widened_chunks
+from mobius_fx.runtime.device_books import Device, nbytes, widened_chunks
 from mobius_fx.runtime.device_common import CpuRng, SavedInput, check_unchanged
 from mobius_fx.runtime.device_registry import register_device
 
@@ -82,12 +82,15 @@ class VirtualDevice(CpuRng, Device):
 
     def download(self, t, kind, into=None, addends=()):
         if into is not None:  # widened on the GPU, a chunk at a time (the transient booked), into the host tensor
-            n = widen_transient(t.numel(), into.element_size()) if into.dtype != t.dtype or addends else 0
+            per = self.widen_bytes(into, t, addends)
+            chunk = self.widen_chunk(t.numel(), per) if per else 0
+            n = chunk * per
             self.alloc(n, "a downloaded gradient widened on the GPU")
             try:
                 with torch.no_grad():
-                    for part, value in widened_chunks(t.detach(), into, [a.detach() for a in addends]):
+                    for part, value in widened_chunks(t.detach(), into, [a.detach() for a in addends], chunk):
                         part.copy_(value)
+                        del value
             finally:
                 self.free(n)
             self.log.add(kind, "d2h", nbytes(into))

@@ -94,7 +94,7 @@ class VirtualAsyncDevice(CpuRng, StreamDevice):
             region.readers.append(mark._at)
         return out
 
-    def _issue_widen(self, stream, value, into, addends=()):
+    def _issue_widen(self, stream, value, into, addends=(), chunk=0):
         v = value.detach()
         pending = PENDING.event(v)
         if pending is not None and not pending.ordered_before(stream, strict=True):
@@ -104,8 +104,9 @@ class VirtualAsyncDevice(CpuRng, StreamDevice):
 
         def widen() -> None:
             with torch.no_grad():
-                for part, chunk in widened_chunks(v, dst, addends):  # as CUDA's: a chunk converted, then copied
-                    part.copy_(chunk)
+                for part, piece in widened_chunks(v, dst, addends, chunk):  # as CUDA's: a chunk converted, then copied
+                    part.copy_(piece)
+                    del piece
 
         stream.submit(widen)
         region = self._region_of(v)

@@ -817,22 +817,19 @@ class Runtime:
                 a = step.finite[k]
                 flag = None if a is None or flag is None else (lambda a=a, b=flag: a() and b())
             step.finite[k] = flag
-        # a stage with no gradient of its own may still sum the partials the IR's sends fetched
+        # a stage with no gradient of its own may still be handed partials by the IR's sends
         widen = (bool(acc) or any(s == k for s, _ in step.partials)) and self._widens(step)
         sums = tied_sums.sums_at(self.stages, self.holders, k, step) if widen else {}
         for j in sums:  # a tied weight's partials summed here, into its `.grad` home (runtime/tied_sums.py)
             parts, master = tied_sums.partials(self.stages, self.holders, k, j, step), st.masters[j]
-            own = j in acc
             g = acc.pop(j, None)
-            if g is None and parts:  # no gradient of its own this step: the partials alone
-                g = parts.pop()
-            if g is None:
+            if g is None:  # no gradient of its own this step: the host sums the partials, as streamed
+                step.pending += [(master, lambda h=h: h) for h in parts]
                 continue
             into = self.grad_homes.take(master, pinned=st.device.pins_host)
             with st.device.log.stage(k):
                 step.pending.append((master, st.device.download(g, "gradient", into, addends=parts)))
-            if own:  # booked by the backward (`claim`); the partials' bookings end with them (`track`)
-                st.device.free(nbytes(g))
+            st.device.free(nbytes(g))  # booked by the backward (`claim`)
             del parts, g
         for j, g in acc.items():
             master = st.masters[j]

@@ -12,15 +12,18 @@ stage that holds it first (its backward runs last) completes it on its GPU inste
 - before the first holder's own download, each of those partials goes back up to its GPU
   (`fetch_partial`: the schedule IR's `send ... gradient host->gpu`, one per partial, logged as
   a "gradient" h2d copy of that stage);
-- its download sums them in fp32 in the order the downloads came, its own partial last, and
-  writes the sum into the master's `.grad` home as it widens (`Device.download(addends=)`):
-  the same bits as the host's sum (`host_gradients.sum_downloads`: the first widened, each next
-  added in fp32), one download of the master's bytes, and the host converts and sums nothing.
+- its download brings them up chunk by chunk, sums them in fp32 in the order the downloads
+  came, its own partial last, and writes the sum into the master's `.grad` home as it widens
+  (`Device.download(addends=)`): the same bits as the host's sum (`host_gradients.sum_downloads`:
+  the first widened, each next added in fp32), one download of the master's bytes, and the host
+  converts and sums nothing.
 
-The links carry the partial once more (up); the GPU holds the partials and a chunk of the sum
-(`WIDEN_CHUNK` elements) while the download is issued. Where a schedule downloads the first
-holder's gradients on several GPUs (ZeRO-3 offload's replicas) its IR has no such sends and the
-host sums the partials as before: the step follows its IR (`Step.gpu_sums`).
+The links carry the partial once more (up); the GPU holds chunks of it and of the sum (at most
+`WIDEN_CHUNK` elements, fewer where less memory is free: `Device.widen_chunk`), never a whole
+partial. Where a schedule downloads the first holder's gradients on several GPUs (ZeRO-3
+offload's replicas) its IR has no such sends and the host sums the partials as before: the step
+follows its IR (`Step.gpu_sums`). A first holder that gets no gradient of its own this step (its
+output read detached) leaves the sum to the host.
 """
 
 from __future__ import annotations
@@ -72,10 +75,12 @@ def sums_at(stages: Sequence[StageState], holders: Holders, k: int, step: Step) 
 
 def fetch_partial(stages: Sequence[StageState], holders: Holders, k: int, step: Step) -> None:
     """The next partial stage k sums (in the order `tied_sums` lists its slots, each slot's
-    partials in the order they were downloaded) from the host onto stage k's GPU: the schedule
-    IR's `send ... gradient host->gpu` of stage k. It leaves the step's pending downloads, so the
-    optimizer overlap is handed the sum alone. None pending: a holder's backward gave the weight
-    no gradient this step (it reads it detached), so there is nothing to send."""
+    partials in the order they were downloaded), for stage k's GPU: the schedule IR's `send ...
+    gradient host->gpu` of stage k, logged as that copy. The host tensor, landed, is handed to
+    stage k's download, which brings it up chunk by chunk as it sums (`Device.download(addends=)`:
+    the GPU holds no whole partial). It leaves the step's pending downloads, so the optimizer
+    overlap is handed the sum alone. None pending: a holder's backward gave the weight no gradient
+    this step (it reads it detached), so there is nothing to send."""
     st = stages[k]
     sums = sums_at(stages, holders, k, step)
     for j in sums:
@@ -85,15 +90,9 @@ def fetch_partial(stages: Sequence[StageState], holders: Holders, k: int, step: 
             continue
         _, thunk = step.pending.pop(at)
         host = thunk()  # landed long before: its stage flushed before this stage's backward ended
-        dev = st.device
-        with dev.log.stage(k):
-            dev.log.add("gradient", "h2d", nbytes(host))
-        with torch.no_grad():
-            part = dev.grad_onto(host, None, host.dtype)
-            if part is host:  # a device that computes where the value is: the copy on this GPU
-                part = host.clone()
-        dev.track(part, "gradient")
-        step.partials.setdefault((k, j), []).append(dev.accept(part))
+        with st.device.log.stage(k):
+            st.device.log.add("gradient", "h2d", nbytes(host))
+        step.partials.setdefault((k, j), []).append(host)
         return
     if not sums:
         raise MobiusError(f"the schedule IR sends a tied weight's gradient partial to stage {k}'s GPU "
@@ -103,8 +102,9 @@ def fetch_partial(stages: Sequence[StageState], holders: Holders, k: int, step: 
 
 
 def partials(stages: Sequence[StageState], holders: Holders, k: int, j: int, step: Step) -> list[torch.Tensor]:
-    """Slot j's partials on stage k's GPU, in download order: those the IR's sends fetched and
-    any still pending (the model pipeline's backward fetches them here, at the download)."""
+    """Slot j's partials for stage k's GPU (host tensors), in download order: those the IR's
+    sends fetched and any still pending (the model pipeline's backward fetches them here, at the
+    download)."""
     m = stages[k].masters[j]
     while any(master is m for master, _ in step.pending):
         before = len(step.partials.get((k, j), ()))

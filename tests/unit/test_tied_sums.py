@@ -170,3 +170,24 @@ def test_the_host_touches_30_bytes_per_parameter_of_a_tied_gpt(tmp_path, mode, m
     assert got == {k: b for k, (_, b) in moved.items() if k[1] == "gradient"}
     assert sum(b for (_, _, d, _), b in got.items() if d == "h2d") == 2 * model.transformer.wte.weight.numel()
     opt.close()
+
+
+@pytest.mark.parametrize("kind", ["virtual", "virtual-async"])
+def test_a_summed_download_takes_chunks_the_free_memory_holds(kind, monkeypatch):
+    # 10k elements, 6 B each on the GPU while summed (the fp32 chunk and a bf16 chunk of a partial
+    # as it arrives): with 24 kB free it goes in chunks of 4000, the same bits as one chunk
+    from mobius_fx.runtime.devices import make_devices
+
+    monkeypatch.setattr(device_books, "MIN_WIDEN_CHUNK", 16)
+    vals = [torch.randn(10_000, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in range(3)]
+    want = (vals[0].float() + vals[1].float()) + vals[2].float()
+    dev = make_devices({"gpu0": 20_000 + 24_000}, device=kind)["gpu0"]
+    with dev.working(0):
+        own = vals[2].to(dev.torch_device)
+        dev.claim(own, "stage 0's weight gradients")
+    assert dev.widen_chunk(own.numel(), 6) == 4000 and dev.widen_chunk(own.numel(), 4) == 6000
+    into = torch.empty(10_000)
+    assert torch.equal(dev.download(own, "gradient", into=into, addends=vals[:2])(), want)
+    dev.free(20_000)
+    dev.synchronize()
+    assert dev.current_bytes == 0
