@@ -240,9 +240,10 @@ def plan_gpu_peaks(plan: Any) -> dict[str, int]:
     return out
 
 
-def ir_bytes(ir: Any, what: str) -> int:
-    """Bytes of `what` ("weight", "gradient", ...) a schedule IR moves per step, all GPUs."""
-    return sum(b for (_, w, _, _), (_, b) in ir.bytes_moved().items() if w == what)
+def ir_bytes(ir: Any, what: str, direction: str) -> int:
+    """Bytes of `what` ("weight", "gradient", ...) in `direction` ("h2d", "d2h") a schedule IR
+    moves per step, all GPUs (a tied weight's partial sent back up is "gradient" h2d)."""
+    return sum(b for (_, w, d, _), (_, b) in ir.bytes_moved().items() if w == what and d == direction)
 
 
 def logged_bytes(stats: dict[str, dict], kind: str) -> int:
@@ -517,7 +518,7 @@ def _figures(config: GPTConfig, model: nn.Module, topo: Topology, plan: Any, *, 
         sim_pipeline=sim.pipeline_time, sim_step=sim.step_time, sim_optimizer=sim.optimizer_time,
         stages=plan.num_stages, microbatches=plan.microbatches, plan_peaks=plan_gpu_peaks(plan),
         budgets={g.name: g.memory for g in topo.gpus}, bandwidth_source=bandwidth_source,
-        plan_ir={"weight h2d": ir_bytes(plan_ir, "weight"), "gradient d2h": ir_bytes(plan_ir, "gradient")},
+        plan_ir={"weight h2d": ir_bytes(plan_ir, "weight", "h2d"), "gradient d2h": ir_bytes(plan_ir, "gradient", "d2h")},
         timings=timings, note=note, schedule=schedule, overlap=overlap)
 
 
@@ -602,7 +603,7 @@ def train_gpt(args: argparse.Namespace, topo: Topology, *, device: str, bandwidt
     stats = pipe.transfer_stats(last_step=True)
     ir = pipe.schedule_ir()
     fig.moved = {"weight h2d": logged_bytes(stats, "weight h2d"), "gradient d2h": logged_bytes(stats, "gradient d2h")}
-    fig.ir = {"weight h2d": ir_bytes(ir, "weight"), "gradient d2h": ir_bytes(ir, "gradient")}
+    fig.ir = {"weight h2d": ir_bytes(ir, "weight", "h2d"), "gradient d2h": ir_bytes(ir, "gradient", "d2h")}
     books = pipe.memory_stats()
     groups: dict[Any, list[str]] = {}
     for n, i in zip(names, where):
