@@ -110,6 +110,24 @@ def test_widening_is_exact_for_every_bf16_value(kind, monkeypatch):
     dev.synchronize()
 
 
+def steps_touch_30_bytes(pipe, opt, batches, loss, n: int) -> None:
+    """Steps of the eager-style loop with the overlap `opt` widening its downloads: from the fifth
+    on (the probe, the state-making first update and its copies behind), the host touches 28 B per
+    parameter (AdamW's pass) + 2 (the fp32 `.grad` read), nothing else, over `n` parameters."""
+    opt.widen_downloads = True  # whatever the plan chose for this virtual server (`Plan.widen_downloads`)
+    for j, args in enumerate(batches):
+        before = COUNTERS.snapshot()
+        loss(pipe(*args), *args).backward()
+        opt.step()
+        opt.zero_grad()
+        counts = HostCounters.since(before, COUNTERS.snapshot())
+        if not H.compiled():
+            pytest.skip(f"no compiled host pass here: {H.reason_not_compiled()}")
+        if j >= 4:
+            total = 28 + HostCounters.outside_optimizer(counts) / n + HostCounters.beside_optimizer(counts) / n
+            assert counts["grad_read"] == 2 * n and total == 30, counts  # the fp32 .grad read, nothing else
+
+
 class _Mlp(nn.Module):
     """Four 64x64 layers, no tied weight: every gradient is downloaded once."""
 
@@ -133,18 +151,7 @@ def test_the_host_touches_30_bytes_per_parameter_and_the_log_books_the_irs_fp32_
     pipe = mobius_fx.compile(model, topo, example_inputs=(xs[0],), microbatches=2, cuts=[1, 2, 3],
                              cache_dir=str(tmp_path), verbose=False, dtype=torch.bfloat16, device="virtual-async")
     opt = pipe.overlap(torch.optim.AdamW(model.parameters(), lr=1e-3), mode=mode)
-    opt.widen_downloads = True  # whatever the plan chose for this virtual server (`Plan.widen_downloads`)
-    for j, x in enumerate(xs):
-        before = COUNTERS.snapshot()
-        pipe(x).float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        counts = HostCounters.since(before, COUNTERS.snapshot())
-        if not H.compiled():
-            pytest.skip(f"no compiled host pass here: {H.reason_not_compiled()}")
-        if j >= 4:  # the probe / the state-making first update and its copies are behind
-            total = 28 + HostCounters.outside_optimizer(counts) / n + HostCounters.beside_optimizer(counts) / n
-            assert counts["grad_read"] == 2 * n and total == 30, counts  # the fp32 .grad read, nothing else
+    steps_touch_30_bytes(pipe, opt, [(x,) for x in xs], lambda out, x: out.float().pow(2).mean(), n)
     assert pipe._rt.widens_gradients()
     moved = {(gpu, stage): nbytes for (gpu, what, _, stage), (_, nbytes) in pipe.schedule_ir().bytes_moved().items()
              if what == "gradient"}
