@@ -76,14 +76,20 @@ class Pipeline(ModelFace, nn.Module):
 
     @property
     def code(self) -> str:
-        """The schedule as Python: a model pipeline's forward program (with its backward as
-        comments); a training step's (`step_pipeline`) step program as the executor runs it now
-        (runtime/step_code.py: rebuilt when which layers train changes)."""
-        if self.__dict__.get("_step_code"):
-            from mobius_fx.runtime.step_code import step_code
+        """The schedule as Python: a model pipeline's forward program (what `pipe(x)` runs, with
+        its backward as comments) and, once a training step is compiled (`loss_fn=`, or after the
+        first `train_step`), that step's program after it -- the whole step, uploads to optimizer
+        steps; a training step's (`step_pipeline`) own code is that step program as the executor
+        runs it now (runtime/step_code.py: rebuilt when which layers train changes)."""
+        from mobius_fx.runtime.step_code import step_code
 
+        if self.__dict__.get("_step_code"):
             return step_code(self)
-        return self.__dict__["_code"]
+        step = self.step_pipeline
+        if step is None:
+            return self.__dict__["_code"]
+        return (self.__dict__["_code"].rstrip("\n") + "\n\n\n# ---- the training step, as `pipe.train_step` runs it "
+                "(`pipe.step_pipeline.code`):\n" + step_code(step))
 
     @code.setter
     def code(self, value: str) -> None:

@@ -73,6 +73,9 @@ def test_each_ir_is_built_once_and_read_by_everyone(monkeypatch):
     ex = sp._rt._step_executor
     ir, program = built_step(sp)
     assert ex.ir is ir and ex.step_gm is program and code == program.code.strip("\n") + "\n"
+    # the model pipeline's code: its forward program (what pipe(x) runs), then that whole step
+    forward = pipe.__dict__["_code"]
+    assert pipe.code.startswith(forward.rstrip("\n")) and pipe.code.endswith(code) and "prefetch" in forward
     assert Counter(builds) == {"build_plan": 2, "insert_transfers": 2, "step_ir": 1}, builds
 
     # a layer frozen: the step IR of the new set of trainable masters, once for the steps that follow
