@@ -126,8 +126,8 @@ class Step:
         self.widen: bool | None = None
         # the stages whose download completes a tied weight's gradient on their GPU, as the
         # schedule IR the executor runs says (its `send ... gradient host->gpu`; None: the model
-        # pipeline's backward, every first holder), and the partials fetched there: (stage, slot)
-        # -> tensors on its GPU (runtime/tied_sums.py)
+        # pipeline's backward, every first holder), and the partials fetched for it: (stage, slot)
+        # -> host tensors its download brings up chunk by chunk (runtime/tied_sums.py)
         self.gpu_sums: set[int] | None = None
         self.split_downloads: set[int] = set()  # stages the IR downloads from several GPUs: never widened
         self.partials: dict[tuple[int, int], list[torch.Tensor]] = {}
