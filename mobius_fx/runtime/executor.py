@@ -70,7 +70,7 @@ from mobius_fx.planning.schedule_ir import Op, OpKind, ScheduleIR
 from mobius_fx.runtime.device_books import Device, nbytes
 from mobius_fx.runtime.device_rewrite import random_nodes
 from mobius_fx.runtime.engine import Runtime
-from mobius_fx.runtime.stage_state import refuse_changed_masters
+from mobius_fx.runtime.stage_state import Step, refuse_changed_masters
 from mobius_fx.runtime import tied_sums
 from mobius_fx.runtime.step_program import build_program, run_program
 from mobius_fx.units import fmt_bytes
@@ -593,8 +593,7 @@ class StepExecutor:
             self._restore(o)
             return
         if _partial(o):  # a tied weight's gradient partial back to the GPU that sums it
-            self.rt.step.gpu_sums, self.rt.step.split_downloads = self.gpu_sums, self.split_downloads
-            tied_sums.fetch_partial(self.rt.stages, self.rt.holders, o.stage, self.rt.step)
+            tied_sums.fetch_partial(self.rt.stages, self.rt.holders, o.stage, self._downloading())
             return
         k, i = o.stage, o.microbatch
         if o.src == HOST:  # the gradient of host output p of stage k, the next one with a gradient
@@ -647,12 +646,18 @@ class StepExecutor:
                 g = _grad_to_host(src_dev, g, dtypes[n] if n < len(dtypes) else g.dtype)
                 acc[n] = g if acc[n] is None else acc[n] + g
 
+    def _downloading(self) -> Step:
+        """The runtime's step, told what this IR does with the gradients it downloads: which
+        stages sum a tied weight's partials on their GPU, which are downloaded from several GPUs."""
+        step = self.rt.step
+        step.gpu_sums, step.split_downloads = self.gpu_sums, self.split_downloads
+        return step
+
     def _download(self, o: Op) -> None:
         """Stage k's gradient sums to the host; the masters they complete go to the optimizer
         overlap now (or wait for autograd's accumulation at the end of the step)."""
         rt, k = self.rt, o.stage
-        rt.step.gpu_sums, rt.step.split_downloads = self.gpu_sums, self.split_downloads
-        rt._download(k, rt.step)
+        rt._download(k, self._downloading())
         if (rt.overlap is not None or rt.reducer is not None) and o.index == self.last_download.get(k):
             rt._hand_over(k, rt.step)  # complete: split-head downloads a partial sum from each GPU it dealt k to
 

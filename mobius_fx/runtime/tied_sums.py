@@ -106,9 +106,6 @@ def partials(stages: Sequence[StageState], holders: Holders, k: int, j: int, ste
     sends fetched and any still pending (the model pipeline's backward fetches them here, at the
     download)."""
     m = stages[k].masters[j]
-    while any(master is m for master, _ in step.pending):
-        before = len(step.partials.get((k, j), ()))
+    while any(master is m for master, _ in step.pending):  # each call takes one (another slot's first, in slot order)
         fetch_partial(stages, holders, k, step)
-        if len(step.partials.get((k, j), ())) == before:  # fetched another slot's: stage k fetches in slot order
-            continue
     return step.partials.pop((k, j), [])
